@@ -1,0 +1,89 @@
+"""Settings: frozen, read once. Flags beat FLEET_* environment variables beat defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+
+def _default_data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "fleet"
+
+
+@dataclass(frozen=True)
+class Settings:
+    nats_url: str | None = None  # None: `fleet up` runs an embedded nats-server
+    data_dir: Path = field(default_factory=_default_data_dir)
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    nats_port: int = 4222
+    log_level: str = "info"
+    slots: int = 4  # concurrent tasks per text runner (continuous batching width)
+    api_keys: tuple[str, ...] = ()
+    image_cache_bytes: int = 2 * 1024**3
+    input_wait_s: float = 10.0  # how long a task waits for a missing input image
+    max_deliver: int = 3
+    ack_wait_s: float = 30.0
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"
+
+    @property
+    def images_dir(self) -> Path:
+        return self.data_dir / "images"
+
+    @property
+    def nats_store_dir(self) -> Path:
+        return self.data_dir / "nats"
+
+    @property
+    def url(self) -> str:
+        return self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+
+
+_ENV: dict[str, str] = {
+    "nats_url": "FLEET_NATS_URL",
+    "data_dir": "FLEET_DATA_DIR",
+    "gateway_host": "FLEET_GATEWAY_HOST",
+    "gateway_port": "FLEET_GATEWAY_PORT",
+    "nats_port": "FLEET_NATS_PORT",
+    "log_level": "FLEET_LOG_LEVEL",
+    "slots": "FLEET_SLOTS",
+    "api_keys": "FLEET_API_KEYS",
+    "image_cache_bytes": "FLEET_IMAGE_CACHE_BYTES",
+    "input_wait_s": "FLEET_INPUT_WAIT_S",
+    "max_deliver": "FLEET_MAX_DELIVER",
+    "ack_wait_s": "FLEET_ACK_WAIT_S",
+}
+
+
+def _coerce(name: str, raw: Any) -> Any:
+    kind = {f.name: f.type for f in fields(Settings)}[name]
+    if name == "data_dir":
+        return Path(raw).expanduser().resolve()
+    if name == "api_keys":
+        return tuple(k for k in (raw.split(",") if isinstance(raw, str) else raw) if k)
+    if kind == "int":
+        return int(raw)
+    if kind == "float":
+        return float(raw)
+    return raw
+
+
+def load_settings(
+    flags: dict[str, Any] | None = None, env: dict[str, str] | None = None
+) -> Settings:
+    """Build Settings from flags (None means not given) over the environment over defaults."""
+    env = dict(os.environ) if env is None else env
+    values: dict[str, Any] = {}
+    for name, var in _ENV.items():
+        if env.get(var):
+            values[name] = _coerce(name, env[var])
+    for name, value in (flags or {}).items():
+        if value is not None and name in _ENV:
+            values[name] = _coerce(name, value)
+    return replace(Settings(), **values)

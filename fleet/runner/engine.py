@@ -1,0 +1,73 @@
+"""The seam between the runner's state machine and a model: text (mlx-lm) or image (mflux).
+
+The runner owns one engine and drives it from one thread: load, warm up, then repeatedly
+admit new tasks and call `step()`, which advances every admitted task by one unit of work
+(one decode step for text, one image for images) and returns the wire events it produced.
+Only `cancel` may be called from another thread: it records the id and the engine ends the
+task at its next step (or diffusion step) with a `cancelled` TaskFinished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from fleet.wire.cluster import ModelCard
+from fleet.wire.events import ErrorReason, OutputEvent
+from fleet.wire.tasks import Task
+
+Progress = Callable[[int, int], None]  # (layers_done, layers_total)
+
+
+class TaskRejected(Exception):
+    """A task the engine will not start; the runner ends it failed with this reason."""
+
+    def __init__(self, reason: ErrorReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    card: ModelCard
+    model_path: Path
+    slots: int
+    images_dir: Path  # the node's image cache: inputs are read from and outputs written here
+    node_id: str = "local"
+    runner_id: str = "runner"
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A task handed to the engine, with what the worker learned before dispatching it."""
+
+    task: Task
+    inputs: dict[str, Path] = field(default_factory=dict)  # sha256 -> verified local file
+    queue_wait_s: float = 0.0
+
+
+class Engine(Protocol):
+    def load(self, progress: Progress) -> None: ...
+
+    def warm_up(self) -> None: ...
+
+    def admit(self, admission: Admission) -> None:
+        """Start a task (raise TaskRejected to refuse it); it runs on later `step()` calls."""
+        ...
+
+    def step(self) -> list[OutputEvent]:
+        """Advance all admitted tasks; each ends with exactly one TaskFinished."""
+        ...
+
+    def cancel(self, task_id: str) -> None:
+        """Thread-safe: end the task at the next step with status cancelled."""
+        ...
+
+    @property
+    def active(self) -> int: ...
+
+    def close(self) -> None: ...

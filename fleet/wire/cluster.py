@@ -1,0 +1,139 @@
+"""Cluster state (KV buckets FLEET_NODES, FLEET_INSTANCES, FLEET_RUNNERS) and `fleet.events.>`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from fleet.wire.base import InstanceId, ModelId, NodeId, Part, RunnerId, Wire
+from fleet.wire.runners import RunnerStatus
+
+ModelTask = Literal["text_generation", "text_to_image", "image_to_image"]
+
+
+class ImageDefaults(Part):
+    steps: int = 4
+    guidance: float = 1.0
+    size: str = "512x512"
+
+
+class ModelCard(Wire):
+    """What a model is and where its weights come from; the tasks choose the runner kind."""
+
+    type: Literal["model_card"] = "model_card"
+    id: ModelId
+    name: str
+    tasks: list[ModelTask] = Field(min_length=1)
+    family: str = Field(description="Loader family: mlx_lm, gguf_llama, mflux_flux2, mflux_flux1…")
+    source: str = Field(description="Where weights come from: a path, an HF repo id, or 'built-in'")
+    size_bytes: int = 0
+    n_layers: int = 0
+    hidden_size: int = 0
+    context_length: int = 2048
+    quantization: str = "none"
+    capabilities: list[Literal["tools", "vision", "partial_images"]] = Field(default_factory=list)
+    image_defaults: ImageDefaults | None = None
+
+    @property
+    def is_image(self) -> bool:
+        return "text_to_image" in self.tasks or "image_to_image" in self.tasks
+
+
+class DeviceInfo(Part):
+    kind: Literal["cpu", "gpu", "metal"]
+    name: str
+    memory_bytes: int = 0
+
+
+class NodeInfo(Wire):
+    """The heartbeat a worker puts in FLEET_NODES under its node id; the key's TTL is its life."""
+
+    type: Literal["node_info"] = "node_info"
+    node_id: NodeId
+    hostname: str
+    memory_total_bytes: int
+    memory_available_bytes: int
+    cpu_count: int
+    devices: list[DeviceInfo] = Field(default_factory=list)
+    models_on_disk: list[ModelId] = Field(default_factory=list)
+    runners: list[RunnerId] = Field(default_factory=list)
+    blas: str | None = None
+    started_at: float
+    at: float
+
+
+class ShardAssignment(Part):
+    node_id: NodeId
+    runner_id: RunnerId
+    rank: int = 0
+    world_size: int = 1
+    start_layer: int = 0
+    end_layer: int = 0
+
+
+class Instance(Wire):
+    """A placement of one model, kept in FLEET_INSTANCES under its instance id."""
+
+    type: Literal["instance"] = "instance"
+    instance_id: InstanceId
+    model: ModelId
+    shards: list[ShardAssignment] = Field(min_length=1)
+    slots: int = Field(default=4, ge=1, le=256)
+    created_at: float
+
+
+class RunnerRecord(Wire):
+    """The current status of one runner, kept in FLEET_RUNNERS under its runner id."""
+
+    type: Literal["runner_record"] = "runner_record"
+    runner_id: RunnerId
+    instance_id: InstanceId
+    node_id: NodeId
+    model: ModelId
+    status: RunnerStatus
+    slots: int = 1
+    active_tasks: int = 0
+    at: float
+
+
+class RunnerStatusChanged(Wire):
+    type: Literal["runner_status_changed"] = "runner_status_changed"
+    runner_id: RunnerId
+    instance_id: InstanceId
+    node_id: NodeId
+    model: ModelId
+    status: RunnerStatus
+    at: float
+
+
+class NodeJoined(Wire):
+    type: Literal["node_joined"] = "node_joined"
+    node_id: NodeId
+    hostname: str
+    at: float
+
+
+class NodeLeft(Wire):
+    type: Literal["node_left"] = "node_left"
+    node_id: NodeId
+    at: float
+
+
+class InstancePlaced(Wire):
+    type: Literal["instance_placed"] = "instance_placed"
+    instance: Instance
+    at: float
+
+
+class InstanceRemoved(Wire):
+    type: Literal["instance_removed"] = "instance_removed"
+    instance_id: InstanceId
+    model: ModelId
+    at: float
+
+
+ClusterEvent = Annotated[
+    RunnerStatusChanged | NodeJoined | NodeLeft | InstancePlaced | InstanceRemoved,
+    Field(discriminator="type"),
+]

@@ -1,0 +1,83 @@
+"""The one place where bytes meet wire types: orjson out, strict pydantic in."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from fleet.wire.cluster import ClusterEvent
+from fleet.wire.events import OutputEvent
+from fleet.wire.runners import RunnerStatus
+from fleet.wire.tasks import Task
+
+M = TypeVar("M", bound=BaseModel)
+
+TASK = TypeAdapter(Task)
+OUTPUT_EVENT = TypeAdapter(OutputEvent)
+CLUSTER_EVENT = TypeAdapter(ClusterEvent)
+RUNNER_STATUS = TypeAdapter(RunnerStatus)
+
+
+class DecodeError(ValueError):
+    """Bytes that are not the expected message; the text names the offending field."""
+
+    def __init__(self, message: str, task_id: str | None = None) -> None:
+        super().__init__(message)
+        self.task_id = task_id
+
+
+def encode(message: BaseModel) -> bytes:
+    return orjson.dumps(message.model_dump(mode="json", exclude_none=True))
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors()[:5]:
+        where = ".".join(str(p) for p in item["loc"]) or "(message)"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+def _parse(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise DecodeError(f"not JSON: {exc}") from None
+
+
+def _readable_task_id(obj: Any) -> str | None:
+    task_id = obj.get("task_id") if isinstance(obj, dict) else None
+    if isinstance(task_id, str) and task_id and all(c.isalnum() or c in "-_" for c in task_id):
+        return task_id[:128]
+    return None
+
+
+def decode_with(adapter: TypeAdapter[Any], data: bytes) -> Any:
+    obj = _parse(data)
+    try:
+        return adapter.validate_python(obj)
+    except ValidationError as exc:
+        raise DecodeError(_describe(exc), _readable_task_id(obj)) from None
+
+
+def decode_model(model: type[M], data: bytes) -> M:
+    obj = _parse(data)
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        raise DecodeError(_describe(exc), _readable_task_id(obj)) from None
+
+
+def decode_task(data: bytes) -> Task:
+    """Decode a task; a DecodeError carries the task id when it could be read anyway."""
+    return decode_with(TASK, data)
+
+
+def decode_event(data: bytes) -> OutputEvent:
+    return decode_with(OUTPUT_EVENT, data)
+
+
+def decode_cluster_event(data: bytes) -> ClusterEvent:
+    return decode_with(CLUSTER_EVENT, data)

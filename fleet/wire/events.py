@@ -1,0 +1,141 @@
+"""Everything about one task, in order, on `fleet.out.<task_id>` (stream FLEET_OUT)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from fleet.wire.base import ModelId, NodeId, Part, RunnerId, Sha256Hex, TaskId, Wire
+
+
+class ErrorReason(StrEnum):
+    """Why a task did not complete; each maps to one HTTP status in fleet.errors."""
+
+    INVALID_TASK = "invalid_task"
+    MODEL_NOT_FOUND = "model_not_found"
+    UNSUPPORTED = "unsupported"
+    CONTEXT_LENGTH = "context_length"
+    DEADLINE = "deadline"
+    CANCELLED = "cancelled"
+    RUNNER_CRASHED = "runner_crashed"
+    WORKER_LOST = "worker_lost"
+    MAX_DELIVERIES = "max_deliveries"
+    INPUT_MISSING = "input_missing"
+    INPUT_CORRUPT = "input_corrupt"
+    QUEUE_FULL = "queue_full"
+    INTERNAL = "internal"
+
+
+class _Event(Wire):
+    task_id: TaskId
+    at: float = Field(description="Unix time in seconds when the event was made")
+
+
+class TaskAccepted(_Event):
+    type: Literal["task_accepted"] = "task_accepted"
+    model: ModelId
+    node_id: NodeId
+    runner_id: RunnerId
+    trace_id: str | None = Field(default=None, description="W3C trace id, 32 hex digits")
+    queue_wait_s: float = 0.0
+    delivery: int = Field(default=1, description="JetStream delivery count of the task")
+
+
+class TopLogprob(Part):
+    token: str
+    token_id: int
+    logprob: float
+
+
+class TokenChunk(_Event):
+    type: Literal["token"] = "token"
+    index: int = Field(ge=0)
+    token_id: int
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[TopLogprob] | None = None
+
+
+class ToolCallChunk(_Event):
+    type: Literal["tool_call"] = "tool_call"
+    index: int = Field(ge=0)
+    id: str
+    name: str
+    arguments: str
+
+
+class ImageStats(Part):
+    seconds_per_step: float
+    total_s: float
+    steps: int
+
+
+class ImageChunk(_Event):
+    """An image (or a preview when partial_index is set) stored in FLEET_IMAGES by hash."""
+
+    type: Literal["image"] = "image"
+    sha256: Sha256Hex
+    image_index: int = Field(ge=0)
+    partial_index: int | None = None
+    partial_total: int | None = None
+    format: Literal["png", "jpeg", "webp"]
+    width: int
+    height: int
+    size_bytes: int
+    stats: ImageStats | None = None
+
+
+class ErrorChunk(_Event):
+    """A failure, told in words; the task's terminal event follows it."""
+
+    type: Literal["error"] = "error"
+    reason: ErrorReason
+    message: str
+
+
+class Usage(Part):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TaskStats(Part):
+    queue_wait_s: float | None = None
+    time_to_first_token_s: float | None = None
+    tokens_per_s: float | None = None
+    prompt_tokens_per_s: float | None = None
+    total_s: float | None = None
+    batched_with: int | None = Field(
+        default=None, description="Most other tasks sharing the runner's batch with this one"
+    )
+
+
+class TaskFinished(_Event):
+    """The one terminal event of every task."""
+
+    type: Literal["task_finished"] = "task_finished"
+    status: Literal["completed", "failed", "cancelled", "expired"]
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    reason: ErrorReason | None = None
+    message: str | None = None
+    usage: Usage | None = None
+    stats: TaskStats | None = None
+    node_id: NodeId | None = None
+    runner_id: RunnerId | None = None
+
+
+OutputEvent = Annotated[
+    TaskAccepted | TokenChunk | ToolCallChunk | ImageChunk | ErrorChunk | TaskFinished,
+    Field(discriminator="type"),
+]
+
+
+def failed(task_id: str, at: float, reason: ErrorReason, message: str) -> TaskFinished:
+    status: Literal["failed", "cancelled", "expired"] = "failed"
+    if reason is ErrorReason.CANCELLED:
+        status = "cancelled"
+    elif reason is ErrorReason.DEADLINE:
+        status = "expired"
+    return TaskFinished(task_id=task_id, at=at, status=status, reason=reason, message=message)

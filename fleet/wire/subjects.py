@@ -1,0 +1,57 @@
+"""Subject, stream, bucket and consumer names, as functions so nobody formats them by hand."""
+
+from __future__ import annotations
+
+TASKS_STREAM = "FLEET_TASKS"
+OUT_STREAM = "FLEET_OUT"
+EVENTS_STREAM = "FLEET_EVENTS"
+TRACES_STREAM = "FLEET_TRACES"
+DEAD_LETTERS_STREAM = "FLEET_DEAD"
+NODES_BUCKET = "FLEET_NODES"
+INSTANCES_BUCKET = "FLEET_INSTANCES"
+RUNNERS_BUCKET = "FLEET_RUNNERS"
+CANCELS_BUCKET = "FLEET_CANCELS"
+IMAGES_BUCKET = "FLEET_IMAGES"
+
+TASKS_ALL = "fleet.tasks.>"
+
+
+def tasks(model: str) -> str:
+    return f"fleet.tasks.{model}"
+
+
+def model_of_task_subject(subject: str) -> str:
+    return subject.removeprefix("fleet.tasks.")
+
+
+def out(task_id: str) -> str:
+    return f"fleet.out.{task_id}"
+
+
+def cancel(task_id: str) -> str:
+    return f"fleet.cancel.{task_id}"
+
+
+def runner_event(node_id: str, runner_id: str) -> str:
+    return f"fleet.events.runner.{node_id}.{runner_id}"
+
+
+def node_event(node_id: str) -> str:
+    return f"fleet.events.node.{node_id}"
+
+
+def instance_event(instance_id: str) -> str:
+    return f"fleet.events.instance.{instance_id}"
+
+
+def traces(trace_id: str) -> str:
+    return f"fleet.traces.{trace_id}"
+
+
+def dead_letter(model: str) -> str:
+    return f"fleet.dead.{model}"
+
+
+def durable(model: str) -> str:
+    """One durable pull consumer per model: every worker serving it shares the queue."""
+    return f"tasks-{model}"

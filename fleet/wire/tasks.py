@@ -1,0 +1,156 @@
+"""Tasks published on `fleet.tasks.<model>` and the cancel command."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import AwareDatetime, Field, model_validator
+
+from fleet.wire.base import ModelId, Part, Sha256Hex, TaskId, Wire
+
+
+class TextPart(Part):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class ImagePart(Part):
+    """An image by the sha256 of its bytes in the FLEET_IMAGES object store."""
+
+    type: Literal["image"] = "image"
+    sha256: Sha256Hex
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class FunctionCall(Part):
+    name: str
+    arguments: str = Field(description="JSON-encoded arguments, as OpenAI sends them")
+
+
+class ToolCall(Part):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(Part):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    def image_hashes(self) -> list[str]:
+        if isinstance(self.content, list):
+            return [part.sha256 for part in self.content if isinstance(part, ImagePart)]
+        return []
+
+
+class FunctionSpec(Part):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=dict)
+
+
+class Tool(Part):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class _TaskBase(Wire):
+    task_id: TaskId
+    model: ModelId
+    deadline: AwareDatetime | None = Field(
+        default=None, description="The task expires if it has not started by then"
+    )
+    created_at: AwareDatetime | None = None
+
+
+class TextGeneration(_TaskBase):
+    """A chat (messages) or plain completion (prompt) request; fields follow OpenAI's."""
+
+    type: Literal["text_generation"] = "text_generation"
+    messages: list[ChatMessage] | None = None
+    prompt: str | None = None
+    max_tokens: int = Field(default=256, ge=1, le=131072)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list, max_length=8)
+    tools: list[Tool] | None = None
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
+    logit_bias: dict[int, float] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TextGeneration:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("exactly one of 'messages' or 'prompt' is required")
+        if self.messages is not None and not self.messages:
+            raise ValueError("'messages' must not be empty")
+        return self
+
+    def image_hashes(self) -> list[str]:
+        return [h for m in self.messages or [] for h in m.image_hashes()]
+
+
+ImageSize = Annotated[str, Field(pattern=r"^[1-9][0-9]{1,4}x[1-9][0-9]{1,4}$")]
+
+
+class _ImageTaskBase(_TaskBase):
+    prompt: str = Field(min_length=1)
+    size: ImageSize = "512x512"
+    n: int = Field(default=1, ge=1, le=8)
+    steps: int | None = Field(default=None, ge=1, le=200)
+    guidance: float | None = Field(default=None, ge=0.0, le=50.0)
+    seed: int | None = None
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    partial_images: int = Field(default=0, ge=0, le=8)
+
+    @property
+    def width(self) -> int:
+        return int(self.size.split("x")[0])
+
+    @property
+    def height(self) -> int:
+        return int(self.size.split("x")[1])
+
+
+class ImageGeneration(_ImageTaskBase):
+    """Text to image; fields follow OpenAI's images API."""
+
+    type: Literal["image_generation"] = "image_generation"
+
+    def image_hashes(self) -> list[str]:
+        return []
+
+
+class ImageEdits(_ImageTaskBase):
+    """Image to image: input images by sha256 in FLEET_IMAGES, and how far to move from them."""
+
+    type: Literal["image_edits"] = "image_edits"
+    input_images: list[Sha256Hex] = Field(min_length=1, max_length=8)
+    strength: float = Field(default=0.6, gt=0.0, le=1.0)
+
+    def image_hashes(self) -> list[str]:
+        return list(self.input_images)
+
+
+Task = Annotated[TextGeneration | ImageGeneration | ImageEdits, Field(discriminator="type")]
+
+
+class CancelTask(Wire):
+    """Published on `fleet.cancel.<task_id>`; also recorded so an early cancel is honoured."""
+
+    type: Literal["cancel_task"] = "cancel_task"
+    task_id: TaskId
+    reason: str | None = None
+
+
+def is_past(deadline: datetime | None, now: datetime) -> bool:
+    return deadline is not None and now >= deadline
