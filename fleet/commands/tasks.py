@@ -1,0 +1,127 @@
+"""Task verbs from the shell: submit, follow, cancel. They send the same JSON a NATS CLI user
+publishes on `fleet.tasks.<model>` and print what arrives on `fleet.out.<task_id>`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import uuid
+from pathlib import Path
+
+from fleet.bus.connect import connect, js_publish, publish
+from fleet.commands.core import settings_from
+from fleet.config import Settings
+from fleet.errors import InvalidRequest
+from fleet.wire import subjects
+from fleet.wire.codec import DecodeError, decode_task, encode
+from fleet.wire.events import ErrorChunk, ImageChunk, OutputEvent, TaskFinished, TokenChunk
+from fleet.wire.tasks import CancelTask, ChatMessage, TextGeneration
+
+
+def new_task_id(prefix: str = "cli") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+def render(event: OutputEvent, raw: bool) -> str | None:
+    """One line per event with --json; otherwise only the text a person wants to read."""
+    if raw:
+        return encode(event).decode() + "\n"
+    match event:
+        case TokenChunk(text=text):
+            return text
+        case ImageChunk(sha256=sha, partial_index=None, width=w, height=h, format=fmt):
+            return f"\n[image {w}x{h} {fmt} {sha}]\n"
+        case ErrorChunk(reason=reason, message=message):
+            return f"\n[error {reason.value}: {message}]\n"
+        case TaskFinished(status=status, usage=usage, stats=stats, reason=reason):
+            tail = f"{status}" + (f" ({reason.value})" if reason else "")
+            if usage:
+                tail += f", {usage.completion_tokens} tokens"
+            if stats and stats.tokens_per_s:
+                tail += f", {stats.tokens_per_s:.1f} tok/s"
+            return f"\n[{tail}]\n"
+    return None
+
+
+async def follow_task(settings: Settings, task_id: str, raw: bool, timeout: float) -> int:
+    from fleet.gateway.streams import TaskEvents
+
+    nc = await connect(settings.url, "fleet-cli")
+    try:
+        deadline = asyncio.get_running_loop().time() + timeout
+        async with TaskEvents(nc.jetstream(), task_id, deadline) as events:
+            async for item in events:
+                if (line := render(item.event, raw)) is not None:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                if isinstance(item.event, TaskFinished):
+                    return 0 if item.event.status == "completed" else 1
+    finally:
+        await nc.close()
+    return 1
+
+
+async def submit_task(settings: Settings, args: argparse.Namespace) -> int:
+    if args.file:
+        data = Path(args.file).read_bytes() if args.file != "-" else sys.stdin.buffer.read()
+        try:
+            task = decode_task(data)
+        except DecodeError as exc:
+            raise InvalidRequest(f"{args.file}: {exc}") from None
+    else:
+        task = TextGeneration(
+            task_id=new_task_id(), model=args.model, max_tokens=args.max_tokens,
+            temperature=args.temperature, seed=args.seed,
+            messages=[ChatMessage(role="user", content=args.prompt)],
+        )
+    nc = await connect(settings.url, "fleet-cli")
+    try:
+        await js_publish(nc.jetstream(), subjects.tasks(task.model), task, msg_id=task.task_id)
+    finally:
+        await nc.close()
+    print(f"task {task.task_id} on {subjects.tasks(task.model)}", file=sys.stderr)
+    if args.no_follow:
+        return 0
+    return await follow_task(settings, task.task_id, args.json, args.timeout)
+
+
+async def cancel_task(settings: Settings, task_id: str) -> int:
+    nc = await connect(settings.url, "fleet-cli")
+    try:
+        cancel = CancelTask(task_id=task_id, reason="fleet cancel")
+        kv = await nc.jetstream().key_value(subjects.CANCELS_BUCKET)
+        await kv.put(task_id, encode(cancel))  # honoured even if the task is still queued
+        await publish(nc, subjects.cancel(task_id), cancel)
+        await nc.flush()
+    finally:
+        await nc.close()
+    print(f"cancel sent for {task_id}")
+    return 0
+
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("submit", help="publish a task and follow its output")
+    p.add_argument("prompt", nargs="?", default="", help="the user message (chat)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--file", help="publish this task JSON instead ('-' for stdin)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--json", action="store_true", help="print every event as JSON")
+    p.add_argument("--no-follow", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(func=lambda a: asyncio.run(submit_task(settings_from(a), a)))
+
+    p = subparsers.add_parser("follow", help="print a task's events (replays from the start)")
+    p.add_argument("task_id")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(
+        func=lambda a: asyncio.run(follow_task(settings_from(a), a.task_id, a.json, a.timeout))
+    )
+
+    p = subparsers.add_parser("cancel", help="cancel a task (queued or running)")
+    p.add_argument("task_id")
+    p.set_defaults(func=lambda a: asyncio.run(cancel_task(settings_from(a), a.task_id)))

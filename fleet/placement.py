@@ -1,0 +1,101 @@
+"""Placing model instances: a pure choice of node, written with a KV compare-and-set."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from nats.js import JetStreamContext
+from nats.js.errors import KeyWrongLastSequenceError
+
+from fleet.errors import FleetError, InvalidRequest
+from fleet.wire import subjects
+from fleet.wire.cluster import Instance, ModelCard, NodeInfo, ShardAssignment
+from fleet.wire.codec import DecodeError, decode_model, encode
+
+
+class PlacementError(FleetError):
+    pass
+
+
+def choose_node(nodes: list[NodeInfo], card: ModelCard, now: float) -> NodeInfo:
+    """The live node with the most free memory that can hold the model (the key's TTL already
+    dropped dead nodes; a stale `at` is a second guard)."""
+    live = [n for n in nodes if now - n.at < 30.0]
+    fitting = [n for n in live if n.memory_available_bytes >= card.size_bytes]
+    if not fitting:
+        raise PlacementError(
+            f"no live node can hold {card.id} ({len(live)} live node(s)); start `fleet worker`"
+        )
+    return max(fitting, key=lambda n: (n.memory_available_bytes, n.node_id))
+
+
+def new_instance(card: ModelCard, node: NodeInfo, slots: int, now: float) -> Instance:
+    return Instance(
+        instance_id=f"{card.id}-{uuid.uuid4().hex[:6]}",
+        model=card.id,
+        slots=slots,
+        created_at=now,
+        shards=[ShardAssignment(
+            node_id=node.node_id, runner_id="pending", end_layer=card.n_layers,
+        )],
+    )
+
+
+async def read_nodes(js: JetStreamContext) -> list[NodeInfo]:
+    kv = await js.key_value(subjects.NODES_BUCKET)
+    found = []
+    for key in await _keys(kv):
+        entry = await kv.get(key)
+        if entry.value:
+            try:
+                found.append(decode_model(NodeInfo, entry.value))
+            except DecodeError:
+                continue
+    return found
+
+
+async def read_instances(js: JetStreamContext) -> list[Instance]:
+    kv = await js.key_value(subjects.INSTANCES_BUCKET)
+    found = []
+    for key in await _keys(kv):
+        entry = await kv.get(key)
+        if entry.value:
+            found.append(decode_model(Instance, entry.value))
+    return found
+
+
+async def _keys(kv: object) -> list[str]:
+    try:
+        return await kv.keys()  # type: ignore[attr-defined]
+    except Exception:  # nats-py raises NoKeysError on an empty bucket
+        return []
+
+
+async def place(
+    js: JetStreamContext, card: ModelCard, *, node_id: str | None = None, slots: int = 4,
+    if_absent: bool = False,
+) -> Instance:
+    """Write a placement; `if_absent` keeps an existing instance of the model instead."""
+    if if_absent:
+        for existing in await read_instances(js):
+            if existing.model == card.id:
+                return existing
+    nodes = await read_nodes(js)
+    now = time.time()
+    if node_id:
+        nodes = [n for n in nodes if n.node_id == node_id]
+        if not nodes:
+            raise InvalidRequest(f"node {node_id!r} is not alive")
+    instance = new_instance(card, choose_node(nodes, card, now), slots, now)
+    kv = await js.key_value(subjects.INSTANCES_BUCKET)
+    try:
+        await kv.create(instance.instance_id, encode(instance))  # CAS: only if the key is new
+    except KeyWrongLastSequenceError:
+        raise PlacementError(f"instance {instance.instance_id} exists already") from None
+    return instance
+
+
+async def remove(js: JetStreamContext, instance_id: str) -> None:
+    kv = await js.key_value(subjects.INSTANCES_BUCKET)
+    await kv.delete(instance_id)

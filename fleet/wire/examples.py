@@ -1,0 +1,110 @@
+"""One valid example of every wire message; `fleet schemas` writes them to schemas/examples/."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from pydantic import BaseModel
+
+from fleet.runner import protocol as pipe
+from fleet.wire import cluster, events, runners, tasks
+
+_AT = 1764495000.0
+_WHEN = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+_SHA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+
+# The exact JSON the README tells a NATS CLI user to publish on fleet.tasks.smollm2-135m.
+NATS_CLI_TASK = tasks.TextGeneration(
+    task_id="hello-1",
+    model="smollm2-135m",
+    messages=[tasks.ChatMessage(role="user", content="What is the capital of France?")],
+    max_tokens=32,
+    temperature=0.0,
+)
+
+_CARD = cluster.ModelCard(
+    id="tiny-llm", name="Tiny LLM (random weights)", tasks=["text_generation"],
+    family="mlx_lm", source="built-in", n_layers=2, hidden_size=64, context_length=512,
+)
+_INSTANCE = cluster.Instance(
+    instance_id="inst-tiny-llm-1", model="tiny-llm", created_at=_AT,
+    shards=[cluster.ShardAssignment(node_id="node-a1", runner_id="run-1", end_layer=2)],
+)
+
+
+def examples() -> dict[str, BaseModel]:
+    """File stem -> message. Stems are the messages' `type` (or `state`) tags."""
+    chat = tasks.TextGeneration(
+        task_id="chat-1", model="smollm2-135m", deadline=_WHEN, seed=7, stop=["\n\n"],
+        messages=[
+            tasks.ChatMessage(role="system", content="You answer briefly."),
+            tasks.ChatMessage(role="user", content=[
+                tasks.TextPart(text="What is in this picture?"), tasks.ImagePart(sha256=_SHA)
+            ]),
+        ],
+    )
+    found = {
+        "nats-cli-task": NATS_CLI_TASK,
+        "text_generation": chat,
+        "image_generation": tasks.ImageGeneration(
+            task_id="img-1", model="tiny-flux2", prompt="a red fox in snow", size="128x128",
+            steps=4, seed=42, partial_images=2,
+        ),
+        "image_edits": tasks.ImageEdits(
+            task_id="edit-1", model="tiny-flux2", prompt="make it night", size="128x128",
+            input_images=[_SHA], strength=0.5,
+        ),
+        "cancel_task": tasks.CancelTask(task_id="chat-1", reason="client went away"),
+        "task_accepted": events.TaskAccepted(
+            task_id="chat-1", at=_AT, model="smollm2-135m", node_id="node-a1", runner_id="run-1",
+            trace_id="4bf92f3577b34da6a3ce929d0e0e4736", queue_wait_s=0.004,
+        ),
+        "token": events.TokenChunk(task_id="chat-1", at=_AT, index=0, token_id=504, text="Paris"),
+        "tool_call": events.ToolCallChunk(
+            task_id="chat-1", at=_AT, index=0, id="call_1", name="get_weather",
+            arguments='{"city": "Paris"}',
+        ),
+        "image": events.ImageChunk(
+            task_id="img-1", at=_AT, sha256=_SHA, image_index=0, format="png", width=128,
+            height=128, size_bytes=20480,
+            stats=events.ImageStats(seconds_per_step=0.15, total_s=0.7, steps=4),
+        ),
+        "error": events.ErrorChunk(
+            task_id="chat-1", at=_AT, reason=events.ErrorReason.CONTEXT_LENGTH,
+            message="prompt of 3000 tokens exceeds the context of 2048",
+        ),
+        "task_finished": events.TaskFinished(
+            task_id="chat-1", at=_AT, status="completed", finish_reason="stop",
+            usage=events.Usage(prompt_tokens=31, completion_tokens=8, total_tokens=39),
+            stats=events.TaskStats(time_to_first_token_s=0.12, tokens_per_s=16.5, total_s=0.6),
+        ),
+        "model_card": _CARD,
+        "node_info": cluster.NodeInfo(
+            node_id="node-a1", hostname="box", memory_total_bytes=24 << 30,
+            memory_available_bytes=20 << 30, cpu_count=2, models_on_disk=["tiny-llm"],
+            devices=[cluster.DeviceInfo(kind="cpu", name="x86_64")], started_at=_AT, at=_AT,
+        ),
+        "instance": _INSTANCE,
+        "runner_record": cluster.RunnerRecord(
+            runner_id="run-1", instance_id="inst-tiny-llm-1", node_id="node-a1",
+            model="tiny-llm", status=runners.RunnerReady(), slots=4, at=_AT,
+        ),
+        "runner_status_changed": cluster.RunnerStatusChanged(
+            runner_id="run-1", instance_id="inst-tiny-llm-1", node_id="node-a1",
+            model="tiny-llm", status=runners.RunnerLoading(layers_done=1, layers_total=2), at=_AT,
+        ),
+        "node_joined": cluster.NodeJoined(node_id="node-a1", hostname="box", at=_AT),
+        "node_left": cluster.NodeLeft(node_id="node-a1", at=_AT),
+        "instance_placed": cluster.InstancePlaced(instance=_INSTANCE, at=_AT),
+        "instance_removed": cluster.InstanceRemoved(
+            instance_id="inst-tiny-llm-1", model="tiny-llm", at=_AT
+        ),
+        "runner_spec": pipe.RunnerSpec(
+            runner_id="run-1", instance_id="inst-tiny-llm-1", node_id="node-a1", card=_CARD,
+            model_path="/data/models/tiny-llm", images_dir="/data/images",
+        ),
+        "submit_task": pipe.SubmitTask(task=NATS_CLI_TASK, traceparent=None),
+        "runner_status": pipe.RunnerStatusReport(status=runners.RunnerFailed(error="out of memory")),
+        "task_running": pipe.TaskRunning(task_id="chat-1"),
+    }
+    return found

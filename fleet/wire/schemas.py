@@ -1,0 +1,78 @@
+"""JSON Schemas of every message family, written to schemas/ and checked for drift."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+from pydantic import TypeAdapter
+
+from fleet.runner import protocol as pipe
+from fleet.wire import cluster, codec, tasks
+from fleet.wire.examples import examples
+
+FAMILIES: dict[str, TypeAdapter[Any]] = {
+    "task": codec.TASK,
+    "cancel-task": TypeAdapter(tasks.CancelTask),
+    "output-event": codec.OUTPUT_EVENT,
+    "cluster-event": codec.CLUSTER_EVENT,
+    "runner-status": codec.RUNNER_STATUS,
+    "model-card": TypeAdapter(cluster.ModelCard),
+    "node-info": TypeAdapter(cluster.NodeInfo),
+    "instance": TypeAdapter(cluster.Instance),
+    "runner-record": TypeAdapter(cluster.RunnerRecord),
+    "runner-command": pipe.COMMAND,
+    "runner-report": pipe.REPORT,
+    "runner-spec": TypeAdapter(pipe.RunnerSpec),
+}
+
+_SUBJECTS = {
+    "task": "fleet.tasks.<model>",
+    "cancel-task": "fleet.cancel.<task_id>",
+    "output-event": "fleet.out.<task_id>",
+    "cluster-event": "fleet.events.>",
+    "node-info": "KV FLEET_NODES, key = node id",
+    "instance": "KV FLEET_INSTANCES, key = instance id",
+    "runner-record": "KV FLEET_RUNNERS, key = runner id",
+}
+
+
+def _dump(obj: Any) -> bytes:
+    return orjson.dumps(obj, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS) + b"\n"
+
+
+def render() -> dict[str, bytes]:
+    """Relative path under schemas/ -> file bytes."""
+    files: dict[str, bytes] = {}
+    for family, adapter in FAMILIES.items():
+        schema = adapter.json_schema(mode="validation")
+        schema["$id"] = f"https://fleet.dev/schemas/{family}.schema.json"
+        if family in _SUBJECTS:
+            schema["x-fleet-subject"] = _SUBJECTS[family]
+        files[f"{family}.schema.json"] = _dump(schema)
+    for stem, message in examples().items():
+        files[f"examples/{stem}.json"] = _dump(message.model_dump(mode="json", exclude_none=True))
+    return files
+
+
+def write(directory: Path) -> list[str]:
+    written = []
+    for rel, data in render().items():
+        path = directory / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_bytes() != data:
+            path.write_bytes(data)
+            written.append(rel)
+    return written
+
+
+def drift(directory: Path) -> list[str]:
+    """Paths that differ from the models, are missing, or are stale leftovers."""
+    wanted = render()
+    differing = [
+        rel for rel, data in wanted.items()
+        if not (directory / rel).exists() or (directory / rel).read_bytes() != data
+    ]
+    present = {str(p.relative_to(directory)) for p in directory.rglob("*.json")}
+    return differing + sorted(present - wanted.keys())

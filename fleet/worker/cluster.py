@@ -1,0 +1,163 @@
+"""The worker's link to shared state: its node heartbeat, the instance table, runner records,
+cancel records and the image store. Everything here is I/O the main loop delegates."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+
+from fleet.bus.connect import publish
+from fleet.bus.objects import ObjectBucket
+from fleet.config import Settings
+from fleet.models.blas import enable_openblas
+from fleet.models.catalog import all_cards
+from fleet.models.store import models_on_disk
+from fleet.wire import subjects
+from fleet.wire.cluster import Instance, NodeJoined, NodeLeft, RunnerRecord, RunnerStatusChanged
+from fleet.wire.codec import DecodeError, decode_model, encode
+from fleet.wire.runners import RunnerStatus
+from fleet.worker.inputs import ImageCache
+from fleet.worker.janitor import Janitor
+from fleet.worker.node import node_id, node_info
+from fleet.worker.state import InstancesChanged, RunnerView
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 3.0
+
+
+class ClusterLink:
+    def __init__(
+        self, settings: Settings, nc: Client, js: JetStreamContext, inbox: asyncio.Queue[Any]
+    ) -> None:
+        self.settings = settings
+        self.nc = nc
+        self.js = js
+        self.inbox = inbox
+        self.node_id = node_id(settings.data_dir)
+        self.cards = all_cards(settings.data_dir)
+        self.blas = enable_openblas()
+        self.started_at = time.time()
+        self.records: dict[str, RunnerRecord] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+
+        self.nodes = await self.js.key_value(subjects.NODES_BUCKET)
+        self.instances = await self.js.key_value(subjects.INSTANCES_BUCKET)
+        self.runners = await self.js.key_value(subjects.RUNNERS_BUCKET)
+        self.cancels = await self.js.key_value(subjects.CANCELS_BUCKET)
+        self.store = ObjectBucket(self.nc, subjects.IMAGES_BUCKET)
+        self.cache = ImageCache(self.settings.images_dir, self.settings.image_cache_bytes)
+        self.janitor = Janitor(self.nc, self.js, set(self.cards))
+        await self.janitor.start()
+        await self._beat()
+        await publish(self.nc, subjects.node_event(self.node_id), NodeJoined(
+            node_id=self.node_id, hostname=node_info(self.node_id, 0, [], [], None).hostname,
+            at=time.time(),
+        ))
+        if self.blas:
+            log.info("BLAS: %s loaded for mlx's CPU path", self.blas)
+        self._tasks = [
+            asyncio.create_task(self._heartbeat_forever()),
+            asyncio.create_task(self._watch_instances()),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await self.nodes.delete(self.node_id)
+            await publish(
+                self.nc, subjects.node_event(self.node_id),
+                NodeLeft(node_id=self.node_id, at=time.time()),
+            )
+
+    # ---- heartbeat and instances -------------------------------------------------------
+
+    async def _beat(self) -> None:
+        info = node_info(
+            self.node_id, self.started_at, models_on_disk(self.settings.models_dir),
+            sorted(self.records), self.blas,
+        )
+        await self.nodes.put(self.node_id, encode(info))
+        for record in list(self.records.values()):
+            await self.runners.put(record.runner_id, encode(record))
+
+    async def _heartbeat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)  # the heartbeat period, not synchronisation
+            try:
+                await self._beat()
+            except Exception as exc:
+                log.warning("heartbeat failed: %s", exc)
+
+    async def _watch_instances(self) -> None:
+        table: dict[str, Instance] = {}
+        watcher = await self.instances.watchall()
+        async for entry in watcher:
+            if entry is None:  # end of the initial values
+                await self.inbox.put(InstancesChanged(dict(table)))
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                table.pop(entry.key, None)
+            else:
+                try:
+                    table[entry.key] = decode_model(Instance, entry.value)
+                except DecodeError as exc:
+                    log.warning("ignoring instance %s: %s", entry.key, exc)
+                    continue
+            await self.inbox.put(InstancesChanged(dict(table)))
+
+    # ---- runners ------------------------------------------------------------------------
+
+    async def runner_status(self, view: RunnerView | None, status: RunnerStatus) -> None:
+        if view is None:
+            return
+        now = time.time()
+        record = RunnerRecord(
+            runner_id=view.runner_id, instance_id=view.instance_id, node_id=self.node_id,
+            model=view.model, status=status, slots=view.slots,
+            active_tasks=len(view.in_flight), at=now,
+        )
+        self.records[view.runner_id] = record
+        changed = RunnerStatusChanged(
+            runner_id=view.runner_id, instance_id=view.instance_id, node_id=self.node_id,
+            model=view.model, status=status, at=now,
+        )
+        await self.runners.put(view.runner_id, encode(record))
+        await publish(self.nc, subjects.runner_event(self.node_id, view.runner_id), changed)
+
+    async def runner_removed(self, runner_id: str) -> None:
+        self.records.pop(runner_id, None)
+        with contextlib.suppress(Exception):
+            await self.runners.delete(runner_id)
+
+    # ---- tasks ---------------------------------------------------------------------------
+
+    async def is_cancelled(self, task_id: str) -> bool:
+        try:
+            entry = await self.cancels.get(task_id)
+        except KeyNotFoundError:
+            return False
+        return bool(entry.value)
+
+    async def fetch_inputs(self, hashes: tuple[str, ...]) -> dict[str, Path]:
+        """Local paths of a task's input images, pinned until `release_inputs`."""
+        return await self.cache.ensure(hashes, self.store, self.settings.input_wait_s)
+
+    def release_inputs(self, hashes: list[str]) -> None:
+        self.cache.release(hashes)
+
+    async def upload_output(self, sha256: str) -> None:
+        """A runner wrote an image into the cache dir; store it by hash (never re-put)."""
+        path = await asyncio.to_thread(self.cache.adopt, sha256)
+        await self.store.put_by_hash(path)

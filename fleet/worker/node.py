@@ -1,0 +1,59 @@
+"""This node: a stable id kept in the data dir, and the heartbeat it puts in FLEET_NODES."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+
+from fleet.wire.cluster import DeviceInfo, NodeInfo
+
+
+def node_id(data_dir: Path) -> str:
+    """The same id across restarts, so a restarted worker is the same node and not a ghost."""
+    path = data_dir / "node_id"
+    if path.exists():
+        return path.read_text().strip()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    new_id = f"{socket.gethostname().split('.')[0][:24]}-{uuid.uuid4().hex[:8]}"
+    new_id = "".join(c if c.isalnum() or c in "-_" else "-" for c in new_id)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(new_id)
+    try:
+        os.link(tmp, path)  # atomic create-if-absent: two workers racing agree on one id
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
+def devices() -> list[DeviceInfo]:
+    found = [DeviceInfo(kind="cpu", name=platform.processor() or platform.machine())]
+    if platform.system() == "Darwin":
+        found.append(DeviceInfo(kind="metal", name="apple-gpu"))
+    return found
+
+
+def node_info(
+    node: str, started_at: float, models: list[str], runners: list[str], blas: str | None
+) -> NodeInfo:
+    memory = psutil.virtual_memory()
+    return NodeInfo(
+        node_id=node,
+        hostname=socket.gethostname(),
+        memory_total_bytes=memory.total,
+        memory_available_bytes=memory.available,
+        cpu_count=os.cpu_count() or 1,
+        devices=devices(),
+        models_on_disk=models,
+        runners=runners,
+        blas=blas,
+        started_at=started_at,
+        at=time.time(),
+    )

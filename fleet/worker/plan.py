@@ -1,0 +1,151 @@
+"""`plan(state, now) -> Action | None`: a chain of small pure rules in priority order.
+
+No I/O and no clock reads: `now` is passed in, so each rule is tested with a table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from fleet.wire.cluster import Instance
+from fleet.wire.events import ErrorReason
+from fleet.wire.tasks import is_past
+from fleet.worker.state import WorkerState
+from fleet.worker.supervisor import compute_backoff
+
+RESTART_BASE_S = 1.0
+RESTART_CAP_S = 60.0
+LIFECYCLE = {"idle": "connect_to_group", "connected": "load_model", "loaded": "warm_up"}
+
+
+@dataclass(frozen=True)
+class StopRunner:
+    runner_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SpawnRunner:
+    instance: Instance
+
+
+@dataclass(frozen=True)
+class AdvanceRunner:
+    runner_id: str
+    command: str  # one of LIFECYCLE's values
+
+
+@dataclass(frozen=True)
+class FinishPending:
+    task_id: str
+    reason: ErrorReason
+    message: str
+
+
+@dataclass(frozen=True)
+class FetchInputs:
+    task_id: str
+    hashes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    task_id: str
+    runner_id: str
+
+
+@dataclass(frozen=True)
+class Pull:
+    model: str
+    batch: int
+
+
+Action = StopRunner | SpawnRunner | AdvanceRunner | FinishPending | FetchInputs | Dispatch | Pull
+
+
+def stop_orphan_runner(state: WorkerState, now: float) -> Action | None:
+    wanted = {inst.instance_id for inst in state.hosted_instances()}
+    for runner in state.runners.values():
+        gone = state.stopping or runner.instance_id not in wanted
+        if gone and runner.command_sent != "shutdown":
+            return StopRunner(runner.runner_id, "instance removed")
+    return None
+
+
+def spawn_runner(state: WorkerState, now: float) -> Action | None:
+    if state.stopping:
+        return None
+    for instance in state.hosted_instances():
+        if instance.instance_id in state.starting or state.runner_for(instance.instance_id):
+            continue
+        failure = state.failures.get(instance.instance_id)
+        wait = compute_backoff(failure.attempts, RESTART_BASE_S, RESTART_CAP_S) if failure else 0
+        if failure and now < failure.last_at + wait:
+            continue
+        return SpawnRunner(instance)
+    return None
+
+
+def advance_runner(state: WorkerState, now: float) -> Action | None:
+    for runner in state.runners.values():
+        command = LIFECYCLE.get(runner.status.state)
+        if command and runner.command_sent != command:
+            return AdvanceRunner(runner.runner_id, command)
+    return None
+
+
+def expire_pending(state: WorkerState, now: float) -> Action | None:
+    moment = datetime.fromtimestamp(now, UTC)
+    for task_id, pending in state.pending.items():
+        if is_past(pending.task.deadline, moment):
+            return FinishPending(task_id, ErrorReason.DEADLINE, "the task's deadline passed")
+    return None
+
+
+def fetch_inputs(state: WorkerState, now: float) -> Action | None:
+    for task_id, pending in state.pending.items():
+        if pending.inputs is None and not pending.fetching:
+            return FetchInputs(task_id, tuple(pending.task.image_hashes()))
+    return None
+
+
+def dispatch(state: WorkerState, now: float) -> Action | None:
+    for task_id, pending in sorted(state.pending.items(), key=lambda kv: kv[1].received_at):
+        if pending.inputs is None:
+            continue
+        candidates = [
+            r for r in state.runners.values()
+            if r.model == pending.task.model and r.free_slots > 0 and r.command_sent != "shutdown"
+        ]
+        if candidates:
+            best = max(candidates, key=lambda r: r.free_slots)
+            return Dispatch(task_id, best.runner_id)
+    return None
+
+
+def pull(state: WorkerState, now: float) -> Action | None:
+    if state.stopping:
+        return None
+    free: dict[str, int] = {}
+    for runner in state.runners.values():
+        if runner.command_sent != "shutdown":
+            free[runner.model] = free.get(runner.model, 0) + runner.free_slots
+    for pending in state.pending.values():
+        free[pending.task.model] = free.get(pending.task.model, 0) - 1
+    for model, slots in sorted(free.items()):
+        if slots > 0 and model not in state.pulling:
+            return Pull(model, slots)
+    return None
+
+
+RULES = (
+    stop_orphan_runner, spawn_runner, advance_runner, expire_pending, fetch_inputs, dispatch, pull,
+)
+
+
+def plan(state: WorkerState, now: float) -> Action | None:
+    for rule in RULES:
+        if action := rule(state, now):
+            return action
+    return None

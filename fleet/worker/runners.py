@@ -1,0 +1,86 @@
+"""The runner subprocesses this node hosts: prepare a model, spawn, command, stop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any
+
+from fleet.aio import TaskSet
+from fleet.config import Settings
+from fleet.models.store import ensure_model
+from fleet.runner.protocol import RunnerCommand, RunnerSpec
+from fleet.wire.cluster import Instance, ModelCard
+from fleet.worker.state import RunnerSpawned, RunnerStartFailed, RunnerView
+from fleet.worker.supervisor import RunnerExited, RunnerNotRunning, RunnerProcess
+
+log = logging.getLogger(__name__)
+
+
+class RunnerPool:
+    def __init__(self, settings: Settings, node_id: str, inbox: asyncio.Queue[Any]) -> None:
+        self.settings = settings
+        self.node_id = node_id
+        self.inbox = inbox
+        self.processes: dict[str, RunnerProcess] = {}
+        self.stopping: set[str] = set()
+        self.background = TaskSet()
+
+    def spawn(self, instance: Instance, card: ModelCard | None) -> None:
+        """Prepare weights (a first SmolLM2 conversion takes seconds) off the loop, then start."""
+        self.background.spawn(self._spawn(instance, card))
+
+    async def _spawn(self, instance: Instance, card: ModelCard | None) -> None:
+        try:
+            if card is None:
+                raise LookupError(f"no model card {instance.model!r} on this node")
+            path = await asyncio.to_thread(ensure_model, card, self.settings.models_dir)
+            runner_id = f"run-{uuid.uuid4().hex[:10]}"
+            slots = 1 if card.is_image else instance.slots
+            spec = RunnerSpec(
+                runner_id=runner_id, instance_id=instance.instance_id, node_id=self.node_id,
+                card=card, model_path=str(path), images_dir=str(self.settings.images_dir),
+                slots=slots,
+            )
+            self.settings.images_dir.mkdir(parents=True, exist_ok=True)
+            logs = self.settings.data_dir / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            process = RunnerProcess(spec, self.inbox, log_path=logs / f"{runner_id}.log")
+            await process.start()
+        except Exception as exc:
+            log.error("cannot start a runner for %s: %s", instance.instance_id, exc)
+            await self.inbox.put(RunnerStartFailed(instance.instance_id, time.time()))
+            return
+        self.processes[runner_id] = process
+        view = RunnerView(
+            runner_id=runner_id, instance_id=instance.instance_id, model=instance.model,
+            slots=slots,
+        )
+        await self.inbox.put(RunnerSpawned(view))
+
+    async def send(self, runner_id: str, command: RunnerCommand) -> None:
+        process = self.processes.get(runner_id)
+        if process is None:
+            return
+        with contextlib.suppress(RunnerNotRunning, ConnectionError, BrokenPipeError):
+            await process.send(command)
+
+    def stop(self, runner_id: str) -> None:
+        if (process := self.processes.get(runner_id)) and runner_id not in self.stopping:
+            self.stopping.add(runner_id)
+            self.background.spawn(process.stop(timeout=10.0))
+
+    def exited(self, exited: RunnerExited) -> bool:
+        """Forget a runner; True when it crashed (it was not asked to stop)."""
+        self.processes.pop(exited.runner_id, None)
+        asked = exited.runner_id in self.stopping
+        self.stopping.discard(exited.runner_id)
+        return not asked and exited.returncode != 0
+
+    async def stop_all(self, timeout: float) -> None:
+        await asyncio.gather(
+            *(p.stop(timeout=timeout) for p in self.processes.values()), return_exceptions=True
+        )

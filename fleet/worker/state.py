@@ -1,0 +1,278 @@
+"""The node's view of its work, and `apply(state, event) -> state`: the only place it changes.
+
+Per-token traffic never comes through here; only lifecycle events do, so copying is cheap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import singledispatch
+
+from fleet.wire.cluster import Instance, ModelCard
+from fleet.wire.runners import ACCEPTS_TASKS, RunnerIdle, RunnerStatus
+from fleet.wire.tasks import Task
+
+
+@dataclass(frozen=True)
+class RunnerView:
+    runner_id: str
+    instance_id: str
+    model: str
+    status: RunnerStatus = field(default_factory=RunnerIdle)
+    slots: int = 1
+    in_flight: frozenset[str] = frozenset()
+    command_sent: str | None = None  # the last lifecycle command, so it is sent once
+
+    @property
+    def free_slots(self) -> int:
+        if self.status.state not in ACCEPTS_TASKS:
+            return 0
+        return max(0, self.slots - len(self.in_flight))
+
+
+@dataclass(frozen=True)
+class PendingTask:
+    """A fetched, decoded task waiting for its inputs and a free runner slot."""
+
+    task: Task
+    received_at: float
+    delivery: int = 1
+    inputs: dict[str, str] | None = None  # None until every input image is on local disk
+    fetching: bool = False
+
+
+@dataclass(frozen=True)
+class Failure:
+    attempts: int
+    last_at: float
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    node_id: str
+    cards: dict[str, ModelCard] = field(default_factory=dict)
+    instances: dict[str, Instance] = field(default_factory=dict)
+    runners: dict[str, RunnerView] = field(default_factory=dict)
+    pending: dict[str, PendingTask] = field(default_factory=dict)
+    failures: dict[str, Failure] = field(default_factory=dict)  # by instance id, for backoff
+    pulling: frozenset[str] = frozenset()  # models with a fetch outstanding
+    starting: frozenset[str] = frozenset()  # instances whose runner is being prepared
+    stopping: bool = False
+
+    def hosted_instances(self) -> list[Instance]:
+        return [
+            inst for inst in self.instances.values()
+            if any(s.node_id == self.node_id for s in inst.shards)
+        ]
+
+    def runner_for(self, instance_id: str) -> RunnerView | None:
+        return next((r for r in self.runners.values() if r.instance_id == instance_id), None)
+
+
+# ---- events -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InstancesChanged:
+    instances: dict[str, Instance]
+
+
+@dataclass(frozen=True)
+class RunnerStarting:
+    instance_id: str
+
+
+@dataclass(frozen=True)
+class RunnerSpawned:
+    runner: RunnerView
+
+
+@dataclass(frozen=True)
+class RunnerStartFailed:
+    instance_id: str
+    at: float
+
+
+@dataclass(frozen=True)
+class CommandSent:
+    runner_id: str
+    command: str
+
+
+@dataclass(frozen=True)
+class RunnerStatusSeen:
+    runner_id: str
+    status: RunnerStatus
+
+
+@dataclass(frozen=True)
+class RunnerGone:
+    runner_id: str
+    crashed: bool
+    at: float
+
+
+@dataclass(frozen=True)
+class PullStarted:
+    model: str
+
+
+@dataclass(frozen=True)
+class PullEnded:
+    model: str
+
+
+@dataclass(frozen=True)
+class TaskQueued:
+    pending: PendingTask
+
+
+@dataclass(frozen=True)
+class InputsFetching:
+    task_id: str
+
+
+@dataclass(frozen=True)
+class InputsReady:
+    task_id: str
+    inputs: dict[str, str]
+
+
+@dataclass(frozen=True)
+class TaskDispatched:
+    task_id: str
+    runner_id: str
+
+
+@dataclass(frozen=True)
+class TaskEnded:
+    """Terminal: the task left this node (finished, failed before dispatch, or handed back)."""
+
+    task_id: str
+
+
+@dataclass(frozen=True)
+class Stopping:
+    pass
+
+
+@singledispatch
+def apply(event: object, state: WorkerState) -> WorkerState:
+    raise TypeError(f"no apply rule for {type(event).__name__}")
+
+
+def _with_runner(state: WorkerState, runner_id: str, **changes: object) -> WorkerState:
+    runner = state.runners.get(runner_id)
+    if runner is None:
+        return state
+    return replace(state, runners={**state.runners, runner_id: replace(runner, **changes)})
+
+
+@apply.register
+def _(event: InstancesChanged, state: WorkerState) -> WorkerState:
+    return replace(state, instances=dict(event.instances))
+
+
+@apply.register
+def _(event: RunnerStarting, state: WorkerState) -> WorkerState:
+    return replace(state, starting=state.starting | {event.instance_id})
+
+
+@apply.register
+def _(event: RunnerSpawned, state: WorkerState) -> WorkerState:
+    runners = {**state.runners, event.runner.runner_id: event.runner}
+    return replace(state, runners=runners, starting=state.starting - {event.runner.instance_id})
+
+
+def _count_failure(state: WorkerState, instance_id: str, at: float) -> dict[str, Failure]:
+    previous = state.failures.get(instance_id)
+    return {**state.failures, instance_id: Failure((previous.attempts if previous else 0) + 1, at)}
+
+
+@apply.register
+def _(event: RunnerStartFailed, state: WorkerState) -> WorkerState:
+    failures = _count_failure(state, event.instance_id, event.at)
+    return replace(state, failures=failures, starting=state.starting - {event.instance_id})
+
+
+@apply.register
+def _(event: CommandSent, state: WorkerState) -> WorkerState:
+    return _with_runner(state, event.runner_id, command_sent=event.command)
+
+
+@apply.register
+def _(event: RunnerStatusSeen, state: WorkerState) -> WorkerState:
+    state = _with_runner(state, event.runner_id, status=event.status)
+    runner = state.runners.get(event.runner_id)
+    if runner and event.status.state == "ready" and runner.instance_id in state.failures:
+        failures = {k: v for k, v in state.failures.items() if k != runner.instance_id}
+        state = replace(state, failures=failures)
+    return state
+
+
+@apply.register
+def _(event: RunnerGone, state: WorkerState) -> WorkerState:
+    runner = state.runners.get(event.runner_id)
+    if runner is None:
+        return state
+    runners = {k: v for k, v in state.runners.items() if k != event.runner_id}
+    failures = state.failures
+    if event.crashed:
+        failures = _count_failure(state, runner.instance_id, event.at)
+    return replace(state, runners=runners, failures=failures)
+
+
+@apply.register
+def _(event: PullStarted, state: WorkerState) -> WorkerState:
+    return replace(state, pulling=state.pulling | {event.model})
+
+
+@apply.register
+def _(event: PullEnded, state: WorkerState) -> WorkerState:
+    return replace(state, pulling=state.pulling - {event.model})
+
+
+@apply.register
+def _(event: TaskQueued, state: WorkerState) -> WorkerState:
+    task_id = event.pending.task.task_id
+    return replace(state, pending={**state.pending, task_id: event.pending})
+
+
+@apply.register
+def _(event: InputsFetching, state: WorkerState) -> WorkerState:
+    pending = state.pending.get(event.task_id)
+    if pending is None:
+        return state
+    return replace(state, pending={**state.pending, event.task_id: replace(pending, fetching=True)})
+
+
+@apply.register
+def _(event: InputsReady, state: WorkerState) -> WorkerState:
+    pending = state.pending.get(event.task_id)
+    if pending is None:
+        return state
+    ready = replace(pending, inputs=dict(event.inputs), fetching=False)
+    return replace(state, pending={**state.pending, event.task_id: ready})
+
+
+@apply.register
+def _(event: TaskDispatched, state: WorkerState) -> WorkerState:
+    runner = state.runners[event.runner_id]
+    pending = {k: v for k, v in state.pending.items() if k != event.task_id}
+    state = replace(state, pending=pending)
+    return _with_runner(state, event.runner_id, in_flight=runner.in_flight | {event.task_id})
+
+
+@apply.register
+def _(event: TaskEnded, state: WorkerState) -> WorkerState:
+    pending = {k: v for k, v in state.pending.items() if k != event.task_id}
+    runners = {
+        rid: replace(r, in_flight=r.in_flight - {event.task_id}) if event.task_id in r.in_flight
+        else r
+        for rid, r in state.runners.items()
+    }
+    return replace(state, pending=pending, runners=runners)
+
+
+@apply.register
+def _(event: Stopping, state: WorkerState) -> WorkerState:
+    return replace(state, stopping=True)
