@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "fleet.commands.core",
     "fleet.commands.stack",
     "fleet.commands.tasks",
+    "fleet.commands.demo",
     "fleet.models.cli",
     "fleet.bus.images_cli",
     "fleet.gateway.cli",

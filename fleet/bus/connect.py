@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-import nats
 from nats.aio.client import Client
 from nats.errors import NoServersError
 from nats.js import JetStreamContext
@@ -27,13 +26,15 @@ async def connect(url: str, name: str, *, connect_timeout: float = 5.0) -> Clien
         log.warning("nats: %s", exc)
 
     async def on_disconnect() -> None:
-        log.warning("nats: disconnected from %s, reconnecting", url)
+        if not (client.is_closed or client.is_draining):  # a close we asked for is no news
+            log.warning("nats: disconnected from %s, reconnecting", url)
 
     async def on_reconnect() -> None:
         log.info("nats: reconnected to %s", url)
 
+    client = Client()
     try:
-        return await nats.connect(
+        await client.connect(
             url,
             name=name,
             connect_timeout=connect_timeout,
@@ -46,9 +47,12 @@ async def connect(url: str, name: str, *, connect_timeout: float = 5.0) -> Clien
         )
     except (NoServersError, OSError, TimeoutError) as exc:
         raise NatsUnavailable(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
+    return client
 
 
-def headers_for(msg_id: str | None = None, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+def headers_for(
+    msg_id: str | None = None, extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Nats-Msg-Id for de-duplication plus the current trace context (traceparent, tracestate)."""
     from fleet.telemetry import inject_headers
 

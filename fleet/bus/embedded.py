@@ -63,6 +63,7 @@ class EmbeddedNats:
         self.log_file = log_file
         self.process: subprocess.Popen[str] | None = None
         self._log_lines: list[str] = []
+        self._ready = False
 
     @property
     def url(self) -> str:
@@ -85,7 +86,7 @@ class EmbeddedNats:
         )
         ready = threading.Event()
         threading.Thread(target=self._pump_log, args=(ready,), daemon=True).start()
-        if not ready.wait(timeout) or self.process.poll() is not None:
+        if not ready.wait(timeout) or not self._ready or self.process.poll() is not None:
             tail = "\n".join(self._log_lines[-5:])
             self.stop()
             raise EmbeddedServerError(f"nats-server did not become ready:\n{tail}")
@@ -102,9 +103,11 @@ class EmbeddedNats:
             if match := _LISTENING.search(line):
                 self.port = int(match.group(1))
             if _READY in line:
+                self._ready = True
                 ready.set()
         if sink:
             sink.close()
+        ready.set()  # the log ended: a server that died at start is reported now, not at timeout
 
     def stop(self, timeout: float = 10.0) -> int | None:
         if not self.process or self.process.poll() is not None:

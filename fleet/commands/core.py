@@ -67,12 +67,15 @@ def cmd_nats(args: argparse.Namespace) -> int:
     settings = settings_from(args, nats_port=args.port)
     server = EmbeddedNats(settings.nats_store_dir, port=settings.nats_port).start()
     print(f"nats-server (JetStream) on {server.url}, store {settings.nats_store_dir}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: server.stop())
+    # Only pass SIGTERM on: the main thread below is inside process.wait() and holds its lock,
+    # so a handler that waits too (server.stop) would time out and end in a traceback.
+    signal.signal(signal.SIGTERM, lambda *_: server.process and server.process.terminate())
     try:
-        return server.process.wait() if server.process else 0
+        code = server.process.wait() if server.process else 0
     except KeyboardInterrupt:
         server.stop()
         return 0
+    return 0 if code in (0, -signal.SIGTERM) else code
 
 
 def cmd_runner(args: argparse.Namespace) -> int:

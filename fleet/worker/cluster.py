@@ -47,6 +47,7 @@ class ClusterLink:
         self.blas = enable_openblas()
         self.started_at = time.time()
         self.records: dict[str, RunnerRecord] = {}
+        self.placed: dict[str, Instance] = {}  # the instance table as last watched
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -57,7 +58,7 @@ class ClusterLink:
         self.cancels = await self.js.key_value(subjects.CANCELS_BUCKET)
         self.store = ObjectBucket(self.nc, subjects.IMAGES_BUCKET)
         self.cache = ImageCache(self.settings.images_dir, self.settings.image_cache_bytes)
-        self.janitor = Janitor(self.nc, self.js, set(self.cards))
+        self.janitor = Janitor(self.nc, self.js, self._is_known)
         await self.janitor.start()
         await self._beat()
         await publish(self.nc, subjects.node_event(self.node_id), NodeJoined(
@@ -71,7 +72,11 @@ class ClusterLink:
             asyncio.create_task(self._watch_instances()),
         ]
 
+    def _is_known(self, model: str) -> bool:
+        return model in self.cards or any(i.model == model for i in self.placed.values())
+
     async def stop(self) -> None:
+        await self.janitor.stop()
         for task in self._tasks:
             task.cancel()
         with contextlib.suppress(Exception):
@@ -105,6 +110,7 @@ class ClusterLink:
         watcher = await self.instances.watchall()
         async for entry in watcher:
             if entry is None:  # end of the initial values
+                self.placed = dict(table)
                 await self.inbox.put(InstancesChanged(dict(table)))
                 continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
@@ -115,6 +121,7 @@ class ClusterLink:
                 except DecodeError as exc:
                     log.warning("ignoring instance %s: %s", entry.key, exc)
                     continue
+            self.placed = dict(table)
             await self.inbox.put(InstancesChanged(dict(table)))
 
     # ---- runners ------------------------------------------------------------------------

@@ -1,12 +1,16 @@
 """Tasks no model consumer will ever finish: unknown models, and tasks past MaxDeliver.
 
-Both run as queue-group subscriptions, so exactly one worker of the fleet answers each.
+Unknown models are caught by a queue-group subscription on `fleet.tasks.>`; MaxDeliver
+advisories by the shared durable consumer `janitor` on FLEET_ADVISORIES. Either way exactly
+one worker of the fleet answers each.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import orjson
 from nats.aio.client import Client
@@ -20,9 +24,6 @@ from fleet.wire.events import ErrorReason, TaskFinished, failed
 
 log = logging.getLogger(__name__)
 
-MAX_DELIVERIES_ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.FLEET_TASKS.>"
-
-
 def readable_task_id(data: bytes) -> str | None:
     try:
         return decode_task(data).task_id
@@ -31,14 +32,40 @@ def readable_task_id(data: bytes) -> str | None:
 
 
 class Janitor:
-    def __init__(self, nc: Client, js: JetStreamContext, known_models: set[str]) -> None:
+    def __init__(self, nc: Client, js: JetStreamContext, is_known: Callable[[str], bool]) -> None:
+        """`is_known(model)`: a card on this node or an instance placed anywhere."""
         self.nc = nc
         self.js = js
-        self.known_models = known_models
+        self.is_known = is_known
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.TASKS_ALL, queue="fleet-triage", cb=self._triage)
-        await self.nc.subscribe(MAX_DELIVERIES_ADVISORY, queue="fleet-dead", cb=self._dead)
+        # Advisories are fire-and-forget; FLEET_ADVISORIES keeps them until a worker is there.
+        self.advisories = await self.js.pull_subscribe(
+            "", durable="janitor", stream=subjects.ADVISORIES_STREAM
+        )
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def stop(self) -> None:
+        self._sweeper.cancel()
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            try:
+                msgs = await self.advisories.fetch(16, timeout=5.0)
+            except TimeoutError:
+                continue
+            except Exception as exc:
+                log.warning("advisory fetch failed: %s", exc)
+                await asyncio.sleep(1.0)  # pacing a retry after a broker error
+                continue
+            for msg in msgs:
+                try:
+                    await self._dead(msg)
+                    await msg.ack()
+                except Exception as exc:
+                    log.warning("dead letter handling failed, retrying later: %s", exc)
+                    await msg.nak(delay=2.0)
 
     async def _finish(self, task_id: str, reason: ErrorReason, message: str) -> None:
         event = failed(task_id, time.time(), reason, message)
@@ -46,15 +73,15 @@ class Janitor:
 
     async def _triage(self, msg: Msg) -> None:
         model = subjects.model_of_task_subject(msg.subject)
-        if model in self.known_models:
+        if self.is_known(model):
             return
         task_id = readable_task_id(msg.data)
         log.warning("task %s names unknown model %r", task_id, model)
-        if task_id:
-            await self._finish(task_id, ErrorReason.MODEL_NOT_FOUND, f"no model named {model!r}")
         # Nobody consumes this subject: remove what was stored so the queue does not fill.
         body = orjson.dumps({"filter": msg.subject})
         await self.nc.request(f"$JS.API.STREAM.PURGE.{subjects.TASKS_STREAM}", body, timeout=5)
+        if task_id:
+            await self._finish(task_id, ErrorReason.MODEL_NOT_FOUND, f"no model named {model!r}")
 
     async def _dead(self, msg: Msg) -> None:
         """Move a task past MaxDeliver out of the work queue, record it, and finish it."""
@@ -72,8 +99,9 @@ class Janitor:
         deliveries = advisory.get("deliveries")
         await self.js.publish(
             subjects.dead_letter(model), data,
-            headers=headers_for(extra={"Fleet-Reason": "max_deliveries",
-                                       "Fleet-Deliveries": str(deliveries)}),
+            headers=headers_for(msg_id=f"dead-{seq}", extra={
+                "Fleet-Reason": "max_deliveries", "Fleet-Deliveries": str(deliveries),
+            }),
         )
         task_id = readable_task_id(data)
         if task_id and not await self._already_finished(task_id):

@@ -17,7 +17,7 @@ from fleet.bus.provision import ensure_task_consumer, provision
 from fleet.config import Settings
 from fleet.runner import protocol as pipe
 from fleet.wire import subjects
-from fleet.wire.events import ErrorReason, TaskFinished
+from fleet.wire.events import ErrorChunk, ErrorReason, TaskFinished
 from fleet.wire.tasks import CancelTask
 from fleet.worker import plan as rules
 from fleet.worker import state as ev
@@ -197,6 +197,11 @@ class Worker:
                 self._apply(ev.RunnerStatusSeen(runner_id, status))
                 await self.cluster.runner_status(self.state.runners.get(runner_id), status)
             case TaskFinished():
+                if report.status == "failed" and report.reason and report.message:
+                    await self.output.chunk(ErrorChunk(
+                        task_id=report.task_id, at=report.at, reason=report.reason,
+                        message=report.message,
+                    ))
                 await self.output.finish(report)
                 await self._settle(report.task_id)
             case pipe.TaskRunning() | pipe.SpanBatch():

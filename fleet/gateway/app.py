@@ -1,0 +1,85 @@
+"""The gateway's ASGI app: the route table, the middleware stack and the error handlers."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.routing import Route
+
+from fleet.config import Settings
+from fleet.errors import FleetError
+from fleet.gateway import image_routes, ops_routes, text_routes
+from fleet.gateway.backend import Backend
+from fleet.gateway.guards import (
+    ApiKeys,
+    BodyLimit,
+    RequestMetrics,
+    on_fleet_error,
+    on_http_error,
+    on_unexpected_error,
+)
+from fleet.gateway.service import Gateway
+
+
+class Sha256Convertor(Convertor[str]):
+    """Only a hash names an image, so GET /v1/images/edits is a 405, not a bad image name."""
+
+    regex = "[0-9a-f]{64}"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("sha256", Sha256Convertor())
+
+ROUTES = [
+    Route("/v1/chat/completions", text_routes.chat_completions, methods=["POST"]),
+    Route("/v1/completions", text_routes.completions, methods=["POST"]),
+    Route("/v1/images/generations", image_routes.image_generations, methods=["POST"]),
+    Route("/v1/images/edits", image_routes.image_edits, methods=["POST"]),
+    Route("/v1/images/{sha256:sha256}", image_routes.get_image, methods=["GET"]),
+    Route("/v1/models", ops_routes.list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", ops_routes.get_model, methods=["GET"]),
+    Route("/v1/tasks/{task_id}/cancel", ops_routes.cancel_task, methods=["POST"]),
+    Route("/v1/tasks/{task_id}/events", ops_routes.task_events, methods=["GET"]),
+    Route("/healthz", ops_routes.healthz, methods=["GET"]),
+    Route("/metrics", ops_routes.metrics, methods=["GET"]),
+    Route("/openapi.json", ops_routes.openapi, methods=["GET"]),
+]
+
+
+def build_app(settings: Settings) -> Starlette:
+    gateway = Gateway(settings, Backend(settings.url))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await gateway.backend.start()
+        try:
+            yield
+        finally:
+            await gateway.backend.close()
+
+    app = Starlette(
+        routes=ROUTES,
+        middleware=[
+            Middleware(RequestMetrics, metrics=gateway.metrics),
+            Middleware(ApiKeys, keys=settings.api_keys),
+            Middleware(BodyLimit, max_bytes=settings.gateway_max_body_bytes),
+        ],
+        exception_handlers={
+            FleetError: on_fleet_error,
+            HTTPException: on_http_error,
+            Exception: on_unexpected_error,
+        },
+        lifespan=lifespan,
+    )
+    app.state.gateway = gateway
+    return app

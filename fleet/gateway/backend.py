@@ -1,0 +1,221 @@
+"""The gateway's side of NATS: one connection, and every verb the HTTP routes need from it.
+
+The gateway must start and answer (503) while NATS is down, so the first connection is retried
+in the background; after that nats-py reconnects by itself. Errors leave this module as Fleet
+errors: a full queue is QueueFull (429), anything unreachable is NatsUnavailable (503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NoKeysError, NotFoundError
+from nats.js.kv import KeyValue
+from pydantic import BaseModel
+
+from fleet.bus.connect import connect, js_publish, publish
+from fleet.bus.objects import ObjectBucket, ObjectError, ObjectMissing
+from fleet.bus.provision import provision
+from fleet.errors import FleetError, NatsUnavailable, QueueFull
+from fleet.gateway.streams import TaskEvents
+from fleet.wire import subjects
+from fleet.wire.cluster import Instance, RunnerRecord
+from fleet.wire.codec import DecodeError, decode_model
+from fleet.wire.tasks import CancelTask, Task
+
+log = logging.getLogger(__name__)
+
+# JetStream answers a publish over a stream's message limits with this code; FLEET_TASKS has
+# DiscardNew and a per-subject limit, so it means the model's queue is full.
+MAXIMUM_MESSAGES_EXCEEDED = 10077
+MAXIMUM_BYTES_EXCEEDED = 10078
+RECONNECT_WAIT_S = 1.0
+STREAMS = (subjects.TASKS_STREAM, subjects.OUT_STREAM)
+BUCKETS = (
+    subjects.INSTANCES_BUCKET,
+    subjects.RUNNERS_BUCKET,
+    subjects.CANCELS_BUCKET,
+    subjects.IMAGES_BUCKET,
+)
+
+
+@contextlib.contextmanager
+def unavailable_on_nats_errors(doing: str) -> Iterator[None]:
+    try:
+        yield
+    except FleetError:
+        raise
+    except (NatsError, OSError, TimeoutError) as exc:
+        raise NatsUnavailable(f"NATS could not {doing}: {exc!r}") from None
+
+
+class Backend:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.nc: Client | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        self._buckets: dict[str, KeyValue] = {}
+
+    async def start(self) -> None:
+        self._connecting = asyncio.create_task(self._connect_until_up())
+        # Give the first attempt a moment so a healthy start answers its first request.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._connecting), timeout=2.0)
+
+    async def _connect_until_up(self) -> None:
+        while True:
+            try:
+                nc = await connect(self.url, "fleet-gateway", connect_timeout=2.0)
+                break
+            except NatsUnavailable as exc:
+                log.warning("%s; retrying", exc.message)
+                await asyncio.sleep(RECONNECT_WAIT_S)
+        try:
+            await provision(nc)
+        except FleetError as exc:
+            log.error("provisioning JetStream failed: %s", exc.message)
+        self.nc = nc
+        log.info("connected to NATS at %s", self.url)
+
+    async def close(self) -> None:
+        if self._connecting:
+            self._connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._connecting
+        if self.nc is not None:
+            with contextlib.suppress(NatsError, OSError):
+                await self.nc.close()
+
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    def _client(self) -> Client:
+        if self.nc is None or not self.nc.is_connected:
+            raise NatsUnavailable(f"not connected to NATS at {self.url}")
+        return self.nc
+
+    def jetstream(self) -> JetStreamContext:
+        return self._client().jetstream()
+
+    async def _bucket(self, name: str) -> KeyValue:
+        if name not in self._buckets:
+            with unavailable_on_nats_errors(f"open bucket {name}"):
+                self._buckets[name] = await self.jetstream().key_value(name)
+        return self._buckets[name]
+
+    async def publish_task(self, task: Task) -> None:
+        try:
+            await js_publish(
+                self.jetstream(), subjects.tasks(task.model), task, msg_id=task.task_id
+            )
+        except APIError as exc:
+            if exc.err_code in (MAXIMUM_MESSAGES_EXCEEDED, MAXIMUM_BYTES_EXCEEDED):
+                raise QueueFull(f"the queue of model {task.model} is full; retry later") from None
+            raise NatsUnavailable(f"JetStream refused the task: {exc.description}") from None
+        except FleetError:
+            raise
+        except (NatsError, OSError, TimeoutError) as exc:
+            raise NatsUnavailable(f"could not publish the task: {exc!r}") from None
+
+    async def events(self, task_id: str, deadline: float, after: int = 0) -> TaskEvents:
+        return await TaskEvents(self.jetstream(), task_id, deadline, after).open()
+
+    async def cancel(self, task_id: str, reason: str) -> None:
+        """Record the cancel (for a worker that has not fetched the task yet), then announce it."""
+        cancel = CancelTask(task_id=task_id, reason=reason)
+        bucket = await self._bucket(subjects.CANCELS_BUCKET)
+        with unavailable_on_nats_errors("record the cancel"):
+            await bucket.put(task_id, cancel.model_dump_json(exclude_none=True).encode())
+            await publish(self._client(), subjects.cancel(task_id), cancel)
+
+    async def cancel_quietly(self, task_id: str, reason: str) -> None:
+        """Cancel from cleanup paths: shielded from the caller's cancellation, never raising."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(2.0):
+            try:
+                await self.cancel(task_id, reason)
+            except FleetError as exc:
+                log.warning("could not cancel task %s: %s", task_id, exc.message)
+
+    def _images(self) -> ObjectBucket:
+        return ObjectBucket(self._client(), subjects.IMAGES_BUCKET)
+
+    async def put_image(self, data: bytes) -> str:
+        try:
+            return await self._images().put_by_hash(data)
+        except ObjectError as exc:
+            raise NatsUnavailable(f"could not store the image: {exc.message}") from None
+
+    async def has_image(self, sha256: str) -> bool:
+        try:
+            return await self._images().find(sha256) is not None
+        except ObjectError as exc:
+            raise NatsUnavailable(f"could not look up image {sha256}: {exc.message}") from None
+
+    async def get_image(self, sha256: str) -> bytes | None:
+        try:
+            return await self._images().get(sha256)
+        except ObjectMissing:
+            return None
+        except ObjectError as exc:
+            raise NatsUnavailable(f"could not read image {sha256}: {exc.message}") from None
+
+    async def _values(self, name: str, model: type[BaseModel]) -> list[Any]:
+        bucket = await self._bucket(name)
+        found = []
+        with unavailable_on_nats_errors(f"read bucket {name}"):
+            try:
+                keys = await bucket.keys()
+            except NoKeysError:
+                return []
+            for key in keys:
+                with contextlib.suppress(NotFoundError):  # deleted or expired meanwhile
+                    entry = await bucket.get(key)
+                    if entry.value:  # a TTL marker reads as an entry without a value
+                        with contextlib.suppress(DecodeError):
+                            found.append(decode_model(model, entry.value))
+        return found
+
+    async def instances(self) -> list[Instance]:
+        return await self._values(subjects.INSTANCES_BUCKET, Instance)
+
+    async def runners(self) -> list[RunnerRecord]:
+        return await self._values(subjects.RUNNERS_BUCKET, RunnerRecord)
+
+    async def queue_depths(self) -> dict[str, int]:
+        """Tasks stored per model: WorkQueue keeps a task until a worker acks it."""
+        with unavailable_on_nats_errors("read the task queue"):
+            info = await self.jetstream().stream_info(
+                subjects.TASKS_STREAM, subjects_filter=subjects.TASKS_ALL
+            )
+        per_subject = info.state.subjects or {}
+        return {subjects.model_of_task_subject(s): n for s, n in per_subject.items()}
+
+    async def stored_events(self, task_id: str) -> int:
+        subject = subjects.out(task_id)
+        with unavailable_on_nats_errors("count a task's events"):
+            info = await self.jetstream().stream_info(subjects.OUT_STREAM, subjects_filter=subject)
+        return (info.state.subjects or {}).get(subject, 0)
+
+    async def present(self) -> dict[str, bool]:
+        """Which of the streams and buckets the gateway relies on exist."""
+        js = self.jetstream()
+        names = [*STREAMS, *(f"KV_{b}" for b in BUCKETS[:-1]), f"OBJ_{BUCKETS[-1]}"]
+        found = {}
+        for name in names:
+            try:
+                await js.stream_info(name)
+                found[name] = True
+            except NotFoundError:
+                found[name] = False
+            except (NatsError, OSError, TimeoutError) as exc:
+                raise NatsUnavailable(f"NATS did not answer about {name}: {exc!r}") from None
+        return found

@@ -1,0 +1,119 @@
+"""`fleet gateway --host --port`: the HTTP sidecar on uvicorn with uvloop and httptools.
+
+`serve` is also what `fleet up` runs inside its own event loop, so it owns no signals: whoever
+runs the loop stops the gateway by cancelling it, and the gateway then shuts down gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+from fleet.config import Settings, load_settings
+from fleet.errors import FleetError
+
+# Open streams get this long to finish when the gateway stops; then they are cut.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    return load_settings(
+        {
+            "nats_url": getattr(args, "nats_url", None),
+            "data_dir": getattr(args, "data_dir", None),
+            "log_level": getattr(args, "log_level", None),
+            "gateway_host": getattr(args, "host", None),
+            "gateway_port": getattr(args, "port", None),
+            "gateway_timeout_s": getattr(args, "timeout", None),
+        }
+    )
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """Bound and listening before uvicorn starts: from here on connections queue, not fail."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise FleetError(
+            f"the gateway cannot listen on {host}:{port}: {exc.strerror}; pass --port N "
+            "or set FLEET_GATEWAY_PORT"
+        ) from None
+    sock.listen(2048)
+    return sock
+
+
+async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
+    import uvicorn
+
+    from fleet.gateway.app import build_app
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield  # the loop's owner handles signals and cancels us
+
+    sock = listening_socket(settings.gateway_host, settings.gateway_port)
+    config = uvicorn.Config(
+        build_app(settings),
+        http="httptools",
+        log_level=settings.log_level.lower(),
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+    server = Server(config)
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.shield(serving)
+    except asyncio.CancelledError:
+        server.should_exit = True
+        await serving
+        raise
+    finally:
+        sock.close()
+
+
+async def run_gateway(settings: Settings) -> None:
+    serving = asyncio.ensure_future(serve(settings))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, serving.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await serving
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    import uvloop
+
+    settings = settings_from(args)
+    print(
+        f"fleet gateway: http://{settings.gateway_host}:{settings.gateway_port}/v1 "
+        f"over NATS {settings.url}",
+        flush=True,
+    )
+    uvloop.run(run_gateway(settings))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "gateway", help="the OpenAI-compatible HTTP gateway over the task subjects"
+    )
+    parser.add_argument("--host", help="address to listen on (env FLEET_GATEWAY_HOST)")
+    parser.add_argument("--port", type=int, help="port to listen on (env FLEET_GATEWAY_PORT)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds a request waits for its task to end (env FLEET_GATEWAY_TIMEOUT_S)",
+    )
+    parser.set_defaults(func=cmd_gateway)

@@ -1,0 +1,170 @@
+"""One request's life: subscribe to the task's events, publish the task, then answer with one
+JSON body or an SSE stream, and cancel the task when nobody will read its output.
+
+A failure that is known before the first token becomes an HTTP error with the right status;
+once a stream has started it becomes an SSE `error` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import anyio
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from fleet.errors import FleetError
+from fleet.gateway.backend import Backend
+from fleet.gateway.guards import HttpError
+from fleet.gateway.metrics import GatewayMetrics, TaskObserver
+from fleet.gateway.renderers import Renderer
+from fleet.gateway.replies import failure, sse_error
+from fleet.gateway.streams import Indexed, TaskEvents
+from fleet.wire.events import ErrorChunk, TaskFinished
+from fleet.wire.tasks import Task
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that tells `on_close` whether the client hung up before the end."""
+
+    def __init__(
+        self, lines: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None]]
+    ) -> None:
+        headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+        super().__init__(lines, headers=headers, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        hung_up = False
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def watch_for_disconnect() -> None:
+                    nonlocal hung_up
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    hung_up = True
+                    group.cancel_scope.cancel()
+
+                group.start_soon(watch_for_disconnect)
+                await self.stream_response(send)
+                group.cancel_scope.cancel()
+        except* OSError:  # the server noticed the hang-up on a write first
+            hung_up = True
+        finally:
+            await self.on_close(hung_up)
+
+
+async def _relay(
+    head: list[Indexed], events: TaskEvents, renderer: Renderer, observer: TaskObserver
+) -> AsyncIterator[bytes]:
+    loop = asyncio.get_running_loop()
+    last_error: ErrorChunk | None = None
+
+    async def each() -> AsyncIterator[Indexed]:
+        for item in head:
+            yield item
+        async for item in events:
+            yield item
+
+    for line in renderer.opening():
+        yield line
+    try:
+        async for item in each():
+            observer.see(item.event, loop.time())
+            if isinstance(item.event, ErrorChunk):
+                last_error = item.event
+            if isinstance(item.event, TaskFinished) and (failed := failure(item.event, last_error)):
+                observer.metrics.errors.inc(reason=failed.reason.value)
+                yield sse_error(failed)
+                return
+            for line in await renderer.lines(item.event):
+                yield line
+    except FleetError as exc:  # deadline, NATS gone: the headers are out, so say it in-band
+        observer.metrics.errors.inc(reason=exc.reason.value)
+        yield sse_error(exc)
+        return
+    for line in renderer.closing():
+        yield line
+
+
+async def run_task(
+    backend: Backend,
+    metrics: GatewayMetrics,
+    task: Task,
+    renderer: Renderer,
+    *,
+    stream: bool,
+    resumable: bool,
+    timeout_s: float,
+) -> Response:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    observer = TaskObserver(metrics, task.model, started)
+    # Subscribed before publishing: FLEET_OUT keeps events anyway, but this way a NATS that is
+    # down fails the request before a task is queued for nobody.
+    events = await backend.events(task.task_id, deadline=started + timeout_s)
+    published = False
+    handed_over = False
+    try:
+        await backend.publish_task(task)
+        published = True
+        if not stream:
+            items = await events.rest()
+            for item in items:
+                observer.see(item.event, loop.time())
+            if events.finished and (failed := failure(events.finished, _last_error(items))):
+                raise failed
+            return JSONResponse(await renderer.body([item.event for item in items]))
+        head = await events.until_committed()
+        if events.finished and (failed := failure(events.finished, _last_error(head))):
+            raise failed
+        handed_over = True
+    finally:
+        if not handed_over:
+            await events.close()
+            if published and events.finished is None:
+                await backend.cancel_quietly(task.task_id, "the request ended before the task")
+
+    async def on_close(hung_up: bool) -> None:
+        await events.close()
+        if events.finished is None and not (resumable and hung_up):
+            why = "the client disconnected" if hung_up else "the stream ended before the task"
+            await backend.cancel_quietly(task.task_id, why)
+
+    return EventStream(_relay(head, events, renderer, observer), on_close)
+
+
+async def resume(backend: Backend, task_id: str, after: int, timeout_s: float) -> Response:
+    """A task's raw Fleet events after the first `after`, as SSE with `id:` = event index.
+
+    The stream opens at once, since a queued task has no events yet; running out of time is
+    an in-band error event. A client that has seen events of a task no longer stored gets 404.
+    """
+    if after > 0 and await backend.stored_events(task_id) == 0:
+        raise HttpError(404, f"no events are stored for task {task_id}: unknown or expired")
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    events = await backend.events(task_id, deadline=deadline, after=after)
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            async for item in events:
+                yield _raw_sse(item)
+        except FleetError as exc:
+            yield sse_error(exc)
+
+    async def on_close(hung_up: bool) -> None:
+        await events.close()  # a reader leaving never cancels: others may still be reading
+
+    return EventStream(lines(), on_close)
+
+
+def _last_error(items: list[Indexed]) -> ErrorChunk | None:
+    errors = [item.event for item in items if isinstance(item.event, ErrorChunk)]
+    return errors[-1] if errors else None
+
+
+def _raw_sse(item: Indexed) -> bytes:
+    head = f"event: {item.event.type}\nid: {item.index}\ndata: ".encode()
+    return head + item.raw + b"\n\n"

@@ -1,0 +1,169 @@
+"""What stands between a request and a route: the body cap, API keys, request metrics, JSON
+parsing, and the translation of every failure into OpenAI's error shape.
+
+The middlewares are plain ASGI so that a body over the cap is refused while it streams in,
+not after it has been buffered.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from fleet.errors import FleetError, InvalidRequest, PayloadTooLarge, Unauthorized
+from fleet.gateway.metrics import GatewayMetrics
+from fleet.gateway.openai import invalid_from
+from fleet.gateway.replies import error_body
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
+
+OPEN_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"})
+
+
+def error_response(exc: FleetError) -> JSONResponse:
+    return JSONResponse(error_body(exc), status_code=exc.http_status)
+
+
+class HttpError(FleetError):
+    """A routing failure (no such path, wrong method) in OpenAI's error shape."""
+
+    openai_type = "invalid_request_error"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.http_status = status
+        self.code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+
+
+async def on_fleet_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, FleetError)
+    metrics: GatewayMetrics = request.app.state.gateway.metrics
+    metrics.errors.inc(reason=error_body(exc)["error"]["code"] or str(exc.http_status))
+    return error_response(exc)
+
+
+async def on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    response = error_response(HttpError(exc.status_code, exc.detail or "error"))
+    response.headers.update(exc.headers or {})  # e.g. Allow on a 405
+    return response
+
+
+async def on_unexpected_error(request: Request, exc: Exception) -> Response:
+    log.exception("unexpected error on %s %s", request.method, request.url.path)
+    return error_response(FleetError(f"internal error: {type(exc).__name__}"))
+
+
+async def read_json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None
+
+
+def parse(model: type[M], data: Any) -> M:
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_from(exc) from None
+
+
+def _refuse(exc: FleetError) -> ASGIApp:
+    response = error_response(exc)
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await response(scope, receive, send)
+
+    return app
+
+
+class BodyLimit:
+    """413 for a declared Content-Length over the cap, and for a body that grows past it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = PayloadTooLarge(f"the request body is over {self.max_bytes} bytes")
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            return await _refuse(too_large)(scope, receive, send)
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                raise too_large
+            return message
+
+        await self.app(scope, counted, send)
+
+
+class ApiKeys:
+    """Bearer keys on every /v1 route when keys are configured; probes stay open."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self.app = app
+        self.keys = [key.encode() for key in keys]
+
+    def _allowed(self, scope: Scope) -> bool:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        # Compare with every key in constant time so timing tells nothing about which is close.
+        matches = [hmac.compare_digest(token.strip(), key) for key in self.keys]
+        return any(matches)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        guarded = scope["type"] == "http" and self.keys and scope["path"] not in OPEN_PATHS
+        if guarded and not self._allowed(scope):
+            refusal = Unauthorized("a valid API key is required: Authorization: Bearer KEY")
+            return await _refuse(refusal)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class RequestMetrics:
+    """Counts requests by route template and status, and times them to their last byte."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.monotonic()
+        status = 500
+
+        async def watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            self.metrics.requests.inc(route=path, method=scope["method"], status=str(status))
+            self.metrics.duration.observe(time.monotonic() - started, route=path)

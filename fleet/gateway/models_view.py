@@ -1,0 +1,95 @@
+"""Which models are placed and ready, from the cards and the KV state; pure and table-tested.
+
+A model is placed when an instance of it exists in FLEET_INSTANCES, and ready when one of its
+instances has every shard's runner in FLEET_RUNNERS in a state that accepts tasks. A runner
+record whose instance is not (or no longer) listed still counts on its own: the runner says it
+takes tasks, and the gateway tells what it sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fleet.wire.cluster import Instance, ModelCard, RunnerRecord
+from fleet.wire.runners import ACCEPTS_TASKS
+
+OWNER = "fleet"
+
+
+@dataclass(frozen=True)
+class ModelState:
+    placed: bool = False
+    ready: bool = False
+    instances: int = 0
+    ready_runners: int = 0
+
+
+def _instance_ready(instance: Instance, accepting: set[str]) -> bool:
+    return all(shard.runner_id in accepting for shard in instance.shards)
+
+
+def model_states(
+    cards: Iterable[str], instances: Iterable[Instance], runners: Iterable[RunnerRecord]
+) -> dict[str, ModelState]:
+    instances = list(instances)
+    runners = list(runners)
+    accepting = {r.runner_id for r in runners if r.status.state in ACCEPTS_TASKS}
+    known_instances = {i.instance_id for i in instances}
+    states = {}
+    for model in cards:
+        placed = [i for i in instances if i.model == model]
+        ready_runners = [r for r in runners if r.model == model and r.runner_id in accepting]
+        orphans_ready = any(r.instance_id not in known_instances for r in ready_runners)
+        states[model] = ModelState(
+            placed=bool(placed) or orphans_ready,
+            ready=any(_instance_ready(i, accepting) for i in placed) or orphans_ready,
+            instances=len(placed),
+            ready_runners=len(ready_runners),
+        )
+    return states
+
+
+def model_object(card: ModelCard, state: ModelState | None, created: int = 0) -> dict[str, Any]:
+    """An OpenAI model object, with what Fleet knows about the model beside it; placement and
+    readiness are null when NATS cannot tell."""
+    return {
+        "id": card.id,
+        "object": "model",
+        "created": created,
+        "owned_by": OWNER,
+        "name": card.name,
+        "tasks": list(card.tasks),
+        "capabilities": list(card.capabilities),
+        "context_length": card.context_length,
+        "placed": state.placed if state else None,
+        "ready": state.ready if state else None,
+        "instances": state.instances if state else None,
+        "ready_runners": state.ready_runners if state else None,
+    }
+
+
+def model_list(
+    cards: Mapping[str, ModelCard], states: Mapping[str, ModelState] | None
+) -> dict[str, Any]:
+    data = [
+        model_object(card, None if states is None else states.get(model, ModelState()))
+        for model, card in cards.items()
+    ]
+    return {"object": "list", "data": data}
+
+
+def refuses_images(card: ModelCard) -> str | None:
+    """Why a model cannot read input images in a chat, or None when it can."""
+    if "vision" in card.capabilities:
+        return None
+    return f"model {card.id} is text-only: it cannot read images (no 'vision' capability)"
+
+
+def refuses_task(card: ModelCard, task: str) -> str | None:
+    """Why a model cannot run this kind of request, or None when it can."""
+    if task in card.tasks:
+        return None
+    does = ", ".join(card.tasks)
+    return f"model {card.id} does not do {task.replace('_', ' ')} (it does: {does})"

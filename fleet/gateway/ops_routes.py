@@ -1,0 +1,82 @@
+"""Tasks (cancel, resume), models, health, metrics and the OpenAPI document."""
+
+from __future__ import annotations
+
+import re
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from fleet.errors import FleetError, ModelNotFound
+from fleet.gateway.flow import resume
+from fleet.gateway.models_view import model_list, model_object
+from fleet.gateway.openai import InvalidParameter
+from fleet.gateway.openapi import openapi_document
+from fleet.gateway.service import gateway_of
+
+TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+COUNT = re.compile(r"^[0-9]{1,9}$")
+PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _task_id(request: Request) -> str:
+    task_id = request.path_params["task_id"]
+    if not TASK_ID.match(task_id):
+        raise InvalidParameter("a task id has 1 to 128 letters, digits, '-' or '_'", "task_id")
+    return task_id
+
+
+async def cancel_task(request: Request) -> Response:
+    task_id = _task_id(request)
+    await gateway_of(request).backend.cancel(task_id, "cancelled through the gateway")
+    return JSONResponse({"id": task_id, "object": "task.cancel", "cancelled": True})
+
+
+def _events_seen(request: Request) -> int:
+    after = request.query_params.get("after", "0")
+    if not COUNT.match(after):
+        raise InvalidParameter("after: the number of events already seen, 0 or more", "after")
+    # EventSource clients reconnect with the last `id:` they saw in this header.
+    last_id = request.headers.get("last-event-id", "")
+    return max(int(after), int(last_id) if COUNT.match(last_id) else 0)
+
+
+async def task_events(request: Request) -> Response:
+    task_id = _task_id(request)
+    seen = _events_seen(request)
+    gateway = gateway_of(request)
+    return await resume(gateway.backend, task_id, seen, gateway.settings.gateway_timeout_s)
+
+
+async def list_models(request: Request) -> Response:
+    gateway = gateway_of(request)
+    return JSONResponse(model_list(gateway.cards(), await gateway.model_states()))
+
+
+async def get_model(request: Request) -> Response:
+    gateway = gateway_of(request)
+    model = request.path_params["model"]
+    card = gateway.cards().get(model)
+    if card is None:
+        raise ModelNotFound(f"the model {model!r} does not exist")
+    states = await gateway.model_states()
+    return JSONResponse(model_object(card, states.get(model) if states else None))
+
+
+async def healthz(request: Request) -> Response:
+    healthy, report = await gateway_of(request).health()
+    report["status"] = "ok" if healthy else "unavailable"
+    return JSONResponse(report, status_code=200 if healthy else 503)
+
+
+async def metrics(request: Request) -> Response:
+    gateway = gateway_of(request)
+    try:
+        depths = await gateway.backend.queue_depths()
+    except FleetError:
+        depths = {}  # the scrape still reports what the gateway itself saw
+    return PlainTextResponse(gateway.metrics.render(depths), media_type=PROMETHEUS_TEXT)
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(openapi_document())

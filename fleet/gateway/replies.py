@@ -1,0 +1,262 @@
+"""Fleet events in, OpenAI text responses out: chat.completion, text_completion, their chunks,
+and the SSE lines that carry them. Pure functions of the events; no I/O, no clock."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from fleet.errors import (
+    FleetError,
+    NatsUnavailable,
+    PayloadTooLarge,
+    TaskFailed,
+    Unauthorized,
+)
+from fleet.wire.events import (
+    ErrorChunk,
+    ErrorReason,
+    OutputEvent,
+    TaskFinished,
+    TokenChunk,
+    ToolCallChunk,
+    Usage,
+)
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: Any, event: str | None = None, event_id: int | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    if event_id is not None:
+        head += f"id: {event_id}\n"
+    return head.encode() + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+# Errors without a wire reason of their own still get a code a client can branch on.
+_CODE_BY_TYPE = {
+    Unauthorized: "invalid_api_key",
+    PayloadTooLarge: "payload_too_large",
+    NatsUnavailable: "nats_unavailable",
+}
+# A worker's failure has only a reason; the status it maps to picks OpenAI's error type.
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "cancelled",
+    504: "timeout",
+}
+
+
+def error_body(exc: FleetError) -> dict[str, Any]:
+    """OpenAI's error shape; `code` is Fleet's wire reason where the error has one."""
+    code = getattr(exc, "code", None) or _CODE_BY_TYPE.get(type(exc))
+    if code is None and (isinstance(exc, TaskFailed) or exc.reason is not ErrorReason.INTERNAL):
+        code = exc.reason.value
+    kind = exc.openai_type
+    if isinstance(exc, TaskFailed):
+        kind = _TYPE_BY_STATUS.get(exc.http_status, "server_error")
+    error = {"message": exc.message, "type": kind, "param": getattr(exc, "param", None)}
+    return {"error": {**error, "code": code}}
+
+
+def sse_error(exc: FleetError) -> bytes:
+    """Mid-stream failure: OpenAI's SDKs raise on an `error` event whose data has `error`."""
+    return sse(error_body(exc), event="error")
+
+
+def failure(finished: TaskFinished, last_error: ErrorChunk | None = None) -> TaskFailed | None:
+    """The error a terminal event stands for, or None when the task completed."""
+    if finished.status == "completed":
+        return None
+    default = {"cancelled": ErrorReason.CANCELLED, "expired": ErrorReason.DEADLINE}
+    reason = finished.reason or default.get(finished.status, ErrorReason.INTERNAL)
+    message = finished.message or (last_error.message if last_error else None)
+    return TaskFailed(reason, message or f"task {finished.status}: {reason.value}")
+
+
+@dataclass
+class TextResult:
+    """What a text task produced, folded from its events in order."""
+
+    tokens: list[TokenChunk] = field(default_factory=list)
+    tool_calls: list[ToolCallChunk] = field(default_factory=list)
+    last_error: ErrorChunk | None = None
+    finished: TaskFinished | None = None
+
+    def add(self, event: OutputEvent) -> None:
+        match event:
+            case TokenChunk():
+                self.tokens.append(event)
+            case ToolCallChunk():
+                self.tool_calls.append(event)
+            case ErrorChunk():
+                self.last_error = event
+            case TaskFinished():
+                self.finished = event
+
+    @property
+    def text(self) -> str:
+        return "".join(token.text for token in self.tokens)
+
+
+def gather(events: Iterable[OutputEvent]) -> TextResult:
+    result = TextResult()
+    for event in events:
+        result.add(event)
+    return result
+
+
+def finish_reason(finished: TaskFinished, has_tool_calls: bool) -> str:
+    return finished.finish_reason or ("tool_calls" if has_tool_calls else "stop")
+
+
+def usage_json(usage: Usage | None) -> dict[str, int]:
+    return (usage or Usage()).model_dump()
+
+
+def _token_logprob(token: TokenChunk) -> dict[str, Any]:
+    return {
+        "token": token.text,
+        "logprob": token.logprob,
+        "bytes": list(token.text.encode()),
+        "top_logprobs": [
+            {"token": top.token, "logprob": top.logprob, "bytes": list(top.token.encode())}
+            for top in token.top_logprobs or []
+        ],
+    }
+
+
+def chat_logprobs(tokens: list[TokenChunk]) -> dict[str, Any]:
+    return {"content": [_token_logprob(t) for t in tokens], "refusal": None}
+
+
+def completion_logprobs(tokens: list[TokenChunk], offset: int = 0) -> dict[str, Any]:
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token.text)
+    return {
+        "tokens": [t.text for t in tokens],
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{top.token: top.logprob for top in t.top_logprobs or []} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def tool_call_json(call: ToolCallChunk) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every response of one request shares."""
+
+    task_id: str
+    model: str
+    created: int
+    logprobs: bool = False
+    include_usage: bool = False
+
+    def _envelope(self, kind: str) -> dict[str, Any]:
+        return {"id": self.task_id, "object": kind, "created": self.created, "model": self.model}
+
+    def chat_completion(self, result: TextResult) -> dict[str, Any]:
+        assert result.finished is not None
+        message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
+        if result.tool_calls:
+            message["tool_calls"] = [tool_call_json(call) for call in result.tool_calls]
+            message["content"] = result.text or None
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": chat_logprobs(result.tokens) if self.logprobs else None,
+            "finish_reason": finish_reason(result.finished, bool(result.tool_calls)),
+        }
+        usage = usage_json(result.finished.usage)
+        return {**self._envelope("chat.completion"), "choices": [choice], "usage": usage}
+
+    def text_completion(self, result: TextResult) -> dict[str, Any]:
+        assert result.finished is not None
+        choice = {
+            "index": 0,
+            "text": result.text,
+            "logprobs": completion_logprobs(result.tokens) if self.logprobs else None,
+            "finish_reason": finish_reason(result.finished, False),
+        }
+        usage = usage_json(result.finished.usage)
+        return {**self._envelope("text_completion"), "choices": [choice], "usage": usage}
+
+    def _chat_chunk(self, delta: dict[str, Any], **choice: Any) -> dict[str, Any]:
+        chunk = {
+            **self._envelope("chat.completion.chunk"),
+            "choices": [
+                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, **choice}
+            ],
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chat_opening(self) -> dict[str, Any]:
+        return self._chat_chunk({"role": "assistant", "content": ""})
+
+    def chat_chunks(self, event: OutputEvent, tool_calls_seen: int) -> list[dict[str, Any]]:
+        """The chunks one event becomes; the terminal event adds the usage chunk if asked."""
+        match event:
+            case TokenChunk():
+                logprobs = chat_logprobs([event]) if self.logprobs else None
+                return [self._chat_chunk({"content": event.text}, logprobs=logprobs)]
+            case ToolCallChunk():
+                call = {"index": tool_calls_seen, **tool_call_json(event)}
+                return [self._chat_chunk({"tool_calls": [call]})]
+            case TaskFinished():
+                reason = finish_reason(event, tool_calls_seen > 0)
+                chunks = [self._chat_chunk({}, finish_reason=reason)]
+                if self.include_usage:
+                    chunks.append(
+                        {
+                            **self._envelope("chat.completion.chunk"),
+                            "choices": [],
+                            "usage": usage_json(event.usage),
+                        }
+                    )
+                return chunks
+        return []
+
+    def _completion_chunk(self, text: str, **choice: Any) -> dict[str, Any]:
+        chunk = {
+            **self._envelope("text_completion"),
+            "choices": [
+                {"index": 0, "text": text, "logprobs": None, "finish_reason": None, **choice}
+            ],
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def completion_chunks(self, event: OutputEvent, text_offset: int) -> list[dict[str, Any]]:
+        match event:
+            case TokenChunk():
+                logprobs = completion_logprobs([event], text_offset) if self.logprobs else None
+                return [self._completion_chunk(event.text, logprobs=logprobs)]
+            case TaskFinished():
+                chunks = [self._completion_chunk("", finish_reason=finish_reason(event, False))]
+                if self.include_usage:
+                    chunks.append(
+                        {
+                            **self._envelope("text_completion"),
+                            "choices": [],
+                            "usage": usage_json(event.usage),
+                        }
+                    )
+                return chunks
+        return []

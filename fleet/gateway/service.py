@@ -1,0 +1,116 @@
+"""The gateway's shared parts, made once per app: settings, the NATS backend, metrics, and the
+small lookups every route makes (model cards, images named in requests, task ids)."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from fleet.config import Settings
+from fleet.errors import FleetError, InvalidRequest, ModelNotFound
+from fleet.gateway.backend import Backend
+from fleet.gateway.flow import run_task
+from fleet.gateway.metrics import GatewayMetrics
+from fleet.gateway.models_view import ModelState, model_states, refuses_task
+from fleet.gateway.openai import image_reference
+from fleet.gateway.renderers import Renderer
+from fleet.models.catalog import all_cards, get_card
+from fleet.wire.cluster import ModelCard
+from fleet.wire.tasks import Task
+
+
+def new_task_id(prefix: str) -> str:
+    # token_urlsafe uses only letters, digits, '-' and '_': safe as a subject token.
+    return f"{prefix}-{secrets.token_urlsafe(18)}"
+
+
+def now_utc() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class Gateway:
+    settings: Settings
+    backend: Backend
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+
+    def cards(self) -> dict[str, ModelCard]:
+        return all_cards(self.settings.data_dir)
+
+    def card_for(self, model: str, task: str) -> ModelCard:
+        """The model's card, or 404; a model that cannot do `task` is a 400 before publishing."""
+        try:
+            card = get_card(model, self.settings.data_dir)
+        except ModelNotFound:
+            raise ModelNotFound(f"the model {model!r} does not exist") from None
+        if why := refuses_task(card, task):
+            raise InvalidRequest(why)
+        return card
+
+    def timeout_for(self, requested: float | None) -> float:
+        return requested or self.settings.gateway_timeout_s
+
+    async def image_hash(self, url: str) -> str:
+        """Store a data-URL image in FLEET_IMAGES (once), or check a referenced one exists."""
+        reference = image_reference(url)
+        if isinstance(reference, bytes):
+            return await self.backend.put_image(reference)
+        if not await self.backend.has_image(reference):
+            raise InvalidRequest(f"image {reference} is not stored in this fleet")
+        return reference
+
+    async def model_states(self) -> dict[str, ModelState] | None:
+        """Placement and readiness per model, or None while NATS cannot tell."""
+        try:
+            instances = await self.backend.instances()
+            runners = await self.backend.runners()
+        except FleetError:
+            return None
+        return model_states(self.cards(), instances, runners)
+
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        report: dict[str, Any] = {"nats": {"url": self.settings.url, "connected": False}}
+        if not self.backend.connected:
+            return False, report
+        report["nats"]["connected"] = True
+        try:
+            report["streams"] = await self.backend.present()
+            depths = await self.backend.queue_depths()
+        except FleetError as exc:
+            report["error"] = exc.message
+            return False, report
+        states = await self.model_states() or {}
+        report["models"] = {
+            model: {"placed": s.placed, "ready": s.ready, "queue_depth": depths.get(model, 0)}
+            for model, s in states.items()
+        }
+        return all(report["streams"].values()), report
+
+    async def run(
+        self, task: Task, renderer: Renderer, *, stream: bool, resumable: bool, timeout_s: float
+    ) -> Response:
+        return await run_task(
+            self.backend,
+            self.metrics,
+            task,
+            renderer,
+            stream=stream,
+            resumable=resumable,
+            timeout_s=timeout_s,
+        )
+
+
+def gateway_of(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def image_url_for(request: Request) -> Callable[[str], str]:
+    """Absolute URLs of stored images, as seen by the client that asked."""
+    base = str(request.base_url).rstrip("/")
+    return lambda sha256: f"{base}/v1/images/{sha256}"

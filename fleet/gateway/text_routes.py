@@ -1,0 +1,60 @@
+"""POST /v1/chat/completions and POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from fleet.gateway.guards import parse, read_json
+from fleet.gateway.models_view import refuses_images
+from fleet.gateway.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidParameter,
+    chat_task,
+    completion_task,
+    image_urls,
+)
+from fleet.gateway.renderers import ChatRenderer, CompletionRenderer
+from fleet.gateway.replies import Reply
+from fleet.gateway.service import gateway_of, new_task_id, now_utc
+
+
+async def chat_completions(request: Request) -> Response:
+    gateway = gateway_of(request)
+    chat = parse(ChatCompletionRequest, await read_json(request))
+    card = gateway.card_for(chat.model, "text_generation")
+    urls = image_urls(chat)
+    if urls and (why := refuses_images(card)):
+        raise InvalidParameter(why, "messages")
+    hashes = {url: await gateway.image_hash(url) for url in urls}
+    timeout_s = gateway.timeout_for(chat.timeout)
+    task = chat_task(chat, new_task_id("chatcmpl"), hashes, now_utc(), timeout_s)
+    reply = Reply(task.task_id, chat.model, int(time.time()), chat.logprobs, chat.include_usage)
+    return await gateway.run(
+        task, ChatRenderer(reply), stream=chat.stream, resumable=chat.resumable, timeout_s=timeout_s
+    )
+
+
+async def completions(request: Request) -> Response:
+    gateway = gateway_of(request)
+    completion = parse(CompletionRequest, await read_json(request))
+    gateway.card_for(completion.model, "text_generation")
+    timeout_s = gateway.timeout_for(completion.timeout)
+    task = completion_task(completion, new_task_id("cmpl"), now_utc(), timeout_s)
+    reply = Reply(
+        task.task_id,
+        completion.model,
+        int(time.time()),
+        completion.logprobs is not None,
+        completion.include_usage,
+    )
+    return await gateway.run(
+        task,
+        CompletionRenderer(reply),
+        stream=completion.stream,
+        resumable=completion.resumable,
+        timeout_s=timeout_s,
+    )

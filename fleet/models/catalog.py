@@ -1,0 +1,159 @@
+"""Model cards: the built-in ones shipped as data files, plus custom ones added at run time.
+
+Built-in cards live in `fleet/models/cards/<id>.json`; custom cards are written to
+`<data_dir>/models/custom/<id>.json` by `add_custom_card`, which reads a local model directory
+(an mlx-lm directory, or a snapshot in the local Hugging Face cache) and describes it.
+
+Image model families name the mflux class that runs them:
+mflux_flux1 -> Flux1, mflux_flux2 -> Flux2Klein, mflux_qwen_image -> QwenImage,
+mflux_z_image -> ZImage. Text families (mlx_lm, gguf_llama) both load with `mlx_lm.load`
+once `fleet.models.store` has made them a local directory.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from fleet.errors import InvalidRequest, ModelNotFound
+from fleet.models.hf_cache import repo_id_of_snapshot, resolve_local_model
+from fleet.wire.cluster import ModelCard
+
+CUSTOM_DIR_NAME = "custom"
+# diffusers' pipeline class (model_index.json) -> the family whose mflux class loads it.
+DIFFUSERS_FAMILIES = {
+    "FluxPipeline": "mflux_flux1",
+    "Flux2KleinPipeline": "mflux_flux2",
+    "QwenImagePipeline": "mflux_qwen_image",
+    "ZImagePipeline": "mflux_z_image",
+}
+
+
+@cache
+def builtin_cards() -> dict[str, ModelCard]:
+    folder = resources.files("fleet.models") / "cards"
+    cards = [
+        ModelCard.model_validate_json(entry.read_text())
+        for entry in folder.iterdir()
+        if entry.name.endswith(".json")
+    ]
+    return {card.id: card for card in sorted(cards, key=lambda card: card.id)}
+
+
+def custom_cards_dir(data_dir: Path) -> Path:
+    return Path(data_dir) / "models" / CUSTOM_DIR_NAME
+
+
+def custom_cards(data_dir: Path) -> dict[str, ModelCard]:
+    folder = custom_cards_dir(data_dir)
+    if not folder.is_dir():
+        return {}
+    cards = [ModelCard.model_validate_json(path.read_bytes()) for path in folder.glob("*.json")]
+    return {card.id: card for card in sorted(cards, key=lambda card: card.id)}
+
+
+def all_cards(data_dir: Path | None = None) -> dict[str, ModelCard]:
+    """Every card this node knows: built-in first, then custom ones from `data_dir`."""
+    cards = dict(builtin_cards())
+    if data_dir is not None:
+        cards.update(custom_cards(data_dir))
+    return cards
+
+
+def get_card(model_id: str, data_dir: Path | None = None) -> ModelCard:
+    card = all_cards(data_dir).get(model_id)
+    if card is None:
+        raise ModelNotFound(f"no model card named {model_id!r}")
+    return card
+
+
+def add_custom_card(data_dir: Path, model_id: str, path: Path | str) -> ModelCard:
+    """Describe the model at `path` (or a repo id found in the local HF cache) and save it."""
+    if model_id in builtin_cards() or model_id == CUSTOM_DIR_NAME:
+        raise InvalidRequest(f"{model_id!r} is reserved: choose another id")
+    model_dir = resolve_local_model(path)
+    try:
+        card = describe_model_dir(model_id, model_dir)
+    except ValidationError as exc:
+        raise InvalidRequest(f"cannot make a card for {model_id!r}: {exc}") from exc
+    folder = custom_cards_dir(data_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    staging = folder / f".{model_id}.json.tmp"
+    staging.write_text(card.model_dump_json(indent=2) + "\n")
+    staging.replace(folder / f"{model_id}.json")
+    return card
+
+
+def describe_model_dir(model_id: str, model_dir: Path) -> ModelCard:
+    if (model_dir / "model_index.json").is_file():
+        return _describe_diffusers_dir(model_id, model_dir)
+    if (model_dir / "config.json").is_file():
+        return _describe_mlx_lm_dir(model_id, model_dir)
+    raise InvalidRequest(f"{model_dir} holds neither config.json nor model_index.json")
+
+
+def _describe_mlx_lm_dir(model_id: str, model_dir: Path) -> ModelCard:
+    config = json.loads((model_dir / "config.json").read_text())
+    # Multimodal configs keep the language model's sizes in a nested text_config.
+    text_config = config.get("text_config", config)
+    quantization = config.get("quantization") or config.get("quantization_config")
+    capabilities = []
+    if "tools" in _chat_template(model_dir):
+        capabilities.append("tools")
+    if "vision_config" in config:
+        capabilities.append("vision")
+    return ModelCard(
+        id=model_id,
+        name=_display_name(model_dir),
+        tasks=["text_generation"],
+        family="mlx_lm",
+        source=str(model_dir),
+        size_bytes=_weights_size(model_dir),
+        n_layers=int(text_config.get("num_hidden_layers") or text_config.get("n_layers") or 0),
+        hidden_size=int(text_config.get("hidden_size") or text_config.get("d_model") or 0),
+        context_length=int(text_config.get("max_position_embeddings") or 2048),
+        quantization=f"{quantization['bits']}bit" if quantization else "none",
+        capabilities=capabilities,
+    )
+
+
+def _describe_diffusers_dir(model_id: str, model_dir: Path) -> ModelCard:
+    pipeline = json.loads((model_dir / "model_index.json").read_text()).get("_class_name", "")
+    family = DIFFUSERS_FAMILIES.get(pipeline)
+    if family is None:
+        known = ", ".join(sorted(DIFFUSERS_FAMILIES))
+        raise InvalidRequest(f"{model_dir} is a {pipeline or 'unknown'} pipeline; known: {known}")
+    return ModelCard(
+        id=model_id,
+        name=_display_name(model_dir),
+        tasks=["text_to_image", "image_to_image"],
+        family=family,
+        source=str(model_dir),
+        size_bytes=_weights_size(model_dir),
+        capabilities=["partial_images"],
+    )
+
+
+def _display_name(model_dir: Path) -> str:
+    return repo_id_of_snapshot(model_dir) or model_dir.name
+
+
+def _chat_template(model_dir: Path) -> str:
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        template = json.loads(tokenizer_config.read_text()).get("chat_template") or ""
+        # A few tokenizers keep a list of named templates.
+        return template if isinstance(template, str) else json.dumps(template)
+    return ""
+
+
+def _weights_size(model_dir: Path) -> int:
+    # HF cache snapshots hold symlinks into blobs/: stat follows them to the real size.
+    return sum(path.stat().st_size for path in model_dir.rglob("*.safetensors"))

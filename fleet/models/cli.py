@@ -1,0 +1,122 @@
+"""`fleet models …`: list the cards, make the tiny models, add a custom card, convert SmolLM2."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from fleet.config import Settings, load_settings
+from fleet.models.catalog import add_custom_card, all_cards
+from fleet.models.store import can_provide, dir_size, ensure_model, local_model_dir
+from fleet.wire.cluster import ModelCard
+
+TINY_MODELS = ("tiny-llm", "tiny-flux2")
+CONVERTIBLE = ("smollm2-135m",)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    models = subparsers.add_parser("models", help="model cards and local weights")
+    verbs = models.add_subparsers(dest="models_command", required=True, metavar="VERB")
+
+    verbs.add_parser("list", help="cards, their tasks, and what is on disk").set_defaults(
+        func=cmd_list
+    )
+
+    make_tiny = verbs.add_parser("make-tiny", help="build the tiny test models into the data dir")
+    make_tiny.add_argument("--only", choices=TINY_MODELS, help="build just this one")
+    make_tiny.set_defaults(func=cmd_make_tiny)
+
+    add = verbs.add_parser("add", help="add a custom card for a local model directory")
+    add.add_argument("--id", required=True, dest="model_id", help="the new model id (a slug)")
+    add.add_argument(
+        "--path", required=True, help="mlx-lm directory, HF cache entry, or cached repo id"
+    )
+    add.set_defaults(func=cmd_add)
+
+    convert = verbs.add_parser("convert", help="convert a bundled GGUF model now")
+    convert.add_argument("model_id", choices=CONVERTIBLE)
+    convert.set_defaults(func=cmd_convert)
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    return load_settings({"data_dir": getattr(args, "data_dir", None)})
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    rows = []
+    for card in all_cards(settings.data_dir).values():
+        local = local_model_dir(card, settings.models_dir)
+        if local is not None:
+            where, size = "yes", human_size(dir_size(local))
+        else:
+            where = "buildable" if can_provide(card, settings.models_dir) else "no"
+            size = f"~{human_size(card.size_bytes)}" if card.size_bytes else "-"
+        rows.append([card.id, ",".join(card.tasks), card.family, where, size, card.source])
+    print(table(["ID", "TASKS", "FAMILY", "ON DISK", "SIZE", "SOURCE"], rows))
+    print(f"\nmodels dir: {settings.models_dir}")
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    cards = all_cards(settings.data_dir)
+    for model_id in [args.only] if args.only else TINY_MODELS:
+        _provide(cards[model_id], settings.models_dir)
+    return 0
+
+
+def cmd_add(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    card = add_custom_card(settings.data_dir, args.model_id, args.path)
+    rows = [
+        ["id", card.id],
+        ["family", card.family],
+        ["tasks", ",".join(card.tasks)],
+        ["source", card.source],
+        ["layers", str(card.n_layers)],
+        ["hidden size", str(card.hidden_size)],
+        ["context", str(card.context_length)],
+        ["quantization", card.quantization],
+        ["capabilities", ",".join(card.capabilities) or "-"],
+        ["size", human_size(card.size_bytes)],
+    ]
+    print(table(["FIELD", "VALUE"], rows))
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    _provide(all_cards(settings.data_dir)[args.model_id], settings.models_dir)
+    return 0
+
+
+def _provide(card: ModelCard, models_dir: Path) -> None:
+    already = local_model_dir(card, models_dir)
+    started = time.perf_counter()
+    path = ensure_model(card, models_dir)
+    if already is not None:
+        print(f"{card.id}: already at {path}")
+    else:
+        elapsed = time.perf_counter() - started
+        print(f"{card.id}: built in {elapsed:.1f} s at {path} ({human_size(dir_size(path))})")
+
+
+def human_size(size_bytes: int) -> str:
+    size = float(size_bytes)
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True))
+        for row in [header, *rows]
+    ]
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,138 @@
+"""Frames on the worker <-> runner pipe: a 4-byte big-endian length, then one orjson body.
+
+The encoders and the header decoder are pure and tested byte for byte. The runner reads and
+writes with the blocking `FrameReader` / `FrameWriter` (its stdin and stdout); the worker uses
+`read_frame` / `write_frame` on asyncio streams. Errors:
+
+    FrameError          the pipe does not carry well-formed frames
+     ├── FrameTooLarge  a length over the cap (a corrupt stream, or a message that should travel
+     │                  by reference: images go by sha256, never inline)
+     └── TruncatedFrame the stream ended inside a frame (the other side died mid-write)
+
+A stream that ends exactly between frames is not an error: the readers return None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import threading
+from typing import BinaryIO
+
+from pydantic import BaseModel
+
+from fleet.runner.protocol import COMMAND, REPORT, RunnerCommand, RunnerReport
+from fleet.wire.codec import decode_with, encode
+
+HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+
+class FrameError(Exception):
+    """The pipe does not carry well-formed frames."""
+
+
+class FrameTooLarge(FrameError):
+    pass
+
+
+class TruncatedFrame(FrameError):
+    pass
+
+
+def encode_frame(body: bytes, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    if len(body) > max_bytes:
+        raise FrameTooLarge(f"frame of {len(body)} bytes is over the {max_bytes}-byte cap")
+    return HEADER.pack(len(body)) + body
+
+
+def decode_header(header: bytes, max_bytes: int = MAX_FRAME_BYTES) -> int:
+    """The body length announced by a 4-byte header."""
+    if len(header) != HEADER.size:
+        raise TruncatedFrame(f"stream ended after {len(header)} of {HEADER.size} header bytes")
+    (length,) = HEADER.unpack(header)
+    if length > max_bytes:
+        raise FrameTooLarge(f"frame announces {length} bytes, over the {max_bytes}-byte cap")
+    return length
+
+
+def encode_message(message: BaseModel, max_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    return encode_frame(encode(message), max_bytes)
+
+
+def decode_command(body: bytes) -> RunnerCommand:
+    return decode_with(COMMAND, body)
+
+
+def decode_report(body: bytes) -> RunnerReport:
+    return decode_with(REPORT, body)
+
+
+def _read_exactly(stream: BinaryIO, size: int) -> bytes:
+    chunks: list[bytes] = []
+    remaining = size
+    while remaining:
+        chunk = stream.read(remaining)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+class FrameReader:
+    """Blocking reads of whole frames from a binary stream (the runner's stdin)."""
+
+    def __init__(self, stream: BinaryIO, max_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._stream = stream
+        self._max_bytes = max_bytes
+
+    def read(self) -> bytes | None:
+        header = _read_exactly(self._stream, HEADER.size)
+        if not header:
+            return None
+        length = decode_header(header, self._max_bytes)
+        body = _read_exactly(self._stream, length)
+        if len(body) != length:
+            raise TruncatedFrame(f"stream ended after {len(body)} of {length} body bytes")
+        return body
+
+
+class FrameWriter:
+    """Blocking writes of whole frames (the runner's stdout); safe to share between threads."""
+
+    def __init__(self, stream: BinaryIO, max_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._stream = stream
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+
+    def write(self, message: BaseModel) -> None:
+        frame = encode_message(message, self._max_bytes)
+        with self._lock:
+            self._stream.write(frame)
+            self._stream.flush()
+
+
+async def read_frame(
+    reader: asyncio.StreamReader, max_bytes: int = MAX_FRAME_BYTES
+) -> bytes | None:
+    try:
+        header = await reader.readexactly(HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        header = exc.partial
+    length = decode_header(header, max_bytes)
+    try:
+        return await reader.readexactly(length)
+    except asyncio.IncompleteReadError as exc:
+        raise TruncatedFrame(
+            f"stream ended after {len(exc.partial)} of {length} body bytes"
+        ) from None
+
+
+async def write_frame(
+    writer: asyncio.StreamWriter, message: BaseModel, max_bytes: int = MAX_FRAME_BYTES
+) -> None:
+    writer.write(encode_message(message, max_bytes))
+    await writer.drain()

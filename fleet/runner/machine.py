@@ -1,0 +1,247 @@
+"""The runner's state machine: one `match` over (command, state), one engine, one `emit`.
+
+    Idle → Connecting → Connected → Loading(done/total) → Loaded → WarmingUp → Ready ⇄ Running
+    → ShuttingDown → Shutdown, and Failed(error) from anywhere.
+
+The machine owns no thread and no pipe: `handle(command)` and `step()` are called by one loop
+(fleet.runner.main in the subprocess, or a test in-process) and every report goes to `emit`.
+For each task it emits, in order: TaskRunning, RunnerStatusReport(Running), TaskAccepted, the
+engine's chunks, one TaskFinished, then RunnerStatusReport(Ready) once no task remains.
+
+A command the current state does not accept is a bug in the sender, surfaced, never ignored:
+a task sent at the wrong time ends failed with a message saying why; any other stray command
+fails the runner, and the worker restarts it into a state both sides agree on.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from fleet.runner.engine import Admission, Engine, TaskRejected
+from fleet.runner.protocol import (
+    ConnectToGroup,
+    LoadModel,
+    RunnerCommand,
+    RunnerReport,
+    RunnerSpec,
+    RunnerStatusReport,
+    Shutdown,
+    SubmitTask,
+    TaskRunning,
+    WarmUp,
+)
+from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, failed
+from fleet.wire.runners import (
+    RunnerConnected,
+    RunnerConnecting,
+    RunnerFailed,
+    RunnerIdle,
+    RunnerLoaded,
+    RunnerLoading,
+    RunnerReady,
+    RunnerRunning,
+    RunnerShutdown,
+    RunnerShuttingDown,
+    RunnerStatus,
+    RunnerWarmingUp,
+)
+from fleet.wire.tasks import CancelTask
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[RunnerReport], None]
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+class UnexpectedCommand(Exception):
+    """A command the current state does not accept."""
+
+
+def trace_id_of(traceparent: str | None) -> str | None:
+    """The W3C trace id inside a traceparent header, or None when absent or malformed."""
+    found = _TRACEPARENT.match(traceparent or "")
+    if found is None or found.group(1) == "0" * 32:
+        return None
+    return found.group(1)
+
+
+class RunnerMachine:
+    def __init__(
+        self,
+        spec: RunnerSpec,
+        engine: Engine,
+        emit: Emit,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._spec = spec
+        self._engine = engine
+        self._emit = emit
+        self._clock = clock
+        self.state: RunnerStatus = RunnerIdle()
+        self._in_flight: dict[str, None] = {}  # task ids in arrival order
+
+    @property
+    def busy(self) -> bool:
+        """Tasks are in flight: the loop must keep calling `step()`."""
+        return bool(self._in_flight)
+
+    @property
+    def done(self) -> bool:
+        return isinstance(self.state, RunnerShutdown | RunnerFailed)
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if isinstance(self.state, RunnerShutdown) else 1
+
+    def handle(self, command: RunnerCommand) -> None:
+        if self.done:
+            raise RuntimeError(f"the runner is {self.state.state}: its loop must have ended")
+        try:
+            self._transition(command)
+        except UnexpectedCommand as exc:
+            log.error("%s", exc)
+            self.fail(str(exc))
+        except Exception as exc:
+            log.exception("%s failed", command.type)
+            self.fail(f"{command.type} failed: {type(exc).__name__}: {exc}")
+
+    def _transition(self, command: RunnerCommand) -> None:
+        match command, self.state:
+            case ConnectToGroup(), RunnerIdle():
+                self._become(RunnerConnecting())
+                self._become(RunnerConnected())  # a single node has no group to join
+            case LoadModel(), RunnerConnected():
+                self._become(RunnerLoading(layers_total=self._spec.card.n_layers))
+                self._engine.load(self._loading)
+                self._become(RunnerLoaded())
+            case WarmUp(), RunnerLoaded():
+                self._become(RunnerWarmingUp())
+                self._engine.warm_up()
+                self._become(RunnerReady())
+            case SubmitTask(task=task), RunnerReady() | RunnerRunning() if (
+                task.task_id in self._in_flight
+            ):
+                raise UnexpectedCommand(f"task {task.task_id} was submitted twice")
+            case SubmitTask(), RunnerReady() | RunnerRunning():
+                self._start(command)
+            case SubmitTask(task=task), _:
+                self._refuse(task.task_id, f"the runner is {self.state.state}, not ready")
+            case CancelTask(task_id=task_id), RunnerRunning() | RunnerShuttingDown():
+                if task_id in self._in_flight:
+                    self._engine.cancel(task_id)
+            case CancelTask(), RunnerReady():
+                pass  # the task finished already: a cancel racing a task's end is normal
+            case Shutdown(), RunnerShuttingDown():
+                pass  # already on the way out (an explicit Shutdown, then the pipe closing)
+            case Shutdown(), RunnerRunning():
+                self._become(RunnerShuttingDown())
+                for task_id in self._in_flight:
+                    self._engine.cancel(task_id)
+            case Shutdown(), _:
+                self._become(RunnerShuttingDown())
+                self._close()
+            case _:
+                raise UnexpectedCommand(
+                    f"{command.type} is not accepted while the runner is {self.state.state}"
+                )
+
+    def step(self) -> None:
+        """Advance every task one engine step and emit what it produced."""
+        try:
+            events = self._engine.step()
+        except Exception as exc:
+            log.exception("engine step failed")
+            self.fail(f"engine step failed: {type(exc).__name__}: {exc}")
+            return
+        for event in events:
+            if isinstance(event, TaskFinished):
+                self._in_flight.pop(event.task_id, None)
+                event = self._signed(event)
+            self._emit(event)
+        if self._in_flight and self._engine.active == 0:
+            self._fail_tasks("the engine dropped the task without finishing it")
+        self._settle()
+
+    def fail(self, error: str) -> None:
+        """End every task in flight as failed (internal) and report the runner Failed."""
+        self._fail_tasks(f"runner failed: {error}")
+        self._become(RunnerFailed(error=error))
+
+    def _loading(self, layers_done: int, layers_total: int) -> None:
+        loading = RunnerLoading(layers_done=layers_done, layers_total=layers_total)
+        if loading != self.state:
+            self._become(loading)
+
+    def _start(self, command: SubmitTask) -> None:
+        task = command.task
+        self._in_flight[task.task_id] = None
+        self._emit(TaskRunning(task_id=task.task_id))
+        self._become(RunnerRunning(active_tasks=len(self._in_flight)))
+        self._emit(
+            TaskAccepted(
+                task_id=task.task_id,
+                at=self._clock(),
+                model=task.model,
+                node_id=self._spec.node_id,
+                runner_id=self._spec.runner_id,
+                trace_id=trace_id_of(command.traceparent),
+                queue_wait_s=command.queue_wait_s,
+                delivery=command.delivery,
+            )
+        )
+        admission = Admission(
+            task=task,
+            inputs={sha: Path(path) for sha, path in command.inputs.items()},
+            queue_wait_s=command.queue_wait_s,
+        )
+        try:
+            self._engine.admit(admission)
+        except TaskRejected as exc:
+            self._in_flight.pop(task.task_id)
+            self._emit(self._signed(failed(task.task_id, self._clock(), exc.reason, exc.message)))
+            self._settle()
+
+    def _refuse(self, task_id: str, why: str) -> None:
+        message = f"runner {self._spec.runner_id} cannot run task {task_id}: {why}"
+        log.error("%s", message)
+        self._emit(self._signed(failed(task_id, self._clock(), ErrorReason.INTERNAL, message)))
+
+    def _fail_tasks(self, message: str) -> None:
+        for task_id in list(self._in_flight):
+            self._emit(self._signed(failed(task_id, self._clock(), ErrorReason.INTERNAL, message)))
+        self._in_flight.clear()
+
+    def _settle(self) -> None:
+        """After tasks ended: report the new count, Ready, or finish a pending shutdown."""
+        match self.state:
+            case RunnerRunning(active_tasks=shown) if self._in_flight:
+                if shown != len(self._in_flight):
+                    self._become(RunnerRunning(active_tasks=len(self._in_flight)))
+            case RunnerRunning():
+                self._become(RunnerReady())
+            case RunnerShuttingDown() if not self._in_flight:
+                self._close()
+
+    def _close(self) -> None:
+        try:
+            self._engine.close()
+        except Exception:
+            log.exception("closing the engine failed; the process exits anyway")
+        self._become(RunnerShutdown())
+
+    def _signed(self, finished: TaskFinished) -> TaskFinished:
+        """The terminal event names where the task ran, whoever made it."""
+        return finished.model_copy(
+            update={
+                "node_id": finished.node_id or self._spec.node_id,
+                "runner_id": finished.runner_id or self._spec.runner_id,
+            }
+        )
+
+    def _become(self, status: RunnerStatus) -> None:
+        self.state = status
+        self._emit(RunnerStatusReport(status=status))

@@ -1,0 +1,198 @@
+"""The runner subprocess: `python -m fleet.runner.main SPEC_JSON` (or `fleet runner --spec`).
+
+Two threads. The pipe reader turns stdin frames into commands on a queue, and applies a
+CancelTask to the engine at once (the engine's only thread-safe call) so that a cancel lands
+within one decode step even while the main thread is inside `step()`. The main thread owns the
+engine and the state machine: drain commands, handle them, step while tasks are in flight.
+
+stdout carries frames and nothing else: its descriptor is duplicated for the frames and fd 1 is
+pointed at stderr, because mlx, mflux and their dependencies may print. Logs go to stderr.
+Closed stdin means the worker is gone: shut down and exit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import queue
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from fleet.runner.engine import Engine, EngineConfig
+from fleet.runner.fault_engine import FAULT_FAMILY, FaultEngine
+from fleet.runner.framing import FrameError, FrameReader, FrameWriter, decode_command
+from fleet.runner.machine import RunnerMachine
+from fleet.runner.protocol import (
+    RunnerCommand,
+    RunnerReport,
+    RunnerSpec,
+    RunnerStatusReport,
+    Shutdown,
+)
+from fleet.wire.codec import DecodeError, decode_model
+from fleet.wire.runners import RunnerFailed
+from fleet.wire.tasks import CancelTask
+
+log = logging.getLogger("fleet.runner")
+
+
+@dataclass(frozen=True)
+class PipeBroken:
+    """stdin carried something that is not a command: the worker and runner disagree."""
+
+    error: str
+
+
+Inbox = queue.Queue[RunnerCommand | PipeBroken]
+
+
+def engine_config(spec: RunnerSpec) -> EngineConfig:
+    return EngineConfig(
+        card=spec.card,
+        model_path=Path(spec.model_path),
+        slots=spec.slots,
+        images_dir=Path(spec.images_dir),
+        node_id=spec.node_id,
+        runner_id=spec.runner_id,
+    )
+
+
+def make_engine(spec: RunnerSpec) -> Engine:
+    """The engine for the card; imported lazily so the fault engine never imports mlx."""
+    config = engine_config(spec)
+    if spec.card.family == FAULT_FAMILY:
+        return FaultEngine(config)
+    _use_openblas()
+    if spec.card.is_image:
+        from fleet.runner.image import ImageEngine
+
+        return ImageEngine(config)
+    from fleet.runner.text import TextEngine
+
+    return TextEngine(config)
+
+
+def _use_openblas() -> None:
+    # Must run before mlx is first imported; the module may not exist in every checkout.
+    if importlib.util.find_spec("fleet.models.blas") is None:
+        return
+    from fleet.models.blas import enable_openblas
+
+    loaded = enable_openblas()
+    log.info("BLAS: %s", loaded or "mlx's own (no OpenBLAS found)")
+
+
+def _claim_stdout() -> BinaryIO:
+    """A private handle on the real stdout for frames; fd 1 then leads to stderr."""
+    sys.stdout.flush()
+    frames = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return frames
+
+
+def _read_commands(reader: FrameReader, engine: Engine, inbox: Inbox) -> None:
+    try:
+        while (body := reader.read()) is not None:
+            command = decode_command(body)
+            if isinstance(command, CancelTask):
+                engine.cancel(command.task_id)
+            inbox.put(command)
+    except (FrameError, DecodeError) as exc:
+        inbox.put(PipeBroken(f"unreadable command from the worker: {exc}"))
+        return
+    log.info("stdin closed: the worker is gone or done, shutting down")
+    inbox.put(Shutdown())
+
+
+def _next_batch(inbox: Inbox, wait: bool) -> list[RunnerCommand | PipeBroken]:
+    """Everything queued; when `wait`, block for the first item (nothing else to do)."""
+    batch: list[RunnerCommand | PipeBroken] = []
+    if wait:
+        batch.append(inbox.get())
+    while True:
+        try:
+            batch.append(inbox.get_nowait())
+        except queue.Empty:
+            return batch
+
+
+def serve(machine: RunnerMachine, inbox: Inbox) -> int:
+    """The main thread's loop until the machine is done; returns the process exit code."""
+    while not machine.done:
+        for item in _next_batch(inbox, wait=not machine.busy):
+            if isinstance(item, PipeBroken):
+                machine.fail(item.error)
+            else:
+                machine.handle(item)
+            if machine.done:
+                break
+        if machine.busy and not machine.done:
+            machine.step()
+    return machine.exit_code
+
+
+class _Reporter:
+    """Writes reports as frames; once the worker stops reading, later reports are dropped."""
+
+    def __init__(self, writer: FrameWriter) -> None:
+        self._writer = writer
+        self._open = True
+
+    def __call__(self, report: RunnerReport) -> None:
+        if not self._open:
+            return
+        try:
+            self._writer.write(report)
+        except (BrokenPipeError, ConnectionResetError):
+            log.warning("the worker stopped reading reports")
+            self._open = False
+
+
+def run_runner(spec_json: str) -> int:
+    frames = _claim_stdout()
+    # The worker decides when a runner stops; a Ctrl-C meant for the terminal's foreground
+    # process group must not kill runners mid-task behind the worker's back.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        spec = decode_model(RunnerSpec, spec_json.encode())
+    except DecodeError as exc:
+        logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+        log.error("invalid runner spec: %s", exc)
+        return 2
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=logging.INFO,
+        format=f"%(asctime)s runner {spec.runner_id} %(levelname)s %(name)s: %(message)s",
+        force=True,  # the runner's lines share the worker's stderr: they must say whose they are
+    )
+    report = _Reporter(FrameWriter(frames))
+    try:
+        engine = make_engine(spec)
+    except Exception as exc:
+        log.exception("no engine for %s", spec.card.id)
+        report(RunnerStatusReport(status=RunnerFailed(error=f"no engine: {exc}")))
+        return 1
+    machine = RunnerMachine(spec, engine, emit=report)
+    inbox: Inbox = queue.Queue()
+    # Unbuffered: a buffered stdin holds a lock that a reader thread still blocked in read()
+    # would own at interpreter exit, and Python aborts on that.
+    with open(0, "rb", buffering=0, closefd=False) as stdin:
+        threading.Thread(
+            target=_read_commands,
+            args=(FrameReader(stdin), engine, inbox),
+            name="pipe-reader",
+            daemon=True,
+        ).start()
+        code = serve(machine, inbox)
+    log.info("exiting with %d (%s)", code, machine.state.state)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(run_runner(sys.argv[1]))

@@ -1,0 +1,74 @@
+"""Per-task sampling for the text engine: a sampler and logits processors built once per task.
+
+Each sampled task draws from its own PRNG key, split once per token, so its tokens depend on
+its seed and its prompt alone: not on which other tasks share the batch or on the order in
+which they were admitted. mlx's global random state would interleave the draws of every task
+in the batch. Greedy tasks all share mlx-lm's one greedy sampler, which lets the batch
+generator sample an all-greedy batch in a single call.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+)
+
+from fleet.runner.engine import TaskRejected
+from fleet.wire.events import ErrorReason
+from fleet.wire.tasks import TextGeneration
+
+Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+class KeyedSampler:
+    """Temperature sampling with optional top-p, min-p and top-k filters, from its own key."""
+
+    def __init__(self, task: TextGeneration, vocab_size: int) -> None:
+        seed = task.seed if task.seed is not None else secrets.randbits(63)
+        self._key = mx.random.key(seed)
+        self._inverse_temperature = 1.0 / task.temperature
+        self._filters: list[Callable[[mx.array], mx.array]] = []
+        if task.top_p < 1.0:
+            top_p = task.top_p
+            self._filters.append(lambda logprobs: apply_top_p(logprobs, top_p))
+        if task.min_p > 0.0:
+            min_p = task.min_p
+            self._filters.append(lambda logprobs: apply_min_p(logprobs, min_p))
+        # A top-k that keeps the whole vocabulary filters nothing (and mlx-lm refuses it).
+        if 0 < task.top_k < vocab_size:
+            top_k = task.top_k
+            self._filters.append(lambda logprobs: apply_top_k(logprobs, top_k))
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self._key, draw_key = mx.random.split(self._key)
+        for keep_likely in self._filters:
+            logprobs = keep_likely(logprobs)
+        return mx.random.categorical(logprobs * self._inverse_temperature, key=draw_key)
+
+
+def make_task_sampler(task: TextGeneration, vocab_size: int) -> Sampler:
+    if task.temperature == 0.0:
+        return greedy_sampler
+    return KeyedSampler(task, vocab_size)
+
+
+def make_task_processors(task: TextGeneration, vocab_size: int) -> list[LogitsProcessor]:
+    if not task.logit_bias:
+        return []
+    outside = sorted(token for token in task.logit_bias if not 0 <= token < vocab_size)
+    if outside:
+        raise TaskRejected(
+            ErrorReason.INVALID_TASK,
+            f"logit_bias names token ids outside the vocabulary (0..{vocab_size - 1}): "
+            f"{outside[:8]}",
+        )
+    return make_logits_processors(logit_bias=task.logit_bias)

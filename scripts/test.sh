@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs everything (scripts/install.sh), then runs every check CI runs: lint, the schema
+# drift check, the test suite, and the benchmark smoke run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh
+export MLX_DISABLE_COMPILE=1  # CPU kernel compilation shells out to g++: +20 s, no gain here
+export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
+.venv/bin/ruff check fleet tests bench
+.venv/bin/fleet schemas --check
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+if .venv/bin/fleet bench --help >/dev/null 2>&1; then
+  .venv/bin/fleet bench --quick
+fi

@@ -1,0 +1,73 @@
+"""Gateway fixtures: the app in-process (httpx over ASGI, or uvicorn on a socket bound here),
+a provisioned nats-server, and a stand-in worker that answers tasks with scripted events."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+import uvicorn
+from gateway_helpers import StandInWorker
+from nats.aio.client import Client
+from starlette.applications import Starlette
+
+from fleet.bus.provision import provision
+from fleet.config import Settings, load_settings
+from fleet.gateway.app import build_app
+
+
+@pytest.fixture
+def settings(tmp_path: Path, nats_url: str) -> Settings:
+    return replace(
+        load_settings({"nats_url": nats_url, "data_dir": tmp_path / "data"}, env={}),
+        gateway_timeout_s=10.0,
+        gateway_max_body_bytes=64 * 1024,
+    )
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    client = await nats.connect(nats_url)
+    await provision(client)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def app(settings: Settings, nc: Client) -> AsyncIterator[Starlette]:
+    application = build_app(settings)
+    async with application.router.lifespan_context(application):
+        yield application
+
+
+@pytest.fixture
+async def client(app: Starlette) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        yield http
+
+
+@pytest.fixture
+async def served(app: Starlette) -> AsyncIterator[str]:
+    """The app on a real socket: needed where a client must hang up mid-stream."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()  # connections queue in the backlog until uvicorn accepts: no readiness poll
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", loop="asyncio")
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    await serving
+    sock.close()
+
+
+@pytest.fixture
+def worker(nc: Client) -> StandInWorker:
+    return StandInWorker(nc, "tiny-llm")

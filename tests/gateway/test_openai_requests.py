@@ -1,0 +1,177 @@
+"""OpenAI requests to Fleet tasks: pure, tables."""
+
+from __future__ import annotations
+
+import base64
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from fleet.errors import InvalidRequest
+from fleet.gateway.images import (
+    ImageEditRequest,
+    ImageGenerationRequest,
+    edit_form_fields,
+    image_edits_task,
+    image_generation_task,
+)
+from fleet.gateway.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidParameter,
+    chat_task,
+    completion_task,
+    image_format,
+    image_reference,
+    image_urls,
+)
+from fleet.wire.tasks import ImagePart, TextPart
+
+NOW = datetime(2025, 1, 1, tzinfo=UTC)
+SHA = "ab" * 32
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(8)
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "tiny-llm", "messages": USER, **fields})
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, {"max_tokens": 256, "temperature": 1.0, "stop": [], "logprobs": False}),
+        ({"max_tokens": 9}, {"max_tokens": 9}),
+        ({"max_tokens": 9, "max_completion_tokens": 5}, {"max_tokens": 5}),
+        ({"temperature": 0, "top_p": 0.5, "seed": 3}, {"temperature": 0, "top_p": 0.5, "seed": 3}),
+        ({"stop": "\n"}, {"stop": ["\n"]}),
+        ({"stop": ["a", "b"]}, {"stop": ["a", "b"]}),
+        ({"logprobs": True, "top_logprobs": 3}, {"logprobs": True, "top_logprobs": 3}),
+        ({"logit_bias": {"42": -100}}, {"logit_bias": {42: -100.0}}),
+        ({"top_k": 40, "min_p": 0.05}, {"top_k": 40, "min_p": 0.05}),
+        ({"user": "someone", "store": True, "metadata": {"a": "b"}}, {"max_tokens": 256}),
+    ],
+)
+def test_chat_sampling_fields(fields: dict, expected: dict) -> None:
+    task = chat_task(chat(**fields), "chatcmpl-1", {}, NOW, 30.0)
+    assert {name: getattr(task, name) for name in expected} == expected
+    assert task.deadline == NOW + timedelta(seconds=30)
+    assert task.created_at == NOW
+
+
+def test_chat_messages_keep_roles_tools_and_images_by_hash() -> None:
+    url = "data:image/png;base64," + base64.b64encode(PNG).decode()
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "what?"},
+                {"type": "image_url", "image_url": {"url": url}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    request = chat(messages=messages, tools=tools)
+    assert image_urls(request) == [url]
+    task = chat_task(request, "chatcmpl-1", {url: SHA}, NOW, 30.0)
+    assert [m.role for m in task.messages or []] == ["system", "user", "assistant", "tool"]
+    assert task.messages[1].content == [TextPart(text="what?"), ImagePart(sha256=SHA)]
+    assert task.messages[2].tool_calls[0].function.name == "f"
+    assert task.messages[3].tool_call_id == "c1"
+    assert task.tools and task.tools[0].function.name == "f"
+    assert chat_task(chat(tools=tools, tool_choice="none"), "c", {}, NOW, 1).tools is None
+
+
+def test_what_only_the_task_rejects_is_still_a_400_naming_the_param() -> None:
+    tools = [{"type": "function", "function": {"name": "has space"}}]
+    with pytest.raises(InvalidParameter) as caught:
+        chat_task(chat(tools=tools), "chatcmpl-1", {}, NOW, 1.0)
+    assert caught.value.param == "tools.0.function.name"
+
+
+def test_completion_task_defaults_like_openai() -> None:
+    request = CompletionRequest.model_validate({"model": "tiny-llm", "prompt": ["once upon"]})
+    task = completion_task(request, "cmpl-1", NOW, 5.0)
+    assert (task.prompt, task.messages, task.max_tokens) == ("once upon", None, 16)
+    logprobs = CompletionRequest.model_validate({"model": "m", "prompt": "x", "logprobs": 2})
+    task = completion_task(logprobs, "cmpl-2", NOW, 5.0)
+    assert (task.logprobs, task.top_logprobs) == (True, 2)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        (f"https://gateway.example/v1/images/{SHA}", SHA),
+        (SHA, SHA),
+        ("data:image/png;base64," + base64.b64encode(PNG).decode(), PNG),
+        ("data:;base64," + base64.b64encode(PNG).decode(), PNG),
+    ],
+)
+def test_image_references(url: str, expected: object) -> None:
+    assert image_reference(url) == expected
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://example.com/cat.png",
+        "data:image/png;base64,###",
+        "data:image/png," + PNG.decode("latin-1"),
+        "data:image/png;base64," + base64.b64encode(b"GIF89a....").decode(),
+        f"https://gateway.example/v1/images/{SHA.upper()}",
+    ],
+)
+def test_unusable_image_references(url: str) -> None:
+    with pytest.raises(InvalidRequest):
+        image_reference(url)
+
+
+@pytest.mark.parametrize(
+    ("data", "kind"),
+    [
+        (PNG, "png"),
+        (b"\xff\xd8\xff\xe0" + bytes(8), "jpeg"),
+        (b"RIFF\x10\x00\x00\x00WEBPVP8 ", "webp"),
+        (b"GIF89a", None),
+        (b"", None),
+    ],
+)
+def test_image_format_sniffing(data: bytes, kind: str | None) -> None:
+    assert image_format(data) == kind
+
+
+def test_image_generation_task() -> None:
+    request = ImageGenerationRequest.model_validate(
+        {
+            "model": "tiny-flux2",
+            "prompt": "fox",
+            "n": 2,
+            "output_format": "webp",
+            "partial_images": 2,
+            "steps": 3,
+        }
+    )
+    task = image_generation_task(request, "img-1", NOW, 60.0, default_size="256x256")
+    assert (task.size, task.n, task.output_format, task.steps) == ("256x256", 2, "webp", 3)
+    assert task.partial_images == 0  # previews only travel in a stream
+    streamed = request.model_copy(update={"stream": True, "size": "64x32"})
+    task = image_generation_task(streamed, "img-2", NOW, 60.0, default_size="256x256")
+    assert (task.partial_images, task.width, task.height) == (2, 64, 32)
+
+
+def test_image_edit_form_to_task() -> None:
+    form = {"model": "tiny-flux2", "prompt": "greener", "strength": "0.3", "image": object()}
+    request = ImageEditRequest.model_validate(edit_form_fields(form))
+    task = image_edits_task(request, "img-3", [SHA], NOW, 60.0)
+    assert (task.input_images, task.strength, task.size) == ([SHA], 0.3, "512x512")
+    with pytest.raises(InvalidRequest, match="mask"):
+        edit_form_fields({**form, "mask": object()})

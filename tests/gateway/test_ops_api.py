@@ -1,0 +1,77 @@
+"""/healthz, /v1/models and /metrics tell what the KV buckets and the gateway saw."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from gateway_helpers import StandInWorker, tokens_script
+from nats.aio.client import Client
+
+from fleet.wire import subjects
+from fleet.wire.cluster import Instance, RunnerRecord, ShardAssignment
+from fleet.wire.codec import encode
+from fleet.wire.runners import RunnerLoading, RunnerReady
+
+
+async def place(nc: Client, model: str, runner_id: str, ready: bool) -> None:
+    js = nc.jetstream()
+    shard = ShardAssignment(node_id="n1", runner_id=runner_id)
+    instance = Instance(instance_id=f"i-{model}", model=model, shards=[shard], created_at=1)
+    status = RunnerReady() if ready else RunnerLoading(layers_done=1, layers_total=30)
+    record = RunnerRecord(
+        runner_id=runner_id,
+        instance_id=instance.instance_id,
+        node_id="n1",
+        model=model,
+        status=status,
+        at=1,
+    )
+    await (await js.key_value(subjects.INSTANCES_BUCKET)).put(
+        instance.instance_id, encode(instance)
+    )
+    await (await js.key_value(subjects.RUNNERS_BUCKET)).put(runner_id, encode(record))
+
+
+async def test_health_and_models_say_which_models_are_ready(
+    client: httpx.AsyncClient, nc: Client
+) -> None:
+    await place(nc, "tiny-llm", "r-tiny", ready=True)
+    await place(nc, "smollm2-135m", "r-smol", ready=False)
+
+    health = await client.get("/healthz")
+    assert health.status_code == 200
+    report = health.json()
+    assert report["status"] == "ok" and report["nats"]["connected"]
+    assert all(report["streams"].values()) and "FLEET_OUT" in report["streams"]
+    assert report["models"]["tiny-llm"] == {"placed": True, "ready": True, "queue_depth": 0}
+    assert report["models"]["smollm2-135m"]["ready"] is False
+    assert report["models"]["tiny-flux2"] == {"placed": False, "ready": False, "queue_depth": 0}
+
+    models = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+    assert models["tiny-llm"]["ready"] and models["tiny-llm"]["object"] == "model"
+    assert models["smollm2-135m"]["placed"] and not models["smollm2-135m"]["ready"]
+    one = await client.get("/v1/models/tiny-flux2")
+    assert one.json()["tasks"] == ["text_to_image", "image_to_image"]
+    assert (await client.get("/v1/models/nope")).status_code == 404
+
+
+async def test_metrics_count_requests_tokens_and_latency(
+    client: httpx.AsyncClient, worker: StandInWorker
+) -> None:
+    chat = {"model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    await asyncio.gather(
+        client.post("/v1/chat/completions", json=chat), worker.answer(tokens_script("a", "b"))
+    )
+    await client.post("/v1/chat/completions", json={**chat, "model": "nope"})
+    text = (await client.get("/metrics")).text
+    assert (
+        'fleet_gateway_requests_total{method="POST",route="/v1/chat/completions",status="200"} 1'
+        in text
+    )
+    assert 'status="404"} 1' in text
+    assert 'fleet_gateway_errors_total{reason="model_not_found"} 1' in text
+    assert 'fleet_gateway_tokens_total{kind="completion",model="tiny-llm"} 2' in text
+    assert 'fleet_gateway_time_to_first_token_seconds_count{model="tiny-llm"} 1' in text
+    assert 'fleet_gateway_time_per_output_token_seconds_count{model="tiny-llm"} 1' in text
+    assert "# TYPE fleet_queue_depth gauge" in text

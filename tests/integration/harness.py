@@ -1,0 +1,193 @@
+"""Real processes for integration tests: `fleet worker` subprocesses against a real
+nats-server, and small async helpers that wait on events (never on the clock)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from fleet.bus.connect import connect, js_publish
+from fleet.bus.provision import provision
+from fleet.models.catalog import custom_cards_dir
+from fleet.placement import place
+from fleet.runner.fault_engine import fault_card
+from fleet.wire import subjects
+from fleet.wire.cluster import ModelCard, RunnerRecord
+from fleet.wire.codec import decode_event, decode_model, encode
+from fleet.wire.events import OutputEvent, TaskFinished
+from fleet.wire.tasks import Task
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def seed_models(data_dir: Path, links: dict[str, Path]) -> None:
+    """Point a fresh data dir at models built once per session (no rebuild per worker)."""
+    models = data_dir / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    for model_id, path in links.items():
+        target = models / model_id
+        if not target.exists():
+            target.symlink_to(path, target_is_directory=True)
+
+
+def add_fault_card(data_dir: Path, model_id: str = "fault-llm") -> ModelCard:
+    """A custom card selecting the fault-injection engine (a plumbing test double)."""
+    card = fault_card(model_id).model_copy(update={"source": str(data_dir)})
+    folder = custom_cards_dir(data_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{model_id}.json").write_bytes(encode(card))
+    return card
+
+
+class WorkerProcess:
+    def __init__(self, nats_url: str, data_dir: Path, **env: str) -> None:
+        self.data_dir = data_dir
+        self.env = {
+            **os.environ, "FLEET_NATS_URL": nats_url, "FLEET_DATA_DIR": str(data_dir),
+            "MLX_DISABLE_COMPILE": "1", **env,
+        }
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.data_dir / "worker.log").open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "fleet.cli", "worker"], env=self.env, cwd=REPO,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        return self
+
+    @property
+    def node_id(self) -> str:
+        return (self.data_dir / "node_id").read_text().strip()
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its runners (one process group), as a power loss would."""
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log(self) -> str:
+        return (self.data_dir / "worker.log").read_text(errors="replace")
+
+
+async def client(nats_url: str) -> Client:
+    nc = await connect(nats_url, "test-client")
+    await provision(nc)
+    return nc
+
+
+async def wait_node(nc: Client, data_dir: Path, timeout: float = 30.0) -> str:
+    """The worker's node id, once its heartbeat is in FLEET_NODES."""
+    kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+    deadline = time.monotonic() + timeout
+    watcher = await kv.watchall()
+    try:
+        while time.monotonic() < deadline:
+            node_file = data_dir / "node_id"
+            entry = await _next(watcher, deadline)
+            if entry is not None and entry.value and node_file.exists():
+                node = node_file.read_text().strip()
+                if entry.key == node:
+                    return node
+    finally:
+        await watcher.stop()
+    raise TimeoutError(f"no heartbeat from the worker in {data_dir}")
+
+
+async def _next(watcher: KeyValue.KeyWatcher, deadline: float) -> KeyValue.Entry | None:
+    try:
+        return await watcher.updates(timeout=max(0.05, deadline - time.monotonic()))
+    except TimeoutError:
+        return None
+
+
+async def place_and_wait(
+    nc: Client, card: ModelCard, node_id: str, slots: int = 4, timeout: float = 120.0
+) -> RunnerRecord:
+    kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
+    watcher = await kv.watchall()
+    await place(nc.jetstream(), card, node_id=node_id, slots=slots)
+    return await wait_runner(watcher, card.id, ("ready",), timeout)
+
+
+async def wait_runner(
+    watcher: KeyValue.KeyWatcher, model: str, states: Iterable[str], timeout: float = 120.0,
+    other_than: str | None = None,
+) -> RunnerRecord:
+    deadline = time.monotonic() + timeout
+    wanted = set(states)
+    try:
+        while time.monotonic() < deadline:
+            entry = await _next(watcher, deadline)
+            if entry is None or not entry.value:
+                continue
+            record = decode_model(RunnerRecord, entry.value)
+            if record.runner_id == other_than:
+                continue
+            if record.model == model and record.status.state in wanted:
+                return record
+    finally:
+        await watcher.stop()
+    raise TimeoutError(f"no runner of {model} reached {wanted}")
+
+
+async def submit(nc: Client, task: Task) -> None:
+    await js_publish(nc.jetstream(), subjects.tasks(task.model), task, msg_id=task.task_id)
+
+
+async def events_of(nc: Client, task_id: str, timeout: float = 120.0) -> list[OutputEvent]:
+    """Every event of a task from FLEET_OUT, up to and including its TaskFinished."""
+    found: list[OutputEvent] = []
+    done = asyncio.Event()
+
+    async def on_event(msg: Msg) -> None:
+        event = decode_event(msg.data)
+        found.append(event)
+        if isinstance(event, TaskFinished):
+            done.set()
+
+    sub = await nc.jetstream().subscribe(
+        subjects.out(task_id), stream=subjects.OUT_STREAM, ordered_consumer=True, cb=on_event
+    )
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    finally:
+        await sub.unsubscribe()
+    return found
+
+
+def finished(events: list[OutputEvent]) -> TaskFinished:
+    terminal = [e for e in events if isinstance(e, TaskFinished)]
+    assert len(terminal) == 1, f"expected exactly one task_finished, got {len(terminal)}"
+    return terminal[0]
+
+
+def text_of(events: list[OutputEvent]) -> str:
+    return "".join(getattr(e, "text", "") for e in events if e.type == "token")
+
+
+async def until_queue_empty(js: JetStreamContext, timeout: float = 30.0) -> None:
+    """Every task message was acked, terminated or removed: the work queue is empty."""
+    async with asyncio.timeout(timeout):
+        while (await js.stream_info(subjects.TASKS_STREAM)).state.messages:
+            await asyncio.sleep(0.1)  # polling the stream's state, bounded by the timeout

@@ -1,0 +1,254 @@
+"""Text generation end to end: nats-server, `fleet worker`, runner subprocess, mlx-lm."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from datetime import UTC, datetime, timedelta
+from functools import partial
+from pathlib import Path
+
+import nats
+import pytest
+
+from fleet.models.catalog import get_card
+from fleet.wire import subjects
+from fleet.wire.events import ErrorReason, TaskFinished
+from fleet.wire.tasks import ChatMessage, TextGeneration
+from tests.integration.conftest import WorkerFactory
+from tests.integration.harness import (
+    REPO,
+    client,
+    events_of,
+    finished,
+    place_and_wait,
+    submit,
+    until_queue_empty,
+    wait_node,
+    wait_runner,
+)
+
+
+def chat(task_id: str, text: str, model: str = "tiny-llm", **fields: object) -> TextGeneration:
+    defaults: dict[str, object] = {"max_tokens": 8, "temperature": 0.0}
+    return TextGeneration(
+        task_id=task_id, model=model, messages=[ChatMessage(role="user", content=text)],
+        **{**defaults, **fields},
+    )
+
+
+async def test_raw_nats_client_gets_paris_from_smollm2_with_the_readme_json(
+    nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path
+) -> None:
+    worker = start_worker(models={"smollm2-135m": smollm2_dir})
+    nc = await client(nats_url)
+    node = await wait_node(nc, worker.data_dir)
+    await place_and_wait(nc, get_card("smollm2-135m"), node)
+
+    # Only nats-py and the README's JSON from here: what a NATS CLI user does.
+    raw = await nats.connect(nats_url)
+    task = json.loads((REPO / "schemas/examples/nats-cli-task.json").read_text())
+    got: list[dict[str, object]] = []
+    done = asyncio.Event()
+
+    async def on_event(msg: nats.aio.msg.Msg) -> None:
+        got.append(json.loads(msg.data))
+        if got[-1]["type"] == "task_finished":
+            done.set()
+
+    await raw.subscribe(f"fleet.out.{task['task_id']}", cb=on_event)
+    await raw.jetstream().publish("fleet.tasks.smollm2-135m", json.dumps(task).encode())
+    await asyncio.wait_for(done.wait(), 120)
+    await raw.close()
+
+    assert got[0]["type"] == "task_accepted"
+    text = "".join(str(e["text"]) for e in got if e["type"] == "token")
+    assert "Paris" in text
+    assert got[-1]["status"] == "completed"
+    await nc.close()
+
+
+async def test_four_concurrent_tasks_share_one_batch_and_all_complete(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker()
+    nc = await client(nats_url)
+    node = await wait_node(nc, worker.data_dir)
+    await place_and_wait(nc, get_card("tiny-llm"), node, slots=4)
+    tasks = [chat(f"batch-{i}", f"hello number {i}", max_tokens=48) for i in range(4)]
+    collectors = [asyncio.create_task(events_of(nc, t.task_id)) for t in tasks]
+    await asyncio.gather(*(submit(nc, t) for t in tasks))
+    results = [finished(events) for events in await asyncio.gather(*collectors)]
+    assert all(r.status == "completed" for r in results)
+    assert max(r.stats.batched_with or 0 for r in results if r.stats) >= 1
+    await nc.close()
+
+
+async def test_same_seed_gives_the_same_text(nats_url: str, start_worker: WorkerFactory) -> None:
+    worker = start_worker()
+    nc = await client(nats_url)
+    node = await wait_node(nc, worker.data_dir)
+    await place_and_wait(nc, get_card("tiny-llm"), node)
+    texts = []
+    for task_id in ("seed-a", "seed-b"):
+        task = chat(task_id, "tell me a story", temperature=1.0, seed=1234, max_tokens=24)
+        collector = asyncio.create_task(events_of(nc, task_id))
+        await submit(nc, task)
+        events = await collector
+        assert finished(events).status == "completed"
+        texts.append([e.token_id for e in events if e.type == "token"])
+    assert texts[0] == texts[1] and len(texts[0]) > 0
+    await nc.close()
+
+
+async def test_cancel_mid_stream_ends_cancelled(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker()
+    nc = await client(nats_url)
+    node = await wait_node(nc, worker.data_dir)
+    await place_and_wait(nc, get_card("tiny-llm"), node)
+    task = chat("cancel-me", "go on forever", max_tokens=100000, logit_bias={0: -100.0})
+    first_token = asyncio.Event()
+    seen: list[TaskFinished] = []
+
+    async def on_event(msg: nats.aio.msg.Msg) -> None:
+        body = json.loads(msg.data)
+        if body["type"] == "token":
+            first_token.set()
+        if body["type"] == "task_finished":
+            seen.append(TaskFinished.model_validate(body))
+
+    await nc.subscribe(subjects.out(task.task_id), cb=on_event)
+    collector = asyncio.create_task(events_of(nc, task.task_id))
+    await submit(nc, task)
+    await asyncio.wait_for(first_token.wait(), 60)
+    await nc.publish(subjects.cancel(task.task_id), b'{"type":"cancel_task","task_id":"cancel-me"}')
+    result = finished(await collector)
+    assert result.status == "cancelled"
+    assert result.reason is ErrorReason.CANCELLED
+    await nc.close()
+
+
+async def test_runner_sigkill_mid_task_ends_runner_crashed_and_runner_restarts(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker()
+    nc = await client(nats_url)
+    node = await wait_node(nc, worker.data_dir)
+    record = await place_and_wait(nc, get_card("tiny-llm"), node)
+    task = chat("crash-me", "long", max_tokens=100000, logit_bias={0: -100.0})
+    collector = asyncio.create_task(events_of(nc, task.task_id))
+    first_token = asyncio.Event()
+    await nc.subscribe(subjects.out(task.task_id), cb=partial(_set_on_token, event=first_token))
+    kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
+    watcher = await kv.watchall()
+    await submit(nc, task)
+    await asyncio.wait_for(first_token.wait(), 60)
+    runner_pid = _runner_pid(worker.data_dir, record.runner_id)
+    os.kill(runner_pid, signal.SIGKILL)
+    result = finished(await collector)
+    assert result.status == "failed" and result.reason is ErrorReason.RUNNER_CRASHED
+    assert "SIGKILL" in (result.message or "")
+    await wait_runner(watcher, "tiny-llm", ("ready",), 60, other_than=record.runner_id)
+    after = chat("after-crash", "hello")
+    collector = asyncio.create_task(events_of(nc, after.task_id))
+    await submit(nc, after)
+    assert finished(await collector).status == "completed"
+    await nc.close()
+
+
+async def _set_on_token(msg: nats.aio.msg.Msg, event: asyncio.Event) -> None:
+    if b'"type":"token"' in msg.data:
+        event.set()
+
+
+def _runner_pid(data_dir: Path, runner_id: str) -> int:
+    """The runner subprocess's pid, found by its spec on the command line."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"fleet.runner.main" in cmdline and runner_id.encode() in cmdline:
+                return int(entry.name)
+    raise LookupError(f"no process for runner {runner_id}")
+
+
+async def test_deadline_in_the_past_ends_expired(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker()
+    nc = await client(nats_url)
+    node = await wait_node(nc, worker.data_dir)
+    await place_and_wait(nc, get_card("tiny-llm"), node)
+    task = chat("too-late", "hi", deadline=datetime.now(UTC) - timedelta(seconds=1))
+    collector = asyncio.create_task(events_of(nc, task.task_id))
+    await submit(nc, task)
+    result = finished(await collector)
+    assert result.status == "expired" and result.reason is ErrorReason.DEADLINE
+    await nc.close()
+
+
+async def test_prompt_longer_than_the_context_fails_context_length(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker()
+    nc = await client(nats_url)
+    node = await wait_node(nc, worker.data_dir)
+    await place_and_wait(nc, get_card("tiny-llm"), node)
+    task = chat("too-long", "word " * 5000)
+    collector = asyncio.create_task(events_of(nc, task.task_id))
+    await submit(nc, task)
+    result = finished(await collector)
+    assert result.status == "failed" and result.reason is ErrorReason.CONTEXT_LENGTH
+    await nc.close()
+
+
+async def test_unknown_model_ends_model_not_found(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker()
+    nc = await client(nats_url)
+    await wait_node(nc, worker.data_dir)
+    task = chat("no-such", "hi", model="no-such-model")
+    collector = asyncio.create_task(events_of(nc, task.task_id))
+    await submit(nc, task)
+    result = finished(await collector)
+    assert result.status == "failed" and result.reason is ErrorReason.MODEL_NOT_FOUND
+    info = await nc.jetstream().stream_info(subjects.TASKS_STREAM)
+    assert info.state.messages == 0  # purged: an unknown model's queue never fills
+    await nc.close()
+
+
+@pytest.mark.parametrize("count", [50])
+async def test_malformed_messages_are_answered_and_the_worker_keeps_serving(
+    nats_url: str, start_worker: WorkerFactory, count: int
+) -> None:
+    worker = start_worker()
+    nc = await client(nats_url)
+    node = await wait_node(nc, worker.data_dir)
+    await place_and_wait(nc, get_card("tiny-llm"), node)
+    js = nc.jetstream()
+    bad_ids = [f"bad-{i}" for i in range(count // 2)]
+    collectors = [asyncio.create_task(events_of(nc, task_id)) for task_id in bad_ids]
+    for i, task_id in enumerate(bad_ids):  # schema violations with a readable id
+        await js.publish("fleet.tasks.tiny-llm", json.dumps(
+            {"type": "text_generation", "task_id": task_id, "model": "tiny-llm",
+             "messages": [{"role": "user", "content": "x"}], "max_tokens": -i - 1}
+        ).encode())
+    for i in range(count - len(bad_ids)):  # bytes that are not even JSON
+        await js.publish("fleet.tasks.tiny-llm", b"\xff\x00 not json " + str(i).encode())
+    good = chat("good-after-bad", "hello")
+    good_collector = asyncio.create_task(events_of(nc, good.task_id))
+    await submit(nc, good)
+    for events in await asyncio.gather(*collectors):
+        result = finished(events)
+        assert result.status == "failed" and result.reason is ErrorReason.INVALID_TASK
+    assert finished(await good_collector).status == "completed"
+    await until_queue_empty(js)
+    await nc.close()
+

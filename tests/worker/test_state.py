@@ -1,0 +1,156 @@
+"""`apply(event, state)`: a table of (state, event, expected state); the input is never changed."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from fleet.wire.cluster import Instance, ShardAssignment
+from fleet.wire.runners import RunnerConnected, RunnerFailed, RunnerLoading, RunnerReady
+from fleet.wire.tasks import ImageEdits, TextGeneration
+from fleet.worker import state as ev
+from fleet.worker.state import Failure, PendingTask, RunnerView, WorkerState, apply
+
+HERE = "node-a"
+SHA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+
+INST = Instance(
+    instance_id="inst-1", model="tiny-llm", created_at=0.0,
+    shards=[ShardAssignment(node_id=HERE, runner_id="run-1")],
+)
+INST_2 = Instance(
+    instance_id="inst-2", model="tiny-llm", created_at=0.0,
+    shards=[ShardAssignment(node_id="node-b", runner_id="run-2")],
+)
+RUNNER = RunnerView(runner_id="run-1", instance_id="inst-1", model="tiny-llm", slots=4)
+BUSY = replace(RUNNER, status=RunnerReady(), in_flight=frozenset({"t-0", "t-1"}))
+TEXT = PendingTask(
+    task=TextGeneration(task_id="t-1", model="tiny-llm", prompt="hi"), received_at=5.0, inputs={}
+)
+EDIT = PendingTask(
+    task=ImageEdits(task_id="t-2", model="tiny-flux2", prompt="night", input_images=[SHA]),
+    received_at=6.0,
+)
+
+EMPTY = WorkerState(node_id=HERE)
+WITH_RUNNER = replace(EMPTY, instances={"inst-1": INST}, runners={"run-1": RUNNER})
+
+
+def given(**changes: object) -> WorkerState:
+    return replace(EMPTY, **changes)  # type: ignore[arg-type]
+
+
+ROWS = [
+    # ---- instances and runners -------------------------------------------------------------
+    pytest.param(given(instances={"inst-1": INST}), ev.InstancesChanged({"inst-2": INST_2}),
+                 given(instances={"inst-2": INST_2}), id="instances-are-replaced-whole"),
+    pytest.param(EMPTY, ev.RunnerStarting("inst-1"), given(starting=frozenset({"inst-1"})),
+                 id="starting-is-recorded"),
+    pytest.param(given(starting=frozenset({"inst-1"})), ev.RunnerSpawned(RUNNER),
+                 given(runners={"run-1": RUNNER}), id="spawned-runner-replaces-starting"),
+    pytest.param(given(starting=frozenset({"inst-1"})), ev.RunnerStartFailed("inst-1", at=9.0),
+                 given(failures={"inst-1": Failure(1, 9.0)}), id="start-failure-is-counted"),
+    pytest.param(given(failures={"inst-1": Failure(2, 3.0)}), ev.RunnerStartFailed("inst-1", 9.0),
+                 given(failures={"inst-1": Failure(3, 9.0)}), id="start-failures-add-up"),
+    pytest.param(WITH_RUNNER, ev.CommandSent("run-1", "load_model"),
+                 replace(WITH_RUNNER,
+                         runners={"run-1": replace(RUNNER, command_sent="load_model")}),
+                 id="command-sent-is-remembered"),
+    pytest.param(WITH_RUNNER, ev.CommandSent("run-9", "load_model"), WITH_RUNNER,
+                 id="command-to-unknown-runner-changes-nothing"),
+    pytest.param(WITH_RUNNER, ev.RunnerStatusSeen("run-1", RunnerLoading(layers_done=1)),
+                 replace(WITH_RUNNER,
+                         runners={"run-1": replace(RUNNER, status=RunnerLoading(layers_done=1))}),
+                 id="status-is-recorded"),
+    pytest.param(replace(WITH_RUNNER, failures={"inst-1": Failure(2, 1.0)}),
+                 ev.RunnerStatusSeen("run-1", RunnerReady()),
+                 replace(WITH_RUNNER, runners={"run-1": replace(RUNNER, status=RunnerReady())}),
+                 id="ready-forgets-past-failures"),
+    pytest.param(replace(WITH_RUNNER, failures={"inst-1": Failure(2, 1.0)}),
+                 ev.RunnerStatusSeen("run-1", RunnerConnected()),
+                 replace(WITH_RUNNER, runners={"run-1": replace(RUNNER, status=RunnerConnected())},
+                         failures={"inst-1": Failure(2, 1.0)}),
+                 id="not-ready-keeps-failures"),
+    pytest.param(WITH_RUNNER, ev.RunnerStatusSeen("run-9", RunnerReady()), WITH_RUNNER,
+                 id="status-of-unknown-runner-changes-nothing"),
+    pytest.param(WITH_RUNNER, ev.RunnerGone("run-1", crashed=True, at=7.0),
+                 given(instances={"inst-1": INST}, failures={"inst-1": Failure(1, 7.0)}),
+                 id="crashed-runner-is-removed-and-counted"),
+    pytest.param(WITH_RUNNER, ev.RunnerGone("run-1", crashed=False, at=7.0),
+                 given(instances={"inst-1": INST}), id="clean-exit-is-removed-not-counted"),
+    pytest.param(WITH_RUNNER, ev.RunnerGone("run-9", crashed=True, at=7.0), WITH_RUNNER,
+                 id="unknown-runner-gone-changes-nothing"),
+    # ---- pulls -----------------------------------------------------------------------------
+    pytest.param(EMPTY, ev.PullStarted("tiny-llm"), given(pulling=frozenset({"tiny-llm"})),
+                 id="pull-started"),
+    pytest.param(given(pulling=frozenset({"tiny-llm", "tiny-flux2"})), ev.PullEnded("tiny-llm"),
+                 given(pulling=frozenset({"tiny-flux2"})), id="pull-ended-for-that-model-only"),
+    # ---- tasks -----------------------------------------------------------------------------
+    pytest.param(EMPTY, ev.TaskQueued(TEXT), given(pending={"t-1": TEXT}), id="task-queued"),
+    pytest.param(given(pending={"t-2": EDIT}), ev.InputsFetching("t-2"),
+                 given(pending={"t-2": replace(EDIT, fetching=True)}), id="inputs-fetching"),
+    pytest.param(given(pending={"t-2": replace(EDIT, fetching=True)}),
+                 ev.InputsReady("t-2", {SHA: "/images/x"}),
+                 given(pending={"t-2": replace(EDIT, inputs={SHA: "/images/x"})}),
+                 id="inputs-ready-ends-fetching"),
+    pytest.param(EMPTY, ev.InputsFetching("t-9"), EMPTY, id="fetching-unknown-task-is-harmless"),
+    pytest.param(EMPTY, ev.InputsReady("t-9", {}), EMPTY, id="inputs-of-unknown-task-are-harmless"),
+    pytest.param(replace(WITH_RUNNER, pending={"t-1": TEXT}), ev.TaskDispatched("t-1", "run-1"),
+                 replace(WITH_RUNNER,
+                         runners={"run-1": replace(RUNNER, in_flight=frozenset({"t-1"}))}),
+                 id="dispatch-moves-task-from-pending-to-runner"),
+    pytest.param(replace(WITH_RUNNER, runners={"run-1": BUSY}), ev.TaskEnded("t-1"),
+                 replace(WITH_RUNNER,
+                         runners={"run-1": replace(BUSY, in_flight=frozenset({"t-0"}))}),
+                 id="ended-task-frees-its-slot"),
+    pytest.param(given(pending={"t-1": TEXT, "t-2": EDIT}), ev.TaskEnded("t-1"),
+                 given(pending={"t-2": EDIT}), id="ended-pending-task-leaves-the-queue"),
+    pytest.param(WITH_RUNNER, ev.TaskEnded("t-9"), WITH_RUNNER, id="unknown-task-end-is-harmless"),
+    # ---- the worker itself -------------------------------------------------------------------
+    pytest.param(WITH_RUNNER, ev.Stopping(), replace(WITH_RUNNER, stopping=True), id="stopping"),
+]
+
+
+@pytest.mark.parametrize(("before", "event", "after"), ROWS)
+def test_apply(before: WorkerState, event: object, after: WorkerState) -> None:
+    assert apply(event, before) == after
+
+
+@pytest.mark.parametrize(("before", "event", "after"), ROWS)
+def test_apply_never_changes_the_state_it_was_given(
+    before: WorkerState, event: object, after: WorkerState
+) -> None:
+    snapshot = repr(before)
+    apply(event, before)
+    assert repr(before) == snapshot
+
+
+def test_an_unknown_event_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="no apply rule for str"):
+        apply("runner went for lunch", EMPTY)
+
+
+def test_hosted_instances_are_those_with_a_shard_on_this_node() -> None:
+    state = given(instances={"inst-1": INST, "inst-2": INST_2})
+    assert state.hosted_instances() == [INST]
+
+
+def test_runner_for_finds_the_runner_of_an_instance() -> None:
+    assert WITH_RUNNER.runner_for("inst-1") == RUNNER
+    assert WITH_RUNNER.runner_for("inst-2") is None
+
+
+@pytest.mark.parametrize(
+    ("runner", "free"),
+    [
+        (replace(RUNNER, status=RunnerReady()), 4),
+        (BUSY, 2),
+        (replace(BUSY, slots=2), 0),
+        (replace(BUSY, slots=1), 0),  # never negative
+        (replace(RUNNER, status=RunnerLoading()), 0),
+        (replace(RUNNER, status=RunnerFailed(error="oom")), 0),
+    ],
+)
+def test_free_slots_count_only_runners_that_accept_tasks(runner: RunnerView, free: int) -> None:
+    assert runner.free_slots == free
