@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from fleet.errors import InvalidRequest
+
 
 def _default_data_dir() -> Path:
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
@@ -86,8 +88,15 @@ def load_settings(
     values: dict[str, Any] = {}
     for name, var in _ENV.items():
         if env.get(var):
-            values[name] = _coerce(name, env[var])
+            values[name] = _checked(name, env[var], var)
     for name, value in (flags or {}).items():
         if value is not None and name in _ENV:
-            values[name] = _coerce(name, value)
+            values[name] = _checked(name, value, "--" + name.replace("_", "-"))
     return replace(Settings(), **values)
+
+
+def _checked(name: str, raw: Any, source: str) -> Any:
+    try:
+        return _coerce(name, raw)
+    except ValueError:
+        raise InvalidRequest(f"{source}: {raw!r} is not a valid value for {name}") from None

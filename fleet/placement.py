@@ -7,6 +7,7 @@ import uuid
 
 from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
 from fleet.errors import FleetError, InvalidRequest
 from fleet.wire import subjects
@@ -45,7 +46,7 @@ def new_instance(card: ModelCard, node: NodeInfo, slots: int, now: float) -> Ins
 async def read_nodes(js: JetStreamContext) -> list[NodeInfo]:
     kv = await js.key_value(subjects.NODES_BUCKET)
     found = []
-    for key in await _keys(kv):
+    for key in await keys_of(kv):
         entry = await kv.get(key)
         if entry.value:
             try:
@@ -58,16 +59,16 @@ async def read_nodes(js: JetStreamContext) -> list[NodeInfo]:
 async def read_instances(js: JetStreamContext) -> list[Instance]:
     kv = await js.key_value(subjects.INSTANCES_BUCKET)
     found = []
-    for key in await _keys(kv):
+    for key in await keys_of(kv):
         entry = await kv.get(key)
         if entry.value:
             found.append(decode_model(Instance, entry.value))
     return found
 
 
-async def _keys(kv: object) -> list[str]:
+async def keys_of(kv: KeyValue) -> list[str]:
     try:
-        return await kv.keys()  # type: ignore[attr-defined]
+        return await kv.keys()
     except Exception:  # nats-py raises NoKeysError on an empty bucket
         return []
 
@@ -99,3 +100,13 @@ async def place(
 async def remove(js: JetStreamContext, instance_id: str) -> None:
     kv = await js.key_value(subjects.INSTANCES_BUCKET)
     await kv.delete(instance_id)
+
+
+def moved(instance: Instance, gone: str, target: str) -> Instance:
+    """The same instance with every shard of the node that left moved to `target`."""
+    shards = [
+        shard.model_copy(update={"node_id": target, "runner_id": "pending"})
+        if shard.node_id == gone else shard
+        for shard in instance.shards
+    ]
+    return instance.model_copy(update={"shards": shards})

@@ -53,3 +53,11 @@ def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 from fleet.models.blas import enable_openblas  # noqa: E402
 
 enable_openblas()
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-flux2 (random FLUX.2-klein in mflux's layout) built once per test session."""
+    from fleet.models.make_tiny_flux import make_tiny_flux2
+
+    return make_tiny_flux2(tmp_path_factory.mktemp("tiny-flux2") / "tiny-flux2")

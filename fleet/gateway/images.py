@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError
 
 from fleet.errors import InvalidRequest
-from fleet.gateway.openai import OpenAIRequest, Timeout, deadline_after, invalid_from
+from fleet.gateway.openai import OpenAIRequest, Seed, Timeout, deadline_after, invalid_from
 from fleet.wire.events import ImageChunk
 from fleet.wire.tasks import ImageEdits, ImageGeneration
 
@@ -30,7 +30,7 @@ class ImageGenerationRequest(OpenAIRequest):
     output_format: Literal["png", "jpeg", "webp"] = "png"
     stream: bool = False
     partial_images: int = Field(default=0, ge=0, le=8)
-    seed: int | None = Field(default=None, description="Fleet: same seed, same bytes")
+    seed: Seed | None = Field(default=None, description="Fleet: same seed, same bytes")
     steps: int | None = Field(default=None, ge=1, le=200, description="Fleet extension")
     guidance: float | None = Field(default=None, ge=0.0, le=50.0, description="Fleet extension")
     timeout: Timeout | None = None

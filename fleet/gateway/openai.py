@@ -87,6 +87,7 @@ LogitBias = Annotated[
     ),
 ]
 Timeout = Annotated[float, Field(gt=0, le=3600, description="Fleet: seconds before a 504")]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class _SamplingRequest(OpenAIRequest):
@@ -95,9 +96,9 @@ class _SamplingRequest(OpenAIRequest):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0, description="Fleet extension")
+    top_k: int | None = Field(default=None, ge=0, le=1_000_000, description="Fleet extension")
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="Fleet extension")
-    seed: int | None = None
+    seed: Seed | None = None
     stop: Stop = None
     n: int = Field(default=1, ge=1, le=1, description="Fleet generates one choice")
     logit_bias: LogitBias | None = None

@@ -33,21 +33,22 @@ def encode(message: BaseModel) -> bytes:
 
 
 def _describe(error: ValidationError) -> str:
+    items = error.errors()
+    if items and items[0]["type"] == "json_invalid":
+        return f"not JSON: {items[0]['msg']}"
     parts = []
-    for item in error.errors()[:5]:
+    for item in items[:5]:
         where = ".".join(str(p) for p in item["loc"]) or "(message)"
         parts.append(f"{where}: {item['msg']}")
     return "; ".join(parts)
 
 
-def _parse(data: bytes) -> Any:
+def _readable_task_id(data: bytes) -> str | None:
+    """The task id of a message that failed validation, if it can be read at all."""
     try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
-        raise DecodeError(f"not JSON: {exc}") from None
-
-
-def _readable_task_id(obj: Any) -> str | None:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
     task_id = obj.get("task_id") if isinstance(obj, dict) else None
     if isinstance(task_id, str) and task_id and all(c.isalnum() or c in "-_" for c in task_id):
         return task_id[:128]
@@ -55,19 +56,18 @@ def _readable_task_id(obj: Any) -> str | None:
 
 
 def decode_with(adapter: TypeAdapter[Any], data: bytes) -> Any:
-    obj = _parse(data)
+    """Strict: no coercion of wrong types ("12" is not an int); unknown fields rejected."""
     try:
-        return adapter.validate_python(obj)
+        return adapter.validate_json(data, strict=True)
     except ValidationError as exc:
-        raise DecodeError(_describe(exc), _readable_task_id(obj)) from None
+        raise DecodeError(_describe(exc), _readable_task_id(data)) from None
 
 
 def decode_model(model: type[M], data: bytes) -> M:
-    obj = _parse(data)
     try:
-        return model.model_validate(obj)
+        return model.model_validate_json(data, strict=True)
     except ValidationError as exc:
-        raise DecodeError(_describe(exc), _readable_task_id(obj)) from None
+        raise DecodeError(_describe(exc), _readable_task_id(data)) from None
 
 
 def decode_task(data: bytes) -> Task:

@@ -104,7 +104,9 @@ def examples() -> dict[str, BaseModel]:
             model_path="/data/models/tiny-llm", images_dir="/data/images",
         ),
         "submit_task": pipe.SubmitTask(task=NATS_CLI_TASK, traceparent=None),
-        "runner_status": pipe.RunnerStatusReport(status=runners.RunnerFailed(error="out of memory")),
+        "runner_status": pipe.RunnerStatusReport(
+            status=runners.RunnerFailed(error="out of memory")
+        ),
         "task_running": pipe.TaskRunning(task_id="chat-1"),
     }
     return found

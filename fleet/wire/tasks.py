@@ -9,6 +9,8 @@ from pydantic import AwareDatetime, Field, model_validator
 
 from fleet.wire.base import ModelId, Part, Sha256Hex, TaskId, Wire
 
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what orjson can encode
+
 
 class TextPart(Part):
     type: Literal["text"] = "text"
@@ -80,7 +82,7 @@ class TextGeneration(_TaskBase):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: Seed | None = None
     stop: list[str] = Field(default_factory=list, max_length=8)
     tools: list[Tool] | None = None
     logprobs: bool = False
@@ -108,7 +110,7 @@ class _ImageTaskBase(_TaskBase):
     n: int = Field(default=1, ge=1, le=8)
     steps: int | None = Field(default=None, ge=1, le=200)
     guidance: float | None = Field(default=None, ge=0.0, le=50.0)
-    seed: int | None = None
+    seed: Seed | None = None
     output_format: Literal["png", "jpeg", "webp"] = "png"
     partial_images: int = Field(default=0, ge=0, le=8)
 

@@ -24,6 +24,7 @@ from fleet.wire import subjects
 from fleet.wire.cluster import Instance, NodeJoined, NodeLeft, RunnerRecord, RunnerStatusChanged
 from fleet.wire.codec import DecodeError, decode_model, encode
 from fleet.wire.runners import RunnerStatus
+from fleet.worker.failover import Failover
 from fleet.worker.inputs import ImageCache
 from fleet.worker.janitor import Janitor
 from fleet.worker.node import node_id, node_info
@@ -70,6 +71,7 @@ class ClusterLink:
         self._tasks = [
             asyncio.create_task(self._heartbeat_forever()),
             asyncio.create_task(self._watch_instances()),
+            asyncio.create_task(Failover(self.nodes, self.instances, self.cards).watch()),
         ]
 
     def _is_known(self, model: str) -> bool:

@@ -79,7 +79,7 @@ class Worker:
     # ---- the loop ---------------------------------------------------------------------
 
     def _apply(self, event: object) -> None:
-        self.state = apply(event, self.state)
+        self.state = apply(self.state, event)
 
     async def _drive(self) -> None:
         while (action := rules.plan(self.state, time.time())) is not None:

@@ -155,8 +155,13 @@ class Stopping:
     pass
 
 
+def apply(state: WorkerState, event: object) -> WorkerState:
+    """The next state after `event`; one small rule per event type below."""
+    return _apply(event, state)
+
+
 @singledispatch
-def apply(event: object, state: WorkerState) -> WorkerState:
+def _apply(event: object, state: WorkerState) -> WorkerState:
     raise TypeError(f"no apply rule for {type(event).__name__}")
 
 
@@ -167,17 +172,17 @@ def _with_runner(state: WorkerState, runner_id: str, **changes: object) -> Worke
     return replace(state, runners={**state.runners, runner_id: replace(runner, **changes)})
 
 
-@apply.register
+@_apply.register
 def _(event: InstancesChanged, state: WorkerState) -> WorkerState:
     return replace(state, instances=dict(event.instances))
 
 
-@apply.register
+@_apply.register
 def _(event: RunnerStarting, state: WorkerState) -> WorkerState:
     return replace(state, starting=state.starting | {event.instance_id})
 
 
-@apply.register
+@_apply.register
 def _(event: RunnerSpawned, state: WorkerState) -> WorkerState:
     runners = {**state.runners, event.runner.runner_id: event.runner}
     return replace(state, runners=runners, starting=state.starting - {event.runner.instance_id})
@@ -188,18 +193,18 @@ def _count_failure(state: WorkerState, instance_id: str, at: float) -> dict[str,
     return {**state.failures, instance_id: Failure((previous.attempts if previous else 0) + 1, at)}
 
 
-@apply.register
+@_apply.register
 def _(event: RunnerStartFailed, state: WorkerState) -> WorkerState:
     failures = _count_failure(state, event.instance_id, event.at)
     return replace(state, failures=failures, starting=state.starting - {event.instance_id})
 
 
-@apply.register
+@_apply.register
 def _(event: CommandSent, state: WorkerState) -> WorkerState:
     return _with_runner(state, event.runner_id, command_sent=event.command)
 
 
-@apply.register
+@_apply.register
 def _(event: RunnerStatusSeen, state: WorkerState) -> WorkerState:
     state = _with_runner(state, event.runner_id, status=event.status)
     runner = state.runners.get(event.runner_id)
@@ -209,7 +214,7 @@ def _(event: RunnerStatusSeen, state: WorkerState) -> WorkerState:
     return state
 
 
-@apply.register
+@_apply.register
 def _(event: RunnerGone, state: WorkerState) -> WorkerState:
     runner = state.runners.get(event.runner_id)
     if runner is None:
@@ -221,23 +226,23 @@ def _(event: RunnerGone, state: WorkerState) -> WorkerState:
     return replace(state, runners=runners, failures=failures)
 
 
-@apply.register
+@_apply.register
 def _(event: PullStarted, state: WorkerState) -> WorkerState:
     return replace(state, pulling=state.pulling | {event.model})
 
 
-@apply.register
+@_apply.register
 def _(event: PullEnded, state: WorkerState) -> WorkerState:
     return replace(state, pulling=state.pulling - {event.model})
 
 
-@apply.register
+@_apply.register
 def _(event: TaskQueued, state: WorkerState) -> WorkerState:
     task_id = event.pending.task.task_id
     return replace(state, pending={**state.pending, task_id: event.pending})
 
 
-@apply.register
+@_apply.register
 def _(event: InputsFetching, state: WorkerState) -> WorkerState:
     pending = state.pending.get(event.task_id)
     if pending is None:
@@ -245,7 +250,7 @@ def _(event: InputsFetching, state: WorkerState) -> WorkerState:
     return replace(state, pending={**state.pending, event.task_id: replace(pending, fetching=True)})
 
 
-@apply.register
+@_apply.register
 def _(event: InputsReady, state: WorkerState) -> WorkerState:
     pending = state.pending.get(event.task_id)
     if pending is None:
@@ -254,7 +259,7 @@ def _(event: InputsReady, state: WorkerState) -> WorkerState:
     return replace(state, pending={**state.pending, event.task_id: ready})
 
 
-@apply.register
+@_apply.register
 def _(event: TaskDispatched, state: WorkerState) -> WorkerState:
     runner = state.runners[event.runner_id]
     pending = {k: v for k, v in state.pending.items() if k != event.task_id}
@@ -262,7 +267,7 @@ def _(event: TaskDispatched, state: WorkerState) -> WorkerState:
     return _with_runner(state, event.runner_id, in_flight=runner.in_flight | {event.task_id})
 
 
-@apply.register
+@_apply.register
 def _(event: TaskEnded, state: WorkerState) -> WorkerState:
     pending = {k: v for k, v in state.pending.items() if k != event.task_id}
     runners = {
@@ -273,6 +278,6 @@ def _(event: TaskEnded, state: WorkerState) -> WorkerState:
     return replace(state, pending=pending, runners=runners)
 
 
-@apply.register
+@_apply.register
 def _(event: Stopping, state: WorkerState) -> WorkerState:
     return replace(state, stopping=True)

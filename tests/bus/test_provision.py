@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
+import re
 import shutil
-from collections.abc import AsyncIterator
+import subprocess
+import threading
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +21,9 @@ from nats.aio.client import Client
 from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 
 from fleet.bus.connect import connect
-from fleet.bus.embedded import ops_dir
+from fleet.bus.embedded import ops_dir, server_binary
 from fleet.bus.provision import definitions, ensure_task_consumer, provision
-from fleet.errors import ProvisioningConflict
+from fleet.errors import NatsUnavailable, ProvisioningConflict
 from fleet.wire import subjects
 
 SECOND = 1_000_000_000  # ops/jetstream durations are nanoseconds
@@ -233,3 +237,38 @@ async def test_full_task_queue_rejects_new_tasks_per_subject(
     info = await js.stream_info(subjects.TASKS_STREAM)
     assert info.state.messages == 3
     assert (await js.get_last_msg(subjects.TASKS_STREAM, full)).data == b"task-2"
+
+
+# ---- a server without JetStream -------------------------------------------------------------
+
+@pytest.fixture
+def core_only_url() -> Iterator[str]:
+    """A plain nats-server (no config, no JetStream) on a free port."""
+    process = subprocess.Popen(
+        [str(server_binary()), "-a", "127.0.0.1", "-p", "-1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+
+    def pump() -> None:
+        assert process.stderr
+        for line in process.stderr:
+            lines.put(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        while not (found := re.search(r"client connections on \S*:(\d+)", lines.get(timeout=20))):
+            pass
+        yield f"nats://127.0.0.1:{found.group(1)}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+async def test_provisioning_without_jetstream_is_a_clear_error(core_only_url: str) -> None:
+    client = await connect(core_only_url, "test-no-js")
+    try:
+        with pytest.raises(NatsUnavailable, match="JetStream is not enabled"):
+            await provision(client)
+    finally:
+        await client.close()

@@ -61,7 +61,7 @@ schema = schemathesis.openapi.from_dict(openapi_document())
 
 @schema.parametrize()
 @settings(
-    max_examples=300,
+    max_examples=400,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

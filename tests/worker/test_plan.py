@@ -254,7 +254,7 @@ def test_plan_is_pure_the_same_inputs_give_the_same_action() -> None:
 # ---- whole scenarios: fold events with apply, ask plan at each step ----------------------
 
 def test_from_placement_to_dispatch_each_step_plans_the_next() -> None:
-    state = apply(ev.InstancesChanged({"inst-1": INST}), world())
+    state = apply(world(), ev.InstancesChanged({"inst-1": INST}))
     steps: list[tuple[object, Action | None]] = [
         (ev.RunnerStarting("inst-1"), None),
         (ev.RunnerSpawned(runner(status=RunnerIdle())), AdvanceRunner("run-1", "connect_to_group")),
@@ -274,38 +274,40 @@ def test_from_placement_to_dispatch_each_step_plans_the_next() -> None:
     assert plan(state, T0) == SpawnRunner(INST)
     seen = []
     for event, _ in steps:
-        state = apply(event, state)
+        state = apply(state, event)
         seen.append(plan(state, T0))
     assert seen == [expected for _, expected in steps]
 
 
 def test_a_crashing_runner_is_restarted_with_growing_backoff() -> None:
     state = world([INST], [runner(status=RunnerReady())])
-    state = apply(ev.RunnerGone("run-1", crashed=True, at=T0), state)
+    state = apply(state, ev.RunnerGone("run-1", crashed=True, at=T0))
     assert plan(state, T0 + 0.5) is None
     assert plan(state, T0 + 1.0) == SpawnRunner(INST)
 
-    state = apply(ev.RunnerSpawned(runner(status=RunnerIdle())), state)
-    state = apply(ev.RunnerGone("run-1", crashed=True, at=T0 + 2), state)
+    state = apply(state, ev.RunnerSpawned(runner(status=RunnerIdle())))
+    state = apply(state, ev.RunnerGone("run-1", crashed=True, at=T0 + 2))
     assert plan(state, T0 + 3.5) is None  # second crash: 2 s
     assert plan(state, T0 + 4.0) == SpawnRunner(INST)
 
-    state = apply(ev.RunnerSpawned(runner(status=RunnerWarmingUp(), command_sent="warm_up")), state)
-    state = apply(ev.RunnerStatusSeen("run-1", RunnerReady()), state)
-    state = apply(ev.RunnerGone("run-1", crashed=True, at=T0 + 10), state)
+    state = apply(
+        state, ev.RunnerSpawned(runner(status=RunnerWarmingUp(), command_sent="warm_up"))
+    )
+    state = apply(state, ev.RunnerStatusSeen("run-1", RunnerReady()))
+    state = apply(state, ev.RunnerGone("run-1", crashed=True, at=T0 + 10))
     assert plan(state, T0 + 11.0) == SpawnRunner(INST)  # ready once: the count starts again
 
 
 def test_a_clean_exit_is_respawned_without_backoff() -> None:
     state = world([INST], [READY])
-    state = apply(ev.RunnerGone("run-1", crashed=False, at=T0), state)
+    state = apply(state, ev.RunnerGone("run-1", crashed=False, at=T0))
     assert plan(state, T0) == SpawnRunner(INST)
 
 
 def test_stopping_the_worker_stops_runners_then_plans_nothing() -> None:
-    state = apply(ev.Stopping(), world([INST], [READY]))
+    state = apply(world([INST], [READY]), ev.Stopping())
     assert plan(state, T0) == StopRunner("run-1", "instance removed")
-    state = apply(ev.CommandSent("run-1", "shutdown"), state)
+    state = apply(state, ev.CommandSent("run-1", "shutdown"))
     assert plan(state, T0) is None
-    state = apply(ev.RunnerGone("run-1", crashed=False, at=T0), state)
+    state = apply(state, ev.RunnerGone("run-1", crashed=False, at=T0))
     assert plan(state, T0) is None  # no respawn, no pull

@@ -1,4 +1,4 @@
-"""`apply(event, state)`: a table of (state, event, expected state); the input is never changed."""
+"""`apply(state, event)`: a table of (state, event, expected state); the input is never changed."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ ROWS = [
 
 @pytest.mark.parametrize(("before", "event", "after"), ROWS)
 def test_apply(before: WorkerState, event: object, after: WorkerState) -> None:
-    assert apply(event, before) == after
+    assert apply(before, event) == after
 
 
 @pytest.mark.parametrize(("before", "event", "after"), ROWS)
@@ -122,13 +122,13 @@ def test_apply_never_changes_the_state_it_was_given(
     before: WorkerState, event: object, after: WorkerState
 ) -> None:
     snapshot = repr(before)
-    apply(event, before)
+    apply(before, event)
     assert repr(before) == snapshot
 
 
 def test_an_unknown_event_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="no apply rule for str"):
-        apply("runner went for lunch", EMPTY)
+        apply(EMPTY, "runner went for lunch")
 
 
 def test_hosted_instances_are_those_with_a_shard_on_this_node() -> None:

@@ -1,0 +1,72 @@
+"""When a node leaves (its FLEET_NODES key expires), its instances move to a live node.
+
+Every worker sees the same departure and races to re-place; the write is a compare-and-set
+on the instance's revision, so exactly one wins and the others learn it from the next watch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from fleet.errors import FleetError
+from fleet.placement import choose_node, keys_of, moved
+from fleet.wire.cluster import Instance, ModelCard, NodeInfo
+from fleet.wire.codec import DecodeError, decode_model, encode
+
+log = logging.getLogger(__name__)
+
+
+class Failover:
+    def __init__(self, nodes: KeyValue, instances: KeyValue, cards: dict[str, ModelCard]) -> None:
+        self.nodes = nodes
+        self.instances = instances
+        self.cards = cards
+        self.live: dict[str, NodeInfo] = {}
+
+    async def watch(self) -> None:
+        watcher = await self.nodes.watchall()
+        async for entry in watcher:
+            if entry is None:
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                if self.live.pop(entry.key, None) is not None:
+                    log.warning("node %s left; re-placing its instances", entry.key)
+                    await self.replace_from(entry.key)
+                continue
+            try:
+                self.live[entry.key] = decode_model(NodeInfo, entry.value)
+            except DecodeError:
+                continue
+
+    async def replace_from(self, gone: str) -> None:
+        for key in await keys_of(self.instances):
+            entry = await self.instances.get(key)
+            if not entry.value:
+                continue
+            instance = decode_model(Instance, entry.value)
+            if all(shard.node_id != gone for shard in instance.shards):
+                continue
+            card = self.cards.get(instance.model) or _unknown_card(instance.model)
+            candidates = [n for n in self.live.values() if n.node_id != gone]
+            try:
+                target = choose_node(candidates, card, time.time())
+            except FleetError:
+                log.warning("no live node for %s; it waits for %s to return", key, gone)
+                continue
+            try:
+                await self.instances.update(
+                    key, encode(moved(instance, gone, target.node_id)), last=entry.revision
+                )
+                log.info("moved %s from %s to %s", key, gone, target.node_id)
+            except KeyWrongLastSequenceError:
+                log.info("%s was re-placed by another worker", key)
+
+
+def _unknown_card(model: str) -> ModelCard:
+    return ModelCard(id=model, name=model, tasks=["text_generation"], family="unknown",
+                     source="unknown")
+

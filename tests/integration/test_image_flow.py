@@ -1,0 +1,257 @@
+"""Image generation end to end: nats-server, `fleet worker`, an mflux runner subprocess on
+tiny-flux2 (random weights: the pictures are noise), and FLEET_IMAGES keyed by sha256."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import os
+import sys
+from collections.abc import AsyncIterator
+from functools import partial
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from PIL import Image
+
+from fleet.bus.objects import ObjectBucket
+from fleet.models.catalog import get_card
+from fleet.wire import subjects
+from fleet.wire.codec import decode_event, encode
+from fleet.wire.events import ErrorChunk, ErrorReason, ImageChunk, OutputEvent, TaskFinished
+from fleet.wire.tasks import CancelTask, ImageEdits, ImageGeneration
+from tests.integration.conftest import WorkerFactory
+from tests.integration.harness import (
+    REPO,
+    WorkerProcess,
+    client,
+    events_of,
+    finished,
+    place_and_wait,
+    submit,
+    wait_node,
+)
+
+MODEL = "tiny-flux2"
+SIDE = 128
+# A final 128x128 noise PNG is ~50 kB: an event that small cannot be carrying one inline.
+MAX_EVENT_BYTES = 2048
+
+
+def draw(task_id: str, **fields: object) -> ImageGeneration:
+    defaults: dict[str, object] = {
+        "prompt": "a lighthouse at dusk", "size": f"{SIDE}x{SIDE}", "steps": 4, "seed": 7,
+    }
+    return ImageGeneration(task_id=task_id, model=MODEL, **{**defaults, **fields})
+
+
+def edit(task_id: str, inputs: list[str], **fields: object) -> ImageEdits:
+    defaults: dict[str, object] = {
+        "prompt": "the same, at night", "size": f"{SIDE}x{SIDE}", "steps": 4, "seed": 7,
+        "strength": 0.5,
+    }
+    return ImageEdits(
+        task_id=task_id, model=MODEL, input_images=inputs, **{**defaults, **fields}
+    )
+
+
+def png_bytes(colour: tuple[int, int, int]) -> bytes:
+    """A small input picture with some structure (a bar of another colour), as PNG bytes."""
+    picture = Image.new("RGB", (SIDE, SIDE), colour)
+    picture.paste((255 - colour[0], 90, 160), (32, 48, 96, 80))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def images_of(events: list[OutputEvent]) -> list[ImageChunk]:
+    return [e for e in events if isinstance(e, ImageChunk)]
+
+
+@pytest.fixture
+async def nc(nats_url: str) -> AsyncIterator[Client]:
+    connection = await client(nats_url)
+    yield connection
+    await connection.close()
+
+
+async def serve_images(
+    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path, name: str = "w1", **env: str
+) -> WorkerProcess:
+    """A worker with tiny-flux2 placed on it and its runner ready."""
+    worker = start_worker(name, models={MODEL: tiny_flux2_dir}, **env)
+    node = await wait_node(nc, worker.data_dir)
+    await place_and_wait(nc, get_card(MODEL), node, slots=1)
+    return worker
+
+
+async def raw_events_of(nc: Client, task_id: str, timeout: float = 120.0) -> list[bytes]:
+    """The bytes of every event of a task in FLEET_OUT, up to and including its TaskFinished."""
+    found: list[bytes] = []
+    done = asyncio.Event()
+
+    async def on_event(msg: Msg) -> None:
+        found.append(msg.data)
+        if isinstance(decode_event(msg.data), TaskFinished):
+            done.set()
+
+    sub = await nc.jetstream().subscribe(
+        subjects.out(task_id), stream=subjects.OUT_STREAM, ordered_consumer=True, cb=on_event
+    )
+    try:
+        await asyncio.wait_for(done.wait(), timeout)
+    finally:
+        await sub.unsubscribe()
+    return found
+
+
+async def run_to_end(nc: Client, task: ImageGeneration | ImageEdits) -> list[OutputEvent]:
+    collector = asyncio.create_task(events_of(nc, task.task_id))
+    await submit(nc, task)
+    return await collector
+
+
+async def _set_on_image(event: asyncio.Event, msg: Msg) -> None:
+    if b'"type":"image"' in msg.data:
+        event.set()
+
+
+async def test_a_generation_is_stored_by_hash_and_announced_without_its_bytes(
+    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+) -> None:
+    await serve_images(nc, start_worker, tiny_flux2_dir)
+    task = draw("draw-once")
+    collector = asyncio.create_task(raw_events_of(nc, task.task_id))
+    await submit(nc, task)
+    raw = await collector
+    events = [decode_event(body) for body in raw]
+
+    assert [e.type for e in events] == ["task_accepted", "image", "task_finished"]
+    assert finished(events).status == "completed"
+    assert all(len(body) < MAX_EVENT_BYTES and b"b64" not in body for body in raw)
+    (image,) = images_of(events)
+    assert (image.width, image.height, image.format) == (SIDE, SIDE, "png")
+    assert image.partial_index is None and image.stats is not None and image.stats.steps == 4
+
+    ours = await ObjectBucket(nc).get(image.sha256)
+    stock_store = await nc.jetstream().object_store(subjects.IMAGES_BUCKET)
+    stock = (await stock_store.get(image.sha256)).data
+    assert ours == stock
+    assert sha256_hex(ours) == image.sha256 and len(ours) == image.size_bytes
+    with Image.open(io.BytesIO(ours)) as picture:
+        assert picture.format == "PNG" and picture.size == (SIDE, SIDE)
+
+    again = images_of(await run_to_end(nc, draw("draw-again")))
+    assert [i.sha256 for i in again] == [image.sha256]  # same seed, same bytes
+
+
+async def test_partial_images_come_as_previews_then_the_final_each_stored(
+    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+) -> None:
+    await serve_images(nc, start_worker, tiny_flux2_dir)
+    events = await run_to_end(nc, draw("with-previews", partial_images=2))
+
+    assert finished(events).status == "completed"
+    assert [e.type for e in events] == ["task_accepted", "image", "image", "image", "task_finished"]
+    images = images_of(events)
+    assert [(i.partial_index, i.partial_total) for i in images] == [(0, 2), (1, 2), (None, None)]
+    assert len({i.sha256 for i in images}) == 3
+    bucket = ObjectBucket(nc)
+    for image in images:
+        stored = await bucket.find(image.sha256)
+        assert stored is not None and stored.size == image.size_bytes
+
+
+async def test_a_late_joiner_fetches_the_input_from_the_store_and_completes_the_edit(
+    nats_url: str, nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path,
+    tmp_path: Path,
+) -> None:
+    picture = tmp_path / "input.png"
+    picture.write_bytes(png_bytes((200, 40, 30)))
+    upload = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fleet.cli", "images", "put", str(picture),
+        env={**os.environ, "FLEET_NATS_URL": nats_url}, cwd=REPO,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    printed, complaint = await asyncio.wait_for(upload.communicate(), 60)
+    assert upload.returncode == 0, complaint.decode()
+    sha = printed.decode().strip()
+    assert sha == sha256_hex(picture.read_bytes())
+
+    task = edit("late-joiner", [sha])
+    collector = asyncio.create_task(events_of(nc, task.task_id))
+    await submit(nc, task)
+    # No worker runs yet: the task waits in the work queue for whoever serves tiny-flux2.
+    assert (await nc.jetstream().stream_info(subjects.TASKS_STREAM)).state.messages == 1
+
+    assert not (tmp_path / "late").exists()  # a brand-new data dir: nothing cached
+    worker = await serve_images(nc, start_worker, tiny_flux2_dir, "late")
+    events = await collector
+
+    assert finished(events).status == "completed"
+    (image,) = images_of(events)
+    assert (image.width, image.height) == (SIDE, SIDE)
+    assert (worker.data_dir / "images" / sha).read_bytes() == picture.read_bytes()
+    assert await ObjectBucket(nc).find(image.sha256) is not None
+
+
+async def test_an_input_never_uploaded_ends_input_missing_and_the_worker_keeps_serving(
+    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+) -> None:
+    await serve_images(nc, start_worker, tiny_flux2_dir, FLEET_INPUT_WAIT_S="1")
+    never_uploaded = sha256_hex(b"no client ever uploaded these bytes")
+    events = await run_to_end(nc, edit("missing-input", [never_uploaded]))
+
+    result = finished(events)
+    assert result.status == "failed" and result.reason is ErrorReason.INPUT_MISSING
+    errors = [e for e in events if isinstance(e, ErrorChunk)]
+    assert [e.reason for e in errors] == [ErrorReason.INPUT_MISSING]
+    assert never_uploaded in errors[0].message
+    assert finished(await run_to_end(nc, draw("after-missing"))).status == "completed"
+
+
+async def test_objects_whose_bytes_are_not_their_name_end_input_corrupt(
+    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+) -> None:
+    worker = await serve_images(nc, start_worker, tiny_flux2_dir, FLEET_INPUT_WAIT_S="1")
+    # Two writers, two tampered objects: fleet's own bucket client and nats-py's stock store.
+    by_fleet = sha256_hex(b"what fleet's writer claims it stored")
+    await ObjectBucket(nc).put(by_fleet, png_bytes((10, 120, 200)))
+    by_stock = sha256_hex(b"what the stock writer claims it stored")
+    stock_store = await nc.jetstream().object_store(subjects.IMAGES_BUCKET)
+    await stock_store.put(by_stock, png_bytes((240, 200, 10)))
+
+    for name in (by_fleet, by_stock):
+        result = finished(await run_to_end(nc, edit(f"tampered-{name[:8]}", [name])))
+        assert result.status == "failed" and result.reason is ErrorReason.INPUT_CORRUPT
+        assert not (worker.data_dir / "images" / name).exists()  # nothing untrusted kept
+    assert finished(await run_to_end(nc, draw("after-corrupt"))).status == "completed"
+
+
+async def test_cancel_between_steps_ends_cancelled_and_the_model_serves_on(
+    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+) -> None:
+    await serve_images(nc, start_worker, tiny_flux2_dir)
+    # 200 steps, a preview every ~22: the cancel lands long before the last step.
+    task = draw("cancel-between-steps", steps=200, partial_images=8)
+    first_preview = asyncio.Event()
+    await nc.subscribe(subjects.out(task.task_id), cb=partial(_set_on_image, first_preview))
+    collector = asyncio.create_task(events_of(nc, task.task_id))
+    await submit(nc, task)
+    await asyncio.wait_for(first_preview.wait(), 120)
+    await nc.publish(subjects.cancel(task.task_id), encode(CancelTask(task_id=task.task_id)))
+    events = await collector
+
+    result = finished(events)
+    assert result.status == "cancelled" and result.reason is ErrorReason.CANCELLED
+    previews = images_of(events)
+    assert previews and all(i.partial_index is not None for i in previews)  # no final image
+    assert len(previews) < task.partial_images
+    assert finished(await run_to_end(nc, draw("after-cancel"))).status == "completed"
