@@ -9,6 +9,7 @@ import io
 import os
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -255,3 +256,50 @@ async def test_cancel_between_steps_ends_cancelled_and_the_model_serves_on(
     assert previews and all(i.partial_index is not None for i in previews)  # no final image
     assert len(previews) < task.partial_images
     assert finished(await run_to_end(nc, draw("after-cancel"))).status == "completed"
+
+
+async def test_an_image_the_store_refuses_fails_its_task_and_the_worker_keeps_serving(
+    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+) -> None:
+    await serve_images(nc, start_worker, tiny_flux2_dir)
+    js = nc.jetstream()
+    stream = f"OBJ_{subjects.IMAGES_BUCKET}"
+    config = (await js.stream_info(stream)).config
+    # Full: the bucket discards new messages past max_bytes, so the upload is refused.
+    await js.update_stream(replace(config, max_bytes=1024))
+    events = await run_to_end(nc, draw("store-full"))
+
+    result = finished(events)
+    assert result.status == "failed" and result.reason is ErrorReason.INTERNAL
+    assert not images_of(events)  # never announce an image nobody can fetch
+    await js.update_stream(config)
+    assert finished(await run_to_end(nc, draw("store-has-room"))).status == "completed"
+
+
+async def test_a_task_cancelled_while_its_input_is_awaited_ends_once(
+    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+) -> None:
+    await serve_images(nc, start_worker, tiny_flux2_dir, FLEET_INPUT_WAIT_S="3")
+    absent = sha256_hex(b"uploaded only after the cancel")
+    waiting = edit("cancelled-while-fetching", [absent])
+    collector = asyncio.create_task(events_of(nc, waiting.task_id))
+    await submit(nc, waiting)
+    await until_taken(nc)
+    await nc.publish(subjects.cancel(waiting.task_id), encode(CancelTask(task_id=waiting.task_id)))
+    assert finished(await collector).status == "cancelled"
+
+    # The same worker fetches this one after the first fetch began, so its bounded wait ends
+    # later: once it has failed, whatever the first fetch's end caused is published too.
+    follower = edit("fetched-after-the-cancel", [absent])
+    assert finished(await run_to_end(nc, follower)).reason is ErrorReason.INPUT_MISSING
+    events = await events_of(nc, waiting.task_id)
+    assert [e.type for e in events] == ["task_finished"]
+
+
+async def until_taken(nc: Client, timeout: float = 30.0) -> None:
+    """A worker has pulled tiny-flux2's next task and holds it unacknowledged."""
+    js = nc.jetstream()
+    async with asyncio.timeout(timeout):
+        while (await js.consumer_info(subjects.TASKS_STREAM, subjects.durable(MODEL))) \
+                .num_ack_pending == 0:
+            await asyncio.sleep(0.05)  # polling the consumer's state, bounded by the timeout
