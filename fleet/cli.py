@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fleet.errors import FleetError
+from fleet.telemetry import setup
 
 # Each module adds its subcommands with register(subparsers); handlers are set as `func`.
 COMMAND_MODULES = (
@@ -20,6 +21,8 @@ COMMAND_MODULES = (
     "fleet.models.cli",
     "fleet.bus.images_cli",
     "fleet.gateway.cli",
+    "fleet.commands.bench",
+    "fleet.trace.cli",
 )
 
 
@@ -43,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if args.command != "runner":  # a runner sets up its own, exporting through its worker
+        setup(f"fleet-{args.command}")
     handler: Callable[[argparse.Namespace], int | None] = args.func
     try:
         return handler(args) or 0

@@ -1,16 +1,165 @@
-"""OpenTelemetry: trace context into and out of NATS headers and runner frames."""
+"""OpenTelemetry for every Fleet process: one `setup` each, and the trace context carried in
+NATS headers and runner frames.
+
+Where finished spans go:
+- OTLP over HTTP/protobuf when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
+  is set; the exporter reads the other OTEL_EXPORTER_OTLP_* variables itself. Metrics the
+  same way (…_METRICS_ENDPOINT); without OTLP the meters are the API's no-ops, and /metrics
+  on the gateway is the place to look.
+- `fleet.traces.<trace_id>` on NATS once a process that holds a connection calls
+  `export_to_nats`, so `fleet trace` needs no collector.
+- A runner adds its pipe instead: it has no NATS, and its worker re-exports its spans.
+
+OTEL_SDK_DISABLED=true skips all of it; the API's no-op tracer then costs a function call.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import propagate
+from opentelemetry import metrics, propagate, trace
 from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Span, SpanKind
+
+from fleet.trace.records import SpanRecord, readable_of
+
+if TYPE_CHECKING:  # the runner imports this module and has no NATS
+    from nats.aio.client import Client
+
+    from fleet.trace.nats_export import NatsSpanProcessor
+
+log = logging.getLogger(__name__)
+
+OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+# Subjects named per task are high-cardinality: span names use their template instead.
+_PER_TASK_PREFIXES = ("fleet.out.", "fleet.cancel.")
+
+
+class Telemetry:
+    """The process's tracer provider and the exporters Fleet added to it."""
+
+    def __init__(self, provider: TracerProvider, otlp: BatchSpanProcessor | None) -> None:
+        self.provider = provider
+        self.otlp = otlp
+        self.nats: NatsSpanProcessor | None = None
+
+    def add_processor(self, processor: SpanProcessor) -> None:
+        self.provider.add_span_processor(processor)
+
+    def export_to_nats(self, client: Callable[[], Client | None]) -> None:
+        """Publish finished spans over `client()` (None while not connected: spans dropped).
+        Call from the event loop; a process keeps the first connection it is given."""
+        from fleet.trace.nats_export import NatsSpanProcessor
+
+        if self.nats is None:
+            self.nats = NatsSpanProcessor(client)
+            self.provider.add_span_processor(self.nats)
+
+    def export_records(self, records: list[SpanRecord]) -> None:
+        """Spans another process finished (a runner's), exported as if they had ended here."""
+        if self.otlp is not None:
+            for record in records:
+                self.otlp.on_end(readable_of(record))
+        if self.nats is not None:
+            self.nats.add(records)
+
+    async def flush(self) -> None:
+        """Before a connection closes: what is buffered for NATS goes out now."""
+        if self.nats is not None:
+            await self.nats.flush()
+
+
+_installed: Telemetry | None = None
+
+
+def setup(
+    service_name: str, *, resource: Mapping[str, str] | None = None, otlp: bool = True
+) -> Telemetry | None:
+    """Install the SDK for this process (once: a second call returns the first install).
+    `otlp=False` for a process whose spans another one exports (a runner)."""
+    global _installed
+    if _installed is not None:
+        return _installed
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    described = Resource.create({"service.name": service_name, **(resource or {})})
+    provider = TracerProvider(resource=described)
+    otlp_processor = None
+    if otlp and _configured("TRACES"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        otlp_processor = BatchSpanProcessor(OTLPSpanExporter())
+        provider.add_span_processor(otlp_processor)
+        log.info("exporting spans over OTLP/HTTP")
+    if otlp and _configured("METRICS"):
+        _export_metrics(described)
+    trace.set_tracer_provider(provider)
+    _installed = Telemetry(provider, otlp_processor)
+    return _installed
+
+
+def _configured(signal: str) -> bool:
+    """An OTLP endpoint is set for all signals, or for this one (TRACES, METRICS)."""
+    specific = f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"
+    return bool(os.environ.get(OTLP_ENDPOINT) or os.environ.get(specific))
+
+
+def _export_metrics(resource: Resource) -> None:
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+    reader = PeriodicExportingMetricReader(OTLPMetricExporter())  # OTEL_METRIC_EXPORT_INTERVAL
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader], resource=resource))
+
+
+def installed() -> Telemetry | None:
+    return _installed
+
+
+def export_to_nats(client: Callable[[], Client | None]) -> None:
+    if _installed is not None:
+        _installed.export_to_nats(client)
+
+
+def export_records(records: list[SpanRecord]) -> None:
+    if _installed is not None:
+        _installed.export_records(records)
+
+
+async def flush() -> None:
+    if _installed is not None:
+        await _installed.flush()
+
+
+# ---- context in and out of headers ---------------------------------------------------------
+
+
+# The worker publishes every token of a task under one Context object; formatting the same
+# traceparent each time would cost more than the rest of a token's publish. Contexts are
+# immutable, so the headers of one are computed once. Strong references keep ids unique.
+_INJECTED_CACHE_SIZE = 256
+_injected: dict[int, tuple[Context, dict[str, str]]] = {}
 
 
 def inject_headers(headers: MutableMapping[str, str]) -> None:
-    propagate.inject(headers)
+    current = otel_context.get_current()
+    cached = _injected.get(id(current))
+    if cached is None or cached[0] is not current:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=current)
+        if len(_injected) >= _INJECTED_CACHE_SIZE:
+            _injected.clear()
+        cached = _injected[id(current)] = (current, carrier)
+    headers.update(cached[1])
 
 
 def extract_context(headers: Mapping[str, str] | None) -> Context:
@@ -19,3 +168,51 @@ def extract_context(headers: Mapping[str, str] | None) -> Context:
 
 def current_context() -> Context:
     return otel_context.get_current()
+
+
+def context_of(traceparent: str | None, tracestate: str | None) -> Context:
+    """The context a runner frame carries (SubmitTask), as if read from message headers."""
+    carrier = {"traceparent": traceparent or ""}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    return propagate.extract(carrier)
+
+
+def carried(span: Span) -> tuple[str | None, str | None]:
+    """(traceparent, tracestate) naming `span` as the parent, for a runner frame."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get("traceparent"), carrier.get("tracestate")
+
+
+# ---- the producer span of a published message ------------------------------------------
+
+
+def destination_template(subject: str) -> str:
+    for prefix in _PER_TASK_PREFIXES:
+        if subject.startswith(prefix):
+            return prefix + "{task_id}"
+    return subject
+
+
+@contextmanager
+def send_span(subject: str, msg_id: str | None, body_size: int) -> Iterator[Span]:
+    """`send <subject>` (PRODUCER), current while the message is published, so its headers
+    name it as the parent of whatever processes the message."""
+    template = destination_template(subject)
+    attributes: dict[str, Any] = {
+        "messaging.system": "nats",
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "publish",
+        "messaging.destination.name": subject,
+        "messaging.message.body.size": body_size,
+    }
+    if template != subject:
+        attributes["messaging.destination.template"] = template
+    if msg_id:
+        attributes["messaging.message.id"] = msg_id
+    tracer = trace.get_tracer("fleet.bus")
+    with tracer.start_as_current_span(
+        f"send {template}", kind=SpanKind.PRODUCER, attributes=attributes
+    ) as span:
+        yield span

@@ -12,6 +12,7 @@ from nats.js.api import PubAck
 from pydantic import BaseModel
 
 from fleet.errors import NatsUnavailable
+from fleet.telemetry import inject_headers, send_span
 from fleet.wire.codec import encode
 
 log = logging.getLogger(__name__)
@@ -54,8 +55,6 @@ def headers_for(
     msg_id: str | None = None, extra: Mapping[str, str] | None = None
 ) -> dict[str, str]:
     """Nats-Msg-Id for de-duplication plus the current trace context (traceparent, tracestate)."""
-    from fleet.telemetry import inject_headers
-
     headers = dict(extra or {})
     if msg_id:
         headers[MSG_ID] = msg_id
@@ -78,5 +77,8 @@ async def js_publish(
     msg_id: str | None = None,
     timeout: float = 5.0,
 ) -> PubAck:
-    """JetStream publish awaiting the stream's ack (tasks, terminal events)."""
-    return await js.publish(subject, encode(message), headers=headers_for(msg_id), timeout=timeout)
+    """JetStream publish awaiting the stream's ack (tasks, terminal events), inside a `send`
+    span: the message's traceparent names that span as the parent of its consumers' spans."""
+    body = encode(message)
+    with send_span(subject, msg_id, len(body)):
+        return await js.publish(subject, body, headers=headers_for(msg_id), timeout=timeout)

@@ -67,6 +67,7 @@ async def chat(base: str) -> str:
         "messages": [{"role": "user", "content": QUESTION}],
     }
     answer = []
+    task_id = ""
     print(f"\n> {QUESTION}\n< ", end="", flush=True)
     async with httpx.AsyncClient(timeout=300) as client, client.stream(
         "POST", f"{base}/chat/completions", json=body
@@ -76,11 +77,13 @@ async def chat(base: str) -> str:
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            for choice in orjson.loads(line[6:]).get("choices", []):
+            chunk = orjson.loads(line[6:])
+            task_id = chunk.get("id", task_id)  # the gateway's completion id is the task id
+            for choice in chunk.get("choices", []):
                 text = (choice.get("delta") or {}).get("content") or ""
                 answer.append(text)
                 print(text, end="", flush=True)
-    print()
+    print(f"\n  its trace, later (with `fleet nats` running): fleet trace {task_id}")
     return "".join(answer)
 
 

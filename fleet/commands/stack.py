@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -19,6 +20,12 @@ from fleet.models.catalog import get_card
 from fleet.placement import place, read_instances, remove
 
 log = logging.getLogger(__name__)
+
+
+def quiet_builders() -> None:
+    """Model builds run inside the worker; mflux's saver would draw progress bars on its
+    console. tqdm reads this when it is first imported, so set it before any build."""
+    os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 async def _until_signal(*tasks: asyncio.Task[None]) -> None:
@@ -43,6 +50,7 @@ async def run_worker(settings: Settings) -> None:
 
     if warning := check_mflux():
         log.warning(warning)
+    quiet_builders()
     worker = Worker(settings)
     await _until_signal(asyncio.create_task(worker.run()))
 
@@ -54,6 +62,7 @@ async def stack(settings: Settings, models: list[str]) -> AsyncIterator[Settings
     from fleet.gateway.cli import serve
     from fleet.worker.main import Worker
 
+    quiet_builders()
     server = None
     if settings.nats_url is None:
         server = EmbeddedNats(

@@ -9,6 +9,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from fleet import telemetry
 from fleet.bus.connect import connect, js_publish, publish
 from fleet.commands.core import settings_from
 from fleet.config import Settings
@@ -76,8 +77,10 @@ async def submit_task(settings: Settings, args: argparse.Namespace) -> int:
             messages=[ChatMessage(role="user", content=args.prompt)],
         )
     nc = await connect(settings.url, "fleet-cli")
+    telemetry.export_to_nats(lambda: nc)
     try:
         await js_publish(nc.jetstream(), subjects.tasks(task.model), task, msg_id=task.task_id)
+        await telemetry.flush()  # the send span, before the connection closes
     finally:
         await nc.close()
     print(f"task {task.task_id} on {subjects.tasks(task.model)}", file=sys.stderr)

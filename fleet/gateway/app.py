@@ -24,6 +24,7 @@ from fleet.gateway.guards import (
     on_unexpected_error,
 )
 from fleet.gateway.service import Gateway
+from fleet.gateway.tracing import HttpSpans
 
 
 class Sha256Convertor(Convertor[str]):
@@ -70,6 +71,7 @@ def build_app(settings: Settings) -> Starlette:
     app = Starlette(
         routes=ROUTES,
         middleware=[
+            Middleware(HttpSpans, nats=lambda: gateway.backend.nc),
             Middleware(RequestMetrics, metrics=gateway.metrics),
             Middleware(ApiKeys, keys=settings.api_keys),
             Middleware(BodyLimit, max_bytes=settings.gateway_max_body_bytes),

@@ -8,7 +8,9 @@ once a stream has started it becomes an SSE `error` event.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import anyio
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -23,6 +25,9 @@ from fleet.gateway.replies import failure, sse_error
 from fleet.gateway.streams import Indexed, TaskEvents
 from fleet.wire.events import ErrorChunk, TaskFinished
 from fleet.wire.tasks import Task
+
+R = TypeVar("R")
+CLIENT_CLOSED_REQUEST = 499  # nobody reads it; /metrics counts it
 
 
 class EventStream(StreamingResponse):
@@ -79,7 +84,7 @@ async def _relay(
                 observer.metrics.errors.inc(reason=failed.reason.value)
                 yield sse_error(failed)
                 return
-            for line in await renderer.lines(item.event):
+            for line in await renderer.lines(item):
                 yield line
     except FleetError as exc:  # deadline, NATS gone: the headers are out, so say it in-band
         observer.metrics.errors.inc(reason=exc.reason.value)
@@ -89,11 +94,35 @@ async def _relay(
         yield line
 
 
+async def _hang_up(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_hung_up(receive: Receive, waiting: Awaitable[R]) -> R | None:
+    """What `waiting` gives, or None when the client hangs up first (and `waiting` is dropped).
+
+    Before any byte of the response is out, only this notices a client that gave up: an SDK
+    that timed out and retries would otherwise leave its first task running for nobody."""
+    work = asyncio.ensure_future(waiting)
+    watcher = asyncio.ensure_future(_hang_up(receive))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work
+    return work.result() if not work.cancelled() else None
+
+
 async def run_task(
     backend: Backend,
     metrics: GatewayMetrics,
     task: Task,
     renderer: Renderer,
+    receive: Receive,
     *,
     stream: bool,
     resumable: bool,
@@ -111,13 +140,17 @@ async def run_task(
         await backend.publish_task(task)
         published = True
         if not stream:
-            items = await events.rest()
+            items = await _unless_hung_up(receive, events.rest())
+            if items is None:
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
             for item in items:
                 observer.see(item.event, loop.time())
             if events.finished and (failed := failure(events.finished, _last_error(items))):
                 raise failed
             return JSONResponse(await renderer.body([item.event for item in items]))
-        head = await events.until_committed()
+        head = await _unless_hung_up(receive, events.until_committed())
+        if head is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         if events.finished and (failed := failure(events.finished, _last_error(head))):
             raise failed
         handed_over = True

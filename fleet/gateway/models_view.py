@@ -1,8 +1,9 @@
 """Which models are placed and ready, from the cards and the KV state; pure and table-tested.
 
 A model is placed when an instance of it exists in FLEET_INSTANCES, and ready when one of its
-instances has every shard's runner in FLEET_RUNNERS in a state that accepts tasks. A runner
-record whose instance is not (or no longer) listed still counts on its own: the runner says it
+instances has as many runners in FLEET_RUNNERS in a state that accepts tasks as it has shards
+(a runner record names its instance; the worker picks runner ids after placement). A ready
+runner whose instance is not (or no longer) listed still counts on its own: the runner says it
 takes tasks, and the gateway tells what it sees.
 """
 
@@ -26,25 +27,24 @@ class ModelState:
     ready_runners: int = 0
 
 
-def _instance_ready(instance: Instance, accepting: set[str]) -> bool:
-    return all(shard.runner_id in accepting for shard in instance.shards)
-
-
 def model_states(
     cards: Iterable[str], instances: Iterable[Instance], runners: Iterable[RunnerRecord]
 ) -> dict[str, ModelState]:
     instances = list(instances)
-    runners = list(runners)
-    accepting = {r.runner_id for r in runners if r.status.state in ACCEPTS_TASKS}
+    accepting = [r for r in runners if r.status.state in ACCEPTS_TASKS]
     known_instances = {i.instance_id for i in instances}
     states = {}
     for model in cards:
         placed = [i for i in instances if i.model == model]
-        ready_runners = [r for r in runners if r.model == model and r.runner_id in accepting]
+        ready_runners = [r for r in accepting if r.model == model]
+        complete = any(
+            sum(r.instance_id == i.instance_id for r in ready_runners) >= len(i.shards)
+            for i in placed
+        )
         orphans_ready = any(r.instance_id not in known_instances for r in ready_runners)
         states[model] = ModelState(
             placed=bool(placed) or orphans_ready,
-            ready=any(_instance_ready(i, accepting) for i in placed) or orphans_ready,
+            ready=complete or orphans_ready,
             instances=len(placed),
             ready_runners=len(ready_runners),
         )

@@ -2,6 +2,8 @@
 
 Text renderers are pure wrappers of `replies.Reply`; the image renderer reads image bytes from
 FLEET_IMAGES because OpenAI's image responses carry base64, while Fleet's events carry hashes.
+Streamed lines carry the event's index as the SSE `id:`: a client that loses the connection
+resumes from /v1/tasks/{id}/events?after=<last id> (OpenAI clients ignore the field).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from fleet.errors import NatsUnavailable
 from fleet.gateway.backend import Backend
 from fleet.gateway.images import StreamKind, encode_b64, images_response, stream_event
 from fleet.gateway.replies import SSE_DONE, Reply, gather, sse
+from fleet.gateway.streams import Indexed
 from fleet.wire.events import ImageChunk, OutputEvent, TokenChunk, ToolCallChunk
 
 
@@ -21,7 +24,7 @@ class Renderer(Protocol):
 
     def opening(self) -> list[bytes]: ...
 
-    async def lines(self, event: OutputEvent) -> list[bytes]: ...
+    async def lines(self, item: Indexed) -> list[bytes]: ...
 
     def closing(self) -> list[bytes]: ...
 
@@ -37,11 +40,11 @@ class ChatRenderer:
     def opening(self) -> list[bytes]:
         return [sse(self.reply.chat_opening())]
 
-    async def lines(self, event: OutputEvent) -> list[bytes]:
-        chunks = self.reply.chat_chunks(event, self.tool_calls_seen)
-        if isinstance(event, ToolCallChunk):
+    async def lines(self, item: Indexed) -> list[bytes]:
+        chunks = self.reply.chat_chunks(item.event, self.tool_calls_seen)
+        if isinstance(item.event, ToolCallChunk):
             self.tool_calls_seen += 1
-        return [sse(chunk) for chunk in chunks]
+        return [sse(chunk, event_id=item.index) for chunk in chunks]
 
     def closing(self) -> list[bytes]:
         return [SSE_DONE]
@@ -58,11 +61,11 @@ class CompletionRenderer:
     def opening(self) -> list[bytes]:
         return []
 
-    async def lines(self, event: OutputEvent) -> list[bytes]:
-        chunks = self.reply.completion_chunks(event, self.text_offset)
-        if isinstance(event, TokenChunk):
-            self.text_offset += len(event.text)
-        return [sse(chunk) for chunk in chunks]
+    async def lines(self, item: Indexed) -> list[bytes]:
+        chunks = self.reply.completion_chunks(item.event, self.text_offset)
+        if isinstance(item.event, TokenChunk):
+            self.text_offset += len(item.event.text)
+        return [sse(chunk, event_id=item.index) for chunk in chunks]
 
     def closing(self) -> list[bytes]:
         return [SSE_DONE]
@@ -99,12 +102,13 @@ class ImageRenderer:
     def opening(self) -> list[bytes]:
         return []
 
-    async def lines(self, event: OutputEvent) -> list[bytes]:
-        if not isinstance(event, ImageChunk):
+    async def lines(self, item: Indexed) -> list[bytes]:
+        chunk = item.event
+        if not isinstance(chunk, ImageChunk):
             return []
-        b64 = await self._b64(event.sha256)
-        name, data = stream_event(event, b64, self.kind, self.created, self.url_of(event.sha256))
-        return [sse(data, event=name)]
+        b64 = await self._b64(chunk.sha256)
+        name, data = stream_event(chunk, b64, self.kind, self.created, self.url_of(chunk.sha256))
+        return [sse(data, event=name, event_id=item.index)]
 
     def closing(self) -> list[bytes]:
         return []

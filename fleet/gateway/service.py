@@ -93,13 +93,21 @@ class Gateway:
         return all(report["streams"].values()), report
 
     async def run(
-        self, task: Task, renderer: Renderer, *, stream: bool, resumable: bool, timeout_s: float
+        self,
+        request: Request,
+        task: Task,
+        renderer: Renderer,
+        *,
+        stream: bool,
+        resumable: bool,
+        timeout_s: float,
     ) -> Response:
         return await run_task(
             self.backend,
             self.metrics,
             task,
             renderer,
+            request.receive,
             stream=stream,
             resumable=resumable,
             timeout_s=timeout_s,

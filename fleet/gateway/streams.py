@@ -12,8 +12,8 @@ import logging
 from dataclasses import dataclass
 
 import anyio
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 
 from fleet.errors import DeadlineExceeded, NatsUnavailable
@@ -54,6 +54,12 @@ class TaskEvents:
         self.index = 0
         self.finished: TaskFinished | None = None
         self._subscription: JetStreamContext.PushSubscription | None = None
+        # Fed by a callback: nats-py's next_msg makes a task and a uuid per message, which
+        # costs more than the rest of the relay of a token.
+        self._arrived: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def _receive(self, message: Msg) -> None:
+        self._arrived.put_nowait(message)
 
     async def open(self) -> TaskEvents:
         try:
@@ -62,6 +68,7 @@ class TaskEvents:
                 stream=subjects.OUT_STREAM,
                 ordered_consumer=True,
                 idle_heartbeat=IDLE_HEARTBEAT_S,
+                cb=self._receive,
             )
         except (NatsError, OSError) as exc:
             raise NatsUnavailable(f"cannot read {subjects.OUT_STREAM}: {exc!r}") from None
@@ -92,13 +99,7 @@ class TaskEvents:
         if self.finished is not None or self._subscription is None:
             raise StopAsyncIteration
         while True:
-            remaining = self.deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
-                raise DeadlineExceeded(f"task {self.task_id} did not finish in time")
-            try:
-                message = await self._subscription.next_msg(timeout=remaining)
-            except NatsTimeout:
-                continue  # the loop re-checks the deadline
+            message = await self._next_message()
             self.index += 1
             try:
                 event = decode_event(message.data)
@@ -112,6 +113,15 @@ class TaskEvents:
                     raise StopAsyncIteration  # the client has seen everything already
                 continue
             return Indexed(self.index, event, message.data)
+
+    async def _next_message(self) -> Msg:
+        if not self._arrived.empty():
+            return self._arrived.get_nowait()
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                return await self._arrived.get()
+        except TimeoutError:
+            raise DeadlineExceeded(f"task {self.task_id} did not finish in time") from None
 
     async def until_committed(self) -> list[Indexed]:
         """Read up to the first event that needs a committed response (or the end)."""

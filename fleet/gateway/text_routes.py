@@ -34,7 +34,12 @@ async def chat_completions(request: Request) -> Response:
     task = chat_task(chat, new_task_id("chatcmpl"), hashes, now_utc(), timeout_s)
     reply = Reply(task.task_id, chat.model, int(time.time()), chat.logprobs, chat.include_usage)
     return await gateway.run(
-        task, ChatRenderer(reply), stream=chat.stream, resumable=chat.resumable, timeout_s=timeout_s
+        request,
+        task,
+        ChatRenderer(reply),
+        stream=chat.stream,
+        resumable=chat.resumable,
+        timeout_s=timeout_s,
     )
 
 
@@ -52,6 +57,7 @@ async def completions(request: Request) -> Response:
         completion.include_usage,
     )
     return await gateway.run(
+        request,
         task,
         CompletionRenderer(reply),
         stream=completion.stream,

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateError
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from fleet.runner.engine import TaskRejected
@@ -51,9 +52,14 @@ def _chat_tokens(tokenizer: TokenizerWrapper, task: TextGeneration) -> tuple[lis
     template_kwargs: dict[str, Any] = {}
     if task.tools:
         template_kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in task.tools]
-    tokens = list(
-        tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **template_kwargs)
-    )
+    try:
+        tokens = list(
+            tokenizer.apply_chat_template(rendered, add_generation_prompt=True, **template_kwargs)
+        )
+    except TemplateError as error:
+        raise TaskRejected(
+            ErrorReason.INVALID_TASK, f"the model's chat template refused the messages: {error}"
+        ) from error
     system_count = next(
         (i for i, message in enumerate(messages) if message.role != "system"), len(messages)
     )
@@ -61,11 +67,14 @@ def _chat_tokens(tokenizer: TokenizerWrapper, task: TextGeneration) -> tuple[lis
         return tokens, 0
     # Render the system turn alone (with an empty user turn after it, as some templates
     # insist on one) and keep what it has in common with the whole prompt.
-    system_only = tokenizer.apply_chat_template(
-        [*rendered[:system_count], {"role": "user", "content": ""}],
-        add_generation_prompt=False,
-        **template_kwargs,
-    )
+    try:
+        system_only = tokenizer.apply_chat_template(
+            [*rendered[:system_count], {"role": "user", "content": ""}],
+            add_generation_prompt=False,
+            **template_kwargs,
+        )
+    except TemplateError:
+        return tokens, 0  # only the prefix cache loses: the prompt is still whole
     shared = 0
     for mine, whole in zip(system_only, tokens, strict=False):
         if mine != whole:

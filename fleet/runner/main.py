@@ -19,6 +19,7 @@ import queue
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -26,6 +27,7 @@ from typing import BinaryIO
 from fleet.runner.engine import Engine, EngineConfig
 from fleet.runner.fault_engine import FAULT_FAMILY, FaultEngine
 from fleet.runner.framing import FrameError, FrameReader, FrameWriter, decode_command
+from fleet.runner.image_steps import StepHook
 from fleet.runner.machine import RunnerMachine
 from fleet.runner.protocol import (
     RunnerCommand,
@@ -34,6 +36,8 @@ from fleet.runner.protocol import (
     RunnerStatusReport,
     Shutdown,
 )
+from fleet.runner.spans import RunnerSpans, SpanBuffer
+from fleet.telemetry import setup
 from fleet.wire.codec import DecodeError, decode_model
 from fleet.wire.runners import RunnerFailed
 from fleet.wire.tasks import CancelTask
@@ -62,7 +66,7 @@ def engine_config(spec: RunnerSpec) -> EngineConfig:
     )
 
 
-def make_engine(spec: RunnerSpec) -> Engine:
+def make_engine(spec: RunnerSpec, on_step: StepHook | None = None) -> Engine:
     """The engine for the card; imported lazily so the fault engine never imports mlx."""
     config = engine_config(spec)
     if spec.card.family == FAULT_FAMILY:
@@ -71,7 +75,7 @@ def make_engine(spec: RunnerSpec) -> Engine:
     if spec.card.is_image:
         from fleet.runner.image import ImageEngine
 
-        return ImageEngine(config)
+        return ImageEngine(config, on_step=on_step)
     from fleet.runner.text import TextEngine
 
     return TextEngine(config)
@@ -122,13 +126,19 @@ def _next_batch(inbox: Inbox, wait: bool) -> list[RunnerCommand | PipeBroken]:
             return batch
 
 
-def serve(machine: RunnerMachine, inbox: Inbox) -> int:
-    """The main thread's loop until the machine is done; returns the process exit code."""
+def serve(
+    machine: RunnerMachine,
+    inbox: Inbox,
+    observe: Callable[[RunnerCommand], None] = lambda command: None,
+) -> int:
+    """The main thread's loop until the machine is done; returns the process exit code.
+    `observe` sees each command just before the machine does (spans start there)."""
     while not machine.done:
         for item in _next_batch(inbox, wait=not machine.busy):
             if isinstance(item, PipeBroken):
                 machine.fail(item.error)
             else:
+                observe(item)
                 machine.handle(item)
             if machine.done:
                 break
@@ -154,6 +164,15 @@ class _Reporter:
             self._open = False
 
 
+def _traced(spec: RunnerSpec) -> RunnerSpans:
+    """Spans go to the worker over the pipe; the worker exports them (OTLP, NATS)."""
+    resource = {"service.instance.id": spec.runner_id, "fleet.node.id": spec.node_id}
+    buffer = SpanBuffer()
+    if telemetry := setup("fleet-runner", resource=resource, otlp=False):
+        telemetry.add_processor(buffer)
+    return RunnerSpans(spec, buffer)
+
+
 def run_runner(spec_json: str) -> int:
     frames = _claim_stdout()
     # The worker decides when a runner stops; a Ctrl-C meant for the terminal's foreground
@@ -171,9 +190,10 @@ def run_runner(spec_json: str) -> int:
         format=f"%(asctime)s runner {spec.runner_id} %(levelname)s %(name)s: %(message)s",
         force=True,  # the runner's lines share the worker's stderr: they must say whose they are
     )
-    report = _Reporter(FrameWriter(frames))
+    spans = _traced(spec)
+    report = spans.observing(_Reporter(FrameWriter(frames)))
     try:
-        engine = make_engine(spec)
+        engine = make_engine(spec, on_step=spans.on_step)
     except Exception as exc:
         log.exception("no engine for %s", spec.card.id)
         report(RunnerStatusReport(status=RunnerFailed(error=f"no engine: {exc}")))
@@ -189,7 +209,7 @@ def run_runner(spec_json: str) -> int:
             name="pipe-reader",
             daemon=True,
         ).start()
-        code = serve(machine, inbox)
+        code = serve(machine, inbox, observe=spans.on_command)
     log.info("exiting with %d (%s)", code, machine.state.state)
     return code
 

@@ -59,10 +59,13 @@ class SoloSequence:
         self._ahead: tuple[mx.array, mx.array] | None = None  # next token, being computed
 
     def next(self, look_ahead: bool = True) -> tuple[list[Any], list[Any]]:
+        """Read a chunk of the prompt, or decode one token; the first token comes in the same
+        call as the end of the prompt, as with generate_step."""
         with mx.stream(generation_stream):
+            read = [self._prefill_chunk()] if self._segments else []
             if self._segments:
-                return [self._prefill_chunk()], []
-            return [], [self._decode(look_ahead)]
+                return read, []
+            return read, [self._decode(look_ahead)]
 
     @property
     def decoding(self) -> bool:
@@ -100,9 +103,12 @@ class SoloSequence:
     def _prefill_chunk(self) -> Any:
         segment = self._segments[0]
         chunk, segment[:] = segment[: self._prefill_step], segment[self._prefill_step :]
-        self._model(mx.array(chunk)[None], cache=self.cache)
+        inputs = mx.array(chunk)
+        self._model(inputs[None], cache=self.cache)
         mx.eval([layer.state for layer in self.cache])
-        self._fed(chunk)
+        self.tokens.extend(chunk)
+        if self._context is not None:
+            self._context.update_and_fetch(inputs)
         self._prompt_done += len(chunk)
         if not segment:
             self._segments.pop(0)
@@ -112,7 +118,8 @@ class SoloSequence:
 
     def _decode(self, look_ahead: bool) -> Any:
         if self._ahead is None:
-            self._ahead = self._forward(self._last_prompt_token)
+            self.tokens.append(self._last_prompt_token)
+            self._ahead = self._forward(mx.array([self._last_prompt_token]))
         token_array, logprobs = self._ahead
         self._generated += 1
         self._ahead = None
@@ -138,10 +145,8 @@ class SoloSequence:
             all_tokens=self.tokens if ended else None,
         )
 
-    def _forward(self, token: int | mx.array) -> tuple[mx.array, mx.array]:
-        inputs = mx.array([token]) if isinstance(token, int) else token
-        if isinstance(token, int):
-            self.tokens.append(token)
+    def _forward(self, inputs: mx.array) -> tuple[mx.array, mx.array]:
+        """Feed one token (lazily: it may still be being sampled) and sample the next."""
         logits = self._model(inputs[None], cache=self.cache)[:, -1, :]
         if self._context is not None:
             context = self._context.update_and_fetch(inputs)
@@ -152,16 +157,12 @@ class SoloSequence:
         mx.async_eval(sampled, logprobs)
         return sampled, logprobs
 
-    def _fed(self, tokens: list[int]) -> None:
-        self.tokens.extend(tokens)
-        if self._context is not None:
-            self._context.update_and_fetch(mx.array(tokens))
-
 
 def _snapshot(layer: Any) -> Any:
     if not isinstance(layer, KVCache) or layer.keys is None:
         return copy.deepcopy(layer)
-    # Views up to the offset: new array objects, so later writes into the cache miss them.
+    # Slices up to the offset are new array objects: the cache's later in-place writes go to
+    # its own arrays and leave the snapshot as it was.
     snapshot = KVCache()
     snapshot.keys = layer.keys[..., : layer.offset, :]
     snapshot.values = layer.values[..., : layer.offset, :]

@@ -46,7 +46,8 @@ class TextEngine:
         self._context_length = config.card.context_length
         self._vocab_size = 0
         self._stop_tokens: set[int] = set()
-        self._tasks: dict[int, TextTask] = {}  # by the batch generator's uid
+        # By the batch generator's uid, or a negative one of our own while a task runs alone.
+        self._tasks: dict[int, TextTask] = {}
         self._uids: dict[str, int] = {}  # task id -> uid
         self._prefix_cache = self._new_prefix_cache()
         self._cancel_lock = threading.Lock()
@@ -94,9 +95,10 @@ class TextEngine:
         )
 
     def warm_up(self) -> None:
-        """Decode alone, then batched, greedy and sampled: the first real task pays no
-        first-call costs on whichever path it takes."""
-        for round_tasks in ((0.0,), (0.0, 0.8)):
+        """Decode alone, then batched (when there are two slots to batch in), greedy and
+        sampled: the first real task pays no first-call costs on whichever path it takes."""
+        rounds = ((0.0,), (0.0, 0.8)) if self.config.slots > 1 else ((0.0,), (0.8,))
+        for round_tasks in rounds:
             for index, temperature in enumerate(round_tasks):
                 warm_task = TextGeneration(
                     task_id=f"warm-up-{index}",
@@ -167,7 +169,7 @@ class TextEngine:
         if not self._tasks:
             return events
         if self._solo is not None and len(self._tasks) > 1:
-            self._move_solo_into_batch(events)
+            self._move_into_batch(self._solo, events)
         decoder: BatchGenerator | SoloSequence = self._solo or self._require_loaded()
         prompt_responses, token_responses = decoder.next()
         if self._prefix_cache is not None and prompt_responses:
@@ -200,10 +202,9 @@ class TextEngine:
                 for cache, tokens in kept.values():
                     self._prefix_cache.store(tokens, cache, "assistant")
 
-    def _move_solo_into_batch(self, events: list[OutputEvent]) -> None:
+    def _move_into_batch(self, solo: SoloSequence, events: list[OutputEvent]) -> None:
         """Another task arrived: the lone task continues in the batch generator."""
-        solo, self._solo = self._solo, None
-        assert solo is not None
+        self._solo = None
         next_token = None
         if solo.decoding:
             # Its next token is already being computed: take it, and feed it in the batch.
@@ -255,8 +256,7 @@ class TextEngine:
         uids = [self._uids[task_id] for task_id in requested if task_id in self._uids]
         if not uids:
             return
-        if self._solo is not None:
-            self._solo.remove(uids)
+        # A lone task needs no removal: forgetting it drops its decoder.
         self._require_loaded().remove(uids)
         at = time.time()
         for uid in uids:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, cast
 
 import numpy as np
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
@@ -28,6 +28,8 @@ from fleet.wire.events import (
     Usage,
 )
 from fleet.wire.tasks import TextGeneration
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class TextTask:
@@ -67,8 +69,8 @@ class TextTask:
     ) -> TaskFinished | None:
         """Add the events of one generated token; return the TaskFinished if it ended the task."""
         token: int = response.token
-        finish_reason: str | None = response.finish_reason
-        # The batch generator's only stop sequences are the end-of-sequence tokens.
+        finish_reason = cast(FinishReason | None, response.finish_reason)
+        # The decoders stop on end-of-sequence tokens alone, and those have no text to show.
         if finish_reason != "stop":
             self._detokenizer.add_token(token)
         if finish_reason is not None:
@@ -114,7 +116,7 @@ class TextTask:
             task_id=self.task.task_id,
             at=at,
             status="completed",
-            finish_reason=finish_reason,  # type: ignore[arg-type]
+            finish_reason=finish_reason,
             usage=self._usage(),
             stats=self._stats(now),
             node_id=self._node_id,

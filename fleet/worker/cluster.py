@@ -167,6 +167,10 @@ class ClusterLink:
         self.cache.release(hashes)
 
     async def upload_output(self, sha256: str) -> None:
-        """A runner wrote an image into the cache dir; store it by hash (never re-put)."""
-        path = await asyncio.to_thread(self.cache.adopt, sha256)
-        await self.store.put_by_hash(path)
+        """A runner wrote an image into the cache dir; store it by hash (never re-put).
+        Pinned meanwhile: a fetch for another task could otherwise evict it mid-upload."""
+        self.cache.pin([sha256])
+        try:
+            await self.store.put_by_hash(await self.cache.adopt(sha256))
+        finally:
+            self.cache.release([sha256])

@@ -26,6 +26,7 @@ from fleet.bus.objects import (
     ObjectCorrupt,
     ObjectMissing,
     ObjectTimeout,
+    sha256_hex,
 )
 from fleet.errors import FleetError
 from fleet.wire.events import ErrorReason
@@ -105,12 +106,14 @@ class ImageCache:
         self._register(sha, len(data))
         return sha
 
-    def adopt(self, sha: str) -> Path:
+    async def adopt(self, sha: str) -> Path:
         """Register a file that someone else (a runner) placed at `path(sha)`. A file whose
-        bytes do not hash to its name is removed, so no later run can trust it."""
+        bytes do not hash to its name is removed, so no later run can trust it.
+
+        Only the hashing leaves the loop: the cache's books are kept on the loop alone, where
+        `ensure` and `release` change them too."""
         path = self.path(sha)
-        with path.open("rb") as file:
-            actual = hashlib.file_digest(file, "sha256").hexdigest()
+        actual = await asyncio.to_thread(sha256_hex, path)
         if actual != sha:
             path.unlink()
             raise ValueError(f"{path} holds bytes with sha256 {actual}, not {sha}")

@@ -36,6 +36,7 @@ class Settled:
 
     task_id: str | None
     reason: str
+    verb: str = "ack"  # the JetStream verb that settled it: ack, or term for poison
 
 
 class Intake:
@@ -83,7 +84,7 @@ class Intake:
             await self.output.fail(task_id, ErrorReason.INVALID_TASK, message)
         with contextlib.suppress(Exception):
             await msg.term()  # poison: never redeliver
-        return Settled(task_id, "invalid_task")
+        return Settled(task_id, "invalid_task", "term")
 
     async def _end(self, msg: Msg, task_id: str, reason: ErrorReason, message: str) -> Settled:
         await self.output.fail(task_id, reason, message, node_id=self.cluster.node_id)

@@ -8,6 +8,7 @@ one worker of the fleet answers each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +24,13 @@ from fleet.wire.codec import DecodeError, decode_event, decode_task
 from fleet.wire.events import ErrorReason, TaskFinished, failed
 
 log = logging.getLogger(__name__)
+
+async def unsubscribe_pull(sub: JetStreamContext.PullSubscription) -> None:
+    """Drop a pull subscription before the connection drains: a fetch cancelled mid-wait
+    leaves the server's late answer queued unread, and draining waits on it for 30 s."""
+    with contextlib.suppress(Exception):
+        await sub.unsubscribe()
+
 
 def readable_task_id(data: bytes) -> str | None:
     try:
@@ -48,6 +56,7 @@ class Janitor:
 
     async def stop(self) -> None:
         self._sweeper.cancel()
+        await unsubscribe_pull(self.advisories)
 
     async def _sweep_forever(self) -> None:
         while True:

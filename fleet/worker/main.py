@@ -7,24 +7,28 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from nats.aio.msg import Msg
 
+from fleet import telemetry
 from fleet.aio import TaskSet
 from fleet.bus.connect import connect
 from fleet.bus.provision import ensure_task_consumer, provision
 from fleet.config import Settings
 from fleet.runner import protocol as pipe
 from fleet.wire import subjects
-from fleet.wire.events import ErrorChunk, ErrorReason, TaskFinished
+from fleet.wire.events import ErrorChunk, ErrorReason, ImageChunk, TaskFinished, failed
 from fleet.wire.tasks import CancelTask
 from fleet.worker import plan as rules
 from fleet.worker import state as ev
 from fleet.worker.cluster import ClusterLink
 from fleet.worker.intake import Intake, Queued
+from fleet.worker.janitor import unsubscribe_pull
 from fleet.worker.outputs import TaskOutput
 from fleet.worker.runners import RunnerPool
+from fleet.worker.spans import TaskSpans
 from fleet.worker.state import WorkerState, apply
 from fleet.worker.supervisor import RunnerExited
 
@@ -53,11 +57,14 @@ class Worker:
         self.pull_subs: dict[str, Any] = {}
         self.background = TaskSet()
         self.pinned: dict[str, list[str]] = {}  # task id -> input images it holds in cache
+        self.unstored: dict[str, str] = {}  # task id -> why an image of it could not be stored
+        self.spans = TaskSpans()
 
     async def run(self) -> None:
         settings = self.settings
         self.nc = await connect(settings.url, "fleet-worker")
         self.js = self.nc.jetstream()
+        telemetry.export_to_nats(lambda: self.nc)
         await provision(self.nc)
         self.output = TaskOutput(self.nc, self.js)
         self.cluster = ClusterLink(settings, self.nc, self.js, self.inbox)
@@ -96,9 +103,13 @@ class Worker:
                 self._apply(ev.RunnerGone(runner_id, crashed=crashed, at=time.time()))
                 await self.cluster.runner_removed(runner_id)
             case (runner_id, report):
-                await self._on_report(runner_id, report)
-            case _EndTask(task_id=task_id, reason=reason, message=message):
-                await self._end(task_id, reason, message)
+                with self.spans.active(getattr(report, "task_id", None)):
+                    await self._on_report(runner_id, report)
+            case _InputsFetched(task_id=task_id, paths=paths):
+                self._inputs_fetched(task_id, paths)
+            case _InputsFailed(task_id=task_id, reason=reason, message=message):
+                if task_id in self.state.pending:  # else it already ended (cancel, deadline)
+                    await self._end(task_id, reason, message)
             case _CancelSeen(task_id=task_id):
                 await self._cancel(task_id)
             case Tick():
@@ -107,10 +118,15 @@ class Worker:
                 self._apply(item)
 
     async def _take(self, msg: Msg) -> None:
-        outcome = await self.intake.receive(msg)
+        span = self.spans.received(msg)
+        with self.spans.current(span):
+            outcome = await self.intake.receive(msg)
         if isinstance(outcome, Queued):
             self.msgs[outcome.pending.task.task_id] = msg
+            self.spans.queued(outcome.pending.task.task_id, outcome.pending.task.model, span)
             self._apply(ev.TaskQueued(outcome.pending))
+        else:
+            self.spans.settled(outcome.task_id, outcome.verb, span, outcome.reason)
 
     async def _act(self, action: rules.Action) -> None:
         match action:
@@ -159,27 +175,35 @@ class Worker:
 
     async def _fetch_inputs(self, task_id: str, hashes: tuple[str, ...]) -> None:
         try:
-            inputs = await self.cluster.fetch_inputs(hashes)
+            with self.spans.child(task_id, "fetch inputs", {"fleet.images": len(hashes)}):
+                paths = await self.cluster.fetch_inputs(hashes)
         except Exception as exc:
             reason = getattr(exc, "reason", ErrorReason.INTERNAL)
-            await self.inbox.put(_EndTask(task_id, ErrorReason(reason), str(exc)))
+            await self.inbox.put(_InputsFailed(task_id, ErrorReason(reason), str(exc)))
             return
-        self.pinned[task_id] = list(inputs)
-        await self.inbox.put(ev.InputsReady(task_id, {k: str(v) for k, v in inputs.items()}))
+        await self.inbox.put(_InputsFetched(task_id, paths))
+
+    def _inputs_fetched(self, task_id: str, paths: dict[str, Path]) -> None:
+        if task_id not in self.state.pending:  # it ended while they were fetched: unpin
+            self.cluster.release_inputs(list(paths))
+            return
+        self.pinned[task_id] = list(paths)
+        self._apply(ev.InputsReady(task_id, {sha: str(path) for sha, path in paths.items()}))
 
     async def _dispatch(self, task_id: str, runner_id: str) -> None:
         pending = self.state.pending[task_id]
-        msg = self.msgs.get(task_id)
-        headers = (msg.headers if msg else None) or {}
+        traceparent, tracestate = self.spans.dispatched(task_id, runner_id)
         self._apply(ev.TaskDispatched(task_id, runner_id))
         await self.runners.send(runner_id, pipe.SubmitTask(
             task=pending.task, inputs=pending.inputs or {}, delivery=pending.delivery,
             queue_wait_s=max(0.0, time.time() - pending.received_at),
-            traceparent=headers.get("traceparent"), tracestate=headers.get("tracestate"),
+            traceparent=traceparent, tracestate=tracestate,
         ))
 
     async def _end(self, task_id: str, reason: ErrorReason, message: str) -> None:
-        await self.output.fail(task_id, reason, message, node_id=self.state.node_id)
+        with self.spans.active(task_id):
+            finished = await self.output.fail(task_id, reason, message, node_id=self.state.node_id)
+        self.spans.finished(finished)
         await self._settle(task_id)
 
     async def _settle(self, task_id: str) -> None:
@@ -189,6 +213,7 @@ class Worker:
         if msg := self.msgs.pop(task_id, None):
             with contextlib.suppress(Exception):
                 await msg.ack()
+        self.spans.settled(task_id, "ack")
         self._apply(ev.TaskEnded(task_id))
 
     async def _on_report(self, runner_id: str, report: Any) -> None:
@@ -197,20 +222,42 @@ class Worker:
                 self._apply(ev.RunnerStatusSeen(runner_id, status))
                 await self.cluster.runner_status(self.state.runners.get(runner_id), status)
             case TaskFinished():
+                if why := self.unstored.pop(report.task_id, None):
+                    unstored = failed(report.task_id, report.at, ErrorReason.INTERNAL, why)
+                    origin = {"node_id": report.node_id, "runner_id": runner_id}
+                    report = unstored.model_copy(update=origin)
                 if report.status == "failed" and report.reason and report.message:
                     await self.output.chunk(ErrorChunk(
                         task_id=report.task_id, at=report.at, reason=report.reason,
                         message=report.message,
                     ))
                 await self.output.finish(report)
+                self.spans.finished(report)
                 await self._settle(report.task_id)
-            case pipe.TaskRunning() | pipe.SpanBatch():
+            case pipe.SpanBatch(spans=records):
+                telemetry.export_records(records)
+            case pipe.TaskRunning():
                 pass
-            case _ if getattr(report, "type", None) == "image":
-                await self.cluster.upload_output(report.sha256)
-                await self.output.chunk(report)
+            case ImageChunk():
+                await self._announce_image(runner_id, report)
             case _:
                 await self.output.chunk(report)
+
+    async def _announce_image(self, runner_id: str, image: ImageChunk) -> None:
+        """Publish an image event only once its bytes are in FLEET_IMAGES. When the store
+        refuses them (full, unreachable) the task stops here and ends failed: its runner's
+        terminal report is rewritten, so the task still ends once and in order."""
+        if image.task_id in self.unstored:
+            return
+        try:
+            with self.spans.child(image.task_id, "put image", {"fleet.image": image.sha256}):
+                await self.cluster.upload_output(image.sha256)
+        except Exception as exc:
+            log.error("task %s: image %s not stored: %s", image.task_id, image.sha256, exc)
+            self.unstored[image.task_id] = f"image {image.sha256} could not be stored: {exc}"
+            await self.runners.send(runner_id, CancelTask(task_id=image.task_id))
+            return
+        await self.output.chunk(image)
 
     async def _cancel(self, task_id: str) -> None:
         if task_id in self.state.pending:
@@ -243,15 +290,25 @@ class Worker:
             if task_id in self.state.pending:
                 with contextlib.suppress(Exception):
                     await msg.nak()  # not started here: let another worker take it now
+                self.spans.settled(task_id, "nak")
         await self.runners.stop_all(timeout=10.0)
         await self.background.cancel_all()
+        for sub in self.pull_subs.values():
+            await unsubscribe_pull(sub)
         await self.cluster.stop()
+        await telemetry.flush()
         with contextlib.suppress(Exception):
             await self.nc.drain()
 
 
 @dataclass(frozen=True)
-class _EndTask:
+class _InputsFetched:
+    task_id: str
+    paths: dict[str, Path]
+
+
+@dataclass(frozen=True)
+class _InputsFailed:
     task_id: str
     reason: ErrorReason
     message: str

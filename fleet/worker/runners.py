@@ -19,6 +19,9 @@ from fleet.worker.supervisor import RunnerExited, RunnerNotRunning, RunnerProces
 
 log = logging.getLogger(__name__)
 
+# mflux draws a tqdm progress bar per generation: carriage-return noise in the runner's log.
+RUNNER_ENV = {"TQDM_DISABLE": "1"}
+
 
 class RunnerPool:
     def __init__(self, settings: Settings, node_id: str, inbox: asyncio.Queue[Any]) -> None:
@@ -48,7 +51,9 @@ class RunnerPool:
             self.settings.images_dir.mkdir(parents=True, exist_ok=True)
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
-            process = RunnerProcess(spec, self.inbox, log_path=logs / f"{runner_id}.log")
+            process = RunnerProcess(
+                spec, self.inbox, env=RUNNER_ENV, log_path=logs / f"{runner_id}.log"
+            )
             await process.start()
         except Exception as exc:
             log.error("cannot start a runner for %s: %s", instance.instance_id, exc)

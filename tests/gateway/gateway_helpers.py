@@ -72,3 +72,9 @@ def vision_card(data_dir: Path) -> None:
         ' "source": "/nowhere", "capabilities": ["vision"]}'
     )
     (folder / "tiny-vlm.json").write_text(card)
+
+
+def sse_blocks(body: str) -> list[dict[str, str]]:
+    """Each server-sent event of a body as its fields (event, id, data)."""
+    blocks = [block for block in body.strip().split("\n\n") if block]
+    return [dict(line.split(": ", 1) for line in block.splitlines()) for block in blocks]

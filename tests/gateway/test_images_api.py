@@ -10,7 +10,7 @@ import io
 import httpx
 import orjson
 import pytest
-from gateway_helpers import StandInWorker, vision_card
+from gateway_helpers import StandInWorker, sse_blocks, vision_card
 from nats.aio.client import Client
 from PIL import Image
 
@@ -102,14 +102,14 @@ async def test_a_streamed_generation_sends_partial_images_then_the_final(
         image_worker.answer(image_script(final, [first, second])),
     )
     assert isinstance(task, ImageGeneration) and task.partial_images == 2
-    blocks = [b.splitlines() for b in response.text.strip().split("\n\n")]
-    names = [lines[0].removeprefix("event: ") for lines in blocks]
-    assert names == [
+    blocks = sse_blocks(response.text)
+    assert [block["event"] for block in blocks] == [
         "image_generation.partial_image",
         "image_generation.partial_image",
         "image_generation.completed",
     ]
-    datas = [orjson.loads(lines[1].removeprefix("data: ")) for lines in blocks]
+    assert [block["id"] for block in blocks] == ["2", "3", "4"]  # after task_accepted
+    datas = [orjson.loads(block["data"]) for block in blocks]
     assert [d.get("partial_image_index") for d in datas] == [0, 1, None]
     assert datas[-1]["type"] == "image_generation.completed"
     assert hashlib.sha256(base64.b64decode(datas[-1]["b64_json"])).hexdigest() == final

@@ -12,9 +12,9 @@ from fleet.wire.events import TaskFinished, TokenChunk, Usage
 from fleet.wire.runners import RunnerFailed, RunnerLoading, RunnerReady, RunnerRunning
 
 
-def instance(name: str, model: str, *runners: str) -> Instance:
-    shards = [ShardAssignment(node_id="n", runner_id=r, rank=i) for i, r in enumerate(runners)]
-    return Instance(instance_id=name, model=model, shards=shards, created_at=0)
+def instance(name: str, model: str, shards: int = 1) -> Instance:
+    assignments = [ShardAssignment(node_id="n", runner_id="pending", rank=i) for i in range(shards)]
+    return Instance(instance_id=name, model=model, shards=assignments, created_at=0)
 
 
 def runner(runner_id: str, instance_id: str, model: str, status: object) -> RunnerRecord:
@@ -32,19 +32,19 @@ def runner(runner_id: str, instance_id: str, model: str, status: object) -> Runn
     ("instances", "runners", "expected"),
     [
         ([], [], ModelState()),
-        ([instance("i", "m", "r")], [], ModelState(placed=True, instances=1)),
+        ([instance("i", "m")], [], ModelState(placed=True, instances=1)),
         (
-            [instance("i", "m", "r")],
+            [instance("i", "m")],
             [runner("r", "i", "m", RunnerLoading(layers_done=1, layers_total=2))],
             ModelState(placed=True, instances=1),
         ),
         (
-            [instance("i", "m", "r")],
+            [instance("i", "m")],
             [runner("r", "i", "m", RunnerRunning())],
             ModelState(placed=True, ready=True, instances=1, ready_runners=1),
         ),
-        (  # a pipeline with one shard still loading cannot take a task
-            [instance("i", "m", "r0", "r1")],
+        (  # a pipeline with one shard failed cannot take a task
+            [instance("i", "m", shards=2)],
             [
                 runner("r0", "i", "m", RunnerReady()),
                 runner("r1", "i", "m", RunnerFailed(error="x")),
@@ -57,7 +57,7 @@ def runner(runner_id: str, instance_id: str, model: str, status: object) -> Runn
             ModelState(placed=True, ready=True, ready_runners=1),
         ),
         (  # other models' records say nothing about this one
-            [instance("i", "other", "r")],
+            [instance("i", "other")],
             [runner("r", "i", "other", RunnerReady())],
             ModelState(),
         ),

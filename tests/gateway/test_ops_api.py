@@ -16,7 +16,7 @@ from fleet.wire.runners import RunnerLoading, RunnerReady
 
 async def place(nc: Client, model: str, runner_id: str, ready: bool) -> None:
     js = nc.jetstream()
-    shard = ShardAssignment(node_id="n1", runner_id=runner_id)
+    shard = ShardAssignment(node_id="n1", runner_id="pending")  # the worker names runners
     instance = Instance(instance_id=f"i-{model}", model=model, shards=[shard], created_at=1)
     status = RunnerReady() if ready else RunnerLoading(layers_done=1, layers_total=30)
     record = RunnerRecord(

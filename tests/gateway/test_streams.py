@@ -8,7 +8,7 @@ import asyncio
 import httpx
 import orjson
 import pytest
-from gateway_helpers import StandInWorker, tokens_script
+from gateway_helpers import StandInWorker, sse_blocks, tokens_script
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError
 
@@ -23,11 +23,7 @@ CHAT = {"model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}], "s
 
 def sse_events(body: str) -> list[tuple[str, int, dict]]:
     """(event, id, data) of each SSE event in a body."""
-    found = []
-    for block in body.strip().split("\n\n"):
-        fields = dict(line.split(": ", 1) for line in block.splitlines())
-        found.append((fields["event"], int(fields["id"]), orjson.loads(fields["data"])))
-    return found
+    return [(b["event"], int(b["id"]), orjson.loads(b["data"])) for b in sse_blocks(body)]
 
 
 async def publish_events(nc: Client, task_id: str, events: list[OutputEvent]) -> None:
@@ -122,3 +118,18 @@ async def test_a_resumable_stream_survives_its_client(
     kv = await nc.jetstream().key_value(subjects.CANCELS_BUCKET)
     with pytest.raises(KeyNotFoundError):
         await kv.get(task.task_id)
+
+
+async def test_a_client_that_gives_up_on_a_whole_answer_cancels_its_task(
+    served: str, nc: Client, worker: StandInWorker
+) -> None:
+    cancels = await nc.subscribe(subjects.cancel("*"))
+    async with httpx.AsyncClient(base_url=served) as http:
+        body = {**CHAT, "stream": False}
+        waiting = asyncio.create_task(http.post("/v1/chat/completions", json=body))
+        task = await worker.answer(lambda t: unfinished(t)[:1])  # accepted, then nothing
+        waiting.cancel()  # the SDK timed out: it closes the connection
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    cancel = decode_model(CancelTask, (await cancels.next_msg(timeout=5)).data)
+    assert cancel.task_id == task.task_id

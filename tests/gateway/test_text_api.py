@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 import orjson
-from gateway_helpers import StandInWorker, tokens_script
+from gateway_helpers import StandInWorker, sse_blocks, tokens_script
 
 from fleet.wire.events import ErrorChunk, ErrorReason, TaskAccepted, failed
 from fleet.wire.tasks import Task, TextGeneration
@@ -16,8 +16,7 @@ CHAT = {"model": "tiny-llm", "messages": [{"role": "user", "content": "Capital o
 
 
 def sse_data(body: str) -> list[dict]:
-    lines = [line for line in body.splitlines() if line.startswith("data: ")]
-    return [orjson.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    return [orjson.loads(b["data"]) for b in sse_blocks(body) if b["data"] != "[DONE]"]
 
 
 async def test_chat_completion_gathers_the_tokens(
@@ -54,6 +53,8 @@ async def test_streamed_chat_ends_with_usage_and_done(
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     assert response.text.endswith("data: [DONE]\n\n")
+    ids = [b.get("id") for b in sse_blocks(response.text)]
+    assert ids == [None, "2", "3", "4", "4", None]  # opening, tokens, finish + usage, [DONE]
     chunks = sse_data(response.text)
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     assert deltas[0] == {"role": "assistant", "content": ""}

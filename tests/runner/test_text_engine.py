@@ -6,27 +6,27 @@ need N tokens decode greedily or ban EOS with a logit bias.
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from mlx_lm.generate import GenerationBatch
-from mlx_lm.utils import load_tokenizer
 
 from fleet.runner.engine import Admission, EngineConfig, TaskRejected
 from fleet.runner.text import TextEngine
-from fleet.runner.text_task import TextTask
-from fleet.runner.visible_text import ToolCallSyntax, VisibleText
 from fleet.wire.cluster import ModelCard
-from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
+from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TokenChunk
 from fleet.wire.tasks import TextGeneration
 
 EOS = 2  # <|im_end|> in tiny-llm's vocabulary
 NO_EOS = {EOS: -100.0}
 
 
-def make_engine(model_dir: Path, slots: int = 4, **extra: str) -> TextEngine:
+def make_engine(
+    model_dir: Path, slots: int = 4, progress: list[tuple[int, int]] | None = None, **extra: str
+) -> TextEngine:
     card = ModelCard(
         id="tiny-llm", name="tiny-llm", tasks=["text_generation"], family="mlx_lm", source="test"
     )
@@ -34,7 +34,8 @@ def make_engine(model_dir: Path, slots: int = 4, **extra: str) -> TextEngine:
         card=card, model_path=model_dir, slots=slots, images_dir=model_dir, extra=extra
     )
     engine = TextEngine(config)
-    engine.load(lambda done, total: None)
+    reports = progress if progress is not None else []
+    engine.load(lambda done, total: reports.append((done, total)))
     return engine
 
 
@@ -54,22 +55,23 @@ def text_task(task_id: str, **fields: object) -> TextGeneration:
 
 
 class Outcome:
-    """Everything the engine emitted, checked for one TaskFinished per task on the way."""
+    """Everything the engine emitted, checked on the way: chunks in order, nothing after the
+    one TaskFinished, and usage that counts exactly the chunks emitted."""
 
     def __init__(self) -> None:
         self.tokens: dict[str, list[TokenChunk]] = {}
         self.finished: dict[str, TaskFinished] = {}
-        self.events: list[OutputEvent] = []
 
     def add(self, events: list[OutputEvent]) -> None:
         for event in events:
-            self.events.append(event)
             assert event.task_id not in self.finished, f"event after TaskFinished: {event}"
+            chunks = self.tokens.setdefault(event.task_id, [])
             if isinstance(event, TokenChunk):
-                chunks = self.tokens.setdefault(event.task_id, [])
                 assert event.index == len(chunks)
                 chunks.append(event)
             elif isinstance(event, TaskFinished):
+                assert event.usage is not None
+                assert event.usage.completion_tokens == len(chunks)
                 self.finished[event.task_id] = event
 
     def ids(self, task_id: str) -> list[int]:
@@ -85,11 +87,14 @@ def run(engine: TextEngine, *tasks: TextGeneration, outcome: Outcome | None = No
         engine.admit(Admission(task=task))
     while engine.active:
         outcome.add(engine.step())
-    for task in tasks:
-        finished = outcome.finished[task.task_id]
-        assert finished.usage is not None
-        assert finished.usage.completion_tokens == len(outcome.tokens.get(task.task_id, []))
+    assert {task.task_id for task in tasks} <= set(outcome.finished)
     return outcome
+
+
+def test_load_reports_progress_layer_by_layer(tiny_llm_dir: Path) -> None:
+    progress: list[tuple[int, int]] = []
+    make_engine(tiny_llm_dir, progress=progress).close()
+    assert progress == [(0, 2), (1, 2), (2, 2)]  # tiny-llm has two layers
 
 
 def test_greedy_decoding_is_deterministic(engine: TextEngine) -> None:
@@ -136,7 +141,9 @@ def test_batched_greedy_equals_single_stream(engine: TextEngine) -> None:
 
 
 def test_a_task_admitted_mid_batch_joins_the_running_batch(engine: TextEngine) -> None:
-    long = text_task("long", max_tokens=40, logit_bias=NO_EOS)
+    # The first task starts alone and moves into the batch when the second arrives; its
+    # sampler's key goes with it, so its tokens do not change.
+    long = text_task("long", max_tokens=40, temperature=0.9, seed=5, logit_bias=NO_EOS)
     late = text_task("late", prompt="Hello! How can", max_tokens=8, logit_bias=NO_EOS)
     outcome = Outcome()
     engine.admit(Admission(task=long))
@@ -255,55 +262,39 @@ def test_cancel_from_another_thread_ends_the_task_at_the_next_step(engine: TextE
     assert len(outcome.ids("keep")) == 12
 
 
-def test_a_generated_tool_call_becomes_a_tool_call_chunk(tiny_llm_dir: Path) -> None:
-    # Random weights never write a tool call, so the tokens of one are fed to the task as the
-    # batch generator would hand them over.
-    tokenizer = load_tokenizer(tiny_llm_dir)
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
-    task = text_task("tool", prompt="Weather?", tools=[tool])
-    syntax = ToolCallSyntax(
-        start=tokenizer.tool_call_start,
-        end=tokenizer.tool_call_end,
-        parse=tokenizer.tool_parser,
-        tools=[tool],
+def test_top_k_of_one_samples_the_greedy_tokens(engine: TextEngine) -> None:
+    greedy = run(engine, text_task("greedy", max_tokens=10, logit_bias=NO_EOS))
+    top_one = run(
+        engine,
+        text_task("top1", max_tokens=10, temperature=1.5, top_k=1, seed=3, logit_bias=NO_EOS),
     )
-    text_task_state = TextTask(
-        task=task,
-        detokenizer=tokenizer.detokenizer,
-        token_text=lambda token: tokenizer.decode([token]),
-        visible=VisibleText([], syntax),
-        prompt_tokens=3,
-        cached_tokens=0,
-        system_end=0,
-        queue_wait_s=0.0,
-        node_id="node",
-        runner_id="runner",
-    )
-    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    tokens = [*tokenizer.encode("Let me look. " + call, add_special_tokens=False), EOS]
-    outcome = Outcome()
-    for position, token in enumerate(tokens):
-        last = position == len(tokens) - 1
-        response = GenerationBatch.Response(
-            uid=0,
-            token=token,
-            logprobs=None,
-            finish_reason="stop" if last else None,
-            prompt_cache=None,
-            all_tokens=None,
-        )
-        events: list[OutputEvent] = []
-        text_task_state.on_token(response, at=0.0, now=float(position), events=events)
-        outcome.add(events)
+    assert top_one.ids("top1") == greedy.ids("greedy")
 
-    assert outcome.text("tool") == "Let me look. "
-    calls = [event for event in outcome.events if isinstance(event, ToolCallChunk)]
-    assert [(c.index, c.name, c.arguments) for c in calls] == [
-        (0, "get_weather", '{"city": "Paris"}')
-    ]
-    finished = outcome.finished["tool"]
-    assert finished.finish_reason == "tool_calls"
-    assert finished.usage is not None and finished.usage.completion_tokens == len(tokens)
+
+def test_more_tasks_than_slots_are_refused(engine: TextEngine) -> None:
+    for index in range(4):
+        engine.admit(Admission(task=text_task(f"slot{index}", max_tokens=2)))
+    with pytest.raises(TaskRejected) as rejected:
+        engine.admit(Admission(task=text_task("one-too-many", max_tokens=2)))
+    assert rejected.value.reason is ErrorReason.QUEUE_FULL
+    with pytest.raises(TaskRejected) as duplicate:
+        engine.admit(Admission(task=text_task("slot0", max_tokens=2)))
+    assert duplicate.value.reason is ErrorReason.INVALID_TASK
+    outcome = run(engine)
+    assert sorted(outcome.finished) == ["slot0", "slot1", "slot2", "slot3"]
+
+
+def test_cancel_a_task_running_alone(engine: TextEngine) -> None:
+    outcome = Outcome()
+    engine.admit(Admission(task=text_task("alone", max_tokens=50, logit_bias=NO_EOS)))
+    while len(outcome.tokens.get("alone", [])) < 2:
+        outcome.add(engine.step())
+    engine.cancel("alone")
+    engine.cancel("never-admitted")
+    outcome.add(engine.step())
+    assert outcome.finished["alone"].status == "cancelled"
+    assert engine.active == 0
+    assert run(engine, text_task("after", max_tokens=3)).finished["after"].status == "completed"
 
 
 def test_prefix_cache_gives_the_same_tokens_as_a_full_prefill(tiny_llm_dir: Path) -> None:
@@ -329,6 +320,48 @@ def test_prefix_cache_gives_the_same_tokens_as_a_full_prefill(tiny_llm_dir: Path
     finally:
         uncached.close()
         cached.close()
+
+
+def test_a_random_schedule_gives_every_task_its_tokens_alone(tiny_llm_dir: Path) -> None:
+    """Admissions, cancels, stop strings and shared prompts in a seeded random order: each
+    completed task must produce exactly the tokens it produces alone on a fresh engine."""
+    chooser = random.Random(0)
+    system = {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
+
+    def random_task(index: int) -> TextGeneration:
+        fields: dict[str, Any] = {
+            "max_tokens": chooser.randrange(1, 16),
+            "temperature": chooser.choice([0.0, 0.7, 1.2]),
+            "seed": index,
+            "logit_bias": NO_EOS if chooser.random() < 0.7 else None,
+            "stop": [chooser.choice(["a", "e ", "th"])] if chooser.random() < 0.3 else [],
+        }
+        question = chooser.choice(["Hello", "What is two plus two?", "1 2 3"])
+        if chooser.random() < 0.3:
+            fields["prompt"] = question
+        else:
+            fields["messages"] = [system, {"role": "user", "content": question}]
+        return text_task(f"r{index}", **fields)
+
+    engine = make_engine(tiny_llm_dir)
+    alone = make_engine(tiny_llm_dir, slots=1, prefix_cache_entries="0")
+    try:
+        outcome, admitted = Outcome(), {}
+        while len(admitted) < 24 or engine.active:
+            if len(admitted) < 24 and engine.active < 4 and chooser.random() < 0.4:
+                task = random_task(len(admitted))
+                engine.admit(Admission(task=task))
+                admitted[task.task_id] = task
+            if engine.active and chooser.random() < 0.08:
+                engine.cancel(chooser.choice(list(admitted)))
+            outcome.add(engine.step())
+        assert set(outcome.finished) == set(admitted)
+        for task_id, finished in outcome.finished.items():
+            if finished.status == "completed":
+                assert outcome.ids(task_id) == run(alone, admitted[task_id]).ids(task_id)
+    finally:
+        engine.close()
+        alone.close()
 
 
 def test_smollm2_answers_paris(smollm2_dir: Path) -> None:

@@ -79,15 +79,17 @@ def test_a_restart_adopts_files_and_drops_unfinished_downloads(tmp_path: Path) -
     assert sorted(os.listdir(tmp_path)) == [kept]
 
 
-def test_adopt_registers_a_runner_output_and_refuses_a_misnamed_one(cache: ImageCache) -> None:
+async def test_adopt_registers_a_runner_output_and_refuses_a_misnamed_one(
+    cache: ImageCache,
+) -> None:
     output = blob(7)
     cache.path(sha(output)).write_bytes(output)
-    assert cache.adopt(sha(output)) == cache.path(sha(output))
+    assert await cache.adopt(sha(output)) == cache.path(sha(output))
     assert sha(output) in cache
     wrong = sha(blob(8))
     cache.path(wrong).write_bytes(blob(9))
     with pytest.raises(ValueError):
-        cache.adopt(wrong)
+        await cache.adopt(wrong)
     assert not cache.path(wrong).exists()
 
 

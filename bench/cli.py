@@ -1,0 +1,127 @@
+"""`fleet bench [--quick]`: build the models, run the text and plumbing benchmarks, report.
+
+Full mode: `tiny-llm-bench` (a ~9M-parameter random qwen2, ~10 ms a decode step) and
+`smollm2-135m`, both prompt modes, concurrency 1 and bursts of 4, 8 and 16, two interleaved
+repetitions, 64 new tokens a request; then the plumbing numbers. Quick mode (CI): `tiny-llm`,
+one repetition, 16 new tokens, a burst of 4, small plumbing counts: it proves the code runs and
+prints numbers; nothing is asserted about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import bench
+from bench.machine import load_average, machine_info, wait_for_quiet
+from bench.report import print_report, targets
+from bench.text import TextPlan, run_model
+from fleet.commands.core import settings_from
+from fleet.models.catalog import get_card
+from fleet.models.store import build_once, ensure_model
+
+log = logging.getLogger("bench")
+
+RESULTS_DIR = Path(bench.__file__).parent / "results"
+REPO = Path(bench.__file__).resolve().parents[1]
+BENCH_TINY = "tiny-llm-bench"  # tiny-llm at the "bench" size: ~10 ms a step on 2 cores
+FULL_MODELS = (BENCH_TINY, "smollm2-135m")
+
+
+def _build_bench_tiny(dest: Path) -> Path:
+    from fleet.models.make_tiny import make_tiny_llm
+
+    return make_tiny_llm(dest, seed=0, size="bench")
+
+
+def model_dir(model_id: str, models_dir: Path) -> tuple[Path, bool]:
+    """The model's directory (built on first use) and whether Fleet needs a custom card."""
+    if model_id == BENCH_TINY:
+        return build_once(BENCH_TINY, models_dir, _build_bench_tiny), True
+    return ensure_model(get_card(model_id), models_dir), False
+
+
+def subprocess_env(blas_threads: int) -> dict[str, str]:
+    """The same environment for every process that runs a model, on every path."""
+    env = dict(os.environ)
+    env["OPENBLAS_NUM_THREADS"] = str(blas_threads)
+    env["MLX_DISABLE_COMPILE"] = "1"  # no g++ kernel builds on first use, on any path
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def text_plan(args: argparse.Namespace) -> TextPlan:
+    if args.quick:
+        return TextPlan(reps=args.reps or 1, c1_requests=2, bursts=(4,),
+                        max_tokens=args.max_tokens or 16, slots=16, with_peer=not args.no_peer)
+    return TextPlan(reps=args.reps or 2, c1_requests=3, bursts=(4, 8, 16),
+                    max_tokens=args.max_tokens or 64, slots=16, with_peer=not args.no_peer)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import uvloop
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
+                        stream=sys.stderr, force=True)
+    for noisy in ("httpx", "httpcore", "fleet"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # The bench's own NATS clients: connection chatter while stacks start and stop.
+    logging.getLogger("fleet.bus.connect").setLevel(logging.CRITICAL)
+    settings = settings_from(args)
+    env = subprocess_env(args.blas_threads)
+    os.environ["MLX_DISABLE_COMPILE"] = "1"
+    quiet = wait_for_quiet(args.wait_load, args.wait_max) if args.wait_load > 0 else None
+    models = [m for m in (args.models or "").split(",") if m] or (
+        ["tiny-llm"] if args.quick else list(FULL_MODELS)
+    )
+    plan = text_plan(args)
+    result: dict[str, Any] = {
+        "bench": "fleet",
+        "mode": "quick" if args.quick else "full",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine_info(env),
+        "load_wait": quiet,
+        "plan": {**plan.__dict__, "models": models},
+        "text": {},
+        "plumbing": None,
+    }
+    if args.no_peer:
+        result["notes"] = ["mlx_lm.server left out (--no-peer)"]
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp:
+        workdir = Path(tmp)
+        if args.only in (None, "text"):
+            for model_id in models:
+                path, custom = model_dir(model_id, settings.models_dir)
+                log.info("text: %s (%s)", model_id, path)
+                result["text"][model_id] = uvloop.run(
+                    run_model(model_id, path, plan, workdir / model_id, env, custom)
+                )
+        if args.only in (None, "plumbing"):
+            from bench.plumbing import run_plumbing
+
+            result["plumbing"] = uvloop.run(run_plumbing(
+                settings.models_dir, workdir / "plumbing", env, quick=args.quick,
+                with_fresh_worker=not args.quick,
+            ))
+            if args.quick:
+                result.setdefault("notes", []).append(
+                    "quick mode leaves out the fresh-worker check (a tiny-flux2 runner takes "
+                    "~10-30 s to start here); the full run has it"
+                )
+    result["machine"]["load_average_end"] = load_average()
+    result["elapsed_s"] = round(time.perf_counter() - began, 1)
+    result["targets"] = targets(result) if result["text"] else []
+    print_report(result)
+    RESULTS_DIR.mkdir(exist_ok=True)
+    out = RESULTS_DIR / f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(f"\nwrote {out}")
+    return 0

@@ -1,0 +1,358 @@
+"""Plumbing: what Fleet's own moving parts cost, on the smallest real model (`tiny-llm`).
+
+- accepted: publish -> `task_accepted` latency, one task at a time, and tasks/s for a batch
+  published at once (max_tokens 1, so the model's work stays small);
+- output: the same 8-stream burst through the limit, Fleet over NATS and Fleet over HTTP, with
+  the CPU time of every process divided by the tokens, and each token's delivery latency from
+  its creation in the runner (TokenChunk.at) to the NATS client;
+- dispatch: with a runner of one slot, the gap from one task's end to the next task's start
+  (both stamped by the runner) with 10 and with 10,000 tasks in FLEET_TASKS;
+- fresh worker: a new `fleet worker` process for a tiny-flux2 edit task whose 10 MB input
+  image is only in the object store: node registered, runner ready, task accepted;
+- object store: bench/objects.py (stock nats-py against Fleet's reader and writer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from bench import objects
+from bench.fleet_stack import FleetStack, NatsPath, seed_data_dir, text_task, wait_runner_ready
+from bench.http_path import OpenAIStreamPath
+from bench.limit import LimitPath
+from bench.procs import stop_group
+from bench.workload import Request, make_request, percentile
+from fleet.bus.connect import js_publish
+from fleet.bus.objects import ObjectBucket
+from fleet.models.catalog import get_card
+from fleet.models.store import ensure_model
+from fleet.placement import place
+from fleet.wire import subjects
+from fleet.wire.codec import decode_event, encode
+from fleet.wire.events import TaskAccepted, TaskFinished
+from fleet.wire.tasks import ImageEdits
+
+log = logging.getLogger("bench.plumbing")
+
+MODEL = "tiny-llm"
+SERIAL = "tiny-llm-serial"  # the same weights, placed with SERIAL_SLOTS slots
+# One slot would be the cleanest, but a text runner with slots=1 fails its own warm-up today
+# (TextEngine.warm_up admits two tasks at once): two slots, and gaps paired per slot.
+SERIAL_SLOTS = 2
+PER_SUBJECT_CAP = 1000  # FLEET_TASKS max_msgs_per_subject (ops/jetstream/FLEET_TASKS.json)
+FILLER = "bench-filler"
+FILLER_MODELS = 10_000 // PER_SUBJECT_CAP - 1
+
+
+@dataclass(frozen=True)
+class Counts:
+    accepted: int
+    throughput: int
+    output_tokens: int
+    dispatch_rounds: int
+    deep_gaps: int
+
+
+FULL = Counts(accepted=200, throughput=500, output_tokens=256, dispatch_rounds=5, deep_gaps=200)
+QUICK = Counts(accepted=20, throughput=50, output_tokens=64, dispatch_rounds=1, deep_gaps=30)
+
+
+class EventLog:
+    """Every `fleet.out.*` event's receipt time and runner stamp, by task id."""
+
+    def __init__(self) -> None:
+        self.accepted: dict[str, tuple[float, float]] = {}  # task -> (received, at)
+        self.finished: dict[str, tuple[float, float, str]] = {}
+        self.waiters: dict[str, asyncio.Event] = {}
+
+    async def on_event(self, msg: Msg) -> None:
+        now = time.perf_counter()
+        event = decode_event(msg.data)
+        if isinstance(event, TaskAccepted):
+            self.accepted[event.task_id] = (now, event.at)
+        elif isinstance(event, TaskFinished):
+            self.finished[event.task_id] = (now, event.at, event.status)
+            if waiter := self.waiters.get(event.task_id):
+                waiter.set()
+
+    async def all_finished(self, task_ids: list[str], timeout: float) -> None:
+        async with asyncio.timeout(timeout):
+            for task_id in task_ids:
+                if task_id not in self.finished:
+                    waiter = self.waiters.setdefault(task_id, asyncio.Event())
+                    await waiter.wait()
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)
+
+
+def _tiny_task(model: str, eos: list[int], task_id: str | None = None) -> tuple[str, bytes]:
+    task_id = task_id or f"plumb-{secrets.token_hex(8)}"
+    request = Request([{"role": "user", "content": "Hi"}], 1, {t: -100.0 for t in eos})
+    return task_id, encode(text_task(task_id, model, request))
+
+
+async def _publish_many(nc: Client, subject: str, bodies: list[tuple[str, bytes]]) -> None:
+    js = nc.jetstream()
+    for start in range(0, len(bodies), 500):
+        futures = [await js.publish_async(subject, body, headers={"Nats-Msg-Id": task_id})
+                   for task_id, body in bodies[start:start + 500]]
+        await asyncio.gather(*futures)
+
+
+async def measure_accepted(nc: Client, log_: EventLog, eos: list[int], counts: Counts
+                           ) -> dict[str, Any]:
+    js = nc.jetstream()
+    latencies, acks = [], []
+    for _ in range(counts.accepted):
+        task_id, body = _tiny_task(MODEL, eos)
+        began = time.perf_counter()
+        await js.publish(subjects.tasks(MODEL), body, headers={"Nats-Msg-Id": task_id})
+        acks.append(time.perf_counter() - began)
+        await log_.all_finished([task_id], 60)
+        latencies.append(log_.accepted[task_id][0] - began)
+    bodies = [_tiny_task(MODEL, eos) for _ in range(counts.throughput)]
+    began = time.perf_counter()
+    await _publish_many(nc, subjects.tasks(MODEL), bodies)
+    published = time.perf_counter() - began
+    await log_.all_finished([task_id for task_id, _ in bodies], 300)
+    last = max(log_.finished[task_id][0] for task_id, _ in bodies)
+    return {
+        "publish_ack_p50_ms": _ms(percentile(acks, 50)),
+        "publish_to_accepted_p50_ms": _ms(percentile(latencies, 50)),
+        "publish_to_accepted_p99_ms": _ms(percentile(latencies, 99)),
+        "tasks": counts.throughput,
+        "publish_all_s": round(published, 3),
+        "tasks_per_s": round(counts.throughput / (last - began), 1),
+    }
+
+
+def _cpu(processes: dict[str, psutil.Process]) -> dict[str, float]:
+    seconds = {}
+    for name, process in processes.items():
+        try:
+            times = process.cpu_times()
+            seconds[name] = times.user + times.system
+        except psutil.Error:
+            seconds[name] = float("nan")
+    return seconds
+
+
+async def measure_output(
+    stack: FleetStack, limit: LimitPath, nc: Client, eos: list[int], counts: Counts
+) -> dict[str, Any]:
+    """Tokens of an 8-stream burst on each path, and the CPU every process spent on them."""
+    assert limit.process is not None
+    me = psutil.Process()
+    fleet_procs = {k: v for k, v in stack.processes().items() if k in ("up", "nats")}
+    fleet_procs["runner"] = stack.processes()[f"runner:{MODEL}"]
+    gateway = OpenAIStreamPath("fleet_http", stack.base_url, MODEL)
+    nats_path = NatsPath(nc, MODEL)
+    nats_path.latencies = []
+    paths: list[tuple[Any, dict[str, psutil.Process]]] = [
+        (limit, {"limit": psutil.Process(limit.process.pid), "client": me}),
+        (nats_path, {**fleet_procs, "client": me}),
+        (gateway, {**fleet_procs, "client": me}),
+    ]
+    out: dict[str, Any] = {}
+    try:
+        for path, procs in paths:
+            requests = [make_request("unique", counts.output_tokens, eos) for _ in range(8)]
+            await path.burst(requests[:2])  # warm
+            before, began = _cpu(procs), time.perf_counter()
+            results = await path.burst(requests)
+            wall = time.perf_counter() - began
+            after = _cpu(procs)
+            tokens = sum(r.tokens for r in results)
+            out[path.name] = {
+                "tokens": tokens,
+                "tok_s": round(tokens / wall, 1),
+                "cpu_us_per_token": {name: round(1e6 * (after[name] - before[name]) / tokens, 1)
+                                     for name in procs},
+            }
+    finally:
+        await gateway.close()
+    lat = nats_path.latencies
+    out["fleet_nats"]["delivery_p50_ms"] = _ms(percentile(lat, 50))
+    out["fleet_nats"]["delivery_p99_ms"] = _ms(percentile(lat, 99))
+    return out
+
+
+async def measure_dispatch(nc: Client, log_: EventLog, eos: list[int], counts: Counts
+                           ) -> dict[str, Any]:
+    """Gap from a slot coming free to the next task's start, by queue depth."""
+    shallow: list[float] = []
+    for _ in range(counts.dispatch_rounds):
+        bodies = [_tiny_task(SERIAL, eos) for _ in range(10)]
+        await _publish_many(nc, subjects.tasks(SERIAL), bodies)
+        await log_.all_finished([task_id for task_id, _ in bodies], 120)
+        shallow += _gaps(log_, [task_id for task_id, _ in bodies])
+    js = nc.jetstream()
+    for k in range(FILLER_MODELS):
+        model = f"{FILLER}-{k}"
+        await _publish_many(nc, subjects.tasks(model),
+                            [_tiny_task(model, eos) for _ in range(PER_SUBJECT_CAP)])
+    bodies = [_tiny_task(SERIAL, eos) for _ in range(PER_SUBJECT_CAP)]
+    await _publish_many(nc, subjects.tasks(SERIAL), bodies)
+    depth = (await js.stream_info(subjects.TASKS_STREAM)).state.messages
+    # Only tasks that start once all 10,000 are in the stream count.
+    counted = [t for t in (task_id for task_id, _ in bodies) if t not in log_.accepted]
+    async with asyncio.timeout(300):
+        while sum(1 for t in counted if t in log_.finished) <= counts.deep_gaps:
+            await asyncio.sleep(0.05)  # polling our own event log, bounded by the timeout
+    await js.purge_stream(subjects.TASKS_STREAM, subject="fleet.tasks.>")
+    deep = _gaps(log_, [t for t in counted if t in log_.finished])
+    return {
+        "runner_slots": SERIAL_SLOTS,
+        "queued_10": {"gaps": len(shallow), "p50_ms": _ms(percentile(shallow, 50)),
+                      "p99_ms": _ms(percentile(shallow, 99))},
+        "queued_10000": {"stream_depth": depth, "model_depth_cap": PER_SUBJECT_CAP,
+                         "gaps": len(deep), "p50_ms": _ms(percentile(deep, 50)),
+                         "p99_ms": _ms(percentile(deep, 99))},
+    }
+
+
+def _gaps(log_: EventLog, task_ids: list[str]) -> list[float]:
+    """Runner-stamped gaps from a slot coming free (a task finished) to the next task's start:
+    each start is paired with the earliest unpaired finish before it, so it works for any
+    number of slots; the first starts of a round, into slots that were free, pair with none."""
+    starts = sorted(log_.accepted[t][1] for t in task_ids if t in log_.accepted)
+    ends = sorted(log_.finished[t][1] for t in task_ids if t in log_.finished)
+    gaps, next_end = [], 0
+    for start in starts:
+        if next_end < len(ends) and ends[next_end] <= start:
+            gaps.append(start - ends[next_end])
+            next_end += 1
+    return gaps
+
+
+def _noise_png(target_bytes: int) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    side = int((target_bytes / 3) ** 0.5) + 1
+    pixels = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=1)
+    return buffer.getvalue()
+
+
+async def measure_fresh_worker(
+    stack: FleetStack, nc: Client, models_dir: Path, workdir: Path, env: dict[str, str]
+) -> dict[str, Any]:
+    flux = ensure_model(get_card("tiny-flux2"), models_dir)
+    image = await asyncio.to_thread(_noise_png, 10 * 1000 * 1000)
+    sha = await ObjectBucket(nc, subjects.IMAGES_BUCKET, timeout=30).put_by_hash(image)
+    data_dir = workdir / "fresh-worker"
+    seed_data_dir(data_dir, {"tiny-flux2": flux}, {})
+    node = f"bench-fresh-{secrets.token_hex(4)}"
+    (data_dir / "node_id").write_text(node)
+    task = ImageEdits(task_id=f"edit-{secrets.token_hex(6)}", model="tiny-flux2",
+                      prompt="a lighthouse at dusk", size="128x128", steps=2,
+                      input_images=[sha])
+    events = EventLog()
+    sub = await nc.subscribe(subjects.out(task.task_id), cb=events.on_event)
+    await js_publish(nc.jetstream(), subjects.tasks("tiny-flux2"), task, msg_id=task.task_id)
+    began = time.perf_counter()
+    with (data_dir / "worker.log").open("ab") as log_file:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "fleet.cli", "--data-dir", str(data_dir), "--log-level",
+             "warning", "worker"], env={**env, "FLEET_NATS_URL": stack.nats_url},
+            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        registered = await _wait_node(nc, node, began + 120)
+        await place(nc.jetstream(), get_card("tiny-flux2", data_dir), node_id=node, slots=1)
+        deadline = time.monotonic() + 300
+        await wait_runner_ready(nc, "tiny-flux2", deadline, node_id=node)
+        ready = time.perf_counter() - began
+        await events.all_finished([task.task_id], 300)
+    finally:
+        await sub.unsubscribe()
+        await asyncio.to_thread(stop_group, worker, 5.0)
+    accepted = events.accepted[task.task_id][0] - began
+    return {
+        "input_image_bytes": len(image),
+        "node_registered_s": round(registered, 3),
+        "runner_ready_s": round(ready, 3),
+        "task_accepted_s": round(accepted, 3),
+        "accepted_after_ready_ms": _ms(accepted - ready),
+        "task_finished_s": round(events.finished[task.task_id][0] - began, 3),
+        "status": events.finished[task.task_id][2],
+    }
+
+
+async def _wait_node(nc: Client, node: str, deadline_perf: float) -> float:
+    kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+    watcher = await kv.watch(node)
+    began = deadline_perf - 120
+    try:
+        while time.perf_counter() < deadline_perf:
+            try:
+                entry = await watcher.updates(timeout=1.0)
+            except TimeoutError:
+                continue
+            if entry is not None and entry.value:
+                return time.perf_counter() - began
+    finally:
+        await watcher.stop()
+    raise TimeoutError(f"node {node} did not register")
+
+
+async def run_plumbing(
+    models_dir: Path, workdir: Path, env: dict[str, str], quick: bool,
+    with_fresh_worker: bool = True, with_objects: bool = True,
+) -> dict[str, Any]:
+    counts = QUICK if quick else FULL
+    tiny = ensure_model(get_card(MODEL), models_dir)
+    data_dir = workdir / "fleet-data"
+    # Fillers: models with a card (so no janitor fails their tasks) that nobody serves.
+    fillers = {f"{FILLER}-{k}": tiny for k in range(FILLER_MODELS)}
+    seed_data_dir(data_dir, {MODEL: tiny}, {SERIAL: tiny, **fillers})
+    stack = FleetStack(data_dir, [MODEL], 16, env)
+    limit = LimitPath(tiny, env, workdir / "limit.log")
+    out: dict[str, Any] = {}
+    try:
+        ready, nc = await asyncio.gather(limit.start(), stack.start())
+        eos = ready["eos_ids"]
+        node = (data_dir / "node_id").read_text().strip()
+        await place(nc.jetstream(), get_card(SERIAL, data_dir), node_id=node,
+                    slots=SERIAL_SLOTS)
+        await wait_runner_ready(nc, SERIAL, time.monotonic() + 120)
+        events = EventLog()
+        await nc.subscribe("fleet.out.*", cb=events.on_event)
+        log.info("plumbing: accepted latency and tasks/s")
+        out["accepted"] = await measure_accepted(nc, events, eos, counts)
+        log.info("plumbing: output path")
+        out["output"] = await measure_output(stack, limit, nc, eos, counts)
+        log.info("plumbing: dispatch latency by queue depth")
+        out["dispatch"] = await measure_dispatch(nc, events, eos, counts)
+        if with_fresh_worker:
+            log.info("plumbing: fresh worker with a 10 MB input image")
+            out["fresh_worker"] = await measure_fresh_worker(
+                stack, nc, models_dir, workdir, env
+            )
+    finally:
+        await asyncio.gather(stack.stop(), limit.stop())
+    if with_objects:
+        log.info("plumbing: object store")
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints its own table
+            store = await asyncio.to_thread(objects.run, quick)
+        out["object_store_mb_s"] = store["results"]
+    return out
+

@@ -1,0 +1,191 @@
+"""Text generation, four paths side by side on one model, repetitions interleaved.
+
+For each repetition, prompt mode and scenario (concurrency 1, then bursts of 4, 8 and 16) the
+four paths run one after another, in an order that rotates with the repetition, each on its
+own fresh requests: noise from the shared machine spreads over all paths alike, and no path
+sees a prompt another path has already put in a cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from bench.fleet_stack import FleetStack, NatsPath, seed_data_dir
+from bench.http_path import OpenAIStreamPath
+from bench.limit import LimitPath
+from bench.peer import PeerServer
+from bench.workload import (
+    PROMPT_MODES,
+    Request,
+    StreamResult,
+    aggregate_tok_s,
+    make_request,
+    median,
+    percentile,
+    ratio,
+)
+
+log = logging.getLogger("bench.text")
+
+PATHS = ("limit", "peer", "fleet_http", "fleet_nats")
+
+
+class BenchPath(Protocol):
+    name: str
+
+    async def burst(self, requests: list[Request]) -> list[StreamResult]: ...
+
+
+@dataclass(frozen=True)
+class TextPlan:
+    reps: int
+    c1_requests: int  # sequential single streams per repetition and mode
+    bursts: tuple[int, ...]
+    max_tokens: int
+    slots: int
+    with_peer: bool = True
+
+
+@dataclass
+class Samples:
+    """Every stream of one (mode, scenario, path), and each burst's aggregate rate."""
+
+    streams: list[StreamResult]
+    aggregates: list[float]
+
+    def summary(self, expected_tokens: int) -> dict[str, Any]:
+        ok = [s for s in self.streams if s.error is None and s.ttft_s is not None]
+        ttfts = [s.ttft_s for s in ok if s.ttft_s is not None]
+        decode = [s.decode_tok_s for s in ok if s.decode_tok_s is not None]
+        return {
+            "streams": len(self.streams),
+            "errors": len(self.streams) - len(ok),
+            "short_streams": sum(1 for s in ok if s.tokens != expected_tokens),
+            "prompt_tokens": median([s.prompt_tokens for s in ok if s.prompt_tokens]),
+            "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p95_s": percentile(ttfts, 95),
+            "decode_tok_s": median(decode),
+            "stream_tok_s": median([s.stream_tok_s for s in ok]),
+            # Below 1: tokens reached the client in bunches (SSE chunks merged or delayed), so
+            # the decode rate of this path measures its delivery, not its decoding.
+            "chunks_per_token": median([s.extra.get("chunks", s.tokens) / s.tokens
+                                        for s in ok if s.tokens]),
+            "aggregate_tok_s": median(self.aggregates),
+            "first_error": next((s.error for s in self.streams if s.error), None),
+        }
+
+
+async def run_model(
+    model_id: str, model_dir: Path, plan: TextPlan, workdir: Path, env: dict[str, str],
+    custom_card: bool,
+) -> dict[str, Any]:
+    """Start the limit, the peer and Fleet on one model, measure, stop them."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    info: dict[str, Any] = {"model": model_id, "model_dir": str(model_dir)}
+    limit = LimitPath(model_dir, env, workdir / "limit.log")
+    peer = PeerServer(model_dir, env, workdir) if plan.with_peer else None
+    data_dir = workdir / "fleet-data"
+    seed_data_dir(data_dir, {} if custom_card else {model_id: model_dir},
+                  {model_id: model_dir} if custom_card else {})
+    stack = FleetStack(data_dir, [model_id], plan.slots, env)
+    paths: list[BenchPath] = []
+    http_clients: list[OpenAIStreamPath] = []
+    try:
+        # The three start together (model loads overlap); each reports its own startup time.
+        began = time.perf_counter()
+        ready, _, nc = await asyncio.gather(
+            limit.start(), peer.start() if peer is not None else asyncio.sleep(0),
+            stack.start(),
+        )
+        info["limit"] = {"startup_s": ready.get("startup_s"), "blas": ready.get("blas")}
+        info["startup_all_s"] = time.perf_counter() - began
+        eos_ids: list[int] = ready["eos_ids"]
+        paths.append(limit)
+        if peer is not None:
+            peer_path = OpenAIStreamPath("peer", peer.base_url, None)
+            http_clients.append(peer_path)
+            paths.append(peer_path)
+            info["peer"] = {"startup_s": peer.startup_s, "openblas_mapped": peer.openblas}
+        info["fleet"] = {"startup_s": stack.startup_s, "slots": plan.slots}
+        gateway = OpenAIStreamPath("fleet_http", stack.base_url, model_id)
+        http_clients.append(gateway)
+        paths += [gateway, NatsPath(nc, model_id)]
+        await _warm_up(paths, eos_ids)
+        samples = await _measure(paths, plan, eos_ids)
+    finally:
+        for client in http_clients:
+            await client.close()
+        stopping = time.perf_counter()
+        await asyncio.gather(
+            stack.stop(), limit.stop(),
+            asyncio.to_thread(peer.stop) if peer is not None else asyncio.sleep(0),
+        )
+        log.info("stopped in %.1fs (fleet up graceful: %s, peer graceful: %s)",
+                 time.perf_counter() - stopping, stack.stop_s,
+                 peer.stop_s if peer is not None else "-")
+    info["results"] = _summarise(samples, plan)
+    return info
+
+
+async def _warm_up(paths: Sequence[BenchPath], eos_ids: list[int]) -> None:
+    """First calls pay one-off costs (connections, caches of compiled shapes): not measured."""
+    for path in paths:
+        await path.burst([make_request("unique", 4, eos_ids)])
+        await path.burst([make_request("unique", 4, eos_ids) for _ in range(2)])
+
+
+def _scenarios(plan: TextPlan) -> list[tuple[str, int, int]]:
+    """(name, streams per burst, bursts per repetition)."""
+    return [("c1", 1, plan.c1_requests)] + [(f"burst{n}", n, 1) for n in plan.bursts]
+
+
+async def _measure(
+    paths: Sequence[BenchPath], plan: TextPlan, eos_ids: list[int]
+) -> dict[tuple[str, str, str], Samples]:
+    samples: dict[tuple[str, str, str], Samples] = {}
+    for rep in range(plan.reps):
+        order = list(paths[rep % len(paths):]) + list(paths[: rep % len(paths)])
+        for mode in PROMPT_MODES:
+            for scenario, width, count in _scenarios(plan):
+                for _ in range(count):
+                    for path in order:
+                        requests = [make_request(mode, plan.max_tokens, eos_ids)
+                                    for _ in range(width)]
+                        results = await path.burst(requests)
+                        cell = samples.setdefault((mode, scenario, path.name), Samples([], []))
+                        cell.streams += results
+                        if (rate := aggregate_tok_s(results)) is not None:
+                            cell.aggregates.append(rate)
+                log.info("rep %d %s %s done", rep + 1, mode, scenario)
+    return samples
+
+
+def _summarise(
+    samples: dict[tuple[str, str, str], Samples], plan: TextPlan
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """results[mode][scenario][path] = summary, with ratios to the limit and to the peer."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for (mode, scenario, path), cell in samples.items():
+        out.setdefault(mode, {}).setdefault(scenario, {})[path] = cell.summary(plan.max_tokens)
+    for scenarios in out.values():
+        for row in scenarios.values():
+            for base_name in ("limit", "peer"):
+                base = row.get(base_name)
+                if base is None:
+                    continue
+                for cell in row.values():
+                    cell[f"vs_{base_name}"] = {
+                        key: ratio(cell[key], base[key])
+                        for key in ("ttft_p50_s", "ttft_p95_s", "decode_tok_s", "aggregate_tok_s")
+                    }
+                    if cell["ttft_p50_s"] is not None and base["ttft_p50_s"] is not None:
+                        cell[f"ttft_added_ms_vs_{base_name}"] = 1000 * (
+                            cell["ttft_p50_s"] - base["ttft_p50_s"]
+                        )
+    return out

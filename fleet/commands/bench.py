@@ -1,0 +1,39 @@
+"""`fleet bench`: the benchmarks in bench/ (a folder of the repository, not of the package)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    try:
+        from bench.cli import run_bench
+    except ImportError as exc:
+        print(f"fleet bench needs the repository's bench/ folder ({exc}); run it from a "
+              "checkout installed with `pip install -e .`", file=sys.stderr)
+        return 2
+    return run_bench(args)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench", help="benchmark Fleet against in-process mlx-lm and mlx_lm.server",
+        description="Prints a table and writes bench/results/<name>-<timestamp>.json.",
+    )
+    p.add_argument("--quick", action="store_true",
+                   help="CI smoke run: tiny-llm only, a few requests, seconds")
+    p.add_argument("--models", help="comma-separated: tiny-llm-bench, smollm2-135m, tiny-llm "
+                   "(default: the first two; --quick: tiny-llm)")
+    p.add_argument("--reps", type=int, help="interleaved repetitions (default 2; quick 1)")
+    p.add_argument("--max-tokens", type=int, help="new tokens per request (default 64)")
+    p.add_argument("--no-peer", action="store_true", help="leave mlx_lm.server out")
+    p.add_argument("--only", choices=("text", "plumbing"), help="run one part only")
+    p.add_argument("--blas-threads", type=int, default=1,
+                   help="OPENBLAS_NUM_THREADS for every model process (default 1)")
+    p.add_argument("--wait-load", type=float, default=0.0, metavar="LOAD",
+                   help="before measuring, wait (at most --wait-max s) for the 1-minute load "
+                   "average to drop below LOAD")
+    p.add_argument("--wait-max", type=float, default=900.0)
+    p.add_argument("--name", default="bench", help="results file prefix")
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,250 @@
+"""The official `openai` client against real processes: nats-server, `fleet worker` running
+SmolLM2-135M and tiny-flux2 in runner subprocesses, and `fleet gateway`. One stack for the
+whole module."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import orjson
+import pytest
+from gateway_helpers import sse_blocks
+from PIL import Image
+
+from fleet.bus.embedded import EmbeddedNats
+from fleet.models.catalog import get_card
+from tests.integration.harness import (
+    REPO,
+    WorkerProcess,
+    client,
+    place_and_wait,
+    seed_models,
+    wait_node,
+)
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+IMAGE_MODEL = "tiny-flux2"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+LISTENING = re.compile(r"gateway listening on (http://\S+)/v1")
+
+
+class GatewayProcess:
+    """`fleet gateway --port 0`; its URL is read from its own log line, not guessed."""
+
+    def __init__(self, nats_url: str, data_dir: Path) -> None:
+        self.log_path = data_dir / "gateway.log"
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fleet.cli",
+                "--nats-url",
+                nats_url,
+                "--data-dir",
+                str(data_dir),
+                "gateway",
+                "--port",
+                "0",
+            ],
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+        )
+        self.url = ""
+        self._listening = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.process.stderr
+        with self.log_path.open("a") as log:
+            for line in self.process.stderr:
+                log.write(line)
+                log.flush()
+                if match := LISTENING.search(line):
+                    self.url = match.group(1)
+                    self._listening.set()
+
+    def wait_listening(self, timeout: float = 30.0) -> str:
+        if not self._listening.wait(timeout):
+            raise TimeoutError(f"the gateway did not start: {self.log_path.read_text()}")
+        return self.url
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(20)
+
+
+@dataclass(frozen=True)
+class Stack:
+    url: str
+    openai: openai.OpenAI
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, tiny_flux2_dir: Path
+) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("stack")
+    with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as nats_server:
+        worker_dir = root / "worker"
+        seed_models(worker_dir, {MODEL: smollm2_dir, IMAGE_MODEL: tiny_flux2_dir})
+        worker = WorkerProcess(nats_server.url, worker_dir).start()
+        gateway = GatewayProcess(nats_server.url, root)
+        try:
+
+            async def place_models() -> None:
+                nc = await client(nats_server.url)
+                node = await wait_node(nc, worker_dir)
+                await place_and_wait(nc, get_card(MODEL), node)
+                await place_and_wait(nc, get_card(IMAGE_MODEL), node)
+                await nc.close()
+
+            asyncio.run(place_models())
+            url = gateway.wait_listening()
+            yield Stack(url, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120))
+        finally:
+            gateway.stop()
+            worker.kill()  # its graceful stop is the worker's own tests' business
+
+
+def task_events(stack: Stack, task_id: str, after: int = 0) -> list[dict]:
+    """A task's raw Fleet events after the first `after`, read until its terminal event."""
+    response = httpx.get(f"{stack.url}/v1/tasks/{task_id}/events?after={after}", timeout=120)
+    assert response.status_code == 200
+    return [orjson.loads(block["data"]) for block in sse_blocks(response.text)]
+
+
+def test_chat_answers_paris_whole_and_streamed(stack: Stack) -> None:
+    whole = stack.openai.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=24
+    )
+    assert "Paris" in (whole.choices[0].message.content or "")
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage and whole.usage.completion_tokens > 0
+
+    chunks = list(
+        stack.openai.chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            temperature=0,
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content  # greedy: the same answer both ways
+    assert chunks[-1].usage and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_completions_models_and_errors(stack: Stack) -> None:
+    completion = stack.openai.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    assert completion.choices[0].text.strip()
+
+    models = {model.id: model for model in stack.openai.models.list()}
+    assert models[MODEL].model_extra and models[MODEL].model_extra["ready"] is True
+    assert stack.openai.models.retrieve(MODEL).id == MODEL
+
+    with pytest.raises(openai.NotFoundError):
+        stack.openai.chat.completions.create(model="no-such-model", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError) as bad:
+        stack.openai.chat.completions.create(model=MODEL, messages=QUESTION, temperature=5)
+    assert bad.value.body and bad.value.body["param"] == "temperature"  # type: ignore[index]
+
+
+def test_a_dropped_stream_resumes_without_losing_a_token(stack: Stack) -> None:
+    request = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 32}
+    reference = stack.openai.chat.completions.create(**request).choices[0].message.content
+
+    seen_text, last_id, task_id = "", 0, ""
+    with stack.openai.chat.completions.with_streaming_response.create(
+        **request, stream=True, extra_body={"resumable": True}
+    ) as response:
+        for block in sse_blocks_of(response.iter_lines()):
+            chunk = orjson.loads(block["data"])
+            task_id = chunk["id"]
+            seen_text += chunk["choices"][0]["delta"].get("content", "")
+            last_id = int(block.get("id", last_id))
+            if last_id >= 4:
+                break  # the connection drops here, mid-answer
+
+    rest = task_events(stack, task_id, after=last_id)
+    assert rest[-1]["type"] == "task_finished" and rest[-1]["status"] == "completed"
+    resumed = "".join(event["text"] for event in rest if event["type"] == "token")
+    assert seen_text + resumed == reference
+
+
+def sse_blocks_of(lines: Iterator[str]) -> Iterator[dict[str, str]]:
+    fields: dict[str, str] = {}
+    for line in lines:
+        if line:
+            name, _, value = line.partition(": ")
+            fields[name] = value
+        elif fields:
+            yield fields
+            fields = {}
+
+
+def test_a_client_that_disconnects_cancels_its_task(stack: Stack) -> None:
+    stream = stack.openai.chat.completions.create(
+        model=MODEL,
+        stream=True,
+        temperature=0,
+        max_tokens=400,
+        messages=[{"role": "user", "content": "Count from 1 to 300, one number per line."}],
+    )
+    task_id = ""
+    for index, chunk in enumerate(stream):
+        task_id = chunk.id
+        if index == 3:
+            break
+    stream.close()
+
+    events = task_events(stack, task_id)
+    assert events[-1]["type"] == "task_finished"
+    assert events[-1]["status"] == "cancelled"
+    assert sum(event["type"] == "token" for event in events) < 400
+
+
+def test_images_generate_stream_and_edit(stack: Stack) -> None:
+    # seed and steps are Fleet's: the SDK sends them through extra_body.
+    fleet = {"seed": 7, "steps": 4}
+    ask = {"model": IMAGE_MODEL, "prompt": "a lighthouse", "size": "128x128", "extra_body": fleet}
+    as_b64 = stack.openai.images.generate(**ask, response_format="b64_json")
+    png = base64.b64decode(as_b64.data[0].b64_json or "")
+    assert Image.open(io.BytesIO(png)).size == (128, 128)
+
+    as_url = stack.openai.images.generate(**ask, response_format="url")
+    assert httpx.get(as_url.data[0].url or "").content == png  # same seed, same bytes
+
+    events = list(stack.openai.images.generate(**ask, stream=True, partial_images=2))
+    assert [event.type for event in events] == [
+        "image_generation.partial_image",
+        "image_generation.partial_image",
+        "image_generation.completed",
+    ]
+    assert base64.b64decode(events[-1].b64_json) == png
+
+    edited = stack.openai.images.edit(
+        model=IMAGE_MODEL, image=("in.png", png, "image/png"), prompt="at night", size="128x128"
+    )
+    assert Image.open(io.BytesIO(base64.b64decode(edited.data[0].b64_json or ""))).size == (
+        128,
+        128,
+    )
