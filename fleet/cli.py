@@ -25,6 +25,9 @@ COMMAND_MODULES = (
     "fleet.trace.cli",
 )
 
+# The commands whose processes make spans (a runner sets up its own, exporting via its worker).
+TRACED_COMMANDS = ("worker", "gateway", "up", "demo", "submit")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if args.command != "runner":  # a runner sets up its own, exporting through its worker
+    if args.command in TRACED_COMMANDS:
         setup(f"fleet-{args.command}")
     handler: Callable[[argparse.Namespace], int | None] = args.func
     try:

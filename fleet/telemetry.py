@@ -121,10 +121,6 @@ def _export_metrics(resource: Resource) -> None:
     metrics.set_meter_provider(MeterProvider(metric_readers=[reader], resource=resource))
 
 
-def installed() -> Telemetry | None:
-    return _installed
-
-
 def export_to_nats(client: Callable[[], Client | None]) -> None:
     if _installed is not None:
         _installed.export_to_nats(client)
@@ -164,10 +160,6 @@ def inject_headers(headers: MutableMapping[str, str]) -> None:
 
 def extract_context(headers: Mapping[str, str] | None) -> Context:
     return propagate.extract(dict(headers or {}))
-
-
-def current_context() -> Context:
-    return otel_context.get_current()
 
 
 def context_of(traceparent: str | None, tracestate: str | None) -> Context:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import logging
 import sys
 import time
 from pathlib import Path
@@ -99,6 +100,8 @@ async def image(base: str, out: Path) -> Path:
 
 
 async def run_demo(settings: Settings, timeout: float) -> int:
+    for chatty in ("httpx", "uvicorn", "uvicorn.error"):  # the demo's output is the answer
+        logging.getLogger(chatty).setLevel(logging.WARNING)
     print("fleet demo: starting nats-server, a worker and the gateway…", file=sys.stderr)
     async with stack(settings, [CHAT_MODEL, IMAGE_MODEL]) as running:
         base = f"http://{running.gateway_host}:{running.gateway_port}/v1"

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fleet.bus.connect import connect
 from fleet.bus.embedded import EmbeddedNats
@@ -18,6 +19,9 @@ from fleet.commands.core import check_mflux, settings_from
 from fleet.config import Settings
 from fleet.models.catalog import get_card
 from fleet.placement import place, read_instances, remove
+
+if TYPE_CHECKING:
+    from fleet.worker.main import Worker
 
 log = logging.getLogger(__name__)
 
@@ -28,21 +32,35 @@ def quiet_builders() -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")
 
 
-async def _until_signal(*tasks: asyncio.Task[None]) -> None:
-    """Run until SIGINT/SIGTERM or until one role ends (an error there ends the stack)."""
+async def wait_for_signal(*tasks: asyncio.Task[None]) -> None:
+    """Until SIGINT/SIGTERM, or until one of `tasks` ends (then its error is raised)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.info("%s: stopping", signal.Signals(signum).name)
+        loop.call_soon_threadsafe(stop.set)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        signal.signal(sig, on_signal)
     waiter = asyncio.create_task(stop.wait())
-    await asyncio.wait({waiter, *tasks}, return_when=asyncio.FIRST_COMPLETED)
-    for task in tasks:
-        task.cancel()
-    results = await asyncio.gather(*tasks, return_exceptions=True)
+    done, _ = await asyncio.wait({waiter, *tasks}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
-    for result in results:
-        if isinstance(result, Exception) and not isinstance(result, asyncio.CancelledError):
-            raise result
+    for task in done - {waiter}:
+        task.result()
+
+
+async def stop_worker(worker: Worker, task: asyncio.Task[None], timeout: float = 30.0) -> None:
+    """A clean stop (runners shut down, unstarted tasks handed back); a cancel if it hangs."""
+    if task.done():
+        return
+    worker.stop()
+    try:
+        await asyncio.wait_for(asyncio.shield(task), timeout)
+    except TimeoutError:
+        log.warning("worker did not stop within %.0f s; cancelling it", timeout)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def run_worker(settings: Settings) -> None:
@@ -52,7 +70,11 @@ async def run_worker(settings: Settings) -> None:
         log.warning(warning)
     quiet_builders()
     worker = Worker(settings)
-    await _until_signal(asyncio.create_task(worker.run()))
+    task = asyncio.create_task(worker.run())
+    try:
+        await wait_for_signal(task)
+    finally:
+        await stop_worker(worker, task)
 
 
 @contextlib.asynccontextmanager
@@ -87,9 +109,9 @@ async def stack(settings: Settings, models: list[str]) -> AsyncIterator[Settings
         try:
             yield settings
         finally:
-            for task in (gateway_task, worker_task):
-                task.cancel()
-            await asyncio.gather(gateway_task, worker_task, return_exceptions=True)
+            gateway_task.cancel()
+            await asyncio.gather(gateway_task, return_exceptions=True)
+            await stop_worker(worker, worker_task)
             await nc.close()
     finally:
         if server:
@@ -118,7 +140,7 @@ async def run_up(settings: Settings, models: list[str]) -> None:
             f"fleet up: NATS {running.url}, gateway http://{running.gateway_host}:"
             f"{running.gateway_port}/v1, data {running.data_dir}", file=sys.stderr, flush=True,
         )
-        await _until_signal()
+        await wait_for_signal()
 
 
 async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:

@@ -20,6 +20,13 @@ OPENBLAS_CANDIDATES: tuple[tuple[str, Path], ...] = (
 _loaded: str | None = None
 
 
+def openblas_available() -> str | None:
+    """Which OpenBLAS a runner on this node will load, without loading it here."""
+    if not sys.platform.startswith("linux"):
+        return None
+    return next((name for name, path in OPENBLAS_CANDIDATES if path.exists()), None)
+
+
 def enable_openblas() -> str | None:
     """Load OpenBLAS with RTLD_GLOBAL and say which one, or return None where it cannot help.
 

@@ -99,7 +99,7 @@ class _TaskTimes:
     parent: Context
     submitted_ns: int
     first_token_ns: int | None = None
-    images: list[dict[str, Any]] = field(default_factory=list)
+    images: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (at, attributes)
 
 
 class RunnerSpans:
@@ -182,7 +182,7 @@ class RunnerSpans:
             attributes: dict[str, Any] = {"fleet.image.index": chunk.image_index}
             if chunk.partial_index is not None:
                 attributes["fleet.image.partial_index"] = chunk.partial_index
-            times.images.append({"name": "image", "at": _ns(chunk.at), "attributes": attributes})
+            times.images.append((_ns(chunk.at), attributes))
 
     def _finish(self, finished: TaskFinished) -> None:
         times = self._tasks.pop(finished.task_id, None)
@@ -199,8 +199,8 @@ class RunnerSpans:
         if times.first_token_ns is not None:  # as the prefill span shows it
             ttft_s = max(0, times.first_token_ns - times.submitted_ns) / 1e9
             generation.set_attribute("gen_ai.server.time_to_first_token", ttft_s)
-        for image in times.images:
-            generation.add_event(image["name"], image["attributes"], image["at"])
+        for at, attributes in times.images:
+            generation.add_event("image", attributes, at)
         if finished.status in ("failed", "expired"):
             generation.set_status(Status(StatusCode.ERROR, finished.message))
         inside = trace.set_span_in_context(generation)

@@ -54,7 +54,11 @@ class NatsSpanProcessor(SpanProcessor):
             if self._flush_pending:
                 return
             self._flush_pending = True
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
+            if self._loop.is_closed():  # its process is ending: nothing will publish these
+                self._buffer.clear()
+                self._flush_pending = False
+                return
+        with contextlib.suppress(RuntimeError):  # closed since: as above
             asyncio.run_coroutine_threadsafe(self._flush_later(), self._loop)
 
     async def _flush_later(self) -> None:

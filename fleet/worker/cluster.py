@@ -17,7 +17,7 @@ from nats.js.errors import KeyNotFoundError
 from fleet.bus.connect import publish
 from fleet.bus.objects import ObjectBucket
 from fleet.config import Settings
-from fleet.models.blas import enable_openblas
+from fleet.models.blas import openblas_available
 from fleet.models.catalog import all_cards
 from fleet.models.store import models_on_disk
 from fleet.wire import subjects
@@ -45,7 +45,8 @@ class ClusterLink:
         self.inbox = inbox
         self.node_id = node_id(settings.data_dir)
         self.cards = all_cards(settings.data_dir)
-        self.blas = enable_openblas()
+        # Runners load it; the worker itself does no maths and should start no BLAS threads.
+        self.blas = openblas_available()
         self.started_at = time.time()
         self.records: dict[str, RunnerRecord] = {}
         self.placed: dict[str, Instance] = {}  # the instance table as last watched

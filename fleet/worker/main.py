@@ -77,11 +77,16 @@ class Worker:
         log.info("worker %s serving on %s", self.cluster.node_id, settings.url)
         self.ready.set()
         try:
-            while True:
-                await self._handle(await self.inbox.get())
+            while not isinstance(item := await self.inbox.get(), _Stop):
+                await self._handle(item)
                 await self._drive()
         finally:
             await self._shutdown()
+
+    def stop(self) -> None:
+        """Ask the loop to end and shut down cleanly. A message, not a cancel: nats-py
+        swallows CancelledError inside publish, so a cancel can be lost mid-await."""
+        self.inbox.put_nowait(_Stop())
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -285,6 +290,7 @@ class Worker:
             await self.inbox.put(Tick())
 
     async def _shutdown(self) -> None:
+        log.info("worker %s stopping", self.state.node_id)
         self._apply(ev.Stopping())
         for task_id, msg in list(self.msgs.items()):
             if task_id in self.state.pending:
@@ -312,6 +318,11 @@ class _InputsFailed:
     task_id: str
     reason: ErrorReason
     message: str
+
+
+@dataclass(frozen=True)
+class _Stop:
+    pass
 
 
 @dataclass(frozen=True)

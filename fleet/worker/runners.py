@@ -31,6 +31,7 @@ class RunnerPool:
         self.processes: dict[str, RunnerProcess] = {}
         self.stopping: set[str] = set()
         self.background = TaskSet()
+        self.building = asyncio.Lock()
 
     def spawn(self, instance: Instance, card: ModelCard | None) -> None:
         """Prepare weights (a first SmolLM2 conversion takes seconds) off the loop, then start."""
@@ -40,7 +41,10 @@ class RunnerPool:
         try:
             if card is None:
                 raise LookupError(f"no model card {instance.model!r} on this node")
-            path = await asyncio.to_thread(ensure_model, card, self.settings.models_dir)
+            # One build at a time: builds saturate the cores anyway, and the libraries they
+            # import lazily (transformers) are not safe to import from two threads at once.
+            async with self.building:
+                path = await asyncio.to_thread(ensure_model, card, self.settings.models_dir)
             runner_id = f"run-{uuid.uuid4().hex[:10]}"
             slots = 1 if card.is_image else instance.slots
             spec = RunnerSpec(

@@ -176,6 +176,13 @@ async def events_of(nc: Client, task_id: str, timeout: float = 120.0) -> list[Ou
     return found
 
 
+async def run_task(nc: Client, task: Task, timeout: float = 120.0) -> list[OutputEvent]:
+    """Publish a task and return all its events, its terminal one last."""
+    collector = asyncio.create_task(events_of(nc, task.task_id, timeout))
+    await submit(nc, task)
+    return await collector
+
+
 def finished(events: list[OutputEvent]) -> TaskFinished:
     terminal = [e for e in events if isinstance(e, TaskFinished)]
     assert len(terminal) == 1, f"expected exactly one task_finished, got {len(terminal)}"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from fleet.models.catalog import get_card
 from fleet.placement import read_instances
 from fleet.wire import subjects
@@ -11,10 +9,9 @@ from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
     client,
-    events_of,
     finished,
     place_and_wait,
-    submit,
+    run_task,
     wait_node,
     wait_runner,
 )
@@ -41,8 +38,6 @@ async def test_instances_of_a_dead_node_move_to_a_live_one(
         task_id="after-failover", model="tiny-llm", max_tokens=4, temperature=0.0,
         messages=[ChatMessage(role="user", content="still there?")],
     )
-    collector = asyncio.create_task(events_of(nc, task.task_id))
-    await submit(nc, task)
-    result = finished(await collector)
+    result = finished(await run_task(nc, task))
     assert result.status == "completed" and result.node_id == survivor_node
     await nc.close()

@@ -35,6 +35,7 @@ from tests.integration.harness import (
     events_of,
     finished,
     place_and_wait,
+    run_task,
     submit,
     wait_node,
 )
@@ -118,9 +119,7 @@ async def raw_events_of(nc: Client, task_id: str, timeout: float = 120.0) -> lis
 
 
 async def run_to_end(nc: Client, task: ImageGeneration | ImageEdits) -> list[OutputEvent]:
-    collector = asyncio.create_task(events_of(nc, task.task_id))
-    await submit(nc, task)
-    return await collector
+    return await run_task(nc, task)
 
 
 async def _set_on_image(event: asyncio.Event, msg: Msg) -> None:

@@ -16,6 +16,7 @@ from tests.integration.harness import (
     events_of,
     finished,
     place_and_wait,
+    run_task,
     submit,
     wait_node,
     wait_runner,
@@ -57,9 +58,7 @@ async def test_a_restarted_worker_is_the_same_node_and_serves_again(
     again = start_worker()  # same name: the same data dir
     assert await wait_node(nc, again.data_dir) == node
     await wait_runner(watcher, "tiny-llm", ("ready",), 60, other_than=first.runner_id)
-    collector = asyncio.create_task(events_of(nc, "after-restart"))
-    await submit(nc, hello("after-restart"))
-    assert finished(await collector).status == "completed"
+    assert finished(await run_task(nc, hello("after-restart"))).status == "completed"
     await nc.close()
 
 

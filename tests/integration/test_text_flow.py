@@ -24,6 +24,7 @@ from tests.integration.harness import (
     events_of,
     finished,
     place_and_wait,
+    run_task,
     submit,
     until_queue_empty,
     wait_node,
@@ -94,9 +95,7 @@ async def test_same_seed_gives_the_same_text(nats_url: str, start_worker: Worker
     texts = []
     for task_id in ("seed-a", "seed-b"):
         task = chat(task_id, "tell me a story", temperature=1.0, seed=1234, max_tokens=24)
-        collector = asyncio.create_task(events_of(nc, task_id))
-        await submit(nc, task)
-        events = await collector
+        events = await run_task(nc, task)
         assert finished(events).status == "completed"
         texts.append([e.token_id for e in events if e.type == "token"])
     assert texts[0] == texts[1] and len(texts[0]) > 0
@@ -154,9 +153,7 @@ async def test_runner_sigkill_mid_task_ends_runner_crashed_and_runner_restarts(
     assert "SIGKILL" in (result.message or "")
     await wait_runner(watcher, "tiny-llm", ("ready",), 60, other_than=record.runner_id)
     after = chat("after-crash", "hello")
-    collector = asyncio.create_task(events_of(nc, after.task_id))
-    await submit(nc, after)
-    assert finished(await collector).status == "completed"
+    assert finished(await run_task(nc, after)).status == "completed"
     await nc.close()
 
 
@@ -186,9 +183,7 @@ async def test_deadline_in_the_past_ends_expired(
     node = await wait_node(nc, worker.data_dir)
     await place_and_wait(nc, get_card("tiny-llm"), node)
     task = chat("too-late", "hi", deadline=datetime.now(UTC) - timedelta(seconds=1))
-    collector = asyncio.create_task(events_of(nc, task.task_id))
-    await submit(nc, task)
-    result = finished(await collector)
+    result = finished(await run_task(nc, task))
     assert result.status == "expired" and result.reason is ErrorReason.DEADLINE
     await nc.close()
 
@@ -201,9 +196,7 @@ async def test_prompt_longer_than_the_context_fails_context_length(
     node = await wait_node(nc, worker.data_dir)
     await place_and_wait(nc, get_card("tiny-llm"), node)
     task = chat("too-long", "word " * 5000)
-    collector = asyncio.create_task(events_of(nc, task.task_id))
-    await submit(nc, task)
-    result = finished(await collector)
+    result = finished(await run_task(nc, task))
     assert result.status == "failed" and result.reason is ErrorReason.CONTEXT_LENGTH
     await nc.close()
 
@@ -215,9 +208,7 @@ async def test_unknown_model_ends_model_not_found(
     nc = await client(nats_url)
     await wait_node(nc, worker.data_dir)
     task = chat("no-such", "hi", model="no-such-model")
-    collector = asyncio.create_task(events_of(nc, task.task_id))
-    await submit(nc, task)
-    result = finished(await collector)
+    result = finished(await run_task(nc, task))
     assert result.status == "failed" and result.reason is ErrorReason.MODEL_NOT_FOUND
     info = await nc.jetstream().stream_info(subjects.TASKS_STREAM)
     assert info.state.messages == 0  # purged: an unknown model's queue never fills

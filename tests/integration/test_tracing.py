@@ -15,7 +15,8 @@ from nats.aio.client import Client
 from openai import AsyncOpenAI
 
 from fleet.models.catalog import get_card
-from fleet.trace.read import spans_of_trace, trace_id_of_task
+from fleet.placement import place
+from fleet.trace.cli import spans_of_trace, trace_id_of_task
 from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.events import TaskAccepted
@@ -61,13 +62,10 @@ async def nc(nats_url: str) -> AsyncIterator[Client]:
     await connection.close()
 
 
-async def serve(
-    nc: Client, start_worker: WorkerFactory, receiver: OtlpReceiver, model: str = "tiny-llm",
-    models: dict[str, Path] | None = None,
-) -> None:
-    worker = start_worker(models=models, **otlp_env(receiver.endpoint))
+async def serve_tiny_llm(nc: Client, start_worker: WorkerFactory, receiver: OtlpReceiver) -> None:
+    worker = start_worker(**otlp_env(receiver.endpoint))
     node = await wait_node(nc, worker.data_dir)
-    await place_and_wait(nc, get_card(model), node, slots=1 if models else 4)
+    await place_and_wait(nc, get_card("tiny-llm"), node)
 
 
 def assert_text_tree(spans: Spans, parent_of_process: str) -> None:
@@ -89,7 +87,7 @@ async def test_an_outside_clients_traceparent_is_honoured_and_fleet_trace_draws_
     nc: Client, start_worker: WorkerFactory, receiver: OtlpReceiver, tmp_path: Path,
     nats_url: str,
 ) -> None:
-    await serve(nc, start_worker, receiver)
+    await serve_tiny_llm(nc, start_worker, receiver)
     task = chat("traced-1", "hello there", max_tokens=6)
     headers = {"traceparent": f"00-{OUTSIDE_TRACE}-{OUTSIDE_SPAN}-01", "Nats-Msg-Id": "traced-1"}
     collector = asyncio.create_task(events_of(nc, task.task_id))
@@ -124,6 +122,7 @@ async def test_an_outside_clients_traceparent_is_honoured_and_fleet_trace_draws_
     drawn_order = [next(i for i, line in enumerate(lines) if name in line) for name in names]
     assert drawn_order == sorted(drawn_order)  # the tree, parents first
     assert "└─ decode" in lines[drawn_order[-1]] and "█" in lines[drawn_order[-1]]
+    assert not any("start runner" in line for line in lines)  # it ended before this task
     document = json.loads(chrome.read_text())
     complete = [e for e in document["traceEvents"] if e["ph"] == "X"]
     assert {e["name"] for e in complete} >= set(TEXT_SPANS)
@@ -134,7 +133,7 @@ async def test_a_chat_request_through_the_gateway_is_one_trace_rooted_in_its_htt
     nc: Client, start_worker: WorkerFactory, receiver: OtlpReceiver, tmp_path: Path,
     nats_url: str,
 ) -> None:
-    await serve(nc, start_worker, receiver)
+    await serve_tiny_llm(nc, start_worker, receiver)
     data_dir = tmp_path / "gateway"
     data_dir.mkdir()
     gateway = GatewayProcess(nats_url, data_dir, {**os.environ, **otlp_env(receiver.endpoint)})
@@ -188,7 +187,8 @@ async def test_an_image_task_from_fleet_submit_has_a_span_per_diffusion_step(
     nc: Client, start_worker: WorkerFactory, receiver: OtlpReceiver, tmp_path: Path,
     tiny_flux2_dir: Path, nats_url: str,
 ) -> None:
-    await serve(nc, start_worker, receiver, "tiny-flux2", models={"tiny-flux2": tiny_flux2_dir})
+    worker = start_worker(models={"tiny-flux2": tiny_flux2_dir}, **otlp_env(receiver.endpoint))
+    node = await wait_node(nc, worker.data_dir)
     task = ImageGeneration(
         task_id="img-traced", model="tiny-flux2", prompt="a lighthouse", size="64x64", steps=3,
     )
@@ -196,9 +196,12 @@ async def test_an_image_task_from_fleet_submit_has_a_span_per_diffusion_step(
     collector = asyncio.create_task(events_of(nc, task.task_id))
     submitted = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fleet.cli", "submit", "--file", str(tmp_path / "task.json"),
-        "--no-follow", cwd=REPO, env={**os.environ, "FLEET_NATS_URL": nats_url},
+        "--no-follow", cwd=REPO,
+        env={**os.environ, "FLEET_NATS_URL": nats_url, **otlp_env(receiver.endpoint)},
     )
     assert await submitted.wait() == 0
+    # Placed after the task was sent: the task waits for its runner to start.
+    await place(nc.jetstream(), get_card("tiny-flux2"), node_id=node, slots=1)
     assert finished(await collector).status == "completed"
 
     trace_id = await trace_id_of_task(nc.jetstream(), task.task_id)
@@ -215,3 +218,21 @@ async def test_an_image_task_from_fleet_submit_has_a_span_per_diffusion_step(
     assert generation["parent_id"] == process["span_id"]
     assert all(named[step]["parent_id"] == generation["span_id"] for step in steps)
     assert named["put image"]["parent_id"] == process["span_id"]
+
+    # The runner's start is a trace of its own, linked from the generation span; `fleet
+    # trace` draws it as well because this task waited on it.
+    drawn = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fleet.cli", "trace", task.task_id, cwd=REPO,
+        env={**os.environ, "FLEET_NATS_URL": nats_url}, stdout=asyncio.subprocess.PIPE,
+    )
+    lines = (await drawn.communicate())[0].decode().splitlines()
+    assert drawn.returncode == 0
+    start = next(i for i, line in enumerate(lines) if "start runner tiny-flux2" in line)
+    assert "├─ load tiny-flux2" in lines[start + 1] and "└─ warm_up tiny-flux2" in lines[start + 2]
+    await asyncio.to_thread(receiver.wait_for, lambda got: {
+        (s["service"], s["name"]) for s in got.spans if s["trace_id"] == trace_id
+    } >= {
+        ("fleet-submit", "send fleet.tasks.tiny-flux2"),
+        ("fleet-worker", "process fleet.tasks.tiny-flux2"),
+        ("fleet-runner", "diffusion step 3/3"),
+    }, 30)

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from fleet.trace.chrome import chrome_trace, lanes
-from fleet.trace.waterfall import bar, label, tree_rows, waterfall
+from fleet.trace.render import bar, chrome_trace, label, lanes, tree_rows, waterfall
 
 MS = 1_000_000
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
