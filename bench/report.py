@@ -130,7 +130,11 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"\n## fleet bench ({result['mode']}) {result['started']}\n")
     print(f"{machine['cpu']}, {machine['cores']} cores, {machine['blas']}, "
           f"OPENBLAS_NUM_THREADS={machine['openblas_num_threads']}, load "
-          f"{machine['load_average_start']} -> {machine.get('load_average_end')}\n")
+          f"{machine['load_average_start']} -> {machine.get('load_average_end')}")
+    if wait := result.get("load_wait"):
+        print(f"waited {wait['waited_s']} s for a 1-minute load below {wait['limit']} "
+              f"(load {wait['load_before']} -> {wait['load_after']})")
+    print(f"plan: {result['plan']}; {result.get('elapsed_s', '?')} s in all\n")
     for model, info in result["text"].items():
         startups = ", ".join(f"{k} {info[k]['startup_s']:.1f}s" for k in ("limit", "peer", "fleet")
                              if k in info and info[k].get("startup_s") is not None)
@@ -146,3 +150,12 @@ def print_report(result: dict[str, Any]) -> None:
         print("\n".join(plumbing_table(result["plumbing"])))
     for note in result.get("notes", []):
         print(f"\nnote: {note}")
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    from pathlib import Path
+
+    # Reprint a run's tables from its JSON: python -m bench.report bench/results/<file>.json
+    print_report(json.loads(Path(sys.argv[1]).read_text()))

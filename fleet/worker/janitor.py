@@ -8,7 +8,6 @@ one worker of the fleet answers each.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -22,15 +21,9 @@ from fleet.bus.connect import headers_for, js_publish
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event, decode_task
 from fleet.wire.events import ErrorReason, TaskFinished, failed
+from fleet.worker.pulls import unsubscribe_pull
 
 log = logging.getLogger(__name__)
-
-async def unsubscribe_pull(sub: JetStreamContext.PullSubscription) -> None:
-    """Drop a pull subscription before the connection drains: a fetch cancelled mid-wait
-    leaves the server's late answer queued unread, and draining waits on it for 30 s."""
-    with contextlib.suppress(Exception):
-        await sub.unsubscribe()
-
 
 def readable_task_id(data: bytes) -> str | None:
     try:

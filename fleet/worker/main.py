@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from nats.aio.msg import Msg
 from fleet import telemetry
 from fleet.aio import TaskSet
 from fleet.bus.connect import connect
-from fleet.bus.provision import ensure_task_consumer, provision
+from fleet.bus.provision import provision
 from fleet.config import Settings
 from fleet.runner import protocol as pipe
 from fleet.wire import subjects
@@ -24,28 +23,16 @@ from fleet.wire.tasks import CancelTask
 from fleet.worker import plan as rules
 from fleet.worker import state as ev
 from fleet.worker.cluster import ClusterLink
+from fleet.worker.inbox import CancelSeen, Fetched, InputsFailed, InputsFetched, Stop, Tick
 from fleet.worker.intake import Intake, Queued
-from fleet.worker.janitor import unsubscribe_pull
 from fleet.worker.outputs import TaskOutput
+from fleet.worker.pulls import TaskPuller
 from fleet.worker.runners import RunnerPool
 from fleet.worker.spans import TaskSpans
 from fleet.worker.state import WorkerState, apply
 from fleet.worker.supervisor import RunnerExited
 
 log = logging.getLogger(__name__)
-
-FETCH_WAIT_S = 2.0
-
-
-@dataclass(frozen=True)
-class Fetched:
-    model: str
-    msgs: list[Msg]
-
-
-@dataclass(frozen=True)
-class Tick:
-    pass
 
 
 class Worker:
@@ -54,7 +41,6 @@ class Worker:
         self.ready = ready or asyncio.Event()
         self.inbox: asyncio.Queue[Any] = asyncio.Queue()
         self.msgs: dict[str, Msg] = {}  # task id -> its JetStream message, until acked
-        self.pull_subs: dict[str, Any] = {}
         self.background = TaskSet()
         self.pinned: dict[str, list[str]] = {}  # task id -> input images it holds in cache
         self.unstored: dict[str, str] = {}  # task id -> why an image of it could not be stored
@@ -72,12 +58,13 @@ class Worker:
         self.state = WorkerState(node_id=self.cluster.node_id, cards=self.cluster.cards)
         self.intake = Intake(self.js, self.output, self.cluster)
         self.runners = RunnerPool(settings, self.cluster.node_id, self.inbox)
+        self.puller = TaskPuller(self.nc, self.js, settings)
         await self.nc.subscribe(subjects.cancel("*"), cb=self._on_cancel)
         self.background.spawn(self._tick_forever())
         log.info("worker %s serving on %s", self.cluster.node_id, settings.url)
         self.ready.set()
         try:
-            while not isinstance(item := await self.inbox.get(), _Stop):
+            while not isinstance(item := await self.inbox.get(), Stop):
                 await self._handle(item)
                 await self._drive()
         finally:
@@ -86,7 +73,7 @@ class Worker:
     def stop(self) -> None:
         """Ask the loop to end and shut down cleanly. A message, not a cancel: nats-py
         swallows CancelledError inside publish, so a cancel can be lost mid-await."""
-        self.inbox.put_nowait(_Stop())
+        self.inbox.put_nowait(Stop())
 
     # ---- the loop ---------------------------------------------------------------------
 
@@ -110,12 +97,12 @@ class Worker:
             case (runner_id, report):
                 with self.spans.active(getattr(report, "task_id", None)):
                     await self._on_report(runner_id, report)
-            case _InputsFetched(task_id=task_id, paths=paths):
+            case InputsFetched(task_id=task_id, paths=paths):
                 self._inputs_fetched(task_id, paths)
-            case _InputsFailed(task_id=task_id, reason=reason, message=message):
+            case InputsFailed(task_id=task_id, reason=reason, message=message):
                 if task_id in self.state.pending:  # else it already ended (cancel, deadline)
                     await self._end(task_id, reason, message)
-            case _CancelSeen(task_id=task_id):
+            case CancelSeen(task_id=task_id):
                 await self._cancel(task_id)
             case Tick():
                 await self._heartbeat_tasks()
@@ -158,25 +145,7 @@ class Worker:
     # ---- actions ----------------------------------------------------------------------
 
     async def _pull(self, model: str, batch: int) -> None:
-        msgs: list[Msg] = []
-        try:
-            sub = self.pull_subs.get(model)
-            if sub is None:
-                await ensure_task_consumer(
-                    self.nc, model, max_deliver=self.settings.max_deliver,
-                    ack_wait_s=self.settings.ack_wait_s,
-                )
-                sub = await self.js.pull_subscribe_bind(
-                    subjects.durable(model), stream=subjects.TASKS_STREAM
-                )
-                self.pull_subs[model] = sub
-            msgs = await sub.fetch(batch, timeout=FETCH_WAIT_S)
-        except TimeoutError:
-            pass
-        except Exception as exc:  # the loop must go on; the next plan pulls again
-            log.warning("fetch for %s failed: %s", model, exc)
-            await asyncio.sleep(0.5)  # pacing a retry after a broker error, not synchronisation
-        await self.inbox.put(Fetched(model, msgs))
+        await self.inbox.put(Fetched(model, await self.puller.fetch(model, batch)))
 
     async def _fetch_inputs(self, task_id: str, hashes: tuple[str, ...]) -> None:
         try:
@@ -184,9 +153,9 @@ class Worker:
                 paths = await self.cluster.fetch_inputs(hashes)
         except Exception as exc:
             reason = getattr(exc, "reason", ErrorReason.INTERNAL)
-            await self.inbox.put(_InputsFailed(task_id, ErrorReason(reason), str(exc)))
+            await self.inbox.put(InputsFailed(task_id, ErrorReason(reason), str(exc)))
             return
-        await self.inbox.put(_InputsFetched(task_id, paths))
+        await self.inbox.put(InputsFetched(task_id, paths))
 
     def _inputs_fetched(self, task_id: str, paths: dict[str, Path]) -> None:
         if task_id not in self.state.pending:  # it ended while they were fetched: unpin
@@ -274,7 +243,7 @@ class Worker:
 
     async def _on_cancel(self, msg: Msg) -> None:
         task_id = msg.subject.rsplit(".", 1)[-1]
-        await self.inbox.put(_CancelSeen(task_id))
+        await self.inbox.put(CancelSeen(task_id))
 
     async def _heartbeat_tasks(self) -> None:
         """Tell JetStream that running tasks are alive, so AckWait never redelivers them."""
@@ -299,35 +268,11 @@ class Worker:
                 self.spans.settled(task_id, "nak")
         await self.runners.stop_all(timeout=10.0)
         await self.background.cancel_all()
-        for sub in self.pull_subs.values():
-            await unsubscribe_pull(sub)
+        await self.puller.close()
         await self.cluster.stop()
         await telemetry.flush()
         with contextlib.suppress(Exception):
             await self.nc.drain()
-
-
-@dataclass(frozen=True)
-class _InputsFetched:
-    task_id: str
-    paths: dict[str, Path]
-
-
-@dataclass(frozen=True)
-class _InputsFailed:
-    task_id: str
-    reason: ErrorReason
-    message: str
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-@dataclass(frozen=True)
-class _CancelSeen:
-    task_id: str
 
 
 _LIFECYCLE = {
