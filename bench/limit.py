@@ -85,7 +85,8 @@ class _Engine:
     def __init__(self, model_dir: str) -> None:
         from mlx_lm import load
 
-        self.model, self.tokenizer = load(model_dir)
+        loaded = load(model_dir)  # (model, tokenizer); a config too only when asked
+        self.model, self.tokenizer = loaded[0], loaded[1]
 
     def _tokens(self, request: Request) -> list[int]:
         template = self.tokenizer.apply_chat_template

@@ -78,6 +78,11 @@ class Samples:
                                         for s in ok if s.tokens]),
             "aggregate_tok_s": median(self.aggregates),
             "first_error": next((s.error for s in self.streams if s.error), None),
+            "samples": {  # every stream, for a second look at a noisy cell
+                "ttft_s": [round(v, 4) for v in ttfts],
+                "decode_tok_s": [round(v, 2) for v in decode],
+                "aggregate_tok_s": [round(v, 2) for v in self.aggregates],
+            },
         }
 
 

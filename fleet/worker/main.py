@@ -18,7 +18,16 @@ from fleet.bus.provision import provision
 from fleet.config import Settings
 from fleet.runner import protocol as pipe
 from fleet.wire import subjects
-from fleet.wire.events import ErrorChunk, ErrorReason, ImageChunk, TaskFinished, failed
+from fleet.wire.events import (
+    ErrorChunk,
+    ErrorReason,
+    ImageChunk,
+    TaskAccepted,
+    TaskFinished,
+    TokenChunk,
+    ToolCallChunk,
+    failed,
+)
 from fleet.wire.tasks import CancelTask
 from fleet.worker import plan as rules
 from fleet.worker import state as ev
@@ -66,7 +75,8 @@ class Worker:
         try:
             while not isinstance(item := await self.inbox.get(), Stop):
                 await self._handle(item)
-                await self._drive()
+                if not _streams_only(item):
+                    await self._drive()
         finally:
             await self._shutdown()
 
@@ -274,6 +284,13 @@ class Worker:
         with contextlib.suppress(Exception):
             await self.nc.drain()
 
+
+def _streams_only(item: Any) -> bool:
+    """A runner's chunk changes nothing the planner reads: skip planning on the token path."""
+    return isinstance(item, tuple) and isinstance(item[1], STREAMED_REPORTS)
+
+
+STREAMED_REPORTS = (TaskAccepted, TokenChunk, ToolCallChunk, pipe.TaskRunning, pipe.SpanBatch)
 
 _LIFECYCLE = {
     "connect_to_group": pipe.ConnectToGroup,
