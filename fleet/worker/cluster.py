@@ -50,6 +50,7 @@ class ClusterLink:
         self.started_at = time.time()
         self.records: dict[str, RunnerRecord] = {}
         self.placed: dict[str, Instance] = {}  # the instance table as last watched
+        self._status_writes: asyncio.Queue[tuple[str, RunnerRecord | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
@@ -72,6 +73,7 @@ class ClusterLink:
         self._tasks = [
             asyncio.create_task(self._heartbeat_forever()),
             asyncio.create_task(self._watch_instances()),
+            asyncio.create_task(self._write_statuses_forever()),
             asyncio.create_task(Failover(self.nodes, self.instances, self.cards).watch()),
         ]
 
@@ -80,6 +82,9 @@ class ClusterLink:
 
     async def stop(self) -> None:
         await self.janitor.stop()
+        # The runners' last statuses (shut down, removed) are worth the wait; a dead broker is not.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._status_writes.join(), 5.0)
         for task in self._tasks:
             task.cancel()
         with contextlib.suppress(Exception):
@@ -129,7 +134,9 @@ class ClusterLink:
 
     # ---- runners ------------------------------------------------------------------------
 
-    async def runner_status(self, view: RunnerView | None, status: RunnerStatus) -> None:
+    def runner_status(self, view: RunnerView | None, status: RunnerStatus) -> None:
+        """Record a runner's new status. Written by one ordered writer off the task path, so
+        a task's first event never waits for a KV round trip."""
         if view is None:
             return
         now = time.time()
@@ -139,17 +146,30 @@ class ClusterLink:
             active_tasks=len(view.in_flight), at=now,
         )
         self.records[view.runner_id] = record
-        changed = RunnerStatusChanged(
-            runner_id=view.runner_id, instance_id=view.instance_id, node_id=self.node_id,
-            model=view.model, status=status, at=now,
-        )
-        await self.runners.put(view.runner_id, encode(record))
-        await publish(self.nc, subjects.runner_event(self.node_id, view.runner_id), changed)
+        self._status_writes.put_nowait((view.runner_id, record))
 
-    async def runner_removed(self, runner_id: str) -> None:
+    def runner_removed(self, runner_id: str) -> None:
         self.records.pop(runner_id, None)
-        with contextlib.suppress(Exception):
-            await self.runners.delete(runner_id)
+        self._status_writes.put_nowait((runner_id, None))
+
+    async def _write_statuses_forever(self) -> None:
+        while True:
+            runner_id, record = await self._status_writes.get()
+            try:
+                if record is None:
+                    await self.runners.delete(runner_id)
+                else:
+                    await self.runners.put(runner_id, encode(record))
+                    changed = RunnerStatusChanged(
+                        runner_id=runner_id, instance_id=record.instance_id,
+                        node_id=self.node_id, model=record.model, status=record.status,
+                        at=record.at,
+                    )
+                    await publish(self.nc, subjects.runner_event(self.node_id, runner_id), changed)
+            except Exception as exc:
+                log.warning("runner status of %s not written: %s", runner_id, exc)
+            finally:
+                self._status_writes.task_done()
 
     # ---- tasks ---------------------------------------------------------------------------
 

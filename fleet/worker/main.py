@@ -103,7 +103,7 @@ class Worker:
             case (runner_id, RunnerExited() as exited):
                 crashed = self.runners.exited(exited)
                 self._apply(ev.RunnerGone(runner_id, crashed=crashed, at=time.time()))
-                await self.cluster.runner_removed(runner_id)
+                self.cluster.runner_removed(runner_id)
             case (runner_id, report):
                 with self.spans.active(getattr(report, "task_id", None)):
                     await self._on_report(runner_id, report)
@@ -204,7 +204,7 @@ class Worker:
         match report:
             case pipe.RunnerStatusReport(status=status):
                 self._apply(ev.RunnerStatusSeen(runner_id, status))
-                await self.cluster.runner_status(self.state.runners.get(runner_id), status)
+                self.cluster.runner_status(self.state.runners.get(runner_id), status)
             case TaskFinished():
                 if why := self.unstored.pop(report.task_id, None):
                     unstored = failed(report.task_id, report.at, ErrorReason.INTERNAL, why)
