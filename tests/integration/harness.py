@@ -130,6 +130,15 @@ async def place_and_wait(
     return await wait_runner(watcher, card.id, ("ready",), timeout)
 
 
+async def serving(
+    nats_url: str, worker: WorkerProcess, card: ModelCard, slots: int = 4
+) -> tuple[Client, RunnerRecord]:
+    """A client connection once `card` is placed on `worker` and its runner is ready."""
+    nc = await client(nats_url)
+    record = await place_and_wait(nc, card, await wait_node(nc, worker.data_dir), slots=slots)
+    return nc, record
+
+
 async def wait_runner(
     watcher: KeyValue.KeyWatcher, model: str, states: Iterable[str], timeout: float = 120.0,
     other_than: str | None = None,

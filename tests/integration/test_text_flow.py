@@ -25,6 +25,7 @@ from tests.integration.harness import (
     finished,
     place_and_wait,
     run_task,
+    serving,
     submit,
     until_queue_empty,
     wait_node,
@@ -74,10 +75,7 @@ async def test_raw_nats_client_gets_paris_from_smollm2_with_the_readme_json(
 async def test_four_concurrent_tasks_share_one_batch_and_all_complete(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
-    worker = start_worker()
-    nc = await client(nats_url)
-    node = await wait_node(nc, worker.data_dir)
-    await place_and_wait(nc, get_card("tiny-llm"), node, slots=4)
+    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"), slots=4)
     tasks = [chat(f"batch-{i}", f"hello number {i}", max_tokens=48) for i in range(4)]
     collectors = [asyncio.create_task(events_of(nc, t.task_id)) for t in tasks]
     await asyncio.gather(*(submit(nc, t) for t in tasks))
@@ -88,10 +86,7 @@ async def test_four_concurrent_tasks_share_one_batch_and_all_complete(
 
 
 async def test_same_seed_gives_the_same_text(nats_url: str, start_worker: WorkerFactory) -> None:
-    worker = start_worker()
-    nc = await client(nats_url)
-    node = await wait_node(nc, worker.data_dir)
-    await place_and_wait(nc, get_card("tiny-llm"), node)
+    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"))
     texts = []
     for task_id in ("seed-a", "seed-b"):
         task = chat(task_id, "tell me a story", temperature=1.0, seed=1234, max_tokens=24)
@@ -105,10 +100,7 @@ async def test_same_seed_gives_the_same_text(nats_url: str, start_worker: Worker
 async def test_cancel_mid_stream_ends_cancelled(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
-    worker = start_worker()
-    nc = await client(nats_url)
-    node = await wait_node(nc, worker.data_dir)
-    await place_and_wait(nc, get_card("tiny-llm"), node)
+    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"))
     task = chat("cancel-me", "go on forever", max_tokens=100000, logit_bias={0: -100.0})
     first_token = asyncio.Event()
     seen: list[TaskFinished] = []
@@ -134,10 +126,7 @@ async def test_cancel_mid_stream_ends_cancelled(
 async def test_runner_sigkill_mid_task_ends_runner_crashed_and_runner_restarts(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
-    worker = start_worker()
-    nc = await client(nats_url)
-    node = await wait_node(nc, worker.data_dir)
-    record = await place_and_wait(nc, get_card("tiny-llm"), node)
+    nc, record = await serving(nats_url, start_worker(), get_card("tiny-llm"))
     task = chat("crash-me", "long", max_tokens=100000, logit_bias={0: -100.0})
     collector = asyncio.create_task(events_of(nc, task.task_id))
     first_token = asyncio.Event()
@@ -146,7 +135,7 @@ async def test_runner_sigkill_mid_task_ends_runner_crashed_and_runner_restarts(
     watcher = await kv.watchall()
     await submit(nc, task)
     await asyncio.wait_for(first_token.wait(), 60)
-    runner_pid = _runner_pid(worker.data_dir, record.runner_id)
+    runner_pid = _runner_pid(record.runner_id)
     os.kill(runner_pid, signal.SIGKILL)
     result = finished(await collector)
     assert result.status == "failed" and result.reason is ErrorReason.RUNNER_CRASHED
@@ -162,7 +151,7 @@ async def _set_on_token(msg: nats.aio.msg.Msg, event: asyncio.Event) -> None:
         event.set()
 
 
-def _runner_pid(data_dir: Path, runner_id: str) -> int:
+def _runner_pid(runner_id: str) -> int:
     """The runner subprocess's pid, found by its spec on the command line."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -178,10 +167,7 @@ def _runner_pid(data_dir: Path, runner_id: str) -> int:
 async def test_deadline_in_the_past_ends_expired(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
-    worker = start_worker()
-    nc = await client(nats_url)
-    node = await wait_node(nc, worker.data_dir)
-    await place_and_wait(nc, get_card("tiny-llm"), node)
+    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"))
     task = chat("too-late", "hi", deadline=datetime.now(UTC) - timedelta(seconds=1))
     result = finished(await run_task(nc, task))
     assert result.status == "expired" and result.reason is ErrorReason.DEADLINE
@@ -191,10 +177,7 @@ async def test_deadline_in_the_past_ends_expired(
 async def test_prompt_longer_than_the_context_fails_context_length(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
-    worker = start_worker()
-    nc = await client(nats_url)
-    node = await wait_node(nc, worker.data_dir)
-    await place_and_wait(nc, get_card("tiny-llm"), node)
+    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"))
     task = chat("too-long", "word " * 5000)
     result = finished(await run_task(nc, task))
     assert result.status == "failed" and result.reason is ErrorReason.CONTEXT_LENGTH
@@ -219,10 +202,7 @@ async def test_unknown_model_ends_model_not_found(
 async def test_malformed_messages_are_answered_and_the_worker_keeps_serving(
     nats_url: str, start_worker: WorkerFactory, count: int
 ) -> None:
-    worker = start_worker()
-    nc = await client(nats_url)
-    node = await wait_node(nc, worker.data_dir)
-    await place_and_wait(nc, get_card("tiny-llm"), node)
+    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"))
     js = nc.jetstream()
     bad_ids = [f"bad-{i}" for i in range(count // 2)]
     collectors = [asyncio.create_task(events_of(nc, task_id)) for task_id in bad_ids]
