@@ -171,15 +171,27 @@ async def publish_chunks(
             chunks += 1
             size += len(piece)
             if chunks - acked >= PUBLISH_WINDOW:
-                await _take_ack(acks, timeout)
                 acked += 1
+                await _take_ack(acks, timeout)
         while acked < chunks:
-            await _take_ack(acks, timeout)
             acked += 1
+            await _take_ack(acks, timeout)
+    except BaseException:
+        # A chunk still in flight could be stored after the caller purges the failed upload,
+        # so hear out every outstanding answer (bounded by one timeout) before giving up.
+        await _drain(acks, chunks - acked, timeout)
+        raise
     finally:
         with contextlib.suppress(Exception):
             await acks.unsubscribe()
     return Written(chunks=chunks, size=size, sha256=digest.digest())
+
+
+async def _drain(acks: Subscription, outstanding: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for _ in range(outstanding):
+        with contextlib.suppress(Exception):
+            await acks.next_msg(timeout=max(deadline - time.monotonic(), 0.001))
 
 
 async def _take_ack(acks: Subscription, timeout: float) -> None:
