@@ -79,9 +79,10 @@ def cmd_nats(args: argparse.Namespace) -> int:
 
 
 def cmd_runner(args: argparse.Namespace) -> int:
-    from fleet.runner.main import run_runner
+    from fleet.runner.main import exit_runner, run_runner
 
-    return run_runner(args.spec)
+    exit_runner(run_runner(args.spec))
+    return 0  # not reached: exit_runner leaves the process
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

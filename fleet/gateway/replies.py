@@ -115,8 +115,15 @@ def finish_reason(finished: TaskFinished, has_tool_calls: bool) -> str:
     return finished.finish_reason or ("tool_calls" if has_tool_calls else "stop")
 
 
-def usage_json(usage: Usage | None) -> dict[str, int]:
-    return (usage or Usage()).model_dump()
+def usage_json(usage: Usage | None) -> dict[str, Any]:
+    """OpenAI's usage object; cached prompt tokens go where OpenAI reports its prompt cache."""
+    usage = usage or Usage()
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
 
 
 def _token_logprob(token: TokenChunk) -> dict[str, Any]:

@@ -12,6 +12,7 @@ Closed stdin means the worker is gone: shut down and exit.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -214,5 +215,18 @@ def run_runner(spec_json: str) -> int:
     return code
 
 
+def exit_runner(code: int) -> None:
+    """Leave without interpreter teardown once everything is reported and flushed.
+
+    Tearing down after mflux ran sometimes aborts (SIGABRT) in native destructors, which the
+    worker would read as a crash of a runner that in fact shut down cleanly.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(run_runner(sys.argv[1]))
+    exit_runner(run_runner(sys.argv[1]))

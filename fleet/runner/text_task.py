@@ -171,6 +171,7 @@ class TextTask:
             prompt_tokens=self._prompt_tokens,
             completion_tokens=self._emitted,
             total_tokens=self._prompt_tokens + self._emitted,
+            cached_tokens=self._cached_tokens,
         )
 
     def _stats(self, now: float) -> TaskStats:

@@ -99,6 +99,9 @@ class Usage(Part):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    cached_tokens: int = Field(
+        default=0, description="Prompt tokens whose prefill the runner's prefix cache saved"
+    )
 
 
 class TaskStats(Part):

@@ -149,6 +149,9 @@ def test_chat_answers_paris_whole_and_streamed(stack: Stack) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content  # greedy: the same answer both ways
     assert chunks[-1].usage and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+    # The same prompt again: the runner's prefix cache saved prefill, and usage says how much.
+    details = chunks[-1].usage.prompt_tokens_details
+    assert details and 0 < (details.cached_tokens or 0) <= whole.usage.prompt_tokens
 
 
 def test_completions_models_and_errors(stack: Stack) -> None:

@@ -56,7 +56,12 @@ def test_chat_completion_from_events() -> None:
                 "finish_reason": "length",
             }
         ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "total_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
     }
 
 

@@ -36,7 +36,12 @@ async def test_chat_completion_gathers_the_tokens(
         "refusal": None,
     }
     assert body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert body["usage"] == {
+        "prompt_tokens": 5,
+        "completion_tokens": 3,
+        "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert isinstance(task, TextGeneration)
     assert (task.temperature, task.max_tokens) == (0.0, 7)
     assert task.deadline is not None

@@ -317,6 +317,14 @@ def test_prefix_cache_gives_the_same_tokens_as_a_full_prefill(tiny_llm_dir: Path
         assert together.ids("q2") == expected[2]
         repeated = run(cached, chat("q0", questions[0]))
         assert repeated.ids("q0") == expected[0]
+        # Usage says how much prefill the cache saved: nothing cold, the system prompt after.
+        saved = [
+            outcome.finished[task].usage.cached_tokens
+            for outcome, task in [(first, "q0"), (together, "q1"), (together, "q2")]
+        ]
+        prompt_tokens = first.finished["q0"].usage.prompt_tokens
+        assert saved[0] == 0 and 0 < saved[1] < prompt_tokens and 0 < saved[2] < prompt_tokens
+        assert repeated.finished["q0"].usage.cached_tokens >= saved[1]
     finally:
         uncached.close()
         cached.close()
