@@ -81,7 +81,8 @@ class FleetStack:
                 [sys.executable, "-m", "fleet.cli", "--data-dir", str(self.data_dir),
                  "--log-level", "warning", "up", "--models", ",".join(self.models),
                  "--port", str(self.gateway_port), "--nats-port", str(self.nats_port),
-                 "--slots", str(self.slots)],
+                 # The plumbing phase queues tasks for models it never serves on purpose.
+                 "--slots", str(self.slots), "--no-auto-place"],
                 env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -273,7 +273,7 @@ async def measure_fresh_worker(
     with (data_dir / "worker.log").open("ab") as log_file:
         worker = subprocess.Popen(
             [sys.executable, "-m", "fleet.cli", "--data-dir", str(data_dir), "--log-level",
-             "warning", "worker"], env={**env, "FLEET_NATS_URL": stack.nats_url},
+             "warning", "worker", "--no-auto-place"], env={**env, "FLEET_NATS_URL": stack.nats_url},
             stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:

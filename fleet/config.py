@@ -31,6 +31,7 @@ class Settings:
     input_wait_s: float = 10.0  # how long a task waits for a missing input image
     max_deliver: int = 3
     ack_wait_s: float = 30.0
+    auto_place: bool = True  # a task queued for a model nobody serves places an instance
 
     @property
     def models_dir(self) -> Path:
@@ -64,7 +65,11 @@ _ENV: dict[str, str] = {
     "input_wait_s": "FLEET_INPUT_WAIT_S",
     "max_deliver": "FLEET_MAX_DELIVER",
     "ack_wait_s": "FLEET_ACK_WAIT_S",
+    "auto_place": "FLEET_AUTO_PLACE",
 }
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 def _coerce(name: str, raw: Any) -> Any:
@@ -73,6 +78,12 @@ def _coerce(name: str, raw: Any) -> Any:
         return Path(raw).expanduser().resolve()
     if name == "api_keys":
         return tuple(k for k in (raw.split(",") if isinstance(raw, str) else raw) if k)
+    if kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() in _TRUE + _FALSE:
+            return str(raw).lower() in _TRUE
+        raise ValueError(raw)
     if kind == "int":
         return int(raw)
     if kind == "float":

@@ -31,9 +31,11 @@ def choose_node(nodes: list[NodeInfo], card: ModelCard, now: float) -> NodeInfo:
     return max(fitting, key=lambda n: (n.memory_available_bytes, n.node_id))
 
 
-def new_instance(card: ModelCard, node: NodeInfo, slots: int, now: float) -> Instance:
+def new_instance(
+    card: ModelCard, node: NodeInfo, slots: int, now: float, instance_id: str | None = None
+) -> Instance:
     return Instance(
-        instance_id=f"{card.id}-{uuid.uuid4().hex[:6]}",
+        instance_id=instance_id or f"{card.id}-{uuid.uuid4().hex[:6]}",
         model=card.id,
         slots=slots,
         created_at=now,

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from fleet.config import Settings, load_settings
+from fleet.errors import InvalidRequest
 
 DEFAULTS = Settings()
 
@@ -27,6 +28,7 @@ DEFAULTS = Settings()
         ("input_wait_s", "FLEET_INPUT_WAIT_S", "0.25", "7", 0.25, 7.0),
         ("max_deliver", "FLEET_MAX_DELIVER", "5", 6, 5, 6),
         ("ack_wait_s", "FLEET_ACK_WAIT_S", "45", 60.5, 45.0, 60.5),
+        ("auto_place", "FLEET_AUTO_PLACE", "off", True, False, True),
     ],
 )
 def test_flag_beats_env_beats_default(
@@ -137,3 +139,14 @@ def test_load_settings_reads_the_process_environment_when_no_env_is_given(
 ) -> None:
     monkeypatch.setenv("FLEET_SLOTS", "7")
     assert load_settings().slots == 7
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("1", True), ("Yes", True), ("0", False),
+                                               ("false", False), ("OFF", False)])
+def test_switches_read_the_usual_spellings(raw: str, expected: bool) -> None:
+    assert load_settings(env={"FLEET_AUTO_PLACE": raw}).auto_place is expected
+
+
+def test_a_switch_that_is_neither_on_nor_off_is_one_clear_error() -> None:
+    with pytest.raises(InvalidRequest, match="FLEET_AUTO_PLACE: 'maybe'"):
+        load_settings(env={"FLEET_AUTO_PLACE": "maybe"})

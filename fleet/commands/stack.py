@@ -166,7 +166,10 @@ async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("worker", help="run the node agent")
     p.add_argument("--slots", type=int, help="concurrent tasks per text runner")
-    p.set_defaults(func=lambda a: asyncio.run(run_worker(settings_from(a, slots=a.slots))))
+    _auto_place_flag(p)
+    p.set_defaults(func=lambda a: asyncio.run(run_worker(
+        settings_from(a, slots=a.slots, auto_place=a.auto_place)
+    )))
 
     p = subparsers.add_parser("up", help="embedded NATS + worker + gateway on this machine")
     p.add_argument("--models", default="smollm2-135m,tiny-flux2", help="comma-separated ids")
@@ -174,9 +177,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help="gateway port")
     p.add_argument("--nats-port", type=int, help="embedded nats-server port")
     p.add_argument("--slots", type=int)
+    _auto_place_flag(p)
     p.set_defaults(func=lambda a: asyncio.run(run_up(
         settings_from(a, gateway_host=a.host, gateway_port=a.port, nats_port=a.nats_port,
-                      slots=a.slots),
+                      slots=a.slots, auto_place=a.auto_place),
         [m for m in a.models.split(",") if m],
     )))
 
@@ -190,3 +194,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     remove_p = sub.add_parser("remove")
     remove_p.add_argument("instance_id")
     p.set_defaults(func=lambda a: asyncio.run(instances_cmd(settings_from(a), a)))
+
+
+def _auto_place_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-auto-place", dest="auto_place", action="store_false", default=None,
+        help="do not place a model because tasks wait for it (FLEET_AUTO_PLACE=0)",
+    )

@@ -57,6 +57,10 @@ class NodeInfo(Wire):
     cpu_count: int
     devices: list[DeviceInfo] = Field(default_factory=list)
     models_on_disk: list[ModelId] = Field(default_factory=list)
+    models_available: list[ModelId] = Field(
+        default_factory=list,
+        description="Models this node can load: on disk, or built or converted here offline",
+    )
     runners: list[RunnerId] = Field(default_factory=list)
     blas: str | None = None
     started_at: float

@@ -19,11 +19,12 @@ from fleet.bus.objects import ObjectBucket
 from fleet.config import Settings
 from fleet.models.blas import openblas_available
 from fleet.models.catalog import all_cards
-from fleet.models.store import models_on_disk
+from fleet.models.store import can_provide, models_on_disk
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, NodeJoined, NodeLeft, RunnerRecord, RunnerStatusChanged
 from fleet.wire.codec import DecodeError, decode_model, encode
 from fleet.wire.runners import RunnerStatus
+from fleet.worker.demand import Demand
 from fleet.worker.failover import Failover
 from fleet.worker.inputs import ImageCache
 from fleet.worker.janitor import Janitor
@@ -45,6 +46,10 @@ class ClusterLink:
         self.inbox = inbox
         self.node_id = node_id(settings.data_dir)
         self.cards = all_cards(settings.data_dir)
+        # Checked once: whether a model can be built here does not change while we run.
+        self.buildable = [
+            model for model, card in self.cards.items() if can_provide(card, settings.models_dir)
+        ]
         # Runners load it; the worker itself does no maths and should start no BLAS threads.
         self.blas = openblas_available()
         self.started_at = time.time()
@@ -61,7 +66,13 @@ class ClusterLink:
         self.cancels = await self.js.key_value(subjects.CANCELS_BUCKET)
         self.store = ObjectBucket(self.nc, subjects.IMAGES_BUCKET)
         self.cache = ImageCache(self.settings.images_dir, self.settings.image_cache_bytes)
-        self.janitor = Janitor(self.nc, self.js, self._is_known)
+        self.failover = Failover(self.nodes, self.instances, self.cards)
+        self.demand = Demand(
+            self.js, self.instances, self.cards, placed=lambda: self.placed.values(),
+            live_nodes=lambda: self.failover.live.values(), slots=self.settings.slots,
+        )
+        on_known = self.demand.want if self.settings.auto_place else None
+        self.janitor = Janitor(self.nc, self.js, self._is_known, on_known=on_known)
         await self.janitor.start()
         await self._beat()
         await publish(self.nc, subjects.node_event(self.node_id), NodeJoined(
@@ -74,8 +85,10 @@ class ClusterLink:
             asyncio.create_task(self._heartbeat_forever()),
             asyncio.create_task(self._watch_instances()),
             asyncio.create_task(self._write_statuses_forever()),
-            asyncio.create_task(Failover(self.nodes, self.instances, self.cards).watch()),
+            asyncio.create_task(self.failover.watch()),
         ]
+        if self.settings.auto_place:
+            self._tasks.append(asyncio.create_task(self.demand.sweep_forever()))
 
     def _is_known(self, model: str) -> bool:
         return model in self.cards or any(i.model == model for i in self.placed.values())
@@ -99,7 +112,7 @@ class ClusterLink:
     async def _beat(self) -> None:
         info = node_info(
             self.node_id, self.started_at, models_on_disk(self.settings.models_dir),
-            sorted(self.records), self.blas,
+            sorted(self.records), self.blas, self.buildable,
         )
         await self.nodes.put(self.node_id, encode(info))
         for record in list(self.records.values()):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import orjson
 from nats.aio.client import Client
@@ -33,11 +33,19 @@ def readable_task_id(data: bytes) -> str | None:
 
 
 class Janitor:
-    def __init__(self, nc: Client, js: JetStreamContext, is_known: Callable[[str], bool]) -> None:
-        """`is_known(model)`: a card on this node or an instance placed anywhere."""
+    def __init__(
+        self,
+        nc: Client,
+        js: JetStreamContext,
+        is_known: Callable[[str], bool],
+        on_known: Callable[[str], Awaitable[object]] | None = None,
+    ) -> None:
+        """`is_known(model)`: a card on this node or an instance placed anywhere;
+        `on_known(model)`: told of each task for a known model (placement on demand)."""
         self.nc = nc
         self.js = js
         self.is_known = is_known
+        self.on_known = on_known
 
     async def start(self) -> None:
         await self.nc.subscribe(subjects.TASKS_ALL, queue="fleet-triage", cb=self._triage)
@@ -76,6 +84,11 @@ class Janitor:
     async def _triage(self, msg: Msg) -> None:
         model = subjects.model_of_task_subject(msg.subject)
         if self.is_known(model):
+            if self.on_known is not None:
+                try:
+                    await self.on_known(model)
+                except Exception as exc:
+                    log.warning("placing %s on demand failed: %s", model, exc)
             return
         task_id = readable_task_id(msg.data)
         log.warning("task %s names unknown model %r", task_id, model)

@@ -41,7 +41,12 @@ def devices() -> list[DeviceInfo]:
 
 
 def node_info(
-    node: str, started_at: float, models: list[str], runners: list[str], blas: str | None
+    node: str,
+    started_at: float,
+    models: list[str],
+    runners: list[str],
+    blas: str | None,
+    available: list[str] | None = None,
 ) -> NodeInfo:
     memory = psutil.virtual_memory()
     return NodeInfo(
@@ -52,6 +57,7 @@ def node_info(
         cpu_count=os.cpu_count() or 1,
         devices=devices(),
         models_on_disk=models,
+        models_available=sorted(set(models) | set(available or [])),
         runners=runners,
         blas=blas,
         started_at=started_at,

@@ -55,7 +55,8 @@ class WorkerProcess:
         self.data_dir = data_dir
         self.env = {
             **os.environ, "FLEET_NATS_URL": nats_url, "FLEET_DATA_DIR": str(data_dir),
-            "MLX_DISABLE_COMPILE": "1", **env,
+            # Tests place what they need; the demand tests turn placement on demand back on.
+            "MLX_DISABLE_COMPILE": "1", "FLEET_AUTO_PLACE": "0", **env,
         }
         self.process: subprocess.Popen[bytes] | None = None
 

@@ -1,0 +1,90 @@
+"""Placement on demand: a task queued for a model that no instance serves places one.
+
+Two triggers. The janitor's triage sees each task as it is published (one worker of the fleet
+per task), and a sweep of FLEET_TASKS' per-subject counts finds tasks queued before any worker
+could see them (a fleet that starts after its clients). The instance id is `<model>-auto`,
+written with a create-only compare-and-set, so however many workers see the same demand at
+once, one instance is placed; removing it by hand lets the next demand place it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from nats.js import JetStreamContext
+from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from fleet.placement import PlacementError, choose_node, new_instance
+from fleet.wire import subjects
+from fleet.wire.cluster import Instance, ModelCard, NodeInfo
+from fleet.wire.codec import encode
+
+log = logging.getLogger(__name__)
+
+SWEEP_S = 5.0
+
+
+def auto_instance_id(model: str) -> str:
+    return f"{model}-auto"
+
+
+class Demand:
+    def __init__(
+        self,
+        js: JetStreamContext,
+        instances: KeyValue,
+        cards: dict[str, ModelCard],
+        placed: Callable[[], Iterable[Instance]],
+        live_nodes: Callable[[], Iterable[NodeInfo]],
+        slots: int,
+    ) -> None:
+        self.js = js
+        self.instances = instances
+        self.cards = cards
+        self.placed = placed
+        self.live_nodes = live_nodes
+        self.slots = slots
+        self._unplaceable: set[str] = set()  # warned about once, until a node can take it
+
+    def served(self, model: str) -> bool:
+        return any(instance.model == model for instance in self.placed())
+
+    async def want(self, model: str) -> Instance | None:
+        """Place `model` if tasks wait for it and nothing serves it; the instance, or None."""
+        card = self.cards.get(model)
+        if card is None or self.served(model):
+            return None
+        able = [node for node in self.live_nodes() if model in node.models_available]
+        try:
+            node = choose_node(able, card, time.time())
+        except PlacementError as exc:
+            if model not in self._unplaceable:
+                log.warning("tasks wait for %s, which no live node can provide: %s", model, exc)
+                self._unplaceable.add(model)
+            return None
+        self._unplaceable.discard(model)
+        instance = new_instance(card, node, self.slots, time.time(), auto_instance_id(model))
+        try:
+            await self.instances.create(instance.instance_id, encode(instance))
+        except KeyWrongLastSequenceError:
+            return None  # another worker answered the same demand first
+        log.info("tasks wait for %s: placed %s on %s", model, instance.instance_id, node.node_id)
+        return instance
+
+    async def queued_models(self) -> list[str]:
+        info = await self.js.stream_info(subjects.TASKS_STREAM, subjects_filter=subjects.TASKS_ALL)
+        counts = info.state.subjects or {}
+        return sorted(subjects.model_of_task_subject(s) for s, count in counts.items() if count)
+
+    async def sweep_forever(self) -> None:
+        while True:
+            try:
+                for model in await self.queued_models():
+                    await self.want(model)
+            except Exception as exc:
+                log.warning("demand sweep failed: %s", exc)
+            await asyncio.sleep(SWEEP_S)  # the sweep's period, not synchronisation
