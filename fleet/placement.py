@@ -90,6 +90,9 @@ async def place(
         nodes = [n for n in nodes if n.node_id == node_id]
         if not nodes:
             raise InvalidRequest(f"node {node_id!r} is not alive")
+    else:
+        # Prefer a node that has the weights or can build them; else let the user see why.
+        nodes = [n for n in nodes if card.id in n.models_available] or nodes
     instance = new_instance(card, choose_node(nodes, card, now), slots, now)
     kv = await js.key_value(subjects.INSTANCES_BUCKET)
     try:

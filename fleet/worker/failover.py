@@ -51,7 +51,10 @@ class Failover:
             if all(shard.node_id != gone for shard in instance.shards):
                 continue
             card = self.cards.get(instance.model) or _unknown_card(instance.model)
-            candidates = [n for n in self.live.values() if n.node_id != gone]
+            candidates = [
+                n for n in self.live.values()
+                if n.node_id != gone and instance.model in n.models_available
+            ]
             try:
                 target = choose_node(candidates, card, time.time())
             except FleetError:
