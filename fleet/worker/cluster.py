@@ -34,6 +34,7 @@ from fleet.worker.state import InstancesChanged, RunnerView
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 3.0
+REMEMBERED_CANCELS = 100_000  # the bucket keeps an hour of them; a bound on memory all the same
 
 
 class ClusterLink:
@@ -57,6 +58,8 @@ class ClusterLink:
         self.placed: dict[str, Instance] = {}  # the instance table as last watched
         self._status_writes: asyncio.Queue[tuple[str, RunnerRecord | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self.cancelled: dict[str, None] = {}  # cancel records seen, oldest first
+        self._cancels_loaded = False
 
     async def start(self) -> None:
 
@@ -85,6 +88,7 @@ class ClusterLink:
             asyncio.create_task(self._heartbeat_forever()),
             asyncio.create_task(self._watch_instances()),
             asyncio.create_task(self._write_statuses_forever()),
+            asyncio.create_task(self._watch_cancels()),
             asyncio.create_task(self.failover.watch()),
         ]
         if self.settings.auto_place:
@@ -186,7 +190,29 @@ class ClusterLink:
 
     # ---- tasks ---------------------------------------------------------------------------
 
+    async def _watch_cancels(self) -> None:
+        """Follow FLEET_CANCELS so that deciding 'cancelled before it started' costs no round
+        trip per task. A record that lands while its task is being dispatched is still caught:
+        the cancel message on `fleet.cancel.<id>` reaches the running task."""
+        try:
+            watcher = await self.cancels.watchall()
+            async for entry in watcher:
+                if entry is None:
+                    self._cancels_loaded = True
+                elif entry.value:
+                    self.cancelled[entry.key] = None
+                    if len(self.cancelled) > REMEMBERED_CANCELS:
+                        del self.cancelled[next(iter(self.cancelled))]
+        except Exception as exc:
+            log.warning("cancel records no longer followed, reading them per task: %s", exc)
+        finally:
+            self._cancels_loaded = False  # stale from here on: ask the bucket again
+
     async def is_cancelled(self, task_id: str) -> bool:
+        if task_id in self.cancelled:
+            return True
+        if self._cancels_loaded:
+            return False
         try:
             entry = await self.cancels.get(task_id)
         except KeyNotFoundError:
