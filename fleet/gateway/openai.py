@@ -12,10 +12,18 @@ import re
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
 
 from fleet.errors import InvalidRequest
-from fleet.wire.tasks import TextGeneration
+from fleet.runner.grammar import grammar_for
+from fleet.wire.tasks import ResponseFormat, TextGeneration
 
 
 class OpenAIRequest(BaseModel):
@@ -70,6 +78,31 @@ class ToolIn(OpenAIRequest):
     function: FunctionIn
 
 
+class JsonSchemaIn(OpenAIRequest):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatIn(OpenAIRequest):
+    # One model rather than a tagged union: a union's tag would show up in the `param` of
+    # every error inside it. The document still says that json_schema goes with its type.
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}},
+    })
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaIn | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormatIn:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
 class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
@@ -122,6 +155,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ToolIn] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    response_format: ResponseFormatIn | None = None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -260,6 +294,8 @@ def chat_task(
     max_tokens = request.max_completion_tokens or request.max_tokens
     if max_tokens:
         fields["max_tokens"] = max_tokens
+    if request.response_format and request.response_format.type != "text":
+        fields["response_format"] = response_format_of(request.response_format)
     try:
         return TextGeneration.model_validate(
             {
@@ -297,3 +333,15 @@ def completion_task(
         )
     except ValidationError as exc:
         raise invalid_from(exc) from None
+
+
+def response_format_of(requested: ResponseFormatIn) -> ResponseFormat:
+    """The task's response format, refused here (400) when its schema cannot be compiled,
+    rather than by a runner after the request was queued."""
+    schema = requested.json_schema.schema_ if requested.json_schema else None
+    response_format = ResponseFormat(type=requested.type, json_schema=schema)
+    try:
+        grammar_for(response_format)
+    except ValueError as exc:
+        raise InvalidParameter(str(exc), "response_format") from None
+    return response_format

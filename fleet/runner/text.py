@@ -24,6 +24,7 @@ from mlx_lm.utils import load as load_mlx_lm
 from fleet.runner.engine import Admission, EngineConfig, Progress, TaskRejected
 from fleet.runner.prefix_cache import PrefixCache
 from fleet.runner.solo import SequenceSpec, SoloSequence
+from fleet.runner.structured import StructuredOutput
 from fleet.runner.text_admission import prepare_task
 from fleet.runner.text_task import TextTask
 from fleet.wire.events import ErrorReason, OutputEvent
@@ -46,6 +47,7 @@ class TextEngine:
         self._context_length = config.card.context_length
         self._vocab_size = 0
         self._stop_tokens: set[int] = set()
+        self._structured: StructuredOutput | None = None
         # By the batch generator's uid, or a negative one of our own while a task runs alone.
         self._tasks: dict[int, TextTask] = {}
         self._uids: dict[str, int] = {}  # task id -> uid
@@ -83,6 +85,7 @@ class TextEngine:
         self._vocab_size = int(text_config.get("vocab_size") or len(tokenizer))
         self._model, self._tokenizer = model, tokenizer
         self._stop_tokens = set(tokenizer.eos_token_ids)
+        self._structured = StructuredOutput(tokenizer._tokenizer, self._stop_tokens)
         self._token_text = functools.lru_cache(maxsize=1 << 16)(
             lambda token: tokenizer.decode([token])
         )
@@ -136,6 +139,7 @@ class TextEngine:
             context_length=self._context_length,
             vocab_size=self._vocab_size,
             prefix_cache=self._prefix_cache,
+            structured=self._structured,
         )
         if self._tasks:
             uid = self._insert(generator, prepared.spec)

@@ -17,6 +17,7 @@ from fleet.runner.engine import TaskRejected
 from fleet.runner.prefix_cache import PrefixCache
 from fleet.runner.sampling import make_task_processors, make_task_sampler
 from fleet.runner.solo import SequenceSpec
+from fleet.runner.structured import StructuredOutput
 from fleet.runner.visible_text import ToolCallSyntax, VisibleText
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import TextGeneration
@@ -38,6 +39,7 @@ def prepare_task(
     context_length: int,
     vocab_size: int,
     prefix_cache: PrefixCache | None,
+    structured: StructuredOutput | None = None,
 ) -> PreparedTask:
     prompt = build_prompt(tokenizer, task)
     prompt_length = len(prompt.tokens)
@@ -49,6 +51,8 @@ def prepare_task(
         )
     sampler = make_task_sampler(task, vocab_size)
     processors = make_task_processors(task, vocab_size)
+    if structured is not None and (mask := structured.mask_for(task.response_format)):
+        processors = [*processors, mask]  # last: no bias can bring back a masked token
 
     cache, cached = None, 0
     system_end = 0

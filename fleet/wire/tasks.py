@@ -71,6 +71,21 @@ class _TaskBase(Wire):
     created_at: AwareDatetime | None = None
 
 
+class ResponseFormat(Part):
+    """What shape the text must take; the runner masks every token that would break it."""
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: dict[str, Any] | None = Field(
+        default=None, description="The JSON Schema the output matches (type json_schema only)"
+    )
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("'json_schema' is required with type json_schema, and only then")
+        return self
+
+
 class TextGeneration(_TaskBase):
     """A chat (messages) or plain completion (prompt) request; fields follow OpenAI's."""
 
@@ -88,6 +103,7 @@ class TextGeneration(_TaskBase):
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     logit_bias: dict[int, float] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _one_input(self) -> TextGeneration:

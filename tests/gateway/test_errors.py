@@ -56,6 +56,14 @@ async def test_unknown_model_is_404(client: httpx.AsyncClient, path: str, body: 
         ({**CHAT, "stop": ["a"] * 9}, "stop"),
         ({**CHAT, "logit_bias": {"not-a-token": 1}}, "logit_bias"),
         ({"messages": CHAT["messages"]}, "model"),
+        ({**CHAT, "response_format": {"type": "yaml"}}, "response_format.type"),
+        ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {**CHAT, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+            }},
+            "response_format",
+        ),
     ],
 )
 async def test_bad_chat_bodies_are_400_naming_the_param(

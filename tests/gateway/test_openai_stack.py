@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import re
 import subprocess
 import sys
@@ -251,3 +252,21 @@ def test_images_generate_stream_and_edit(stack: Stack) -> None:
         128,
         128,
     )
+
+
+def test_a_json_schema_answer_parses_and_still_says_paris(stack: Stack) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"type": "string", "maxLength": 24}},
+        "required": ["capital"],
+        "additionalProperties": False,
+    }
+    reply = stack.openai.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=32,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "capital", "schema": schema, "strict": True},
+        },
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert "Paris" in json.loads(reply.choices[0].message.content or "")["capital"]

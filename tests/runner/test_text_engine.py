@@ -6,6 +6,7 @@ need N tokens decode greedily or ban EOS with a logit bias.
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 from collections.abc import Iterator
@@ -380,3 +381,45 @@ def test_smollm2_answers_paris(smollm2_dir: Path) -> None:
         assert "Paris" in outcome.text("paris")
     finally:
         engine.close()
+
+
+YES_OR_NO = {
+    "type": "object",
+    "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+def test_a_json_schema_is_kept_token_by_token_and_ends_the_task(engine: TextEngine) -> None:
+    task = text_task(
+        "schema", max_tokens=40, response_format={"type": "json_schema", "json_schema": YES_OR_NO}
+    )
+    outcome = run(engine, task)
+    # Random weights left to themselves write anything; masked, they can only answer.
+    assert json.loads(outcome.text("schema")) in ({"answer": "yes"}, {"answer": "no"})
+    assert outcome.finished["schema"].finish_reason == "stop"
+
+
+def test_json_mode_in_a_batch_leaves_its_neighbours_as_they_were(engine: TextEngine) -> None:
+    free = text_task("free", max_tokens=12, logit_bias=NO_EOS)
+    alone = run(engine, free).ids("free")
+    together = run(
+        engine,
+        text_task("json", max_tokens=12, response_format={"type": "json_object"}),
+        text_task("free", max_tokens=12, logit_bias=NO_EOS),
+    )
+    assert together.ids("free") == alone
+    json_text = together.text("json")
+    assert json_text.startswith("{") and together.finished["json"].status == "completed"
+    if together.finished["json"].finish_reason == "stop":
+        assert isinstance(json.loads(json_text), dict)
+
+
+def test_a_schema_that_cannot_be_compiled_is_an_invalid_task(engine: TextEngine) -> None:
+    broken = {"type": "json_schema", "json_schema": {"type": "no-such-type"}}
+    with pytest.raises(TaskRejected) as rejected:
+        engine.admit(Admission(task=text_task("broken", response_format=broken)))
+    assert rejected.value.reason is ErrorReason.INVALID_TASK
+    assert "no-such-type" in rejected.value.message
+    assert engine.active == 0

@@ -1,0 +1,88 @@
+"""Structured output: JSON mode and JSON Schema, enforced token by token with llguidance.
+
+Each constrained task gets a matcher compiled from its schema. Before every sampling step
+the matcher's mask sets the logits of every token that would break the grammar to -inf;
+once the value is complete only end-of-sequence is left, so the task ends with "stop".
+
+The mask needs the token the previous step sampled, so a constrained sequence waits for it
+(`.item()`) instead of letting mlx compute the next step ahead: constrained decoding trades
+that overlap for correctness, and only the batches it is in pay for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from llguidance import LLMatcher, LLTokenizer
+
+from fleet.runner.engine import TaskRejected
+from fleet.runner.grammar import grammar_for
+from fleet.wire.events import ErrorReason
+from fleet.wire.tasks import ResponseFormat
+
+
+class GrammarMask:
+    """A logits processor that keeps a sequence inside its grammar (one per task)."""
+
+    def __init__(self, matcher: LLMatcher, end_tokens: set[int]) -> None:
+        self._matcher = matcher
+        self._end_tokens = sorted(end_tokens)
+        self._calls = 0
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        # The first call comes with the prompt's last token; each later one with the token
+        # sampled by the call before it, which the matcher has to take first.
+        if self._calls:
+            self._matcher.consume_token(int(context[-1].item()))
+        self._calls += 1
+        allowed = self._allowed(logits.shape[-1])
+        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def _allowed(self, vocab: int) -> np.ndarray:
+        allowed = np.zeros(vocab, dtype=np.bool_)
+        if self._matcher.is_stopped() or self._matcher.is_error():
+            # Complete (or broken, which consume_token never allows): end the sequence here.
+            allowed[[t for t in self._end_tokens if t < vocab]] = True
+            return allowed
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        words = np.unpackbits(bits, bitorder="little").astype(np.bool_)
+        shared = min(vocab, words.size)
+        allowed[:shared] = words[:shared]
+        return allowed
+
+
+class StructuredOutput:
+    """Builds each constrained task's mask; the tokenizer's conversion (~0.6 s for a 49k
+    vocabulary) is done once per runner, on the first task that asks for it."""
+
+    def __init__(self, hf_tokenizer: Any, end_tokens: set[int]) -> None:
+        self._hf_tokenizer = hf_tokenizer
+        self._end_tokens = end_tokens
+        self._tokenizer: LLTokenizer | None = None
+
+    def mask_for(self, response_format: ResponseFormat | None) -> GrammarMask | None:
+        if response_format is None:
+            return None
+        try:
+            grammar = grammar_for(response_format)
+        except ValueError as exc:
+            raise TaskRejected(ErrorReason.INVALID_TASK, str(exc)) from None
+        if grammar is None:
+            return None
+        matcher = LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise TaskRejected(
+                ErrorReason.INVALID_TASK, f"the JSON schema cannot be used: {matcher.get_error()}"
+            )
+        return GrammarMask(matcher, self._end_tokens)
+
+    def _llguidance_tokenizer(self) -> LLTokenizer:
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                self._hf_tokenizer, eos_token=min(self._end_tokens)
+            )
+        return self._tokenizer
