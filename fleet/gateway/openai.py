@@ -103,6 +103,15 @@ class ResponseFormatIn(OpenAIRequest):
         return self
 
 
+class FunctionNameIn(OpenAIRequest):
+    name: str
+
+
+class ToolChoiceFunctionIn(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionNameIn
+
+
 class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
@@ -154,7 +163,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ToolIn] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunctionIn | None = None
     response_format: ResponseFormatIn | None = None
 
 
@@ -291,6 +300,8 @@ def chat_task(
     fields = _sampling(request)
     if request.tools and request.tool_choice != "none":
         fields["tools"] = [tool.model_dump() for tool in request.tools]
+    if choice := tool_choice_of(request):
+        fields["tool_choice"] = choice
     max_tokens = request.max_completion_tokens or request.max_tokens
     if max_tokens:
         fields["max_tokens"] = max_tokens
@@ -345,3 +356,25 @@ def response_format_of(requested: ResponseFormatIn) -> ResponseFormat:
     except ValueError as exc:
         raise InvalidParameter(str(exc), "response_format") from None
     return response_format
+
+
+def tool_choice_of(request: ChatCompletionRequest) -> str | dict[str, str] | None:
+    """The task's tool choice (None: auto); a choice the tools cannot satisfy is a 400."""
+    choice = request.tool_choice
+    if choice in (None, "auto", "none"):
+        return None
+    names = [tool.function.name for tool in request.tools or []]
+    if not names:
+        raise InvalidParameter("tool_choice: there are no tools to choose from", "tool_choice")
+    if request.response_format and request.response_format.type != "text":
+        raise InvalidParameter(
+            "tool_choice: a forced tool call and a response_format cannot both shape the reply",
+            "tool_choice",
+        )
+    if isinstance(choice, ToolChoiceFunctionIn):
+        if choice.function.name not in names:
+            raise InvalidParameter(
+                f"tool_choice: {choice.function.name!r} is not one of the tools", "tool_choice"
+            )
+        return {"type": "function", "name": choice.function.name}
+    return "required"

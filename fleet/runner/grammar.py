@@ -7,11 +7,13 @@ given free whitespace can spend its whole budget on newlines and never close the
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from typing import Any
 
 from llguidance import LLMatcher
 
-from fleet.wire.tasks import ResponseFormat
+from fleet.wire.tasks import NamedFunction, ResponseFormat, Tool, ToolChoice
 
 JSON_LAYOUT: dict[str, Any] = {
     "whitespace_flexible": False,
@@ -34,3 +36,47 @@ def grammar_for(response_format: ResponseFormat) -> str | None:
     if problem := LLMatcher.validate_grammar(grammar):
         raise ValueError(f"the JSON schema cannot be used: {problem}")
     return grammar
+
+
+def tool_call_grammar(
+    tools: list[Tool],
+    choice: ToolChoice,
+    markers: tuple[str, str],
+    single_token: Callable[[str], int | None],
+) -> str:
+    """A grammar for tool calls written between the template's markers as JSON objects of a
+    name and its arguments (the layout of mlx-lm's json_tools parser): one call of the named
+    function, or one or more calls of any of `tools` when the choice is `required`."""
+    chosen = [
+        tool for tool in tools
+        if not isinstance(choice, NamedFunction) or tool.function.name == choice.name
+    ]
+    calls = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": tool.function.name},
+                "arguments": tool.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in chosen
+    ]
+    schema = {"x-guidance": JSON_LAYOUT, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+    start, end = (_literal(marker, single_token) for marker in markers)
+    repeat = "call" if isinstance(choice, NamedFunction) else 'call ("\\n" call)*'
+    grammar = LLMatcher.grammar_from_lark(
+        f"start: {repeat}\n"
+        f'call: {start} "\\n" body "\\n" {end}\n'
+        f"body: %json {json.dumps(schema)}\n"
+    )
+    if problem := LLMatcher.validate_grammar(grammar):
+        raise ValueError(f"the tools' parameters cannot be used to force a call: {problem}")
+    return grammar
+
+
+def _literal(marker: str, single_token: Callable[[str], int | None]) -> str:
+    """A marker that is one token of its own must be matched as that token, not as text."""
+    token = single_token(marker)
+    return f"<[{token}]>" if token is not None else json.dumps(marker)

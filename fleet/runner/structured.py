@@ -18,9 +18,12 @@ import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
 from fleet.runner.engine import TaskRejected
-from fleet.runner.grammar import grammar_for
+from fleet.runner.grammar import grammar_for, tool_call_grammar
 from fleet.wire.events import ErrorReason
-from fleet.wire.tasks import ResponseFormat
+from fleet.wire.tasks import TextGeneration
+
+# mlx-lm's parser for calls written as JSON between two markers: the one layout forced here.
+JSON_TOOL_PARSER = "mlx_lm.tool_parsers.json_tools"
 
 
 class GrammarMask:
@@ -57,16 +60,15 @@ class StructuredOutput:
     """Builds each constrained task's mask; the tokenizer's conversion (~0.6 s for a 49k
     vocabulary) is done once per runner, on the first task that asks for it."""
 
-    def __init__(self, hf_tokenizer: Any, end_tokens: set[int]) -> None:
-        self._hf_tokenizer = hf_tokenizer
+    def __init__(self, tokenizer: Any, end_tokens: set[int]) -> None:
+        self._wrapper = tokenizer  # mlx-lm's TokenizerWrapper: template facts and the HF one
+        self._hf_tokenizer = tokenizer._tokenizer
         self._end_tokens = end_tokens
         self._tokenizer: LLTokenizer | None = None
 
-    def mask_for(self, response_format: ResponseFormat | None) -> GrammarMask | None:
-        if response_format is None:
-            return None
+    def mask_for(self, task: TextGeneration) -> GrammarMask | None:
         try:
-            grammar = grammar_for(response_format)
+            grammar = self._grammar(task)
         except ValueError as exc:
             raise TaskRejected(ErrorReason.INVALID_TASK, str(exc)) from None
         if grammar is None:
@@ -77,6 +79,26 @@ class StructuredOutput:
                 ErrorReason.INVALID_TASK, f"the JSON schema cannot be used: {matcher.get_error()}"
             )
         return GrammarMask(matcher, self._end_tokens)
+
+    def _grammar(self, task: TextGeneration) -> str | None:
+        if task.response_format is not None:
+            return grammar_for(task.response_format)
+        if task.tool_choice == "auto" or not task.tools:
+            return None
+        wrapper = self._wrapper
+        parser = getattr(wrapper.tool_parser, "__module__", None)
+        if not wrapper.has_tool_calling or parser != JSON_TOOL_PARSER:
+            raise TaskRejected(
+                ErrorReason.UNSUPPORTED,
+                "this model's chat template has no JSON tool-call format that a tool_choice "
+                "other than auto could enforce",
+            )
+        markers = (wrapper.tool_call_start, wrapper.tool_call_end)
+        return tool_call_grammar(task.tools, task.tool_choice, markers, self._single_token)
+
+    def _single_token(self, text: str) -> int | None:
+        ids = self._hf_tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def _llguidance_tokenizer(self) -> LLTokenizer:
         if self._tokenizer is None:

@@ -85,7 +85,7 @@ class TextEngine:
         self._vocab_size = int(text_config.get("vocab_size") or len(tokenizer))
         self._model, self._tokenizer = model, tokenizer
         self._stop_tokens = set(tokenizer.eos_token_ids)
-        self._structured = StructuredOutput(tokenizer._tokenizer, self._stop_tokens)
+        self._structured = StructuredOutput(tokenizer, self._stop_tokens)
         self._token_text = functools.lru_cache(maxsize=1 << 16)(
             lambda token: tokenizer.decode([token])
         )

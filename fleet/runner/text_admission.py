@@ -51,7 +51,7 @@ def prepare_task(
         )
     sampler = make_task_sampler(task, vocab_size)
     processors = make_task_processors(task, vocab_size)
-    if structured is not None and (mask := structured.mask_for(task.response_format)):
+    if structured is not None and (mask := structured.mask_for(task)):
         processors = [*processors, mask]  # last: no bias can bring back a masked token
 
     cache, cached = None, 0

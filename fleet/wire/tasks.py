@@ -62,6 +62,14 @@ class Tool(Part):
     function: FunctionSpec
 
 
+class NamedFunction(Part):
+    type: Literal["function"] = "function"
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+
+
+ToolChoice = Literal["auto", "required"] | NamedFunction
+
+
 class _TaskBase(Wire):
     task_id: TaskId
     model: ModelId
@@ -104,6 +112,11 @@ class TextGeneration(_TaskBase):
     top_logprobs: int = Field(default=0, ge=0, le=20)
     logit_bias: dict[int, float] | None = None
     response_format: ResponseFormat | None = None
+    tool_choice: ToolChoice = Field(
+        default="auto",
+        description="auto: the model decides; required: it calls one or more of the tools; "
+        "a named function: it calls that one. The last two are enforced token by token.",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> TextGeneration:
@@ -111,6 +124,17 @@ class TextGeneration(_TaskBase):
             raise ValueError("exactly one of 'messages' or 'prompt' is required")
         if self.messages is not None and not self.messages:
             raise ValueError("'messages' must not be empty")
+        return self
+
+    @model_validator(mode="after")
+    def _choice_among_tools(self) -> TextGeneration:
+        names = [tool.function.name for tool in self.tools or []]
+        if self.tool_choice != "auto" and not names:
+            raise ValueError("'tool_choice' other than auto needs 'tools'")
+        if isinstance(self.tool_choice, NamedFunction) and self.tool_choice.name not in names:
+            raise ValueError(f"'tool_choice' names {self.tool_choice.name!r}, not one of the tools")
+        if self.tool_choice != "auto" and self.response_format is not None:
+            raise ValueError("'tool_choice' and 'response_format' cannot both shape the output")
         return self
 
     def image_hashes(self) -> list[str]:

@@ -25,7 +25,7 @@ from fleet.gateway.openai import (
     image_reference,
     image_urls,
 )
-from fleet.wire.tasks import ImagePart, TextPart
+from fleet.wire.tasks import ImagePart, NamedFunction, TextPart
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 SHA = "ab" * 32
@@ -89,6 +89,27 @@ def test_chat_messages_keep_roles_tools_and_images_by_hash() -> None:
     assert task.messages[3].tool_call_id == "c1"
     assert task.tools and task.tools[0].function.name == "f"
     assert chat_task(chat(tools=tools, tool_choice="none"), "c", {}, NOW, 1).tools is None
+
+
+def test_a_forced_tool_choice_reaches_the_task_and_a_wrong_one_is_a_400() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    assert chat_task(chat(tools=tools, tool_choice=named), "c", {}, NOW, 1).tool_choice == (
+        NamedFunction(name="f")
+    )
+    assert chat_task(chat(tools=tools, tool_choice="required"), "c", {}, NOW, 1).tool_choice == (
+        "required"
+    )
+    assert chat_task(chat(tools=tools, tool_choice="auto"), "c", {}, NOW, 1).tool_choice == "auto"
+    json_mode = {"type": "json_object"}
+    for wrong in [
+        chat(tool_choice="required"),
+        chat(tools=tools, tool_choice={"type": "function", "function": {"name": "g"}}),
+        chat(tools=tools, tool_choice="required", response_format=json_mode),
+    ]:
+        with pytest.raises(InvalidParameter) as caught:
+            chat_task(wrong, "c", {}, NOW, 1)
+        assert caught.value.param == "tool_choice"
 
 
 def test_what_only_the_task_rejects_is_still_a_400_naming_the_param() -> None:

@@ -18,7 +18,7 @@ import pytest
 from fleet.runner.engine import Admission, EngineConfig, TaskRejected
 from fleet.runner.text import TextEngine
 from fleet.wire.cluster import ModelCard
-from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TokenChunk
+from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
 from fleet.wire.tasks import TextGeneration
 
 EOS = 2  # <|im_end|> in tiny-llm's vocabulary
@@ -62,6 +62,7 @@ class Outcome:
     def __init__(self) -> None:
         self.tokens: dict[str, list[TokenChunk]] = {}
         self.finished: dict[str, TaskFinished] = {}
+        self.calls: dict[str, list[ToolCallChunk]] = {}
 
     def add(self, events: list[OutputEvent]) -> None:
         for event in events:
@@ -70,6 +71,8 @@ class Outcome:
             if isinstance(event, TokenChunk):
                 assert event.index == len(chunks)
                 chunks.append(event)
+            elif isinstance(event, ToolCallChunk):
+                self.calls.setdefault(event.task_id, []).append(event)
             elif isinstance(event, TaskFinished):
                 assert event.usage is not None
                 assert event.usage.completion_tokens == len(chunks)
@@ -423,3 +426,39 @@ def test_a_schema_that_cannot_be_compiled_is_an_invalid_task(engine: TextEngine)
     assert rejected.value.reason is ErrorReason.INVALID_TASK
     assert "no-such-type" in rejected.value.message
     assert engine.active == 0
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False,
+}}}
+
+
+def tool_task(task_id: str, tool_choice: object) -> TextGeneration:
+    return text_task(
+        task_id, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER, CLOCK], tool_choice=tool_choice, max_tokens=48,
+    )
+
+
+def test_a_named_tool_choice_makes_the_model_call_that_function(engine: TextEngine) -> None:
+    outcome = run(engine, tool_task("forced", {"type": "function", "name": "get_weather"}))
+    [call] = outcome.calls["forced"]
+    assert call.name == "get_weather"
+    assert json.loads(call.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+    assert outcome.text("forced") == "" and outcome.finished["forced"].finish_reason == "tool_calls"
+
+
+def test_tool_choice_required_gives_calls_of_the_offered_tools_only(engine: TextEngine) -> None:
+    outcome = run(engine, tool_task("required", "required"))
+    calls = outcome.calls["required"]
+    assert calls, "a required tool choice must produce a call"
+    for call in calls:
+        assert call.name in ("get_weather", "get_time")
+        expected = {"city"} if call.name == "get_weather" else set()
+        assert set(json.loads(call.arguments)) == expected
