@@ -73,6 +73,7 @@ class ClusterLink:
         self.demand = Demand(
             self.js, self.instances, self.cards, placed=lambda: self.placed.values(),
             live_nodes=lambda: self.failover.live.values(), slots=self.settings.slots,
+            nodes_known=self.failover.loaded,
         )
         on_known = self.demand.want if self.settings.auto_place else None
         self.janitor = Janitor(self.nc, self.js, self._is_known, on_known=on_known)

@@ -41,6 +41,7 @@ class Demand:
         placed: Callable[[], Iterable[Instance]],
         live_nodes: Callable[[], Iterable[NodeInfo]],
         slots: int,
+        nodes_known: asyncio.Event | None = None,
     ) -> None:
         self.js = js
         self.instances = instances
@@ -48,6 +49,9 @@ class Demand:
         self.placed = placed
         self.live_nodes = live_nodes
         self.slots = slots
+        self.nodes_known = nodes_known or asyncio.Event()
+        if nodes_known is None:
+            self.nodes_known.set()
         self._unplaceable: set[str] = set()  # warned about once, until a node can take it
 
     def served(self, model: str) -> bool:
@@ -56,7 +60,7 @@ class Demand:
     async def want(self, model: str) -> Instance | None:
         """Place `model` if tasks wait for it and nothing serves it; the instance, or None."""
         card = self.cards.get(model)
-        if card is None or self.served(model):
+        if card is None or self.served(model) or not self.nodes_known.is_set():
             return None
         able = [node for node in self.live_nodes() if model in node.models_available]
         try:
@@ -81,6 +85,7 @@ class Demand:
         return sorted(subjects.model_of_task_subject(s) for s, count in counts.items() if count)
 
     async def sweep_forever(self) -> None:
+        await self.nodes_known.wait()  # until then every node would look absent
         while True:
             try:
                 for model in await self.queued_models():

@@ -6,6 +6,7 @@ on the instance's revision, so exactly one wins and the others learn it from the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -26,11 +27,13 @@ class Failover:
         self.instances = instances
         self.cards = cards
         self.live: dict[str, NodeInfo] = {}
+        self.loaded = asyncio.Event()  # set once the node table's first reading is in `live`
 
     async def watch(self) -> None:
         watcher = await self.nodes.watchall()
         async for entry in watcher:
             if entry is None:
+                self.loaded.set()
                 continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
                 if self.live.pop(entry.key, None) is not None:
