@@ -201,13 +201,16 @@ class ClusterLink:
                 if entry is None:
                     self._cancels_loaded = True
                 elif entry.value:
-                    self.cancelled[entry.key] = None
-                    if len(self.cancelled) > REMEMBERED_CANCELS:
-                        del self.cancelled[next(iter(self.cancelled))]
+                    self.remember_cancel(entry.key)
         except Exception as exc:
             log.warning("cancel records no longer followed, reading them per task: %s", exc)
         finally:
             self._cancels_loaded = False  # stale from here on: ask the bucket again
+
+    def remember_cancel(self, task_id: str) -> None:
+        self.cancelled[task_id] = None
+        if len(self.cancelled) > REMEMBERED_CANCELS:
+            del self.cancelled[next(iter(self.cancelled))]
 
     async def is_cancelled(self, task_id: str) -> bool:
         if task_id in self.cancelled:

@@ -250,6 +250,10 @@ class Worker:
         for runner in self.state.runners.values():
             if task_id in runner.in_flight:
                 await self.runners.send(runner.runner_id, CancelTask(task_id=task_id))
+                return
+        # Not taken in yet (a fetch still on its way here, or not fetched at all): remembered,
+        # so the intake ends the task cancelled as soon as it arrives.
+        self.cluster.remember_cancel(task_id)
 
     async def _on_cancel(self, msg: Msg) -> None:
         task_id = msg.subject.rsplit(".", 1)[-1]

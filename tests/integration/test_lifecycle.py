@@ -77,3 +77,18 @@ async def test_a_cancel_sent_before_the_task_is_fetched_is_honoured(
     result = finished(await collector)
     assert result.status == "cancelled" and result.reason is ErrorReason.CANCELLED
     await nc.close()
+
+
+async def test_a_cancel_heard_only_on_its_subject_before_the_task_arrives_is_honoured(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker()
+    nc = await client(nats_url)
+    await place_and_wait(nc, get_card("tiny-llm"), await wait_node(nc, worker.data_dir))
+    task = hello("cancelled-on-the-wire")
+    # No cancel record: just the message, as a plain NATS client would send it.
+    await nc.publish(subjects.cancel(task.task_id), encode(CancelTask(task_id=task.task_id)))
+    result = finished(await run_task(nc, task))
+    assert result.status == "cancelled" and result.reason is ErrorReason.CANCELLED
+    assert finished(await run_task(nc, hello("served-after"))).status == "completed"
+    await nc.close()
