@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import uuid
 from pathlib import Path
@@ -17,7 +18,7 @@ from fleet.errors import InvalidRequest
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_task, encode
 from fleet.wire.events import ErrorChunk, ImageChunk, OutputEvent, TaskFinished, TokenChunk
-from fleet.wire.tasks import CancelTask, ChatMessage, TextGeneration
+from fleet.wire.tasks import CancelTask, ChatMessage, ResponseFormat, TextGeneration
 
 
 def new_task_id(prefix: str = "cli") -> str:
@@ -63,6 +64,19 @@ async def follow_task(settings: Settings, task_id: str, raw: bool, timeout: floa
     return 1
 
 
+def response_format(json_mode: bool, schema_file: str | None) -> ResponseFormat | None:
+    """--json-mode / --json-schema FILE as the task's response format (None: free text)."""
+    if schema_file is None:
+        return ResponseFormat(type="json_object") if json_mode else None
+    try:
+        schema = json.loads(Path(schema_file).read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidRequest(f"--json-schema {schema_file}: {exc}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"--json-schema {schema_file}: a JSON Schema is a JSON object")
+    return ResponseFormat(type="json_schema", json_schema=schema)
+
+
 async def submit_task(settings: Settings, args: argparse.Namespace) -> int:
     if args.file:
         data = Path(args.file).read_bytes() if args.file != "-" else sys.stdin.buffer.read()
@@ -75,6 +89,7 @@ async def submit_task(settings: Settings, args: argparse.Namespace) -> int:
             task_id=new_task_id(), model=args.model, max_tokens=args.max_tokens,
             temperature=args.temperature, seed=args.seed,
             messages=[ChatMessage(role="user", content=args.prompt)],
+            response_format=response_format(args.json_mode, args.json_schema),
         )
     nc = await connect(settings.url, "fleet-cli")
     telemetry.export_to_nats(lambda: nc)
@@ -112,6 +127,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-mode", action="store_true", help="the reply is a JSON object")
+    shape.add_argument("--json-schema", metavar="FILE", help="the reply matches this JSON Schema")
     p.add_argument("--json", action="store_true", help="print every event as JSON")
     p.add_argument("--no-follow", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 from datetime import UTC, datetime, timedelta
 from functools import partial
 from pathlib import Path
@@ -223,3 +224,27 @@ async def test_malformed_messages_are_answered_and_the_worker_keeps_serving(
     await until_queue_empty(js)
     await nc.close()
 
+
+
+async def test_fleet_submit_with_a_json_schema_prints_json_that_matches_it(
+    nats_url: str, start_worker: WorkerFactory, tmp_path: Path
+) -> None:
+    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"))
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    submitted = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fleet.cli", "submit", "--model", "tiny-llm",
+        "--json-schema", str(tmp_path / "schema.json"), "Is Paris in France?", cwd=REPO,
+        env={**os.environ, "FLEET_NATS_URL": nats_url}, stdout=asyncio.subprocess.PIPE,
+    )
+    printed = (await submitted.communicate())[0].decode()
+    assert submitted.returncode == 0, printed
+    answer, status = printed.strip().splitlines()
+    assert json.loads(answer) in ({"answer": "yes"}, {"answer": "no"})
+    assert status.startswith("[completed")
+    await nc.close()
