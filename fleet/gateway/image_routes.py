@@ -17,7 +17,8 @@ from fleet.gateway.images import (
     image_edits_task,
     image_generation_task,
 )
-from fleet.gateway.openai import InvalidParameter, image_format
+from fleet.gateway.openai import image_format
+from fleet.gateway.openai_base import InvalidParameter
 from fleet.gateway.renderers import ImageRenderer
 from fleet.gateway.service import gateway_of, image_url_for, new_task_id, now_utc
 from fleet.wire.cluster import ModelCard

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError
 
 from fleet.errors import InvalidRequest
-from fleet.gateway.openai import OpenAIRequest, Seed, Timeout, deadline_after, invalid_from
+from fleet.gateway.openai import Seed, Timeout, deadline_after, invalid_from
+from fleet.gateway.openai_base import OpenAIRequest
 from fleet.wire.events import ImageChunk
 from fleet.wire.tasks import ImageEdits, ImageGeneration
 

@@ -13,21 +13,20 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     WithJsonSchema,
-    model_validator,
 )
 
 from fleet.errors import InvalidRequest
-from fleet.runner.grammar import grammar_for
-from fleet.wire.tasks import ResponseFormat, TextGeneration
-
-
-class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+from fleet.gateway.openai_base import InvalidParameter, OpenAIRequest
+from fleet.gateway.reply_shape import (
+    ResponseFormatIn,
+    ToolChoiceIn,
+    response_format_of,
+    tool_choice_of,
+)
+from fleet.wire.tasks import TextGeneration
 
 
 class ImageURL(OpenAIRequest):
@@ -76,40 +75,6 @@ class FunctionIn(OpenAIRequest):
 class ToolIn(OpenAIRequest):
     type: Literal["function"] = "function"
     function: FunctionIn
-
-
-class JsonSchemaIn(OpenAIRequest):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormatIn(OpenAIRequest):
-    # One model rather than a tagged union: a union's tag would show up in the `param` of
-    # every error inside it. The document still says that json_schema goes with its type.
-    model_config = ConfigDict(json_schema_extra={
-        "if": {"properties": {"type": {"const": "json_schema"}}},
-        "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}},
-    })
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaIn | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self) -> ResponseFormatIn:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("type json_schema needs a json_schema object")
-        return self
-
-
-class FunctionNameIn(OpenAIRequest):
-    name: str
-
-
-class ToolChoiceFunctionIn(OpenAIRequest):
-    type: Literal["function"]
-    function: FunctionNameIn
 
 
 class StreamOptions(OpenAIRequest):
@@ -163,7 +128,7 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[ToolIn] | None = None
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunctionIn | None = None
+    tool_choice: ToolChoiceIn | None = None
     response_format: ResponseFormatIn | None = None
 
 
@@ -173,14 +138,6 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
     suffix: None = None
-
-
-class InvalidParameter(InvalidRequest):
-    """A 400 that names the offending request parameter, as OpenAI's `param` does."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 # pydantic puts the union member it tried into an error's location ("stop.str"); a client
@@ -300,7 +257,8 @@ def chat_task(
     fields = _sampling(request)
     if request.tools and request.tool_choice != "none":
         fields["tools"] = [tool.model_dump() for tool in request.tools]
-    if choice := tool_choice_of(request):
+    names = [tool.function.name for tool in request.tools or []]
+    if choice := tool_choice_of(request.tool_choice, names, request.response_format):
         fields["tool_choice"] = choice
     max_tokens = request.max_completion_tokens or request.max_tokens
     if max_tokens:
@@ -344,37 +302,3 @@ def completion_task(
         )
     except ValidationError as exc:
         raise invalid_from(exc) from None
-
-
-def response_format_of(requested: ResponseFormatIn) -> ResponseFormat:
-    """The task's response format, refused here (400) when its schema cannot be compiled,
-    rather than by a runner after the request was queued."""
-    schema = requested.json_schema.schema_ if requested.json_schema else None
-    response_format = ResponseFormat(type=requested.type, json_schema=schema)
-    try:
-        grammar_for(response_format)
-    except ValueError as exc:
-        raise InvalidParameter(str(exc), "response_format") from None
-    return response_format
-
-
-def tool_choice_of(request: ChatCompletionRequest) -> str | dict[str, str] | None:
-    """The task's tool choice (None: auto); a choice the tools cannot satisfy is a 400."""
-    choice = request.tool_choice
-    if choice in (None, "auto", "none"):
-        return None
-    names = [tool.function.name for tool in request.tools or []]
-    if not names:
-        raise InvalidParameter("tool_choice: there are no tools to choose from", "tool_choice")
-    if request.response_format and request.response_format.type != "text":
-        raise InvalidParameter(
-            "tool_choice: a forced tool call and a response_format cannot both shape the reply",
-            "tool_choice",
-        )
-    if isinstance(choice, ToolChoiceFunctionIn):
-        if choice.function.name not in names:
-            raise InvalidParameter(
-                f"tool_choice: {choice.function.name!r} is not one of the tools", "tool_choice"
-            )
-        return {"type": "function", "name": choice.function.name}
-    return "required"

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from fleet.errors import FleetError, ModelNotFound
 from fleet.gateway.flow import resume
 from fleet.gateway.models_view import model_list, model_object
-from fleet.gateway.openai import InvalidParameter
+from fleet.gateway.openai_base import InvalidParameter
 from fleet.gateway.openapi import openapi_document
 from fleet.gateway.service import gateway_of
 

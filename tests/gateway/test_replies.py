@@ -7,7 +7,7 @@ import pytest
 
 from fleet.errors import DeadlineExceeded, ModelNotFound, QueueFull, Unauthorized
 from fleet.gateway.images import images_response, stream_event
-from fleet.gateway.openai import InvalidParameter
+from fleet.gateway.openai_base import InvalidParameter
 from fleet.gateway.replies import Reply, error_body, failure, gather, sse, sse_error
 from fleet.wire.events import (
     ErrorChunk,
