@@ -19,8 +19,6 @@ import contextlib
 import io
 import logging
 import secrets
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,23 +26,19 @@ from typing import Any
 
 import psutil
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from bench import objects
+from bench.event_log import EventLog, ms
 from bench.fleet_stack import FleetStack, NatsPath, seed_data_dir, text_task, wait_runner_ready
+from bench.fresh_worker import measure_fresh_worker
 from bench.http_path import OpenAIStreamPath
 from bench.limit import LimitPath
-from bench.procs import stop_group
 from bench.workload import Request, make_request, percentile
-from fleet.bus.connect import js_publish
-from fleet.bus.objects import ObjectBucket
 from fleet.models.catalog import get_card
 from fleet.models.store import ensure_model
 from fleet.placement import place
 from fleet.wire import subjects
-from fleet.wire.codec import decode_event, encode
-from fleet.wire.events import TaskAccepted, TaskFinished
-from fleet.wire.tasks import ImageEdits
+from fleet.wire.codec import encode
 
 log = logging.getLogger("bench.plumbing")
 
@@ -70,36 +64,6 @@ class Counts:
 
 FULL = Counts(accepted=200, throughput=500, output_tokens=256, dispatch_rounds=5, deep_gaps=200)
 QUICK = Counts(accepted=20, throughput=50, output_tokens=64, dispatch_rounds=1, deep_gaps=30)
-
-
-class EventLog:
-    """Every `fleet.out.*` event's receipt time and runner stamp, by task id."""
-
-    def __init__(self) -> None:
-        self.accepted: dict[str, tuple[float, float]] = {}  # task -> (received, at)
-        self.finished: dict[str, tuple[float, float, str]] = {}
-        self.waiters: dict[str, asyncio.Event] = {}
-
-    async def on_event(self, msg: Msg) -> None:
-        now = time.perf_counter()
-        event = decode_event(msg.data)
-        if isinstance(event, TaskAccepted):
-            self.accepted[event.task_id] = (now, event.at)
-        elif isinstance(event, TaskFinished):
-            self.finished[event.task_id] = (now, event.at, event.status)
-            if waiter := self.waiters.get(event.task_id):
-                waiter.set()
-
-    async def all_finished(self, task_ids: list[str], timeout: float) -> None:
-        async with asyncio.timeout(timeout):
-            for task_id in task_ids:
-                if task_id not in self.finished:
-                    waiter = self.waiters.setdefault(task_id, asyncio.Event())
-                    await waiter.wait()
-
-
-def _ms(value: float | None) -> float | None:
-    return None if value is None else round(value * 1000, 3)
 
 
 def _tiny_task(model: str, eos: list[int], task_id: str | None = None) -> tuple[str, bytes]:
@@ -134,9 +98,9 @@ async def measure_accepted(nc: Client, log_: EventLog, eos: list[int], counts: C
     await log_.all_finished([task_id for task_id, _ in bodies], 300)
     last = max(log_.finished[task_id][0] for task_id, _ in bodies)
     return {
-        "publish_ack_p50_ms": _ms(percentile(acks, 50)),
-        "publish_to_accepted_p50_ms": _ms(percentile(latencies, 50)),
-        "publish_to_accepted_p99_ms": _ms(percentile(latencies, 99)),
+        "publish_ack_p50_ms": ms(percentile(acks, 50)),
+        "publish_to_accepted_p50_ms": ms(percentile(latencies, 50)),
+        "publish_to_accepted_p99_ms": ms(percentile(latencies, 99)),
         "tasks": counts.throughput,
         "publish_all_s": round(published, 3),
         "tasks_per_s": round(counts.throughput / (last - began), 1),
@@ -189,8 +153,8 @@ async def measure_output(
     finally:
         await gateway.close()
     lat = nats_path.latencies
-    out["fleet_nats"]["delivery_p50_ms"] = _ms(percentile(lat, 50))
-    out["fleet_nats"]["delivery_p99_ms"] = _ms(percentile(lat, 99))
+    out["fleet_nats"]["delivery_p50_ms"] = ms(percentile(lat, 50))
+    out["fleet_nats"]["delivery_p99_ms"] = ms(percentile(lat, 99))
     return out
 
 
@@ -220,11 +184,11 @@ async def measure_dispatch(nc: Client, log_: EventLog, eos: list[int], counts: C
     deep = _gaps(log_, [t for t in counted if t in log_.finished])
     return {
         "runner_slots": SERIAL_SLOTS,
-        "queued_10": {"gaps": len(shallow), "p50_ms": _ms(percentile(shallow, 50)),
-                      "p99_ms": _ms(percentile(shallow, 99))},
+        "queued_10": {"gaps": len(shallow), "p50_ms": ms(percentile(shallow, 50)),
+                      "p99_ms": ms(percentile(shallow, 99))},
         "queued_10000": {"stream_depth": depth, "model_depth_cap": PER_SUBJECT_CAP,
-                         "gaps": len(deep), "p50_ms": _ms(percentile(deep, 50)),
-                         "p99_ms": _ms(percentile(deep, 99))},
+                         "gaps": len(deep), "p50_ms": ms(percentile(deep, 50)),
+                         "p99_ms": ms(percentile(deep, 99))},
     }
 
 
@@ -240,79 +204,6 @@ def _gaps(log_: EventLog, task_ids: list[str]) -> list[float]:
             gaps.append(start - ends[next_end])
             next_end += 1
     return gaps
-
-
-def _noise_png(target_bytes: int) -> bytes:
-    import numpy as np
-    from PIL import Image
-
-    side = int((target_bytes / 3) ** 0.5) + 1
-    pixels = np.random.default_rng(0).integers(0, 256, (side, side, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG", compress_level=1)
-    return buffer.getvalue()
-
-
-async def measure_fresh_worker(
-    stack: FleetStack, nc: Client, models_dir: Path, workdir: Path, env: dict[str, str]
-) -> dict[str, Any]:
-    flux = ensure_model(get_card("tiny-flux2"), models_dir)
-    image = await asyncio.to_thread(_noise_png, 10 * 1000 * 1000)
-    sha = await ObjectBucket(nc, subjects.IMAGES_BUCKET, timeout=30).put_by_hash(image)
-    data_dir = workdir / "fresh-worker"
-    seed_data_dir(data_dir, {"tiny-flux2": flux}, {})
-    node = f"bench-fresh-{secrets.token_hex(4)}"
-    (data_dir / "node_id").write_text(node)
-    task = ImageEdits(task_id=f"edit-{secrets.token_hex(6)}", model="tiny-flux2",
-                      prompt="a lighthouse at dusk", size="128x128", steps=2,
-                      input_images=[sha])
-    events = EventLog()
-    sub = await nc.subscribe(subjects.out(task.task_id), cb=events.on_event)
-    await js_publish(nc.jetstream(), subjects.tasks("tiny-flux2"), task, msg_id=task.task_id)
-    began = time.perf_counter()
-    with (data_dir / "worker.log").open("ab") as log_file:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "fleet.cli", "--data-dir", str(data_dir), "--log-level",
-             "warning", "worker", "--no-auto-place"], env={**env, "FLEET_NATS_URL": stack.nats_url},
-            stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    try:
-        registered = await _wait_node(nc, node, began + 120)
-        await place(nc.jetstream(), get_card("tiny-flux2", data_dir), node_id=node, slots=1)
-        deadline = time.monotonic() + 300
-        await wait_runner_ready(nc, "tiny-flux2", deadline, node_id=node)
-        ready = time.perf_counter() - began
-        await events.all_finished([task.task_id], 300)
-    finally:
-        await sub.unsubscribe()
-        await asyncio.to_thread(stop_group, worker, 5.0)
-    accepted = events.accepted[task.task_id][0] - began
-    return {
-        "input_image_bytes": len(image),
-        "node_registered_s": round(registered, 3),
-        "runner_ready_s": round(ready, 3),
-        "task_accepted_s": round(accepted, 3),
-        "accepted_after_ready_ms": _ms(accepted - ready),
-        "task_finished_s": round(events.finished[task.task_id][0] - began, 3),
-        "status": events.finished[task.task_id][2],
-    }
-
-
-async def _wait_node(nc: Client, node: str, deadline_perf: float) -> float:
-    kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
-    watcher = await kv.watch(node)
-    began = deadline_perf - 120
-    try:
-        while time.perf_counter() < deadline_perf:
-            try:
-                entry = await watcher.updates(timeout=1.0)
-            except TimeoutError:
-                continue
-            if entry is not None and entry.value:
-                return time.perf_counter() - began
-    finally:
-        await watcher.stop()
-    raise TimeoutError(f"node {node} did not register")
 
 
 async def run_plumbing(
