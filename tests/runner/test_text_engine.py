@@ -462,3 +462,33 @@ def test_tool_choice_required_gives_calls_of_the_offered_tools_only(engine: Text
         assert call.name in ("get_weather", "get_time")
         expected = {"city"} if call.name == "get_weather" else set()
         assert set(json.loads(call.arguments)) == expected
+
+
+THREE_ANSWERS = {
+    "type": "object",
+    "properties": {
+        "first": {"enum": ["yes", "no"]},
+        "second": {"enum": ["yes", "no"]},
+        "colour": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["first", "second", "colour"],
+    "additionalProperties": False,
+}
+
+
+def test_a_constrained_task_keeps_its_grammar_when_it_moves_into_the_batch(
+    engine: TextEngine,
+) -> None:
+    shaped = {"type": "json_schema", "json_schema": THREE_ANSWERS}
+    alone = run(engine, text_task("alone", max_tokens=60, response_format=shaped))
+    outcome = Outcome()
+    engine.admit(Admission(task=text_task("moved", max_tokens=60, response_format=shaped)))
+    while len(outcome.tokens.get("moved", [])) < 4:  # mid-object, decoding alone
+        outcome.add(engine.step())
+    engine.admit(Admission(task=text_task("joiner", max_tokens=8, logit_bias=NO_EOS)))
+    run(engine, outcome=outcome)
+    assert outcome.finished["joiner"].stats.batched_with == 1
+    assert outcome.ids("moved") == alone.ids("alone")
+    answer = json.loads(outcome.text("moved"))
+    assert set(answer) == {"first", "second", "colour"}
+    assert answer["colour"] in ("red", "green", "blue")
