@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import nats
 import pytest
+from nats.aio.client import Client
 
 from fleet.bus.embedded import EmbeddedNats
+from fleet.bus.provision import provision
 
 # Kernel compilation on the CPU shells out to g++ (+20 s on a fresh machine); small models
 # gain nothing from it. Two cores: one BLAS thread per process.
@@ -26,6 +29,15 @@ def nats_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
 @pytest.fixture
 def nats_url(nats_server: EmbeddedNats) -> str:
     return nats_server.url
+
+
+@pytest.fixture
+async def provisioned_nc(nats_url: str) -> AsyncIterator[Client]:
+    """A client of this test's server, with Fleet's streams, buckets and store in place."""
+    client = await nats.connect(nats_url)
+    await provision(client)
+    yield client
+    await client.close()
 
 
 @pytest.fixture(scope="session")

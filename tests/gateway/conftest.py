@@ -10,14 +10,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
 import uvicorn
 from gateway_helpers import StandInWorker
 from nats.aio.client import Client
 from starlette.applications import Starlette
 
-from fleet.bus.provision import provision
 from fleet.config import Settings, load_settings
 from fleet.gateway.app import build_app
 
@@ -32,11 +30,8 @@ def settings(tmp_path: Path, nats_url: str) -> Settings:
 
 
 @pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_url)
-    await provision(client)
-    yield client
-    await client.close()
+def nc(provisioned_nc: Client) -> Client:
+    return provisioned_nc
 
 
 @pytest.fixture

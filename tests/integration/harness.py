@@ -26,9 +26,17 @@ from fleet.wire import subjects
 from fleet.wire.cluster import ModelCard, RunnerRecord
 from fleet.wire.codec import decode_event, decode_model, encode
 from fleet.wire.events import OutputEvent, TaskFinished
-from fleet.wire.tasks import Task
+from fleet.wire.tasks import ChatMessage, Task, TextGeneration
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def hello(task_id: str) -> TextGeneration:
+    """A four-token greedy chat task for tiny-llm."""
+    return TextGeneration(
+        task_id=task_id, model="tiny-llm", max_tokens=4, temperature=0.0,
+        messages=[ChatMessage(role="user", content="hello")],
+    )
 
 
 def seed_models(data_dir: Path, links: dict[str, Path]) -> None:

@@ -5,17 +5,17 @@ from __future__ import annotations
 import asyncio
 
 from fleet.placement import read_instances
-from fleet.wire.tasks import ChatMessage, TextGeneration
 from fleet.worker.demand import auto_instance_id
 from tests.integration.conftest import WorkerFactory
-from tests.integration.harness import client, events_of, finished, run_task, submit, wait_node
-
-
-def hello(task_id: str) -> TextGeneration:
-    return TextGeneration(
-        task_id=task_id, model="tiny-llm", max_tokens=4, temperature=0.0,
-        messages=[ChatMessage(role="user", content="hello")],
-    )
+from tests.integration.harness import (
+    client,
+    events_of,
+    finished,
+    hello,
+    run_task,
+    submit,
+    wait_node,
+)
 
 
 async def test_a_task_for_a_model_nobody_serves_places_it_and_completes(

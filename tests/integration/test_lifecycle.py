@@ -9,25 +9,19 @@ from fleet.placement import read_instances, remove
 from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.events import ErrorReason
-from fleet.wire.tasks import CancelTask, ChatMessage, TextGeneration
+from fleet.wire.tasks import CancelTask
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
     client,
     events_of,
     finished,
+    hello,
     place_and_wait,
     run_task,
     submit,
     wait_node,
     wait_runner,
 )
-
-
-def hello(task_id: str) -> TextGeneration:
-    return TextGeneration(
-        task_id=task_id, model="tiny-llm", max_tokens=4, temperature=0.0,
-        messages=[ChatMessage(role="user", content="hello")],
-    )
 
 
 async def test_removing_an_instance_shuts_its_runner_down(

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
-import nats
 import pytest
 from nats.aio.client import Client
 
-from fleet.bus.provision import provision
 from fleet.models.catalog import get_card
 from fleet.placement import read_instances
 from fleet.wire import subjects
@@ -19,11 +16,8 @@ from fleet.worker.demand import Demand
 
 
 @pytest.fixture
-async def nc(nats_url: str) -> AsyncIterator[Client]:
-    client = await nats.connect(nats_url)
-    await provision(client)
-    yield client
-    await client.close()
+def nc(provisioned_nc: Client) -> Client:
+    return provisioned_nc
 
 
 def node(node_id: str, free_gib: int, *available: str) -> NodeInfo:
