@@ -46,7 +46,8 @@ class GrammarMask:
     def _allowed(self, vocab: int) -> np.ndarray:
         allowed = np.zeros(vocab, dtype=np.bool_)
         if self._matcher.is_stopped() or self._matcher.is_error():
-            # Complete (or broken, which consume_token never allows): end the sequence here.
+            # Complete, or in error (a token outside the mask, which sampling cannot pick):
+            # either way only the end of the sequence is left.
             allowed[[t for t in self._end_tokens if t < vocab]] = True
             return allowed
         bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
