@@ -7,12 +7,12 @@ import uuid
 
 from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError
-from nats.js.kv import KeyValue
 
+from fleet.bus.kv_read import live_values
 from fleet.errors import FleetError, InvalidRequest
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo, ShardAssignment
-from fleet.wire.codec import DecodeError, decode_model, encode
+from fleet.wire.codec import encode
 
 
 class PlacementError(FleetError):
@@ -46,33 +46,11 @@ def new_instance(
 
 
 async def read_nodes(js: JetStreamContext) -> list[NodeInfo]:
-    kv = await js.key_value(subjects.NODES_BUCKET)
-    found = []
-    for key in await keys_of(kv):
-        entry = await kv.get(key)
-        if entry.value:
-            try:
-                found.append(decode_model(NodeInfo, entry.value))
-            except DecodeError:
-                continue
-    return found
+    return await live_values(js, subjects.NODES_BUCKET, NodeInfo)
 
 
 async def read_instances(js: JetStreamContext) -> list[Instance]:
-    kv = await js.key_value(subjects.INSTANCES_BUCKET)
-    found = []
-    for key in await keys_of(kv):
-        entry = await kv.get(key)
-        if entry.value:
-            found.append(decode_model(Instance, entry.value))
-    return found
-
-
-async def keys_of(kv: KeyValue) -> list[str]:
-    try:
-        return await kv.keys()
-    except Exception:  # nats-py raises NoKeysError on an empty bucket
-        return []
+    return await live_values(js, subjects.INSTANCES_BUCKET, Instance)
 
 
 async def place(

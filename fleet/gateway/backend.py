@@ -11,27 +11,28 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import TypeVar
 
 import anyio
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, NoKeysError, NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
 from fleet.bus.connect import connect, js_publish, publish
+from fleet.bus.kv_read import live_values
 from fleet.bus.objects import ObjectBucket, ObjectError, ObjectMissing
 from fleet.bus.provision import provision
 from fleet.errors import FleetError, NatsUnavailable, QueueFull
 from fleet.gateway.streams import TaskEvents
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord
-from fleet.wire.codec import DecodeError, decode_model
 from fleet.wire.tasks import CancelTask, Task
 
 log = logging.getLogger(__name__)
+Model = TypeVar("Model", bound=BaseModel)
 
 # JetStream answers a publish over a stream's message limits with this code; FLEET_TASKS has
 # DiscardNew and a per-subject limit, so it means the model's queue is full.
@@ -168,21 +169,9 @@ class Backend:
         except ObjectError as exc:
             raise NatsUnavailable(f"could not read image {sha256}: {exc.message}") from None
 
-    async def _values(self, name: str, model: type[BaseModel]) -> list[Any]:
-        bucket = await self._bucket(name)
-        found = []
+    async def _values(self, name: str, model: type[Model]) -> list[Model]:
         with unavailable_on_nats_errors(f"read bucket {name}"):
-            try:
-                keys = await bucket.keys()
-            except NoKeysError:
-                return []
-            for key in keys:
-                with contextlib.suppress(NotFoundError):  # deleted or expired meanwhile
-                    entry = await bucket.get(key)
-                    if entry.value:  # a TTL marker reads as an entry without a value
-                        with contextlib.suppress(DecodeError):
-                            found.append(decode_model(model, entry.value))
-        return found
+            return await live_values(self.jetstream(), name, model)
 
     async def instances(self) -> list[Instance]:
         return await self._values(subjects.INSTANCES_BUCKET, Instance)

@@ -69,7 +69,7 @@ class ClusterLink:
         self.cancels = await self.js.key_value(subjects.CANCELS_BUCKET)
         self.store = ObjectBucket(self.nc, subjects.IMAGES_BUCKET)
         self.cache = ImageCache(self.settings.images_dir, self.settings.image_cache_bytes)
-        self.failover = Failover(self.nodes, self.instances, self.cards)
+        self.failover = Failover(self.js, self.nodes, self.instances, self.cards)
         self.demand = Demand(
             self.js, self.instances, self.cards, placed=lambda: self.placed.values(),
             live_nodes=lambda: self.failover.live.values(), slots=self.settings.slots,

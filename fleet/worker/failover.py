@@ -10,11 +10,14 @@ import asyncio
 import logging
 import time
 
+from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from fleet.bus.kv_read import live_entries
 from fleet.errors import FleetError
-from fleet.placement import choose_node, keys_of, moved
+from fleet.placement import choose_node, moved
+from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
 from fleet.wire.codec import DecodeError, decode_model, encode
 
@@ -22,7 +25,11 @@ log = logging.getLogger(__name__)
 
 
 class Failover:
-    def __init__(self, nodes: KeyValue, instances: KeyValue, cards: dict[str, ModelCard]) -> None:
+    def __init__(
+        self, js: JetStreamContext, nodes: KeyValue, instances: KeyValue,
+        cards: dict[str, ModelCard],
+    ) -> None:
+        self.js = js
         self.nodes = nodes
         self.instances = instances
         self.cards = cards
@@ -46,11 +53,12 @@ class Failover:
                 continue
 
     async def replace_from(self, gone: str) -> None:
-        for key in await keys_of(self.instances):
-            entry = await self.instances.get(key)
-            if not entry.value:
+        for entry in await live_entries(self.js, subjects.INSTANCES_BUCKET):
+            key = entry.key
+            try:
+                instance = decode_model(Instance, entry.value or b"")
+            except DecodeError:
                 continue
-            instance = decode_model(Instance, entry.value)
             if all(shard.node_id != gone for shard in instance.shards):
                 continue
             card = self.cards.get(instance.model) or _unknown_card(instance.model)
