@@ -21,7 +21,7 @@ from typing import Any
 
 import bench
 from bench.machine import load_average, machine_info, wait_for_quiet
-from bench.report import print_report, targets
+from bench.report import print_report, stream_failures, targets
 from bench.text import TextPlan, run_model
 from fleet.commands.core import settings_from
 from fleet.models.catalog import get_card
@@ -60,14 +60,13 @@ def subprocess_env(blas_threads: int) -> dict[str, str]:
 def text_plan(args: argparse.Namespace) -> TextPlan:
     if args.quick:
         return TextPlan(reps=args.reps or 1, c1_requests=2, bursts=(4,),
-                        max_tokens=args.max_tokens or 16, slots=16, with_peer=not args.no_peer)
+                        max_tokens=args.max_tokens or 16, slots=16, with_peer=not args.no_peer,
+                        burst_timeout_s=120.0)
     return TextPlan(reps=args.reps or 2, c1_requests=3, bursts=(4, 8, 16),
                     max_tokens=args.max_tokens or 64, slots=16, with_peer=not args.no_peer)
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    import uvloop
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
                         stream=sys.stderr, force=True)
     for noisy in ("httpx", "httpcore", "fleet"):
@@ -97,25 +96,14 @@ def run_bench(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp:
         workdir = Path(tmp)
-        if args.only in (None, "text"):
-            for model_id in models:
-                path, custom = model_dir(model_id, settings.models_dir)
-                log.info("text: %s (%s)", model_id, path)
-                result["text"][model_id] = uvloop.run(
-                    run_model(model_id, path, plan, workdir / model_id, env, custom)
-                )
-        if args.only in (None, "plumbing"):
-            from bench.plumbing import run_plumbing
-
-            result["plumbing"] = uvloop.run(run_plumbing(
-                settings.models_dir, workdir / "plumbing", env, quick=args.quick,
-                with_fresh_worker=not args.quick,
-            ))
-            if args.quick:
-                result.setdefault("notes", []).append(
-                    "quick mode leaves out the fresh-worker check (a tiny-flux2 runner takes "
-                    "~10-30 s to start here); the full run has it"
-                )
+        try:
+            _run_phases(args, result, models, plan, settings.models_dir, workdir, env)
+        except BaseException:
+            show_logs(workdir)
+            raise
+        failures = stream_failures(result["text"])
+        if failures:
+            show_logs(workdir)
     result["machine"]["load_average_end"] = load_average()
     result["elapsed_s"] = round(time.perf_counter() - began, 1)
     result["targets"] = targets(result) if result["text"] else []
@@ -124,4 +112,40 @@ def run_bench(args: argparse.Namespace) -> int:
     out = RESULTS_DIR / f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"\nwrote {out}")
-    return 0
+    for failure in failures:
+        log.error("failed: %s", failure)
+    return 1 if failures else 0
+
+
+def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[str],
+                plan: TextPlan, models_dir: Path, workdir: Path, env: dict[str, str]) -> None:
+    import uvloop
+
+    if args.only in (None, "text"):
+        for model_id in models:
+            path, custom = model_dir(model_id, models_dir)
+            log.info("text: %s (%s)", model_id, path)
+            result["text"][model_id] = uvloop.run(
+                run_model(model_id, path, plan, workdir / model_id, env, custom)
+            )
+    if args.only in (None, "plumbing"):
+        from bench.plumbing import run_plumbing
+
+        result["plumbing"] = uvloop.run(run_plumbing(
+            models_dir, workdir / "plumbing", env, quick=args.quick,
+            with_fresh_worker=not args.quick,
+        ))
+        if args.quick:
+            result.setdefault("notes", []).append(
+                "quick mode leaves out the fresh-worker check (a tiny-flux2 runner takes "
+                "~10-30 s to start here); the full run has it"
+            )
+
+
+def show_logs(workdir: Path, lines: int = 40) -> None:
+    """The tail of every process log of the run (they vanish with its temporary folder), so
+    that a failure in CI explains itself."""
+    for path in sorted(workdir.rglob("*.log")):
+        tail = path.read_text(errors="replace").splitlines()[-lines:]
+        print(f"---- {path.relative_to(workdir)}: last {len(tail)} lines", file=sys.stderr)
+        print("\n".join(tail), file=sys.stderr)

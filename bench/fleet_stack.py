@@ -17,6 +17,7 @@ import secrets
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -38,6 +39,7 @@ READY_TIMEOUT_S = 300.0
 # `fleet up` exits in ~1 s when idle since start, but after serving tasks it can hang on SIGTERM
 # for 30 s ("nats: timeout"): a benchmark does not wait for that, it kills the process group.
 STOP_GRACE_S = 5.0
+CLOSE_TIMEOUT_S = 5.0
 
 
 def seed_data_dir(data_dir: Path, models: dict[str, Path], custom: dict[str, Path]) -> None:
@@ -88,14 +90,14 @@ class FleetStack:
         deadline = time.monotonic() + READY_TIMEOUT_S
         self.nc = await self._connect(deadline)
         for model in self.models:
-            await wait_runner_ready(self.nc, model, deadline)
+            await wait_runner_ready(self.nc, model, deadline, alive=self.check_alive)
         await self._gateway_up(deadline)
         self.startup_s = time.perf_counter() - began
         return self.nc
 
     async def _connect(self, deadline: float) -> Client:
         while time.monotonic() < deadline:
-            self._check_alive()
+            self.check_alive()
             with contextlib.suppress(Exception):
                 nc = await connect(self.nats_url, "fleet-bench", connect_timeout=1.0)
                 await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)  # provisioned yet?
@@ -106,14 +108,14 @@ class FleetStack:
     async def _gateway_up(self, deadline: float) -> None:
         async with httpx.AsyncClient() as client:
             while time.monotonic() < deadline:
-                self._check_alive()
+                self.check_alive()
                 with contextlib.suppress(httpx.HTTPError):
                     if (await client.get(f"{self.base_url}/models")).is_success:
                         return
                 await asyncio.sleep(0.1)  # polling a starting process, bounded by the deadline
         raise TimeoutError("fleet up: the gateway did not answer in time")
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         if self.process is not None and self.process.poll() is not None:
             raise RuntimeError(f"fleet up exited; see {self.data_dir / 'fleet-up.log'}")
 
@@ -134,22 +136,27 @@ class FleetStack:
 
     async def stop(self) -> None:
         if self.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.nc.close()
+            with contextlib.suppress(Exception):  # a client whose server died may never close
+                await asyncio.wait_for(self.nc.close(), CLOSE_TIMEOUT_S)
         if self.process is None or self.process.poll() is not None:
             return
         self.stop_s = await asyncio.to_thread(stop_group, self.process, STOP_GRACE_S)
 
 
 async def wait_runner_ready(
-    nc: Client, model: str, deadline: float, node_id: str | None = None
+    nc: Client, model: str, deadline: float, node_id: str | None = None,
+    alive: Callable[[], None] | None = None,
 ) -> RunnerRecord:
+    """The first ready record of `model` (on `node_id`, if given). `alive` raises when the
+    process that should bring the runner up has died: then no wait is worth finishing."""
     kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
     watcher = await kv.watchall()
     try:
         while (left := deadline - time.monotonic()) > 0:
+            if alive is not None:
+                alive()
             try:
-                entry = await watcher.updates(timeout=max(0.05, min(left, 5.0)))
+                entry = await watcher.updates(timeout=max(0.05, min(left, 1.0)))
             except TimeoutError:
                 continue
             if entry is None or not entry.value:
@@ -159,7 +166,8 @@ async def wait_runner_ready(
             if record.model == model and record.status.state == "ready" and wanted:
                 return record
     finally:
-        await watcher.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(watcher.stop(), CLOSE_TIMEOUT_S)
     raise TimeoutError(f"no runner of {model} became ready")
 
 

@@ -64,7 +64,8 @@ async def measure_fresh_worker(
         registered = await _wait_node(nc, node, began + 120)
         await place(nc.jetstream(), get_card("tiny-flux2", data_dir), node_id=node, slots=1)
         deadline = time.monotonic() + 300
-        await wait_runner_ready(nc, "tiny-flux2", deadline, node_id=node)
+        await wait_runner_ready(nc, "tiny-flux2", deadline, node_id=node,
+                                alive=lambda: _check_alive(worker, data_dir))
         ready = time.perf_counter() - began
         await events.all_finished([task.task_id], 300)
     finally:
@@ -97,3 +98,8 @@ async def _wait_node(nc: Client, node: str, deadline_perf: float) -> float:
     finally:
         await watcher.stop()
     raise TimeoutError(f"node {node} did not register")
+
+
+def _check_alive(worker: subprocess.Popen[bytes], data_dir: Path) -> None:
+    if worker.poll() is not None:
+        raise RuntimeError(f"the fresh worker exited; see {data_dir / 'worker.log'}")

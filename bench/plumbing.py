@@ -225,7 +225,7 @@ async def run_plumbing(
         node = (data_dir / "node_id").read_text().strip()
         await place(nc.jetstream(), get_card(SERIAL, data_dir), node_id=node,
                     slots=SERIAL_SLOTS)
-        await wait_runner_ready(nc, SERIAL, time.monotonic() + 120)
+        await wait_runner_ready(nc, SERIAL, time.monotonic() + 120, alive=stack.check_alive)
         events = EventLog()
         await nc.subscribe("fleet.out.*", cb=events.on_event)
         log.info("plumbing: accepted latency and tasks/s")

@@ -58,6 +58,19 @@ def text_table(model: str, mode: str, scenarios: dict[str, dict[str, Any]]) -> l
 FLEET_PATHS = ("fleet_http", "fleet_nats")
 
 
+def stream_failures(text: dict[str, Any]) -> list[str]:
+    """Every cell with a failed stream, on any path: a run with one is no measurement, so
+    `fleet bench` exits non-zero (streams that ended short are flagged in the table only)."""
+    return [
+        f"{model} {mode} {scenario} {path}: {cell['errors']} of {cell['streams']} streams "
+        f"failed ({cell['first_error']})"
+        for model, info in text.items()
+        for mode, scenarios in info.get("results", {}).items()
+        for scenario, row in scenarios.items()
+        for path, cell in row.items() if cell["errors"]
+    ]
+
+
 def _get(results: dict[str, Any], mode: str, scenario: str, path: str, key: str) -> Any:
     return results.get(mode, {}).get(scenario, {}).get(path, {}).get(key)
 

@@ -50,6 +50,30 @@ class TextPlan:
     max_tokens: int
     slots: int
     with_peer: bool = True
+    burst_timeout_s: float = 600.0  # a burst still running after this has hung
+
+
+class Bursts:
+    """Runs each burst under a time limit. A path with a burst that ran out of time is not
+    asked again (it would only add the limit to every later cell); its later cells read as
+    errors, so the report says what broke instead of the run hanging."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.broken: dict[str, str] = {}
+
+    async def run(self, path: BenchPath, requests: list[Request]) -> list[StreamResult]:
+        if path.name in self.broken:
+            return [StreamResult(start_s=0.0, error=self.broken[path.name]) for _ in requests]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await path.burst(requests)
+        except TimeoutError:
+            log.error("%s: a burst of %d ran past %.0f s; the path is left out from here",
+                      path.name, len(requests), self.timeout_s)
+            self.broken[path.name] = f"skipped: an earlier burst ran past {self.timeout_s:.0f} s"
+            return [StreamResult(start_s=0.0, error=f"timed out after {self.timeout_s:.0f} s")
+                    for _ in requests]
 
 
 @dataclass
@@ -121,8 +145,10 @@ async def run_model(
         gateway = OpenAIStreamPath("fleet_http", stack.base_url, model_id)
         http_clients.append(gateway)
         paths += [gateway, NatsPath(nc, model_id)]
-        await _warm_up(paths, eos_ids)
-        samples = await _measure(paths, plan, eos_ids)
+        bursts = Bursts(plan.burst_timeout_s)
+        await _warm_up(bursts, paths, eos_ids)
+        samples = await _measure(bursts, paths, plan, eos_ids)
+        info["broken_paths"] = bursts.broken
     finally:
         for client in http_clients:
             await client.close()
@@ -138,11 +164,11 @@ async def run_model(
     return info
 
 
-async def _warm_up(paths: Sequence[BenchPath], eos_ids: list[int]) -> None:
+async def _warm_up(bursts: Bursts, paths: Sequence[BenchPath], eos_ids: list[int]) -> None:
     """First calls pay one-off costs (connections, caches of compiled shapes): not measured."""
     for path in paths:
-        await path.burst([make_request("unique", 4, eos_ids)])
-        await path.burst([make_request("unique", 4, eos_ids) for _ in range(2)])
+        await bursts.run(path, [make_request("unique", 4, eos_ids)])
+        await bursts.run(path, [make_request("unique", 4, eos_ids) for _ in range(2)])
 
 
 def _scenarios(plan: TextPlan) -> list[tuple[str, int, int]]:
@@ -151,7 +177,7 @@ def _scenarios(plan: TextPlan) -> list[tuple[str, int, int]]:
 
 
 async def _measure(
-    paths: Sequence[BenchPath], plan: TextPlan, eos_ids: list[int]
+    bursts: Bursts, paths: Sequence[BenchPath], plan: TextPlan, eos_ids: list[int]
 ) -> dict[tuple[str, str, str], Samples]:
     samples: dict[tuple[str, str, str], Samples] = {}
     for rep in range(plan.reps):
@@ -162,7 +188,7 @@ async def _measure(
                     for path in order:
                         requests = [make_request(mode, plan.max_tokens, eos_ids)
                                     for _ in range(width)]
-                        results = await path.burst(requests)
+                        results = await bursts.run(path, requests)
                         cell = samples.setdefault((mode, scenario, path.name), Samples([], []))
                         cell.streams += results
                         if (rate := aggregate_tok_s(results)) is not None:

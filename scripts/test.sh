@@ -10,5 +10,7 @@ export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 .venv/bin/fleet schemas --check
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
 if .venv/bin/fleet bench --help >/dev/null 2>&1; then
-  .venv/bin/fleet bench --quick
+  # Bounded twice: the bench limits every wait of its own, and this limit holds even if one
+  # is missed (~1 min normally; a hang once cost a whole CI run).
+  timeout --kill-after=30 900 .venv/bin/fleet bench --quick
 fi
