@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fleet.gateway.guards import HttpError, parse, read_json
+from fleet.gateway.image_bytes import image_format
 from fleet.gateway.images import (
     IMAGE_FILE_FIELDS,
     ImageEditRequest,
@@ -17,7 +18,6 @@ from fleet.gateway.images import (
     image_edits_task,
     image_generation_task,
 )
-from fleet.gateway.openai import image_format
 from fleet.gateway.openai_base import InvalidParameter
 from fleet.gateway.renderers import ImageRenderer
 from fleet.gateway.service import gateway_of, image_url_for, new_task_id, now_utc

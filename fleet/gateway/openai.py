@@ -6,9 +6,6 @@ every OpenAI client sends some, but they check the type and range of every field
 
 from __future__ import annotations
 
-import base64
-import binascii
-import re
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
@@ -18,7 +15,6 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from fleet.errors import InvalidRequest
 from fleet.gateway.openai_base import InvalidParameter, OpenAIRequest
 from fleet.gateway.reply_shape import (
     ResponseFormatIn,
@@ -159,41 +155,6 @@ def invalid_from(error: ValidationError) -> InvalidParameter:
     item = error.errors()[0]
     param = _param(item["loc"])
     return InvalidParameter(f"{param}: {item['msg']}" if param else item["msg"], param)
-
-
-_DATA_URL = re.compile(
-    r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?:;[^,;]*)*?;base64,(?P<data>.*)$", re.S
-)
-_STORED_URL = re.compile(r"(?:^|/v1/images/)(?P<sha>[0-9a-f]{64})$")
-
-
-def image_reference(url: str) -> str | bytes:
-    """The sha256 of an image this gateway already stores, or the bytes of a data URL."""
-    if stored := _STORED_URL.search(url):
-        return stored["sha"]
-    match = _DATA_URL.match(url)
-    if not match:
-        raise InvalidRequest(
-            "image_url must be a base64 data: URL or a /v1/images/<sha256> URL of this gateway"
-        )
-    try:
-        data = base64.b64decode(match["data"], validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequest("image_url: the data URL is not valid base64") from None
-    if image_format(data) is None:
-        raise InvalidRequest("image_url: only PNG, JPEG and WebP images are supported")
-    return data
-
-
-def image_format(data: bytes) -> Literal["png", "jpeg", "webp"] | None:
-    """Sniff the format from magic bytes; never trust a declared content type."""
-    if data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "png"
-    if data.startswith(b"\xff\xd8\xff"):
-        return "jpeg"
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "webp"
-    return None
 
 
 def image_urls(request: ChatCompletionRequest) -> list[str]:

@@ -16,9 +16,9 @@ from fleet.config import Settings
 from fleet.errors import FleetError, InvalidRequest, ModelNotFound
 from fleet.gateway.backend import Backend
 from fleet.gateway.flow import run_task
+from fleet.gateway.image_bytes import image_reference
 from fleet.gateway.metrics import GatewayMetrics
 from fleet.gateway.models_view import ModelState, model_states, refuses_task
-from fleet.gateway.openai import image_reference
 from fleet.gateway.renderers import Renderer
 from fleet.models.catalog import all_cards, get_card
 from fleet.wire.cluster import ModelCard

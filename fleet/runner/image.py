@@ -25,7 +25,7 @@ from typing import Any, Literal
 from PIL import Image
 
 from fleet.runner.engine import Admission, EngineConfig, Progress
-from fleet.runner.image_codec import StoredImage, store_image
+from fleet.runner.image_codec import store_image
 from fleet.runner.image_models import (
     ImageRequest,
     check_admission,
@@ -38,7 +38,6 @@ from fleet.runner.image_steps import GenerationCancelled, ImageInProgress, StepH
 from fleet.wire.cluster import ImageDefaults
 from fleet.wire.events import (
     ErrorReason,
-    ImageChunk,
     ImageStats,
     OutputEvent,
     TaskFinished,
@@ -242,7 +241,7 @@ class ImageEngine:
                 total_s=time.time() - started,
                 steps=len(durations),
             )
-            self._events.put(_chunk(task.task_id, stored, index, stats=stats))
+            self._events.put(stored.announced(task.task_id, index, stats=stats))
             outcome = _ImageEnded("done")
         except GenerationCancelled:
             outcome = _ImageEnded("cancelled")
@@ -261,7 +260,7 @@ class ImageEngine:
         )
         stored = store_image(preview, image.task.output_format, self._config.images_dir)
         self._events.put(
-            _chunk(image.task.task_id, stored, image.image_index, partial=(index, total))
+            stored.announced(image.task.task_id, image.image_index, partial=(index, total))
         )
 
     def _on_model_thread(self, function: Any, *args: Any) -> Any:
@@ -284,24 +283,3 @@ def _seed_from(task_id: str) -> int:
     """A task without a seed gets one from its id, so a redelivered task draws the same images."""
     return int.from_bytes(hashlib.sha256(task_id.encode()).digest()[:4], "big")
 
-
-def _chunk(
-    task_id: str,
-    stored: StoredImage,
-    image_index: int,
-    stats: ImageStats | None = None,
-    partial: tuple[int, int] | None = None,
-) -> ImageChunk:
-    return ImageChunk(
-        task_id=task_id,
-        at=time.time(),
-        sha256=stored.sha256,
-        image_index=image_index,
-        partial_index=partial[0] if partial else None,
-        partial_total=partial[1] if partial else None,
-        format=stored.format,
-        width=stored.width,
-        height=stored.height,
-        size_bytes=stored.size_bytes,
-        stats=stats,
-    )

@@ -12,11 +12,14 @@ import hashlib
 import io
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from PIL import Image
+
+from fleet.wire.events import ImageChunk, ImageStats
 
 ImageFormat = Literal["png", "jpeg", "webp"]
 
@@ -36,6 +39,19 @@ class StoredImage:
     width: int
     height: int
     size_bytes: int
+
+    def announced(
+        self, task_id: str, image_index: int, stats: ImageStats | None = None,
+        partial: tuple[int, int] | None = None,
+    ) -> ImageChunk:
+        """The `image` event that tells clients where this image is: its hash, never bytes."""
+        return ImageChunk(
+            task_id=task_id, at=time.time(), sha256=self.sha256, image_index=image_index,
+            partial_index=partial[0] if partial else None,
+            partial_total=partial[1] if partial else None,
+            format=self.format, width=self.width, height=self.height,
+            size_bytes=self.size_bytes, stats=stats,
+        )
 
 
 def encode_image(image: Image.Image, image_format: ImageFormat) -> bytes:

@@ -26,12 +26,12 @@ from fleet.wire.events import (
     TaskFinished,
     TokenChunk,
     ToolCallChunk,
-    failed,
 )
 from fleet.wire.tasks import CancelTask
 from fleet.worker import plan as rules
 from fleet.worker import state as ev
 from fleet.worker.cluster import ClusterLink
+from fleet.worker.image_outputs import ImageOutputs
 from fleet.worker.inbox import CancelSeen, Fetched, InputsFailed, InputsFetched, Stop, Tick
 from fleet.worker.intake import Intake, Queued
 from fleet.worker.outputs import TaskOutput
@@ -52,7 +52,6 @@ class Worker:
         self.msgs: dict[str, Msg] = {}  # task id -> its JetStream message, until acked
         self.background = TaskSet()
         self.pinned: dict[str, list[str]] = {}  # task id -> input images it holds in cache
-        self.unstored: dict[str, str] = {}  # task id -> why an image of it could not be stored
         self.spans = TaskSpans()
 
     async def run(self) -> None:
@@ -67,6 +66,7 @@ class Worker:
         self.state = WorkerState(node_id=self.cluster.node_id, cards=self.cluster.cards)
         self.intake = Intake(self.js, self.output, self.cluster)
         self.runners = RunnerPool(settings, self.cluster.node_id, self.inbox)
+        self.images = ImageOutputs(self.cluster, self.output, self.spans, self.runners.send)
         self.puller = TaskPuller(self.nc, self.js, settings)
         await self.nc.subscribe(subjects.cancel("*"), cb=self._on_cancel)
         self.background.spawn(self._tick_forever())
@@ -206,10 +206,7 @@ class Worker:
                 self._apply(ev.RunnerStatusSeen(runner_id, status))
                 self.cluster.runner_status(self.state.runners.get(runner_id), status)
             case TaskFinished():
-                if why := self.unstored.pop(report.task_id, None):
-                    unstored = failed(report.task_id, report.at, ErrorReason.INTERNAL, why)
-                    origin = {"node_id": report.node_id, "runner_id": runner_id}
-                    report = unstored.model_copy(update=origin)
+                report = self.images.final(report, runner_id)
                 if report.status == "failed" and report.reason and report.message:
                     await self.output.chunk(ErrorChunk(
                         task_id=report.task_id, at=report.at, reason=report.reason,
@@ -223,25 +220,9 @@ class Worker:
             case pipe.TaskRunning():
                 pass
             case ImageChunk():
-                await self._announce_image(runner_id, report)
+                await self.images.announce(runner_id, report)
             case _:
                 await self.output.chunk(report)
-
-    async def _announce_image(self, runner_id: str, image: ImageChunk) -> None:
-        """Publish an image event only once its bytes are in FLEET_IMAGES. When the store
-        refuses them (full, unreachable) the task stops here and ends failed: its runner's
-        terminal report is rewritten, so the task still ends once and in order."""
-        if image.task_id in self.unstored:
-            return
-        try:
-            with self.spans.child(image.task_id, "put image", {"fleet.image": image.sha256}):
-                await self.cluster.upload_output(image.sha256)
-        except Exception as exc:
-            log.error("task %s: image %s not stored: %s", image.task_id, image.sha256, exc)
-            self.unstored[image.task_id] = f"image {image.sha256} could not be stored: {exc}"
-            await self.runners.send(runner_id, CancelTask(task_id=image.task_id))
-            return
-        await self.output.chunk(image)
 
     async def _cancel(self, task_id: str) -> None:
         if task_id in self.state.pending:

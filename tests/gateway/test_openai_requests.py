@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from fleet.errors import InvalidRequest
+from fleet.gateway.image_bytes import image_format, image_reference
 from fleet.gateway.images import (
     ImageEditRequest,
     ImageGenerationRequest,
@@ -21,8 +22,6 @@ from fleet.gateway.openai import (
     InvalidParameter,
     chat_task,
     completion_task,
-    image_format,
-    image_reference,
     image_urls,
 )
 from fleet.wire.tasks import ImagePart, NamedFunction, TextPart
