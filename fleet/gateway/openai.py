@@ -105,6 +105,12 @@ class _SamplingRequest(OpenAIRequest):
     stop: Stop = None
     n: int = Field(default=1, ge=1, le=1, description="Fleet generates one choice")
     logit_bias: LogitBias | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(
+        default=None, gt=0.0, le=10.0,
+        description="Fleet extension: mlx-lm's multiplicative penalty on the last 20 tokens",
+    )
     timeout: Timeout | None = None
     resumable: bool = Field(
         default=False,
@@ -202,6 +208,9 @@ def _sampling(request: _SamplingRequest) -> dict[str, Any]:
         "min_p": request.min_p,
         "seed": request.seed,
         "logit_bias": request.logit_bias,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
         "stop": [request.stop] if isinstance(request.stop, str) else request.stop,
     }
     return {name: value for name, value in fields.items() if value is not None}

@@ -62,13 +62,43 @@ def make_task_sampler(task: TextGeneration, vocab_size: int) -> Sampler:
 
 
 def make_task_processors(task: TextGeneration, vocab_size: int) -> list[LogitsProcessor]:
-    if not task.logit_bias:
-        return []
-    outside = sorted(token for token in task.logit_bias if not 0 <= token < vocab_size)
-    if outside:
-        raise TaskRejected(
-            ErrorReason.INVALID_TASK,
-            f"logit_bias names token ids outside the vocabulary (0..{vocab_size - 1}): "
-            f"{outside[:8]}",
-        )
-    return make_logits_processors(logit_bias=task.logit_bias)
+    processors: list[LogitsProcessor] = []
+    if task.logit_bias:
+        outside = sorted(token for token in task.logit_bias if not 0 <= token < vocab_size)
+        if outside:
+            raise TaskRejected(
+                ErrorReason.INVALID_TASK,
+                f"logit_bias names token ids outside the vocabulary (0..{vocab_size - 1}): "
+                f"{outside[:8]}",
+            )
+    processors += make_logits_processors(
+        logit_bias=task.logit_bias, repetition_penalty=task.repetition_penalty
+    )
+    if task.presence_penalty or task.frequency_penalty:
+        processors.append(CompletionPenalties(task.presence_penalty, task.frequency_penalty))
+    return processors
+
+
+class CompletionPenalties:
+    """OpenAI's presence and frequency penalties, counted over the tokens this task generated.
+
+    mlx-lm's own versions count the last N tokens of the whole context, prompt included; OpenAI
+    and vLLM count the completion only. Both decoding paths (alone and in the batch) hand a
+    processor the whole context, prompt first, one token longer per step, so the length seen
+    at the first step is where the completion begins.
+    """
+
+    def __init__(self, presence: float, frequency: float) -> None:
+        self._presence = presence
+        self._frequency = frequency
+        self._completion_starts: int | None = None
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        if self._completion_starts is None:
+            self._completion_starts = context.size
+        completion = context[self._completion_starts:]
+        if completion.size == 0:
+            return logits
+        uses = mx.zeros((logits.shape[-1],), dtype=logits.dtype).at[completion].add(1.0)
+        penalty = self._frequency * uses + self._presence * (uses > 0)
+        return logits - penalty.astype(logits.dtype)

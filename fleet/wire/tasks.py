@@ -111,6 +111,18 @@ class TextGeneration(_TaskBase):
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     logit_bias: dict[int, float] | None = None
+    presence_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0,
+        description="Subtracted once from the logit of every token the completion has used",
+    )
+    frequency_penalty: float = Field(
+        default=0.0, ge=-2.0, le=2.0,
+        description="Subtracted from a token's logit once per time the completion used it",
+    )
+    repetition_penalty: float | None = Field(
+        default=None, gt=0.0, le=10.0,
+        description="mlx-lm's multiplicative penalty on the last 20 tokens, prompt included",
+    )
     response_format: ResponseFormat | None = None
     tool_choice: ToolChoice = Field(
         default="auto",

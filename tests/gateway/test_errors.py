@@ -49,6 +49,8 @@ async def test_unknown_model_is_404(client: httpx.AsyncClient, path: str, body: 
     [
         ({**CHAT, "temperature": "hot"}, "temperature"),
         ({**CHAT, "temperature": 3}, "temperature"),
+        ({**CHAT, "frequency_penalty": 2.5}, "frequency_penalty"),
+        ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
         ({**CHAT, "messages": []}, "messages"),
         ({**CHAT, "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
         ({**CHAT, "n": 2}, "n"),

@@ -48,6 +48,9 @@ def chat(**fields: object) -> ChatCompletionRequest:
         ({"logprobs": True, "top_logprobs": 3}, {"logprobs": True, "top_logprobs": 3}),
         ({"logit_bias": {"42": -100}}, {"logit_bias": {42: -100.0}}),
         ({"top_k": 40, "min_p": 0.05}, {"top_k": 40, "min_p": 0.05}),
+        ({"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.1},
+         {"presence_penalty": 0.5, "frequency_penalty": -1.0, "repetition_penalty": 1.1}),
+        ({"presence_penalty": None}, {"presence_penalty": 0.0, "repetition_penalty": None}),
         ({"user": "someone", "store": True, "metadata": {"a": "b"}}, {"max_tokens": 256}),
     ],
 )

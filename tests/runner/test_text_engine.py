@@ -492,3 +492,30 @@ def test_a_constrained_task_keeps_its_grammar_when_it_moves_into_the_batch(
     answer = json.loads(outcome.text("moved"))
     assert set(answer) == {"first", "second", "colour"}
     assert answer["colour"] in ("red", "green", "blue")
+
+
+def test_penalties_count_the_completion_and_hold_alone_and_batched(engine: TextEngine) -> None:
+    def task(task_id: str, **penalties: float) -> TextGeneration:
+        return text_task(task_id, max_tokens=16, logit_bias=NO_EOS, **penalties)  # type: ignore[arg-type]
+
+    plain = run(engine, task("plain")).ids("plain")
+    assert len(set(plain)) < len(plain) / 2  # random weights: greedy loops on a few tokens
+    penalised = run(engine, task("freq", frequency_penalty=2.0)).ids("freq")
+    assert len(set(penalised)) > len(set(plain))
+    present = run(engine, task("presence", presence_penalty=2.0)).ids("presence")
+    assert present != plain
+    batched = run(
+        engine, task("freq-b", frequency_penalty=2.0), task("presence-b", presence_penalty=2.0),
+        task("plain-b"),
+    )
+    assert batched.ids("freq-b") == penalised
+    assert batched.ids("presence-b") == present
+    assert batched.ids("plain-b") == plain
+    moved = Outcome()  # starts alone, moves into the batch mid-completion, keeps its counts
+    engine.admit(Admission(task=task("moved", frequency_penalty=2.0)))
+    while len(moved.tokens.get("moved", [])) < 5:
+        moved.add(engine.step())
+    engine.admit(Admission(task=task("joiner")))
+    run(engine, outcome=moved)
+    assert moved.finished["joiner"].stats.batched_with == 1
+    assert moved.ids("moved") == penalised
