@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import anyio
@@ -18,15 +18,17 @@ from starlette.types import Receive, Scope, Send
 
 from fleet.errors import FleetError
 from fleet.gateway.backend import Backend
+from fleet.gateway.fanout import ChoiceEvents
 from fleet.gateway.guards import HttpError
 from fleet.gateway.metrics import GatewayMetrics, TaskObserver
 from fleet.gateway.renderers import Renderer
 from fleet.gateway.replies import failure, sse_error
 from fleet.gateway.streams import Indexed, TaskEvents
-from fleet.wire.events import ErrorChunk, TaskFinished
+from fleet.wire.events import ErrorChunk, OutputEvent, TaskFinished
 from fleet.wire.tasks import Task
 
 R = TypeVar("R")
+Events = TaskEvents | ChoiceEvents
 CLIENT_CLOSED_REQUEST = 499  # nobody reads it; /metrics counts it
 
 
@@ -62,7 +64,7 @@ class EventStream(StreamingResponse):
 
 
 async def _relay(
-    head: list[Indexed], events: TaskEvents, renderer: Renderer, observer: TaskObserver
+    head: list[Indexed], events: Events, renderer: Renderer, observers: Observers
 ) -> AsyncIterator[bytes]:
     loop = asyncio.get_running_loop()
     last_error: ErrorChunk | None = None
@@ -77,17 +79,17 @@ async def _relay(
         yield line
     try:
         async for item in each():
-            observer.see(item.event, loop.time())
+            observers.see(item.event, loop.time())
             if isinstance(item.event, ErrorChunk):
                 last_error = item.event
             if isinstance(item.event, TaskFinished) and (failed := failure(item.event, last_error)):
-                observer.metrics.errors.inc(reason=failed.reason.value)
+                observers.metrics.errors.inc(reason=failed.reason.value)
                 yield sse_error(failed)
                 return
             for line in await renderer.lines(item):
                 yield line
     except FleetError as exc:  # deadline, NATS gone: the headers are out, so say it in-band
-        observer.metrics.errors.inc(reason=exc.reason.value)
+        observers.metrics.errors.inc(reason=exc.reason.value)
         yield sse_error(exc)
         return
     for line in renderer.closing():
@@ -120,7 +122,7 @@ async def _unless_hung_up(receive: Receive, waiting: Awaitable[R]) -> R | None:
 async def run_task(
     backend: Backend,
     metrics: GatewayMetrics,
-    task: Task,
+    tasks: Sequence[Task],
     renderer: Renderer,
     receive: Receive,
     *,
@@ -128,23 +130,25 @@ async def run_task(
     resumable: bool,
     timeout_s: float,
 ) -> Response:
+    """One request: one task, or one per choice (their events merged)."""
     loop = asyncio.get_running_loop()
     started = loop.time()
-    observer = TaskObserver(metrics, task.model, started)
+    observers = Observers(metrics, tasks[0].model, started)
     # Subscribed before publishing: FLEET_OUT keeps events anyway, but this way a NATS that is
     # down fails the request before a task is queued for nobody.
-    events = await backend.events(task.task_id, deadline=started + timeout_s)
-    published = False
+    events = await _open_events(backend, tasks, deadline=started + timeout_s)
+    published: list[str] = []
     handed_over = False
     try:
-        await backend.publish_task(task)
-        published = True
+        for task in tasks:
+            await backend.publish_task(task)
+            published.append(task.task_id)
         if not stream:
             items = await _unless_hung_up(receive, events.rest())
             if items is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             for item in items:
-                observer.see(item.event, loop.time())
+                observers.see(item.event, loop.time())
             if events.finished and (failed := failure(events.finished, _last_error(items))):
                 raise failed
             return JSONResponse(await renderer.body([item.event for item in items]))
@@ -157,16 +161,50 @@ async def run_task(
     finally:
         if not handed_over:
             await events.close()
-            if published and events.finished is None:
-                await backend.cancel_quietly(task.task_id, "the request ended before the task")
+            for task_id in set(events.unfinished()) & set(published):
+                await backend.cancel_quietly(task_id, "the request ended before the task")
 
     async def on_close(hung_up: bool) -> None:
         await events.close()
-        if events.finished is None and not (resumable and hung_up):
-            why = "the client disconnected" if hung_up else "the stream ended before the task"
-            await backend.cancel_quietly(task.task_id, why)
+        if resumable and hung_up:
+            return
+        why = "the client disconnected" if hung_up else "the stream ended before the task"
+        for task_id in events.unfinished():
+            await backend.cancel_quietly(task_id, why)
 
-    return EventStream(_relay(head, events, renderer, observer), on_close)
+    return EventStream(_relay(head, events, renderer, observers), on_close)
+
+
+async def _open_events(backend: Backend, tasks: Sequence[Task], deadline: float) -> Events:
+    if len(tasks) == 1:
+        return await backend.events(tasks[0].task_id, deadline=deadline)
+    parts: list[TaskEvents] = []
+    try:
+        for task in tasks:
+            parts.append(await backend.events(task.task_id, deadline=deadline))
+    except BaseException:
+        for part in parts:
+            await part.close()
+        raise
+    return ChoiceEvents(parts)
+
+
+class Observers:
+    """A TaskObserver per task, so each choice's timings are its own."""
+
+    def __init__(self, metrics: GatewayMetrics, model: str, started: float) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.started = started
+        self.by_task: dict[str, TaskObserver] = {}
+
+    def see(self, event: OutputEvent, now: float) -> None:
+        observer = self.by_task.get(event.task_id)
+        if observer is None:
+            observer = self.by_task[event.task_id] = TaskObserver(
+                self.metrics, self.model, self.started
+            )
+        observer.see(event, now)
 
 
 async def resume(backend: Backend, task_id: str, after: int, timeout_s: float) -> Response:

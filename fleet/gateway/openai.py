@@ -103,7 +103,10 @@ class _SamplingRequest(OpenAIRequest):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0, description="Fleet extension")
     seed: Seed | None = None
     stop: Stop = None
-    n: int = Field(default=1, ge=1, le=1, description="Fleet generates one choice")
+    n: int = Field(
+        default=1, ge=1, le=8,
+        description="Choices; with more than one, choice i is the task <id>-<i>",
+    )
     logit_bias: LogitBias | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

@@ -14,9 +14,16 @@ from typing import Any, Protocol
 from fleet.errors import NatsUnavailable
 from fleet.gateway.backend import Backend
 from fleet.gateway.images import StreamKind, encode_b64, images_response, stream_event
-from fleet.gateway.replies import SSE_DONE, Reply, gather, sse
+from fleet.gateway.replies import SSE_DONE, Reply, sse
 from fleet.gateway.streams import Indexed
-from fleet.wire.events import ImageChunk, OutputEvent, TokenChunk, ToolCallChunk
+from fleet.wire.events import (
+    ImageChunk,
+    OutputEvent,
+    TaskFinished,
+    TokenChunk,
+    ToolCallChunk,
+    Usage,
+)
 
 
 class Renderer(Protocol):
@@ -29,46 +36,79 @@ class Renderer(Protocol):
     def closing(self) -> list[bytes]: ...
 
 
-class ChatRenderer:
+class _TextRenderer:
+    """What chat and completion streams share: one reply, per-choice progress, and the usage
+    chunk once the last choice has finished. With several choices the SSE lines carry no
+    `id:`: event indexes are per task, and a resumable stream has one choice."""
+
+    kind = ""
+
     def __init__(self, reply: Reply) -> None:
         self.reply = reply
-        self.tool_calls_seen = 0
+        self.usages: dict[str, Usage | None] = {}
 
-    async def body(self, events: list[OutputEvent]) -> dict[str, Any]:
-        return self.reply.chat_completion(gather(events))
+    def _event_id(self, item: Indexed) -> int | None:
+        return item.index if self.reply.choices == 1 else None
 
-    def opening(self) -> list[bytes]:
-        return [sse(self.reply.chat_opening())]
-
-    async def lines(self, item: Indexed) -> list[bytes]:
-        chunks = self.reply.chat_chunks(item.event, self.tool_calls_seen)
-        if isinstance(item.event, ToolCallChunk):
-            self.tool_calls_seen += 1
-        return [sse(chunk, event_id=item.index) for chunk in chunks]
+    def _finished(self, item: Indexed, event: TaskFinished) -> list[bytes]:
+        self.usages[event.task_id] = event.usage
+        if not self.reply.include_usage or len(self.usages) < self.reply.choices:
+            return []
+        usages = [self.usages.get(task_id) for task_id in self.reply.choice_ids or self.usages]
+        return [sse(self.reply.usage_chunk(self.kind, usages), event_id=self._event_id(item))]
 
     def closing(self) -> list[bytes]:
         return [SSE_DONE]
 
 
-class CompletionRenderer:
+class ChatRenderer(_TextRenderer):
+    kind = "chat.completion.chunk"
+
     def __init__(self, reply: Reply) -> None:
-        self.reply = reply
-        self.text_offset = 0
+        super().__init__(reply)
+        self.tool_calls_seen: dict[int, int] = {}
 
     async def body(self, events: list[OutputEvent]) -> dict[str, Any]:
-        return self.reply.text_completion(gather(events))
+        return self.reply.chat_completion(self.reply.by_choice(events))
+
+    def opening(self) -> list[bytes]:
+        return [sse(chunk) for chunk in self.reply.chat_opening()]
+
+    async def lines(self, item: Indexed) -> list[bytes]:
+        choice = self.reply.choice_of(item.event.task_id)
+        seen = self.tool_calls_seen.get(choice, 0)
+        chunks = self.reply.chat_chunks(item.event, seen)
+        if isinstance(item.event, ToolCallChunk):
+            self.tool_calls_seen[choice] = seen + 1
+        lines = [sse(chunk, event_id=self._event_id(item)) for chunk in chunks]
+        if isinstance(item.event, TaskFinished):
+            lines += self._finished(item, item.event)
+        return lines
+
+
+class CompletionRenderer(_TextRenderer):
+    kind = "text_completion"
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(reply)
+        self.text_offsets: dict[int, int] = {}
+
+    async def body(self, events: list[OutputEvent]) -> dict[str, Any]:
+        return self.reply.text_completion(self.reply.by_choice(events))
 
     def opening(self) -> list[bytes]:
         return []
 
     async def lines(self, item: Indexed) -> list[bytes]:
-        chunks = self.reply.completion_chunks(item.event, self.text_offset)
+        choice = self.reply.choice_of(item.event.task_id)
+        offset = self.text_offsets.get(choice, 0)
+        chunks = self.reply.completion_chunks(item.event, offset)
         if isinstance(item.event, TokenChunk):
-            self.text_offset += len(item.event.text)
-        return [sse(chunk, event_id=item.index) for chunk in chunks]
-
-    def closing(self) -> list[bytes]:
-        return [SSE_DONE]
+            self.text_offsets[choice] = offset + len(item.event.text)
+        lines = [sse(chunk, event_id=self._event_id(item)) for chunk in chunks]
+        if isinstance(item.event, TaskFinished):
+            lines += self._finished(item, item.event)
+        return lines
 
 
 class ImageRenderer:

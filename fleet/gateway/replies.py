@@ -163,87 +163,120 @@ def tool_call_json(call: ToolCallChunk) -> dict[str, Any]:
     }
 
 
+def merged_usage(usages: Iterable[Usage | None]) -> Usage:
+    """The usage of n choices of one prompt: the prompt counted once (as OpenAI does), the
+    completions summed."""
+    present = [usage or Usage() for usage in usages]
+    prompt, cached = present[0].prompt_tokens, present[0].cached_tokens
+    completion = sum(usage.completion_tokens for usage in present)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion, cached_tokens=cached)
+
+
 @dataclass(frozen=True)
 class Reply:
-    """What every response of one request shares."""
+    """What every response of one request shares. `choice_ids`: the task of each choice, in
+    choice order, when the request asked for more than one."""
 
     task_id: str
     model: str
     created: int
     logprobs: bool = False
     include_usage: bool = False
+    choice_ids: tuple[str, ...] = ()
+
+    @property
+    def choices(self) -> int:
+        return len(self.choice_ids) or 1
+
+    def choice_of(self, task_id: str) -> int:
+        return self.choice_ids.index(task_id) if self.choice_ids else 0
+
+    def by_choice(self, events: Iterable[OutputEvent]) -> list[TextResult]:
+        results = [TextResult() for _ in range(self.choices)]
+        for event in events:
+            results[self.choice_of(event.task_id)].add(event)
+        return results
 
     def _envelope(self, kind: str) -> dict[str, Any]:
         return {"id": self.task_id, "object": kind, "created": self.created, "model": self.model}
 
-    def chat_completion(self, result: TextResult) -> dict[str, Any]:
-        assert result.finished is not None
-        message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
-        if result.tool_calls:
-            message["tool_calls"] = [tool_call_json(call) for call in result.tool_calls]
-            message["content"] = result.text or None
-        choice = {
-            "index": 0,
-            "message": message,
-            "logprobs": chat_logprobs(result.tokens) if self.logprobs else None,
-            "finish_reason": finish_reason(result.finished, bool(result.tool_calls)),
-        }
-        usage = usage_json(result.finished.usage)
-        return {**self._envelope("chat.completion"), "choices": [choice], "usage": usage}
+    def _usage(self, results: list[TextResult]) -> dict[str, Any]:
+        return usage_json(merged_usage(r.finished.usage if r.finished else None for r in results))
 
-    def text_completion(self, result: TextResult) -> dict[str, Any]:
-        assert result.finished is not None
-        choice = {
-            "index": 0,
-            "text": result.text,
-            "logprobs": completion_logprobs(result.tokens) if self.logprobs else None,
-            "finish_reason": finish_reason(result.finished, False),
-        }
-        usage = usage_json(result.finished.usage)
-        return {**self._envelope("text_completion"), "choices": [choice], "usage": usage}
+    def chat_completion(self, results: list[TextResult]) -> dict[str, Any]:
+        choices = []
+        for index, result in enumerate(results):
+            assert result.finished is not None
+            message: dict[str, Any] = {
+                "role": "assistant", "content": result.text, "refusal": None,
+            }
+            if result.tool_calls:
+                message["tool_calls"] = [tool_call_json(call) for call in result.tool_calls]
+                message["content"] = result.text or None
+            choices.append({
+                "index": index,
+                "message": message,
+                "logprobs": chat_logprobs(result.tokens) if self.logprobs else None,
+                "finish_reason": finish_reason(result.finished, bool(result.tool_calls)),
+            })
+        envelope = self._envelope("chat.completion")
+        return {**envelope, "choices": choices, "usage": self._usage(results)}
 
-    def _chat_chunk(self, delta: dict[str, Any], **choice: Any) -> dict[str, Any]:
+    def text_completion(self, results: list[TextResult]) -> dict[str, Any]:
+        choices = []
+        for index, result in enumerate(results):
+            assert result.finished is not None
+            choices.append({
+                "index": index,
+                "text": result.text,
+                "logprobs": completion_logprobs(result.tokens) if self.logprobs else None,
+                "finish_reason": finish_reason(result.finished, False),
+            })
+        envelope = self._envelope("text_completion")
+        return {**envelope, "choices": choices, "usage": self._usage(results)}
+
+    def _chat_chunk(self, delta: dict[str, Any], index: int = 0, **choice: Any) -> dict[str, Any]:
         chunk = {
             **self._envelope("chat.completion.chunk"),
             "choices": [
-                {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None, **choice}
+                {"index": index, "delta": delta, "logprobs": None, "finish_reason": None,
+                 **choice}
             ],
         }
         if self.include_usage:
             chunk["usage"] = None
         return chunk
 
-    def chat_opening(self) -> dict[str, Any]:
-        return self._chat_chunk({"role": "assistant", "content": ""})
+    def chat_opening(self) -> list[dict[str, Any]]:
+        return [self._chat_chunk({"role": "assistant", "content": ""}, index)
+                for index in range(self.choices)]
 
     def chat_chunks(self, event: OutputEvent, tool_calls_seen: int) -> list[dict[str, Any]]:
-        """The chunks one event becomes; the terminal event adds the usage chunk if asked."""
+        """The chunks one event becomes (`tool_calls_seen`: of the event's choice so far)."""
+        index = self.choice_of(event.task_id)
         match event:
             case TokenChunk():
                 logprobs = chat_logprobs([event]) if self.logprobs else None
-                return [self._chat_chunk({"content": event.text}, logprobs=logprobs)]
+                return [self._chat_chunk({"content": event.text}, index, logprobs=logprobs)]
             case ToolCallChunk():
                 call = {"index": tool_calls_seen, **tool_call_json(event)}
-                return [self._chat_chunk({"tool_calls": [call]})]
+                return [self._chat_chunk({"tool_calls": [call]}, index)]
             case TaskFinished():
                 reason = finish_reason(event, tool_calls_seen > 0)
-                chunks = [self._chat_chunk({}, finish_reason=reason)]
-                if self.include_usage:
-                    chunks.append(
-                        {
-                            **self._envelope("chat.completion.chunk"),
-                            "choices": [],
-                            "usage": usage_json(event.usage),
-                        }
-                    )
-                return chunks
+                return [self._chat_chunk({}, index, finish_reason=reason)]
         return []
 
-    def _completion_chunk(self, text: str, **choice: Any) -> dict[str, Any]:
+    def usage_chunk(self, kind: str, usages: Iterable[Usage | None]) -> dict[str, Any]:
+        """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
+        return {**self._envelope(kind), "choices": [], "usage": usage_json(merged_usage(usages))}
+
+    def _completion_chunk(self, text: str, index: int = 0, **choice: Any) -> dict[str, Any]:
         chunk = {
             **self._envelope("text_completion"),
             "choices": [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": None, **choice}
+                {"index": index, "text": text, "logprobs": None, "finish_reason": None,
+                 **choice}
             ],
         }
         if self.include_usage:
@@ -251,19 +284,13 @@ class Reply:
         return chunk
 
     def completion_chunks(self, event: OutputEvent, text_offset: int) -> list[dict[str, Any]]:
+        """The chunks one event becomes (`text_offset`: of the event's choice so far)."""
+        index = self.choice_of(event.task_id)
         match event:
             case TokenChunk():
                 logprobs = completion_logprobs([event], text_offset) if self.logprobs else None
-                return [self._completion_chunk(event.text, logprobs=logprobs)]
+                return [self._completion_chunk(event.text, index, logprobs=logprobs)]
             case TaskFinished():
-                chunks = [self._completion_chunk("", finish_reason=finish_reason(event, False))]
-                if self.include_usage:
-                    chunks.append(
-                        {
-                            **self._envelope("text_completion"),
-                            "choices": [],
-                            "usage": usage_json(event.usage),
-                        }
-                    )
-                return chunks
+                reason = finish_reason(event, False)
+                return [self._completion_chunk("", index, finish_reason=reason)]
         return []

@@ -4,7 +4,7 @@ small lookups every route makes (model cards, images named in requests, task ids
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -95,7 +95,7 @@ class Gateway:
     async def run(
         self,
         request: Request,
-        task: Task,
+        tasks: Sequence[Task],
         renderer: Renderer,
         *,
         stream: bool,
@@ -105,7 +105,7 @@ class Gateway:
         return await run_task(
             self.backend,
             self.metrics,
-            task,
+            tasks,
             renderer,
             request.receive,
             stream=stream,

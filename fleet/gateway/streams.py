@@ -58,6 +58,9 @@ class TaskEvents:
         # costs more than the rest of the relay of a token.
         self._arrived: asyncio.Queue[Msg] = asyncio.Queue()
 
+    def unfinished(self) -> list[str]:
+        return [] if self.finished is not None else [self.task_id]
+
     async def _receive(self, message: Msg) -> None:
         self._arrived.put_nowait(message)
 

@@ -7,6 +7,7 @@ import time
 from starlette.requests import Request
 from starlette.responses import Response
 
+from fleet.gateway.fanout import choice_tasks, refuse_resumable_choices
 from fleet.gateway.guards import parse, read_json
 from fleet.gateway.models_view import refuses_images
 from fleet.gateway.openai import (
@@ -20,6 +21,7 @@ from fleet.gateway.openai import (
 from fleet.gateway.renderers import ChatRenderer, CompletionRenderer
 from fleet.gateway.replies import Reply
 from fleet.gateway.service import gateway_of, new_task_id, now_utc
+from fleet.wire.tasks import TextGeneration
 
 
 async def chat_completions(request: Request) -> Response:
@@ -31,11 +33,14 @@ async def chat_completions(request: Request) -> Response:
         raise InvalidParameter(why, "messages")
     hashes = {url: await gateway.image_hash(url) for url in urls}
     timeout_s = gateway.timeout_for(chat.timeout)
+    refuse_resumable_choices(chat.n, chat.resumable)
     task = chat_task(chat, new_task_id("chatcmpl"), hashes, now_utc(), timeout_s)
-    reply = Reply(task.task_id, chat.model, int(time.time()), chat.logprobs, chat.include_usage)
+    tasks = choice_tasks(task, chat.n)
+    reply = Reply(task.task_id, chat.model, int(time.time()), chat.logprobs, chat.include_usage,
+                  _choice_ids(tasks))
     return await gateway.run(
         request,
-        task,
+        tasks,
         ChatRenderer(reply),
         stream=chat.stream,
         resumable=chat.resumable,
@@ -48,19 +53,26 @@ async def completions(request: Request) -> Response:
     completion = parse(CompletionRequest, await read_json(request))
     gateway.card_for(completion.model, "text_generation")
     timeout_s = gateway.timeout_for(completion.timeout)
+    refuse_resumable_choices(completion.n, completion.resumable)
     task = completion_task(completion, new_task_id("cmpl"), now_utc(), timeout_s)
+    tasks = choice_tasks(task, completion.n)
     reply = Reply(
         task.task_id,
         completion.model,
         int(time.time()),
         completion.logprobs is not None,
         completion.include_usage,
+        _choice_ids(tasks),
     )
     return await gateway.run(
         request,
-        task,
+        tasks,
         CompletionRenderer(reply),
         stream=completion.stream,
         resumable=completion.resumable,
         timeout_s=timeout_s,
     )
+
+
+def _choice_ids(tasks: list[TextGeneration]) -> tuple[str, ...]:
+    return tuple(task.task_id for task in tasks) if len(tasks) > 1 else ()

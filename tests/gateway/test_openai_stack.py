@@ -270,3 +270,30 @@ def test_a_json_schema_answer_parses_and_still_says_paris(stack: Stack) -> None:
     )
     assert reply.choices[0].finish_reason == "stop"
     assert "Paris" in json.loads(reply.choices[0].message.content or "")["capital"]
+
+
+def test_n_choices_whole_and_streamed(stack: Stack) -> None:
+    request = {"model": MODEL, "messages": QUESTION, "max_tokens": 12, "temperature": 1.0,
+               "seed": 11, "n": 3}
+    whole = stack.openai.chat.completions.create(**request)
+    assert [choice.index for choice in whole.choices] == [0, 1, 2]
+    texts = [choice.message.content or "" for choice in whole.choices]
+    assert len(set(texts)) > 1  # seeds 11, 12, 13: the choices differ
+    finished = [task_events(stack, f"{whole.id}-{index}")[-1] for index in range(3)]
+    assert [event["type"] for event in finished] == ["task_finished"] * 3  # a task per choice
+    assert whole.usage and whole.usage.completion_tokens == sum(
+        event["usage"]["completion_tokens"] for event in finished
+    )
+    assert whole.usage.prompt_tokens == finished[0]["usage"]["prompt_tokens"]  # counted once
+
+    chunks = list(stack.openai.chat.completions.create(
+        **request, stream=True, stream_options={"include_usage": True},
+    ))
+    streamed = ["", "", ""]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == texts  # the same seeds give the same choices
+    assert chunks[-1].usage and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(finishes) == [0, 1, 2]

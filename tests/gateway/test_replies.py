@@ -8,7 +8,9 @@ import pytest
 from fleet.errors import DeadlineExceeded, ModelNotFound, QueueFull, Unauthorized
 from fleet.gateway.images import images_response, stream_event
 from fleet.gateway.openai_base import InvalidParameter
+from fleet.gateway.renderers import ChatRenderer, CompletionRenderer
 from fleet.gateway.replies import Reply, error_body, failure, gather, sse, sse_error
+from fleet.gateway.streams import Indexed
 from fleet.wire.events import (
     ErrorChunk,
     ErrorReason,
@@ -41,7 +43,7 @@ def done(finish: str | None = "stop") -> TaskFinished:
 
 def test_chat_completion_from_events() -> None:
     body = REPLY.chat_completion(
-        gather([ACCEPTED, token(0, "Par"), token(1, "is"), done("length")])
+        [gather([ACCEPTED, token(0, "Par"), token(1, "is"), done("length")])]
     )
     assert body == {
         "id": T,
@@ -67,7 +69,7 @@ def test_chat_completion_from_events() -> None:
 
 def test_tool_calls_make_the_finish_reason_and_the_message() -> None:
     call = ToolCallChunk(task_id=T, at=1, index=0, id="call_1", name="f", arguments='{"x":1}')
-    body = REPLY.chat_completion(gather([call, done(None)]))
+    body = REPLY.chat_completion([gather([call, done(None)])])
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] is None
@@ -80,14 +82,14 @@ def test_tool_calls_make_the_finish_reason_and_the_message() -> None:
 
 def test_logprobs_in_both_shapes() -> None:
     events = [token(0, "a", -0.5), token(1, "bc", -1.0), done()]
-    chat = Reply(T, "m", 1, logprobs=True).chat_completion(gather(events))
+    chat = Reply(T, "m", 1, logprobs=True).chat_completion([gather(events)])
     assert chat["choices"][0]["logprobs"]["content"][1] == {
         "token": "bc",
         "logprob": -1.0,
         "bytes": [98, 99],
         "top_logprobs": [{"token": "bc", "logprob": -1.0, "bytes": [98, 99]}],
     }
-    text = Reply(T, "m", 1, logprobs=True).text_completion(gather(events))
+    text = Reply(T, "m", 1, logprobs=True).text_completion([gather(events)])
     assert text["choices"][0]["logprobs"] == {
         "tokens": ["a", "bc"],
         "token_logprobs": [-0.5, -1.0],
@@ -112,15 +114,66 @@ def test_chat_chunks_per_event(event: object, deltas: list, finish: str | None) 
         assert chunks[-1]["choices"][0]["finish_reason"] == finish
 
 
-def test_usage_chunk_only_when_asked() -> None:
+async def test_usage_chunk_only_when_asked() -> None:
     reply = Reply(T, "m", 1, include_usage=True)
-    assert reply.chat_opening()["usage"] is None
-    final, usage = reply.chat_chunks(done(), 0)
+    [opening] = reply.chat_opening()
+    assert opening["usage"] is None
+    chat_lines = await ChatRenderer(reply).lines(Indexed(3, done(), b""))
+    final, usage = [_data(line) for line in chat_lines]
     assert final["usage"] is None and final["choices"][0]["finish_reason"] == "stop"
     assert usage["choices"] == [] and usage["usage"]["total_tokens"] == 5
-    text_final, text_usage = reply.completion_chunks(done(), 0)
+    text_lines = await CompletionRenderer(reply).lines(Indexed(3, done(), b""))
+    text_final, text_usage = [_data(line) for line in text_lines]
     assert text_final["object"] == text_usage["object"] == "text_completion"
     assert text_usage["usage"]["prompt_tokens"] == 3
+    assert len(await ChatRenderer(REPLY).lines(Indexed(3, done(), b""))) == 1
+
+
+def _data(line: bytes) -> dict:
+    return orjson.loads(line.split(b"data: ", 1)[1])
+
+
+CHOICES = ("cmpl-9-0", "cmpl-9-1")
+
+
+def _of(choice: int, event: TokenChunk | TaskFinished) -> TokenChunk | TaskFinished:
+    usage = Usage(prompt_tokens=3, completion_tokens=2 + choice, total_tokens=5 + choice,
+                  cached_tokens=1)
+    update: dict = {"task_id": CHOICES[choice]}
+    if isinstance(event, TaskFinished):
+        update["usage"] = usage
+    return event.model_copy(update=update)
+
+
+def test_choices_in_one_body_with_the_prompt_counted_once() -> None:
+    reply = Reply("cmpl-9", "m", 1, choice_ids=CHOICES)
+    events = [_of(1, token(0, "B")), _of(0, token(0, "A")), _of(1, done("length")),
+              _of(0, token(1, "a")), _of(0, done())]
+    chat = reply.chat_completion(reply.by_choice(events))
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in chat["choices"]] == [
+        (0, "Aa", "stop"), (1, "B", "length"),
+    ]
+    assert chat["id"] == "cmpl-9"
+    assert chat["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,
+                             "prompt_tokens_details": {"cached_tokens": 1}}
+    text = reply.text_completion(reply.by_choice(events))
+    assert [c["text"] for c in text["choices"]] == ["Aa", "B"]
+
+
+async def test_streamed_choices_carry_their_index_and_one_usage_at_the_end() -> None:
+    reply = Reply("cmpl-9", "m", 1, include_usage=True, choice_ids=CHOICES)
+    renderer = ChatRenderer(reply)
+    assert [_data(line)["choices"][0]["index"] for line in renderer.opening()] == [0, 1]
+    first = await renderer.lines(Indexed(2, _of(1, token(0, "B")), b""))
+    assert _data(first[0])["choices"][0]["index"] == 1
+    assert b"id:" not in first[0]  # event indexes are per task: no SSE id for several choices
+    ended_one = await renderer.lines(Indexed(3, _of(1, done()), b""))
+    assert [_data(line)["choices"][0]["finish_reason"] for line in ended_one] == ["stop"]
+    ended_all = await renderer.lines(Indexed(3, _of(0, done("length")), b""))
+    finish, usage = [_data(line) for line in ended_all]
+    assert finish["choices"][0] == {"index": 0, "delta": {}, "logprobs": None,
+                                    "finish_reason": "length"}
+    assert usage["usage"]["completion_tokens"] == 5 and usage["choices"] == []
 
 
 @pytest.mark.parametrize(
