@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from fleet.gateway.openai_base import InvalidParameter
 from fleet.gateway.replies import failure
-from fleet.gateway.streams import Indexed, TaskEvents, commits_response
+from fleet.gateway.streams import EventReader, Indexed, TaskEvents
 from fleet.wire.events import TaskFinished
 from fleet.wire.tasks import TextGeneration
 
@@ -42,7 +42,7 @@ def refuse_resumable_choices(n: int, resumable: bool) -> None:
         )
 
 
-class ChoiceEvents:
+class ChoiceEvents(EventReader):
     """The events of several tasks as one iterator, like TaskEvents for one.
 
     It ends when every task has finished, or just after a task that failed (one failed choice
@@ -77,9 +77,6 @@ class ChoiceEvents:
         for part in self.parts:
             await part.close()
 
-    def __aiter__(self) -> ChoiceEvents:
-        return self
-
     async def __anext__(self) -> Indexed:
         if self.finished is not None:
             raise StopAsyncIteration
@@ -92,13 +89,3 @@ class ChoiceEvents:
                 self.finished = item.event
         return item
 
-    async def until_committed(self) -> list[Indexed]:
-        seen: list[Indexed] = []
-        async for item in self:
-            seen.append(item)
-            if commits_response(item.event):
-                break
-        return seen
-
-    async def rest(self) -> list[Indexed]:
-        return [item async for item in self]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import anyio
@@ -40,7 +41,29 @@ def commits_response(event: OutputEvent) -> bool:
     return isinstance(event, TokenChunk | ToolCallChunk | ImageChunk | TaskFinished)
 
 
-class TaskEvents:
+class EventReader(ABC):
+    """A request's events, one at a time or up to a point: one task's, or its choices'."""
+
+    def __aiter__(self) -> EventReader:
+        return self
+
+    @abstractmethod
+    async def __anext__(self) -> Indexed: ...
+
+    async def until_committed(self) -> list[Indexed]:
+        """Read up to the first event that needs a committed response (or the end)."""
+        seen: list[Indexed] = []
+        async for item in self:
+            seen.append(item)
+            if commits_response(item.event):
+                break
+        return seen
+
+    async def rest(self) -> list[Indexed]:
+        return [item async for item in self]
+
+
+class TaskEvents(EventReader):
     """Async iterator of one task's events; ends after its TaskFinished.
 
     Raises DeadlineExceeded when `deadline` (event-loop time) passes first.
@@ -95,9 +118,6 @@ class TaskEvents:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    def __aiter__(self) -> TaskEvents:
-        return self
-
     async def __anext__(self) -> Indexed:
         if self.finished is not None or self._subscription is None:
             raise StopAsyncIteration
@@ -126,14 +146,3 @@ class TaskEvents:
         except TimeoutError:
             raise DeadlineExceeded(f"task {self.task_id} did not finish in time") from None
 
-    async def until_committed(self) -> list[Indexed]:
-        """Read up to the first event that needs a committed response (or the end)."""
-        seen: list[Indexed] = []
-        async for item in self:
-            seen.append(item)
-            if commits_response(item.event):
-                break
-        return seen
-
-    async def rest(self) -> list[Indexed]:
-        return [item async for item in self]
