@@ -297,3 +297,7 @@ def test_n_choices_whole_and_streamed(stack: Stack) -> None:
     assert chunks[-1].usage and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
     finishes = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(finishes) == [0, 1, 2]
+
+    with pytest.raises(openai.BadRequestError) as bad:  # the runner refuses both choices
+        stack.openai.chat.completions.create(**request, logit_bias={"999999": 5})
+    assert "vocabulary" in str(bad.value)
