@@ -14,7 +14,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from fleet.bus.kv_read import live_entries
+from fleet.bus.kv_read import live_entries, live_values
 from fleet.errors import FleetError
 from fleet.placement import choose_node, moved
 from fleet.wire import subjects
@@ -40,6 +40,10 @@ class Failover:
         watcher = await self.nodes.watchall()
         async for entry in watcher:
             if entry is None:
+                # nats-py can send its "initial values done" marker before values it has
+                # already received (see bus/kv_read.py): a snapshot fills in what is late.
+                for info in await live_values(self.js, subjects.NODES_BUCKET, NodeInfo):
+                    self.live.setdefault(info.node_id, info)
                 self.loaded.set()
                 continue
             if entry.operation in ("DEL", "PURGE") or not entry.value:
