@@ -18,20 +18,25 @@ from fleet.gateway.streams import EventReader, Indexed, TaskEvents
 from fleet.wire.events import TaskFinished
 from fleet.wire.tasks import TextGeneration
 
-SEED_RANGE = 2**63
+SEED_MAX = 2**63 - 1  # the gateway's own bound for a seed
 
 
 def choice_tasks(task: TextGeneration, n: int) -> list[TextGeneration]:
-    """The task itself for n = 1, else one task per choice."""
+    """The task itself for n = 1, else one task per choice; choice 0 keeps the seed, so it
+    draws what the same request with n = 1 draws."""
     if n == 1:
         return [task]
     return [
-        task.model_copy(update={
-            "task_id": f"{task.task_id}-{index}",
-            "seed": None if task.seed is None else (task.seed + index) % SEED_RANGE,
-        })
+        task.model_copy(update={"task_id": f"{task.task_id}-{index}",
+                                "seed": _choice_seed(task.seed, index)})
         for index in range(n)
     ]
+
+
+def _choice_seed(seed: int | None, index: int) -> int | None:
+    if seed is None:
+        return None
+    return seed + index if seed + index <= SEED_MAX else seed - index
 
 
 def refuse_resumable_choices(n: int, resumable: bool) -> None:

@@ -8,6 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from fleet.errors import InvalidRequest
+from fleet.gateway.fanout import choice_tasks
 from fleet.gateway.image_bytes import image_format, image_reference
 from fleet.gateway.images import (
     ImageEditRequest,
@@ -198,3 +199,17 @@ def test_image_edit_form_to_task() -> None:
     assert (task.input_images, task.strength, task.size) == ([SHA], 0.3, "512x512")
     with pytest.raises(InvalidRequest, match="mask"):
         edit_form_fields({**form, "mask": object()})
+
+
+def test_each_choice_is_a_task_with_the_next_seed() -> None:
+    task = chat_task(chat(seed=7, n=3), "chatcmpl-x", {}, NOW, 5.0)
+    choices = choice_tasks(task, 3)
+    assert [(c.task_id, c.seed) for c in choices] == [
+        ("chatcmpl-x-0", 7), ("chatcmpl-x-1", 8), ("chatcmpl-x-2", 9),
+    ]
+    assert choices[1].messages == task.messages
+    assert choice_tasks(task, 1) == [task]
+    top = choice_tasks(chat_task(chat(seed=2**63 - 1), "c", {}, NOW, 5.0), 2)
+    assert [c.seed for c in top] == [2**63 - 1, 2**63 - 2]
+    unseeded = choice_tasks(chat_task(chat(), "c", {}, NOW, 5.0), 2)
+    assert [c.seed for c in unseeded] == [None, None]
