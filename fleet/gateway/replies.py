@@ -104,13 +104,6 @@ class TextResult:
         return "".join(token.text for token in self.tokens)
 
 
-def gather(events: Iterable[OutputEvent]) -> TextResult:
-    result = TextResult()
-    for event in events:
-        result.add(event)
-    return result
-
-
 def finish_reason(finished: TaskFinished, has_tool_calls: bool) -> str:
     return finished.finish_reason or ("tool_calls" if has_tool_calls else "stop")
 

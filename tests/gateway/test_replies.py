@@ -9,7 +9,7 @@ from fleet.errors import DeadlineExceeded, ModelNotFound, QueueFull, Unauthorize
 from fleet.gateway.images import images_response, stream_event
 from fleet.gateway.openai_base import InvalidParameter
 from fleet.gateway.renderers import ChatRenderer, CompletionRenderer
-from fleet.gateway.replies import Reply, error_body, failure, gather, sse, sse_error
+from fleet.gateway.replies import Reply, error_body, failure, sse, sse_error
 from fleet.gateway.streams import Indexed
 from fleet.wire.events import (
     ErrorChunk,
@@ -43,7 +43,7 @@ def done(finish: str | None = "stop") -> TaskFinished:
 
 def test_chat_completion_from_events() -> None:
     body = REPLY.chat_completion(
-        [gather([ACCEPTED, token(0, "Par"), token(1, "is"), done("length")])]
+        REPLY.by_choice([ACCEPTED, token(0, "Par"), token(1, "is"), done("length")])
     )
     assert body == {
         "id": T,
@@ -69,7 +69,7 @@ def test_chat_completion_from_events() -> None:
 
 def test_tool_calls_make_the_finish_reason_and_the_message() -> None:
     call = ToolCallChunk(task_id=T, at=1, index=0, id="call_1", name="f", arguments='{"x":1}')
-    body = REPLY.chat_completion([gather([call, done(None)])])
+    body = REPLY.chat_completion(REPLY.by_choice([call, done(None)]))
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] is None
@@ -82,14 +82,15 @@ def test_tool_calls_make_the_finish_reason_and_the_message() -> None:
 
 def test_logprobs_in_both_shapes() -> None:
     events = [token(0, "a", -0.5), token(1, "bc", -1.0), done()]
-    chat = Reply(T, "m", 1, logprobs=True).chat_completion([gather(events)])
+    with_logprobs = Reply(T, "m", 1, logprobs=True)
+    chat = with_logprobs.chat_completion(with_logprobs.by_choice(events))
     assert chat["choices"][0]["logprobs"]["content"][1] == {
         "token": "bc",
         "logprob": -1.0,
         "bytes": [98, 99],
         "top_logprobs": [{"token": "bc", "logprob": -1.0, "bytes": [98, 99]}],
     }
-    text = Reply(T, "m", 1, logprobs=True).text_completion([gather(events)])
+    text = with_logprobs.text_completion(with_logprobs.by_choice(events))
     assert text["choices"][0]["logprobs"] == {
         "tokens": ["a", "bc"],
         "token_logprobs": [-0.5, -1.0],
