@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import anyio
@@ -32,6 +33,16 @@ from fleet.wire.cluster import Instance, RunnerRecord
 from fleet.wire.tasks import CancelTask, Task
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelQueue:
+    """A model's tasks as JetStream counts them."""
+
+    queued: int = 0  # in FLEET_TASKS: waiting, or handed out and not acknowledged yet
+    in_flight: int = 0  # handed to a worker, not acknowledged yet
+    redelivered: int = 0  # of those, handed out more than once (a worker died or stalled)
+    dead_lettered: int = 0  # in FLEET_DEAD after their last delivery
 Model = TypeVar("Model", bound=BaseModel)
 
 # JetStream answers a publish over a stream's message limits with this code; FLEET_TASKS has
@@ -187,6 +198,27 @@ class Backend:
             )
         per_subject = info.state.subjects or {}
         return {subjects.model_of_task_subject(s): n for s, n in per_subject.items()}
+
+    async def queue_stats(self) -> dict[str, ModelQueue]:
+        """Per model: tasks queued, handed out, handed out more than once, dead-lettered."""
+        depths = await self.queue_depths()
+        js = self.jetstream()
+        with unavailable_on_nats_errors("read the task consumers and dead letters"):
+            consumers = await js.consumers_info(subjects.TASKS_STREAM)
+            dead = await js.stream_info(
+                subjects.DEAD_LETTERS_STREAM, subjects_filter=subjects.DEAD_LETTERS_ALL
+            )
+        stats = {model: ModelQueue(queued=count) for model, count in depths.items()}
+        for consumer in consumers:
+            if (model := subjects.model_of_durable(consumer.name or "")) is not None:
+                stats[model] = replace(
+                    stats.get(model, ModelQueue()), in_flight=consumer.num_ack_pending or 0,
+                    redelivered=consumer.num_redelivered or 0,
+                )
+        for subject, count in (dead.state.subjects or {}).items():
+            model = subjects.model_of_dead_letter(subject)
+            stats[model] = replace(stats.get(model, ModelQueue()), dead_lettered=count)
+        return stats
 
     async def stored_events(self, task_id: str) -> int:
         subject = subjects.out(task_id)

@@ -10,8 +10,12 @@ import bisect
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fleet.wire.events import ImageChunk, OutputEvent, TaskFinished, TokenChunk
+
+if TYPE_CHECKING:
+    from fleet.gateway.backend import ModelQueue
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -107,8 +111,10 @@ class GatewayMetrics:
             "fleet_gateway_request_duration_seconds", "From the request to its last byte"
         )
 
-    def render(self, queue_depths: Mapping[str, int]) -> str:
-        depth = {_labels({"model": model}): count for model, count in queue_depths.items()}
+    def render(self, queues: Mapping[str, ModelQueue]) -> str:
+        def per_model(field: str) -> dict[Labels, float]:
+            return {_labels({"model": m}): getattr(q, field) for m, q in queues.items()}
+
         lines = [
             *self.requests.render(),
             *self.errors.render(),
@@ -117,7 +123,21 @@ class GatewayMetrics:
             *self.tpot.render(),
             *self.duration.render(),
             *render_gauge(
-                "fleet_queue_depth", "Tasks in FLEET_TASKS not yet acknowledged, per model", depth
+                "fleet_queue_depth", "Tasks in FLEET_TASKS not yet acknowledged, per model",
+                per_model("queued"),
+            ),
+            *render_gauge(
+                "fleet_tasks_in_flight", "Tasks handed to a worker and not acknowledged yet",
+                per_model("in_flight"),
+            ),
+            *render_gauge(
+                "fleet_tasks_redelivered",
+                "Tasks in flight that were handed out more than once (a worker died or stalled)",
+                per_model("redelivered"),
+            ),
+            *render_gauge(
+                "fleet_tasks_dead_lettered", "Tasks in FLEET_DEAD after their last delivery",
+                per_model("dead_lettered"),
             ),
         ]
         return "\n".join(lines) + "\n"

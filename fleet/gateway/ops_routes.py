@@ -72,10 +72,10 @@ async def healthz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     gateway = gateway_of(request)
     try:
-        depths = await gateway.backend.queue_depths()
+        queues = await gateway.backend.queue_stats()
     except FleetError:
-        depths = {}  # the scrape still reports what the gateway itself saw
-    return PlainTextResponse(gateway.metrics.render(depths), media_type=PROMETHEUS_TEXT)
+        queues = {}  # the scrape still reports what the gateway itself saw
+    return PlainTextResponse(gateway.metrics.render(queues), media_type=PROMETHEUS_TEXT)
 
 
 async def openapi(request: Request) -> Response:

@@ -15,6 +15,7 @@ CANCELS_BUCKET = "FLEET_CANCELS"
 IMAGES_BUCKET = "FLEET_IMAGES"
 
 TASKS_ALL = "fleet.tasks.>"
+DEAD_LETTERS_ALL = "fleet.dead.>"
 
 
 def tasks(model: str) -> str:
@@ -53,6 +54,15 @@ def dead_letter(model: str) -> str:
     return f"fleet.dead.{model}"
 
 
+def model_of_dead_letter(subject: str) -> str:
+    return subject.removeprefix("fleet.dead.")
+
+
 def durable(model: str) -> str:
     """One durable pull consumer per model: every worker serving it shares the queue."""
     return f"tasks-{model}"
+
+
+def model_of_durable(name: str) -> str | None:
+    """The model a FLEET_TASKS consumer serves, or None for a consumer Fleet did not make."""
+    return name.removeprefix("tasks-") if name.startswith("tasks-") else None

@@ -8,6 +8,7 @@ import httpx
 from gateway_helpers import StandInWorker, tokens_script
 from nats.aio.client import Client
 
+from fleet.bus.provision import ensure_task_consumer
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord, ShardAssignment
 from fleet.wire.codec import encode
@@ -75,3 +76,25 @@ async def test_metrics_count_requests_tokens_and_latency(
     assert 'fleet_gateway_time_to_first_token_seconds_count{model="tiny-llm"} 1' in text
     assert 'fleet_gateway_time_per_output_token_seconds_count{model="tiny-llm"} 1' in text
     assert "# TYPE fleet_queue_depth gauge" in text
+
+
+async def test_metrics_count_tasks_in_flight_redelivered_and_dead_lettered(
+    client: httpx.AsyncClient, nc: Client
+) -> None:
+    js = nc.jetstream()
+    await ensure_task_consumer(nc, "tiny-llm")
+    for n in range(3):
+        await js.publish(subjects.tasks("tiny-llm"), b"{}", headers={"Nats-Msg-Id": f"t{n}"})
+    pull = await js.pull_subscribe_bind(subjects.durable("tiny-llm"), subjects.TASKS_STREAM)
+    first, second = await pull.fetch(2, timeout=5)  # a worker took two; the third waits
+    await first.nak()  # given back: handed out again, now for the second time
+    [again] = await pull.fetch(1, timeout=5)
+    assert again.metadata.num_delivered == 2
+    await second.ack()
+    await js.publish(subjects.dead_letter("tiny-llm"), b"{}")
+
+    text = (await client.get("/metrics")).text
+    assert 'fleet_queue_depth{model="tiny-llm"} 2' in text
+    assert 'fleet_tasks_in_flight{model="tiny-llm"} 1' in text
+    assert 'fleet_tasks_redelivered{model="tiny-llm"} 1' in text
+    assert 'fleet_tasks_dead_lettered{model="tiny-llm"} 1' in text
