@@ -83,14 +83,19 @@ async def test_metrics_count_tasks_in_flight_redelivered_and_dead_lettered(
 ) -> None:
     js = nc.jetstream()
     await ensure_task_consumer(nc, "tiny-llm")
-    for n in range(3):
+
+    async def queue(n: int) -> None:
         await js.publish(subjects.tasks("tiny-llm"), b"{}", headers={"Nats-Msg-Id": f"t{n}"})
+
+    await queue(0)
+    await queue(1)
     pull = await js.pull_subscribe_bind(subjects.durable("tiny-llm"), subjects.TASKS_STREAM)
-    first, second = await pull.fetch(2, timeout=5)  # a worker took two; the third waits
+    first, second = await pull.fetch(2, timeout=5)  # a worker took both
+    await second.ack()
     await first.nak()  # given back: handed out again, now for the second time
     [again] = await pull.fetch(1, timeout=5)
     assert again.metadata.num_delivered == 2
-    await second.ack()
+    await queue(2)  # waits: nobody fetches it
     await js.publish(subjects.dead_letter("tiny-llm"), b"{}")
 
     text = (await client.get("/metrics")).text
