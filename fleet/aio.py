@@ -1,16 +1,118 @@
-"""Background asyncio tasks that are kept referenced until done, and whose errors are logged."""
+"""Owned concurrency: every long-lived coroutine is a child of one asyncio.TaskGroup.
+
+`Supervisor` wraps the group. `forever(name, factory)` runs a loop that must never end: when
+it raises, the traceback is logged and the loop is restarted after a backoff that doubles up
+to a cap (reset after a minute of health); `critical=True` stops the owner instead (the
+failure is re-raised out of the group on purpose). `spawn(name, coro)` runs a one-shot child
+whose failure is logged with its traceback, never swallowed.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+import time
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 log = logging.getLogger(__name__)
 
+BACKOFF_FIRST_S = 0.5
+BACKOFF_CAP_S = 30.0
+HEALTHY_AFTER_S = 60.0  # a child that ran this long starts its next backoff from the first step
+
+
+def next_backoff(previous_s: float | None, ran_for_s: float) -> float:
+    """The pause before restarting a failed child: doubling, capped, reset by a long run."""
+    if previous_s is None or ran_for_s >= HEALTHY_AFTER_S:
+        return BACKOFF_FIRST_S
+    return min(BACKOFF_CAP_S, previous_s * 2)
+
+
+class Supervisor:
+    """The owner of a process's (or a component's) children. Use as `async with`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._group: asyncio.TaskGroup | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.restarts: dict[str, int] = {}  # child name -> restarts so far (for logs and tests)
+
+    async def __aenter__(self) -> Supervisor:
+        self._group = asyncio.TaskGroup()
+        await self._group.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        assert self._group is not None
+        return await self._group.__aexit__(*exc_info)
+
+    def forever(
+        self,
+        name: str,
+        factory: Callable[[], Awaitable[None]],
+        *,
+        critical: bool = False,
+    ) -> asyncio.Task[None]:
+        """Run `factory()` for the owner's lifetime; restart it with backoff when it fails."""
+        return self._start(name, self._keep_running(name, factory, critical))
+
+    def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A one-shot child: its failure is logged with the traceback, the owner goes on."""
+        return self._start(name, self._logged(name, coro))
+
+    async def cancel_all(self) -> None:
+        """Cancel every child and wait for them (the group itself stays usable)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def children(self) -> int:
+        return len(self._tasks)
+
+    def _start(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        if self._group is None:
+            raise RuntimeError(f"{self.name}: supervisor used outside `async with`")
+        task = self._group.create_task(coro, name=f"{self.name}/{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _logged(self, name: str, coro: Coroutine[Any, Any, Any]) -> Any:
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("%s/%s failed", self.name, name)
+            return None
+
+    async def _keep_running(
+        self, name: str, factory: Callable[[], Awaitable[None]], critical: bool
+    ) -> None:
+        backoff: float | None = None
+        while True:
+            started = time.monotonic()
+            try:
+                await factory()
+                log.error("%s/%s returned; it must run until stopped: restarting", self.name, name)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                if critical:
+                    log.exception("%s/%s failed: stopping %s", self.name, name, self.name)
+                    raise
+                log.exception("%s/%s failed: restarting", self.name, name)
+            backoff = next_backoff(backoff, time.monotonic() - started)
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            await asyncio.sleep(backoff)  # a restart backoff, not synchronisation
+
 
 class TaskSet:
+    """Kept for callers not yet under a Supervisor: referenced until done, errors logged."""
+
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
 
