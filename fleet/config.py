@@ -32,6 +32,15 @@ class Settings:
     max_deliver: int = 3
     ack_wait_s: float = 30.0
     auto_place: bool = True  # a task queued for a model nobody serves places an instance
+    # How this process proves who it is to NATS ("" = not used); see README "Operating".
+    replicas: int = 0  # stream and KV replicas; 0 = from the cluster's size (3 if >= 3 servers)
+    nats_creds: str = ""  # a .creds file (JWT + NKey seed)
+    nats_nkey: str = ""  # an NKey seed file
+    nats_user: str = ""
+    nats_password: str = ""
+    nats_tls_ca: str = ""  # CA bundle that signed the server's certificate
+    nats_tls_cert: str = ""  # client certificate (mutual TLS)
+    nats_tls_key: str = ""
 
     @property
     def models_dir(self) -> Path:
@@ -48,6 +57,11 @@ class Settings:
     @property
     def url(self) -> str:
         return self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def urls(self) -> list[str]:
+        """Every server of `url` (a comma-separated list names a cluster's servers)."""
+        return [part.strip() for part in self.url.split(",") if part.strip()]
 
 
 _ENV: dict[str, str] = {
@@ -66,6 +80,14 @@ _ENV: dict[str, str] = {
     "max_deliver": "FLEET_MAX_DELIVER",
     "ack_wait_s": "FLEET_ACK_WAIT_S",
     "auto_place": "FLEET_AUTO_PLACE",
+    "replicas": "FLEET_REPLICAS",
+    "nats_creds": "FLEET_NATS_CREDS",
+    "nats_nkey": "FLEET_NATS_NKEY",
+    "nats_user": "FLEET_NATS_USER",
+    "nats_password": "FLEET_NATS_PASSWORD",
+    "nats_tls_ca": "FLEET_NATS_TLS_CA",
+    "nats_tls_cert": "FLEET_NATS_TLS_CERT",
+    "nats_tls_key": "FLEET_NATS_TLS_KEY",
 }
 
 _TRUE = ("1", "true", "yes", "on")
