@@ -1,0 +1,198 @@
+"""One ack policy: which JetStream verb a task message gets, decided in one pure function, and
+the one place that sends it.
+
+`decide(stage, since_last_verb_s, ack_wait_s)` maps a task's situation to a verb:
+
+    stage                  verb
+    waiting_inputs         in_progress when due (every ack_wait/4, at most 5 s), else nothing
+    waiting_slot           in_progress when due, else nothing
+    running                in_progress when due, else nothing
+    stopping_running       in_progress when due (its runner still ends it), else nothing
+    finished_stored        ack, confirmed by the server (the terminal is in FLEET_OUT)
+    redelivered_finished   ack, confirmed (a redelivery of a task that already ended)
+    finished_not_stored    nothing: the terminal is not stored, so AckWait redelivers it
+    invalid                term: poison, never redeliver
+    stopping_not_started   nak now: another worker takes it at once
+    handed_back            nak after HAND_BACK_DELAY_S: no runner here for its model any more
+
+Every held message (waiting for inputs, for a slot, or running) is thus kept alive well inside
+AckWait, so JetStream never hands it to a second worker while this one still has it.
+
+`AckPolicy` holds the messages and applies verbs: with the broker retry policy for settling
+verbs, a single try per tick for in_progress (the next tick is its retry); every failure is
+logged and counted in `failures`, none is swallowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from nats.aio.msg import Msg
+from nats.errors import MsgAlreadyAckdError
+
+from fleet.bus.retry import BROKER_BUDGET_S, with_retry
+
+log = logging.getLogger(__name__)
+
+PROGRESS_CAP_S = 5.0
+HAND_BACK_DELAY_S = 1.0
+CONFIRM_TIMEOUT_S = 2.0
+
+
+class Stage(StrEnum):
+    WAITING_INPUTS = "waiting_inputs"
+    WAITING_SLOT = "waiting_slot"
+    RUNNING = "running"
+    STOPPING_RUNNING = "stopping_running"
+    FINISHED_STORED = "finished_stored"
+    REDELIVERED_FINISHED = "redelivered_finished"
+    FINISHED_NOT_STORED = "finished_not_stored"
+    INVALID = "invalid"
+    STOPPING_NOT_STARTED = "stopping_not_started"
+    HANDED_BACK = "handed_back"
+
+
+class Kind(StrEnum):
+    ACK = "ack"
+    NAK = "nak"
+    IN_PROGRESS = "in_progress"
+    TERM = "term"
+    NOTHING = "nothing"
+
+
+@dataclass(frozen=True)
+class Verb:
+    kind: Kind
+    delay_s: float | None = None  # for nak: redeliver after this long
+    confirm: bool = False  # wait for the server to confirm it (ack_sync)
+
+
+NOTHING = Verb(Kind.NOTHING)
+HELD = frozenset({Stage.WAITING_INPUTS, Stage.WAITING_SLOT, Stage.RUNNING, Stage.STOPPING_RUNNING})
+
+
+def progress_every(ack_wait_s: float) -> float:
+    """How often a held message is told in_progress: a quarter of AckWait, at most 5 s."""
+    return min(PROGRESS_CAP_S, ack_wait_s / 4)
+
+
+def tick_every(ack_wait_s: float) -> float:
+    """The heartbeat tick: half the progress period, so the longest silence is 3/8 AckWait."""
+    return max(0.1, progress_every(ack_wait_s) / 2)
+
+
+def decide(stage: Stage, since_last_verb_s: float, ack_wait_s: float) -> Verb:
+    """The verb a message in `stage` gets now, `since_last_verb_s` after its last one."""
+    if stage in HELD:
+        due = since_last_verb_s >= progress_every(ack_wait_s)
+        return Verb(Kind.IN_PROGRESS) if due else NOTHING
+    match stage:
+        case Stage.FINISHED_STORED | Stage.REDELIVERED_FINISHED:
+            return Verb(Kind.ACK, confirm=True)
+        case Stage.FINISHED_NOT_STORED:
+            return NOTHING
+        case Stage.INVALID:
+            return Verb(Kind.TERM)
+        case Stage.STOPPING_NOT_STARTED:
+            return Verb(Kind.NAK)
+        case Stage.HANDED_BACK:
+            return Verb(Kind.NAK, delay_s=HAND_BACK_DELAY_S)
+    raise ValueError(f"no verb for stage {stage!r}")
+
+
+@dataclass
+class _Held:
+    msg: Msg
+    last_verb_at: float
+
+
+class AckPolicy:
+    """The worker's held task messages and the one place a verb is sent for them."""
+
+    def __init__(self, ack_wait_s: float, budget_s: float = BROKER_BUDGET_S) -> None:
+        self.ack_wait_s = ack_wait_s
+        self.budget_s = budget_s
+        self._held: dict[str, _Held] = {}
+        self.sent: Counter[str] = Counter()  # verb -> sent (for tests and logs)
+        self.failures: Counter[str] = Counter()  # verb -> failed after its retries
+
+    def hold(self, task_id: str, msg: Msg, now: float) -> None:
+        """Keep `msg` until it is settled; it was delivered (a verb of sorts) at `now`."""
+        self._held[task_id] = _Held(msg, now)
+
+    def held(self) -> list[str]:
+        return list(self._held)
+
+    def release(self, task_id: str) -> Msg | None:
+        """Stop holding a task's message (it is being settled) and return it."""
+        held = self._held.pop(task_id, None)
+        return held.msg if held else None
+
+    async def heartbeat(self, stages: Mapping[str, Stage], now: float) -> None:
+        """in_progress for every held message that is due. One try each: a publish that
+        fails now is tried again at the next tick, still well inside AckWait."""
+        for task_id, stage in stages.items():
+            held = self._held.get(task_id)
+            if held is None:
+                continue
+            verb = decide(stage, now - held.last_verb_at, self.ack_wait_s)
+            if verb.kind is not Kind.IN_PROGRESS:
+                continue
+            try:
+                await held.msg.in_progress()
+            except Exception as exc:
+                self._failed(task_id, verb, exc)
+                continue
+            held.last_verb_at = now
+            self.sent[Kind.IN_PROGRESS] += 1
+
+    async def settle(self, task_id: str | None, msg: Msg, stage: Stage) -> bool:
+        """Send the verb `stage` calls for, retried through broker trouble. True when sent
+        (or nothing was due); False when it failed for good: logged and counted."""
+        self._held.pop(task_id or "", None)
+        verb = decide(stage, 0.0, self.ack_wait_s)
+        if verb.kind is Kind.NOTHING:
+            return True
+        try:
+            await with_retry(
+                lambda: _send(msg, verb), what=f"{verb.kind} task {task_id}",
+                budget_s=self.budget_s,
+            )
+        except MsgAlreadyAckdError:
+            log.debug("task %s: already settled, %s not sent again", task_id, verb.kind)
+            return True
+        except Exception as exc:
+            self._failed(task_id, verb, exc)
+            return False
+        self.sent[verb.kind] += 1
+        return True
+
+    def _failed(self, task_id: str | None, verb: Verb, exc: BaseException) -> None:
+        self.failures[verb.kind] += 1
+        log.warning(
+            "task %s: %s failed (%s: %s); %d %s failure(s) so far",
+            task_id, verb.kind, type(exc).__name__, exc, self.failures[verb.kind], verb.kind,
+        )
+
+
+async def _send(msg: Msg, verb: Verb) -> None:
+    match verb.kind:
+        case Kind.ACK if verb.confirm:
+            await msg.ack_sync(timeout=CONFIRM_TIMEOUT_S)
+        case Kind.ACK:
+            await msg.ack()
+        case Kind.NAK:
+            await msg.nak(delay=verb.delay_s)
+        case Kind.TERM:
+            await msg.term()
+        case Kind.IN_PROGRESS:
+            await msg.in_progress()
+
+
+def now() -> float:
+    return time.monotonic()

@@ -1,0 +1,99 @@
+"""The ack policy: every row of the table, and the effectful part against a real nats-server."""
+
+from __future__ import annotations
+
+import pytest
+from nats.aio.client import Client
+
+from fleet.bus.provision import ensure_task_consumer
+from fleet.wire import subjects
+from fleet.worker.acks import (
+    HAND_BACK_DELAY_S,
+    AckPolicy,
+    Kind,
+    Stage,
+    Verb,
+    decide,
+    progress_every,
+    tick_every,
+)
+
+ACK_WAIT = 30.0
+DUE = progress_every(ACK_WAIT)
+NOTHING = Verb(Kind.NOTHING)
+IN_PROGRESS = Verb(Kind.IN_PROGRESS)
+
+TABLE = [
+    # stage, seconds since the last verb, the verb
+    (Stage.WAITING_INPUTS, 0.0, NOTHING),
+    (Stage.WAITING_INPUTS, DUE, IN_PROGRESS),
+    (Stage.WAITING_SLOT, DUE - 0.1, NOTHING),
+    (Stage.WAITING_SLOT, DUE, IN_PROGRESS),
+    (Stage.WAITING_SLOT, 10 * ACK_WAIT, IN_PROGRESS),
+    (Stage.RUNNING, 1.0, NOTHING),
+    (Stage.RUNNING, DUE + 1, IN_PROGRESS),
+    (Stage.STOPPING_RUNNING, 0.0, NOTHING),
+    (Stage.STOPPING_RUNNING, DUE, IN_PROGRESS),
+    (Stage.FINISHED_STORED, 0.0, Verb(Kind.ACK, confirm=True)),
+    (Stage.FINISHED_STORED, 99.0, Verb(Kind.ACK, confirm=True)),
+    (Stage.REDELIVERED_FINISHED, 0.0, Verb(Kind.ACK, confirm=True)),
+    (Stage.FINISHED_NOT_STORED, 0.0, NOTHING),
+    (Stage.FINISHED_NOT_STORED, 99.0, NOTHING),
+    (Stage.INVALID, 0.0, Verb(Kind.TERM)),
+    (Stage.STOPPING_NOT_STARTED, 0.0, Verb(Kind.NAK)),
+    (Stage.HANDED_BACK, 0.0, Verb(Kind.NAK, delay_s=HAND_BACK_DELAY_S)),
+]
+
+
+@pytest.mark.parametrize(("stage", "since", "verb"), TABLE)
+def test_the_ack_table(stage: Stage, since: float, verb: Verb) -> None:
+    assert decide(stage, since, ACK_WAIT) == verb
+
+
+def test_the_table_covers_every_stage() -> None:
+    assert {row[0] for row in TABLE} == set(Stage)
+
+
+@pytest.mark.parametrize("ack_wait", [1.0, 2.0, 30.0, 300.0])
+def test_a_held_message_is_told_well_inside_ack_wait(ack_wait: float) -> None:
+    # The longest silence: due after progress_every, noticed at most one tick later.
+    assert progress_every(ack_wait) + tick_every(ack_wait) <= 0.5 * ack_wait
+
+
+async def test_settle_and_heartbeat_against_a_real_server(provisioned_nc: Client) -> None:
+    js = provisioned_nc.jetstream()
+    await ensure_task_consumer(provisioned_nc, "m", ack_wait_s=2.0)
+    sub = await js.pull_subscribe_bind(subjects.durable("m"), stream=subjects.TASKS_STREAM)
+    for n in range(3):
+        await js.publish(subjects.tasks("m"), f"task {n}".encode())
+    a, b, c = await sub.fetch(3, timeout=2)
+    policy = AckPolicy(ack_wait_s=2.0, budget_s=2.0)
+    policy.hold("a", a, now=0.0)
+    await policy.heartbeat({"a": Stage.WAITING_SLOT}, now=progress_every(2.0))
+    assert policy.sent[Kind.IN_PROGRESS] == 1
+    assert await policy.settle("a", a, Stage.FINISHED_STORED)
+    assert await policy.settle("b", b, Stage.INVALID)
+    assert await policy.settle("b", b, Stage.INVALID)  # a second verb is not a failure
+    assert await policy.settle("c", c, Stage.FINISHED_NOT_STORED)
+    assert policy.held() == []
+    assert policy.sent == {Kind.IN_PROGRESS: 1, Kind.ACK: 1, Kind.TERM: 1}
+    assert sum(policy.failures.values()) == 0
+    await provisioned_nc.flush()  # term is a core publish: let the server have it first
+    info = await js.consumer_info(subjects.TASKS_STREAM, subjects.durable("m"))
+    assert info.num_ack_pending == 1  # c: not acked, it will be redelivered
+
+
+async def test_a_verb_that_cannot_be_sent_is_counted_not_swallowed(
+    provisioned_nc: Client,
+) -> None:
+    js = provisioned_nc.jetstream()
+    await ensure_task_consumer(provisioned_nc, "m")
+    sub = await js.pull_subscribe_bind(subjects.durable("m"), stream=subjects.TASKS_STREAM)
+    await js.publish(subjects.tasks("m"), b"x")
+    [msg] = await sub.fetch(1, timeout=2)
+    await provisioned_nc.close()
+    policy = AckPolicy(ack_wait_s=30.0, budget_s=0.5)
+    policy.hold("x", msg, now=0.0)
+    await policy.heartbeat({"x": Stage.RUNNING}, now=100.0)
+    assert not await policy.settle("x", msg, Stage.FINISHED_STORED)
+    assert policy.failures == {Kind.IN_PROGRESS: 1, Kind.ACK: 1}
