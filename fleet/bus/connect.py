@@ -1,42 +1,184 @@
-"""Connecting to NATS, and publishing with the headers every Fleet message carries."""
+"""Connecting to NATS, and publishing with the headers every Fleet message carries.
+
+Every process connects through `connect_with(settings, name)`: the server list, credentials
+(a .creds file, an NKey seed, user and password) and TLS all come from Settings. No secret
+is ever logged: URLs go through `redact_url` before they reach a log line or an error.
+A permission violation the server reports is logged once as one line naming the subject and
+kept for `permission_errors()`, which a health check reads.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import re
+import ssl
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit, urlunsplit
 
+import nats.errors as nats_errors
 from nats.aio.client import Client
-from nats.errors import NoServersError
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from pydantic import BaseModel
 
+from fleet.bus.retry import with_retry
 from fleet.errors import NatsUnavailable
 from fleet.telemetry import inject_headers, send_span
 from fleet.wire.codec import encode
 
+if TYPE_CHECKING:
+    from fleet.config import Settings
+
 log = logging.getLogger(__name__)
 
 MSG_ID = "Nats-Msg-Id"
+# How long a permission violation keeps a health check from saying "ok".
+PERMISSION_WINDOW_S = 60.0
+_PERMISSION = re.compile(r"permissions violation for (\w+) to \"?([^\"\s']+)\"?", re.IGNORECASE)
+_USERINFO = re.compile(r"(\w+://)([^:/@\s]+):([^@/\s]+)@")
 
 
-async def connect(url: str, name: str, *, connect_timeout: float = 5.0) -> Client:
-    """Connect with endless reconnects after the first success; a first failure is clear."""
+def redact_url(url: str) -> str:
+    """`nats://user:secret@host` → `nats://user:***@host`; a bare token becomes `***`."""
+    parts = urlsplit(url if "://" in url else f"nats://{url}")
+    if not parts.username and not parts.password:
+        return url
+    user = parts.username or ""
+    hidden = f"{user}:***" if parts.password is not None else "***"
+    host = parts.hostname or ""
+    netloc = f"{hidden}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def redact_text(text: str) -> str:
+    """Redact every `scheme://user:password@` inside free text (errors that quote a URL)."""
+    return _USERINFO.sub(lambda m: f"{m.group(1)}{m.group(2)}:***@", text)
+
+
+def redact_urls(urls: Sequence[str]) -> str:
+    return ", ".join(redact_url(url) for url in urls)
+
+
+@dataclass(frozen=True)
+class PermissionDenied:
+    """One permission violation the server reported to this process."""
+
+    operation: str  # "publish" | "subscription"
+    subject: str
+    at: float  # time.time()
+
+
+_denied: deque[PermissionDenied] = deque(maxlen=100)
+
+
+def permission_errors(within_s: float = PERMISSION_WINDOW_S) -> list[PermissionDenied]:
+    """The permission violations of this process in the last `within_s` seconds, oldest
+    first: a health check is not ok while this is non-empty."""
+    since = time.time() - within_s
+    return [denied for denied in _denied if denied.at >= since]
+
+
+def parse_permission_error(message: str) -> PermissionDenied | None:
+    if match := _PERMISSION.search(message):
+        return PermissionDenied(match.group(1).lower(), match.group(2), time.time())
+    return None
+
+
+@dataclass(frozen=True)
+class ConnectOptions:
+    """How this process proves who it is to NATS; "" means not used."""
+
+    creds: str = ""  # a .creds file (JWT + NKey seed)
+    nkey: str = ""  # a file holding an NKey seed
+    user: str = ""
+    password: str = ""
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ConnectOptions:
+        return cls(
+            creds=settings.nats_creds, nkey=settings.nats_nkey, user=settings.nats_user,
+            password=settings.nats_password, tls_ca=settings.nats_tls_ca,
+            tls_cert=settings.nats_tls_cert, tls_key=settings.nats_tls_key,
+        )
+
+    def tls_context(self, servers: Sequence[str]) -> ssl.SSLContext | None:
+        """A context when any server is `tls://` or any TLS file is set; None otherwise."""
+        wants_tls = any(url.startswith("tls://") for url in servers)
+        if not (wants_tls or self.tls_ca or self.tls_cert):
+            return None
+        context = ssl.create_default_context(cafile=self.tls_ca or None)
+        if self.tls_cert:
+            context.load_cert_chain(self.tls_cert, self.tls_key or None)
+        return context
+
+
+def server_list(servers: str | Sequence[str]) -> list[str]:
+    """nats-py wants a list: a comma-separated string crashes it (`invalid connect url`)."""
+    raw = servers.split(",") if isinstance(servers, str) else list(servers)
+    return [url.strip() for url in raw if url.strip()]
+
+
+async def connect_with(settings: Settings, name: str, *, connect_timeout: float = 5.0) -> Client:
+    """The one way a Fleet process connects: servers, credentials and TLS from Settings."""
+    return await connect(
+        settings.urls, name, connect_timeout=connect_timeout,
+        options=ConnectOptions.from_settings(settings),
+    )
+
+
+async def connect(
+    servers: str | Sequence[str],
+    name: str,
+    *,
+    connect_timeout: float = 5.0,
+    options: ConnectOptions | None = None,
+) -> Client:
+    """Connect with endless reconnects after the first success; a first failure is a clear
+    NatsUnavailable naming the (redacted) servers."""
+    urls = server_list(servers)
+    options = options or ConnectOptions()
+    shown = redact_urls(urls)
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats: %s", exc)
+        text = redact_text(str(exc) or type(exc).__name__)
+        if denied := parse_permission_error(text):
+            _denied.append(denied)
+            log.error(
+                "nats: permission denied: %s to %s (the NATS user of %s may not do this)",
+                denied.operation, denied.subject, name,
+            )
+            return
+        log.warning("nats: %s", text)
 
     async def on_disconnect() -> None:
         if not (client.is_closed or client.is_draining):  # a close we asked for is no news
-            log.warning("nats: disconnected from %s, reconnecting", url)
+            log.warning("nats: disconnected from %s, reconnecting", _current(client, shown))
 
     async def on_reconnect() -> None:
-        log.info("nats: reconnected to %s", url)
+        log.info("nats: reconnected to %s", _current(client, shown))
 
+    extra: dict[str, object] = {}
+    if options.creds:
+        extra["user_credentials"] = options.creds
+    if options.nkey:
+        extra["nkeys_seed"] = options.nkey
+    if options.user:
+        extra["user"] = options.user
+    if options.password:
+        extra["password"] = options.password
     client = Client()
     try:
+        if tls := options.tls_context(urls):
+            extra["tls"] = tls
         await client.connect(
-            url,
+            urls,
             name=name,
             connect_timeout=connect_timeout,
             allow_reconnect=True,
@@ -45,10 +187,19 @@ async def connect(url: str, name: str, *, connect_timeout: float = 5.0) -> Clien
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
+            **extra,  # type: ignore[arg-type]
         )
-    except (NoServersError, OSError, TimeoutError) as exc:
-        raise NatsUnavailable(f"cannot reach NATS at {url}: {exc or type(exc).__name__}") from None
+    except nats_errors.AuthorizationError:
+        raise NatsUnavailable(f"NATS at {shown} refused this process's credentials") from None
+    except (nats_errors.Error, OSError, TimeoutError, ssl.SSLError) as exc:
+        detail = redact_text(str(exc) or type(exc).__name__)
+        raise NatsUnavailable(f"cannot reach NATS at {shown}: {detail}") from None
     return client
+
+
+def _current(client: Client, fallback: str) -> str:
+    url = client.connected_url
+    return redact_url(url.geturl()) if url else fallback
 
 
 def headers_for(
@@ -65,7 +216,7 @@ def headers_for(
 async def publish(
     nc: Client, subject: str, message: BaseModel, *, msg_id: str | None = None
 ) -> None:
-    """Core publish: for the hot path (tokens), where an awaited ack would cost ~0.7 ms."""
+    """Core publish: no confirmation. For what may be lost (hints, live-only signals)."""
     await nc.publish(subject, encode(message), headers=headers_for(msg_id))
 
 
@@ -76,9 +227,21 @@ async def js_publish(
     *,
     msg_id: str | None = None,
     timeout: float = 5.0,
+    budget_s: float | None = None,
 ) -> PubAck:
     """JetStream publish awaiting the stream's ack (tasks, terminal events), inside a `send`
-    span: the message's traceparent names that span as the parent of its consumers' spans."""
+    span: the message's traceparent names that span as the parent of its consumers' spans.
+
+    Retried on transient errors within the broker budget (fleet.bus.retry); with a msg_id
+    the retry is idempotent: the stream keeps the first copy and acks the others as duplicates.
+    """
     body = encode(message)
+    headers = headers_for(msg_id)
+
+    async def once() -> PubAck:
+        return await js.publish(subject, body, headers=headers, timeout=timeout)
+
     with send_span(subject, msg_id, len(body)):
-        return await js.publish(subject, body, headers=headers_for(msg_id), timeout=timeout)
+        if budget_s is None:
+            return await with_retry(once, what=f"publish to {subject}")
+        return await with_retry(once, what=f"publish to {subject}", budget_s=budget_s)

@@ -1,0 +1,77 @@
+"""KV calls under the broker retry policy (fleet.bus.retry): each one outlasts a restart or an
+election, then fails as BrokerUnavailable naming the bucket and key.
+
+Which calls are safe to repeat, and why:
+- `kv_put` writes the same value again: the key ends with that value either way.
+- `kv_create` may find its own first attempt stored (the answer was lost): a retry then sees
+  "key exists". It returns None in that case, like any other "someone has it": the caller
+  reads the key if it must know whose it is.
+- `kv_update` is a compare-and-set on a revision: a lost answer to a stored update makes the
+  retry fail as a wrong revision, reported as None (the caller re-reads and decides again).
+- `kv_get` and `kv_delete` are naturally repeatable.
+"""
+
+from __future__ import annotations
+
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+from fleet.bus.retry import BROKER_BUDGET_S, with_retry
+
+
+async def kv_get(
+    kv: KeyValue, key: str, *, budget_s: float = BROKER_BUDGET_S
+) -> KeyValue.Entry | None:
+    """The key's live entry; None when absent, deleted, purged or expired by TTL (whose
+    marker comes back as an entry without a value)."""
+
+    async def once() -> KeyValue.Entry | None:
+        try:
+            entry = await kv.get(key)
+        except (KeyNotFoundError, KeyDeletedError):  # absent, or a delete or purge marker
+            return None
+        return entry if entry.value else None
+
+    return await with_retry(once, what=f"read {kv._name}/{key}", budget_s=budget_s)
+
+
+async def kv_put(kv: KeyValue, key: str, value: bytes, *, budget_s: float = BROKER_BUDGET_S) -> int:
+    """Write the key; its new revision."""
+    return await with_retry(
+        lambda: kv.put(key, value), what=f"write {kv._name}/{key}", budget_s=budget_s
+    )
+
+
+async def kv_create(
+    kv: KeyValue, key: str, value: bytes, *, budget_s: float = BROKER_BUDGET_S
+) -> int | None:
+    """Create the key only if it has no live value; its revision, or None when it exists."""
+
+    async def once() -> int | None:
+        try:
+            return await kv.create(key, value)
+        except KeyWrongLastSequenceError:
+            return None
+
+    return await with_retry(once, what=f"create {kv._name}/{key}", budget_s=budget_s)
+
+
+async def kv_update(
+    kv: KeyValue, key: str, value: bytes, last: int, *, budget_s: float = BROKER_BUDGET_S
+) -> int | None:
+    """Write the key only if its revision is still `last`; the new revision, or None when
+    someone else wrote it first (re-read and decide again)."""
+
+    async def once() -> int | None:
+        try:
+            return await kv.update(key, value, last=last)
+        except KeyWrongLastSequenceError:
+            return None
+
+    return await with_retry(once, what=f"update {kv._name}/{key}", budget_s=budget_s)
+
+
+async def kv_delete(kv: KeyValue, key: str, *, budget_s: float = BROKER_BUDGET_S) -> None:
+    await with_retry(
+        lambda: kv.delete(key), what=f"delete {kv._name}/{key}", budget_s=budget_s
+    )
