@@ -56,20 +56,37 @@ class Dispatch:
 
 
 @dataclass(frozen=True)
+class HandBack:
+    """A waiting task whose model this node no longer serves: give it back to JetStream."""
+
+    task_id: str
+
+
+@dataclass(frozen=True)
 class Pull:
     model: str
     batch: int
 
 
-Action = StopRunner | SpawnRunner | AdvanceRunner | FinishPending | FetchInputs | Dispatch | Pull
+Action = (
+    StopRunner | SpawnRunner | AdvanceRunner | FinishPending | FetchInputs | Dispatch | HandBack
+    | Pull
+)
+
+
+def _orphaned(state: WorkerState) -> set[str]:
+    """Runners to stop: their instance is no longer hosted here, or the worker is stopping."""
+    wanted = {inst.instance_id for inst in state.hosted_instances()}
+    return {
+        r.runner_id for r in state.runners.values()
+        if state.stopping or r.instance_id not in wanted
+    }
 
 
 def stop_orphan_runner(state: WorkerState, now: float) -> Action | None:
-    wanted = {inst.instance_id for inst in state.hosted_instances()}
-    for runner in state.runners.values():
-        gone = state.stopping or runner.instance_id not in wanted
-        if gone and runner.command_sent != "shutdown":
-            return StopRunner(runner.runner_id, "instance removed")
+    for runner_id in sorted(_orphaned(state)):
+        if not state.runners[runner_id].shutting_down:
+            return StopRunner(runner_id, "instance removed")
     return None
 
 
@@ -88,7 +105,12 @@ def spawn_runner(state: WorkerState, now: float) -> Action | None:
 
 
 def advance_runner(state: WorkerState, now: float) -> Action | None:
+    """Move a runner one lifecycle step on. Never one being stopped (or about to be): a
+    shutdown is final, and advancing it would undo it (the place-then-remove livelock)."""
+    orphaned = _orphaned(state)
     for runner in state.runners.values():
+        if runner.shutting_down or runner.runner_id in orphaned:
+            continue
         command = LIFECYCLE.get(runner.status.state)
         if command and runner.command_sent != command:
             return AdvanceRunner(runner.runner_id, command)
@@ -110,13 +132,25 @@ def fetch_inputs(state: WorkerState, now: float) -> Action | None:
     return None
 
 
+def hand_back(state: WorkerState, now: float) -> Action | None:
+    """A task waits here only while an instance of its model is hosted here; once none is
+    (removed, moved away), another node's worker should have it."""
+    if state.stopping:
+        return None  # the shutdown gives every waiting task back at once
+    served = {inst.model for inst in state.hosted_instances()}
+    for task_id, pending in state.pending.items():
+        if pending.task.model not in served and not pending.fetching:
+            return HandBack(task_id)
+    return None
+
+
 def dispatch(state: WorkerState, now: float) -> Action | None:
     for task_id, pending in sorted(state.pending.items(), key=lambda kv: kv[1].received_at):
         if pending.inputs is None:
             continue
         candidates = [
             r for r in state.runners.values()
-            if r.model == pending.task.model and r.free_slots > 0 and r.command_sent != "shutdown"
+            if r.model == pending.task.model and r.free_slots > 0 and not r.shutting_down
         ]
         if candidates:
             best = max(candidates, key=lambda r: r.free_slots)
@@ -129,7 +163,7 @@ def pull(state: WorkerState, now: float) -> Action | None:
         return None
     free: dict[str, int] = {}
     for runner in state.runners.values():
-        if runner.command_sent != "shutdown":
+        if not runner.shutting_down:
             free[runner.model] = free.get(runner.model, 0) + runner.free_slots
     for pending in state.pending.values():
         free[pending.task.model] = free.get(pending.task.model, 0) - 1
@@ -140,7 +174,8 @@ def pull(state: WorkerState, now: float) -> Action | None:
 
 
 RULES = (
-    stop_orphan_runner, spawn_runner, advance_runner, expire_pending, fetch_inputs, dispatch, pull,
+    stop_orphan_runner, spawn_runner, advance_runner, expire_pending, hand_back, fetch_inputs,
+    dispatch, pull,
 )
 
 

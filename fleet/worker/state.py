@@ -24,6 +24,10 @@ class RunnerView:
     command_sent: str | None = None  # the last lifecycle command, so it is sent once
 
     @property
+    def shutting_down(self) -> bool:
+        return self.command_sent == "shutdown"
+
+    @property
     def free_slots(self) -> int:
         if self.status.state not in ACCEPTS_TASKS:
             return 0
@@ -201,6 +205,9 @@ def _(event: RunnerStartFailed, state: WorkerState) -> WorkerState:
 
 @_apply.register
 def _(event: CommandSent, state: WorkerState) -> WorkerState:
+    runner = state.runners.get(event.runner_id)
+    if runner is not None and runner.shutting_down:
+        return state  # a shutdown is final: no later command replaces it
     return _with_runner(state, event.runner_id, command_sent=event.command)
 
 

@@ -31,6 +31,7 @@ from fleet.worker.plan import (
     Dispatch,
     FetchInputs,
     FinishPending,
+    HandBack,
     Pull,
     SpawnRunner,
     StopRunner,
@@ -208,8 +209,8 @@ ROWS = [
                  T0, None, id="never-dispatch-to-a-runner-not-ready"),
     pytest.param(world([INST], [runner(status=RunnerFailed(error="oom"))], [pending()]), T0, None,
                  id="never-dispatch-to-a-failed-runner"),
-    pytest.param(world([INST], [READY], [pending(model=SMOL)]), T0, Pull(TINY, 4),
-                 id="never-dispatch-to-another-models-runner"),
+    pytest.param(world([INST], [READY], [pending(model=SMOL)]), T0, HandBack("t-1"),
+                 id="never-dispatch-to-another-models-runner-hand-it-back"),
     pytest.param(world([INST], [READY], [pending("late", received_at=T0 + 5),
                                           pending("early", received_at=T0)]),
                  T0 + 10, Dispatch("early", "run-1"), id="oldest-pending-task-first"),
@@ -311,3 +312,63 @@ def test_stopping_the_worker_stops_runners_then_plans_nothing() -> None:
     assert plan(state, T0) is None
     state = apply(state, ev.RunnerGone("run-1", crashed=False, at=T0))
     assert plan(state, T0) is None  # no respawn, no pull
+
+
+# ---- the place-then-remove livelock --------------------------------------------------------
+
+LIVELOCK_ROWS = [
+    # (runner status when the instance vanished, the command already sent to it)
+    pytest.param(RunnerIdle(), None, id="removed-before-connect"),
+    pytest.param(RunnerIdle(), "connect_to_group", id="removed-while-connecting"),
+    pytest.param(RunnerConnected(), "connect_to_group", id="removed-when-connected"),
+    pytest.param(RunnerLoading(), "load_model", id="removed-while-loading"),
+    pytest.param(RunnerLoaded(), "load_model", id="removed-when-loaded"),
+    pytest.param(RunnerWarmingUp(), "warm_up", id="removed-while-warming-up"),
+]
+
+
+@pytest.mark.parametrize(("status", "sent"), LIVELOCK_ROWS)
+def test_a_runner_whose_instance_is_removed_while_starting_is_stopped_once(
+    status: RunnerStatus, sent: str | None
+) -> None:
+    """`instances place` then an immediate `instances remove`: the orphan runner is stopped
+    once and never advanced; the planner then has nothing to do (no 100 % CPU loop)."""
+    state = world([], [runner(status=status, command_sent=sent)])
+    actions: list[Action] = []
+    while (action := plan(state, T0)) is not None and len(actions) < 10:
+        actions.append(action)
+        match action:
+            case StopRunner(runner_id=rid):
+                state = apply(state, ev.CommandSent(rid, "shutdown"))
+            case AdvanceRunner(runner_id=rid, command=command):
+                state = apply(state, ev.CommandSent(rid, command))
+    assert actions == [StopRunner("run-1", "instance removed")]
+    # The runner's next status report (it kept loading) changes nothing.
+    state = apply(state, ev.RunnerStatusSeen("run-1", RunnerLoaded()))
+    assert plan(state, T0) is None
+
+
+def test_a_shutdown_is_final_even_if_a_lifecycle_command_is_applied_after_it() -> None:
+    state = world([INST], [runner(status=RunnerIdle())])
+    state = apply(state, ev.CommandSent("run-1", "shutdown"))
+    state = apply(state, ev.CommandSent("run-1", "connect_to_group"))
+    assert state.runners["run-1"].shutting_down
+    assert plan(state, T0) is None
+
+
+HAND_BACK_ROWS = [
+    pytest.param(world([], [], [pending(inputs={})]), HandBack("t-1"),
+                 id="model-no-longer-hosted-here"),
+    pytest.param(world([instance(node=THERE)], [], [pending(inputs={})]), HandBack("t-1"),
+                 id="instance-moved-to-another-node"),
+    pytest.param(world([], [], [pending(fetching=True)]), None, id="not-while-inputs-download"),
+    pytest.param(world([], [], [pending(inputs={})], stopping=True), None,
+                 id="not-when-stopping-the-shutdown-naks-it"),
+    pytest.param(world([INST], [runner(status=RunnerLoading(), command_sent="load_model")],
+                       [pending(inputs={})]), None, id="kept-while-its-runner-loads"),
+]
+
+
+@pytest.mark.parametrize(("state", "expected"), HAND_BACK_ROWS)
+def test_hand_back(state: WorkerState, expected: Action | None) -> None:
+    assert plan(state, T0) == expected
