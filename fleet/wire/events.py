@@ -24,6 +24,7 @@ class ErrorReason(StrEnum):
     MAX_DELIVERIES = "max_deliveries"
     INPUT_MISSING = "input_missing"
     INPUT_CORRUPT = "input_corrupt"
+    OUTPUT_LOST = "output_lost"  # the broker could not store the output whole and in order
     QUEUE_FULL = "queue_full"
     INTERNAL = "internal"
 
