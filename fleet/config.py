@@ -41,6 +41,16 @@ class Settings:
     nats_tls_ca: str = ""  # CA bundle that signed the server's certificate
     nats_tls_cert: str = ""  # client certificate (mutual TLS)
     nats_tls_key: str = ""
+    # The gateway's tenants and limits; see README "Operating" (tenants, keys file, limits).
+    api_keys_file: str = ""  # JSON lines {"tenant": ..., "sha256": ...}; keys map to tenants
+    gateway_protect_metrics: bool = False  # /metrics needs an API key too
+    gateway_events_idle_s: float = 30.0  # a /v1/tasks/<id>/events stream ends after this quiet
+    gateway_streams_per_key: int = 256  # requests waiting on task events, per tenant (then 429)
+    gateway_max_waiting: int = 4096  # requests waiting on task events, in all (then 429)
+    gateway_max_connections: int = 4096  # open HTTP connections (more get 429 and are closed)
+    gateway_header_timeout_s: float = 10.0  # to send a request's headers
+    gateway_body_timeout_s: float = 60.0  # to send a request's whole body (then 408)
+    gateway_keep_alive_s: float = 15.0  # an idle keep-alive connection is closed after this
 
     @property
     def models_dir(self) -> Path:
@@ -88,6 +98,15 @@ _ENV: dict[str, str] = {
     "nats_tls_ca": "FLEET_NATS_TLS_CA",
     "nats_tls_cert": "FLEET_NATS_TLS_CERT",
     "nats_tls_key": "FLEET_NATS_TLS_KEY",
+    "api_keys_file": "FLEET_API_KEYS_FILE",
+    "gateway_protect_metrics": "FLEET_GATEWAY_PROTECT_METRICS",
+    "gateway_events_idle_s": "FLEET_GATEWAY_EVENTS_IDLE_S",
+    "gateway_streams_per_key": "FLEET_GATEWAY_STREAMS_PER_KEY",
+    "gateway_max_waiting": "FLEET_GATEWAY_MAX_WAITING",
+    "gateway_max_connections": "FLEET_GATEWAY_MAX_CONNECTIONS",
+    "gateway_header_timeout_s": "FLEET_GATEWAY_HEADER_TIMEOUT_S",
+    "gateway_body_timeout_s": "FLEET_GATEWAY_BODY_TIMEOUT_S",
+    "gateway_keep_alive_s": "FLEET_GATEWAY_KEEP_ALIVE_S",
 }
 
 _TRUE = ("1", "true", "yes", "on")
