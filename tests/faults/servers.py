@@ -1,0 +1,184 @@
+"""Real nats-servers to hurt: one node, or a 3-node JetStream cluster made from the shipped
+ops/nats/cluster-N.conf (ports and stores moved to free ports and temp dirs), each server a
+process the tests can SIGKILL, restart on the same store and port, SIGSTOP and SIGCONT."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nats
+import orjson
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+
+from fleet.bus.embedded import EmbeddedNats, ops_dir
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class NatsNode:
+    """One nats-server process; `port` stays fixed after the first start so clients find it."""
+
+    name: str
+    store_dir: Path
+    log_file: Path
+    config: Path | None = None
+    port: int = 0
+    server: EmbeddedNats | None = None
+    paused: bool = False
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        assert self.server and self.server.process
+        return self.server.process.pid
+
+    def start(self) -> NatsNode:
+        self.server = EmbeddedNats(
+            self.store_dir, port=self.port, config=self.config, log_file=self.log_file
+        ).start()
+        self.port = self.server.port
+        return self
+
+    def running(self) -> bool:
+        return bool(self.server and self.server.process and self.server.process.poll() is None)
+
+    def kill(self) -> None:
+        """SIGKILL, as a power loss: no goodbye to clients or to the other servers."""
+        assert self.server and self.server.process
+        self.server.process.send_signal(signal.SIGKILL)
+        self.server.process.wait(10)
+
+    def pause(self) -> None:
+        """SIGSTOP: the process keeps its sockets but answers nothing, as behind a partition."""
+        os.kill(self.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+        self.paused = False
+
+    def stop(self) -> None:
+        if self.paused:
+            self.resume()
+        if self.server:
+            self.server.stop()
+
+
+def cluster_config(index: int, target: Path, store: Path, routes: list[int]) -> Path:
+    """ops/nats/cluster-<index>.conf with its loopback ports moved to free ones, so the test
+    runs the configuration a user copies, beside any other server on this machine."""
+    text = (ops_dir() / "nats" / f"cluster-{index}.conf").read_text()
+    for shipped, port in zip((6221, 6222, 6223), routes, strict=True):
+        text = text.replace(f"127.0.0.1:{shipped}", f"127.0.0.1:{port}")
+    text = re.sub(r"http_port:\s*\d+", f"http_port: {free_port()}", text)
+    text = re.sub(r'store_dir:\s*"[^"]*"', f'store_dir: "{store}"', text)
+    target.write_text(text)
+    return target
+
+
+@dataclass
+class Broker:
+    """The servers of one test: a single node, or a cluster keyed by server name."""
+
+    nodes: dict[str, NatsNode] = field(default_factory=dict)
+
+    @property
+    def urls(self) -> list[str]:
+        return [node.url for node in self.nodes.values()]
+
+    @property
+    def url(self) -> str:
+        """The comma-separated list FLEET_NATS_URL takes."""
+        return ",".join(self.urls)
+
+    @classmethod
+    def single(cls, root: Path) -> Broker:
+        node = NatsNode("single", root / "n1", root / "n1.log")
+        return cls({node.name: node.start()})
+
+    @classmethod
+    def cluster(cls, root: Path) -> Broker:
+        routes = [free_port() for _ in range(3)]
+        nodes: dict[str, NatsNode] = {}
+        for index in (1, 2, 3):
+            store = root / f"n{index}"
+            store.mkdir(parents=True, exist_ok=True)
+            config = cluster_config(index, root / f"n{index}.conf", store, routes)
+            nodes[f"fleet-n{index}"] = NatsNode(
+                f"fleet-n{index}", store, root / f"n{index}.log", config=config
+            )
+        for node in nodes.values():
+            node.start()
+        return cls(nodes)
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            node.stop()
+
+    async def restart(self, node: NatsNode) -> None:
+        """Start a killed server again on its port and store (blocking start off the loop)."""
+        await asyncio.to_thread(node.start)
+
+
+async def connect_client(broker: Broker) -> Client:
+    """The test's own client: every server, reconnecting for ever (never the code under test)."""
+    return await nats.connect(
+        servers=broker.urls, name="fault-test", max_reconnect_attempts=-1,
+        reconnect_time_wait=0.25, connect_timeout=5, ping_interval=2, max_outstanding_pings=2,
+    )
+
+
+async def api(nc: Client, subject: str, timeout: float = 2.0) -> dict[str, object]:
+    reply = await nc.request(f"$JS.API.{subject}", b"", timeout=timeout)
+    return orjson.loads(reply.data)
+
+
+async def until_jetstream(nc: Client, streams: tuple[str, ...] = (), timeout: float = 60.0) -> None:
+    """JetStream answers (a meta leader exists) and each named stream has a leader.
+
+    A request either answers or times out, so each try is bounded; the pause between tries
+    only paces a question to a server that is electing."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            info = await api(nc, "INFO")
+            last = info.get("error")
+            if last is None and all([await leader_of(nc, s) for s in streams]):
+                return
+        except (NatsError, TimeoutError) as exc:
+            last = exc
+        await asyncio.sleep(0.25)
+    raise TimeoutError(f"JetStream not ready with leaders for {streams}: {last!r}")
+
+
+async def leader_of(nc: Client, stream: str) -> str | None:
+    """The server name leading a stream's RAFT group (None while it elects)."""
+    info = await api(nc, f"STREAM.INFO.{stream}")
+    cluster = info.get("cluster") or {}
+    assert isinstance(cluster, dict)
+    leader = cluster.get("leader")
+    return str(leader) if leader else None
+
+
+async def replicas_of(nc: Client, stream: str) -> int:
+    info = await api(nc, f"STREAM.INFO.{stream}")
+    config = info.get("config") or {}
+    assert isinstance(config, dict)
+    return int(config.get("num_replicas", 1))

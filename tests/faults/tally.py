@@ -1,0 +1,110 @@
+"""Counting what a fault did to the tasks: a pure function of the stored events.
+
+Every task of a fault run asks for exactly `expected_tokens` tokens from an engine that always
+makes them, so a task that ended `completed` must have stored tokens 0..expected-1, each once,
+and a usage that agrees. The test never cancels anything, so any `cancelled` is spurious.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One event as FLEET_OUT holds it, with the server's time of storing it."""
+
+    event: OutputEvent
+    stored_at: float
+
+
+@dataclass
+class FaultCounts:
+    tasks: int = 0
+    completed: int = 0
+    lost: int = 0  # no terminal by the deadline, and no worker ever took it
+    hung: int = 0  # no terminal by the deadline after a worker took it (accepted or tokens)
+    late: int = 0  # a terminal, stored after the deadline (broker's return + 60 s)
+    duplicate_terminals: int = 0  # tasks with more than one task_finished
+    completed_with_gap: int = 0  # completed with missing/extra token indexes or a short usage
+    duplicate_tokens: int = 0  # tasks that stored some token index twice
+    spurious_cancelled: int = 0
+    worker_lost: int = 0  # allowed, counted: failed/worker_lost
+    runner_crashed: int = 0  # allowed, counted: failed/runner_crashed
+    other_failed: int = 0  # failed for any other reason (not allowed)
+    workers_dead: int = 0  # worker processes that are not running at the end
+    last_terminal_after_return_s: float | None = None
+    examples: dict[str, list[str]] = field(default_factory=dict)  # kind -> a few task ids
+
+    @property
+    def bad(self) -> dict[str, int]:
+        """The counts the issue's bar wants at zero."""
+        names = ("lost", "hung", "late", "duplicate_terminals", "completed_with_gap",
+                 "duplicate_tokens", "spurious_cancelled", "other_failed", "workers_dead")
+        return {name: getattr(self, name) for name in names if getattr(self, name)}
+
+    def note(self, kind: str, task_id: str) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        examples = self.examples.setdefault(kind, [])
+        if len(examples) < 5:
+            examples.append(task_id)
+
+
+def tally(
+    task_ids: list[str],
+    stored: dict[str, list[Stored]],
+    *,
+    expected_tokens: int,
+    returned_at: float,
+    deadline_s: float = 60.0,
+) -> FaultCounts:
+    """Counts for `task_ids` from the events stored per task (in stream order)."""
+    counts = FaultCounts(tasks=len(task_ids))
+    deadline = returned_at + deadline_s
+    for task_id in task_ids:
+        events = stored.get(task_id, [])
+        terminals = [s for s in events if isinstance(s.event, TaskFinished)]
+        if not terminals:
+            started = any(isinstance(s.event, TaskAccepted | TokenChunk) for s in events)
+            counts.note("hung" if started else "lost", task_id)
+            continue
+        if len(terminals) > 1:
+            counts.note("duplicate_terminals", task_id)
+        first = terminals[0]
+        after = first.stored_at - returned_at
+        latest = counts.last_terminal_after_return_s
+        counts.last_terminal_after_return_s = after if latest is None else max(latest, after)
+        if first.stored_at > deadline:
+            counts.note("late", task_id)
+        indexes = [s.event.index for s in events if isinstance(s.event, TokenChunk)]
+        if len(indexes) != len(set(indexes)):
+            counts.note("duplicate_tokens", task_id)
+        _judge(counts, task_id, first.event, indexes, expected_tokens)
+    return counts
+
+
+def _judge(
+    counts: FaultCounts, task_id: str, end: OutputEvent, indexes: list[int], expected: int
+) -> None:
+    assert isinstance(end, TaskFinished)
+    if end.status == "completed":
+        counts.completed += 1
+        usage = end.usage.completion_tokens if end.usage else -1
+        unique = sorted(set(indexes))
+        if unique != list(range(expected)) or usage != expected:
+            counts.note("completed_with_gap", task_id)
+    elif end.status == "cancelled":
+        counts.note("spurious_cancelled", task_id)
+    elif end.reason is not None and end.reason.value == "worker_lost":
+        counts.note("worker_lost", task_id)
+    elif end.reason is not None and end.reason.value == "runner_crashed":
+        counts.note("runner_crashed", task_id)
+    else:
+        counts.note("other_failed", f"{task_id}:{end.reason}")
+
+
+def describe(counts: FaultCounts) -> str:
+    shown = {k: v for k, v in vars(counts).items() if v not in (0, None, {})}
+    return " ".join(f"{k}={v}" for k, v in shown.items())

@@ -1,0 +1,132 @@
+"""Issue 10's broker faults, each under load with two real workers and real nats-servers:
+
+1. a single nats-server SIGKILLed and restarted on the same store;
+2. a 3-node R3 cluster: the leaders of FLEET_TASKS, FLEET_OUT, KV_FLEET_NODES and
+   KV_FLEET_INSTANCES SIGKILLed in turn, each restarted a few seconds later;
+3. the leader of KV_FLEET_NODES partitioned (SIGSTOP, then SIGCONT) for 20 s.
+
+Each asserts the issue's bar: 0 lost, 0 hung, 0 duplicate terminals, 0 completed with a gap,
+0 spurious cancelled, every worker alive, every task finished within 60 s of the broker's
+return (failed/worker_lost and runner_crashed are allowed, and counted). CI runs small sizes;
+FLEET_FAULTS_LONG=1 runs the issue's sizes (see docs/faults.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from fleet.wire import subjects
+from tests.faults.conftest import LONG, RunFactory
+from tests.faults.run import FaultReport, FaultRun, Load
+from tests.faults.servers import Broker, NatsNode, leader_of, until_jetstream
+from tests.faults.tally import describe
+
+KV_STREAMS = (f"KV_{subjects.NODES_BUCKET}", f"KV_{subjects.INSTANCES_BUCKET}")
+LEADER_TARGETS = (subjects.TASKS_STREAM, subjects.OUT_STREAM, *KV_STREAMS)
+
+# Sizes: each load outlasts its faults, so every fault lands on running tasks (checked below).
+if LONG:
+    SINGLE = Load(tasks=100, tokens=60, delay_ms=50)
+    CLUSTER = Load(tasks=200, tokens=50, delay_ms=60)
+    PARTITION = Load(tasks=100, tokens=50, delay_ms=60)
+else:
+    SINGLE = Load(tasks=32, tokens=30, delay_ms=100)
+    CLUSTER = Load(tasks=80, tokens=40, delay_ms=100)
+    PARTITION = Load(tasks=64, tokens=30, delay_ms=100)
+DOWN_S = 5.0 if LONG else 3.0  # how long a killed server stays down
+PARTITION_S = 20.0
+
+pytestmark = pytest.mark.timeout(1200 if LONG else 300)
+
+
+async def kill_and_restart(run: FaultRun, broker: Broker, node: NatsNode, why: str) -> float:
+    """SIGKILL `node`, keep it down DOWN_S, start it on the same store; the return time."""
+    run.fault_now(f"kill {node.name} ({why})")
+    node.kill()
+    await asyncio.sleep(DOWN_S)  # the outage itself: the duration under test, not a sync
+    await broker.restart(node)
+    run.mark(f"restarted {node.name}")
+    return time.time()
+
+
+def check(report: FaultReport, replicas: int) -> None:
+    """The issue's bar, with everything that explains a failure in the message."""
+    _save(report)
+    text = (
+        f"{describe(report.counts)}\nreplicas={report.replicas} "
+        f"unfinished_at_fault={report.unfinished_at_fault} exits={report.worker_exits}\n"
+        f"seconds={report.seconds}\n" + "\n".join(report.worker_log_lines)
+    )
+    print(text)
+    # A fault that hit an idle fleet proves nothing: the load must still be running.
+    assert all(n > 0 for n in report.unfinished_at_fault), text
+    assert report.counts.bad == {}, text
+    assert report.replicas == replicas, f"streams are R{report.replicas}, want R{replicas}\n{text}"
+
+
+def _save(report: FaultReport) -> None:
+    """FLEET_FAULTS_REPORT=dir keeps each run's counts as JSON (for docs/faults.md runs)."""
+    if folder := os.environ.get("FLEET_FAULTS_REPORT"):
+        name = os.environ.get("PYTEST_CURRENT_TEST", "run").split(" ")[0].rsplit(":", 1)[-1]
+        path = Path(folder) / f"{name}-{int(time.time())}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(report), indent=1, default=str))
+
+
+async def test_single_server_killed_and_restarted_on_its_store_loses_nothing(
+    single_broker: Broker, fault_run: RunFactory
+) -> None:
+    run = fault_run(single_broker, SINGLE, 1)
+    await run.start()
+    await run.publish()
+    await run.until_busy()
+    (node,) = single_broker.nodes.values()
+    returned = await kill_and_restart(run, single_broker, node, "the only server")
+    await run.until_finished(returned)
+    check(await run.report(returned), replicas=1)
+
+
+async def test_cluster_leaders_killed_in_turn_lose_nothing(
+    cluster_broker: Broker, fault_run: RunFactory
+) -> None:
+    run = fault_run(cluster_broker, CLUSTER, 3)
+    await run.start()
+    await run.publish()
+    await run.until_busy()
+    returned = time.time()
+    for stream in LEADER_TARGETS:
+        await until_jetstream(run.nc, LEADER_TARGETS)  # the last fault healed before the next
+        leader = await leader_of(run.nc, stream)
+        assert leader is not None, f"{stream} has no leader"
+        returned = await kill_and_restart(run, cluster_broker, cluster_broker.nodes[leader], stream)
+    await run.until_finished(returned)
+    check(await run.report(returned), replicas=3)
+
+
+async def test_kv_leader_partitioned_for_20s_loses_nothing_and_cancels_nothing(
+    cluster_broker: Broker, fault_run: RunFactory
+) -> None:
+    run = fault_run(cluster_broker, PARTITION, 3)
+    await run.start()
+    await run.publish()
+    await run.until_busy()
+    leader = await leader_of(run.nc, KV_STREAMS[0])
+    assert leader is not None
+    node = cluster_broker.nodes[leader]
+    run.fault_now(f"pause {leader} (leads {KV_STREAMS[0]})")
+    node.pause()
+    try:
+        await asyncio.sleep(PARTITION_S)  # the partition itself: the duration under test
+    finally:
+        node.resume()
+    returned = time.time()
+    run.mark(f"resumed {leader}")
+    await run.until_finished(returned)
+    check(await run.report(returned), replicas=3)

@@ -1,0 +1,73 @@
+"""The fault count is a pure function of stored events: a table of event histories."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, TokenChunk, Usage, failed
+from tests.faults.tally import Stored, tally
+
+T0 = 1000.0  # the broker's return
+
+
+def accepted(task: str) -> Stored:
+    return Stored(TaskAccepted(task_id=task, at=T0, model="m", node_id="n", runner_id="r"), T0)
+
+
+def token(task: str, index: int) -> Stored:
+    return Stored(TokenChunk(task_id=task, at=T0, index=index, token_id=index, text="x"), T0)
+
+
+def done(task: str, tokens: int = 3, at: float = T0 + 1) -> Stored:
+    usage = Usage(completion_tokens=tokens)
+    return Stored(TaskFinished(task_id=task, at=at, status="completed", usage=usage), at)
+
+
+def ended(task: str, reason: ErrorReason) -> Stored:
+    return Stored(failed(task, T0 + 1, reason, "x"), T0 + 1)
+
+
+def whole(task: str) -> list[Stored]:
+    return [accepted(task), token(task, 0), token(task, 1), token(task, 2)]
+
+
+CASES = [
+    ("clean", [*whole("a"), done("a")], {"completed": 1}),
+    ("no events at all", [], {"lost": 1}),
+    ("accepted, never ended", [accepted("a"), token("a", 0)], {"hung": 1}),
+    ("two terminals", [*whole("a"), done("a"), done("a")],
+     {"completed": 1, "duplicate_terminals": 1}),
+    ("a missing token", [accepted("a"), token("a", 0), token("a", 2), done("a")],
+     {"completed": 1, "completed_with_gap": 1}),
+    ("usage says more than stored", [*whole("a"), done("a", tokens=4)],
+     {"completed": 1, "completed_with_gap": 1}),
+    ("a token twice", [*whole("a"), token("a", 2), done("a")],
+     {"completed": 1, "duplicate_tokens": 1}),
+    ("cancelled by nobody", [accepted("a"), ended("a", ErrorReason.CANCELLED)],
+     {"spurious_cancelled": 1}),
+    ("worker lost: allowed", [accepted("a"), ended("a", ErrorReason.WORKER_LOST)],
+     {"worker_lost": 1}),
+    ("runner crashed: allowed", [accepted("a"), ended("a", ErrorReason.RUNNER_CRASHED)],
+     {"runner_crashed": 1}),
+    ("failed otherwise", [ended("a", ErrorReason.INTERNAL)], {"other_failed": 1}),
+    ("ended after the deadline", [*whole("a"), done("a", at=T0 + 61)], {"completed": 1, "late": 1}),
+]
+
+
+@pytest.mark.parametrize(("events", "want"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_tally(events: list[Stored], want: dict[str, int]) -> None:
+    counts = tally(["a"], {"a": events}, expected_tokens=3, returned_at=T0)
+    fields = ("completed", "lost", "hung", "late", "duplicate_terminals", "completed_with_gap",
+              "duplicate_tokens", "spurious_cancelled", "worker_lost", "runner_crashed",
+              "other_failed")
+    assert {f: getattr(counts, f) for f in fields if getattr(counts, f)} == want
+    assert counts.tasks == 1
+
+
+def test_bad_lists_only_what_the_bar_forbids() -> None:
+    counts = tally(
+        ["a", "b"], {"a": [accepted("a"), ended("a", ErrorReason.WORKER_LOST)]},
+        expected_tokens=3, returned_at=T0,
+    )
+    assert counts.bad == {"lost": 1}  # b never ran; a's worker_lost is allowed
+    assert counts.examples["lost"] == ["b"]
