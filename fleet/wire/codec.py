@@ -10,7 +10,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from fleet.wire.cluster import ClusterEvent
 from fleet.wire.events import OutputEvent
 from fleet.wire.runners import RunnerStatus
-from fleet.wire.tasks import Task
+from fleet.wire.tasks import Task, is_task_id
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -44,15 +44,20 @@ def _describe(error: ValidationError) -> str:
 
 
 def _readable_task_id(data: bytes) -> str | None:
-    """The task id of a message that failed validation, if it can be read at all."""
+    """The task id of a message that failed validation, when it is a valid id as sent: never
+    shortened or cleaned, which would put this message's failure on another task's id."""
+    sent = sent_task_id(data)
+    return sent if is_task_id(sent) else None
+
+
+def sent_task_id(data: bytes) -> str | None:
+    """The `task_id` string a message carries, valid or not (for reports, never a subject)."""
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
     task_id = obj.get("task_id") if isinstance(obj, dict) else None
-    if isinstance(task_id, str) and task_id and all(c.isalnum() or c in "-_" for c in task_id):
-        return task_id[:128]
-    return None
+    return task_id if isinstance(task_id, str) else None
 
 
 def decode_with(adapter: TypeAdapter[Any], data: bytes) -> Any:

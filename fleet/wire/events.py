@@ -136,6 +136,33 @@ OutputEvent = Annotated[
 ]
 
 
+RefusedReason = Literal["task_id_taken", "task_id_used", "invalid_task_id"]
+
+
+class TaskRefused(Wire):
+    """A task message refused WITHOUT writing on `fleet.out.<task_id>`: that subject belongs to
+    another message (or to none, when the id cannot be a subject token). Recorded on
+    `fleet.refused.<model>` (stream FLEET_REFUSED) and sent to the publisher's
+    `Fleet-Reply-To` inbox when it set one. Not an OutputEvent: it is about a message, not
+    about the task that owns the id."""
+
+    type: Literal["task_refused"] = "task_refused"
+    task_id: str | None = Field(
+        default=None, description="The task_id as sent (possibly not a valid id), if any"
+    )
+    model: str = Field(description="The model part of the subject the task was sent to")
+    reason: RefusedReason = Field(
+        description="task_id_taken: another task message holds this id; task_id_used: the id "
+        "already has events in FLEET_OUT; invalid_task_id: missing, or not one subject token "
+        "of [A-Za-z0-9_-], 1 to 128 characters"
+    )
+    message: str
+    at: float = Field(description="Unix time in seconds when the task was refused")
+    stream_seq: int | None = Field(
+        default=None, description="The refused message's sequence in FLEET_TASKS, when known"
+    )
+
+
 def failed(task_id: str, at: float, reason: ErrorReason, message: str) -> TaskFinished:
     status: Literal["failed", "cancelled", "expired"] = "failed"
     if reason is ErrorReason.CANCELLED:

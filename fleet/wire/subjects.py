@@ -13,9 +13,16 @@ INSTANCES_BUCKET = "FLEET_INSTANCES"
 RUNNERS_BUCKET = "FLEET_RUNNERS"
 CANCELS_BUCKET = "FLEET_CANCELS"
 IMAGES_BUCKET = "FLEET_IMAGES"
+CLAIMS_BUCKET = "FLEET_CLAIMS"
+REFUSED_STREAM = "FLEET_REFUSED"
+
+# A header a task's publisher may set to hear, on a subject of its own, why its task was
+# refused (only `_INBOX.` subjects are answered: see fleet.worker.claims.reply_subject).
+REPLY_HEADER = "Fleet-Reply-To"
 
 TASKS_ALL = "fleet.tasks.>"
 DEAD_LETTERS_ALL = "fleet.dead.>"
+REFUSED_ALL = "fleet.refused.>"
 
 
 def tasks(model: str) -> str:
@@ -52,6 +59,11 @@ def traces(trace_id: str) -> str:
 
 def dead_letter(model: str) -> str:
     return f"fleet.dead.{model}"
+
+
+def refused(model: str) -> str:
+    """Where a refused task's TaskRefused is recorded (stream FLEET_REFUSED)."""
+    return f"fleet.refused.{model}"
 
 
 def model_of_dead_letter(subject: str) -> str:

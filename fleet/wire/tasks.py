@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -204,6 +205,17 @@ class CancelTask(Wire):
     type: Literal["cancel_task"] = "cancel_task"
     task_id: TaskId
     reason: str | None = None
+
+
+# The TaskId pattern of fleet.wire.base, whole-string: an id is one subject token of at most 128
+# characters, so `fleet.out.<id>` names exactly one task. Anything else is refused as it is,
+# never cut or cleaned onto another id (a cut 200-character id would land on a shorter one).
+_TASK_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def is_task_id(value: object) -> bool:
+    """True when `value` may be used as a task id, exactly as given."""
+    return isinstance(value, str) and _TASK_ID.fullmatch(value) is not None
 
 
 def is_past(deadline: datetime | None, now: datetime) -> bool:

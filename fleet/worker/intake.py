@@ -1,21 +1,30 @@
-"""What happens to a task message the moment it is fetched: decode, and the checks that can
-end it before it ever reaches a runner (bad bytes, redelivery, early cancel, deadline)."""
+"""What happens to a task message the moment it is fetched: decode, claim its id, and the
+checks that can end it before it ever reaches a runner (bad bytes, an id that is not its own,
+redelivery, early cancel, deadline).
+
+The intake decides; it never sends a JetStream verb itself. Each outcome says which verb its
+message needs (`Settled.verb`), and the worker's loop sends it, e.g. with `settle_msg`. Every
+event the intake writes on `fleet.out.<id>` comes after this message has claimed that id
+(fleet.worker.claims): a message that does not own its id writes nothing there.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Literal
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from fleet.bus.retry import with_retry
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_task
+from fleet.wire.codec import DecodeError, decode_task, sent_task_id
 from fleet.wire.events import ErrorReason, ImageChunk, TaskFinished, TokenChunk, ToolCallChunk
 from fleet.wire.tasks import is_past
+from fleet.worker.claims import Claims, owner_of
 from fleet.worker.cluster import ClusterLink
 from fleet.worker.outputs import TaskOutput
 from fleet.worker.state import PendingTask
@@ -23,6 +32,8 @@ from fleet.worker.state import PendingTask
 log = logging.getLogger(__name__)
 
 STREAMED = (TokenChunk, ToolCallChunk, ImageChunk)
+
+SettleVerb = Literal["ack", "term", "nak"]
 
 
 @dataclass(frozen=True)
@@ -32,18 +43,32 @@ class Queued:
 
 @dataclass(frozen=True)
 class Settled:
-    """The message was answered and acked or terminated here."""
+    """The message needs no runner: `verb` is what it must get now (ack when its terminal is
+    stored, term for poison and refused messages). `task_id` is the id this message owns;
+    None when it owns none (refused, or no usable id), so nothing keyed by that id, such as
+    the owner's held message, may be touched for it."""
 
     task_id: str | None
     reason: str
-    verb: str = "ack"  # the JetStream verb that settled it: ack, or term for poison
+    verb: SettleVerb = "ack"
+
+
+async def settle_msg(msg: Msg, verb: SettleVerb, *, delay: float | None = None) -> None:
+    """Send a settling verb with the broker retry policy; BrokerUnavailable when it cannot."""
+    calls = {"ack": msg.ack, "term": msg.term, "nak": lambda: msg.nak(delay=delay)}
+    await with_retry(calls[verb], what=f"{verb} of a message on {msg.subject}")
 
 
 class Intake:
-    def __init__(self, js: JetStreamContext, output: TaskOutput, cluster: ClusterLink) -> None:
+    def __init__(
+        self, js: JetStreamContext, output: TaskOutput, cluster: ClusterLink,
+        claims: Claims | None = None,
+    ) -> None:
+        """`claims`: the FLEET_CLAIMS handle; opened on first use when not given."""
         self.js = js
         self.output = output
         self.cluster = cluster
+        self.claims = claims
         self.invalid_count = 0
 
     async def receive(self, msg: Msg) -> Queued | Settled:
@@ -57,19 +82,21 @@ class Intake:
             return await self._invalid(
                 msg, task.task_id, f"task names model {task.model!r} but was sent to {msg.subject}"
             )
-        if delivery > 1 and (settled := await self._redelivered(msg, task.task_id)):
+        if refused := await self._claim(msg, task.task_id):
+            return refused
+        if delivery > 1 and (settled := await self._redelivered(task.task_id)):
             return settled
         if await self.cluster.is_cancelled(task.task_id):
-            return await self._end(msg, task.task_id, ErrorReason.CANCELLED, "cancelled early")
+            return await self._end(task.task_id, ErrorReason.CANCELLED, "cancelled early")
         if is_past(task.deadline, datetime.now(UTC)):
             return await self._end(
-                msg, task.task_id, ErrorReason.DEADLINE, "the deadline passed before it started"
+                task.task_id, ErrorReason.DEADLINE, "the deadline passed before it started"
             )
         hashes = task.image_hashes()
         card = self.cluster.cards.get(model)
         if hashes and card is not None and not card.is_image and "vision" not in card.capabilities:
             return await self._end(
-                msg, task.task_id, ErrorReason.UNSUPPORTED,
+                task.task_id, ErrorReason.UNSUPPORTED,
                 f"model {model!r} reads text only; the task carries images",
             )
         return Queued(PendingTask(
@@ -77,32 +104,46 @@ class Intake:
             inputs=None if hashes else {},
         ))
 
+    async def _claims(self) -> Claims:
+        if self.claims is None:
+            self.claims = await Claims.open(self.output.nc, self.js)
+        return self.claims
+
+    async def _claim(self, msg: Msg, task_id: str) -> Settled | None:
+        """None when this message owns `task_id`; else it is refused, and termed."""
+        claims = await self._claims()
+        if (reason := await claims.admit(task_id, owner_of(msg))) is None:
+            return None
+        model = subjects.model_of_task_subject(msg.subject)
+        await claims.refuse(msg, model, task_id, reason)
+        return Settled(None, reason, "term")
+
     async def _invalid(self, msg: Msg, task_id: str | None, message: str) -> Settled:
         self.invalid_count += 1
         log.warning("invalid task on %s (%s): %s", msg.subject, task_id or "no id", message)
-        if task_id:
-            await self.output.fail(task_id, ErrorReason.INVALID_TASK, message)
-        with contextlib.suppress(Exception):
-            await msg.term()  # poison: never redeliver
-        return Settled(task_id, "invalid_task", "term")
+        if task_id is None:  # no id it could own: answer the publisher, write on no task
+            claims = await self._claims()
+            model = subjects.model_of_task_subject(msg.subject)
+            await claims.refuse(msg, model, sent_task_id(msg.data), "invalid_task_id", message)
+            return Settled(None, "invalid_task", "term")
+        if refused := await self._claim(msg, task_id):
+            return refused
+        await self.output.fail(task_id, ErrorReason.INVALID_TASK, message)
+        return Settled(task_id, "invalid_task", "term")  # poison: never redeliver
 
-    async def _end(self, msg: Msg, task_id: str, reason: ErrorReason, message: str) -> Settled:
+    async def _end(self, task_id: str, reason: ErrorReason, message: str) -> Settled:
         await self.output.fail(task_id, reason, message, node_id=self.cluster.node_id)
-        with contextlib.suppress(Exception):
-            await msg.ack()
         return Settled(task_id, reason.value)
 
-    async def _redelivered(self, msg: Msg, task_id: str) -> Settled | None:
+    async def _redelivered(self, task_id: str) -> Settled | None:
         """A worker took this task before and died. Rerun it only if no output was streamed:
         a client must never see tokens twice."""
         last = await self.output.last_event(task_id)
         if isinstance(last, TaskFinished):
-            with contextlib.suppress(Exception):
-                await msg.ack()
             return Settled(task_id, "already_finished")
         if isinstance(last, STREAMED):
             return await self._end(
-                msg, task_id, ErrorReason.WORKER_LOST,
+                task_id, ErrorReason.WORKER_LOST,
                 "the worker running this task was lost after output had started",
             )
         return None

@@ -3,6 +3,11 @@
 Unknown models are caught by a queue-group subscription on `fleet.tasks.>`; MaxDeliver
 advisories by the shared durable consumer `janitor` on FLEET_ADVISORIES. Either way exactly
 one worker of the fleet answers each.
+
+Like the intake, the janitor writes a terminal on `fleet.out.<id>` only after claiming the id
+(fleet.worker.claims): a task on an unknown model that carries another task's id is refused
+(TaskRefused), never allowed to end that task. Every broker call goes through the retry
+policy; the advisory's own ack or nak is retried, and a failure is logged, not suppressed.
 """
 
 from __future__ import annotations
@@ -11,16 +16,20 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from fleet.bus.connect import headers_for, js_publish
+from fleet.bus.retry import with_retry
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_event, decode_task
+from fleet.wire.codec import DecodeError, decode_event, decode_task, sent_task_id
 from fleet.wire.events import ErrorReason, TaskFinished, failed
+from fleet.worker.claims import Claims, one_off_owner
 from fleet.worker.pulls import unsubscribe_pull
 
 log = logging.getLogger(__name__)
@@ -48,6 +57,7 @@ class Janitor:
         self.on_known = on_known
 
     async def start(self) -> None:
+        self.claims = await Claims.open(self.nc, self.js)
         await self.nc.subscribe(subjects.TASKS_ALL, queue="fleet-triage", cb=self._triage)
         # Advisories are fire-and-forget; FLEET_ADVISORIES keeps them until a worker is there.
         self.advisories = await self.js.pull_subscribe(
@@ -72,14 +82,27 @@ class Janitor:
             for msg in msgs:
                 try:
                     await self._dead(msg)
-                    await msg.ack()
                 except Exception as exc:
                     log.warning("dead letter handling failed, retrying later: %s", exc)
-                    await msg.nak(delay=2.0)
+                    await self._settle(msg, "nak", partial(msg.nak, delay=2.0))
+                    continue
+                await self._settle(msg, "ack", msg.ack)
+
+    async def _settle(self, msg: Msg, verb: str, call: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await with_retry(call, what=f"{verb} of advisory on {msg.subject}")
+        except Exception as exc:  # the advisory comes back after AckWait: say so, go on
+            log.warning("advisory %s failed (%s: %s); it will be redelivered",
+                        verb, type(exc).__name__, exc)
 
     async def _finish(self, task_id: str, reason: ErrorReason, message: str) -> None:
         event = failed(task_id, time.time(), reason, message)
-        await js_publish(self.js, subjects.out(task_id), event, msg_id=f"finished-{task_id}")
+        await with_retry(  # the msg id makes a retried publish a no-op
+            lambda: js_publish(
+                self.js, subjects.out(task_id), event, msg_id=f"finished-{task_id}"
+            ),
+            what=f"publish the terminal of task {task_id}",
+        )
 
     async def _triage(self, msg: Msg) -> None:
         model = subjects.model_of_task_subject(msg.subject)
@@ -94,9 +117,20 @@ class Janitor:
         log.warning("task %s names unknown model %r", task_id, model)
         # Nobody consumes this subject: remove what was stored so the queue does not fill.
         body = orjson.dumps({"filter": msg.subject})
-        await self.nc.request(f"$JS.API.STREAM.PURGE.{subjects.TASKS_STREAM}", body, timeout=5)
-        if task_id:
-            await self._finish(task_id, ErrorReason.MODEL_NOT_FOUND, f"no model named {model!r}")
+        purge = f"$JS.API.STREAM.PURGE.{subjects.TASKS_STREAM}"
+        await with_retry(
+            lambda: self.nc.request(purge, body, timeout=5), what=f"purge {msg.subject}"
+        )
+        unknown = f"no model named {model!r}"
+        if task_id is None:
+            await self.claims.refuse(
+                msg, model, sent_task_id(msg.data), "invalid_task_id",
+                f"{unknown}, and the task has no usable task_id",
+            )
+        elif refused := await self.claims.admit(task_id, one_off_owner()):
+            await self.claims.refuse(msg, model, task_id, refused)
+        else:
+            await self._finish(task_id, ErrorReason.MODEL_NOT_FOUND, unknown)
 
     async def _dead(self, msg: Msg) -> None:
         """Move a task past MaxDeliver out of the work queue, record it, and finish it."""
@@ -105,30 +139,43 @@ class Janitor:
         if not seq:
             return
         try:
-            stored = await self.js.get_msg(subjects.TASKS_STREAM, seq)
+            stored = await with_retry(
+                lambda: self.js.get_msg(subjects.TASKS_STREAM, seq), what=f"read task {seq}"
+            )
         except Exception as exc:
             log.warning("dead letter %s already gone: %s", seq, exc)
             return
         data = stored.data or b""
         model = subjects.model_of_task_subject(stored.subject or "")
         deliveries = advisory.get("deliveries")
-        await self.js.publish(
-            subjects.dead_letter(model), data,
-            headers=headers_for(msg_id=f"dead-{seq}", extra={
-                "Fleet-Reason": "max_deliveries", "Fleet-Deliveries": str(deliveries),
-            }),
+        headers = headers_for(msg_id=f"dead-{seq}", extra={
+            "Fleet-Reason": "max_deliveries", "Fleet-Deliveries": str(deliveries),
+        })
+        await with_retry(
+            lambda: self.js.publish(subjects.dead_letter(model), data, headers=headers),
+            what=f"dead-letter task {seq}",
         )
         task_id = readable_task_id(data)
-        if task_id and not await self._already_finished(task_id):
+        # Only the message that owns the id may end it (its claim holds this sequence).
+        owns = task_id is not None and await self.claims.admit(task_id, str(seq)) is None
+        if task_id and owns and not await self._already_finished(task_id):
             await self._finish(
                 task_id, ErrorReason.MAX_DELIVERIES,
                 f"delivered {deliveries} times without finishing; moved to fleet.dead.{model}",
             )
-        await self.js.delete_msg(subjects.TASKS_STREAM, seq)
+        await with_retry(
+            lambda: self.js.delete_msg(subjects.TASKS_STREAM, seq), what=f"delete task {seq}"
+        )
 
     async def _already_finished(self, task_id: str) -> bool:
         try:
-            raw = await self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id))
+            raw = await with_retry(
+                lambda: self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id)),
+                what=f"read the last event of task {task_id}",
+            )
+        except NotFoundError:
+            return False
+        try:
             return isinstance(decode_event(raw.data or b""), TaskFinished)
-        except Exception:
+        except DecodeError:
             return False
