@@ -6,8 +6,8 @@ import time
 import uuid
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyWrongLastSequenceError
 
+from fleet.bus.kv_calls import kv_create, kv_delete
 from fleet.bus.kv_read import live_values
 from fleet.errors import FleetError, InvalidRequest
 from fleet.wire import subjects
@@ -53,15 +53,18 @@ async def read_instances(js: JetStreamContext) -> list[Instance]:
     return await live_values(js, subjects.INSTANCES_BUCKET, Instance)
 
 
+async def find_instance(js: JetStreamContext, model: str) -> Instance | None:
+    """An instance of `model` the fleet has already, wherever it is placed."""
+    return next((i for i in await read_instances(js) if i.model == model), None)
+
+
 async def place(
     js: JetStreamContext, card: ModelCard, *, node_id: str | None = None, slots: int = 4,
     if_absent: bool = False,
 ) -> Instance:
     """Write a placement; `if_absent` keeps an existing instance of the model instead."""
-    if if_absent:
-        for existing in await read_instances(js):
-            if existing.model == card.id:
-                return existing
+    if if_absent and (existing := await find_instance(js, card.id)):
+        return existing
     nodes = await read_nodes(js)
     now = time.time()
     if node_id:
@@ -73,16 +76,14 @@ async def place(
         nodes = [n for n in nodes if card.id in n.models_available] or nodes
     instance = new_instance(card, choose_node(nodes, card, now), slots, now)
     kv = await js.key_value(subjects.INSTANCES_BUCKET)
-    try:
-        await kv.create(instance.instance_id, encode(instance))  # CAS: only if the key is new
-    except KeyWrongLastSequenceError:
-        raise PlacementError(f"instance {instance.instance_id} exists already") from None
+    if await kv_create(kv, instance.instance_id, encode(instance)) is None:  # CAS: a new key
+        raise PlacementError(f"instance {instance.instance_id} exists already")
     return instance
 
 
 async def remove(js: JetStreamContext, instance_id: str) -> None:
     kv = await js.key_value(subjects.INSTANCES_BUCKET)
-    await kv.delete(instance_id)
+    await kv_delete(kv, instance_id)
 
 
 def moved(instance: Instance, gone: str, target: str) -> Instance:

@@ -7,9 +7,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING
 
 from fleet.bus.connect import connect
@@ -18,9 +17,12 @@ from fleet.bus.provision import provision
 from fleet.commands.core import check_mflux, settings_from
 from fleet.config import Settings
 from fleet.models.catalog import get_card
-from fleet.placement import place, read_instances, remove
+from fleet.placement import find_instance, place, read_instances, read_nodes, remove
+from fleet.proc import Exit, guard_child, run_main
 
 if TYPE_CHECKING:
+    from nats.aio.client import Client
+
     from fleet.worker.main import Worker
 
 log = logging.getLogger(__name__)
@@ -32,27 +34,34 @@ def quiet_builders() -> None:
     os.environ.setdefault("TQDM_DISABLE", "1")
 
 
-async def wait_for_signal(*tasks: asyncio.Task[None]) -> None:
+# A clean stop of the worker gets this long before it is cancelled; the process's Exit
+# deadline (fleet.proc) bounds the whole stop whatever hangs.
+WORKER_STOP_S = 5.0
+
+
+class StopRequested(Exception):
+    """A signal came while the stack was still starting."""
+
+
+async def wait_for_signal(exit_: Exit, *tasks: asyncio.Task[None]) -> None:
     """Until SIGINT/SIGTERM, or until one of `tasks` ends (then its error is raised)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: int, frame: object) -> None:
-        log.info("%s: stopping", signal.Signals(signum).name)
-        loop.call_soon_threadsafe(stop.set)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
-    waiter = asyncio.create_task(stop.wait())
+    waiter = asyncio.create_task(exit_.stopping.wait())
     done, _ = await asyncio.wait({waiter, *tasks}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
     for task in done - {waiter}:
         task.result()
 
 
-async def stop_worker(worker: Worker, task: asyncio.Task[None], timeout: float = 30.0) -> None:
-    """A clean stop (runners shut down, unstarted tasks handed back); a cancel if it hangs."""
+async def stop_worker(
+    worker: Worker, task: asyncio.Task[None], timeout: float = WORKER_STOP_S
+) -> None:
+    """A clean stop (runners shut down, unstarted tasks handed back); a cancel if it hangs
+    or if the worker never got as far as its loop (still connecting or registering)."""
     if task.done():
+        return
+    if not worker.ready.is_set():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         return
     worker.stop()
     try:
@@ -63,69 +72,111 @@ async def stop_worker(worker: Worker, task: asyncio.Task[None], timeout: float =
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def run_worker(settings: Settings) -> None:
+async def run_worker(settings: Settings, exit_: Exit | None = None) -> int:
     from fleet.worker.main import Worker
 
+    exit_ = exit_ or Exit().install()
     if warning := check_mflux():
         log.warning(warning)
     quiet_builders()
     worker = Worker(settings)
     task = asyncio.create_task(worker.run())
     try:
-        await wait_for_signal(task)
+        await wait_for_signal(exit_, task)
     finally:
         await stop_worker(worker, task)
+    return 0
 
 
 @contextlib.asynccontextmanager
-async def stack(settings: Settings, models: list[str]) -> AsyncIterator[Settings]:
+async def stack(
+    settings: Settings, models: list[str], exit_: Exit | None = None
+) -> AsyncIterator[Settings]:
     """An embedded nats-server (unless a URL is given), a worker, the gateway; `models`
-    placed on this node. Yields the settings the roles use."""
+    placed on this node. Yields the settings the roles use. With `exit_`, a stop requested
+    while the stack still starts raises StopRequested after the same clean-up."""
     from fleet.gateway.cli import serve
     from fleet.worker.main import Worker
 
     quiet_builders()
-    server = None
+    stopping = exit_.stopping if exit_ else asyncio.Event()
+    server, guard = None, None
     if settings.nats_url is None:
         server = EmbeddedNats(
             settings.nats_store_dir, port=settings.nats_port,
             log_file=settings.data_dir / "nats.log",
         ).start()
+        # Even a SIGKILL of this process must not leave the server running.
+        guard = guard_child(server.process.pid) if server.process else None
+        if exit_:
+            exit_.at_forced_exit(lambda: server.stop(timeout=2.0))
         settings = settings_with_url(settings, server.url)
+    worker: Worker | None = None
+    worker_task: asyncio.Task[None] | None = None
     try:
         nc = await connect(settings.url, "fleet-up")
-        await provision(nc)
-        worker = Worker(settings)
-        worker_task = asyncio.create_task(worker.run())
-        await _first(worker.ready.wait(), worker_task)
-        for model in models:
-            instance = await place(nc.jetstream(), get_card(model, settings.data_dir),
-                                   node_id=worker.cluster.node_id, slots=settings.slots,
-                                   if_absent=True)
-            log.info("placed %s as %s", model, instance.instance_id)
-        gateway_ready = asyncio.Event()
-        gateway_task = asyncio.create_task(serve(settings, gateway_ready))
-        await _first(gateway_ready.wait(), gateway_task)
         try:
-            yield settings
+            await provision(nc)
+            worker = Worker(settings)
+            worker_task = asyncio.create_task(worker.run())
+            await _first(worker.ready.wait(), worker_task, stopping)
+            for model in models:
+                await _place_here(nc, settings, model, worker.cluster.node_id)
+            gateway_ready = asyncio.Event()
+            gateway_task = asyncio.create_task(serve(settings, gateway_ready))
+            try:
+                await _first(gateway_ready.wait(), gateway_task, stopping)
+                yield settings
+            finally:
+                gateway_task.cancel()
+                await asyncio.gather(gateway_task, return_exceptions=True)
         finally:
-            gateway_task.cancel()
-            await asyncio.gather(gateway_task, return_exceptions=True)
-            await stop_worker(worker, worker_task)
-            await nc.close()
+            if worker is not None and worker_task is not None:
+                await stop_worker(worker, worker_task)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(nc.close(), 2.0)
     finally:
         if server:
             server.stop()
+        if guard:
+            guard.release()
 
 
-async def _first(waiting: object, task: asyncio.Task[None]) -> None:
-    """Wait for readiness, but surface the role's own error if it dies first."""
-    ready = asyncio.ensure_future(waiting)  # type: ignore[arg-type]
-    done, _ = await asyncio.wait({ready, task}, return_when=asyncio.FIRST_COMPLETED)
+async def _place_here(nc: Client, settings: Settings, model: str, node_id: str) -> None:
+    """Place `model` on this node, or keep the instance the fleet has of it already."""
+    js = nc.jetstream()
+    card = get_card(model, settings.data_dir)
+    if existing := await find_instance(js, card.id):
+        nodes = ",".join(shard.node_id for shard in existing.shards)
+        alive = {node.node_id for node in await read_nodes(js)}
+        if all(shard.node_id in alive for shard in existing.shards):
+            log.info("kept existing instance %s on node %s", existing.instance_id, nodes)
+        else:
+            log.warning(
+                "kept existing instance %s on node %s, which is not alive: it moves to a live "
+                "node once the worker has seen that node silent for its heartbeat TTL",
+                existing.instance_id, nodes,
+            )
+        return
+    instance = await place(js, card, node_id=node_id, slots=settings.slots)
+    log.info("placed %s as %s on node %s", model, instance.instance_id, node_id)
+
+
+async def _first(
+    waiting: Awaitable[object], task: asyncio.Task[None], stopping: asyncio.Event
+) -> None:
+    """Wait for readiness, but surface the role's own error if it dies first, and give up
+    when a stop is requested meanwhile."""
+    ready = asyncio.ensure_future(waiting)
+    stop = asyncio.ensure_future(stopping.wait())
+    done, _ = await asyncio.wait({ready, task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    ready.cancel()
+    stop.cancel()
     if task in done:
-        ready.cancel()
         task.result()
         raise RuntimeError("a role ended before it was ready")
+    if ready not in done:
+        raise StopRequested()
 
 
 def settings_with_url(settings: Settings, url: str) -> Settings:
@@ -134,13 +185,19 @@ def settings_with_url(settings: Settings, url: str) -> Settings:
     return replace(settings, nats_url=url)
 
 
-async def run_up(settings: Settings, models: list[str]) -> None:
-    async with stack(settings, models) as running:
-        print(
-            f"fleet up: NATS {running.url}, gateway http://{running.gateway_host}:"
-            f"{running.gateway_port}/v1, data {running.data_dir}", file=sys.stderr, flush=True,
-        )
-        await wait_for_signal()
+async def run_up(settings: Settings, models: list[str], exit_: Exit | None = None) -> int:
+    exit_ = exit_ or Exit().install()
+    try:
+        async with stack(settings, models, exit_) as running:
+            print(
+                f"fleet up: NATS {running.url}, gateway http://{running.gateway_host}:"
+                f"{running.gateway_port}/v1, data {running.data_dir}", file=sys.stderr,
+                flush=True,
+            )
+            await wait_for_signal(exit_)
+    except StopRequested:
+        log.info("stopped while starting")
+    return 0
 
 
 async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:
@@ -167,8 +224,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("worker", help="run the node agent")
     p.add_argument("--slots", type=int, help="concurrent tasks per text runner")
     _auto_place_flag(p)
-    p.set_defaults(func=lambda a: asyncio.run(run_worker(
-        settings_from(a, slots=a.slots, auto_place=a.auto_place)
+    # run_main: signals stop it within its grace in every state, and it exits without
+    # native teardown (see fleet.proc).
+    p.set_defaults(func=lambda a: run_main(lambda exit_: run_worker(
+        settings_from(a, slots=a.slots, auto_place=a.auto_place), exit_
     )))
 
     p = subparsers.add_parser("up", help="embedded NATS + worker + gateway on this machine")
@@ -178,10 +237,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nats-port", type=int, help="embedded nats-server port")
     p.add_argument("--slots", type=int)
     _auto_place_flag(p)
-    p.set_defaults(func=lambda a: asyncio.run(run_up(
+    p.set_defaults(func=lambda a: run_main(lambda exit_: run_up(
         settings_from(a, gateway_host=a.host, gateway_port=a.port, nats_port=a.nats_port,
                       slots=a.slots, auto_place=a.auto_place),
-        [m for m in a.models.split(",") if m],
+        [m for m in a.models.split(",") if m], exit_,
     )))
 
     p = subparsers.add_parser("instances", help="place, list or remove model instances")

@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -84,17 +83,20 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
         await asyncio.shield(serving)
     except asyncio.CancelledError:
         server.should_exit = True
-        await serving
+        # Streams get their grace; a lifespan stuck on a broker that is down gets no more.
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(serving, GRACEFUL_SHUTDOWN_S + 1)
         raise
     finally:
         sock.close()
 
 
 async def run_gateway(settings: Settings) -> None:
+    from fleet.proc import Exit
+
     serving = asyncio.ensure_future(serve(settings))
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, serving.cancel)
+    # The first SIGINT/SIGTERM stops it gracefully; a second one, or the deadline, ends it.
+    Exit().install().on_stop(serving.cancel)
     with contextlib.suppress(asyncio.CancelledError):
         await serving
 

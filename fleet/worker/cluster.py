@@ -12,10 +12,12 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
 
+from fleet.aio import Supervisor
 from fleet.bus.connect import publish
+from fleet.bus.kv_calls import kv_delete, kv_get, kv_put
 from fleet.bus.objects import ObjectBucket
+from fleet.bus.retry import with_retry
 from fleet.config import Settings
 from fleet.models.blas import openblas_available
 from fleet.models.catalog import all_cards
@@ -28,12 +30,15 @@ from fleet.worker.demand import Demand
 from fleet.worker.failover import Failover
 from fleet.worker.inputs import ImageCache
 from fleet.worker.janitor import Janitor
+from fleet.worker.liveness import LinkHealth, beat_failed, beat_succeeded, trusts_absences
 from fleet.worker.node import node_id, node_info
 from fleet.worker.state import InstancesChanged, RunnerView
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 3.0
+NODE_TTL_S = 15.0  # FLEET_NODES' max age in ops/jetstream; read from the bucket at start
+STOP_BUDGET_S = 2.0  # saying goodbye to a broker that is down is not worth more
 REMEMBERED_CANCELS = 100_000  # the bucket keeps an hour of them; a bound on memory all the same
 
 
@@ -58,18 +63,35 @@ class ClusterLink:
         self.placed: dict[str, Instance] = {}  # the instance table as last watched
         self._status_writes: asyncio.Queue[tuple[str, RunnerRecord | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
+        self._own_supervisor: Supervisor | None = None
         self.cancelled: dict[str, None] = {}  # cancel records seen, oldest first
         self._cancels_loaded = False
+        self.health = LinkHealth()  # this node's own KV round trips: the liveness evidence
+        self.node_ttl_s = NODE_TTL_S
+        self._beat_now = asyncio.Event()
 
-    async def start(self) -> None:
+    def trusts_absences(self) -> bool:
+        """Whether an absent heartbeat key is evidence of a dead node (fleet.worker.liveness)."""
+        return trusts_absences(self.health, time.monotonic(), self.node_ttl_s, HEARTBEAT_S)
 
+    async def start(self, supervisor: Supervisor | None = None) -> None:
+        """Register this node and start its loops as children of `supervisor` (each restarted
+        with backoff if it fails). Without one, the link owns a supervisor of its own."""
+        if supervisor is None:
+            self._own_supervisor = supervisor = Supervisor("cluster")
+            await supervisor.__aenter__()
         self.nodes = await self.js.key_value(subjects.NODES_BUCKET)
         self.instances = await self.js.key_value(subjects.INSTANCES_BUCKET)
         self.runners = await self.js.key_value(subjects.RUNNERS_BUCKET)
         self.cancels = await self.js.key_value(subjects.CANCELS_BUCKET)
         self.store = ObjectBucket(self.nc, subjects.IMAGES_BUCKET)
         self.cache = ImageCache(self.settings.images_dir, self.settings.image_cache_bytes)
-        self.failover = Failover(self.js, self.nodes, self.instances, self.cards)
+        self.node_ttl_s = await self._node_ttl()
+        self.failover = Failover(
+            self.js, self.nodes, self.instances, self.cards, self_id=self.node_id,
+            trusted=self.trusts_absences, on_own_key_gone=self._beat_now.set,
+            on_gap=self._gap,
+        )
         self.demand = Demand(
             self.js, self.instances, self.cards, placed=lambda: self.placed.values(),
             live_nodes=lambda: self.failover.live.values(), slots=self.settings.slots,
@@ -78,7 +100,7 @@ class ClusterLink:
         on_known = self.demand.want if self.settings.auto_place else None
         self.janitor = Janitor(self.nc, self.js, self._is_known, on_known=on_known)
         await self.janitor.start()
-        await self._beat()
+        await self._beat_once(budget_s=30.0)
         await publish(self.nc, subjects.node_event(self.node_id), NodeJoined(
             node_id=self.node_id, hostname=node_info(self.node_id, 0, [], [], None).hostname,
             at=time.time(),
@@ -86,14 +108,30 @@ class ClusterLink:
         if self.blas:
             log.info("BLAS: %s loaded for mlx's CPU path", self.blas)
         self._tasks = [
-            asyncio.create_task(self._heartbeat_forever()),
-            asyncio.create_task(self._watch_instances()),
-            asyncio.create_task(self._write_statuses_forever()),
-            asyncio.create_task(self._watch_cancels()),
-            asyncio.create_task(self.failover.watch()),
+            supervisor.forever("heartbeat", self._heartbeat_forever),
+            supervisor.forever("instance watch", self._watch_instances),
+            supervisor.forever("status writer", self._write_statuses_forever),
+            supervisor.forever("cancel watch", self._watch_cancels),
+            supervisor.forever("node watch", self.failover.watch),
+            supervisor.forever("failover sweep", self.failover.sweep_forever),
         ]
         if self.settings.auto_place:
-            self._tasks.append(asyncio.create_task(self.demand.sweep_forever()))
+            self._tasks.append(supervisor.forever("demand sweep", self.demand.sweep_forever))
+
+    async def _node_ttl(self) -> float:
+        """How long a silent node's key lives: the bucket's max age (the TTL of record)."""
+        try:
+            info = await with_retry(
+                lambda: self.js.stream_info(f"KV_{subjects.NODES_BUCKET}"), what="node bucket"
+            )
+        except Exception as exc:
+            log.warning("node bucket TTL unknown (%s); assuming %.0f s", exc, NODE_TTL_S)
+            return NODE_TTL_S
+        return float(info.config.max_age or NODE_TTL_S)
+
+    def _gap(self) -> None:
+        """A reconnect or a restarted watch: what we saw before may have holes."""
+        self.health = beat_failed(self.health)
 
     def _is_known(self, model: str) -> bool:
         return model in self.cards or any(i.model == model for i in self.placed.values())
@@ -105,8 +143,13 @@ class ClusterLink:
             await asyncio.wait_for(self._status_writes.join(), 5.0)
         for task in self._tasks:
             task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._own_supervisor is not None:
+            await self._own_supervisor.__aexit__(None, None, None)
+            self._own_supervisor = None
+        # Deleting our key tells the others at once that we left on purpose.
         with contextlib.suppress(Exception):
-            await self.nodes.delete(self.node_id)
+            await kv_delete(self.nodes, self.node_id, budget_s=STOP_BUDGET_S)
             await publish(
                 self.nc, subjects.node_event(self.node_id),
                 NodeLeft(node_id=self.node_id, at=time.time()),
@@ -114,22 +157,38 @@ class ClusterLink:
 
     # ---- heartbeat and instances -------------------------------------------------------
 
-    async def _beat(self) -> None:
+    async def _beat_once(self, budget_s: float = HEARTBEAT_S) -> None:
+        """One heartbeat round; its outcome is the evidence `trusts_absences` weighs."""
         info = node_info(
             self.node_id, self.started_at, models_on_disk(self.settings.models_dir),
             sorted(self.records), self.blas, self.buildable,
         )
-        await self.nodes.put(self.node_id, encode(info))
+        try:
+            if not self.nc.is_connected:
+                raise ConnectionError("not connected to NATS")
+            await kv_put(self.nodes, self.node_id, encode(info), budget_s=budget_s)
+        except Exception as exc:
+            if self.health.failures == 0:
+                log.warning("heartbeat failed (%s); no node is judged dead until it is back "
+                            "for %.0f s", exc, self.node_ttl_s)
+            self.health = beat_failed(self.health)
+            return
+        if self.health.failures:
+            log.info("heartbeat back after %d failed round(s)", self.health.failures)
+        self.health = beat_succeeded(self.health, time.monotonic())
         for record in list(self.records.values()):
-            await self.runners.put(record.runner_id, encode(record))
+            try:
+                await kv_put(self.runners, record.runner_id, encode(record), budget_s=budget_s)
+            except Exception as exc:
+                log.warning("runner record %s not refreshed: %s", record.runner_id, exc)
 
     async def _heartbeat_forever(self) -> None:
         while True:
-            await asyncio.sleep(HEARTBEAT_S)  # the heartbeat period, not synchronisation
-            try:
-                await self._beat()
-            except Exception as exc:
-                log.warning("heartbeat failed: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                # The heartbeat period, or at once when our own key was seen to expire.
+                await asyncio.wait_for(self._beat_now.wait(), HEARTBEAT_S)
+            self._beat_now.clear()
+            await self._beat_once()
 
     async def _watch_instances(self) -> None:
         table: dict[str, Instance] = {}
@@ -175,9 +234,9 @@ class ClusterLink:
             runner_id, record = await self._status_writes.get()
             try:
                 if record is None:
-                    await self.runners.delete(runner_id)
+                    await kv_delete(self.runners, runner_id)
                 else:
-                    await self.runners.put(runner_id, encode(record))
+                    await kv_put(self.runners, runner_id, encode(record))
                     changed = RunnerStatusChanged(
                         runner_id=runner_id, instance_id=record.instance_id,
                         node_id=self.node_id, model=record.model, status=record.status,
@@ -202,10 +261,9 @@ class ClusterLink:
                     self._cancels_loaded = True
                 elif entry.value:
                     self.remember_cancel(entry.key)
-        except Exception as exc:
-            log.warning("cancel records no longer followed, reading them per task: %s", exc)
         finally:
-            self._cancels_loaded = False  # stale from here on: ask the bucket again
+            # Stale from here on (the supervisor restarts this watch): ask the bucket per task.
+            self._cancels_loaded = False
 
     def remember_cancel(self, task_id: str) -> None:
         self.cancelled[task_id] = None
@@ -217,11 +275,7 @@ class ClusterLink:
             return True
         if self._cancels_loaded:
             return False
-        try:
-            entry = await self.cancels.get(task_id)
-        except KeyNotFoundError:
-            return False
-        return bool(entry.value)
+        return await kv_get(self.cancels, task_id) is not None
 
     async def fetch_inputs(self, hashes: tuple[str, ...]) -> dict[str, Path]:
         """Local paths of a task's input images, pinned until `release_inputs`."""

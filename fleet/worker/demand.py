@@ -15,9 +15,10 @@ import time
 from collections.abc import Callable, Iterable
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from fleet.bus.kv_calls import kv_create
+from fleet.bus.retry import with_retry
 from fleet.placement import PlacementError, choose_node, new_instance
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
@@ -72,15 +73,16 @@ class Demand:
             return None
         self._unplaceable.discard(model)
         instance = new_instance(card, node, self.slots, time.time(), auto_instance_id(model))
-        try:
-            await self.instances.create(instance.instance_id, encode(instance))
-        except KeyWrongLastSequenceError:
+        if await kv_create(self.instances, instance.instance_id, encode(instance)) is None:
             return None  # another worker answered the same demand first
         log.info("tasks wait for %s: placed %s on %s", model, instance.instance_id, node.node_id)
         return instance
 
     async def queued_models(self) -> list[str]:
-        info = await self.js.stream_info(subjects.TASKS_STREAM, subjects_filter=subjects.TASKS_ALL)
+        info = await with_retry(
+            lambda: self.js.stream_info(subjects.TASKS_STREAM, subjects_filter=subjects.TASKS_ALL),
+            what="queued models",
+        )
         counts = info.state.subjects or {}
         return sorted(subjects.model_of_task_subject(s) for s, count in counts.items() if count)
 

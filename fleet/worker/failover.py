@@ -1,90 +1,148 @@
-"""When a node leaves (its FLEET_NODES key expires), its instances move to a live node.
+"""Moving instances off dead nodes, on evidence only (fleet.worker.liveness decides).
 
-Every worker sees the same departure and races to re-place; the write is a compare-and-set
-on the instance's revision, so exactly one wins and the others learn it from the next watch.
+A sweep runs on start, every SWEEP_S, and at once when a heartbeat key disappears. It reads
+fresh snapshots of FLEET_NODES and FLEET_INSTANCES (never the watcher's table alone, which a
+reconnect can leave stale), so a placement stranded on a node that died while no worker ran
+is healed by whichever worker runs next, by the same rule as a departure seen live.
+
+Every worker may sweep the same instance; the write is a compare-and-set on the instance's
+revision, so exactly one wins and the others learn it from the next watch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from fleet.bus.kv_calls import kv_update
 from fleet.bus.kv_read import live_entries, live_values
-from fleet.errors import FleetError
-from fleet.placement import choose_node, moved
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
 from fleet.wire.codec import DecodeError, decode_model, encode
+from fleet.worker.liveness import Move, Placed, Stranded, plan_moves
 
 log = logging.getLogger(__name__)
+
+SWEEP_S = 5.0
 
 
 class Failover:
     def __init__(
-        self, js: JetStreamContext, nodes: KeyValue, instances: KeyValue,
+        self,
+        js: JetStreamContext,
+        nodes: KeyValue,
+        instances: KeyValue,
         cards: dict[str, ModelCard],
+        *,
+        self_id: str = "",
+        trusted: Callable[[], bool] = lambda: True,
+        on_own_key_gone: Callable[[], None] = lambda: None,
+        on_gap: Callable[[], None] = lambda: None,
     ) -> None:
         self.js = js
         self.nodes = nodes
         self.instances = instances
         self.cards = cards
+        self.self_id = self_id
+        self.trusted = trusted  # whether an absent key is evidence right now
+        self.on_own_key_gone = on_own_key_gone
+        self.on_gap = on_gap
         self.live: dict[str, NodeInfo] = {}
         self.loaded = asyncio.Event()  # set once the node table's first reading is in `live`
+        self._wake = asyncio.Event()
+        self._stranded: set[str] = set()  # logged once each, until it moves or heals
 
     async def watch(self) -> None:
+        """Follow FLEET_NODES for `live` (demand placement reads it) and to sweep at once
+        when a key disappears. A (re)start of this watch is a gap in what we saw."""
+        self.on_gap()
         watcher = await self.nodes.watchall()
-        async for entry in watcher:
-            if entry is None:
-                # nats-py can send its "initial values done" marker before values it has
-                # already received (see bus/kv_read.py): a snapshot fills in what is late.
-                for info in await live_values(self.js, subjects.NODES_BUCKET, NodeInfo):
-                    self.live.setdefault(info.node_id, info)
-                self.loaded.set()
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                if self.live.pop(entry.key, None) is not None:
-                    log.warning("node %s left; re-placing its instances", entry.key)
-                    await self.replace_from(entry.key)
-                continue
-            try:
-                self.live[entry.key] = decode_model(NodeInfo, entry.value)
-            except DecodeError:
-                continue
+        try:
+            async for entry in watcher:
+                if entry is None:
+                    # nats-py can send its "initial values done" marker before values it has
+                    # already received (see bus/kv_read.py): a snapshot fills in what is late.
+                    await self.refresh()
+                    self.loaded.set()
+                    continue
+                if entry.operation in ("DEL", "PURGE") or not entry.value:
+                    self._gone(entry.key)
+                    continue
+                try:
+                    self.live[entry.key] = decode_model(NodeInfo, entry.value)
+                except DecodeError:
+                    continue
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watcher.stop(), 2.0)
 
-    async def replace_from(self, gone: str) -> None:
+    def _gone(self, node: str) -> None:
+        if node == self.self_id:
+            # Our own key expired: we could not write it for a TTL. We are not dead; the
+            # heartbeat writes it again now. Never a reason to move our own instances.
+            log.warning("own heartbeat key %s expired (the KV was unreachable?); re-registering",
+                        node)
+            self.on_own_key_gone()
+            return
+        if self.live.pop(node, None) is not None:
+            log.info("heartbeat of node %s is gone; checking whether it left", node)
+            self._wake.set()
+
+    async def refresh(self) -> list[NodeInfo]:
+        nodes = await live_values(self.js, subjects.NODES_BUCKET, NodeInfo)
+        self.live = {node.node_id: node for node in nodes}
+        return nodes
+
+    async def sweep_forever(self) -> None:
+        """Sweep on start and every SWEEP_S, or sooner when a heartbeat disappears."""
+        while True:
+            self._wake.clear()
+            try:
+                await self.sweep()
+            except Exception as exc:  # the next period tries again; a broker outage is logged
+                log.warning("failover sweep failed: %s", exc)
+            with contextlib.suppress(TimeoutError):  # the period, not synchronisation
+                await asyncio.wait_for(self._wake.wait(), SWEEP_S)
+
+    async def sweep(self) -> list[Move | Stranded]:
+        """Move every instance whose nodes are dead to a live node that can serve it."""
+        trusted = self.trusted()  # before the reads: evidence is what was true all along
+        if not trusted:
+            return []
+        nodes = await self.refresh()
+        placed = []
         for entry in await live_entries(self.js, subjects.INSTANCES_BUCKET):
-            key = entry.key
             try:
-                instance = decode_model(Instance, entry.value or b"")
+                placed.append(Placed(decode_model(Instance, entry.value), entry.revision))
             except DecodeError:
                 continue
-            if all(shard.node_id != gone for shard in instance.shards):
+        # Re-checked after the reads: a gap while reading makes the snapshot suspect.
+        decisions = plan_moves(placed, nodes, self.self_id, trusted and self.trusted(),
+                               self.cards, time.time())
+        for decision in decisions:
+            if isinstance(decision, Stranded):
+                if decision.instance_id not in self._stranded:
+                    self._stranded.add(decision.instance_id)
+                    log.warning("%s is on dead node(s) %s and no live node can serve it (%s); "
+                                "it waits", decision.instance_id, ",".join(decision.gone),
+                                decision.why)
                 continue
-            card = self.cards.get(instance.model) or _unknown_card(instance.model)
-            candidates = [
-                n for n in self.live.values()
-                if n.node_id != gone and instance.model in n.models_available
-            ]
-            try:
-                target = choose_node(candidates, card, time.time())
-            except FleetError:
-                log.warning("no live node for %s; it waits for %s to return", key, gone)
-                continue
-            try:
-                await self.instances.update(
-                    key, encode(moved(instance, gone, target.node_id)), last=entry.revision
-                )
-                log.info("moved %s from %s to %s", key, gone, target.node_id)
-            except KeyWrongLastSequenceError:
-                log.info("%s was re-placed by another worker", key)
+            self._stranded.discard(decision.instance_id)
+            await self._move(decision)
+        return decisions
 
-
-def _unknown_card(model: str) -> ModelCard:
-    return ModelCard(id=model, name=model, tasks=["text_generation"], family="unknown",
-                     source="unknown")
-
+    async def _move(self, move: Move) -> None:
+        written = await kv_update(
+            self.instances, move.instance_id, encode(move.instance), last=move.revision
+        )
+        if written is None:
+            log.info("%s was re-placed by another worker", move.instance_id)
+        else:
+            log.warning("node(s) %s left: moved %s to %s", ",".join(move.gone),
+                        move.instance_id, move.target)

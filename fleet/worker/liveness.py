@@ -1,0 +1,127 @@
+"""Deciding that a node is dead, only on evidence. Pure: time comes in as `now`.
+
+A node's heartbeat key in FLEET_NODES expires one TTL after its last put. An absent key says
+"dead" only if the node had working KV for a whole TTL and still did not beat; nobody can see
+the node's side, so this worker judges by its own: while its own heartbeats fail (or its view
+of the KV had a gap), every absence is suspect, its own above all. Once its own heartbeats
+have gone through for a full TTL, and the latest one is fresh, an absent key is evidence: a
+node that was only cut off by the same outage has had a TTL to beat again.
+
+A worker never judges itself: its own expired key is re-registered by the next heartbeat, and
+no rule here ever returns its own node as dead. That is what kept a 20 s loss of the KV leader
+from moving a live worker's instance away and stopping its runner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from fleet.errors import FleetError
+from fleet.placement import choose_node, moved
+from fleet.wire.cluster import Instance, ModelCard, NodeInfo
+
+# A heartbeat is "fresh" when the last good one is at most this many periods old.
+FRESH_BEATS = 2.5
+
+
+@dataclass(frozen=True)
+class LinkHealth:
+    """This worker's own round trips to the KV (times are time.monotonic())."""
+
+    ok_since: float | None = None  # the first success after the last failure or gap
+    last_ok: float | None = None
+    failures: int = 0  # failed rounds since the last success (for logs)
+
+
+def beat_succeeded(health: LinkHealth, now: float) -> LinkHealth:
+    since = health.ok_since if health.ok_since is not None else now
+    return LinkHealth(ok_since=since, last_ok=now, failures=0)
+
+
+def beat_failed(health: LinkHealth) -> LinkHealth:
+    """A failed heartbeat, a disconnect or a watch gap: what was learnt before is stale."""
+    return replace(health, ok_since=None, failures=health.failures + 1)
+
+
+def trusts_absences(health: LinkHealth, now: float, ttl_s: float, beat_s: float) -> bool:
+    """True when an absent heartbeat key is evidence that its node is dead."""
+    if health.ok_since is None or health.last_ok is None:
+        return False
+    return now - health.ok_since >= ttl_s and now - health.last_ok <= FRESH_BEATS * beat_s
+
+
+def dead_nodes(
+    placed_on: Iterable[str], alive: Iterable[str], self_id: str, trusted: bool
+) -> set[str]:
+    """The nodes among `placed_on` to treat as dead: absent from `alive`, never this one."""
+    if not trusted:
+        return set()
+    alive_set = set(alive)
+    return {node for node in placed_on if node not in alive_set and node != self_id}
+
+
+@dataclass(frozen=True)
+class Placed:
+    """An instance as read from the bucket, with the revision a compare-and-set needs."""
+
+    instance: Instance
+    revision: int
+
+
+@dataclass(frozen=True)
+class Move:
+    instance_id: str
+    revision: int
+    gone: tuple[str, ...]
+    target: str
+    instance: Instance  # the instance as it is to be written
+
+
+@dataclass(frozen=True)
+class Stranded:
+    """Its nodes are dead and no live node can serve it: it waits, logged once."""
+
+    instance_id: str
+    gone: tuple[str, ...]
+    why: str
+
+
+def plan_moves(
+    placed: Iterable[Placed],
+    nodes: Iterable[NodeInfo],
+    self_id: str,
+    trusted: bool,
+    cards: dict[str, ModelCard],
+    now: float,
+) -> list[Move | Stranded]:
+    """For every instance with a shard on a dead node, where to move it (or why it cannot
+    move). `nodes` are the live heartbeats as just read; `now` is wall time for their `at`."""
+    live = {node.node_id: node for node in nodes}
+    out: list[Move | Stranded] = []
+    for item in placed:
+        instance = item.instance
+        shard_nodes = [shard.node_id for shard in instance.shards]
+        gone = tuple(sorted(dead_nodes(shard_nodes, live, self_id, trusted)))
+        if not gone:
+            continue
+        card = cards.get(instance.model) or unknown_card(instance.model)
+        candidates = [
+            node for node in live.values()
+            if node.node_id not in gone and instance.model in node.models_available
+        ]
+        try:
+            target = choose_node(candidates, card, now)
+        except FleetError as exc:
+            out.append(Stranded(instance.instance_id, gone, str(exc)))
+            continue
+        moved_instance = instance
+        for node in gone:
+            moved_instance = moved(moved_instance, node, target.node_id)
+        out.append(Move(instance.instance_id, item.revision, gone, target.node_id, moved_instance))
+    return out
+
+
+def unknown_card(model: str) -> ModelCard:
+    return ModelCard(id=model, name=model, tasks=["text_generation"], family="unknown",
+                     source="unknown")
