@@ -33,6 +33,7 @@ from enum import StrEnum
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NotJSMessageError
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
@@ -78,11 +79,18 @@ def reply_subject(headers: Mapping[str, str] | None) -> str | None:
     return subject if subject and _INBOX.fullmatch(subject) else None
 
 
+def stream_seq(msg: Msg) -> int | None:
+    """A JetStream message's stream sequence; None for a core message (the janitor's view)."""
+    try:
+        return msg.metadata.sequence.stream
+    except NotJSMessageError:
+        return None
+
+
 def owner_of(msg: Msg) -> str:
     """A task message's claim value: its FLEET_TASKS sequence, the same on every delivery."""
-    if msg.metadata is None:  # a core message (the janitor's view): one of its own
-        return one_off_owner()
-    return str(msg.metadata.sequence.stream)
+    seq = stream_seq(msg)
+    return one_off_owner() if seq is None else str(seq)
 
 
 def one_off_owner() -> str:
@@ -111,34 +119,39 @@ class Claims:
         return cls(nc, js, kv)
 
     async def claim(self, task_id: str, owner: str, *, again: bool = True) -> Claim:
-        try:
-            await with_retry(
-                lambda: self.kv.create(task_id, owner.encode()), what=f"claim task id {task_id}"
-            )
+        if await with_retry(lambda: self._create(task_id, owner), what=f"claim task id {task_id}"):
             return judge(owner, None)
-        except KeyWrongLastSequenceError:
-            pass
-        holder = await self._holder(task_id)
+        holder = await with_retry(
+            lambda: self._holder(task_id), what=f"read claim of task id {task_id}"
+        )
         # Gone between the create and the get (its TTL just ran out): claim it afresh.
         if holder is None and again:
             return await self.claim(task_id, owner, again=False)
         return judge(owner, holder or "")
 
+    # nats-py's KV errors carry no `code`, so they are answered inside the retried call.
+    async def _create(self, task_id: str, owner: str) -> bool:
+        try:
+            await self.kv.create(task_id, owner.encode())
+        except KeyWrongLastSequenceError:
+            return False
+        return True
+
     async def _holder(self, task_id: str) -> str | None:
         try:
-            entry = await with_retry(
-                lambda: self.kv.get(task_id), what=f"read claim of task id {task_id}"
-            )
+            entry = await self.kv.get(task_id)
         except KeyNotFoundError:  # KeyDeletedError is one: a purged claim is no claim
             return None
         return entry.value.decode() if entry.value else None
 
     async def has_events(self, task_id: str) -> bool:
+        return await with_retry(
+            lambda: self._has_events(task_id), what=f"look for events of task {task_id}"
+        )
+
+    async def _has_events(self, task_id: str) -> bool:
         try:
-            await with_retry(
-                lambda: self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id)),
-                what=f"look for events of task {task_id}",
-            )
+            await self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id))
         except NotFoundError:
             return False
         return True
@@ -155,7 +168,7 @@ class Claims:
     ) -> TaskRefused:
         """Record and answer a refusal; nothing is written on `fleet.out.<sent_id>`."""
         self.refused += 1
-        seq = msg.metadata.sequence.stream if msg.metadata else None
+        seq = stream_seq(msg)
         text = message or _EXPLAIN[reason].format(id=sent_id)
         event = TaskRefused(
             task_id=sent_id, model=model, reason=reason, message=text, at=time.time(),

@@ -508,3 +508,58 @@ def test_slug_model_ids_are_accepted(model: str) -> None:
 def test_wire_messages_are_frozen() -> None:
     with pytest.raises(ValidationError):
         NATS_CLI_TASK.max_tokens = 1  # type: ignore[misc]
+
+
+# ---- task ids: used exactly as sent, or refused ------------------------------------------
+
+TASK_ID_TABLE: list[tuple[object, bool]] = [
+    ("order-42", True),
+    ("A_b-9", True),
+    ("x", True),
+    ("x" * 128, True),
+    ("x" * 129, False),  # once cut to 128 and so landed on "x" * 128
+    ("x" * 200, False),
+    ("", False),
+    ("a.b", False),  # two subject tokens
+    ("a*", False),
+    ("*", False),
+    (">", False),
+    ("fleet.>", False),
+    ("a b", False),
+    ("a\tb", False),
+    ("abc\n", False),  # `$` in a Python regex would let a trailing newline through
+    (" abc", False),
+    ("é", False),
+    (42, False),
+    (None, False),
+]
+
+
+@pytest.mark.parametrize(("task_id", "valid"), TASK_ID_TABLE)
+def test_is_task_id_table(task_id: object, valid: bool) -> None:
+    assert tasks.is_task_id(task_id) is valid
+
+
+@pytest.mark.parametrize(("task_id", "valid"), TASK_ID_TABLE)
+def test_is_task_id_agrees_with_the_wire_type(task_id: object, valid: bool) -> None:
+    """The pure check and the TaskId of every message accept exactly the same ids."""
+    try:
+        tasks.CancelTask(task_id=task_id)  # type: ignore[arg-type]
+    except ValidationError:
+        accepted = False
+    else:
+        accepted = True
+    assert accepted is valid
+
+
+@pytest.mark.parametrize(("task_id", "valid"), TASK_ID_TABLE)
+def test_a_failed_task_carries_its_id_only_as_sent(task_id: object, valid: bool) -> None:
+    """An invalid task's failure may land only on its own id, never on a shortened one."""
+    error = decode_error(task_json(task_id=task_id, max_tokens=0))
+    assert error.task_id == (task_id if valid else None)
+
+
+@pytest.mark.parametrize("task_id", ["x" * 200, "a.b", "", 7])
+def test_sent_task_id_reports_what_was_sent(task_id: object) -> None:
+    data = orjson.dumps(task_json(task_id=task_id))
+    assert codec.sent_task_id(data) == (task_id if isinstance(task_id, str) else None)

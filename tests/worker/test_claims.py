@@ -1,0 +1,129 @@
+"""Task id claims: the pure verdicts as tables, and the FLEET_CLAIMS bucket on a real server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from fleet.bus.connect import js_publish
+from fleet.wire import subjects
+from fleet.wire.codec import decode_model
+from fleet.wire.events import ErrorReason, TaskRefused, failed
+from fleet.worker.claims import Claim, Claims, judge, one_off_owner, refusal, reply_subject
+
+
+@pytest.mark.parametrize(
+    ("mine", "holder", "claim"),
+    [
+        ("17", None, Claim.FRESH),
+        ("17", "17", Claim.OWN),
+        ("17", "18", Claim.TAKEN),
+        ("17", "", Claim.TAKEN),  # unreadable holder: fail closed
+        ("once-a", "once-b", Claim.TAKEN),
+    ],
+)
+def test_judge(mine: str, holder: str | None, claim: Claim) -> None:
+    assert judge(mine, holder) is claim
+
+
+@pytest.mark.parametrize(
+    ("claim", "earlier_events", "reason"),
+    [
+        (Claim.FRESH, False, None),
+        (Claim.FRESH, True, "task_id_used"),
+        (Claim.OWN, False, None),
+        (Claim.OWN, True, None),  # a redelivery: the redelivery rules decide
+        (Claim.TAKEN, False, "task_id_taken"),
+        (Claim.TAKEN, True, "task_id_taken"),
+    ],
+)
+def test_refusal(claim: Claim, earlier_events: bool, reason: str | None) -> None:
+    assert refusal(claim, earlier_events) == reason
+
+
+@pytest.mark.parametrize(
+    ("headers", "reply"),
+    [
+        (None, None),
+        ({}, None),
+        ({subjects.REPLY_HEADER: "_INBOX.abc123"}, "_INBOX.abc123"),
+        ({subjects.REPLY_HEADER: "_INBOX.abc.def-9_x"}, "_INBOX.abc.def-9_x"),
+        ({subjects.REPLY_HEADER: "fleet.out.victim"}, None),  # never a task's events
+        ({subjects.REPLY_HEADER: "fleet.tasks.tiny-llm"}, None),
+        ({subjects.REPLY_HEADER: "_INBOX.>"}, None),
+        ({subjects.REPLY_HEADER: "_INBOX.*"}, None),
+        ({subjects.REPLY_HEADER: "_INBOX"}, None),
+        ({subjects.REPLY_HEADER: "_INBOX..x"}, None),
+        ({subjects.REPLY_HEADER: "_INBOX.a b"}, None),
+        ({subjects.REPLY_HEADER: "$KV.FLEET_CLAIMS.victim"}, None),
+        ({"Reply-To": "_INBOX.abc"}, None),
+    ],
+)
+def test_reply_subject(headers: dict[str, str] | None, reply: str | None) -> None:
+    assert reply_subject(headers) == reply
+
+
+async def test_the_first_owner_keeps_an_id(provisioned_nc: Client) -> None:
+    claims = await Claims.open(provisioned_nc, provisioned_nc.jetstream())
+    assert await claims.claim("t-1", "5") is Claim.FRESH
+    assert await claims.claim("t-1", "5") is Claim.OWN
+    assert await claims.claim("t-1", "6") is Claim.TAKEN
+    assert await claims.claim("t-1", one_off_owner()) is Claim.TAKEN
+    assert await claims.claim("t-2", "6") is Claim.FRESH
+
+
+async def test_concurrent_claims_have_exactly_one_winner(provisioned_nc: Client) -> None:
+    claims = await Claims.open(provisioned_nc, provisioned_nc.jetstream())
+    results = await asyncio.gather(*(claims.claim("race", str(n)) for n in range(20)))
+    assert sorted(results).count(Claim.FRESH) == 1
+    assert results.count(Claim.TAKEN) == 19
+
+
+async def test_an_id_with_events_but_no_claim_is_used(provisioned_nc: Client) -> None:
+    js = provisioned_nc.jetstream()
+    claims = await Claims.open(provisioned_nc, js)
+    old = failed("old-1", 0.0, ErrorReason.INTERNAL, "from before claims (or expired)")
+    await js_publish(js, subjects.out("old-1"), old)
+    assert await claims.has_events("old-1")
+    assert not await claims.has_events("new-1")
+    assert await claims.admit("old-1", "9") == "task_id_used"
+    assert await claims.admit("new-1", "9") is None
+    assert await claims.admit("new-1", "9") is None  # its redelivery
+    assert await claims.admit("new-1", "10") == "task_id_taken"
+
+
+async def test_a_refusal_is_recorded_and_answered_only_on_the_inbox(
+    provisioned_nc: Client,
+) -> None:
+    nc = provisioned_nc
+    js = nc.jetstream()
+    claims = await Claims.open(nc, js)
+    inbox = nc.new_inbox()
+    answered: asyncio.Queue[Msg] = asyncio.Queue()
+    written: list[Msg] = []
+
+    async def on_answer(msg: Msg) -> None:
+        await answered.put(msg)
+
+    async def on_out(msg: Msg) -> None:
+        written.append(msg)
+
+    await nc.subscribe(inbox, cb=on_answer)
+    await nc.subscribe("fleet.out.>", cb=on_out)
+    msg = _core_msg(nc, "fleet.tasks.tiny-llm", {subjects.REPLY_HEADER: inbox})
+    await claims.refuse(msg, "tiny-llm", "victim", "task_id_taken")
+
+    answer = decode_model(TaskRefused, (await asyncio.wait_for(answered.get(), 10)).data)
+    assert answer.task_id == "victim" and answer.reason == "task_id_taken"
+    stored = await js.get_last_msg(subjects.REFUSED_STREAM, subjects.refused("tiny-llm"))
+    assert decode_model(TaskRefused, stored.data or b"") == answer
+    await nc.flush()
+    assert written == []
+
+
+def _core_msg(nc: Client, subject: str, headers: dict[str, Any]) -> Msg:
+    return Msg(nc, subject=subject, data=b"{}", headers=headers)
