@@ -1,7 +1,22 @@
-"""Publishing a task's events on `fleet.out.<task_id>`: chunks fast, the terminal one acked."""
+"""Publishing a task's events on `fleet.out.<task_id>`: stored whole and in order, or the
+task does not end `completed`.
+
+Every event goes through JetStream with the server's confirmation (fleet.bus.confirmed): a
+window of pending acks per task keeps a token at one publish (~the cost of the core publish
+it replaces), and a broker restart or an election only delays the events, which wait in order
+and go out when the connection is back. Each event has a Nats-Msg-Id
+`<task_id>-<kind>-<index>`, so a re-send is stored once.
+
+`finish` first settles the task's earlier events. If they cannot be stored whole and in
+order within the broker budget, a `completed` terminal becomes `failed` with reason
+`output_lost` (a failed or cancelled terminal keeps its own reason). If the terminal itself
+cannot be stored, `finish` raises BrokerUnavailable: the worker must not ack the task then,
+and its redelivery ends it (`worker_lost`, output had started) on a later try.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -9,29 +24,101 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from fleet.bus.connect import js_publish, publish
+from fleet.bus.confirmed import ConfirmedPublisher
+from fleet.bus.connect import headers_for, js_publish
+from fleet.bus.retry import BROKER_BUDGET_S, with_retry
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_event
-from fleet.wire.events import ErrorChunk, ErrorReason, OutputEvent, TaskFinished, failed
+from fleet.wire.codec import DecodeError, decode_event, encode
+from fleet.wire.events import (
+    ErrorChunk,
+    ErrorReason,
+    ImageChunk,
+    OutputEvent,
+    TaskAccepted,
+    TaskFinished,
+    TokenChunk,
+    ToolCallChunk,
+    failed,
+)
 
 log = logging.getLogger(__name__)
 
+ERROR_CHUNK_BUDGET_S = 5.0  # the words before an output_lost terminal are a courtesy
+
+
+def event_msg_id(event: OutputEvent) -> str:
+    """`<task_id>-<kind>-<index>`: the same event published twice is stored once."""
+    match event:
+        case TokenChunk() | ToolCallChunk():
+            index = str(event.index)
+        case ImageChunk():
+            partial = "final" if event.partial_index is None else event.partial_index
+            index = f"{event.image_index}.{partial}"
+        case TaskAccepted():
+            index = str(event.delivery)  # a redelivery is accepted anew
+        case ErrorChunk():
+            index = event.reason.value
+        case TaskFinished():
+            return finished_msg_id(event.task_id)
+    return f"{event.task_id}-{event.type}-{index}"
+
+
+def finished_msg_id(task_id: str) -> str:
+    """One terminal per task: a racing second publisher (janitor, intake) is a no-op."""
+    return f"finished-{task_id}"
+
 
 class TaskOutput:
-    def __init__(self, nc: Client, js: JetStreamContext) -> None:
+    def __init__(
+        self, nc: Client, js: JetStreamContext, *, budget_s: float = BROKER_BUDGET_S
+    ) -> None:
         self.nc = nc
         self.js = js
+        self.budget_s = budget_s
+        self.confirmed = ConfirmedPublisher(nc, budget_s=budget_s)
 
     async def chunk(self, event: OutputEvent) -> None:
-        """Core publish: the stream still stores it, in order with this connection's others,
-        and no per-token round trip is paid (an awaited ack costs ~0.7 ms per token)."""
-        await publish(self.nc, subjects.out(event.task_id), event)
-
-    async def finish(self, event: TaskFinished) -> None:
-        """The terminal event, de-duplicated by id so a racing second publisher is a no-op."""
-        await js_publish(
-            self.js, subjects.out(event.task_id), event, msg_id=f"finished-{event.task_id}"
+        """Queue the event behind the task's earlier ones; returns once it is sent (or waits,
+        in order, for the connection), not when it is stored."""
+        msg_id = event_msg_id(event)
+        await self.confirmed.send(
+            event.task_id, subjects.out(event.task_id), encode(event), headers_for(msg_id)
         )
+
+    async def finish(self, event: TaskFinished) -> TaskFinished:
+        """Store the terminal after every earlier event of the task; returns the terminal that
+        was stored (`failed`/`output_lost` in place of a `completed` whose output is not whole).
+        Raises BrokerUnavailable when the terminal itself cannot be stored: do not ack then."""
+        task_id = event.task_id
+        try:
+            problem = await self.confirmed.settle(task_id)
+            if problem and event.status == "completed":
+                event = await self._output_lost(event, problem)
+            elif problem:
+                log.warning("task %s ends %s with output missing: %s", task_id, event.status,
+                            problem)
+            await js_publish(
+                self.js, subjects.out(task_id), event, msg_id=finished_msg_id(task_id),
+                budget_s=self.budget_s,
+            )
+            return event
+        finally:
+            self.confirmed.forget(task_id)
+
+    async def _output_lost(self, event: TaskFinished, problem: str) -> TaskFinished:
+        message = f"the task's output could not be stored whole: {problem}"
+        log.error("task %s: %s; ending it failed (output_lost), not completed",
+                  event.task_id, message)
+        lost = failed(event.task_id, time.time(), ErrorReason.OUTPUT_LOST, message)
+        lost = lost.model_copy(update={
+            "usage": event.usage, "node_id": event.node_id, "runner_id": event.runner_id,
+        })
+        error = ErrorChunk(task_id=event.task_id, at=lost.at, reason=lost.reason or
+                           ErrorReason.OUTPUT_LOST, message=message)
+        with contextlib.suppress(Exception):  # the terminal below is what counts
+            await js_publish(self.js, subjects.out(event.task_id), error,
+                             msg_id=event_msg_id(error), budget_s=ERROR_CHUNK_BUDGET_S)
+        return lost
 
     async def fail(
         self, task_id: str, reason: ErrorReason, message: str, *, node_id: str | None = None
@@ -42,17 +129,24 @@ class TaskOutput:
         finished = failed(task_id, now, reason, message)
         if node_id:
             finished = finished.model_copy(update={"node_id": node_id})
-        await self.finish(finished)
-        return finished
+        return await self.finish(finished)
 
     async def last_event(self, task_id: str) -> OutputEvent | None:
         """The newest event already published for a task (None when there is none)."""
-        try:
-            raw = await self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id))
-        except NotFoundError:
-            return None
-        try:
-            return decode_event(raw.data or b"")
-        except DecodeError:
-            log.warning("undecodable event on %s", subjects.out(task_id))
-            return None
+
+        async def once() -> OutputEvent | None:
+            try:
+                raw = await self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id))
+            except NotFoundError:
+                return None
+            try:
+                return decode_event(raw.data or b"")
+            except DecodeError:
+                log.warning("undecodable event on %s", subjects.out(task_id))
+                return None
+
+        return await with_retry(once, what=f"read the last event of {task_id}",
+                                budget_s=self.budget_s)
+
+    async def close(self) -> None:
+        await self.confirmed.close()

@@ -1,0 +1,268 @@
+"""Publishing a sequence of JetStream messages that the stream confirms whole and in order.
+
+Each sequence (one task's events) is sent pipelined: a message goes out at once with a reply
+subject of our own, and its PubAck comes back to one inbox. Up to WINDOW messages of a
+sequence may wait for their ack; the next send then waits for the oldest. Awaiting each ack
+would cost ~0.7 ms per token (NOTES.md); this costs one publish and one small reply.
+
+When something breaks (no ack within ACK_TIMEOUT_S, a 503, a reconnect, no connection) the
+sequence stops sending new messages and a repair re-sends every unconfirmed one, oldest
+first, each awaiting its ack before the next, then resumes: messages wait in order while the
+connection is down. Every message carries a Nats-Msg-Id, so a re-send of a message that was
+stored after all is acked as a duplicate at its first place.
+
+`settle` tells whether the stream holds the sequence whole and in order: every message
+confirmed, and the confirmed stream sequences strictly increasing. The second check catches
+the one reordering a reconnect can cause (a message lost in the dead socket, the next one
+still in nats-py's buffer and flushed first on the new connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import api
+from nats.js.errors import APIError, ServiceUnavailableError
+
+from fleet.bus.retry import BROKER_BUDGET_S, BrokerUnavailable, is_transient, with_retry
+
+log = logging.getLogger(__name__)
+
+WINDOW = 256  # unconfirmed messages per sequence before the next send waits
+ACK_TIMEOUT_S = 2.0  # no ack by then: treat the message as lost and repair
+NO_RESPONDERS = "503"
+
+
+@dataclass(eq=False)
+class _Message:
+    subject: str
+    body: bytes
+    headers: dict[str, str]
+    seq: int | None = None  # the stream sequence once confirmed
+    waiter: asyncio.Future[None] | None = None  # the ack of the latest send
+    refused: str | None = None  # a final refusal by the stream (too big, no permission ...)
+
+
+@dataclass(eq=False)
+class _Sequence:
+    key: str
+    messages: list[_Message] = field(default_factory=list)
+    confirmed: int = 0  # the first index that may be unconfirmed
+    epoch: int = -1  # the connection (reconnect count) the pipelined sends went out on
+    broken: bool = False
+    repair: asyncio.Task[None] | None = None
+
+    def unconfirmed(self) -> list[_Message]:
+        while self.confirmed < len(self.messages) and self.messages[self.confirmed].seq:
+            self.confirmed += 1
+        return [m for m in self.messages[self.confirmed :] if m.seq is None]
+
+
+class ConfirmedPublisher:
+    """Ordered, confirmed sequences of JetStream messages over one connection."""
+
+    def __init__(self, nc: Client, *, budget_s: float = BROKER_BUDGET_S) -> None:
+        self.nc = nc
+        self.budget_s = budget_s
+        self._sequences: dict[str, _Sequence] = {}
+        self._waiting: dict[str, tuple[_Message, asyncio.Future[None]]] = {}
+        self._inbox = ""
+        self._tokens = 0
+        self.repairs = 0  # sequences that had to be re-sent (for metrics and tests)
+        self.resent = 0  # messages re-sent by repairs
+
+    async def send(
+        self, key: str, subject: str, body: bytes, headers: Mapping[str, str]
+    ) -> None:
+        """Queue one message of sequence `key`; it goes out now unless the sequence is being
+        repaired or the connection is down. Waits only when WINDOW messages are unconfirmed."""
+        seq = self._sequences.setdefault(key, _Sequence(key))
+        message = _Message(subject, body, dict(headers))
+        seq.messages.append(message)
+        if seq.broken or not self._connection_ok(seq):
+            self._break(seq)
+            return
+        try:
+            await self._send(message)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            self._break(seq)
+            return
+        if len(seq.messages) - seq.confirmed > WINDOW:
+            oldest = seq.unconfirmed()  # moves `confirmed` past what was acked meanwhile
+            if len(seq.messages) - seq.confirmed > WINDOW and oldest[0].waiter is not None:
+                try:
+                    await asyncio.wait_for(asyncio.shield(oldest[0].waiter), ACK_TIMEOUT_S)
+                except Exception:  # lost, or refused with a 503: resend in order
+                    self._break(seq)
+
+    async def settle(self, key: str, budget_s: float | None = None) -> str | None:
+        """Wait until every message of `key` is confirmed (repairing as needed, within the
+        budget). None when the stream holds them whole and in order; else what went wrong."""
+        seq = self._sequences.get(key)
+        if seq is None:
+            return None
+        deadline = time.monotonic() + (self.budget_s if budget_s is None else budget_s)
+        for message in seq.unconfirmed():
+            if message.seq is not None or seq.broken or message.waiter is None:
+                continue
+            with contextlib.suppress(Exception):  # lost or failed: the repair below resends
+                await asyncio.wait_for(
+                    asyncio.shield(message.waiter), max(0.0, min(ACK_TIMEOUT_S, _left(deadline)))
+                )
+            if message.seq is None:
+                seq.broken = True
+                break
+        if seq.unconfirmed():
+            if seq.repair is not None:
+                seq.repair.cancel()
+                with contextlib.suppress(BaseException):
+                    await seq.repair
+            seq.broken = True
+            await self._repair(seq, deadline)
+        return _problem(seq)
+
+    def forget(self, key: str) -> None:
+        seq = self._sequences.pop(key, None)
+        if seq is None:
+            return
+        if seq.repair:
+            seq.repair.cancel()
+        if unanswered := {m for m in seq.messages if m.seq is None}:
+            for token, (message, _) in list(self._waiting.items()):
+                if message in unanswered:
+                    del self._waiting[token]
+
+    async def close(self) -> None:
+        for key in list(self._sequences):
+            self.forget(key)
+
+    def _connection_ok(self, seq: _Sequence) -> bool:
+        if not self.nc.is_connected:
+            return False
+        epoch = self.nc.stats["reconnects"]
+        if epoch != seq.epoch:
+            if seq.unconfirmed()[:-1]:  # older messages went out on a connection now gone
+                return False
+            seq.epoch = epoch
+        return True
+
+    def _break(self, seq: _Sequence) -> None:
+        """Stop pipelining this sequence; a repair re-sends what is unconfirmed, in order."""
+        seq.broken = True
+        if seq.repair is None or seq.repair.done():
+            seq.repair = asyncio.create_task(
+                self._repair(seq, time.monotonic() + self.budget_s), name=f"repair {seq.key}"
+            )
+            seq.repair.add_done_callback(_log_failure)
+
+    async def _repair(self, seq: _Sequence, deadline: float) -> None:
+        self.repairs += 1
+        try:
+            while pending := [m for m in seq.unconfirmed() if m.refused is None]:
+                for message in pending:
+                    if message.seq is not None:
+                        continue  # its first ack came in late
+                    try:
+                        await with_retry(
+                            lambda m=message: self._send_and_wait(m),  # type: ignore[misc]
+                            what=f"store output {seq.key}", budget_s=max(0.1, _left(deadline)),
+                        )
+                    except APIError:
+                        if message.refused is None:
+                            raise
+            seq.epoch = self.nc.stats["reconnects"]
+            seq.broken = False
+        except BrokerUnavailable as exc:
+            log.error("output of %s: %s", seq.key, exc)
+
+    async def _send_and_wait(self, message: _Message) -> None:
+        if not self.nc.is_connected:
+            raise NatsTimeout  # transient: with_retry waits and tries again
+        await self._send(message)
+        self.resent += 1
+        assert message.waiter is not None
+        await asyncio.wait_for(message.waiter, ACK_TIMEOUT_S)
+
+    async def _send(self, message: _Message) -> None:
+        if not self._inbox:
+            self._inbox = self.nc.new_inbox()
+            await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_ack)
+        self._tokens += 1
+        token = str(self._tokens)
+        message.waiter = asyncio.get_running_loop().create_future()
+        self._waiting[token] = (message, message.waiter)
+        try:
+            await self.nc.publish(
+                message.subject, message.body, reply=f"{self._inbox}.{token}",
+                headers=message.headers,
+            )
+        except BaseException:
+            self._waiting.pop(token, None)
+            raise
+
+    async def _on_ack(self, msg: Msg) -> None:
+        found = self._waiting.pop(msg.subject.rsplit(".", 1)[-1], None)
+        if found is None:
+            return
+        message, waiter = found
+        error = _ack_error(msg)
+        if error is None:
+            if message.seq is None:
+                message.seq = orjson.loads(msg.data)["seq"]
+            if not waiter.done():
+                waiter.set_result(None)
+            return
+        if not is_transient(error):
+            message.refused = str(error)
+            log.error("the stream refused an output message on %s: %s", message.subject, error)
+        if not waiter.done():
+            waiter.set_exception(error)
+            waiter.exception()  # retrieved here: nobody may be waiting on this one
+
+
+def _ack_error(msg: Msg) -> Exception | None:
+    if msg.headers and msg.headers.get(api.Header.STATUS) == NO_RESPONDERS:
+        return ServiceUnavailableError(code=503, description="no responders")
+    try:
+        reply = orjson.loads(msg.data)
+    except orjson.JSONDecodeError:
+        return APIError(description=f"unreadable ack {msg.data[:80]!r}")
+    if error := reply.get("error"):
+        try:
+            APIError.from_error(error)  # raises the typed error for the code (503, 400 ...)
+        except APIError as exc:
+            return exc
+        return APIError(**error)
+    return None
+
+
+def _problem(seq: _Sequence) -> str | None:
+    if refused := [m.refused for m in seq.messages if m.refused]:
+        return f"the stream refused {len(refused)} message(s): {refused[0]}"
+    if missing := sum(1 for m in seq.messages if m.seq is None):
+        return f"{missing} of {len(seq.messages)} message(s) could not be stored"
+    stored = [m.seq or 0 for m in seq.messages]
+    if any(later <= earlier for earlier, later in itertools.pairwise(stored)):
+        return "messages were stored out of order"
+    return None
+
+
+def _left(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()):
+        log.error("output repair failed", exc_info=exc)
