@@ -9,6 +9,7 @@ from starlette.applications import Starlette
 from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
 from fleet.config import Settings
@@ -18,12 +19,15 @@ from fleet.gateway.backend import Backend
 from fleet.gateway.guards import (
     ApiKeys,
     BodyLimit,
+    BodyTimeout,
     RequestMetrics,
+    on_client_disconnect,
     on_fleet_error,
     on_http_error,
     on_unexpected_error,
 )
 from fleet.gateway.service import Gateway
+from fleet.gateway.tenants import KeyRing
 from fleet.gateway.tracing import HttpSpans
 
 
@@ -58,7 +62,8 @@ ROUTES = [
 
 
 def build_app(settings: Settings) -> Starlette:
-    gateway = Gateway(settings, Backend(settings.url))
+    ring = KeyRing.load(settings.api_keys, settings.api_keys_file)
+    gateway = Gateway(settings, Backend(settings))
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -73,10 +78,12 @@ def build_app(settings: Settings) -> Starlette:
         middleware=[
             Middleware(HttpSpans, nats=lambda: gateway.backend.nc),
             Middleware(RequestMetrics, metrics=gateway.metrics),
-            Middleware(ApiKeys, keys=settings.api_keys),
+            Middleware(ApiKeys, ring=ring, protect_metrics=settings.gateway_protect_metrics),
+            Middleware(BodyTimeout, seconds=settings.gateway_body_timeout_s),
             Middleware(BodyLimit, max_bytes=settings.gateway_max_body_bytes),
         ],
         exception_handlers={
+            ClientDisconnect: on_client_disconnect,
             FleetError: on_fleet_error,
             HTTPException: on_http_error,
             Exception: on_unexpected_error,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -22,14 +23,18 @@ from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
-from fleet.bus.connect import connect, js_publish, publish
+from fleet.bus.connect import connect_with, js_publish, publish, redact_urls
 from fleet.bus.kv_read import live_values
-from fleet.bus.objects import ObjectBucket, ObjectError, ObjectMissing
+from fleet.bus.objects import ObjectBucket, ObjectCorrupt, ObjectError, ObjectMissing
 from fleet.bus.provision import provision
-from fleet.errors import FleetError, NatsUnavailable, QueueFull
+from fleet.config import Settings
+from fleet.errors import FleetError, NatsUnavailable, PayloadTooLarge, QueueFull
+from fleet.gateway.hub import EventHub
+from fleet.gateway.owners import Owners
 from fleet.gateway.streams import TaskEvents
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord
+from fleet.wire.codec import encode
 from fleet.wire.tasks import CancelTask, Task
 
 log = logging.getLogger(__name__)
@@ -50,6 +55,8 @@ Model = TypeVar("Model", bound=BaseModel)
 MAXIMUM_MESSAGES_EXCEEDED = 10077
 MAXIMUM_BYTES_EXCEEDED = 10078
 RECONNECT_WAIT_S = 1.0
+# Room for the headers a task is published with (Nats-Msg-Id, traceparent, tracestate).
+HEADER_ALLOWANCE = 1024
 STREAMS = (subjects.TASKS_STREAM, subjects.OUT_STREAM)
 BUCKETS = (
     subjects.INSTANCES_BUCKET,
@@ -69,12 +76,27 @@ def unavailable_on_nats_errors(doing: str) -> Iterator[None]:
         raise NatsUnavailable(f"NATS could not {doing}: {exc!r}") from None
 
 
+class ImageCorrupt(FleetError):
+    """502: the store holds bytes under a name that is not their hash; never served."""
+
+    http_status = 502
+    openai_type = "server_error"
+    code = "image_corrupt"
+
+
+def hash_matches(sha256: str, data: bytes) -> bool:
+    return hashlib.sha256(data).hexdigest() == sha256
+
+
 class Backend:
-    def __init__(self, url: str) -> None:
-        self.url = url
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.url = redact_urls(settings.urls)  # for log lines and errors: no password
         self.nc: Client | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._buckets: dict[str, KeyValue] = {}
+        self.hub = EventHub(self._client)
+        self.owners = Owners(self._client)
 
     async def start(self) -> None:
         self._connecting = asyncio.create_task(self._connect_until_up())
@@ -85,7 +107,7 @@ class Backend:
     async def _connect_until_up(self) -> None:
         while True:
             try:
-                nc = await connect(self.url, "fleet-gateway", connect_timeout=2.0)
+                nc = await connect_with(self.settings, "fleet-gateway", connect_timeout=2.0)
                 break
             except NatsUnavailable as exc:
                 log.warning("%s; retrying", exc.message)
@@ -98,6 +120,7 @@ class Backend:
         log.info("connected to NATS at %s", self.url)
 
     async def close(self) -> None:
+        await self.hub.close()
         if self._connecting:
             self._connecting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -138,8 +161,30 @@ class Backend:
         except (NatsError, OSError, TimeoutError) as exc:
             raise NatsUnavailable(f"could not publish the task: {exc!r}") from None
 
-    async def events(self, task_id: str, deadline: float, after: int = 0) -> TaskEvents:
-        return await TaskEvents(self.jetstream(), task_id, deadline, after).open()
+    def check_size(self, task: Task) -> None:
+        """413 for a task the broker would refuse as larger than its max_payload."""
+        if self.nc is None or not self.nc.is_connected:
+            return  # publishing will say NATS is unavailable
+        size = len(encode(task)) + HEADER_ALLOWANCE
+        if size > self.nc.max_payload:
+            raise PayloadTooLarge(
+                f"the task is {size} bytes, over the {self.nc.max_payload} bytes a NATS "
+                "message may carry here; send a shorter prompt"
+            )
+
+    async def events(
+        self,
+        task_id: str,
+        deadline: float,
+        after: int = 0,
+        *,
+        replay: bool = True,
+        idle_s: float | None = None,
+    ) -> TaskEvents:
+        reader = TaskEvents(
+            self.hub, self.jetstream(), task_id, deadline, after, replay=replay, idle_s=idle_s
+        )
+        return await reader.open()
 
     async def cancel(self, task_id: str, reason: str) -> None:
         """Record the cancel (for a worker that has not fetched the task yet), then announce it."""
@@ -173,12 +218,23 @@ class Backend:
             raise NatsUnavailable(f"could not look up image {sha256}: {exc.message}") from None
 
     async def get_image(self, sha256: str) -> bytes | None:
+        """The image's bytes, checked against its name: a mismatch is refused and logged."""
         try:
-            return await self._images().get(sha256)
+            data = await self._images().get(sha256)
         except ObjectMissing:
             return None
+        except ObjectCorrupt as exc:
+            log.error("refused to serve image %s: %s", sha256, exc.message)
+            raise ImageCorrupt(f"image {sha256} is corrupt in the store; not served") from None
         except ObjectError as exc:
             raise NatsUnavailable(f"could not read image {sha256}: {exc.message}") from None
+        if not hash_matches(sha256, data):
+            log.error(
+                "refused to serve image %s: its %d stored bytes hash to %s",
+                sha256, len(data), hashlib.sha256(data).hexdigest(),
+            )
+            raise ImageCorrupt(f"image {sha256} is corrupt in the store; not served")
+        return data
 
     async def _values(self, name: str, model: type[Model]) -> list[Model]:
         with unavailable_on_nats_errors(f"read bucket {name}"):

@@ -12,10 +12,14 @@ import contextlib
 import logging
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from fleet.bus.connect import redact_urls
 from fleet.config import Settings, load_settings
 from fleet.errors import FleetError
+from fleet.gateway.http_server import server_options
+from fleet.gateway.tenants import add_key
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +69,16 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
 
     sock = listening_socket(settings.gateway_host, settings.gateway_port)
     host, port = sock.getsockname()[:2]
-    log.info("gateway listening on http://%s:%d/v1 (NATS %s)", host, port, settings.url)
+    log.info(
+        "gateway listening on http://%s:%d/v1 (NATS %s)", host, port, redact_urls(settings.urls)
+    )
     config = uvicorn.Config(
         build_app(settings),
-        http="httptools",
         log_level=settings.log_level.lower(),
         # A log line per request costs ~1 ms on a busy 2-core box; /metrics counts requests.
         access_log=settings.log_level.lower() == "debug",
-        timeout_keep_alive=30,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        **server_options(settings),
     )
     server = Server(config)
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -120,3 +125,25 @@ def register(subparsers: Any) -> None:
         help="seconds a request waits for its task to end (env FLEET_GATEWAY_TIMEOUT_S)",
     )
     parser.set_defaults(func=cmd_gateway)
+    keys = parser.add_subparsers(dest="gateway_command").add_parser(
+        "keys", help="API keys and their tenants (the keys file)"
+    )
+    add = keys.add_subparsers(dest="keys_command", required=True).add_parser(
+        "add", help="make a key for a tenant, print it once, append its hash to the keys file"
+    )
+    add.add_argument("--tenant", required=True, help="1-64 letters, digits, - or _")
+    add.add_argument(
+        "--file", help="the keys file (default: FLEET_API_KEYS_FILE, else DATA_DIR/api_keys.jsonl)"
+    )
+    add.set_defaults(func=cmd_keys_add)
+
+
+def cmd_keys_add(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    path = Path(args.file or settings.api_keys_file or settings.data_dir / "api_keys.jsonl")
+    key = add_key(path.expanduser(), args.tenant)
+    print(f"tenant {args.tenant}: key added to {path} (only its sha256 is stored)")
+    print(f"  export FLEET_API_KEYS_FILE={path}   # for the gateway")
+    print(f"  Authorization: Bearer {key}")
+    print("This is the only time the key is shown.")
+    return 0

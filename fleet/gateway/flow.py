@@ -20,15 +20,17 @@ from fleet.errors import FleetError
 from fleet.gateway.backend import Backend
 from fleet.gateway.fanout import ChoiceEvents
 from fleet.gateway.guards import HttpError
+from fleet.gateway.limits import Capacity
 from fleet.gateway.metrics import GatewayMetrics, TaskObserver
 from fleet.gateway.renderers import Renderer
 from fleet.gateway.replies import failure, sse_error
 from fleet.gateway.streams import Indexed, TaskEvents
-from fleet.wire.events import ErrorChunk, OutputEvent, TaskFinished
+from fleet.wire.events import ErrorChunk, ImageChunk, OutputEvent, TaskFinished
 from fleet.wire.tasks import Task
 
 R = TypeVar("R")
 Events = TaskEvents | ChoiceEvents
+Claim = Callable[[Indexed], Awaitable[None]]
 CLIENT_CLOSED_REQUEST = 499  # nobody reads it; /metrics counts it
 
 
@@ -64,7 +66,8 @@ class EventStream(StreamingResponse):
 
 
 async def _relay(
-    head: list[Indexed], events: Events, renderer: Renderer, observers: Observers
+    head: list[Indexed], events: Events, renderer: Renderer, observers: Observers,
+    claim: Claim,
 ) -> AsyncIterator[bytes]:
     loop = asyncio.get_running_loop()
     last_error: ErrorChunk | None = None
@@ -80,6 +83,7 @@ async def _relay(
     try:
         async for item in each():
             observers.see(item.event, loop.time())
+            await claim(item)
             if isinstance(item.event, ErrorChunk):
                 last_error = item.event
             if isinstance(item.event, TaskFinished) and (failed := failure(item.event, last_error)):
@@ -119,6 +123,16 @@ async def _unless_hung_up(receive: Receive, waiting: Awaitable[R]) -> R | None:
     return work.result() if not work.cancelled() else None
 
 
+def claimer(backend: Backend, tenant: str | None) -> Claim:
+    """Records each image a tenant's task produced as that tenant's (to serve it back)."""
+
+    async def claim(item: Indexed) -> None:
+        if tenant is not None and isinstance(item.event, ImageChunk):
+            await backend.owners.own_image(item.event.sha256, tenant)
+
+    return claim
+
+
 async def run_task(
     backend: Backend,
     metrics: GatewayMetrics,
@@ -129,13 +143,58 @@ async def run_task(
     stream: bool,
     resumable: bool,
     timeout_s: float,
+    tenant: str | None = None,
+    capacity: Capacity | None = None,
 ) -> Response:
-    """One request: one task, or one per choice (their events merged)."""
+    """One request: one task, or one per choice (their events merged).
+
+    It holds a place in `capacity` (429 when there is none) until its response ends."""
+    capacity = capacity or Capacity(2**31, 2**31)
+    who = capacity.take(tenant)
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            capacity.give_back(who)
+
+    try:
+        response = await _run_task(
+            backend, metrics, tasks, renderer, receive, stream=stream, resumable=resumable,
+            timeout_s=timeout_s, tenant=tenant, release=release,
+        )
+    except BaseException:
+        release()
+        raise
+    if not isinstance(response, EventStream):
+        release()
+    return response
+
+
+async def _run_task(
+    backend: Backend,
+    metrics: GatewayMetrics,
+    tasks: Sequence[Task],
+    renderer: Renderer,
+    receive: Receive,
+    *,
+    stream: bool,
+    resumable: bool,
+    timeout_s: float,
+    tenant: str | None,
+    release: Callable[[], None],
+) -> Response:
     loop = asyncio.get_running_loop()
     started = loop.time()
     observers = Observers(metrics, tasks[0].model, started)
-    # Subscribed before publishing: FLEET_OUT keeps events anyway, but this way a NATS that is
-    # down fails the request before a task is queued for nobody.
+    claim = claimer(backend, tenant)
+    for task in tasks:
+        backend.check_size(task)  # 413 before anything is published
+        if tenant is not None:
+            await backend.owners.own_task(task.task_id, tenant)
+    # Listening before publishing: nothing is stored for a fresh id, so no replay is needed,
+    # and a NATS that is down fails the request before a task is queued for nobody.
     events = await _open_events(backend, tasks, deadline=started + timeout_s)
     published: list[str] = []
     handed_over = False
@@ -149,6 +208,7 @@ async def run_task(
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             for item in items:
                 observers.see(item.event, loop.time())
+                await claim(item)
             if events.finished and (failed := failure(events.finished, _last_error(items))):
                 raise failed
             return JSONResponse(await renderer.body([item.event for item in items]))
@@ -165,6 +225,7 @@ async def run_task(
                 await backend.cancel_quietly(task_id, "the request ended before the task")
 
     async def on_close(hung_up: bool) -> None:
+        release()
         await events.close()
         if resumable and hung_up:
             return
@@ -172,16 +233,16 @@ async def run_task(
         for task_id in events.unfinished():
             await backend.cancel_quietly(task_id, why)
 
-    return EventStream(_relay(head, events, renderer, observers), on_close)
+    return EventStream(_relay(head, events, renderer, observers, claim), on_close)
 
 
 async def _open_events(backend: Backend, tasks: Sequence[Task], deadline: float) -> Events:
     if len(tasks) == 1:
-        return await backend.events(tasks[0].task_id, deadline=deadline)
+        return await backend.events(tasks[0].task_id, deadline=deadline, replay=False)
     parts: list[TaskEvents] = []
     try:
         for task in tasks:
-            parts.append(await backend.events(task.task_id, deadline=deadline))
+            parts.append(await backend.events(task.task_id, deadline=deadline, replay=False))
     except BaseException:
         for part in parts:
             await part.close()
@@ -207,25 +268,51 @@ class Observers:
         observer.see(event, now)
 
 
-async def resume(backend: Backend, task_id: str, after: int, timeout_s: float) -> Response:
+def not_found(task_id: str) -> HttpError:
+    # The same words for another tenant's task and a missing one: nothing confirms an id.
+    return HttpError(404, f"no events are stored for task {task_id}: unknown or expired")
+
+
+async def resume(
+    backend: Backend,
+    task_id: str,
+    after: int,
+    timeout_s: float,
+    *,
+    idle_s: float | None = None,
+    tenant: str | None = None,
+    capacity: Capacity | None = None,
+) -> Response:
     """A task's raw Fleet events after the first `after`, as SSE with `id:` = event index.
 
-    The stream opens at once, since a queued task has no events yet; running out of time is
-    an in-band error event. A client that has seen events of a task no longer stored gets 404.
+    The stream opens at once, since a queued task has no events yet; running out of time, or
+    `idle_s` without an event, is an in-band error event. A client that has seen events of a
+    task no longer stored gets 404, and so does another tenant's task.
     """
+    if not await backend.owners.owns_task(task_id, tenant):
+        raise not_found(task_id)
     if after > 0 and await backend.stored_events(task_id) == 0:
-        raise HttpError(404, f"no events are stored for task {task_id}: unknown or expired")
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    events = await backend.events(task_id, deadline=deadline, after=after)
+        raise not_found(task_id)
+    capacity = capacity or Capacity(2**31, 2**31)
+    who = capacity.take(tenant)
+    try:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        events = await backend.events(task_id, deadline=deadline, after=after, idle_s=idle_s)
+    except BaseException:
+        capacity.give_back(who)
+        raise
+    claim = claimer(backend, tenant)
 
     async def lines() -> AsyncIterator[bytes]:
         try:
             async for item in events:
+                await claim(item)
                 yield _raw_sse(item)
         except FleetError as exc:
             yield sse_error(exc)
 
     async def on_close(hung_up: bool) -> None:
+        capacity.give_back(who)
         await events.close()  # a reader leaving never cancels: others may still be reading
 
     return EventStream(lines(), on_close)

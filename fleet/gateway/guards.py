@@ -1,5 +1,6 @@
-"""What stands between a request and a route: the body cap, API keys, request metrics, JSON
-parsing, and the translation of every failure into OpenAI's error shape.
+"""What stands between a request and a route: the body cap and read timeout, API keys and
+their tenants, request metrics, JSON parsing, and the translation of every failure into
+OpenAI's error shape.
 
 The middlewares are plain ASGI so that a body over the cap is refused while it streams in,
 not after it has been buffered.
@@ -7,7 +8,7 @@ not after it has been buffered.
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import logging
 import time
 from typing import Any, TypeVar
@@ -23,15 +24,29 @@ from fleet.errors import FleetError, InvalidRequest, PayloadTooLarge, Unauthoriz
 from fleet.gateway.metrics import GatewayMetrics
 from fleet.gateway.openai import invalid_from
 from fleet.gateway.replies import error_body
+from fleet.gateway.tenants import KeyRing
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
-OPEN_PATHS = frozenset({"/healthz", "/metrics", "/openapi.json"})
+# Open to anyone: /healthz then answers only up or not; a key shows its details.
+PROBE_PATHS = frozenset({"/healthz", "/openapi.json"})
+CLIENT_CLOSED_REQUEST = 499
 
 
 def error_response(exc: FleetError) -> JSONResponse:
-    return JSONResponse(error_body(exc), status_code=exc.http_status)
+    response = JSONResponse(error_body(exc), status_code=exc.http_status)
+    if (retry_after := getattr(exc, "retry_after_s", None)) is not None:
+        response.headers["retry-after"] = str(retry_after)
+    if exc.http_status == 408:  # the rest of the body may still be on its way: start afresh
+        response.headers["connection"] = "close"
+    return response
+
+
+class RequestTimeout(FleetError):
+    http_status = 408
+    openai_type = "invalid_request_error"
+    code = "request_timeout"
 
 
 class HttpError(FleetError):
@@ -57,6 +72,12 @@ async def on_http_error(request: Request, exc: Exception) -> Response:
     response = error_response(HttpError(exc.status_code, exc.detail or "error"))
     response.headers.update(exc.headers or {})  # e.g. Allow on a 405
     return response
+
+
+async def on_client_disconnect(request: Request, exc: Exception) -> Response:
+    """A client that hangs up mid-request is one line in the log, not a traceback."""
+    log.info("client hung up during %s %s", request.method, request.url.path)
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 async def on_unexpected_error(request: Request, exc: Exception) -> Response:
@@ -117,25 +138,73 @@ class BodyLimit:
         await self.app(scope, counted, send)
 
 
-class ApiKeys:
-    """Bearer keys on every /v1 route when keys are configured; probes stay open."""
+class BodyTimeout:
+    """408 for a request whose body takes longer than `seconds` to arrive (a slow client
+    holding a connection and a buffer); once the body is in, `receive` is left alone."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, seconds: float) -> None:
         self.app = app
-        self.keys = [key.encode() for key in keys]
+        self.seconds = seconds
 
-    def _allowed(self, scope: Scope) -> bool:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        deadline = asyncio.get_running_loop().time() + self.seconds
+        complete = False
+
+        async def timed() -> Message:
+            nonlocal complete
+            if complete:
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise RequestTimeout(
+                    f"the request body did not arrive within {self.seconds:g} s"
+                ) from None
+            complete = message["type"] != "http.request" or not message.get("more_body")
+            return message
+
+        await self.app(scope, timed, send)
+
+
+def tenant_of(request: Request) -> str | None:
+    """The tenant of the request's key; None on an open gateway (no keys configured)."""
+    return request.scope.get("state", {}).get("tenant")
+
+
+def authenticated(request: Request) -> bool:
+    """A valid key was sent, or no keys are configured (then everyone is trusted)."""
+    return bool(request.scope.get("state", {}).get("authenticated"))
+
+
+class ApiKeys:
+    """Bearer keys on every route but the probes when keys are configured; each key's
+    tenant goes into the request's state for the routes to scope what they answer."""
+
+    def __init__(self, app: ASGIApp, ring: KeyRing, protect_metrics: bool = False) -> None:
+        self.app = app
+        self.ring = ring
+        self.open_paths = PROBE_PATHS if protect_metrics else PROBE_PATHS | {"/metrics"}
+
+    def _tenant(self, scope: Scope) -> str | None:
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
         if scheme.lower() != b"bearer":
-            return False
-        # Compare with every key in constant time so timing tells nothing about which is close.
-        matches = [hmac.compare_digest(token.strip(), key) for key in self.keys]
-        return any(matches)
+            return None
+        return self.ring.tenant_of(token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope["type"] == "http" and self.keys and scope["path"] not in OPEN_PATHS
-        if guarded and not self._allowed(scope):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
+        if self.ring.open:
+            state.update(tenant=None, authenticated=True)
+            return await self.app(scope, receive, send)
+        tenant = self._tenant(scope)
+        state.update(tenant=tenant, authenticated=tenant is not None)
+        if tenant is None and scope["path"] not in self.open_paths:
             refusal = Unauthorized("a valid API key is required: Authorization: Bearer KEY")
             return await _refuse(refusal)(scope, receive, send)
         await self.app(scope, receive, send)

@@ -8,7 +8,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
-from fleet.gateway.guards import HttpError, parse, read_json
+from fleet.gateway.guards import HttpError, parse, read_json, tenant_of
 from fleet.gateway.image_bytes import image_format
 from fleet.gateway.images import (
     IMAGE_FILE_FIELDS,
@@ -69,6 +69,8 @@ async def image_edits(request: Request) -> Response:
     ask = parse(ImageEditRequest, fields)
     card = gateway.card_for(ask.model, "image_to_image")
     hashes = [await gateway.backend.put_image(data) for data in images]
+    for sha256 in hashes:
+        await gateway.backend.owners.own_image(sha256, tenant_of(request))
     timeout_s = gateway.timeout_for(ask.timeout)
     task_id = new_task_id("img")
     task = image_edits_task(ask, task_id, hashes, now_utc(), timeout_s, _default_size(card))
@@ -81,10 +83,16 @@ async def image_edits(request: Request) -> Response:
 
 
 async def get_image(request: Request) -> Response:
+    """An image the caller's tenant sent or made; another tenant's reads as missing (404).
+    Bytes that do not hash to the name are refused (502, logged), never served."""
     sha256 = request.path_params["sha256"]  # the route admits only sha256 hex
-    data = await gateway_of(request).backend.get_image(sha256)
+    backend = gateway_of(request).backend
+    missing = HttpError(404, f"no image {sha256} in this fleet")
+    if not await backend.owners.owns_image(sha256, tenant_of(request)):
+        raise missing
+    data = await backend.get_image(sha256)
     if data is None:
-        raise HttpError(404, f"no image {sha256} in this fleet")
+        raise missing
     kind = image_format(data)
     media_type = f"image/{kind}" if kind else "application/octet-stream"
     return Response(data, media_type=media_type, headers=IMMUTABLE)

@@ -8,7 +8,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from fleet.errors import FleetError, ModelNotFound
-from fleet.gateway.flow import resume
+from fleet.gateway.flow import not_found, resume
+from fleet.gateway.guards import authenticated, tenant_of
 from fleet.gateway.models_view import model_list, model_object
 from fleet.gateway.openai_base import InvalidParameter
 from fleet.gateway.openapi import openapi_document
@@ -27,8 +28,12 @@ def _task_id(request: Request) -> str:
 
 
 async def cancel_task(request: Request) -> Response:
+    """Cancel a task of the caller's tenant; another tenant's task reads as unknown (404)."""
     task_id = _task_id(request)
-    await gateway_of(request).backend.cancel(task_id, "cancelled through the gateway")
+    backend = gateway_of(request).backend
+    if not await backend.owners.owns_task(task_id, tenant_of(request)):
+        raise not_found(task_id)
+    await backend.cancel(task_id, "cancelled through the gateway")
     return JSONResponse({"id": task_id, "object": "task.cancel", "cancelled": True})
 
 
@@ -45,7 +50,12 @@ async def task_events(request: Request) -> Response:
     task_id = _task_id(request)
     seen = _events_seen(request)
     gateway = gateway_of(request)
-    return await resume(gateway.backend, task_id, seen, gateway.settings.gateway_timeout_s)
+    settings = gateway.settings
+    return await resume(
+        gateway.backend, task_id, seen, settings.gateway_timeout_s,
+        idle_s=settings.gateway_events_idle_s, tenant=tenant_of(request),
+        capacity=gateway.capacity,
+    )
 
 
 async def list_models(request: Request) -> Response:
@@ -64,9 +74,12 @@ async def get_model(request: Request) -> Response:
 
 
 async def healthz(request: Request) -> Response:
+    """Without a key only {"status": ...}: whether the gateway can serve. With a key (or on a
+    gateway without keys) also NATS (its URL without password), streams and models."""
     healthy, report = await gateway_of(request).health()
-    report["status"] = "ok" if healthy else "unavailable"
-    return JSONResponse(report, status_code=200 if healthy else 503)
+    status = {"status": "ok" if healthy else "unavailable"}
+    body = {**report, **status} if authenticated(request) else status
+    return JSONResponse(body, status_code=200 if healthy else 503)
 
 
 async def metrics(request: Request) -> Response:

@@ -12,11 +12,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from fleet.bus.connect import permission_errors
 from fleet.config import Settings
 from fleet.errors import FleetError, InvalidRequest, ModelNotFound
 from fleet.gateway.backend import Backend
 from fleet.gateway.flow import run_task
+from fleet.gateway.guards import tenant_of
 from fleet.gateway.image_bytes import image_reference
+from fleet.gateway.limits import Capacity
 from fleet.gateway.metrics import GatewayMetrics
 from fleet.gateway.models_view import ModelState, model_states, refuses_task
 from fleet.gateway.renderers import Renderer
@@ -39,6 +42,12 @@ class Gateway:
     settings: Settings
     backend: Backend
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    capacity: Capacity = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.capacity = Capacity(
+            self.settings.gateway_max_waiting, self.settings.gateway_streams_per_key
+        )
 
     def cards(self) -> dict[str, ModelCard]:
         return all_cards(self.settings.data_dir)
@@ -56,12 +65,16 @@ class Gateway:
     def timeout_for(self, requested: float | None) -> float:
         return requested or self.settings.gateway_timeout_s
 
-    async def image_hash(self, url: str) -> str:
-        """Store a data-URL image in FLEET_IMAGES (once), or check a referenced one exists."""
+    async def image_hash(self, url: str, tenant: str | None) -> str:
+        """Store a data-URL image in FLEET_IMAGES (once), or check a referenced one exists
+        and is the tenant's (sent or made by it); another tenant's reads as missing."""
         reference = image_reference(url)
         if isinstance(reference, bytes):
-            return await self.backend.put_image(reference)
-        if not await self.backend.has_image(reference):
+            sha256 = await self.backend.put_image(reference)
+            await self.backend.owners.own_image(sha256, tenant)
+            return sha256
+        owned = await self.backend.owners.owns_image(reference, tenant)
+        if not owned or not await self.backend.has_image(reference):
             raise InvalidRequest(f"image {reference} is not stored in this fleet")
         return reference
 
@@ -75,10 +88,15 @@ class Gateway:
         return model_states(self.cards(), instances, runners)
 
     async def health(self) -> tuple[bool, dict[str, Any]]:
-        report: dict[str, Any] = {"nats": {"url": self.settings.url, "connected": False}}
+        """Up or not, and the details behind it (only for a caller with a key). Not up while
+        NATS is unreachable, a stream is missing, or NATS refused this gateway something
+        in the last minute (its role lacks a permission)."""
+        report: dict[str, Any] = {"nats": {"url": self.backend.url, "connected": False}}
         if not self.backend.connected:
             return False, report
         report["nats"]["connected"] = True
+        if denied := permission_errors():
+            report["permission_errors"] = [f"{d.operation} {d.subject}" for d in denied]
         try:
             report["streams"] = await self.backend.present()
             depths = await self.backend.queue_depths()
@@ -90,7 +108,7 @@ class Gateway:
             model: {"placed": s.placed, "ready": s.ready, "queue_depth": depths.get(model, 0)}
             for model, s in states.items()
         }
-        return all(report["streams"].values()), report
+        return all(report["streams"].values()) and not denied, report
 
     async def run(
         self,
@@ -111,6 +129,8 @@ class Gateway:
             stream=stream,
             resumable=resumable,
             timeout_s=timeout_s,
+            tenant=tenant_of(request),
+            capacity=self.capacity,
         )
 
 

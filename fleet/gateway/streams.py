@@ -1,5 +1,6 @@
-"""One request's view of `fleet.out.<task_id>`: an ordered consumer over FLEET_OUT, from the
-task's first event or after the N events a client has already seen, bounded by a deadline.
+"""One request's view of `fleet.out.<task_id>`: the stored events, then the live ones from the
+gateway's shared subscription, from the task's first event or after the N events a client has
+already seen, bounded by a deadline (and, for resumed streams, an idle limit).
 
 Events are numbered 1, 2, 3… within their task, so `after=N` means "I have seen N events".
 """
@@ -7,26 +8,21 @@ Events are numbered 1, 2, 3… within their task, so `after=N` means "I have see
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-import anyio
-from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
 
 from fleet.errors import DeadlineExceeded, NatsUnavailable
+from fleet.gateway.hub import Delivered, EventHub, Listener
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
 from fleet.wire.events import ImageChunk, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
 
 log = logging.getLogger(__name__)
-
-# Server-side heartbeats let the ordered consumer notice a lost consumer and recreate it.
-IDLE_HEARTBEAT_S = 5.0
-CLEANUP_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -63,54 +59,89 @@ class EventReader(ABC):
         return [item async for item in self]
 
 
+class StreamIdle(DeadlineExceeded):
+    """An event stream that saw nothing for its idle limit (a resume of a quiet task)."""
+
+    code = "idle"
+
+
 class TaskEvents(EventReader):
     """Async iterator of one task's events; ends after its TaskFinished.
 
-    Raises DeadlineExceeded when `deadline` (event-loop time) passes first.
+    Live events come from the gateway's shared subscription (EventHub). With `replay`, what
+    FLEET_OUT stored before this reader started listening is read first, one message at a time
+    by sequence (no consumer), and live events at or below the last replayed sequence are
+    skipped: nothing is missed or seen twice. A task id the gateway just made has nothing
+    stored, so its reader skips the replay.
+
+    Raises DeadlineExceeded when `deadline` (event-loop time) passes first, StreamIdle when
+    `idle_s` passes without an event.
     """
 
-    def __init__(self, js: JetStreamContext, task_id: str, deadline: float, after: int = 0) -> None:
+    def __init__(
+        self,
+        hub: EventHub,
+        js: JetStreamContext,
+        task_id: str,
+        deadline: float,
+        after: int = 0,
+        *,
+        replay: bool = True,
+        idle_s: float | None = None,
+    ) -> None:
+        self.hub = hub
         self.js = js
         self.task_id = task_id
         self.deadline = deadline
         self.after = after
+        self.replay = replay
+        self.idle_s = idle_s
         self.index = 0
         self.finished: TaskFinished | None = None
-        self._subscription: JetStreamContext.PushSubscription | None = None
-        # Fed by a callback: nats-py's next_msg makes a task and a uuid per message, which
-        # costs more than the rest of the relay of a token.
-        self._arrived: asyncio.Queue[Msg] = asyncio.Queue()
+        self._listener: Listener | None = None
+        self._replayed: list[Delivered] = []
+        self._last_seq = 0
 
     def unfinished(self) -> list[str]:
         return [] if self.finished is not None else [self.task_id]
 
-    async def _receive(self, message: Msg) -> None:
-        self._arrived.put_nowait(message)
-
     async def open(self) -> TaskEvents:
-        try:
-            self._subscription = await self.js.subscribe(
-                subjects.out(self.task_id),
-                stream=subjects.OUT_STREAM,
-                ordered_consumer=True,
-                idle_heartbeat=IDLE_HEARTBEAT_S,
-                cb=self._receive,
-            )
-        except (NatsError, OSError) as exc:
-            raise NatsUnavailable(f"cannot read {subjects.OUT_STREAM}: {exc!r}") from None
+        await self.hub.ready()
+        self._listener = self.hub.listen(self.task_id)
+        if self.replay:
+            try:
+                self._replayed = await self._stored()
+            except BaseException:
+                await self.close()
+                raise
         return self
 
+    async def _stored(self) -> list[Delivered]:
+        """What FLEET_OUT holds for this task, up to where the live subscription took over."""
+        assert self._listener is not None
+        subject = subjects.out(self.task_id)
+        found: list[Delivered] = []
+        cursor = 1
+        while True:
+            first_live = self._listener.first_seq
+            try:
+                stored = await self.js.get_msg(
+                    subjects.OUT_STREAM, seq=cursor, subject=subject, next=True
+                )
+            except NotFoundError:
+                return found
+            except (NatsError, OSError, TimeoutError) as exc:
+                raise NatsUnavailable(f"cannot read {subjects.OUT_STREAM}: {exc!r}") from None
+            seq = stored.seq or cursor
+            if first_live is not None and seq >= first_live:
+                return found  # from here on the live queue has it
+            found.append(Delivered(seq, stored.data or b""))
+            cursor = seq + 1
+
     async def close(self) -> None:
-        """Unsubscribe even when the caller is being cancelled (a client hung up)."""
-        subscription, self._subscription = self._subscription, None
-        if subscription is None:
-            return
-        with (
-            anyio.CancelScope(shield=True),
-            anyio.move_on_after(CLEANUP_TIMEOUT_S),
-            contextlib.suppress(NatsError, OSError),
-        ):
-            await subscription.unsubscribe()
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            self.hub.drop(listener)
 
     async def __aenter__(self) -> TaskEvents:
         return await self.open()
@@ -119,7 +150,7 @@ class TaskEvents(EventReader):
         await self.close()
 
     async def __anext__(self) -> Indexed:
-        if self.finished is not None or self._subscription is None:
+        if self.finished is not None or self._listener is None:
             raise StopAsyncIteration
         while True:
             message = await self._next_message()
@@ -137,12 +168,31 @@ class TaskEvents(EventReader):
                 continue
             return Indexed(self.index, event, message.data)
 
-    async def _next_message(self) -> Msg:
-        if not self._arrived.empty():
-            return self._arrived.get_nowait()
-        try:
-            async with asyncio.timeout_at(self.deadline):
-                return await self._arrived.get()
-        except TimeoutError:
-            raise DeadlineExceeded(f"task {self.task_id} did not finish in time") from None
+    async def _next_message(self) -> Delivered:
+        while True:
+            if self._replayed:
+                message = self._replayed.pop(0)
+            else:
+                message = await self._next_live()
+            if message.seq > self._last_seq:  # a live copy of a replayed event is skipped
+                self._last_seq = message.seq
+                return message
 
+    async def _next_live(self) -> Delivered:
+        assert self._listener is not None
+        queue = self._listener.queue
+        if not queue.empty():
+            return queue.get_nowait()
+        loop = asyncio.get_running_loop()
+        idle_until = loop.time() + self.idle_s if self.idle_s is not None else None
+        until = min(self.deadline, idle_until) if idle_until is not None else self.deadline
+        try:
+            async with asyncio.timeout_at(until):
+                return await queue.get()
+        except TimeoutError:
+            if idle_until is not None and idle_until < self.deadline:
+                raise StreamIdle(
+                    f"no event of task {self.task_id} for {self.idle_s:g} s; resume with "
+                    f"after={self.index}"
+                ) from None
+            raise DeadlineExceeded(f"task {self.task_id} did not finish in time") from None

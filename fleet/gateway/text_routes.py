@@ -8,7 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fleet.gateway.fanout import choice_tasks, refuse_resumable_choices
-from fleet.gateway.guards import parse, read_json
+from fleet.gateway.guards import parse, read_json, tenant_of
 from fleet.gateway.models_view import refuses_images
 from fleet.gateway.openai import (
     ChatCompletionRequest,
@@ -31,7 +31,7 @@ async def chat_completions(request: Request) -> Response:
     urls = image_urls(chat)
     if urls and (why := refuses_images(card)):
         raise InvalidParameter(why, "messages")
-    hashes = {url: await gateway.image_hash(url) for url in urls}
+    hashes = {url: await gateway.image_hash(url, tenant_of(request)) for url in urls}
     timeout_s = gateway.timeout_for(chat.timeout)
     refuse_resumable_choices(chat.n, chat.resumable)
     task = chat_task(chat, new_task_id("chatcmpl"), hashes, now_utc(), timeout_s)

@@ -1,0 +1,97 @@
+"""Which tenant owns a task id or an image, kept in the KV bucket FLEET_TENANTS.
+
+The gateway writes `task.<task_id>` = tenant before it publishes a task (kept 1 h, as long as
+FLEET_OUT keeps the task's events) and `image.<sha256>.<tenant>` for every image a tenant's
+tasks produced or that it sent (kept 7 d, as long as FLEET_IMAGES keeps images). Per-message
+TTLs (`Nats-TTL`) let one bucket keep both for their own time.
+
+Another tenant's task or image reads exactly like one that does not exist (404): answering
+403 would confirm the id. An open gateway (no API keys) has no tenants and checks nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError
+
+from fleet.bus.retry import with_retry
+from fleet.errors import FleetError, NatsUnavailable
+
+log = logging.getLogger(__name__)
+
+TENANTS_BUCKET = "FLEET_TENANTS"
+STREAM = f"KV_{TENANTS_BUCKET}"
+TASK_TTL_S = 3600
+IMAGE_TTL_S = 7 * 24 * 3600
+
+
+def task_key(task_id: str) -> str:
+    return f"task.{task_id}"
+
+
+def image_key(sha256: str, tenant: str) -> str:
+    return f"image.{sha256}.{tenant}"
+
+
+def subject_of(key: str) -> str:
+    return f"$KV.{TENANTS_BUCKET}.{key}"
+
+
+class Owners:
+    """Ownership records over one NATS connection (`client()` raises while it is down)."""
+
+    def __init__(self, client: object) -> None:
+        self._client = client  # a callable returning the connected nats Client
+
+    def _nc(self) -> Client:
+        return self._client()  # type: ignore[operator,no-any-return]
+
+    async def _put(self, key: str, value: bytes, ttl_s: int) -> None:
+        js = self._nc().jetstream()
+        headers = {"Nats-TTL": f"{ttl_s}s"}
+        try:
+            await with_retry(
+                lambda: js.publish(subject_of(key), value, headers=headers),
+                what=f"record the owner of {key}",
+                budget_s=5.0,
+            )
+        except FleetError:
+            raise
+        except (NatsError, OSError, TimeoutError) as exc:
+            raise NatsUnavailable(f"could not record the owner of {key}: {exc!r}") from None
+
+    async def _get(self, key: str) -> bytes | None:
+        js = self._nc().jetstream()
+        try:
+            stored = await with_retry(
+                lambda: js.get_msg(STREAM, subject=subject_of(key), direct=True),
+                what=f"read the owner of {key}",
+                budget_s=5.0,
+            )
+        except NotFoundError:
+            return None
+        except FleetError:
+            raise
+        except (NatsError, OSError, TimeoutError) as exc:
+            raise NatsUnavailable(f"could not read the owner of {key}: {exc!r}") from None
+        return stored.data or None  # a delete or TTL marker has no value: absent
+
+    async def own_task(self, task_id: str, tenant: str) -> None:
+        await self._put(task_key(task_id), tenant.encode(), TASK_TTL_S)
+
+    async def task_owner(self, task_id: str) -> str | None:
+        value = await self._get(task_key(task_id))
+        return value.decode() if value else None
+
+    async def owns_task(self, task_id: str, tenant: str | None) -> bool:
+        return tenant is None or await self.task_owner(task_id) == tenant
+
+    async def own_image(self, sha256: str, tenant: str | None) -> None:
+        if tenant is not None:
+            await self._put(image_key(sha256, tenant), b"1", IMAGE_TTL_S)
+
+    async def owns_image(self, sha256: str, tenant: str | None) -> bool:
+        return tenant is None or await self._get(image_key(sha256, tenant)) is not None
