@@ -45,10 +45,15 @@ _ERROR_LINE = re.compile(r"Traceback|ERROR|CRITICAL|Error:|exited|left|stopping"
 @dataclass(frozen=True)
 class Load:
     tasks: int
-    tokens: int  # each task makes exactly this many tokens
+    tokens: int  # the longest task's tokens; task i makes tokens - (i % 5) * tokens // 10
     delay_ms: int  # per engine step: one task lasts about tokens * delay_ms
     slots: int = 4  # per runner; two runners
     workers: int = 2
+
+    def tokens_of(self, index: int) -> int:
+        """Lengths differ, so tasks end at staggered times and any outage cuts some mid-stream
+        and some at their terminal publish."""
+        return self.tokens - (index % 5) * self.tokens // 10
 
 
 @dataclass
@@ -60,7 +65,7 @@ class FaultReport:
     unfinished_at_fault: list[int] = field(default_factory=list)
     worker_exits: list[int | None] = field(default_factory=list)
     worker_log_lines: list[str] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)
+    timeline: list[tuple[str, float]] = field(default_factory=list)
 
 
 async def provision_with(nc: Client, replicas: int) -> None:
@@ -79,14 +84,16 @@ class FaultRun:
         self.root = root
         self.load = load
         self.replicas = replicas
-        self.task_ids = [f"f{i:04d}-{int(time.time() * 1000) % 100000}" for i in range(load.tasks)]
+        run_id = int(time.time() * 1000) % 100000
+        self.expected = {f"f{i:04d}-{run_id}": load.tokens_of(i) for i in range(load.tasks)}
+        self.task_ids = list(self.expected)
         self.workers: list[WorkerProcess] = []
         self.accepted: set[str] = set()
         self.finished: set[str] = set()
         self.changed = asyncio.Event()
         self.unfinished_at_fault: list[int] = []
         self.started = time.monotonic()
-        self.marks: dict[str, float] = {}
+        self.marks: list[tuple[str, float]] = []  # (what happened, seconds since the start)
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -106,7 +113,7 @@ class FaultRun:
         self.mark("workers_ready")
 
     def mark(self, name: str) -> None:
-        self.marks[name] = time.monotonic() - self.started
+        self.marks.append((name, round(time.monotonic() - self.started, 2)))
 
     async def _on_event(self, msg: Msg) -> None:
         task_id = msg.subject.rsplit(".", 1)[-1]
@@ -118,19 +125,20 @@ class FaultRun:
             self.changed.set()
 
     async def publish(self) -> None:
-        knobs = f"tokens:{self.load.tokens} delay_ms:{self.load.delay_ms}"
-        for task_id in self.task_ids:
+        for task_id, tokens in self.expected.items():
+            knobs = f"tokens:{tokens} delay_ms:{self.load.delay_ms}"
             await submit(self.nc, TextGeneration(
-                task_id=task_id, model=MODEL, max_tokens=self.load.tokens, temperature=0.0,
+                task_id=task_id, model=MODEL, max_tokens=tokens, temperature=0.0,
                 messages=[ChatMessage(role="user", content=knobs)],
             ))
         self.mark("published")
 
     async def until_busy(self, timeout: float = 60.0) -> None:
-        """Every slot of every runner has a task: the fault lands under full load."""
+        """Every slot of every runner has had a task and a few have ended: the fault lands in
+        a steady, staggered load (some tasks mid-stream, some at their terminal)."""
         busy = min(self.load.tasks, self.load.slots * self.load.workers)
         async with asyncio.timeout(timeout):
-            while len(self.accepted) < busy:
+            while len(self.accepted) < busy or len(self.finished) < 2:
                 self.changed.clear()
                 await self.changed.wait()
         self.mark("busy")
@@ -204,15 +212,14 @@ class FaultRun:
         await until_jetstream(self.nc, (subjects.OUT_STREAM,))
         stored = await self.read_out()
         counts = tally(
-            self.task_ids, stored, expected_tokens=self.load.tokens, returned_at=returned_at,
-            deadline_s=RETURN_DEADLINE_S,
+            self.expected, stored, returned_at=returned_at, deadline_s=RETURN_DEADLINE_S,
         )
         exits = [w.process.poll() if w.process else None for w in self.workers]
         counts.workers_dead = sum(code is not None for code in exits)
         return FaultReport(
             counts=counts, replicas=await replicas_of(self.nc, subjects.OUT_STREAM),
             unfinished_at_fault=self.unfinished_at_fault, worker_exits=exits,
-            worker_log_lines=self.log_lines(), seconds=dict(self.marks),
+            worker_log_lines=self.log_lines(), timeline=list(self.marks),
         )
 
     def log_lines(self, limit: int = 40) -> list[str]:

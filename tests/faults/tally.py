@@ -1,8 +1,8 @@
 """Counting what a fault did to the tasks: a pure function of the stored events.
 
-Every task of a fault run asks for exactly `expected_tokens` tokens from an engine that always
-makes them, so a task that ended `completed` must have stored tokens 0..expected-1, each once,
-and a usage that agrees. The test never cancels anything, so any `cancelled` is spurious.
+Every task of a fault run asks for an exact number of tokens from an engine that always makes
+them, so a task that ended `completed` must have stored tokens 0..expected-1, each once, and a
+usage that agrees. The test never cancels anything, so any `cancelled` is spurious.
 """
 
 from __future__ import annotations
@@ -53,17 +53,17 @@ class FaultCounts:
 
 
 def tally(
-    task_ids: list[str],
+    expected: dict[str, int],
     stored: dict[str, list[Stored]],
     *,
-    expected_tokens: int,
     returned_at: float,
     deadline_s: float = 60.0,
 ) -> FaultCounts:
-    """Counts for `task_ids` from the events stored per task (in stream order)."""
-    counts = FaultCounts(tasks=len(task_ids))
+    """Counts for the tasks of `expected` (task id -> its token count) from the events stored
+    per task, in stream order."""
+    counts = FaultCounts(tasks=len(expected))
     deadline = returned_at + deadline_s
-    for task_id in task_ids:
+    for task_id, tokens in expected.items():
         events = stored.get(task_id, [])
         terminals = [s for s in events if isinstance(s.event, TaskFinished)]
         if not terminals:
@@ -81,7 +81,7 @@ def tally(
         indexes = [s.event.index for s in events if isinstance(s.event, TokenChunk)]
         if len(indexes) != len(set(indexes)):
             counts.note("duplicate_tokens", task_id)
-        _judge(counts, task_id, first.event, indexes, expected_tokens)
+        _judge(counts, task_id, first.event, indexes, tokens)
     return counts
 
 

@@ -56,7 +56,7 @@ CASES = [
 
 @pytest.mark.parametrize(("events", "want"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_tally(events: list[Stored], want: dict[str, int]) -> None:
-    counts = tally(["a"], {"a": events}, expected_tokens=3, returned_at=T0)
+    counts = tally({"a": 3}, {"a": events}, returned_at=T0)
     fields = ("completed", "lost", "hung", "late", "duplicate_terminals", "completed_with_gap",
               "duplicate_tokens", "spurious_cancelled", "worker_lost", "runner_crashed",
               "other_failed")
@@ -66,8 +66,8 @@ def test_tally(events: list[Stored], want: dict[str, int]) -> None:
 
 def test_bad_lists_only_what_the_bar_forbids() -> None:
     counts = tally(
-        ["a", "b"], {"a": [accepted("a"), ended("a", ErrorReason.WORKER_LOST)]},
-        expected_tokens=3, returned_at=T0,
+        {"a": 3, "b": 3}, {"a": [accepted("a"), ended("a", ErrorReason.WORKER_LOST)]},
+        returned_at=T0,
     )
     assert counts.bad == {"lost": 1}  # b never ran; a's worker_lost is allowed
     assert counts.examples["lost"] == ["b"]
