@@ -1,33 +1,44 @@
 """Idempotent provisioning of Fleet's streams, buckets and consumers from ops/jetstream/.
 
 The files are the JSON that `nats stream add --config FILE` takes, sent as they are to the
-JetStream API, so what an operator reads in ops/ is exactly what the server gets. A stream
-that exists with a different value for a key the file sets is reported, never clobbered.
+JetStream API, so what an operator reads in ops/ is exactly what the server gets, except for
+`num_replicas`: that one follows the cluster (fleet.bus.replicas: 3 on a cluster that can
+hold three copies, 1 otherwise, `replicas` to override). A stream that exists with a
+different value for another key the file sets is reported, never clobbered; an existing
+stream with fewer replicas than chosen is reported with the command that raises it.
+
+Every API call retries transient errors (an election, a restart) within the broker budget.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 from nats.aio.client import Client
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import ServiceUnavailableError
 
 from fleet.bus.embedded import ops_dir
+from fleet.bus.replicas import choose_replicas, replicas_advice
+from fleet.bus.retry import BROKER_BUDGET_S, with_retry
 from fleet.errors import NatsUnavailable, ProvisioningConflict
 from fleet.wire import subjects
 
+log = logging.getLogger(__name__)
+
 API = "$JS.API"
+NO_JETSTREAM_BUDGET_S = 1.0
 
 
 @dataclass(frozen=True)
 class Outcome:
     name: str
     action: str  # "created" | "unchanged"
+    replicas: int = 0  # what the stream has on the server (0: not asked)
 
 
 def definitions(directory: Path | None = None) -> list[dict[str, Any]]:
@@ -43,17 +54,33 @@ def consumer_definition(model: str, max_deliver: int, ack_wait_s: float) -> dict
     return config
 
 
-async def _api(nc: Client, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+async def _api(
+    nc: Client, subject: str, body: dict[str, Any] | None = None, *,
+    budget_s: float = BROKER_BUDGET_S,
+) -> dict[str, Any]:
+    if not nc._server_info.get("jetstream"):
+        # This server runs no JetStream itself; another server of its cluster might answer,
+        # but no election is waited for.
+        budget_s = min(budget_s, NO_JETSTREAM_BUDGET_S)
     payload = orjson.dumps(body) if body is not None else b""
-    try:
+
+    async def once() -> dict[str, Any]:
         reply = await nc.request(f"{API}.{subject}", payload, timeout=5.0)
-    except (NoRespondersError, NatsTimeout):
-        raise NatsUnavailable("JetStream is not enabled or not answering on this server") from None
-    return orjson.loads(reply.data)
+        answer: dict[str, Any] = orjson.loads(reply.data)
+        if answer.get("error", {}).get("code") == 503:  # no leader yet: an election
+            raise ServiceUnavailableError(**answer["error"])
+        return answer
+
+    try:
+        return await with_retry(once, what=f"JetStream API {subject}", budget_s=budget_s)
+    except NatsUnavailable as exc:
+        raise NatsUnavailable(
+            f"JetStream is not enabled or not answering on this server: {exc}"
+        ) from None
 
 
 def _differences(wanted: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    skip = {"description"}  # prose may change without a migration
+    skip = {"description", "num_replicas"}  # prose may change; replicas follow the cluster
     return [
         f"{key}: server has {actual.get(key)!r}, ops/jetstream wants {value!r}"
         for key, value in wanted.items()
@@ -61,39 +88,67 @@ def _differences(wanted: dict[str, Any], actual: dict[str, Any]) -> list[str]:
     ]
 
 
-async def ensure_stream(nc: Client, config: dict[str, Any]) -> Outcome:
+async def ensure_stream(
+    nc: Client, config: dict[str, Any], replicas: int | None = None, *,
+    budget_s: float = BROKER_BUDGET_S,
+) -> Outcome:
+    """Create the stream with `replicas` copies (None: as the file says) unless it exists."""
     name = config["name"]
-    info = await _api(nc, f"STREAM.INFO.{name}")
+    info = await _api(nc, f"STREAM.INFO.{name}", budget_s=budget_s)
     if "error" not in info:
         if diffs := _differences(config, info["config"]):
             raise ProvisioningConflict(f"stream {name} differs: " + "; ".join(diffs))
-        return Outcome(name, "unchanged")
+        return Outcome(name, "unchanged", info["config"].get("num_replicas", 1))
     if info["error"].get("err_code") != 10059:  # stream not found
         raise ProvisioningConflict(f"stream {name}: {info['error'].get('description')}")
-    created = await _api(nc, f"STREAM.CREATE.{name}", config)
+    if replicas is not None:
+        config = {**config, "num_replicas": replicas}
+    created = await _api(nc, f"STREAM.CREATE.{name}", config, budget_s=budget_s)
     if "error" in created:
         raise ProvisioningConflict(f"stream {name}: {created['error'].get('description')}")
-    return Outcome(name, "created")
+    return Outcome(name, "created", config.get("num_replicas", 1))
 
 
-async def provision(nc: Client, directory: Path | None = None) -> list[Outcome]:
-    """Create every stream and bucket Fleet needs; safe to run from every process at start."""
-    return [await ensure_stream(nc, config) for config in definitions(directory)]
+async def provision(
+    nc: Client, directory: Path | None = None, *, replicas: int = 0,
+    budget_s: float = BROKER_BUDGET_S,
+) -> list[Outcome]:
+    """Create every stream and bucket Fleet needs; safe to run from every process at start.
+
+    `replicas` > 0 forces that many copies for what is created; 0 picks them from the
+    cluster (asked once, only when something must be created). Logs what it chose, and warns
+    about existing streams with fewer copies than the cluster could keep."""
+    chosen: int | None = None
+    outcomes = []
+    for config in definitions(directory):
+        name = config["name"]
+        info = await _api(nc, f"STREAM.INFO.{name}", budget_s=budget_s)
+        if "error" in info and chosen is None:
+            chosen = await choose_replicas(nc, replicas)
+            log.info("provisioning with %d replica(s) per stream (%s)", chosen,
+                     "set by --replicas / FLEET_REPLICAS" if replicas else "from the cluster")
+        outcomes.append(await ensure_stream(nc, config, chosen, budget_s=budget_s))
+    for advice in replicas_advice(nc, outcomes, replicas):
+        log.warning("%s", advice)
+    return outcomes
 
 
 async def ensure_task_consumer(
-    nc: Client, model: str, *, max_deliver: int = 3, ack_wait_s: float = 30.0
+    nc: Client, model: str, *, max_deliver: int = 3, ack_wait_s: float = 30.0,
+    budget_s: float = BROKER_BUDGET_S,
 ) -> Outcome:
     """The one durable pull consumer of a model's tasks, shared by every worker serving it."""
     config = consumer_definition(model, max_deliver, ack_wait_s)
     name = subjects.durable(model)
-    info = await _api(nc, f"CONSUMER.INFO.{subjects.TASKS_STREAM}.{name}")
+    info = await _api(nc, f"CONSUMER.INFO.{subjects.TASKS_STREAM}.{name}", budget_s=budget_s)
     if "error" not in info:
         if diffs := _differences(config, info["config"]):
             raise ProvisioningConflict(f"consumer {name} differs: " + "; ".join(diffs))
         return Outcome(name, "unchanged")
     body = {"stream_name": subjects.TASKS_STREAM, "config": config}
-    created = await _api(nc, f"CONSUMER.CREATE.{subjects.TASKS_STREAM}.{name}", body)
+    created = await _api(
+        nc, f"CONSUMER.CREATE.{subjects.TASKS_STREAM}.{name}", body, budget_s=budget_s
+    )
     if "error" in created:
         raise ProvisioningConflict(f"consumer {name}: {created['error'].get('description')}")
     return Outcome(name, "created")
