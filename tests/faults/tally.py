@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
 
+# Failures a broker fault may cause without breaking the bar: the task ends, honestly, once.
+ALLOWED_FAILURES = ("worker_lost", "runner_crashed", "output_lost")
+
 
 @dataclass(frozen=True)
 class Stored:
@@ -33,6 +36,7 @@ class FaultCounts:
     spurious_cancelled: int = 0
     worker_lost: int = 0  # allowed, counted: failed/worker_lost
     runner_crashed: int = 0  # allowed, counted: failed/runner_crashed
+    output_lost: int = 0  # allowed, counted: failed/output_lost (output not storable whole)
     other_failed: int = 0  # failed for any other reason (not allowed)
     workers_dead: int = 0  # worker processes that are not running at the end
     last_terminal_after_return_s: float | None = None
@@ -97,10 +101,8 @@ def _judge(
             counts.note("completed_with_gap", task_id)
     elif end.status == "cancelled":
         counts.note("spurious_cancelled", task_id)
-    elif end.reason is not None and end.reason.value == "worker_lost":
-        counts.note("worker_lost", task_id)
-    elif end.reason is not None and end.reason.value == "runner_crashed":
-        counts.note("runner_crashed", task_id)
+    elif end.reason is not None and end.reason.value in ALLOWED_FAILURES:
+        counts.note(end.reason.value, task_id)
     else:
         counts.note("other_failed", f"{task_id}:{end.reason}")
 

@@ -49,6 +49,8 @@ CASES = [
      {"worker_lost": 1}),
     ("runner crashed: allowed", [accepted("a"), ended("a", ErrorReason.RUNNER_CRASHED)],
      {"runner_crashed": 1}),
+    ("output lost: allowed", [accepted("a"), token("a", 0), ended("a", ErrorReason.OUTPUT_LOST)],
+     {"output_lost": 1}),
     ("failed otherwise", [ended("a", ErrorReason.INTERNAL)], {"other_failed": 1}),
     ("ended after the deadline", [*whole("a"), done("a", at=T0 + 61)], {"completed": 1, "late": 1}),
 ]
@@ -59,7 +61,7 @@ def test_tally(events: list[Stored], want: dict[str, int]) -> None:
     counts = tally({"a": 3}, {"a": events}, returned_at=T0)
     fields = ("completed", "lost", "hung", "late", "duplicate_terminals", "completed_with_gap",
               "duplicate_tokens", "spurious_cancelled", "worker_lost", "runner_crashed",
-              "other_failed")
+              "output_lost", "other_failed")
     assert {f: getattr(counts, f) for f in fields if getattr(counts, f)} == want
     assert counts.tasks == 1
 
