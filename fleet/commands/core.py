@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.metadata as metadata
 import signal
 import sys
 from pathlib import Path
 
-from fleet.config import load_settings
+from fleet.config import Settings, load_settings
 
 MFLUX_SERIES = "0.24."
 
@@ -62,11 +63,24 @@ def cmd_schemas(args: argparse.Namespace) -> int:
 
 
 def cmd_nats(args: argparse.Namespace) -> int:
+    from fleet.bus import auth_gen
     from fleet.bus.embedded import EmbeddedNats
 
     settings = settings_from(args, nats_port=args.port)
-    server = EmbeddedNats(settings.nats_store_dir, port=settings.nats_port).start()
-    print(f"nats-server (JetStream) on {server.url}, store {settings.nats_store_dir}", flush=True)
+    if args.auth:
+        folder = auth_gen.generate(settings.data_dir, port=settings.nats_port, tls=args.tls)
+        print(auth_gen.how_to_start(folder))
+        return 0
+    if args.tls:
+        print("--tls goes with --auth (it makes certificates)", file=sys.stderr)
+        return 2
+    if args.provision:
+        return asyncio.run(provision_as(settings))
+    config = secured_config(settings.data_dir)
+    server = EmbeddedNats(settings.nats_store_dir, port=settings.nats_port, config=config).start()
+    secured = f", users and secrets from {config}" if config else ", open (no users)"
+    print(f"nats-server (JetStream) on {server.url}, store {settings.nats_store_dir}{secured}",
+          flush=True)
     # Only pass SIGTERM on: the main thread below is inside process.wait() and holds its lock,
     # so a handler that waits too (server.stop) would time out and end in a traceback.
     signal.signal(signal.SIGTERM, lambda *_: server.process and server.process.terminate())
@@ -76,6 +90,29 @@ def cmd_nats(args: argparse.Namespace) -> int:
         server.stop()
         return 0
     return 0 if code in (0, -signal.SIGTERM) else code
+
+
+async def provision_as(settings: Settings) -> int:
+    """`fleet nats --provision`: create Fleet's streams and buckets on the server of
+    FLEET_NATS_URL as this process's user (the operator role; no other role may)."""
+    from fleet.bus.connect import connect_with
+    from fleet.bus.provision import provision
+
+    nc = await connect_with(settings, "fleet-provision")
+    try:
+        for outcome in await provision(nc):
+            print(f"{outcome.name:20} {outcome.action}")
+    finally:
+        await nc.close()
+    return 0
+
+
+def secured_config(data_dir: Path) -> Path | None:
+    """The server config `fleet nats --auth` wrote into the data dir, if it did: an embedded
+    server then always runs secured (delete `<data>/auth` to run open again)."""
+    from fleet.bus.auth_gen import CONF, auth_dir, has_auth
+
+    return auth_dir(data_dir) / CONF if has_auth(data_dir) else None
 
 
 def cmd_runner(args: argparse.Namespace) -> int:
@@ -96,6 +133,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("nats", help="run the embedded nats-server with JetStream")
     p.add_argument("--port", "--nats-port", dest="port", type=int, help="client port (4222)")
+    p.add_argument(
+        "--auth", action="store_true",
+        help="write <data>/auth/: a server config with new secrets and one credentials file "
+        "per role (client, gateway, worker, operator), then exit; `fleet nats` and `fleet up` "
+        "use it from then on (see docs/permissions.md)",
+    )
+    p.add_argument("--tls", action="store_true",
+                   help="with --auth: also a CA, a server certificate and client certificates")
+    p.add_argument("--provision", action="store_true",
+                   help="create Fleet's streams and buckets on FLEET_NATS_URL (as the operator) "
+                   "and exit; starts no server")
     p.set_defaults(func=cmd_nats)
 
     p = subparsers.add_parser("runner", help="internal: a runner subprocess")

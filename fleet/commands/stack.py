@@ -11,10 +11,11 @@ import sys
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING
 
-from fleet.bus.connect import connect
+from fleet.bus.auth_gen import as_role, ensure_auth
+from fleet.bus.connect import connect_with
 from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.provision import provision
-from fleet.commands.core import check_mflux, settings_from
+from fleet.commands.core import check_mflux, secured_config, settings_from
 from fleet.config import Settings
 from fleet.models.catalog import get_card
 from fleet.placement import find_instance, place, read_instances, read_nodes, remove
@@ -101,9 +102,12 @@ async def stack(
     quiet_builders()
     stopping = exit_.stopping if exit_ else asyncio.Event()
     server, guard = None, None
+    # An embedded server runs secured when `fleet nats --auth` wrote <data>/auth: then each
+    # role below connects as its own NATS user (docs/permissions.md).
+    config = secured_config(settings.data_dir) if settings.nats_url is None else None
     if settings.nats_url is None:
         server = EmbeddedNats(
-            settings.nats_store_dir, port=settings.nats_port,
+            settings.nats_store_dir, port=settings.nats_port, config=config,
             log_file=settings.data_dir / "nats.log",
         ).start()
         # Even a SIGKILL of this process must not leave the server running.
@@ -114,19 +118,22 @@ async def stack(
     worker: Worker | None = None
     worker_task: asyncio.Task[None] | None = None
     try:
-        nc = await connect(settings.url, "fleet-up")
+        secured = config is not None
+        nc = await connect_with(as_role(settings, "operator", secured), "fleet-up")
         try:
             await provision(nc)
-            worker = Worker(settings)
+            worker = Worker(as_role(settings, "worker", secured))
             worker_task = asyncio.create_task(worker.run())
             await _first(worker.ready.wait(), worker_task, stopping)
             for model in models:
                 await _place_here(nc, settings, model, worker.cluster.node_id)
             gateway_ready = asyncio.Event()
-            gateway_task = asyncio.create_task(serve(settings, gateway_ready))
+            gateway_task = asyncio.create_task(
+                serve(as_role(settings, "gateway", secured), gateway_ready)
+            )
             try:
                 await _first(gateway_ready.wait(), gateway_task, stopping)
-                yield settings
+                yield as_role(settings, "operator", secured)
             finally:
                 gateway_task.cancel()
                 await asyncio.gather(gateway_task, return_exceptions=True)
@@ -201,7 +208,7 @@ async def run_up(settings: Settings, models: list[str], exit_: Exit | None = Non
 
 
 async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:
-    nc = await connect(settings.url, "fleet-cli")
+    nc = await connect_with(settings, "fleet-cli")
     js = nc.jetstream()
     try:
         if args.action == "place":
@@ -236,10 +243,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, help="gateway port")
     p.add_argument("--nats-port", type=int, help="embedded nats-server port")
     p.add_argument("--slots", type=int)
+    p.add_argument("--auth", action="store_true", help="run the embedded server secured: "
+                   "generate <data>/auth unless there (once there, `fleet up` uses it anyway)")
     _auto_place_flag(p)
     p.set_defaults(func=lambda a: run_main(lambda exit_: run_up(
-        settings_from(a, gateway_host=a.host, gateway_port=a.port, nats_port=a.nats_port,
-                      slots=a.slots, auto_place=a.auto_place),
+        ensure_auth(settings_from(a, gateway_host=a.host, gateway_port=a.port,
+                                  nats_port=a.nats_port, slots=a.slots,
+                                  auto_place=a.auto_place), a.auth),
         [m for m in a.models.split(",") if m], exit_,
     )))
 

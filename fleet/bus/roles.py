@@ -1,0 +1,220 @@
+"""Who may do what on the bus: the one source of the role table in docs/permissions.md, of
+ops/nats/auth.conf, and of the server config `fleet nats --auth` generates.
+
+NATS permissions are per subject, so every grant below is a subject (a JetStream API call is a
+request on `$JS.API.<VERB>.<stream>...`). Two facts shape them: nats-py creates an ephemeral
+consumer on `$JS.API.CONSUMER.CREATE.<stream>` (no suffix) and a named one on
+`...CREATE.<stream>.<name>[.<filter>]`; and `>` matches whole tokens only, so a bucket's stream
+(`KV_FLEET_NODES`) is named in full, never as `KV_>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ROLES = ("client", "gateway", "worker", "operator")
+
+TASKS = "FLEET_TASKS"
+OUT = "FLEET_OUT"
+EVENTS = "FLEET_EVENTS"
+TRACES = "FLEET_TRACES"
+DEAD = "FLEET_DEAD"
+ADVISORIES = "FLEET_ADVISORIES"
+REFUSED = "FLEET_REFUSED"
+IMAGES = "OBJ_FLEET_IMAGES"
+STATE_BUCKETS = ("FLEET_NODES", "FLEET_INSTANCES", "FLEET_RUNNERS")
+CANCELS = "FLEET_CANCELS"
+CLAIMS = "FLEET_CLAIMS"
+TENANTS = "FLEET_TENANTS"
+ALL_STREAMS = (
+    TASKS, OUT, EVENTS, TRACES, DEAD, ADVISORIES, REFUSED, IMAGES,
+    *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS)),
+)
+
+
+def _api(*parts: str) -> str:
+    return "$JS.API." + ".".join(parts)
+
+
+def _info(*streams: str) -> list[str]:
+    return [_api("STREAM", "INFO", s) for s in streams]
+
+
+def _readers(stream: str) -> list[str]:
+    """Short-lived consumers of one stream: ephemeral or named (nats-py uses both forms),
+    pulled or pushed, and deleted by their owner when done (only on this stream)."""
+    return [
+        _api("CONSUMER", "CREATE", stream), _api("CONSUMER", "CREATE", stream, ">"),
+        _api("CONSUMER", "INFO", stream, "*"), _api("CONSUMER", "MSG", "NEXT", stream, "*"),
+        _api("CONSUMER", "DELETE", stream, "*"),
+    ]
+
+
+def _kv_read(bucket: str) -> list[str]:
+    stream = f"KV_{bucket}"
+    return [
+        *_info(stream), _api("DIRECT", "GET", stream), _api("DIRECT", "GET", stream, ">"),
+        _api("STREAM", "MSG", "GET", stream), *_readers(stream),
+    ]
+
+
+def _images_read() -> list[str]:
+    return [*_info(IMAGES), _api("STREAM", "MSG", "GET", IMAGES), *_readers(IMAGES)]
+
+
+FLOW_CONTROL = "$JS.FC.>"  # a push consumer's flow-control answers go here
+INBOX = "_INBOX.>"
+
+
+@dataclass(frozen=True)
+class Grant:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+
+
+def _grant(publish: list[str], subscribe: list[str]) -> Grant:
+    return Grant(tuple(dict.fromkeys(publish)), tuple(dict.fromkeys(subscribe)))
+
+
+GRANTS: dict[str, Grant] = {
+    # Submits tasks and follows them; can never see the queue itself nor change the fleet.
+    "client": _grant(
+        publish=[
+            "fleet.tasks.>", "fleet.cancel.>", f"$KV.{CANCELS}.>", "fleet.traces.>",
+            "$O.FLEET_IMAGES.>", FLOW_CONTROL,
+            # Replay of one task: an ephemeral (ordered) consumer, or a named one on one
+            # task's subject. No DELETE: an abandoned one goes by its inactive threshold.
+            _api("CONSUMER", "CREATE", OUT), _api("CONSUMER", "CREATE", OUT, "*", "fleet.out.*"),
+            *_info(OUT, f"KV_{CANCELS}"),
+            *_info(IMAGES), _api("STREAM", "MSG", "GET", IMAGES),
+            # An image is read through a short-lived consumer its reader deletes when done;
+            # the image store holds no durable consumer, so that is all DELETE reaches.
+            *_readers(IMAGES),
+        ],
+        subscribe=[INBOX, "fleet.out.>"],
+    ),
+    # The HTTP front door: publishes tasks and cancels, reads outputs, state and metrics;
+    # on FLEET_TASKS only publish and information, never a consumer of it.
+    "gateway": _grant(
+        publish=[
+            "fleet.tasks.>", "fleet.cancel.>", f"$KV.{CANCELS}.>", "fleet.traces.>",
+            f"$KV.{TENANTS}.>", "$O.FLEET_IMAGES.>", FLOW_CONTROL, _api("INFO"),
+            *_info(*ALL_STREAMS),
+            _api("CONSUMER", "INFO", TASKS, "*"), _api("CONSUMER", "LIST", TASKS),
+            _api("CONSUMER", "NAMES", TASKS),
+            _api("CONSUMER", "CREATE", OUT), _api("CONSUMER", "CREATE", OUT, ">"),
+            _api("STREAM", "MSG", "GET", OUT),
+            _api("CONSUMER", "CREATE", TRACES), _api("CONSUMER", "CREATE", TRACES, ">"),
+            _api("STREAM", "MSG", "GET", TRACES),
+            *(s for b in (*STATE_BUCKETS, CANCELS, TENANTS) for s in _kv_read(b)),
+            *_images_read(),
+        ],
+        subscribe=[INBOX, "fleet.out.>"],
+    ),
+    # A node: consumes tasks, writes outputs, state, images; purges one model's tasks
+    # (the janitor, for a model no card names) but never a whole stream or another one.
+    "worker": _grant(
+        publish=[
+            "fleet.out.>", "fleet.events.>", "fleet.traces.>", "fleet.dead.>", "fleet.refused.>",
+            INBOX,  # a refused task's publisher hears why on its reply inbox
+            *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS)),
+            "$O.FLEET_IMAGES.>", FLOW_CONTROL, _api("INFO"),
+            f"$JS.ACK.{TASKS}.>", f"$JS.ACK.{ADVISORIES}.>",
+            *_info(*ALL_STREAMS),
+            # The per-model durable is made when a model is placed, so a worker may create
+            # (or update) consumers on FLEET_TASKS; it may not delete them.
+            _api("CONSUMER", "CREATE", TASKS, ">"), _api("CONSUMER", "INFO", TASKS, "*"),
+            _api("CONSUMER", "MSG", "NEXT", TASKS, "*"), _api("CONSUMER", "LIST", TASKS),
+            _api("CONSUMER", "NAMES", TASKS),
+            _api("STREAM", "MSG", "GET", TASKS), _api("STREAM", "MSG", "DELETE", TASKS),
+            _api("STREAM", "PURGE", TASKS),
+            _api("CONSUMER", "CREATE", ADVISORIES, ">"), _api("CONSUMER", "INFO", ADVISORIES, "*"),
+            _api("CONSUMER", "MSG", "NEXT", ADVISORIES, "*"),
+            _api("STREAM", "MSG", "GET", OUT),
+            *(s for b in (*STATE_BUCKETS, CANCELS, CLAIMS) for s in _kv_read(b)),
+            *_images_read(),
+        ],
+        subscribe=[INBOX, "fleet.tasks.>", "fleet.cancel.*"],
+    ),
+    # Provisions streams, buckets and consumers, and repairs: everything.
+    "operator": _grant(publish=[">"], subscribe=[">"]),
+}
+
+
+@dataclass(frozen=True)
+class Action:
+    """One row of the permission table: something a role may or may not do."""
+
+    key: str
+    what: str
+    allowed: frozenset[str]
+    why: str = ""
+
+
+def _who(*roles: str) -> frozenset[str]:
+    return frozenset(("operator", *roles))
+
+
+ACTIONS: tuple[Action, ...] = (
+    Action("publish_task", "publish a task on `fleet.tasks.<model>`",
+           _who("client", "gateway")),
+    Action("cancel_task", "cancel a task (`fleet.cancel.<id>` and its FLEET_CANCELS record)",
+           _who("client", "gateway")),
+    Action("follow_output", "subscribe to a task's output `fleet.out.<id>`",
+           _who("client", "gateway"),
+           "subjects cannot be limited per task id: any client reads any task's output"),
+    Action("replay_output", "replay a task's output (an ordered consumer on FLEET_OUT)",
+           _who("client", "gateway")),
+    Action("publish_output", "publish on `fleet.out.<id>` (a task's events)", _who("worker")),
+    Action("read_queued_task", "read a queued task (STREAM.MSG.GET on FLEET_TASKS)",
+           _who("worker")),
+    Action("direct_get_task", "direct-get from FLEET_TASKS", _who()),
+    Action("subscribe_tasks", "subscribe to `fleet.tasks.>` (see every task published)",
+           _who("worker")),
+    Action("consume_tasks", "fetch tasks from a model's durable `tasks-<model>`",
+           _who("worker")),
+    Action("create_task_consumer", "create a consumer on FLEET_TASKS", _who("worker"),
+           "models are placed at run time; the worker makes the model's durable then"),
+    Action("task_consumer_info", "read FLEET_TASKS consumer info (queue metrics)",
+           _who("gateway", "worker")),
+    Action("delete_task_consumer", "delete a FLEET_TASKS consumer (halts a model)", _who()),
+    Action("delete_out_consumer", "delete a FLEET_OUT consumer", _who()),
+    Action("stream_info", "read stream info (FLEET_TASKS, KV_FLEET_NODES, ...)",
+           _who("gateway", "worker")),
+    Action("create_stream", "create a stream or bucket", _who()),
+    Action("update_stream", "change a stream's configuration", _who()),
+    Action("delete_stream", "delete a stream", _who()),
+    Action("purge_stream", "purge FLEET_OUT or the image store", _who()),
+    Action("purge_model_tasks", "purge one model's subject from FLEET_TASKS", _who("worker"),
+           "the janitor drops tasks of a model that no card names"),
+    Action("read_state", "read FLEET_NODES / FLEET_INSTANCES / FLEET_RUNNERS",
+           _who("gateway", "worker")),
+    Action("write_state", "write FLEET_NODES / FLEET_INSTANCES / FLEET_RUNNERS",
+           _who("worker")),
+    Action("put_image", "store an image in FLEET_IMAGES",
+           _who("client", "gateway", "worker")),
+    Action("get_image", "read an image from FLEET_IMAGES",
+           _who("client", "gateway", "worker")),
+    Action("read_traces", "read stored spans (a consumer on FLEET_TRACES)", _who("gateway")),
+    Action("publish_traces", "publish spans on `fleet.traces.<trace>`",
+           _who("client", "gateway", "worker")),
+    Action("publish_events", "publish cluster events on `fleet.events.>`", _who("worker")),
+    Action("subscribe_cancels", "subscribe to `fleet.cancel.*`", _who("worker")),
+    Action("dead_letter", "publish a dead letter on `fleet.dead.<model>`", _who("worker")),
+    Action("claim_task_id", "claim a task id (FLEET_CLAIMS) and record a refusal "
+           "(`fleet.refused.<model>`)", _who("worker")),
+    Action("tenant_records", "read and write which tenant owns a task or image (FLEET_TENANTS)",
+           _who("gateway"), "tenants are the gateway's: NATS users are roles, not tenants"),
+)
+
+
+def table_markdown() -> str:
+    """The permission table of docs/permissions.md (a test checks the file shows it)."""
+    head = "| action | " + " | ".join(ROLES) + " |"
+    rule = "|---|" + "---|" * len(ROLES)
+    rows = [
+        f"| {a.what} | " + " | ".join("yes" if r in a.allowed else "no" for r in ROLES) + " |"
+        for a in ACTIONS
+    ]
+    notes = [f"- {a.what}: {a.why}" for a in ACTIONS if a.why]
+    return "\n".join([head, rule, *rows, "", "Notes:", "", *notes]) + "\n"
