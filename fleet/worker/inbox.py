@@ -1,13 +1,21 @@
-"""What arrives in the worker's inbox besides state events and runner reports."""
+"""Everything that reaches the worker's loop, as one union: `InboxItem`.
+
+The loop is the only consumer; every child of the worker (pulls, input fetches, image
+uploads, runner pumps, the cancel listener, the tick, the cluster link) talks to it only by
+putting one of these into `Inbox`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
 from nats.aio.msg import Msg
 
-from fleet.wire.events import ErrorReason
+from fleet.runner.protocol import RunnerReport
+from fleet.wire.events import ErrorReason, ImageChunk
+from fleet.worker.state import StateEvent
 
 
 @dataclass(frozen=True)
@@ -20,7 +28,7 @@ class Fetched:
 
 @dataclass(frozen=True)
 class Tick:
-    """Time for in-progress heartbeats of running tasks."""
+    """Time for in-progress heartbeats of held task messages."""
 
 
 @dataclass(frozen=True)
@@ -42,5 +50,39 @@ class CancelSeen:
 
 
 @dataclass(frozen=True)
+class RunnerReported:
+    """One report a runner wrote on its pipe."""
+
+    runner_id: str
+    report: RunnerReport
+
+
+@dataclass(frozen=True)
+class RunnerExited:
+    """The last item about a runner: its process is gone (nothing more comes from it)."""
+
+    runner_id: str
+    returncode: int
+    how: str = ""  # "exited with code 1", "killed by SIGKILL"
+
+
+@dataclass(frozen=True)
+class ImageUploaded:
+    """An output image's upload ended: stored, or `error` says why not."""
+
+    runner_id: str
+    image: ImageChunk
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Stop:
     """End the loop and shut down cleanly."""
+
+
+InboxItem = (
+    Fetched | Tick | InputsFetched | InputsFailed | CancelSeen | RunnerReported | RunnerExited
+    | ImageUploaded | Stop | StateEvent
+)
+
+Inbox = asyncio.Queue[InboxItem]

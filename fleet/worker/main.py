@@ -1,19 +1,25 @@
-"""The worker: the node's one effectful loop. Receive, apply, plan, act, publish."""
+"""The worker: the node's one effectful loop. Receive, apply, plan, act, publish.
+
+`Worker.run` owns every coroutine of the worker with one Supervisor (one TaskGroup): the
+tick, the cancel listener, pulls, input fetches, image uploads, runner starts, stops and
+report pumps, task endings, and the cluster link's own loops. Children talk to the loop only
+through the typed inbox (`InboxItem`); a child that fails is logged with its traceback and
+restarted with backoff (loops) or reported to the loop (one-shot work). The task tree and the
+ack table are drawn in docs/architecture.md.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
 
 from nats.aio.msg import Msg
 
 from fleet import telemetry
-from fleet.aio import TaskSet
-from fleet.bus.connect import connect
+from fleet.aio import Supervisor
+from fleet.bus.connect import connect_with
 from fleet.bus.provision import provision
 from fleet.config import Settings
 from fleet.runner import protocol as pipe
@@ -21,64 +27,87 @@ from fleet.wire import subjects
 from fleet.wire.events import (
     ErrorChunk,
     ErrorReason,
-    ImageChunk,
     TaskAccepted,
     TaskFinished,
     TokenChunk,
     ToolCallChunk,
+    failed,
 )
 from fleet.wire.tasks import CancelTask
 from fleet.worker import plan as rules
 from fleet.worker import state as ev
+from fleet.worker.acks import AckPolicy, Stage, tick_every
 from fleet.worker.cluster import ClusterLink
+from fleet.worker.endings import Endings, intake_stage
 from fleet.worker.image_outputs import ImageOutputs
-from fleet.worker.inbox import CancelSeen, Fetched, InputsFailed, InputsFetched, Stop, Tick
+from fleet.worker.inbox import (
+    CancelSeen,
+    Fetched,
+    ImageUploaded,
+    Inbox,
+    InboxItem,
+    InputsFailed,
+    InputsFetched,
+    RunnerExited,
+    RunnerReported,
+    Stop,
+    Tick,
+)
 from fleet.worker.intake import Intake, Queued
 from fleet.worker.outputs import TaskOutput
 from fleet.worker.pulls import TaskPuller
 from fleet.worker.runners import RunnerPool
 from fleet.worker.spans import TaskSpans
 from fleet.worker.state import WorkerState, apply
-from fleet.worker.supervisor import RunnerExited
 
 log = logging.getLogger(__name__)
+
+INPUT_FETCHES = 4  # input downloads at once, beside the loop
+SHUTDOWN_ENDINGS_S = 10.0
 
 
 class Worker:
     def __init__(self, settings: Settings, ready: asyncio.Event | None = None) -> None:
         self.settings = settings
         self.ready = ready or asyncio.Event()
-        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
-        self.msgs: dict[str, Msg] = {}  # task id -> its JetStream message, until acked
-        self.background = TaskSet()
+        self.inbox: Inbox = asyncio.Queue()
+        self.acks = AckPolicy(settings.ack_wait_s)
         self.pinned: dict[str, list[str]] = {}  # task id -> input images it holds in cache
         self.spans = TaskSpans()
+        self.handler_failures = 0  # inbox items whose handling raised (logged each time)
+        self._fetches = asyncio.Semaphore(INPUT_FETCHES)
 
     async def run(self) -> None:
         settings = self.settings
-        self.nc = await connect(settings.url, "fleet-worker")
+        self.nc = await connect_with(settings, "fleet-worker")
         self.js = self.nc.jetstream()
         telemetry.export_to_nats(lambda: self.nc)
         await provision(self.nc)
         self.output = TaskOutput(self.nc, self.js)
-        self.cluster = ClusterLink(settings, self.nc, self.js, self.inbox)
-        await self.cluster.start()
-        self.state = WorkerState(node_id=self.cluster.node_id, cards=self.cluster.cards)
-        self.intake = Intake(self.js, self.output, self.cluster)
-        self.runners = RunnerPool(settings, self.cluster.node_id, self.inbox)
-        self.images = ImageOutputs(self.cluster, self.output, self.spans, self.runners.send)
-        self.puller = TaskPuller(self.nc, self.js, settings)
-        await self.nc.subscribe(subjects.cancel("*"), cb=self._on_cancel)
-        self.background.spawn(self._tick_forever())
-        log.info("worker %s serving on %s", self.cluster.node_id, settings.url)
-        self.ready.set()
-        try:
-            while not isinstance(item := await self.inbox.get(), Stop):
-                await self._handle(item)
-                if not _streams_only(item):
-                    await self._drive()
-        finally:
-            await self._shutdown()
+        async with Supervisor("worker") as owner:
+            self.owner = owner
+            self.cluster = ClusterLink(settings, self.nc, self.js, self.inbox)
+            await self.cluster.start(owner)
+            node = self.cluster.node_id
+            self.state = WorkerState(node_id=node, cards=self.cluster.cards)
+            self.intake = Intake(self.js, self.output, self.cluster)
+            self.endings = Endings(self.output, self.acks, self.spans, owner, node)
+            self.runners = RunnerPool(settings, node, self.inbox, owner)
+            self.images = ImageOutputs(
+                self.cluster, self.spans, self.runners.send, self.inbox, owner
+            )
+            self.puller = TaskPuller(self.nc, self.js, settings)
+            self._cancels = await self.nc.subscribe(subjects.cancel("*"))
+            owner.forever("cancel listener", self._follow_cancels)
+            owner.forever("tick", self._tick_forever)
+            log.info("worker %s serving on %s", node, settings.url)
+            self.ready.set()
+            try:
+                await self._loop()
+            finally:
+                await self._shutdown()
+                await owner.cancel_all()
+        await self._disconnect()
 
     def stop(self) -> None:
         """Ask the loop to end and shut down cleanly. A message, not a cancel: nats-py
@@ -87,48 +116,81 @@ class Worker:
 
     # ---- the loop ---------------------------------------------------------------------
 
-    def _apply(self, event: object) -> None:
+    async def _loop(self) -> None:
+        while not isinstance(item := await self.inbox.get(), Stop):
+            try:
+                await self._handle(item)
+                if not _streams_only(item):
+                    await self._drive()
+            except Exception:  # one item's trouble must not end the node's work
+                self.handler_failures += 1
+                log.exception("worker: handling %s failed; going on", type(item).__name__)
+
+    def _apply(self, event: ev.StateEvent) -> None:
         self.state = apply(self.state, event)
 
     async def _drive(self) -> None:
         while (action := rules.plan(self.state, time.time())) is not None:
             await self._act(action)
 
-    async def _handle(self, item: Any) -> None:
+    async def _handle(self, item: InboxItem) -> None:
         match item:
             case Fetched(model=model, msgs=msgs):
                 self._apply(ev.PullEnded(model))
                 for msg in msgs:
                     await self._take(msg)
-            case (runner_id, RunnerExited() as exited):
-                crashed = self.runners.exited(exited)
-                self._apply(ev.RunnerGone(runner_id, crashed=crashed, at=time.time()))
-                self.cluster.runner_removed(runner_id)
-            case (runner_id, report):
-                with self.spans.active(getattr(report, "task_id", None)):
-                    await self._on_report(runner_id, report)
+            case RunnerReported() as reported:
+                if self.images.admit(reported):
+                    await self._report(reported)
+            case ImageUploaded() as done:
+                for ready in self.images.uploaded(done):
+                    await self._report(ready)
+            case RunnerExited() as exited:
+                await self._runner_exited(exited)
             case InputsFetched(task_id=task_id, paths=paths):
                 self._inputs_fetched(task_id, paths)
             case InputsFailed(task_id=task_id, reason=reason, message=message):
                 if task_id in self.state.pending:  # else it already ended (cancel, deadline)
-                    await self._end(task_id, reason, message)
+                    self._end(task_id, reason, message)
             case CancelSeen(task_id=task_id):
                 await self._cancel(task_id)
             case Tick():
-                await self._heartbeat_tasks()
+                await self.acks.heartbeat(self._stages(), time.monotonic())
+            case Stop():
+                pass
             case _:
                 self._apply(item)
 
     async def _take(self, msg: Msg) -> None:
         span = self.spans.received(msg)
-        with self.spans.current(span):
-            outcome = await self.intake.receive(msg)
+        try:
+            with self.spans.current(span):
+                outcome = await self.intake.receive(msg)
+        except Exception as exc:  # not taken in: JetStream redelivers it after AckWait
+            log.warning("a task on %s was not taken in (%s: %s); left for redelivery",
+                        msg.subject, type(exc).__name__, exc)
+            self.spans.settled(None, "none", span, "intake_failed")
+            return
         if isinstance(outcome, Queued):
-            self.msgs[outcome.pending.task.task_id] = msg
-            self.spans.queued(outcome.pending.task.task_id, outcome.pending.task.model, span)
+            task = outcome.pending.task
+            self.acks.hold(task.task_id, msg, time.monotonic())
+            self.spans.queued(task.task_id, task.model, span)
             self._apply(ev.TaskQueued(outcome.pending))
         else:
             self.spans.settled(outcome.task_id, outcome.verb, span, outcome.reason)
+            self.endings.settle(outcome.task_id, msg, intake_stage(outcome))
+
+    def _stages(self) -> dict[str, Stage]:
+        """Where each held message stands, for its heartbeat."""
+        stages: dict[str, Stage] = {}
+        for task_id in self.acks.held():
+            if (pending := self.state.pending.get(task_id)) is not None:
+                waiting = pending.inputs is None
+                stages[task_id] = Stage.WAITING_INPUTS if waiting else Stage.WAITING_SLOT
+            else:
+                stopping = self.state.stopping
+                stages[task_id] = Stage.STOPPING_RUNNING if stopping else Stage.RUNNING
+        return stages
 
     async def _act(self, action: rules.Action) -> None:
         match action:
@@ -140,32 +202,39 @@ class Worker:
                 self.runners.spawn(instance, self.state.cards.get(instance.model))
             case rules.AdvanceRunner(runner_id=runner_id, command=command):
                 self._apply(ev.CommandSent(runner_id, command))
-                await self.runners.send(runner_id, _LIFECYCLE[command]())
+                await self.runners.send(runner_id, _LIFECYCLE[command]())  # gone: RunnerExited
             case rules.FinishPending(task_id=task_id, reason=reason, message=message):
-                await self._end(task_id, reason, message)
+                self._end(task_id, reason, message)
             case rules.FetchInputs(task_id=task_id, hashes=hashes):
                 self._apply(ev.InputsFetching(task_id))
-                self.background.spawn(self._fetch_inputs(task_id, hashes))
+                self.owner.spawn(f"fetch inputs {task_id}", self._fetch_inputs(task_id, hashes))
             case rules.Dispatch(task_id=task_id, runner_id=runner_id):
                 await self._dispatch(task_id, runner_id)
+            case rules.HandBack(task_id=task_id):
+                self._hand_back(task_id)
             case rules.Pull(model=model, batch=batch):
                 self._apply(ev.PullStarted(model))
-                self.background.spawn(self._pull(model, batch))
+                self.owner.spawn(f"pull {model}", self._pull(model, batch))
 
     # ---- actions ----------------------------------------------------------------------
 
     async def _pull(self, model: str, batch: int) -> None:
-        await self.inbox.put(Fetched(model, await self.puller.fetch(model, batch)))
+        msgs: list[Msg] = []
+        try:
+            msgs = await self.puller.fetch(model, batch)
+        finally:  # always: the planner pulls again only after PullEnded
+            self.inbox.put_nowait(Fetched(model, msgs))
 
     async def _fetch_inputs(self, task_id: str, hashes: tuple[str, ...]) -> None:
         try:
-            with self.spans.child(task_id, "fetch inputs", {"fleet.images": len(hashes)}):
-                paths = await self.cluster.fetch_inputs(hashes)
+            async with self._fetches:
+                with self.spans.child(task_id, "fetch inputs", {"fleet.images": len(hashes)}):
+                    paths = await self.cluster.fetch_inputs(hashes)
         except Exception as exc:
             reason = getattr(exc, "reason", ErrorReason.INTERNAL)
-            await self.inbox.put(InputsFailed(task_id, ErrorReason(reason), str(exc)))
+            self.inbox.put_nowait(InputsFailed(task_id, ErrorReason(reason), str(exc)))
             return
-        await self.inbox.put(InputsFetched(task_id, paths))
+        self.inbox.put_nowait(InputsFetched(task_id, paths))
 
     def _inputs_fetched(self, task_id: str, paths: dict[str, Path]) -> None:
         if task_id not in self.state.pending:  # it ended while they were fetched: unpin
@@ -177,30 +246,46 @@ class Worker:
     async def _dispatch(self, task_id: str, runner_id: str) -> None:
         pending = self.state.pending[task_id]
         traceparent, tracestate = self.spans.dispatched(task_id, runner_id)
+        # In flight from here on, in WorkerState only: if the send fails (the runner has just
+        # died) its RunnerExited, which always follows, ends this task runner_crashed.
         self._apply(ev.TaskDispatched(task_id, runner_id))
-        await self.runners.send(runner_id, pipe.SubmitTask(
+        sent = await self.runners.send(runner_id, pipe.SubmitTask(
             task=pending.task, inputs=pending.inputs or {}, delivery=pending.delivery,
             queue_wait_s=max(0.0, time.time() - pending.received_at),
             traceparent=traceparent, tracestate=tracestate,
         ))
+        if not sent:
+            self.runners.abandon(runner_id)
 
-    async def _end(self, task_id: str, reason: ErrorReason, message: str) -> None:
-        with self.spans.active(task_id):
-            finished = await self.output.fail(task_id, reason, message, node_id=self.state.node_id)
-        self.spans.finished(finished)
-        await self._settle(task_id)
+    def _hand_back(self, task_id: str) -> None:
+        self._release(task_id)
+        self._apply(ev.TaskEnded(task_id))
+        self.spans.settled(task_id, "nak")
+        if (msg := self.acks.release(task_id)) is not None:
+            self.endings.settle(task_id, msg, Stage.HANDED_BACK)
 
-    async def _settle(self, task_id: str) -> None:
-        """Ack only after the terminal event is in FLEET_OUT: then nothing can be lost."""
+    def _end(self, task_id: str, reason: ErrorReason, message: str) -> None:
+        """End a task that never reached a runner; its slot is free at once."""
+        self._release(task_id)
+        self._apply(ev.TaskEnded(task_id))
+        with self.spans.active(task_id):  # the ending child inherits the task's context
+            self.endings.fail(task_id, reason, message, self.acks.release(task_id))
+
+    def _finish(self, report: TaskFinished) -> None:
+        self._release(report.task_id)
+        self._apply(ev.TaskEnded(report.task_id))
+        self.endings.finish(report, self.acks.release(report.task_id))
+
+    def _release(self, task_id: str) -> None:
         if pinned := self.pinned.pop(task_id, None):
             self.cluster.release_inputs(pinned)
-        if msg := self.msgs.pop(task_id, None):
-            with contextlib.suppress(Exception):
-                await msg.ack()
-        self.spans.settled(task_id, "ack")
-        self._apply(ev.TaskEnded(task_id))
 
-    async def _on_report(self, runner_id: str, report: Any) -> None:
+    async def _report(self, reported: RunnerReported) -> None:
+        report = reported.report
+        with self.spans.active(getattr(report, "task_id", None)):
+            await self._on_report(reported.runner_id, report)
+
+    async def _on_report(self, runner_id: str, report: pipe.RunnerReport) -> None:
         match report:
             case pipe.RunnerStatusReport(status=status):
                 self._apply(ev.RunnerStatusSeen(runner_id, status))
@@ -212,21 +297,33 @@ class Worker:
                         task_id=report.task_id, at=report.at, reason=report.reason,
                         message=report.message,
                     ))
-                await self.output.finish(report)
-                self.spans.finished(report)
-                await self._settle(report.task_id)
+                self._finish(report)
             case pipe.SpanBatch(spans=records):
                 telemetry.export_records(records)
             case pipe.TaskRunning():
                 pass
-            case ImageChunk():
-                await self.images.announce(runner_id, report)
             case _:
                 await self.output.chunk(report)
 
+    async def _runner_exited(self, exited: RunnerExited) -> None:
+        """The runner is gone: every task still in flight there (WorkerState says which) ends
+        runner_crashed, behind any image of it still uploading."""
+        runner_id = exited.runner_id
+        view = self.state.runners.get(runner_id)
+        crashed = self.runners.exited(exited)
+        for task_id in sorted(view.in_flight if view else ()):
+            message = f"runner {runner_id} {exited.how} while running this task"
+            lost = failed(task_id, time.time(), ErrorReason.RUNNER_CRASHED, message)
+            lost = lost.model_copy(update={"node_id": self.state.node_id, "runner_id": runner_id})
+            item = RunnerReported(runner_id, lost)
+            if self.images.admit(item):
+                await self._report(item)
+        self._apply(ev.RunnerGone(runner_id, crashed=crashed, at=time.time()))
+        self.cluster.runner_removed(runner_id)
+
     async def _cancel(self, task_id: str) -> None:
         if task_id in self.state.pending:
-            await self._end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
+            self._end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
             return
         for runner in self.state.runners.values():
             if task_id in runner.in_flight:
@@ -236,43 +333,69 @@ class Worker:
         # so the intake ends the task cancelled as soon as it arrives.
         self.cluster.remember_cancel(task_id)
 
-    async def _on_cancel(self, msg: Msg) -> None:
-        task_id = msg.subject.rsplit(".", 1)[-1]
-        await self.inbox.put(CancelSeen(task_id))
+    # ---- children -----------------------------------------------------------------------
 
-    async def _heartbeat_tasks(self) -> None:
-        """Tell JetStream that running tasks are alive, so AckWait never redelivers them."""
-        for task_id, msg in list(self.msgs.items()):
-            if task_id not in self.state.pending or self.state.pending[task_id].inputs is None:
-                with contextlib.suppress(Exception):
-                    await msg.in_progress()
+    async def _follow_cancels(self) -> None:
+        """Cancels for running tasks (a restart after a failure subscribes again)."""
+        sub = self._cancels or await self.nc.subscribe(subjects.cancel("*"))
+        self._cancels = None
+        try:
+            async for msg in sub.messages:
+                self.inbox.put_nowait(CancelSeen(msg.subject.rsplit(".", 1)[-1]))
+        finally:
+            await _unsubscribe(sub)
 
     async def _tick_forever(self) -> None:
-        period = max(0.5, min(5.0, self.settings.ack_wait_s / 3))
+        period = tick_every(self.settings.ack_wait_s)
         while True:
             await asyncio.sleep(period)  # a timer, not synchronisation
-            await self.inbox.put(Tick())
+            self.inbox.put_nowait(Tick())
+
+    # ---- shutdown -----------------------------------------------------------------------
 
     async def _shutdown(self) -> None:
         log.info("worker %s stopping", self.state.node_id)
         self._apply(ev.Stopping())
-        for task_id, msg in list(self.msgs.items()):
-            if task_id in self.state.pending:
-                with contextlib.suppress(Exception):
-                    await msg.nak()  # not started here: let another worker take it now
-                self.spans.settled(task_id, "nak")
+        for task_id in list(self.state.pending):  # not started here: another worker, now
+            self._release(task_id)
+            self._apply(ev.TaskEnded(task_id))
+            self.spans.settled(task_id, "nak")
+            if (msg := self.acks.release(task_id)) is not None:
+                self.endings.settle(task_id, msg, Stage.STOPPING_NOT_STARTED)
         await self.runners.stop_all(timeout=10.0)
-        await self.background.cancel_all()
+        await self._drain_runner_reports()
+        await self.endings.wait(SHUTDOWN_ENDINGS_S)
         await self.puller.close()
         await self.cluster.stop()
         await telemetry.flush()
-        with contextlib.suppress(Exception):
-            await self.nc.drain()
+
+    async def _drain_runner_reports(self) -> None:
+        """What the runners said while stopping (their last terminals) still goes out."""
+        while not self.inbox.empty():
+            item = self.inbox.get_nowait()
+            if isinstance(item, RunnerReported | RunnerExited | ImageUploaded):
+                try:
+                    await self._handle(item)
+                except Exception:
+                    log.exception("worker: a runner's last report was not handled")
+
+    async def _disconnect(self) -> None:
+        try:
+            await asyncio.wait_for(self.nc.drain(), 5.0)
+        except Exception as exc:  # exiting anyway; the server drops what is left
+            log.warning("connection not drained: %s: %s", type(exc).__name__, exc)
 
 
-def _streams_only(item: Any) -> bool:
+async def _unsubscribe(sub: object) -> None:
+    try:
+        await sub.unsubscribe()  # type: ignore[attr-defined]
+    except Exception as exc:
+        log.debug("cancel subscription not unsubscribed: %s", exc)
+
+
+def _streams_only(item: InboxItem) -> bool:
     """A runner's chunk changes nothing the planner reads: skip planning on the token path."""
-    return isinstance(item, tuple) and isinstance(item[1], STREAMED_REPORTS)
+    return isinstance(item, RunnerReported) and isinstance(item.report, STREAMED_REPORTS)
 
 
 STREAMED_REPORTS = (TaskAccepted, TokenChunk, ToolCallChunk, pipe.TaskRunning, pipe.SpanBatch)

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from typing import Any
 
-from fleet.aio import TaskSet
+from fleet.aio import Supervisor
 from fleet.config import Settings
 from fleet.models.store import ensure_model
 from fleet.runner.protocol import RunnerCommand, RunnerSpec
 from fleet.wire.cluster import Instance, ModelCard
+from fleet.worker.inbox import Inbox, RunnerExited
 from fleet.worker.state import RunnerSpawned, RunnerStartFailed, RunnerView
-from fleet.worker.supervisor import RunnerExited, RunnerNotRunning, RunnerProcess
+from fleet.worker.supervisor import RunnerNotRunning, RunnerProcess
 
 log = logging.getLogger(__name__)
 
@@ -24,18 +23,23 @@ RUNNER_ENV = {"TQDM_DISABLE": "1"}
 
 
 class RunnerPool:
-    def __init__(self, settings: Settings, node_id: str, inbox: asyncio.Queue[Any]) -> None:
+    """The runners of this node. Starting, stopping and each runner's report pump are
+    children of the worker's Supervisor (`owner`)."""
+
+    def __init__(
+        self, settings: Settings, node_id: str, inbox: Inbox, owner: Supervisor
+    ) -> None:
         self.settings = settings
         self.node_id = node_id
         self.inbox = inbox
+        self.owner = owner
         self.processes: dict[str, RunnerProcess] = {}
         self.stopping: set[str] = set()
-        self.background = TaskSet()
         self.building = asyncio.Lock()
 
     def spawn(self, instance: Instance, card: ModelCard | None) -> None:
         """Prepare weights (a first SmolLM2 conversion takes seconds) off the loop, then start."""
-        self.background.spawn(self._spawn(instance, card))
+        self.owner.spawn(f"start runner for {instance.instance_id}", self._spawn(instance, card))
 
     async def _spawn(self, instance: Instance, card: ModelCard | None) -> None:
         try:
@@ -58,29 +62,42 @@ class RunnerPool:
             process = RunnerProcess(
                 spec, self.inbox, env=RUNNER_ENV, log_path=logs / f"{runner_id}.log"
             )
-            await process.start()
+            await process.start(self.owner)
         except Exception as exc:
             log.error("cannot start a runner for %s: %s", instance.instance_id, exc)
-            await self.inbox.put(RunnerStartFailed(instance.instance_id, time.time()))
+            self.inbox.put_nowait(RunnerStartFailed(instance.instance_id, time.time()))
             return
         self.processes[runner_id] = process
         view = RunnerView(
             runner_id=runner_id, instance_id=instance.instance_id, model=instance.model,
             slots=slots,
         )
-        await self.inbox.put(RunnerSpawned(view))
+        self.inbox.put_nowait(RunnerSpawned(view))
 
-    async def send(self, runner_id: str, command: RunnerCommand) -> None:
+    async def send(self, runner_id: str, command: RunnerCommand) -> bool:
+        """Write a command; False when the runner is gone (its RunnerExited is then on its
+        way, or already handled) - logged here, and never silent to the caller."""
         process = self.processes.get(runner_id)
         if process is None:
-            return
-        with contextlib.suppress(RunnerNotRunning, ConnectionError, BrokenPipeError):
+            log.warning("runner %s is gone: %s not sent", runner_id, command.type)
+            return False
+        try:
             await process.send(command)
+        except (RunnerNotRunning, ConnectionError) as exc:
+            log.warning("runner %s: %s not sent: %s", runner_id, command.type, exc)
+            return False
+        return True
 
     def stop(self, runner_id: str) -> None:
         if (process := self.processes.get(runner_id)) and runner_id not in self.stopping:
             self.stopping.add(runner_id)
-            self.background.spawn(process.stop(timeout=10.0))
+            self.owner.spawn(f"stop runner {runner_id}", process.stop(timeout=10.0))
+
+    def abandon(self, runner_id: str) -> None:
+        """A runner that refused a task (its pipe is closed) is dying or dead: make sure it is
+        dead, so its RunnerExited comes and the tasks in flight there end runner_crashed."""
+        if (process := self.processes.get(runner_id)) is not None:
+            process.kill_now()
 
     def exited(self, exited: RunnerExited) -> bool:
         """Forget a runner; True when it crashed (it was not asked to stop)."""

@@ -159,6 +159,13 @@ class Stopping:
     pass
 
 
+StateEvent = (
+    InstancesChanged | RunnerStarting | RunnerSpawned | RunnerStartFailed | CommandSent
+    | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | TaskQueued | InputsFetching
+    | InputsReady | TaskDispatched | TaskEnded | Stopping
+)
+
+
 def apply(state: WorkerState, event: object) -> WorkerState:
     """The next state after `event`; one small rule per event type below."""
     return _apply(event, state)

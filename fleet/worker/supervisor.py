@@ -1,11 +1,13 @@
 """One runner subprocess: spawn it, talk to it over its pipes, report how it ended.
 
-Every report the runner writes goes into the worker's queue as `(runner_id, report)`. The
-supervisor remembers which tasks it sent and has not yet seen finish, so that when the process
-dies (a crash, a signal, the OOM killer) each of them still ends: a TaskFinished failed with
-reason runner_crashed naming the exit code or signal. Then, unless the exit was a clean
-shutdown or one asked for by `stop()` / `kill()`, a RunnerStatusReport(RunnerFailed), and last,
-always, the sentinel `RunnerExited` - nothing more comes from this runner after it.
+Every report the runner writes goes into the worker's inbox as `RunnerReported`. When the
+process ends (a crash, a signal, the OOM killer, a clean shutdown) there comes, unless the
+exit was clean or asked for by `stop()` / `kill()`, a RunnerStatusReport(RunnerFailed), and
+last, always, `RunnerExited` - nothing more comes from this runner after it. Which tasks were
+still running there is the worker's to know (WorkerState), not this class's: it ends them.
+
+The pump that reads the runner's pipe is a child of the owner given to `start` (the worker's
+Supervisor), so it is never an orphan task.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import logging
 import os
 import signal
 import sys
-import time
-from dataclasses import dataclass
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any, Protocol
 
 from fleet.runner.framing import FrameError, decode_report, read_frame, write_frame
 from fleet.runner.protocol import (
@@ -27,24 +29,18 @@ from fleet.runner.protocol import (
     RunnerSpec,
     RunnerStatusReport,
     Shutdown,
-    SubmitTask,
 )
 from fleet.wire.codec import DecodeError, encode
-from fleet.wire.events import ErrorReason, TaskFinished, failed
 from fleet.wire.runners import RunnerFailed, RunnerShutdown, RunnerStatus
+from fleet.worker.inbox import Inbox, RunnerExited, RunnerReported
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RunnerExited:
-    """The last item a RunnerProcess puts in the queue: its process is gone."""
+class Owner(Protocol):
+    """Who runs the pump: `fleet.aio.Supervisor` in the worker."""
 
-    runner_id: str
-    returncode: int
-
-
-Reports = asyncio.Queue[tuple[str, RunnerReport | RunnerExited]]
+    def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
 
 
 class RunnerNotRunning(Exception):
@@ -72,7 +68,7 @@ class RunnerProcess:
     def __init__(
         self,
         spec: RunnerSpec,
-        reports: Reports,
+        reports: Inbox,
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
     ) -> None:
@@ -86,7 +82,6 @@ class RunnerProcess:
         self._process: asyncio.subprocess.Process | None = None
         self._pump: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()
-        self._in_flight: dict[str, None] = {}
         self._exited = False
         self._stop_requested = False
         self.status: RunnerStatus | None = None  # the last status the runner reported
@@ -100,10 +95,10 @@ class RunnerProcess:
         return self._process.returncode if self._process else None
 
     @property
-    def in_flight(self) -> frozenset[str]:
-        return frozenset(self._in_flight)
+    def exited(self) -> bool:
+        return self._exited
 
-    async def start(self) -> None:
+    async def start(self, owner: Owner) -> None:
         env = {**os.environ, **(self._env or {})}
         args = [sys.executable, "-m", "fleet.runner.main", encode(self.spec).decode()]
         stderr = self._log_path.open("ab") if self._log_path else None
@@ -119,20 +114,21 @@ class RunnerProcess:
             if stderr is not None:
                 stderr.close()  # the child holds its own copy
         log.info("runner %s started, pid %d", self.runner_id, self._process.pid)
-        self._pump = asyncio.create_task(self._pump_reports(), name=f"runner-{self.runner_id}")
+        self._pump = owner.spawn(f"runner {self.runner_id} reports", self._pump_reports())
 
     async def send(self, command: RunnerCommand) -> None:
-        """Write one command. Raises RunnerNotRunning when the process has already exited; a
-        task sent as the runner dies is not lost: it ends runner_crashed like the others."""
+        """Write one command. Raises RunnerNotRunning when the process has exited or its pipe
+        is closed: then RunnerExited is on its way (the pump always ends with it), and the
+        worker ends what was in flight there, the task this command carried included."""
         if self._process is None or self._process.stdin is None or self._exited:
             raise RunnerNotRunning(f"runner {self.runner_id} is not running")
-        if isinstance(command, SubmitTask):
-            self._in_flight[command.task.task_id] = None
         try:
             async with self._write_lock:
                 await write_frame(self._process.stdin, command)
-        except (BrokenPipeError, ConnectionResetError):
-            log.warning("runner %s: pipe closed while sending %s", self.runner_id, command.type)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise RunnerNotRunning(
+                f"runner {self.runner_id}: pipe closed while sending {command.type}"
+            ) from exc
 
     async def stop(self, timeout: float = 10.0) -> int:
         """Ask the runner to shut down; kill it if it has not exited within `timeout`."""
@@ -158,30 +154,35 @@ class RunnerProcess:
         await self._pump
         return self._process.returncode or 0
 
+    def kill_now(self) -> None:
+        """SIGKILL without waiting (a runner that no longer reads its pipe); counted as a
+        crash, since nobody asked it to stop. Its pump reports the exit."""
+        if self._process is not None and self._process.returncode is None:
+            self._process.kill()
+
     async def _pump_reports(self) -> None:
         assert self._process is not None and self._process.stdout is not None
         try:
             while (body := await read_frame(self._process.stdout)) is not None:
                 report = decode_report(body)
                 self._observe(report)
-                await self._reports.put((self.runner_id, report))
+                self._reports.put_nowait(RunnerReported(self.runner_id, report))
         except (FrameError, DecodeError) as exc:
             log.error("runner %s wrote an invalid frame (%s): killing it", self.runner_id, exc)
             self._process.kill()
+        except Exception:
+            # Whatever broke the pump, the runner must still end with RunnerExited.
+            log.exception("runner %s: its report pump failed: killing it", self.runner_id)
+            self._process.kill()
         returncode = await self._process.wait()
-        await self._report_exit(returncode)
+        self._report_exit(returncode)
 
     def _observe(self, report: RunnerReport) -> None:
-        if isinstance(report, TaskFinished):
-            self._in_flight.pop(report.task_id, None)
-        elif isinstance(report, RunnerStatusReport):
+        if isinstance(report, RunnerStatusReport):
             self.status = report.status
 
-    async def _report_exit(self, returncode: int) -> None:
-        # No await until the flag is set and the tasks are taken: a concurrent send() either
-        # sees the exit and raises, or its task is among those ended here.
+    def _report_exit(self, returncode: int) -> None:
         self._exited = True
-        lost, self._in_flight = list(self._in_flight), {}
         how = describe_exit(returncode)
         log.log(
             logging.INFO if returncode == 0 else logging.WARNING,
@@ -189,14 +190,10 @@ class RunnerProcess:
             self.runner_id,
             how,
         )
-        for task_id in lost:
-            message = f"runner {self.runner_id} {how} while running this task"
-            finished = failed(task_id, time.time(), ErrorReason.RUNNER_CRASHED, message)
-            update = {"node_id": self.spec.node_id, "runner_id": self.runner_id}
-            await self._reports.put((self.runner_id, finished.model_copy(update=update)))
         clean = returncode == 0 and isinstance(self.status, RunnerShutdown)
         already_told = isinstance(self.status, RunnerFailed)
         if not (clean or already_told or self._stop_requested):
             self.status = RunnerFailed(error=f"runner {how}")
-            await self._reports.put((self.runner_id, RunnerStatusReport(status=self.status)))
-        await self._reports.put((self.runner_id, RunnerExited(self.runner_id, returncode)))
+            status = RunnerStatusReport(status=self.status)
+            self._reports.put_nowait(RunnerReported(self.runner_id, status))
+        self._reports.put_nowait(RunnerExited(self.runner_id, returncode, how))

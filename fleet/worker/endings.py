@@ -1,0 +1,111 @@
+"""How a task message leaves this node: its terminal event stored, then its message settled
+with the verb the ack policy gives; or handed back, or settled as the intake decided.
+
+Each ending runs as a child of the worker's Supervisor, beside the loop: storing a terminal
+may wait out a broker election (the retry budget), and no other task's tokens should wait
+for that. The loop has already freed the task's slot (TaskEnded) when it starts one. A
+terminal that cannot be stored within the budget is not acked: the message is redelivered
+after AckWait and its redelivery ends it; the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from fleet.aio import Supervisor
+from fleet.wire.events import ErrorReason, TaskFinished
+from fleet.worker.acks import AckPolicy, Stage
+from fleet.worker.intake import Settled
+from fleet.worker.outputs import TaskOutput
+from fleet.worker.spans import TaskSpans
+
+log = logging.getLogger(__name__)
+
+_INTAKE_STAGES = {"term": Stage.INVALID, "nak": Stage.HANDED_BACK}
+
+
+def intake_stage(outcome: Settled) -> Stage:
+    """The ack policy's stage for a message the intake settled (the verb it asked for)."""
+    if outcome.verb in _INTAKE_STAGES:
+        return _INTAKE_STAGES[outcome.verb]
+    if outcome.reason == "already_finished":
+        return Stage.REDELIVERED_FINISHED
+    return Stage.FINISHED_STORED
+
+
+class Endings:
+    def __init__(
+        self, output: TaskOutput, acks: AckPolicy, spans: TaskSpans, owner: Supervisor,
+        node_id: str,
+    ) -> None:
+        self.output = output
+        self.acks = acks
+        self.spans = spans
+        self.owner = owner
+        self.node_id = node_id
+        self._running: set[asyncio.Task[Any]] = set()
+        self.unstored = 0  # terminals that could not be stored (their tasks are redelivered)
+
+    def finish(self, event: TaskFinished, msg: Msg | None) -> None:
+        """Store a runner's terminal (its earlier events were queued before it), then ack."""
+        self._start(f"finish {event.task_id}", self._finish(event, msg))
+
+    def fail(self, task_id: str, reason: ErrorReason, message: str, msg: Msg | None) -> None:
+        """End a task that never reached a runner (deadline, cancel, missing inputs)."""
+        self._start(f"fail {task_id}", self._fail(task_id, reason, message, msg))
+
+    def settle(self, task_id: str | None, msg: Msg, stage: Stage) -> None:
+        """Send `msg` the verb of `stage` (intake outcomes, hand-backs): no event to store,
+        and the caller has ended the message's span."""
+        self._start(f"{stage} {task_id}", self.acks.settle(task_id, msg, stage))
+
+    async def wait(self, timeout: float) -> None:
+        """Let endings in progress finish (at shutdown): a terminal stored now is a task that
+        another worker does not have to redo."""
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=timeout)
+
+    def _start(self, name: str, coro: Coroutine[Any, Any, Any]) -> None:
+        task = self.owner.spawn(name, coro)
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _finish(self, event: TaskFinished, msg: Msg | None) -> None:
+        try:
+            stored = await self.output.finish(event)
+        except Exception as exc:
+            self._not_stored(event.task_id, exc)
+            await self._settle(event.task_id, msg, Stage.FINISHED_NOT_STORED, "none")
+            return
+        self.spans.finished(stored if isinstance(stored, TaskFinished) else event)
+        await self._settle(event.task_id, msg, Stage.FINISHED_STORED, "ack")
+
+    async def _fail(
+        self, task_id: str, reason: ErrorReason, message: str, msg: Msg | None
+    ) -> None:
+        try:
+            stored = await self.output.fail(task_id, reason, message, node_id=self.node_id)
+        except Exception as exc:
+            self._not_stored(task_id, exc)
+            await self._settle(task_id, msg, Stage.FINISHED_NOT_STORED, "none")
+            return
+        self.spans.finished(stored)
+        await self._settle(task_id, msg, Stage.FINISHED_STORED, "ack")
+
+    async def _settle(self, task_id: str | None, msg: Msg | None, stage: Stage, verb: str) -> None:
+        if msg is not None:
+            sent = await self.acks.settle(task_id, msg, stage)
+            verb = verb if sent else f"{verb} failed"
+        self.spans.settled(task_id, verb)
+
+    def _not_stored(self, task_id: str, exc: BaseException) -> None:
+        self.unstored += 1
+        log.error(
+            "task %s: terminal not stored (%s: %s); not acked, it will be redelivered",
+            task_id, type(exc).__name__, exc,
+        )
