@@ -13,7 +13,15 @@ still reading the old ones. `put` refuses an existing name and `put_by_hash` ski
      ├── ObjectMissing   no such object, or it was deleted
      ├── ObjectExists    `put` of a name that is already stored
      ├── ObjectCorrupt   the bytes differ from the recorded size or digest
+     │    └── ImageCorrupt   an image whose bytes do not hash to its name (input_corrupt)
      └── ObjectTimeout   no answer, or no chunk for `timeout` seconds
+
+In FLEET_IMAGES an object's name is the sha256 hex of its bytes, and a reader trusts that
+name (immutable caches, the worker's input cache): every read by name there checks that the
+recorded digest is the name, before a byte is handed out, and the bytes against the digest.
+
+Reads and writes retry under the broker policy (fleet.bus.retry) while the connection is
+down or was replaced during the attempt; a stall on a healthy connection is final.
 """
 
 from __future__ import annotations
@@ -22,128 +30,101 @@ import asyncio
 import base64
 import contextlib
 import hashlib
-import json
+import logging
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import re
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TypeVar
 
 from nats.aio.client import Client
-from nats.errors import NoRespondersError
-from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 from nats.nuid import NUID
 
-from fleet.bus.chunks import StoreRefused, publish_chunks, read_in_order
-from fleet.errors import FleetError
+from fleet.bus.chunks import publish_chunks, read_in_order
+from fleet.bus.object_info import (  # re-exported: callers import them from here
+    DIGEST_PREFIX,
+    BucketMissing,
+    ImageCorrupt,
+    ObjectCorrupt,
+    ObjectError,
+    ObjectExists,
+    ObjectInfo,
+    ObjectMissing,
+    ObjectTimeout,
+    StalledOnBroker,
+    recorded_hex,
+    sha256_hex,
+    translated_errors,
+)
+from fleet.bus.retry import BROKER_BUDGET_S, BrokerUnavailable, with_retry
 from fleet.wire.subjects import IMAGES_BUCKET
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
 MAX_CHUNK = 1024 * 1024  # the server's default max_payload, and the fastest size measured
-DIGEST_PREFIX = "SHA-256="
 ROLLUP = {"Nats-Rollup": "sub"}
-STREAM_NOT_FOUND = 10059
 PARTIAL_SUFFIX = ".part"  # a download in progress, beside where it will land
-
-
-class ObjectError(FleetError):
-    pass
-
-
-class BucketMissing(ObjectError):
-    pass
-
-
-class ObjectMissing(ObjectError):
-    pass
-
-
-class ObjectExists(ObjectError):
-    pass
-
-
-class ObjectCorrupt(ObjectError):
-    pass
-
-
-class ObjectTimeout(ObjectError):
-    pass
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    name: str
-    nuid: str
-    size: int
-    chunks: int
-    digest: str
-    mtime: str = ""
-    deleted: bool = False
-
-    @property
-    def sha256(self) -> bytes:
-        encoded = self.digest[len(DIGEST_PREFIX) :]
-        if self.digest[: len(DIGEST_PREFIX)].upper() != DIGEST_PREFIX or not encoded:
-            raise ObjectCorrupt(f"{self.name}: unsupported digest {self.digest!r}")
-        return base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4))
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> ObjectInfo:
-        try:
-            meta = json.loads(raw)
-            return cls(
-                name=meta["name"], nuid=meta.get("nuid") or "", size=meta.get("size") or 0,
-                chunks=meta.get("chunks") or 0, digest=meta.get("digest") or "",
-                mtime=meta.get("mtime") or "", deleted=bool(meta.get("deleted")),
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ObjectCorrupt(f"unreadable object description: {exc}") from None
-
-    def to_json(self, bucket: str, chunk_size: int) -> bytes:
-        meta = {
-            "name": self.name, "options": {"max_chunk_size": chunk_size}, "bucket": bucket,
-            "nuid": self.nuid, "size": self.size, "mtime": self.mtime, "chunks": self.chunks,
-            "digest": self.digest,
-        }
-        return json.dumps(meta).encode()
-
-
-def sha256_hex(source: bytes | Path) -> str:
-    if isinstance(source, Path):
-        with source.open("rb") as file:
-            return hashlib.file_digest(file, "sha256").hexdigest()
-    return hashlib.sha256(source).hexdigest()
-
-
-@contextlib.contextmanager
-def _translated(bucket: str, name: str) -> Iterator[None]:
-    """nats-py's errors, as the object store's own."""
-    try:
-        yield
-    except NotFoundError as exc:
-        if exc.err_code == STREAM_NOT_FOUND:
-            raise BucketMissing(f"object store bucket {bucket} does not exist") from None
-        raise ObjectMissing(f"object {name} not found in {bucket}") from None
-    except NoStreamResponseError:
-        raise BucketMissing(f"object store bucket {bucket} does not exist") from None
-    except (TimeoutError, NoRespondersError) as exc:
-        raise ObjectTimeout(f"object {name} in {bucket}: {type(exc).__name__}") from None
-    except APIError as exc:
-        raise ObjectError(f"object {name} in {bucket}: {exc.description or exc}") from None
-    except StoreRefused as exc:
-        raise ObjectError(f"{bucket} refused object {name}: {exc}") from None
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class ObjectBucket:
     """One object store bucket. `timeout` bounds every wait: each API call, each chunk ack, and
     the silence between two chunks of a read."""
 
-    def __init__(self, nc: Client, bucket: str = IMAGES_BUCKET, *, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        nc: Client,
+        bucket: str = IMAGES_BUCKET,
+        *,
+        timeout: float = 5.0,
+        budget_s: float = BROKER_BUDGET_S,
+        named_by_hash: bool | None = None,
+    ) -> None:
         self.nc = nc
         self.js = nc.jetstream(timeout=timeout)
         self.bucket = bucket
         self.stream = f"OBJ_{bucket}"
         self.timeout = timeout
+        self.budget_s = budget_s
+        # FLEET_IMAGES names every object by its bytes' sha256; other buckets need not.
+        self.named_by_hash = bucket == IMAGES_BUCKET if named_by_hash is None else named_by_hash
         self._nuid = NUID()
+
+    async def _retrying(self, call: Callable[[], Awaitable[T]], what: str) -> T:
+        """`call` under the broker retry policy: a timeout is retried only when the connection
+        dropped or was replaced meanwhile (a restart), never on a healthy one."""
+
+        async def once() -> T:
+            epoch = self.nc.stats["reconnects"]
+            try:
+                return await call()
+            except ObjectTimeout as exc:
+                healthy = self.nc.is_connected and self.nc.stats["reconnects"] == epoch
+                if healthy and not exc.transient:
+                    raise
+                raise StalledOnBroker(exc.message) from None
+
+        try:
+            return await with_retry(once, what=what, budget_s=self.budget_s)
+        except BrokerUnavailable as exc:
+            raise ObjectTimeout(f"{what}: {exc}") from None
+
+    def _check_name(self, info: ObjectInfo) -> None:
+        """In a bucket named by hash, the recorded digest must be the name."""
+        if not self.named_by_hash:
+            return
+        if SHA256_HEX.fullmatch(info.name) and info.sha256 == bytes.fromhex(info.name):
+            return
+        log.error(
+            "refused object %s in %s: its recorded sha256 is %s, not its name",
+            info.name, self.bucket, recorded_hex(info),
+        )
+        raise ImageCorrupt(
+            f"object {info.name} in {self.bucket} holds bytes whose sha256 is "
+            f"{recorded_hex(info)}, not its name; refused"
+        )
 
     def meta_subject(self, name: str) -> str:
         return f"$O.{self.bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
@@ -153,8 +134,11 @@ class ObjectBucket:
 
     async def find(self, name: str) -> ObjectInfo | None:
         """The object's description, or None when it is absent or deleted."""
+        return await self._retrying(lambda: self._find(name), f"look up {name} in {self.bucket}")
+
+    async def _find(self, name: str) -> ObjectInfo | None:
         try:
-            with _translated(self.bucket, name):
+            with translated_errors(self.bucket, name):
                 msg = await self.js.get_last_msg(self.stream, self.meta_subject(name))
         except ObjectMissing:
             return None
@@ -178,7 +162,7 @@ class ObjectBucket:
         )
         try:
             async with asyncio.timeout(timeout), contextlib.aclosing(descriptions):
-                with _translated(self.bucket, name):
+                with translated_errors(self.bucket, name):
                     async for raw in descriptions:
                         if not (info := ObjectInfo.from_json(raw)).deleted:
                             return info
@@ -187,13 +171,23 @@ class ObjectBucket:
         raise ObjectTimeout(f"object {name} did not appear within {timeout:g} s")
 
     async def get(self, name: str) -> bytes:
-        parts: list[bytes] = []
-        await self._read(await self.info(name), parts.append)
-        return b"".join(parts)
+        """The object's bytes, verified (and, by hash, checked against the name)."""
+
+        async def once() -> bytes:
+            parts: list[bytes] = []
+            await self._read(await self.info(name), parts.append)
+            return b"".join(parts)
+
+        return await self._retrying(once, f"read {name} from {self.bucket}")
 
     async def get_to_file(self, name: str, path: Path) -> ObjectInfo:
         """Stream the object into `path` through a temporary file beside it, renamed when whole
         and verified; nothing is left behind on failure."""
+        return await self._retrying(
+            lambda: self._get_to_file(name, path), f"read {name} from {self.bucket}"
+        )
+
+    async def _get_to_file(self, name: str, path: Path) -> ObjectInfo:
         info = await self.info(name)
         partial = path.with_name(f".{path.name}.{self._nuid.next().decode()}{PARTIAL_SUFFIX}")
         try:
@@ -207,6 +201,7 @@ class ObjectBucket:
         return info
 
     async def _read(self, info: ObjectInfo, sink: Callable[[bytes], object]) -> None:
+        self._check_name(info)
         digest = hashlib.sha256()
         size = 0
         if info.chunks:
@@ -214,14 +209,17 @@ class ObjectBucket:
             chunks = read_in_order(
                 self.nc, self.js, self.stream, subject, self.timeout, count=info.chunks
             )
-            with _translated(self.bucket, info.name):
+            with translated_errors(self.bucket, info.name):
                 async with contextlib.aclosing(chunks):
                     async for chunk in chunks:
                         digest.update(chunk)
                         size += len(chunk)
                         sink(chunk)
         if size != info.size or digest.digest() != info.sha256:
-            raise ObjectCorrupt(
+            if self.named_by_hash:
+                log.error("refused object %s in %s: its bytes hash to %s", info.name,
+                          self.bucket, digest.hexdigest())
+            raise (ImageCorrupt if self.named_by_hash else ObjectCorrupt)(
                 f"object {info.name}: read {size} bytes that do not match its digest "
                 f"{info.digest} and size {info.size}"
             )
@@ -230,13 +228,26 @@ class ObjectBucket:
         """Store a new object from bytes or a file, in chunks of up to 1 MiB."""
         if await self.find(name) is not None:
             raise ObjectExists(f"object {name} is already stored in {self.bucket}")
-        return await self._write(name, source, expected_sha256=None)
+        tries = 0
+
+        async def once() -> ObjectInfo:
+            nonlocal tries
+            tries += 1
+            if tries > 1 and (stored := await self._find(name)) is not None:
+                return stored  # the last try stored it; only its answer was lost
+            return await self._write(name, source, expected_sha256=None)
+
+        return await self._retrying(once, f"store {name} in {self.bucket}")
 
     async def put_by_hash(self, source: bytes | Path) -> str:
         """Store bytes or a file under the sha256 hex of its content unless already stored."""
         name = await asyncio.to_thread(sha256_hex, source)
-        if await self.find(name) is None:
-            await self._write(name, source, expected_sha256=bytes.fromhex(name))
+
+        async def once() -> None:
+            if await self._find(name) is None:  # again on a retry: the last try may have stored it
+                await self._write(name, source, expected_sha256=bytes.fromhex(name))
+
+        await self._retrying(once, f"store {name} in {self.bucket}")
         return name
 
     async def _write(
@@ -246,7 +257,7 @@ class ObjectBucket:
         subject = self.chunk_subject(nuid)
         chunk_size = min(MAX_CHUNK, self.nc.max_payload)
         try:
-            with _translated(self.bucket, name), _pieces(source, chunk_size) as pieces:
+            with translated_errors(self.bucket, name), _pieces(source, chunk_size) as pieces:
                 written = await publish_chunks(self.nc, subject, pieces, self.timeout)
             if expected_sha256 is not None and written.sha256 != expected_sha256:
                 raise ObjectCorrupt(f"{name}: the file changed while it was being uploaded")
@@ -260,7 +271,7 @@ class ObjectBucket:
             mtime=datetime.now(UTC).isoformat().replace("+00:00", "Z"),
         )
         # No purge once the description may be out: a lost ack can hide a stored object.
-        with _translated(self.bucket, name):
+        with translated_errors(self.bucket, name):
             await self.js.publish(
                 self.meta_subject(name), info.to_json(self.bucket, chunk_size), headers=ROLLUP
             )
@@ -268,7 +279,7 @@ class ObjectBucket:
 
     async def list(self) -> list[ObjectInfo]:
         """Every stored object, by name. One request per object: for operators, not hot paths."""
-        with _translated(self.bucket, "*"):
+        with translated_errors(self.bucket, "*"):
             stream = await self.js.stream_info(self.stream, subjects_filter=f"$O.{self.bucket}.M.>")
             found = [
                 ObjectInfo.from_json((await self.js.get_last_msg(self.stream, subject)).data or b"")
@@ -285,3 +296,11 @@ def _pieces(source: bytes | Path, chunk_size: int) -> Iterator[Iterator[bytes | 
     else:
         view = memoryview(source)
         yield (view[start : start + chunk_size] for start in range(0, len(view), chunk_size))
+
+
+
+
+__all__ = [
+    "MAX_CHUNK", "ROLLUP", "BucketMissing", "ImageCorrupt", "ObjectBucket", "ObjectCorrupt",
+    "ObjectError", "ObjectExists", "ObjectInfo", "ObjectMissing", "ObjectTimeout", "sha256_hex",
+]

@@ -26,6 +26,7 @@ from fleet.bus.objects import (
     MAX_CHUNK,
     ROLLUP,
     BucketMissing,
+    ImageCorrupt,
     ObjectBucket,
     ObjectCorrupt,
     ObjectError,
@@ -34,8 +35,12 @@ from fleet.bus.objects import (
     ObjectMissing,
     ObjectTimeout,
 )
+from fleet.wire.events import ErrorReason
 from fleet.wire.subjects import IMAGES_BUCKET
 
+# Generic behaviour is tested on a bucket whose names are free; FLEET_IMAGES (names are the
+# bytes' sha256) has its own tests at the end.
+BUCKET = "FLEET_TEST_OBJECTS"
 # Waits that must end by themselves; the guard only turns a hang into a failure.
 TIMEOUT_S = 0.5
 HANG_GUARD_S = 20.0
@@ -50,12 +55,12 @@ async def nc(nats_url: str) -> AsyncIterator[Client]:
 
 @pytest.fixture
 async def stock(nc: Client) -> ObjectStore:
-    return await nc.jetstream().create_object_store(IMAGES_BUCKET)
+    return await nc.jetstream().create_object_store(BUCKET)
 
 
 @pytest.fixture
 def bucket(nc: Client, stock: ObjectStore) -> ObjectBucket:
-    return ObjectBucket(nc, IMAGES_BUCKET, timeout=TIMEOUT_S * 4)
+    return ObjectBucket(nc, BUCKET, timeout=TIMEOUT_S * 4)
 
 
 async def rewrite_meta(bucket: ObjectBucket, info: ObjectInfo, **changes: object) -> None:
@@ -263,3 +268,57 @@ async def test_a_refused_upload_leaves_no_chunks_behind(nc: Client) -> None:
         await bucket.put("too-big", os.urandom(3 * MAX_CHUNK))
     assert await stream_messages(bucket) == 0
     assert (await small.status()).size == 0
+
+
+# ---- FLEET_IMAGES: what is read by name hashes to its name ---------------------------------
+
+@pytest.fixture
+async def images(nc: Client) -> ObjectStore:
+    return await nc.jetstream().create_object_store(IMAGES_BUCKET)
+
+
+async def test_an_image_stored_under_another_name_is_refused_not_returned(
+    nc: Client, images: ObjectStore, tmp_path: Path
+) -> None:
+    honest = b"the honest image"
+    poison = b"the poisoned bytes"
+    name = hashlib.sha256(honest).hexdigest()
+    await images.put(name, poison)  # raw nats-py: a name that is not its bytes' sha256
+    store = ObjectBucket(nc, IMAGES_BUCKET, timeout=TIMEOUT_S * 4)
+    with pytest.raises(ImageCorrupt) as refused:
+        await store.get(name)
+    assert refused.value.reason is ErrorReason.INPUT_CORRUPT
+    assert isinstance(refused.value, ObjectCorrupt)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    with pytest.raises(ImageCorrupt):
+        await store.get_to_file(name, cache / "input.png")
+    assert list(cache.iterdir()) == []  # nothing landed, not even a partial file
+
+
+async def test_a_name_that_is_not_a_hash_is_refused_in_the_images_bucket(
+    nc: Client, images: ObjectStore
+) -> None:
+    await images.put("not-a-hash", b"bytes")
+    with pytest.raises(ImageCorrupt):
+        await ObjectBucket(nc, IMAGES_BUCKET).get("not-a-hash")
+
+
+async def test_an_image_named_by_its_hash_is_served(nc: Client, images: ObjectStore) -> None:
+    data = os.urandom(MAX_CHUNK + 5)
+    store = ObjectBucket(nc, IMAGES_BUCKET)
+    name = await store.put_by_hash(data)
+    assert name == hashlib.sha256(data).hexdigest()
+    assert await store.get(name) == data
+
+
+async def test_an_image_whose_chunks_were_replaced_is_refused(
+    nc: Client, images: ObjectStore
+) -> None:
+    store = ObjectBucket(nc, IMAGES_BUCKET, timeout=TIMEOUT_S * 4)
+    name = await store.put_by_hash(b"original bytes")
+    info = await store.info(name)
+    await store.js.purge_stream(store.stream, subject=store.chunk_subject(info.nuid))
+    await store.js.publish(store.chunk_subject(info.nuid), b"forged bytes!!")
+    with pytest.raises(ImageCorrupt):
+        await store.get(name)
