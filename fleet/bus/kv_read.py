@@ -23,6 +23,7 @@ from nats.errors import Error as NatsError
 from nats.js import JetStreamContext, api
 from pydantic import BaseModel
 
+from fleet.bus.retry import BROKER_BUDGET_S, with_retry
 from fleet.wire.codec import DecodeError, decode_model
 
 Model = TypeVar("Model", bound=BaseModel)
@@ -39,8 +40,17 @@ class LiveEntry:
     revision: int  # the stream sequence, for a compare-and-set update
 
 
-async def live_entries(js: JetStreamContext, bucket: str) -> list[LiveEntry]:
-    """The current value of every key that has one, as of the call."""
+async def live_entries(
+    js: JetStreamContext, bucket: str, *, budget_s: float = BROKER_BUDGET_S
+) -> list[LiveEntry]:
+    """The current value of every key that has one, as of the call. A restart or an election
+    midway is retried with a fresh snapshot (fleet.bus.retry)."""
+    return await with_retry(
+        lambda: _snapshot(js, bucket), what=f"read bucket {bucket}", budget_s=budget_s
+    )
+
+
+async def _snapshot(js: JetStreamContext, bucket: str) -> list[LiveEntry]:
     stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
     consumer = await js.add_consumer(stream, api.ConsumerConfig(
         filter_subject=f"{prefix}>",
@@ -73,11 +83,13 @@ async def live_entries(js: JetStreamContext, bucket: str) -> list[LiveEntry]:
     return sorted(found, key=lambda entry: entry.key)
 
 
-async def live_values(js: JetStreamContext, bucket: str, model: type[Model]) -> list[Model]:
+async def live_values(
+    js: JetStreamContext, bucket: str, model: type[Model], *, budget_s: float = BROKER_BUDGET_S
+) -> list[Model]:
     """The decoded values of every live key; a value that does not decode is skipped (a writer
     of another schema version must not blind the readers to the rest)."""
     found = []
-    for entry in await live_entries(js, bucket):
+    for entry in await live_entries(js, bucket, budget_s=budget_s):
         try:
             found.append(decode_model(model, entry.value))
         except DecodeError:
