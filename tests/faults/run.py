@@ -62,6 +62,7 @@ class FaultReport:
 
     counts: FaultCounts
     replicas: int
+    queued_at_end: int = 0  # task messages still in FLEET_TASKS (unacked or never taken)
     unfinished_at_fault: list[int] = field(default_factory=list)
     worker_exits: list[int | None] = field(default_factory=list)
     worker_log_lines: list[str] = field(default_factory=list)
@@ -216,8 +217,10 @@ class FaultRun:
         )
         exits = [w.process.poll() if w.process else None for w in self.workers]
         counts.workers_dead = sum(code is not None for code in exits)
+        queue = await self.nc.jetstream().stream_info(subjects.TASKS_STREAM)
         return FaultReport(
             counts=counts, replicas=await replicas_of(self.nc, subjects.OUT_STREAM),
+            queued_at_end=queue.state.messages,
             unfinished_at_fault=self.unfinished_at_fault, worker_exits=exits,
             worker_log_lines=self.log_lines(), timeline=list(self.marks),
         )

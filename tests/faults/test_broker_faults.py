@@ -65,7 +65,7 @@ def check(report: FaultReport, replicas: int) -> None:
     """The issue's bar, with everything that explains a failure in the message."""
     _save(report)
     text = (
-        f"{describe(report.counts)}\nreplicas={report.replicas} "
+        f"{describe(report.counts)}\nreplicas={report.replicas} queued={report.queued_at_end} "
         f"unfinished_at_fault={report.unfinished_at_fault} exits={report.worker_exits}\n"
         f"timeline={report.timeline}\n" + "\n".join(report.worker_log_lines)
     )
