@@ -1,0 +1,125 @@
+"""Liveness on evidence: a broker outage long enough for every heartbeat key to expire moves
+nothing and stops no runner; a placement stranded on a node that died alone is healed by a
+worker started later. Real nats-server, real `fleet worker` processes, tiny-llm."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from fleet.bus.embedded import EmbeddedNats
+from fleet.models.catalog import get_card
+from fleet.placement import read_instances
+from fleet.wire import subjects
+from fleet.wire.cluster import Instance, RunnerRecord, ShardAssignment
+from fleet.wire.codec import decode_model, encode
+from fleet.worker.cluster import NODE_TTL_S
+from fleet.worker.failover import SWEEP_S
+from tests.integration.conftest import WorkerFactory
+from tests.integration.harness import (
+    client,
+    finished,
+    hello,
+    place_and_wait,
+    run_task,
+    wait_node,
+)
+
+# Longer than FLEET_NODES' max age: when the server comes back, every heartbeat it holds
+# is older than the TTL and expires at once, as after a long loss of the KV leader.
+OUTAGE_S = NODE_TTL_S + 3.0
+# After both workers beat again: a full TTL plus two sweeps in which nothing may move.
+WATCH_S = NODE_TTL_S + 2 * SWEEP_S + 2.0
+
+
+async def test_an_outage_longer_than_the_heartbeat_ttl_moves_nothing_and_stops_no_runner(
+    nats_server: EmbeddedNats, nats_url: str, start_worker: WorkerFactory
+) -> None:
+    a, b = start_worker("a"), start_worker("b")
+    nc = await client(nats_url)
+    node_a, node_b = await wait_node(nc, a.data_dir), await wait_node(nc, b.data_dir)
+    card = get_card("tiny-llm")
+    ready = [await place_and_wait(nc, card, node_a, slots=2),
+             await place_and_wait(nc, card, node_b, slots=2)]
+    before = {i.instance_id: i for i in await read_instances(nc.jetstream())}
+    await nc.close()
+
+    nats_server.stop()  # the KV (and everything else) is unreachable for OUTAGE_S
+    await asyncio.sleep(OUTAGE_S)  # the fault's duration, not synchronisation
+    again = EmbeddedNats(nats_server.store_dir, port=nats_server.port,
+                         log_file=nats_server.log_file)
+    again.start()
+    try:
+        nc = await client(nats_url)
+        js = nc.jetstream()
+        await wait_node(nc, a.data_dir, timeout=60)
+        await wait_node(nc, b.data_dir, timeout=60)
+        changes = await _instance_changes(nc, WATCH_S)
+        assert changes == [], f"instances changed after the outage: {changes}"
+        after = {i.instance_id: i for i in await read_instances(js)}
+        assert after == before
+        # The same runners, still ready: none was stopped and restarted.
+        runners = await js.key_value(subjects.RUNNERS_BUCKET)
+        for record in ready:
+            entry = await runners.get(record.runner_id)
+            assert entry.value, f"runner {record.runner_id} has no record"
+            assert decode_model(RunnerRecord, entry.value).status.state == "ready"
+        for i in range(4):
+            result = finished(await run_task(nc, hello(f"after-outage-{i}"), timeout=60))
+            assert result.status == "completed", result
+        for worker in (a, b):
+            log = worker.log()
+            assert "left: moved" not in log and "re-placing" not in log, log[-3000:]
+            assert worker.process is not None and worker.process.poll() is None
+        await nc.close()
+    finally:
+        again.stop()
+
+
+async def _instance_changes(nc: object, window_s: float) -> list[str]:
+    """Every change to FLEET_INSTANCES within `window_s` (a timeout with none is the pass)."""
+    kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)  # type: ignore[attr-defined]
+    watcher = await kv.watchall()
+    seen: list[str] = []
+    deadline = time.monotonic() + window_s
+    initial = True
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                entry = await watcher.updates(timeout=left)
+            except TimeoutError:
+                break
+            if entry is None:
+                initial = False
+                continue
+            if not initial:
+                seen.append(f"{entry.operation or 'PUT'} {entry.key}")
+    finally:
+        with contextlib.suppress(Exception):
+            await watcher.stop()
+    return seen
+
+
+async def test_an_instance_stranded_on_a_node_that_died_alone_is_healed_by_a_later_worker(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    nc = await client(nats_url)
+    js = nc.jetstream()
+    stranded = Instance(
+        instance_id="tiny-llm-stranded", model="tiny-llm", slots=2, created_at=time.time(),
+        shards=[ShardAssignment(node_id="ghost-node", runner_id="run-gone", end_layer=2)],
+    )
+    kv = await js.key_value(subjects.INSTANCES_BUCKET)
+    await kv.create(stranded.instance_id, encode(stranded))  # its node never beats again
+
+    worker = start_worker("late")
+    node = await wait_node(nc, worker.data_dir)
+    # Healing waits for a TTL of good heartbeats, then a runner starts: bounded generously.
+    result = finished(await run_task(nc, hello("after-healing"), timeout=120))
+    assert result.status == "completed" and result.node_id == node
+    [healed] = await read_instances(js)
+    assert healed.instance_id == "tiny-llm-stranded"
+    assert [s.node_id for s in healed.shards] == [node]
+    assert "moved tiny-llm-stranded" in worker.log()
+    await nc.close()
