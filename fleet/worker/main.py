@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from fleet import telemetry
 from fleet.aio import Supervisor
@@ -97,7 +98,8 @@ class Worker:
                 self.cluster, self.spans, self.runners.send, self.inbox, owner
             )
             self.puller = TaskPuller(self.nc, self.js, settings)
-            self._cancels = await self.nc.subscribe(subjects.cancel("*"))
+            self._cancels: Subscription | None = await self.nc.subscribe(subjects.cancel("*"))
+            self.cancel_sub: Subscription | None = None
             owner.forever("cancel listener", self._follow_cancels)
             owner.forever("tick", self._tick_forever)
             log.info("worker %s serving on %s", node, settings.url)
@@ -339,6 +341,7 @@ class Worker:
         """Cancels for running tasks (a restart after a failure subscribes again)."""
         sub = self._cancels or await self.nc.subscribe(subjects.cancel("*"))
         self._cancels = None
+        self.cancel_sub = sub  # the one in use (tests drop it to see the restart)
         try:
             async for msg in sub.messages:
                 self.inbox.put_nowait(CancelSeen(msg.subject.rsplit(".", 1)[-1]))
@@ -386,9 +389,9 @@ class Worker:
             log.warning("connection not drained: %s: %s", type(exc).__name__, exc)
 
 
-async def _unsubscribe(sub: object) -> None:
+async def _unsubscribe(sub: Subscription) -> None:
     try:
-        await sub.unsubscribe()  # type: ignore[attr-defined]
+        await sub.unsubscribe()
     except Exception as exc:
         log.debug("cancel subscription not unsubscribed: %s", exc)
 

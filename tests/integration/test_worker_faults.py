@@ -1,0 +1,174 @@
+"""The worker under faults of its own children and of its broker objects: a runner dying under
+a dispatch, a task waiting for a slot past AckWait, its durable consumer deleted, a child
+loop that ends. Real nats-server, real runner subprocesses (the fault engine: plumbing only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import nats.errors
+import pytest
+from nats.aio.client import Client
+
+from fleet.config import Settings
+from fleet.wire import subjects
+from fleet.wire.cluster import ModelCard
+from fleet.wire.events import ErrorReason, TaskAccepted
+from fleet.wire.tasks import ChatMessage, TextGeneration
+from fleet.worker.main import Worker
+from fleet.worker.state import PendingTask, TaskQueued
+from tests.integration.conftest import WorkerFactory
+from tests.integration.harness import (
+    add_fault_card,
+    client,
+    events_of,
+    finished,
+    place_and_wait,
+    run_task,
+    submit,
+    wait_node,
+)
+
+ACK_WAIT_S = 2.0
+
+
+def fault_task(task_id: str, knobs: str) -> TextGeneration:
+    return TextGeneration(
+        task_id=task_id, model="fault-llm", max_tokens=1000,
+        messages=[ChatMessage(role="user", content=knobs)],
+    )
+
+
+InProcess = tuple[Worker, Client, ModelCard]
+
+
+@pytest.fixture
+async def in_process(nats_url: str, tmp_path: Path) -> AsyncIterator[InProcess]:
+    """A Worker in this process (so a test can reach its runners), serving fault-llm."""
+    data_dir = tmp_path / "w"
+    card = add_fault_card(data_dir)
+    settings = Settings(nats_url=nats_url, data_dir=data_dir, auto_place=False, ack_wait_s=5.0)
+    worker = Worker(settings)
+    running = asyncio.create_task(worker.run())
+    await asyncio.wait_for(worker.ready.wait(), 60)
+    nc = await client(nats_url)
+    await place_and_wait(nc, card, worker.cluster.node_id, slots=1)
+    yield worker, nc, card
+    worker.stop()
+    await asyncio.wait_for(running, 60)
+    await nc.close()
+
+
+async def test_a_dispatch_to_a_runner_that_just_died_ends_runner_crashed(
+    in_process: InProcess,
+) -> None:
+    """The runner is killed and, before its exit is seen, a task is dispatched to it: the
+    task is in flight in WorkerState, and the runner's exit ends it runner_crashed."""
+    worker, nc, _ = in_process
+    [runner_id] = list(worker.runners.processes)
+    process = worker.runners.processes[runner_id]
+    task = fault_task("late", "tokens:3")
+    collector = asyncio.create_task(events_of(nc, task.task_id, timeout=30))
+    started = time.monotonic()
+    process.kill_now()
+    # No await between the kill and the queueing: the loop sees the task before the exit.
+    worker.inbox.put_nowait(TaskQueued(PendingTask(task=task, received_at=time.time(), inputs={})))
+    result = finished(await collector)
+    assert (result.status, result.reason) == ("failed", ErrorReason.RUNNER_CRASHED)
+    assert result.runner_id == runner_id and "killed by SIGKILL" in (result.message or "")
+    assert time.monotonic() - started < 10
+    assert "late" not in {t for r in worker.state.runners.values() for t in r.in_flight}
+
+
+async def test_a_child_loop_that_ends_is_restarted_and_logged(
+    in_process: InProcess, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cancel listener's subscription is dropped under it: the supervisor logs it and
+    starts it again, and a cancel for a running task still lands."""
+    worker, nc, _ = in_process
+    listener = next(t for t in asyncio.all_tasks() if t.get_name() == "worker/cancel listener")
+    sub = worker.cancel_sub
+    assert sub is not None
+    with caplog.at_level(logging.ERROR, logger="fleet.aio"):
+        await sub.unsubscribe()
+        async with asyncio.timeout(10):
+            while worker.cancel_sub in (None, sub):  # restarted, subscribed anew
+                await asyncio.sleep(0.05)  # polling the listener's state, bounded by the timeout
+    await worker.nc.flush()  # the new SUB is at the server before anyone cancels
+    assert worker.owner.restarts["cancel listener"] == 1
+    assert not listener.done()
+    assert "cancel listener returned" in caplog.text
+    task = fault_task("to-cancel", "tokens:1000 delay_ms:50")
+    collector = asyncio.create_task(events_of(nc, task.task_id, timeout=30))
+    accepted = asyncio.Event()
+
+    async def on_event(msg: object) -> None:
+        if b'"type":"token"' in msg.data:  # type: ignore[attr-defined]
+            accepted.set()
+
+    sub2 = await nc.subscribe(subjects.out(task.task_id), cb=on_event)
+    await submit(nc, task)
+    await asyncio.wait_for(accepted.wait(), 30)
+    await nc.publish(subjects.cancel(task.task_id), b"")
+    result = finished(await collector)
+    assert result.status == "cancelled"
+    await sub2.unsubscribe()
+
+
+async def test_a_task_waiting_for_a_slot_past_ack_wait_is_delivered_once(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    """One slot. A crashes its runner; B, fetched as A ends, waits for the runner's restart
+    (backoff + a 5 s load) - longer than AckWait (2 s). Its in_progress heartbeats keep it:
+    a second consumer on the same durable gets nothing, and B runs once, delivery 1."""
+    worker = start_worker(
+        "w", FLEET_ACK_WAIT_S=str(ACK_WAIT_S), FLEET_FAULT_LOAD_MS="5000", FLEET_SLOTS="1"
+    )
+    card = add_fault_card(worker.data_dir)
+    nc = await client(nats_url)
+    await place_and_wait(nc, card, await wait_node(nc, worker.data_dir), slots=1)
+    a, b = fault_task("a", "tokens:50 delay_ms:50 crash_after:2"), fault_task("b", "tokens:3")
+    a_events = asyncio.create_task(events_of(nc, a.task_id, timeout=60))
+    b_events = asyncio.create_task(events_of(nc, b.task_id, timeout=90))
+    await submit(nc, a)
+    await submit(nc, b)
+    assert finished(await a_events).status == "failed"
+    js = nc.jetstream()
+    durable = subjects.durable("fault-llm")
+    async with asyncio.timeout(20):  # until the worker holds B (delivered, not acked)
+        while True:
+            info = await js.consumer_info(subjects.TASKS_STREAM, durable)
+            if info.num_pending == 0 and info.num_ack_pending == 1:
+                break
+            await asyncio.sleep(0.1)  # polling the consumer's state, bounded
+    rival = await js.pull_subscribe_bind(durable, stream=subjects.TASKS_STREAM)
+    with pytest.raises(nats.errors.TimeoutError):
+        await rival.fetch(1, timeout=3 * ACK_WAIT_S)  # a redelivery would land here
+    await rival.unsubscribe()
+    events = await b_events
+    assert finished(events).status == "completed"
+    assert [e.delivery for e in events if isinstance(e, TaskAccepted)] == [1]
+    info = await js.consumer_info(subjects.TASKS_STREAM, durable)
+    assert info.num_redelivered == 0
+    await nc.close()
+
+
+async def test_a_consumer_deleted_under_a_running_worker_is_recreated(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker("w")
+    card = add_fault_card(worker.data_dir)
+    nc = await client(nats_url)
+    await place_and_wait(nc, card, await wait_node(nc, worker.data_dir))
+    assert finished(await run_task(nc, fault_task("before", "tokens:2"))).status == "completed"
+    js = nc.jetstream()
+    assert await js.delete_consumer(subjects.TASKS_STREAM, subjects.durable("fault-llm"))
+    events = await run_task(nc, fault_task("after", "tokens:2"), timeout=60)
+    assert finished(events).status == "completed"
+    assert worker.log().count("is gone (deleted under this worker): recreating it") == 1
+    await nc.close()
