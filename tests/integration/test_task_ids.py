@@ -147,9 +147,18 @@ async def test_a_finished_task_id_cannot_be_reused(
     assert first.status == "completed"
     before = await stored_events(nc, "done-1")
 
+    records: asyncio.Queue[Msg] = asyncio.Queue()
+    await nc.subscribe(subjects.REFUSED_ALL, cb=records.put)
     await attacker.publish(subjects.tasks("fault-llm"), raw_task("done-1"))
     refusal = await attacker.refused()
     assert refusal.reason == "task_id_taken" and refusal.task_id == "done-1"
+    # A reply header naming the victim's own subject is not answered there.
+    await nc.jetstream().publish(
+        subjects.tasks("fault-llm"), raw_task("done-1"),
+        headers={subjects.REPLY_HEADER: subjects.out("done-1")},
+    )
+    for _ in range(2):  # both refusals recorded: both messages were seen and refused
+        await asyncio.wait_for(records.get(), 30)
 
     after = await stored_events(nc, "done-1")
     assert after == before  # no second task_accepted, no tokens after the terminal
