@@ -45,12 +45,15 @@ async def test_fleet_up_serves_chat_and_images_with_each_role_as_itself(
     data = tmp_path / "data"
     seed_models(data, {"tiny-llm": tiny_llm_dir, "tiny-flux2": tiny_flux2_dir})
     nats_port, http_port = free_port(), free_port()
-    folder = generate(data, port=nats_port, tls=tls)  # what `fleet nats --auth [--tls]` does
+    folder = data / "auth"
+    if tls:  # what `fleet nats --auth --tls` does; then `fleet up` finds it by itself
+        generate(data, port=nats_port, tls=True)
     up = Command(tmp_path, "up", "--models", "tiny-llm,tiny-flux2", "--port", str(http_port),
-                 "--nats-port", str(nats_port))
+                 "--nats-port", str(nats_port), *([] if tls else ["--auth"]))
     base = f"http://127.0.0.1:{http_port}"
     try:
         up.wait_for_line("fleet up: NATS", timeout=180)
+        assert (folder / "nats.conf").is_file()
         async with httpx.AsyncClient(base_url=base, timeout=180) as http:
             chat = await http.post("/v1/chat/completions", json=CHAT)
             assert chat.status_code == 200, chat.text
