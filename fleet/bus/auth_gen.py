@@ -223,7 +223,11 @@ def as_role(settings: Settings, role: str, secured: bool) -> Settings:
 
 def ensure_auth(settings: Settings, wanted: bool) -> Settings:
     """`fleet up --auth`: generate `<data>/auth` unless it is there (kept: no rotation)."""
-    if wanted and not has_auth(settings.data_dir):
+    if wanted and settings.nats_url:
+        print("--auth secures the embedded server only: against FLEET_NATS_URL, pass this "
+              "process's credentials (FLEET_NATS_USER/_PASSWORD, FLEET_NATS_CREDS, ...)",
+              file=sys.stderr, flush=True)
+    elif wanted and not has_auth(settings.data_dir):
         folder = generate(settings.data_dir, port=settings.nats_port)
         print(how_to_start(folder), file=sys.stderr, flush=True)
     return settings
