@@ -12,7 +12,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from fleet.bus.connect import connect
+from fleet.bus.connect import connect_with
 from fleet.bus.objects import BucketMissing, ObjectBucket, ObjectCorrupt
 from fleet.config import load_settings
 from fleet.wire.subjects import IMAGES_BUCKET
@@ -38,12 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(
     args: argparse.Namespace, verb: Callable[[ObjectBucket, argparse.Namespace], Awaitable[int]]
 ) -> int:
-    url = load_settings(
+    settings = load_settings(
         {"nats_url": getattr(args, "nats_url", None), "data_dir": getattr(args, "data_dir", None)}
-    ).url
+    )
 
     async def main() -> int:
-        nc = await connect(url, name="fleet-images")
+        nc = await connect_with(settings, "fleet-images")
         try:
             return await verb(ObjectBucket(nc, IMAGES_BUCKET), args)
         except BucketMissing as exc:

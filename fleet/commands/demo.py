@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from fleet.bus.connect import connect
+from fleet.bus.connect import connect_with
 from fleet.commands.core import settings_from
 from fleet.commands.stack import stack
 from fleet.config import Settings
@@ -31,7 +31,7 @@ QUESTION = "What is the capital of France?"
 
 async def wait_ready(settings: Settings, models: list[str], timeout: float) -> None:
     """Until every model has a runner in state ready (first use converts SmolLM2: seconds)."""
-    nc = await connect(settings.url, "fleet-demo")
+    nc = await connect_with(settings, "fleet-demo")
     try:
         kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
         watcher = await kv.watchall()

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 from fleet import telemetry
-from fleet.bus.connect import connect, js_publish, publish
+from fleet.bus.connect import connect_with, js_publish, publish
 from fleet.commands.core import settings_from
 from fleet.config import Settings
 from fleet.errors import InvalidRequest
@@ -49,7 +49,7 @@ def render(event: OutputEvent, raw: bool) -> str | None:
 async def follow_task(settings: Settings, task_id: str, raw: bool, timeout: float) -> int:
     from fleet.gateway.streams import TaskEvents
 
-    nc = await connect(settings.url, "fleet-cli")
+    nc = await connect_with(settings, "fleet-cli")
     try:
         deadline = asyncio.get_running_loop().time() + timeout
         async with TaskEvents(nc.jetstream(), task_id, deadline) as events:
@@ -91,7 +91,7 @@ async def submit_task(settings: Settings, args: argparse.Namespace) -> int:
             messages=[ChatMessage(role="user", content=args.prompt)],
             response_format=response_format(args.json_mode, args.json_schema),
         )
-    nc = await connect(settings.url, "fleet-cli")
+    nc = await connect_with(settings, "fleet-cli")
     telemetry.export_to_nats(lambda: nc)
     try:
         await js_publish(nc.jetstream(), subjects.tasks(task.model), task, msg_id=task.task_id)
@@ -105,7 +105,7 @@ async def submit_task(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def cancel_task(settings: Settings, task_id: str) -> int:
-    nc = await connect(settings.url, "fleet-cli")
+    nc = await connect_with(settings, "fleet-cli")
     try:
         cancel = CancelTask(task_id=task_id, reason="fleet cancel")
         kv = await nc.jetstream().key_value(subjects.CANCELS_BUCKET)

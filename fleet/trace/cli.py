@@ -19,7 +19,7 @@ from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 
-from fleet.bus.connect import connect
+from fleet.bus.connect import connect_with
 from fleet.commands.core import settings_from
 from fleet.config import Settings
 from fleet.errors import FleetError
@@ -106,7 +106,7 @@ async def linked_spans(
 
 async def load_trace(settings: Settings, task_or_trace: str) -> tuple[str, list[SpanRecord]]:
     """The trace's id and its spans, plus those of linked traces that overlap it."""
-    nc = await connect(settings.url, "fleet-trace")
+    nc = await connect_with(settings, "fleet-trace")
     try:
         js = nc.jetstream()
         trace_id = task_or_trace if is_trace_id(task_or_trace) else None
