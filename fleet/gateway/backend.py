@@ -76,7 +76,7 @@ def unavailable_on_nats_errors(doing: str) -> Iterator[None]:
         raise NatsUnavailable(f"NATS could not {doing}: {exc!r}") from None
 
 
-class ImageCorrupt(FleetError):
+class CorruptImage(FleetError):
     """502: the store holds bytes under a name that is not their hash; never served."""
 
     http_status = 502
@@ -225,7 +225,7 @@ class Backend:
             return None
         except ObjectCorrupt as exc:
             log.error("refused to serve image %s: %s", sha256, exc.message)
-            raise ImageCorrupt(f"image {sha256} is corrupt in the store; not served") from None
+            raise CorruptImage(f"image {sha256} is corrupt in the store; not served") from None
         except ObjectError as exc:
             raise NatsUnavailable(f"could not read image {sha256}: {exc.message}") from None
         if not hash_matches(sha256, data):
@@ -233,7 +233,7 @@ class Backend:
                 "refused to serve image %s: its %d stored bytes hash to %s",
                 sha256, len(data), hashlib.sha256(data).hexdigest(),
             )
-            raise ImageCorrupt(f"image {sha256} is corrupt in the store; not served")
+            raise CorruptImage(f"image {sha256} is corrupt in the store; not served")
         return data
 
     async def _values(self, name: str, model: type[Model]) -> list[Model]:

@@ -8,11 +8,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from fleet.errors import FleetError, ModelNotFound
-from fleet.gateway.flow import not_found, resume
 from fleet.gateway.guards import authenticated, tenant_of
 from fleet.gateway.models_view import model_list, model_object
 from fleet.gateway.openai_base import InvalidParameter
 from fleet.gateway.openapi import openapi_document
+from fleet.gateway.resume import not_found, resume
 from fleet.gateway.service import gateway_of
 
 TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")

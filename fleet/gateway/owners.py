@@ -11,7 +11,7 @@ Another tenant's task or image reads exactly like one that does not exist (404):
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
@@ -19,8 +19,6 @@ from nats.js.errors import NotFoundError
 
 from fleet.bus.retry import with_retry
 from fleet.errors import FleetError, NatsUnavailable
-
-log = logging.getLogger(__name__)
 
 TENANTS_BUCKET = "FLEET_TENANTS"
 STREAM = f"KV_{TENANTS_BUCKET}"
@@ -43,11 +41,11 @@ def subject_of(key: str) -> str:
 class Owners:
     """Ownership records over one NATS connection (`client()` raises while it is down)."""
 
-    def __init__(self, client: object) -> None:
-        self._client = client  # a callable returning the connected nats Client
+    def __init__(self, client: Callable[[], Client]) -> None:
+        self._client = client
 
     def _nc(self) -> Client:
-        return self._client()  # type: ignore[operator,no-any-return]
+        return self._client()
 
     async def _put(self, key: str, value: bytes, ttl_s: int) -> None:
         js = self._nc().jetstream()
