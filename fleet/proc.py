@@ -45,11 +45,16 @@ class Exit:
         self._rites: list[Callable[[], None]] = []
         self._callbacks: list[Callable[[], None]] = []
         self._timer: threading.Timer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._signalled = False
 
     def install(self, loop: asyncio.AbstractEventLoop | None = None) -> Exit:
-        loop = loop or asyncio.get_running_loop()
+        """Handle SIGINT/SIGTERM. A plain signal handler, not the loop's: it runs between
+        bytecodes even while the loop never yields (a livelocked coroutine), so the
+        deadline is armed whatever the loop is doing."""
+        self._loop = loop or asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, self._on_signal, sig)
+            signal.signal(sig, self._on_signal)
         return self
 
     def on_stop(self, callback: Callable[[], None]) -> None:
@@ -63,23 +68,31 @@ class Exit:
         self._rites.append(rite)
 
     def request(self, why: str) -> None:
+        """Ask for a stop (on the loop's thread): set `stopping`, run the callbacks."""
         if self.stopping.is_set():
             return
         log.info("%s: stopping (forced in %.0f s; a second signal forces it now)",
                  why, self.grace_s)
+        self._arm()
         self.stopping.set()
-        self._timer = threading.Timer(self.grace_s, self._overdue)
-        self._timer.daemon = True
-        self._timer.start()
         for callback in self._callbacks:
             callback()
 
-    def _on_signal(self, sig: int) -> None:
+    def _arm(self) -> None:
+        if self._timer is None:
+            self._timer = threading.Timer(self.grace_s, self._overdue)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _on_signal(self, sig: int, frame: object) -> None:
         name = signal.Signals(sig).name
-        if self.stopping.is_set():
+        if self._signalled:
             log.warning("%s again: exiting now", name)
             self.leave(128 + sig)
-        self.request(name)
+        self._signalled = True
+        self._arm()  # here, not on the loop: the loop may be the thing that is stuck
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.request, name)
 
     def _overdue(self) -> None:
         log.warning("a clean stop took over %.0f s: exiting now", self.grace_s)
