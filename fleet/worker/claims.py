@@ -35,11 +35,17 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
 
 from fleet.bus.connect import MSG_ID
 from fleet.bus.retry import with_retry
+from fleet.errors import ProvisioningConflict
 from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.events import RefusedReason, TaskRefused
@@ -113,9 +119,15 @@ class Claims:
 
     @classmethod
     async def open(cls, nc: Client, js: JetStreamContext) -> Claims:
-        kv = await with_retry(
-            lambda: js.key_value(subjects.CLAIMS_BUCKET), what="open FLEET_CLAIMS"
-        )
+        try:
+            kv = await with_retry(
+                lambda: js.key_value(subjects.CLAIMS_BUCKET), what="open FLEET_CLAIMS"
+            )
+        except BucketNotFoundError:
+            raise ProvisioningConflict(
+                "KV bucket FLEET_CLAIMS is missing (ops/jetstream/KV_FLEET_CLAIMS.json): "
+                "run `fleet nats --provision` as the operator"
+            ) from None
         return cls(nc, js, kv)
 
     async def claim(self, task_id: str, owner: str, *, again: bool = True) -> Claim:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import nats
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from fleet.bus.connect import js_publish
+from fleet.errors import ProvisioningConflict
 from fleet.wire import subjects
 from fleet.wire.codec import decode_model
 from fleet.wire.events import ErrorReason, TaskRefused, failed
@@ -127,3 +129,12 @@ async def test_a_refusal_is_recorded_and_answered_only_on_the_inbox(
 
 def _core_msg(nc: Client, subject: str, headers: dict[str, Any]) -> Msg:
     return Msg(nc, subject=subject, data=b"{}", headers=headers)
+
+
+async def test_a_missing_bucket_says_how_to_provision(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)  # a server nobody provisioned
+    try:
+        with pytest.raises(ProvisioningConflict, match="fleet nats --provision"):
+            await Claims.open(nc, nc.jetstream())
+    finally:
+        await nc.close()
