@@ -162,10 +162,11 @@ class FaultRun:
         wanted = set(self.task_ids)
         while (remaining := until - time.monotonic()) > 0:
             if wanted <= self.finished:  # live says all ended: the store must agree
-                stored = await self.read_out()
-                self.finished = {t for t in wanted if _has_terminal(stored.get(t, []))}
-                if self.finished == wanted:
-                    break
+                with contextlib.suppress(NatsError, TimeoutError):
+                    stored = await self.read_out()
+                    self.finished = {t for t in wanted if _has_terminal(stored.get(t, []))}
+                    if self.finished == wanted:
+                        break
             self.changed.clear()
             try:
                 await asyncio.wait_for(self.changed.wait(), min(CHECK_STORE_S, remaining))

@@ -38,6 +38,10 @@ class FaultCounts:
     runner_crashed: int = 0  # allowed, counted: failed/runner_crashed
     output_lost: int = 0  # allowed, counted: failed/output_lost (output not storable whole)
     other_failed: int = 0  # failed for any other reason (not allowed)
+    # Diagnostics, not in the bar: output_lost although every token was stored (the whole
+    # output was there, so ending it failed was avoidable), and tokens stored out of order.
+    output_lost_but_whole: int = 0
+    tokens_out_of_order: int = 0
     workers_dead: int = 0  # worker processes that are not running at the end
     last_terminal_after_return_s: float | None = None
     examples: dict[str, list[str]] = field(default_factory=dict)  # kind -> a few task ids
@@ -85,6 +89,8 @@ def tally(
         indexes = [s.event.index for s in events if isinstance(s.event, TokenChunk)]
         if len(indexes) != len(set(indexes)):
             counts.note("duplicate_tokens", task_id)
+        if indexes != sorted(indexes):
+            counts.note("tokens_out_of_order", task_id)
         _judge(counts, task_id, first.event, indexes, tokens)
     return counts
 
@@ -103,6 +109,8 @@ def _judge(
         counts.note("spurious_cancelled", task_id)
     elif end.reason is not None and end.reason.value in ALLOWED_FAILURES:
         counts.note(end.reason.value, task_id)
+        if end.reason.value == "output_lost" and sorted(set(indexes)) == list(range(expected)):
+            counts.note("output_lost_but_whole", task_id)
     else:
         counts.note("other_failed", f"{task_id}:{end.reason}")
 

@@ -34,7 +34,7 @@ LEADER_TARGETS = (subjects.TASKS_STREAM, subjects.OUT_STREAM, *KV_STREAMS)
 # Sizes: each load outlasts its faults, so every fault lands on running tasks (checked below).
 if LONG:
     SINGLE = Load(tasks=100, tokens=60, delay_ms=50)
-    CLUSTER = Load(tasks=200, tokens=50, delay_ms=60)
+    CLUSTER = Load(tasks=200, tokens=50, delay_ms=40)
     PARTITION = Load(tasks=100, tokens=50, delay_ms=60)
 else:
     SINGLE = Load(tasks=32, tokens=30, delay_ms=100)
