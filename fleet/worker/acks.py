@@ -26,7 +26,6 @@ logged and counted in `failures`, none is swallowed.
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from nats.aio.msg import Msg
 from nats.errors import MsgAlreadyAckdError
 
 from fleet.bus.retry import BROKER_BUDGET_S, with_retry
+from fleet.worker.state import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,17 @@ def decide(stage: Stage, since_last_verb_s: float, ack_wait_s: float) -> Verb:
         case Stage.HANDED_BACK:
             return Verb(Kind.NAK, delay_s=HAND_BACK_DELAY_S)
     raise ValueError(f"no verb for stage {stage!r}")
+
+
+def held_stages(state: WorkerState, held: list[str]) -> dict[str, Stage]:
+    """Where each held message stands: waiting (for inputs or a slot) or running."""
+    stages: dict[str, Stage] = {}
+    for task_id in held:
+        if (pending := state.pending.get(task_id)) is not None:
+            stages[task_id] = Stage.WAITING_INPUTS if pending.inputs is None else Stage.WAITING_SLOT
+        else:  # dispatched, or ending behind an image upload: a runner still has it
+            stages[task_id] = Stage.STOPPING_RUNNING if state.stopping else Stage.RUNNING
+    return stages
 
 
 @dataclass
@@ -192,7 +203,3 @@ async def _send(msg: Msg, verb: Verb) -> None:
             await msg.term()
         case Kind.IN_PROGRESS:
             await msg.in_progress()
-
-
-def now() -> float:
-    return time.monotonic()

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 
 from fleet import telemetry
 from fleet.aio import Supervisor
@@ -24,7 +23,6 @@ from fleet.bus.connect import connect_with
 from fleet.bus.provision import provision
 from fleet.config import Settings
 from fleet.runner import protocol as pipe
-from fleet.wire import subjects
 from fleet.wire.events import (
     ErrorChunk,
     ErrorReason,
@@ -32,12 +30,12 @@ from fleet.wire.events import (
     TaskFinished,
     TokenChunk,
     ToolCallChunk,
-    failed,
 )
 from fleet.wire.tasks import CancelTask
 from fleet.worker import plan as rules
 from fleet.worker import state as ev
-from fleet.worker.acks import AckPolicy, Stage, tick_every
+from fleet.worker.acks import AckPolicy, Stage, held_stages
+from fleet.worker.children import Feeds
 from fleet.worker.cluster import ClusterLink
 from fleet.worker.endings import Endings, intake_stage
 from fleet.worker.image_outputs import ImageOutputs
@@ -60,10 +58,10 @@ from fleet.worker.pulls import TaskPuller
 from fleet.worker.runners import RunnerPool
 from fleet.worker.spans import TaskSpans
 from fleet.worker.state import WorkerState, apply
+from fleet.worker.supervisor import crashed_terminal
 
 log = logging.getLogger(__name__)
 
-INPUT_FETCHES = 4  # input downloads at once, beside the loop
 SHUTDOWN_ENDINGS_S = 10.0
 
 
@@ -76,7 +74,6 @@ class Worker:
         self.pinned: dict[str, list[str]] = {}  # task id -> input images it holds in cache
         self.spans = TaskSpans()
         self.handler_failures = 0  # inbox items whose handling raised (logged each time)
-        self._fetches = asyncio.Semaphore(INPUT_FETCHES)
 
     async def run(self) -> None:
         settings = self.settings
@@ -98,10 +95,12 @@ class Worker:
                 self.cluster, self.spans, self.runners.send, self.inbox, owner
             )
             self.puller = TaskPuller(self.nc, self.js, settings)
-            self._cancels: Subscription | None = await self.nc.subscribe(subjects.cancel("*"))
-            self.cancel_sub: Subscription | None = None
-            owner.forever("cancel listener", self._follow_cancels)
-            owner.forever("tick", self._tick_forever)
+            self.feeds = Feeds(
+                self.nc, self.inbox, self.puller, self.cluster, self.spans, settings.ack_wait_s
+            )
+            await self.feeds.subscribe_cancels()
+            owner.forever("cancel listener", self.feeds.follow_cancels)
+            owner.forever("tick", self.feeds.tick_forever)
             log.info("worker %s serving on %s", node, settings.url)
             self.ready.set()
             try:
@@ -157,7 +156,8 @@ class Worker:
             case CancelSeen(task_id=task_id):
                 await self._cancel(task_id)
             case Tick():
-                await self.acks.heartbeat(self._stages(), time.monotonic())
+                stages = held_stages(self.state, self.acks.held())
+                await self.acks.heartbeat(stages, time.monotonic())
             case Stop():
                 pass
             case _:
@@ -182,18 +182,6 @@ class Worker:
             self.spans.settled(outcome.task_id, outcome.verb, span, outcome.reason)
             self.endings.settle(outcome.task_id, msg, intake_stage(outcome))
 
-    def _stages(self) -> dict[str, Stage]:
-        """Where each held message stands, for its heartbeat."""
-        stages: dict[str, Stage] = {}
-        for task_id in self.acks.held():
-            if (pending := self.state.pending.get(task_id)) is not None:
-                waiting = pending.inputs is None
-                stages[task_id] = Stage.WAITING_INPUTS if waiting else Stage.WAITING_SLOT
-            else:
-                stopping = self.state.stopping
-                stages[task_id] = Stage.STOPPING_RUNNING if stopping else Stage.RUNNING
-        return stages
-
     async def _act(self, action: rules.Action) -> None:
         match action:
             case rules.StopRunner(runner_id=runner_id):
@@ -209,34 +197,18 @@ class Worker:
                 self._end(task_id, reason, message)
             case rules.FetchInputs(task_id=task_id, hashes=hashes):
                 self._apply(ev.InputsFetching(task_id))
-                self.owner.spawn(f"fetch inputs {task_id}", self._fetch_inputs(task_id, hashes))
+                self.owner.spawn(
+                    f"fetch inputs {task_id}", self.feeds.fetch_inputs(task_id, hashes)
+                )
             case rules.Dispatch(task_id=task_id, runner_id=runner_id):
                 await self._dispatch(task_id, runner_id)
             case rules.HandBack(task_id=task_id):
                 self._hand_back(task_id)
             case rules.Pull(model=model, batch=batch):
                 self._apply(ev.PullStarted(model))
-                self.owner.spawn(f"pull {model}", self._pull(model, batch))
+                self.owner.spawn(f"pull {model}", self.feeds.pull(model, batch))
 
     # ---- actions ----------------------------------------------------------------------
-
-    async def _pull(self, model: str, batch: int) -> None:
-        msgs: list[Msg] = []
-        try:
-            msgs = await self.puller.fetch(model, batch)
-        finally:  # always: the planner pulls again only after PullEnded
-            self.inbox.put_nowait(Fetched(model, msgs))
-
-    async def _fetch_inputs(self, task_id: str, hashes: tuple[str, ...]) -> None:
-        try:
-            async with self._fetches:
-                with self.spans.child(task_id, "fetch inputs", {"fleet.images": len(hashes)}):
-                    paths = await self.cluster.fetch_inputs(hashes)
-        except Exception as exc:
-            reason = getattr(exc, "reason", ErrorReason.INTERNAL)
-            self.inbox.put_nowait(InputsFailed(task_id, ErrorReason(reason), str(exc)))
-            return
-        self.inbox.put_nowait(InputsFetched(task_id, paths))
 
     def _inputs_fetched(self, task_id: str, paths: dict[str, Path]) -> None:
         if task_id not in self.state.pending:  # it ended while they were fetched: unpin
@@ -314,9 +286,7 @@ class Worker:
         view = self.state.runners.get(runner_id)
         crashed = self.runners.exited(exited)
         for task_id in sorted(view.in_flight if view else ()):
-            message = f"runner {runner_id} {exited.how} while running this task"
-            lost = failed(task_id, time.time(), ErrorReason.RUNNER_CRASHED, message)
-            lost = lost.model_copy(update={"node_id": self.state.node_id, "runner_id": runner_id})
+            lost = crashed_terminal(task_id, exited, self.state.node_id)
             item = RunnerReported(runner_id, lost)
             if self.images.admit(item):
                 await self._report(item)
@@ -334,25 +304,6 @@ class Worker:
         # Not taken in yet (a fetch still on its way here, or not fetched at all): remembered,
         # so the intake ends the task cancelled as soon as it arrives.
         self.cluster.remember_cancel(task_id)
-
-    # ---- children -----------------------------------------------------------------------
-
-    async def _follow_cancels(self) -> None:
-        """Cancels for running tasks (a restart after a failure subscribes again)."""
-        sub = self._cancels or await self.nc.subscribe(subjects.cancel("*"))
-        self._cancels = None
-        self.cancel_sub = sub  # the one in use (tests drop it to see the restart)
-        try:
-            async for msg in sub.messages:
-                self.inbox.put_nowait(CancelSeen(msg.subject.rsplit(".", 1)[-1]))
-        finally:
-            await _unsubscribe(sub)
-
-    async def _tick_forever(self) -> None:
-        period = tick_every(self.settings.ack_wait_s)
-        while True:
-            await asyncio.sleep(period)  # a timer, not synchronisation
-            self.inbox.put_nowait(Tick())
 
     # ---- shutdown -----------------------------------------------------------------------
 
@@ -387,13 +338,6 @@ class Worker:
             await asyncio.wait_for(self.nc.drain(), 5.0)
         except Exception as exc:  # exiting anyway; the server drops what is left
             log.warning("connection not drained: %s: %s", type(exc).__name__, exc)
-
-
-async def _unsubscribe(sub: Subscription) -> None:
-    try:
-        await sub.unsubscribe()
-    except Exception as exc:
-        log.debug("cancel subscription not unsubscribed: %s", exc)
 
 
 def _streams_only(item: InboxItem) -> bool:

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,6 +32,7 @@ from fleet.runner.protocol import (
     Shutdown,
 )
 from fleet.wire.codec import DecodeError, encode
+from fleet.wire.events import ErrorReason, TaskFinished, failed
 from fleet.wire.runners import RunnerFailed, RunnerShutdown, RunnerStatus
 from fleet.worker.inbox import Inbox, RunnerExited, RunnerReported
 
@@ -62,6 +64,13 @@ def describe_exit(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exited with code {returncode}"
+
+
+def crashed_terminal(task_id: str, exited: RunnerExited, node_id: str) -> TaskFinished:
+    """The terminal of a task that was in flight on a runner when it exited."""
+    message = f"runner {exited.runner_id} {exited.how} while running this task"
+    lost = failed(task_id, time.time(), ErrorReason.RUNNER_CRASHED, message)
+    return lost.model_copy(update={"node_id": node_id, "runner_id": exited.runner_id})
 
 
 class RunnerProcess:
