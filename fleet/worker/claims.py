@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 _INBOX = re.compile(r"_INBOX(\.[A-Za-z0-9_-]+)+")
 
 
+REPORTED_ID_CHARS = 256
+
+
 class Claim(StrEnum):
     FRESH = "fresh"  # this message has just claimed the id
     OWN = "own"  # it claimed it before: a redelivery (or a create retried after a lost reply)
@@ -182,6 +185,10 @@ class Claims:
         self.refused += 1
         seq = stream_seq(msg)
         text = message or _EXPLAIN[reason].format(id=sent_id)
+        if sent_id is not None and len(sent_id) > REPORTED_ID_CHARS:
+            # A report, never a subject: cut so the refusal itself fits in one message.
+            text += f" (task_id shown as its first {REPORTED_ID_CHARS} of {len(sent_id)} chars)"
+            sent_id = sent_id[:REPORTED_ID_CHARS]
         event = TaskRefused(
             task_id=sent_id, model=model, reason=reason, message=text, at=time.time(),
             stream_seq=seq,

@@ -15,7 +15,15 @@ from fleet.errors import ProvisioningConflict
 from fleet.wire import subjects
 from fleet.wire.codec import decode_model
 from fleet.wire.events import ErrorReason, TaskRefused, failed
-from fleet.worker.claims import Claim, Claims, judge, one_off_owner, refusal, reply_subject
+from fleet.worker.claims import (
+    REPORTED_ID_CHARS,
+    Claim,
+    Claims,
+    judge,
+    one_off_owner,
+    refusal,
+    reply_subject,
+)
 
 
 @pytest.mark.parametrize(
@@ -138,3 +146,13 @@ async def test_a_missing_bucket_says_how_to_provision(nats_url: str) -> None:
             await Claims.open(nc, nc.jetstream())
     finally:
         await nc.close()
+
+
+async def test_a_huge_id_is_reported_cut_so_the_refusal_fits(provisioned_nc: Client) -> None:
+    nc = provisioned_nc
+    claims = await Claims.open(nc, nc.jetstream())
+    msg = _core_msg(nc, "fleet.tasks.tiny-llm", {})
+    huge = "y" * (nc.max_payload + 10)
+    event = await claims.refuse(msg, "tiny-llm", huge, "invalid_task_id", "task_id: too long")
+    assert event.task_id == "y" * REPORTED_ID_CHARS
+    assert f"of {len(huge)} chars" in event.message
