@@ -10,7 +10,8 @@ fails when the key exists). The value is the owner: the message's FLEET_TASKS st
 
     claim    events in FLEET_OUT    verdict
     fresh    none                   go on: this message owns the id now
-    fresh    some                   refused, task_id_used (an old id whose claim expired)
+    fresh    some                   refused, task_id_used (an old id whose claim expired);
+                                    the claim is marked used, so no message owns it
     own      (any)                  go on: a redelivery of the owner (redelivery rules apply)
     taken    (any)                  refused, task_id_taken
 
@@ -58,6 +59,7 @@ _INBOX = re.compile(r"_INBOX(\.[A-Za-z0-9_-]+)+")
 
 
 REPORTED_ID_CHARS = 256
+USED = "used-"  # a claim's value once an id is found with events and no owner
 
 
 class Claim(StrEnum):
@@ -175,7 +177,14 @@ class Claims:
         """Claim `task_id` for `owner`; None when it may write on `fleet.out.<task_id>`."""
         claim = await self.claim(task_id, owner)
         earlier = claim is Claim.FRESH and await self.has_events(task_id)
-        return refusal(claim, earlier)
+        if (reason := refusal(claim, earlier)) == "task_id_used":
+            # Nobody may own an id whose events are already there, this message included:
+            # its redelivery would otherwise find its "own" claim and write on them.
+            await with_retry(
+                lambda: self.kv.put(task_id, f"{USED}{owner}".encode()),
+                what=f"mark task id {task_id} used",
+            )
+        return reason
 
     async def refuse(
         self, msg: Msg, model: str, sent_id: str | None, reason: RefusedReason,

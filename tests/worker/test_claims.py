@@ -101,6 +101,7 @@ async def test_an_id_with_events_but_no_claim_is_used(provisioned_nc: Client) ->
     assert await claims.has_events("old-1")
     assert not await claims.has_events("new-1")
     assert await claims.admit("old-1", "9") == "task_id_used"
+    assert await claims.admit("old-1", "9") == "task_id_taken"  # not its own on redelivery
     assert await claims.admit("new-1", "9") is None
     assert await claims.admit("new-1", "9") is None  # its redelivery
     assert await claims.admit("new-1", "10") == "task_id_taken"
