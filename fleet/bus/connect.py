@@ -236,12 +236,12 @@ async def js_publish(
     the retry is idempotent: the stream keeps the first copy and acks the others as duplicates.
     """
     body = encode(message)
-    headers = headers_for(msg_id)
 
     async def once() -> PubAck:
         return await js.publish(subject, body, headers=headers, timeout=timeout)
 
     with send_span(subject, msg_id, len(body)):
+        headers = headers_for(msg_id)  # inside the span: its consumers' parent is this send
         if budget_s is None:
             return await with_retry(once, what=f"publish to {subject}")
         return await with_retry(once, what=f"publish to {subject}", budget_s=budget_s)
