@@ -12,6 +12,7 @@ from typing import Any
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from fleet.aio import Supervisor
 from fleet.bus.connect import publish
@@ -69,6 +70,7 @@ class ClusterLink:
         self.health = LinkHealth()  # this node's own KV round trips: the liveness evidence
         self.node_ttl_s = NODE_TTL_S
         self._beat_now = asyncio.Event()
+        self._reconnects = 0
 
     def trusts_absences(self) -> bool:
         """Whether an absent heartbeat key is evidence of a dead node (fleet.worker.liveness)."""
@@ -80,10 +82,10 @@ class ClusterLink:
         if supervisor is None:
             self._own_supervisor = supervisor = Supervisor("cluster")
             await supervisor.__aenter__()
-        self.nodes = await self.js.key_value(subjects.NODES_BUCKET)
-        self.instances = await self.js.key_value(subjects.INSTANCES_BUCKET)
-        self.runners = await self.js.key_value(subjects.RUNNERS_BUCKET)
-        self.cancels = await self.js.key_value(subjects.CANCELS_BUCKET)
+        self.nodes = await self._bucket(subjects.NODES_BUCKET)
+        self.instances = await self._bucket(subjects.INSTANCES_BUCKET)
+        self.runners = await self._bucket(subjects.RUNNERS_BUCKET)
+        self.cancels = await self._bucket(subjects.CANCELS_BUCKET)
         self.store = ObjectBucket(self.nc, subjects.IMAGES_BUCKET)
         self.cache = ImageCache(self.settings.images_dir, self.settings.image_cache_bytes)
         self.node_ttl_s = await self._node_ttl()
@@ -117,6 +119,9 @@ class ClusterLink:
         ]
         if self.settings.auto_place:
             self._tasks.append(supervisor.forever("demand sweep", self.demand.sweep_forever))
+
+    async def _bucket(self, name: str) -> KeyValue:
+        return await with_retry(lambda: self.js.key_value(name), what=f"open bucket {name}")
 
     async def _node_ttl(self) -> float:
         """How long a silent node's key lives: the bucket's max age (the TTL of record)."""
@@ -163,6 +168,11 @@ class ClusterLink:
             self.node_id, self.started_at, models_on_disk(self.settings.models_dir),
             sorted(self.records), self.blas, self.buildable,
         )
+        reconnects = self.nc.stats.get("reconnects", 0)
+        if reconnects != self._reconnects:
+            # Reconnected since the last round, however briefly: what we watched has holes.
+            self._reconnects = reconnects
+            self._gap()
         try:
             if not self.nc.is_connected:
                 raise ConnectionError("not connected to NATS")
