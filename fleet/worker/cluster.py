@@ -31,7 +31,13 @@ from fleet.worker.demand import Demand
 from fleet.worker.failover import Failover
 from fleet.worker.inputs import ImageCache
 from fleet.worker.janitor import Janitor
-from fleet.worker.liveness import LinkHealth, beat_failed, beat_succeeded, trusts_absences
+from fleet.worker.liveness import (
+    LinkHealth,
+    beat_failed,
+    beat_succeeded,
+    gap_seen,
+    trusts_absences,
+)
 from fleet.worker.node import node_id, node_info
 from fleet.worker.state import InstancesChanged, RunnerView
 
@@ -136,7 +142,7 @@ class ClusterLink:
 
     def _gap(self) -> None:
         """A reconnect or a restarted watch: what we saw before may have holes."""
-        self.health = beat_failed(self.health)
+        self.health = gap_seen(self.health)
 
     def _is_known(self, model: str) -> bool:
         return model in self.cards or any(i.model == model for i in self.placed.values())

@@ -40,8 +40,13 @@ def beat_succeeded(health: LinkHealth, now: float) -> LinkHealth:
 
 
 def beat_failed(health: LinkHealth) -> LinkHealth:
-    """A failed heartbeat, a disconnect or a watch gap: what was learnt before is stale."""
+    """A failed heartbeat or a disconnect: what was learnt before is stale."""
     return replace(health, ok_since=None, failures=health.failures + 1)
+
+
+def gap_seen(health: LinkHealth) -> LinkHealth:
+    """A reconnect or a restarted watch: stale as well, though no heartbeat failed."""
+    return replace(health, ok_since=None)
 
 
 def trusts_absences(health: LinkHealth, now: float, ttl_s: float, beat_s: float) -> bool:

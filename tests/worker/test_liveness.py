@@ -13,6 +13,7 @@ from fleet.worker.liveness import (
     beat_failed,
     beat_succeeded,
     dead_nodes,
+    gap_seen,
     plan_moves,
     trusts_absences,
 )
@@ -23,7 +24,10 @@ TTL, BEAT = 15.0, 3.0
 def history(*steps: tuple[str, float]) -> LinkHealth:
     health = LinkHealth()
     for kind, at in steps:
-        health = beat_succeeded(health, at) if kind == "ok" else beat_failed(health)
+        if kind == "ok":
+            health = beat_succeeded(health, at)
+        else:
+            health = beat_failed(health) if kind == "fail" else gap_seen(health)
     return health
 
 
@@ -36,6 +40,8 @@ def history(*steps: tuple[str, float]) -> LinkHealth:
     ((("ok", 0.0), ("fail", 5.0), ("ok", 25.0)), 30.0, False),  # back 5 s after a gap
     ((("ok", 0.0), ("fail", 5.0), ("ok", 25.0), ("ok", 40.0)), 40.0, True),  # back a full TTL
     ((("ok", 0.0), ("ok", 30.0), ("fail", 33.0)), 33.0, False),  # failing right now
+    ((("ok", 0.0), ("gap", 14.0), ("ok", 15.0)), 16.0, False),  # a watch gap restarts the clock
+    ((("ok", 0.0), ("gap", 1.0), ("ok", 3.0), ("ok", 18.0)), 18.0, True),
 ])
 def test_absences_are_evidence_only_after_a_full_ttl_of_good_heartbeats(
     steps: tuple[tuple[str, float], ...], now: float, trusted: bool
