@@ -27,7 +27,7 @@ from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.faults.servers import Broker, connect_client, replicas_of, until_jetstream
-from tests.faults.tally import FaultCounts, Stored, tally
+from tests.faults.tally import FaultCounts, Stored, history, tally
 from tests.integration.harness import (
     WorkerProcess,
     add_fault_card,
@@ -39,6 +39,7 @@ from tests.integration.harness import (
 MODEL = "fault-llm"
 RETURN_DEADLINE_S = 60.0  # the issue's bar: every task finished within 60 s of the return
 CHECK_STORE_S = 3.0  # re-read the store this often: live terminals can pass a disconnected client
+_VARYING = re.compile(r"[0-9a-f]{6,}|\d+")
 _ERROR_LINE = re.compile(r"Traceback|ERROR|CRITICAL|Error:|exited|left|stopping", re.IGNORECASE)
 
 
@@ -67,6 +68,7 @@ class FaultReport:
     worker_exits: list[int | None] = field(default_factory=list)
     worker_log_lines: list[str] = field(default_factory=list)
     timeline: list[tuple[str, float]] = field(default_factory=list)
+    histories: dict[str, str] = field(default_factory=dict)  # example task id -> its story
 
 
 async def provision_with(nc: Client, replicas: int) -> None:
@@ -200,7 +202,8 @@ class FaultRun:
                         continue
                     with contextlib.suppress(DecodeError):
                         found.setdefault(task_id, []).append(Stored(
-                            decode_event(msg.data), msg.metadata.timestamp.timestamp()
+                            decode_event(msg.data), msg.metadata.timestamp.timestamp(),
+                            msg.metadata.sequence.stream,
                         ))
         finally:
             with contextlib.suppress(Exception):
@@ -224,14 +227,22 @@ class FaultRun:
             queued_at_end=queue.state.messages,
             unfinished_at_fault=self.unfinished_at_fault, worker_exits=exits,
             worker_log_lines=self.log_lines(), timeline=list(self.marks),
+            histories={
+                task_id: history(stored.get(task_id, []), returned_at)
+                for ids in counts.examples.values() for task_id in ids[:3] if task_id in stored
+            },
         )
 
     def log_lines(self, limit: int = 40) -> list[str]:
-        """The workers' lines that explain a failure (errors, tracebacks, node changes)."""
+        """The workers' lines that explain a failure (errors, tracebacks, node changes), each
+        kind once: a line that differs from an earlier one only in numbers and ids is skipped."""
         lines: list[str] = []
+        seen: set[str] = set()
         for worker in self.workers:
             for line in worker.log().splitlines():
-                if _ERROR_LINE.search(line) and len(lines) < limit:
+                kind = _VARYING.sub("#", line[24:])  # past the timestamp
+                if _ERROR_LINE.search(line) and kind not in seen and len(lines) < limit:
+                    seen.add(kind)
                     lines.append(f"{worker.data_dir.name}: {line[:300]}")
         return lines
 

@@ -21,6 +21,7 @@ class Stored:
 
     event: OutputEvent
     stored_at: float
+    seq: int = 0  # stream sequence in FLEET_OUT
 
 
 @dataclass
@@ -113,6 +114,36 @@ def _judge(
             counts.note("output_lost_but_whole", task_id)
     else:
         counts.note("other_failed", f"{task_id}:{end.reason}")
+
+
+def history(events: list[Stored], returned_at: float) -> str:
+    """One task's stored events in a line: runs of tokens folded, times relative to the
+    broker's return, so a failure's story reads at a glance."""
+    parts: list[str] = []
+    run: list[int] = []
+
+    def fold() -> None:
+        if run:
+            parts.append(f"tok {run[0]}" if len(run) == 1 else f"tok {run[0]}-{run[-1]}")
+            run.clear()
+
+    for stored in events:
+        event = stored.event
+        if isinstance(event, TokenChunk) and (not run or event.index == run[-1] + 1):
+            run.append(event.index)
+            continue
+        fold()
+        if isinstance(event, TokenChunk):
+            run.append(event.index)
+        elif isinstance(event, TaskAccepted):
+            parts.append(f"accepted {event.node_id} d{event.delivery}")
+        elif isinstance(event, TaskFinished):
+            parts.append(f"{event.status}/{event.reason or event.finish_reason}"
+                         f" {event.node_id or ''}@{stored.stored_at - returned_at:+.1f}s")
+        else:
+            parts.append(event.type)
+    fold()
+    return "; ".join(parts)
 
 
 def describe(counts: FaultCounts) -> str:

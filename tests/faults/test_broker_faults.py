@@ -67,7 +67,9 @@ def check(report: FaultReport, replicas: int) -> None:
     text = (
         f"{describe(report.counts)}\nreplicas={report.replicas} queued={report.queued_at_end} "
         f"unfinished_at_fault={report.unfinished_at_fault} exits={report.worker_exits}\n"
-        f"timeline={report.timeline}\n" + "\n".join(report.worker_log_lines)
+        f"timeline={report.timeline}\n"
+        + "".join(f"{task}: {story}\n" for task, story in report.histories.items())
+        + "\n".join(report.worker_log_lines)
     )
     print(text)
     # A fault that hit an idle fleet proves nothing: the load must still be running.

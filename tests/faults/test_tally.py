@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, TokenChunk, Usage, failed
-from tests.faults.tally import Stored, tally
+from tests.faults.tally import Stored, history, tally
 
 T0 = 1000.0  # the broker's return
 
@@ -78,3 +78,8 @@ def test_bad_lists_only_what_the_bar_forbids() -> None:
     )
     assert counts.bad == {"lost": 1}  # b never ran; a's worker_lost is allowed
     assert counts.examples["lost"] == ["b"]
+
+
+def test_history_folds_token_runs_and_times_the_end_from_the_return() -> None:
+    events = [accepted("a"), token("a", 0), token("a", 1), token("a", 3), done("a")]
+    assert history(events, T0) == "accepted n d1; tok 0-1; tok 3; completed/None @+1.0s"
