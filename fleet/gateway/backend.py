@@ -118,6 +118,12 @@ class Backend:
             log.error("provisioning JetStream failed: %s", exc.message)
         self.nc = nc
         log.info("connected to NATS at %s", self.url)
+        try:
+            # Before the first request: started under a flood, its consumer creation could
+            # time out. A failure here is retried by the next request that needs events.
+            await self.hub.ready()
+        except FleetError as exc:
+            log.error("%s; retrying when a request needs events", exc.message)
 
     async def close(self) -> None:
         await self.hub.close()

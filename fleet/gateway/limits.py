@@ -42,9 +42,11 @@ class Capacity:
         return self.by_tenant.total()
 
     def take(self, tenant: str | None) -> str:
-        """Count one more waiting request of `tenant` (None: the open gateway's one tenant)."""
+        """Count one more waiting request of `tenant`. On an open gateway (tenant None) there
+        are no keys to tell clients apart: only the limit in all applies."""
         who = tenant or ""
-        if why := refusal(self.waiting, self.by_tenant[who], self.max_waiting, self.per_key):
+        mine = self.by_tenant[who] if tenant is not None else 0
+        if why := refusal(self.waiting, mine, self.max_waiting, self.per_key):
             raise AtCapacity(why + "; retry later")
         self.by_tenant[who] += 1
         return who

@@ -76,8 +76,8 @@ async def test_idle_event_streams_do_not_stop_chats(
     start_gateway: Start, fault_worker: None, nats_url: str, idle: int
 ) -> None:
     address = await start_gateway(
-        FLEET_GATEWAY_EVENTS_IDLE_S="120", FLEET_GATEWAY_STREAMS_PER_KEY="10000",
-        FLEET_GATEWAY_MAX_WAITING="10000", FLEET_GATEWAY_MAX_CONNECTIONS="10000",
+        FLEET_GATEWAY_EVENTS_IDLE_S="120", FLEET_GATEWAY_MAX_WAITING="10000",
+        FLEET_GATEWAY_MAX_CONNECTIONS="10000",
     )
     held = []
     for start in range(0, idle, 250):  # connect in waves: the listen backlog is finite
@@ -105,7 +105,10 @@ async def test_idle_event_streams_do_not_stop_chats(
 async def test_concurrent_chats_get_200_or_429_never_503(
     start_gateway: Start, fault_worker: None, clients: int
 ) -> None:
-    address = await start_gateway(FLEET_GATEWAY_MAX_CONNECTIONS=str(clients + 100))
+    # an open gateway: FLEET_GATEWAY_MAX_WAITING is its limit (256 as a key's would be)
+    address = await start_gateway(
+        FLEET_GATEWAY_MAX_CONNECTIONS=str(clients + 100), FLEET_GATEWAY_MAX_WAITING="256"
+    )
     started = time.monotonic()
     async with asyncio.timeout(240):
         answered = await statuses(address, [chat() for _ in range(clients)])

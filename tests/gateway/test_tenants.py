@@ -20,7 +20,7 @@ from test_images_api import image_script, png, stored
 from fleet.config import Settings
 from fleet.errors import InvalidRequest
 from fleet.gateway.app import build_app
-from fleet.gateway.limits import refusal
+from fleet.gateway.limits import AtCapacity, Capacity, refusal
 from fleet.gateway.owners import STREAM
 from fleet.gateway.tenants import KeyRing, add_key, key_hash, parse_keys_file, plain_key_tenant
 from fleet.wire import subjects
@@ -199,3 +199,17 @@ async def test_metrics_can_need_a_key(
             assert (await anyone.get("/metrics")).status_code == 401
         async with as_key(app, keys["b"]) as b:
             assert (await b.get("/metrics")).status_code == 200
+
+
+def test_capacity_counts_per_tenant_and_in_all() -> None:
+    capacity = Capacity(max_waiting=3, per_key=2)
+    a1, a2 = capacity.take("a"), capacity.take("a")
+    with pytest.raises(AtCapacity) as refused:
+        capacity.take("a")
+    assert refused.value.http_status == 429 and refused.value.retry_after_s == 1
+    capacity.take("b")
+    with pytest.raises(AtCapacity):
+        capacity.take(None)  # the limit in all
+    capacity.give_back(a1)
+    capacity.give_back(a2)
+    assert capacity.waiting == 1 and capacity.take(None) == ""
