@@ -51,7 +51,8 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, _TRANSIENT):
         return True
     # JetStream answers 503 while a stream has no leader; other API errors are final.
-    return isinstance(exc, js_errors.APIError) and exc.code == 503
+    # (KV errors such as KeyWrongLastSequenceError are APIErrors without a `code`.)
+    return isinstance(exc, js_errors.APIError) and getattr(exc, "code", None) == 503
 
 
 def pause_after(attempt: int) -> float:

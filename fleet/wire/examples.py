@@ -78,6 +78,10 @@ def examples() -> dict[str, BaseModel]:
             usage=events.Usage(prompt_tokens=31, completion_tokens=8, total_tokens=39),
             stats=events.TaskStats(time_to_first_token_s=0.12, tokens_per_s=16.5, total_s=0.6),
         ),
+        "task_refused": events.TaskRefused(
+            task_id="chat-1", model="smollm2-135m", reason="task_id_taken",
+            message="task id 'chat-1' belongs to another task message", at=_AT, stream_seq=42,
+        ),
         "model_card": _CARD,
         "node_info": cluster.NodeInfo(
             node_id="node-a1", hostname="box", memory_total_bytes=24 << 30,

@@ -58,7 +58,7 @@ def test_every_example_round_trips_through_each_union_that_holds_it(stem: str) -
         assert decode_with(adapter, encode(message)) == message
     standalone = type(message) in {
         tasks.CancelTask, cluster.ModelCard, cluster.NodeInfo, cluster.Instance,
-        cluster.RunnerRecord, pipe.RunnerSpec,
+        cluster.RunnerRecord, pipe.RunnerSpec, events.TaskRefused,
     }
     assert unions or standalone, f"{stem}: no union and no standalone family decodes it"
 
