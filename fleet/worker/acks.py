@@ -13,6 +13,8 @@ the one place that sends it.
     finished_not_stored    nothing: the terminal is not stored, so AckWait redelivers it
     invalid                term: poison, never redeliver
     stopping_not_started   nak now: another worker takes it at once
+    stopped_mid_run        nak now: the worker's stop cut it short (no terminal written here);
+                           its redelivery reruns it, or ends it worker_lost if output began
     handed_back            nak after HAND_BACK_DELAY_S: no runner here for its model any more
 
 Every held message (waiting for inputs, for a slot, or running) is thus kept alive well inside
@@ -54,6 +56,7 @@ class Stage(StrEnum):
     FINISHED_NOT_STORED = "finished_not_stored"
     INVALID = "invalid"
     STOPPING_NOT_STARTED = "stopping_not_started"
+    STOPPED_MID_RUN = "stopped_mid_run"
     HANDED_BACK = "handed_back"
 
 
@@ -98,7 +101,7 @@ def decide(stage: Stage, since_last_verb_s: float, ack_wait_s: float) -> Verb:
             return NOTHING
         case Stage.INVALID:
             return Verb(Kind.TERM)
-        case Stage.STOPPING_NOT_STARTED:
+        case Stage.STOPPING_NOT_STARTED | Stage.STOPPED_MID_RUN:
             return Verb(Kind.NAK)
         case Stage.HANDED_BACK:
             return Verb(Kind.NAK, delay_s=HAND_BACK_DELAY_S)

@@ -51,6 +51,10 @@ class ImageOutputs:
         if task_id is None:
             return True
         if queue := self._waiting.get(task_id):
+            if isinstance(item.report, TaskFinished) and any(
+                isinstance(waiting.report, TaskFinished) for waiting in queue
+            ):
+                return False  # one terminal per task (the runner's, then its exit's): first wins
             queue.append(item)
             return False
         if isinstance(item.report, ImageChunk):

@@ -26,6 +26,7 @@ from fleet.runner import protocol as pipe
 from fleet.wire.events import (
     ErrorChunk,
     ErrorReason,
+    OutputEvent,
     TaskAccepted,
     TaskFinished,
     TokenChunk,
@@ -54,7 +55,7 @@ from fleet.worker.inbox import (
 )
 from fleet.worker.intake import Intake, Queued
 from fleet.worker.outputs import TaskOutput
-from fleet.worker.pulls import TaskPuller
+from fleet.worker.pulls import FETCH_WAIT_S, TaskPuller
 from fleet.worker.runners import RunnerPool
 from fleet.worker.spans import TaskSpans
 from fleet.worker.state import WorkerState, apply
@@ -74,6 +75,8 @@ class Worker:
         self.pinned: dict[str, list[str]] = {}  # task id -> input images it holds in cache
         self.spans = TaskSpans()
         self.handler_failures = 0  # inbox items whose handling raised (logged each time)
+        self.cancels_sent: set[str] = set()  # tasks a user cancelled while they ran here
+        self.unsent_chunks = 0  # task events the broker would not take (logged each time)
 
     async def run(self) -> None:
         settings = self.settings
@@ -231,12 +234,22 @@ class Worker:
         if not sent:
             self.runners.abandon(runner_id)
 
-    def _hand_back(self, task_id: str) -> None:
+    def _hand_back(self, task_id: str, stage: Stage = Stage.HANDED_BACK) -> None:
+        """Give a task back to JetStream (nak): no terminal is written for it here."""
+        log.info("task %s given back (%s)", task_id, stage)
         self._release(task_id)
         self._apply(ev.TaskEnded(task_id))
         self.spans.settled(task_id, "nak")
         if (msg := self.acks.release(task_id)) is not None:
-            self.endings.settle(task_id, msg, Stage.HANDED_BACK)
+            self.endings.settle(task_id, msg, stage)
+
+    def _cut_short(self, report: TaskFinished) -> bool:
+        """A runner stopping with the worker cancels what it runs: that is not the user's
+        cancel, and must not reach the task's stream as one."""
+        return (
+            self.state.stopping and report.status == "cancelled"
+            and report.task_id not in self.cancels_sent
+        )
 
     def _end(self, task_id: str, reason: ErrorReason, message: str) -> None:
         """End a task that never reached a runner; its slot is free at once."""
@@ -246,6 +259,7 @@ class Worker:
             self.endings.fail(task_id, reason, message, self.acks.release(task_id))
 
     def _finish(self, report: TaskFinished) -> None:
+        self.cancels_sent.discard(report.task_id)
         self._release(report.task_id)
         self._apply(ev.TaskEnded(report.task_id))
         self.endings.finish(report, self.acks.release(report.task_id))
@@ -264,20 +278,33 @@ class Worker:
             case pipe.RunnerStatusReport(status=status):
                 self._apply(ev.RunnerStatusSeen(runner_id, status))
                 self.cluster.runner_status(self.state.runners.get(runner_id), status)
+            case TaskFinished() if self._cut_short(report):
+                self._hand_back(report.task_id, Stage.STOPPED_MID_RUN)
             case TaskFinished():
                 report = self.images.final(report, runner_id)
                 if report.status == "failed" and report.reason and report.message:
-                    await self.output.chunk(ErrorChunk(
+                    await self._chunk(ErrorChunk(
                         task_id=report.task_id, at=report.at, reason=report.reason,
                         message=report.message,
                     ))
-                self._finish(report)
+                self._finish(report)  # whatever became of the chunk, the task ends
             case pipe.SpanBatch(spans=records):
                 telemetry.export_records(records)
             case pipe.TaskRunning():
                 pass
             case _:
-                await self.output.chunk(report)
+                await self._chunk(report)
+
+    async def _chunk(self, event: OutputEvent) -> None:
+        """A task's event, in order behind its earlier ones. One that cannot be sent is
+        logged and counted; the terminal still comes, and TaskOutput.finish does not let a
+        task with a hole in its output end completed."""
+        try:
+            await self.output.chunk(event)
+        except Exception as exc:
+            self.unsent_chunks += 1
+            log.warning("task %s: %s event not sent (%s: %s)", event.task_id, event.type,
+                        type(exc).__name__, exc)
 
     async def _runner_exited(self, exited: RunnerExited) -> None:
         """The runner is gone: every task still in flight there (WorkerState says which) ends
@@ -299,6 +326,7 @@ class Worker:
             return
         for runner in self.state.runners.values():
             if task_id in runner.in_flight:
+                self.cancels_sent.add(task_id)
                 await self.runners.send(runner.runner_id, CancelTask(task_id=task_id))
                 return
         # Not taken in yet (a fetch still on its way here, or not fetched at all): remembered,
@@ -310,6 +338,7 @@ class Worker:
     async def _shutdown(self) -> None:
         log.info("worker %s stopping", self.state.node_id)
         self._apply(ev.Stopping())
+        await self._end_pulls()
         for task_id in list(self.state.pending):  # not started here: another worker, now
             self._release(task_id)
             self._apply(ev.TaskEnded(task_id))
@@ -319,14 +348,34 @@ class Worker:
         await self.runners.stop_all(timeout=10.0)
         await self._drain_runner_reports()
         await self.endings.wait(SHUTDOWN_ENDINGS_S)
-        await self.puller.close()
-        await self.cluster.stop()
-        await telemetry.flush()
+        for step in (self.puller.close, self.cluster.stop, telemetry.flush):
+            try:
+                await step()
+            except Exception:  # each step is worth trying whatever became of the others
+                log.exception("worker: shutdown step %s failed", step.__qualname__)
+
+    async def _end_pulls(self) -> None:
+        """Wait out the pulls still open at the server (each ends within FETCH_WAIT_S) and
+        give back what they bring. Before any nak: a message nak'ed while a pull of ours is
+        open would be redelivered into it, to a worker that is leaving, and sit to AckWait."""
+        try:
+            async with asyncio.timeout(FETCH_WAIT_S + 2.0):
+                while self.state.pulling:
+                    item = await self.inbox.get()
+                    if isinstance(item, Fetched):
+                        self._apply(ev.PullEnded(item.model))
+                        for msg in item.msgs:
+                            self.endings.settle(None, msg, Stage.STOPPING_NOT_STARTED)
+                    elif not isinstance(item, Stop | Tick):
+                        await self._handle(item)
+        except TimeoutError:
+            log.warning("stopping: pulls still open for %s", sorted(self.state.pulling))
 
     async def _drain_runner_reports(self) -> None:
         """What the runners said while stopping (their last terminals) still goes out."""
         while not self.inbox.empty():
             item = self.inbox.get_nowait()
+            log.debug("stopping: %s", item)
             if isinstance(item, RunnerReported | RunnerExited | ImageUploaded):
                 try:
                     await self._handle(item)

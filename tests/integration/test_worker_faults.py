@@ -173,3 +173,45 @@ async def test_a_consumer_deleted_under_a_running_worker_is_recreated(
     assert finished(events).status == "completed"
     assert worker.log().count("is gone (deleted under this worker): recreating it") == 1
     await nc.close()
+
+
+async def test_a_worker_stopped_mid_task_gives_it_back_and_never_says_cancelled(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    """SIGTERM while a task streams: its runner stops it, but nobody cancelled it - no
+    `cancelled` terminal is written; the message is nak'ed at once (not left to AckWait), and
+    the next worker ends it worker_lost (its output had begun)."""
+    first = start_worker("a")
+    card = add_fault_card(first.data_dir)
+    nc = await client(nats_url)
+    await place_and_wait(nc, card, await wait_node(nc, first.data_dir))
+    task = fault_task("interrupted", "tokens:100000 delay_ms:20")
+    token = asyncio.Event()
+
+    async def on_event(msg: object) -> None:
+        if b'"type":"token"' in msg.data:  # type: ignore[attr-defined]
+            token.set()
+
+    sub = await nc.subscribe(subjects.out(task.task_id), cb=on_event)
+    collector = asyncio.create_task(events_of(nc, task.task_id, timeout=120))
+    await submit(nc, task)
+    await asyncio.wait_for(token.wait(), 30)
+    await sub.unsubscribe()
+    await asyncio.to_thread(first.stop)
+    assert first.process is not None and first.process.returncode == 0
+    js = nc.jetstream()
+    rival = await js.pull_subscribe_bind(
+        subjects.durable("fault-llm"), stream=subjects.TASKS_STREAM
+    )
+    [again] = await rival.fetch(1, timeout=10)  # nak'ed on the way out: not held to AckWait
+    assert again.metadata.num_delivered == 2
+    await again.nak()
+    await rival.unsubscribe()
+    second = start_worker("b")
+    add_fault_card(second.data_dir)
+    await place_and_wait(nc, card, await wait_node(nc, second.data_dir))
+    events = await collector
+    result = finished(events)
+    assert (result.status, result.reason) == ("failed", ErrorReason.WORKER_LOST)
+    assert not [e for e in events if getattr(e, "status", None) == "cancelled"]
+    await nc.close()

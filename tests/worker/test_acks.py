@@ -41,6 +41,7 @@ TABLE = [
     (Stage.FINISHED_NOT_STORED, 99.0, NOTHING),
     (Stage.INVALID, 0.0, Verb(Kind.TERM)),
     (Stage.STOPPING_NOT_STARTED, 0.0, Verb(Kind.NAK)),
+    (Stage.STOPPED_MID_RUN, 0.0, Verb(Kind.NAK)),
     (Stage.HANDED_BACK, 0.0, Verb(Kind.NAK, delay_s=HAND_BACK_DELAY_S)),
 ]
 
