@@ -9,6 +9,7 @@ kept for `permission_errors()`, which a health check reads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import ssl
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 MSG_ID = "Nats-Msg-Id"
 # How long a permission violation keeps a health check from saying "ok".
 PERMISSION_WINDOW_S = 60.0
+# Tries per server before the first connection is declared impossible (a restart gets two).
+FIRST_CONNECT_ATTEMPTS = 1
 _PERMISSION = re.compile(r"permissions violation for (\w+) to \"?([^\"\s']+)\"?", re.IGNORECASE)
 _USERINFO = re.compile(r"(\w+://)([^:/@\s]+):([^@/\s]+)@")
 
@@ -146,8 +149,14 @@ async def connect(
     options = options or ConnectOptions()
     shown = redact_urls(urls)
 
+    first_errors: list[Exception] = []  # what the first connection met, for its error
+
     async def on_error(exc: Exception) -> None:
         text = redact_text(str(exc) or type(exc).__name__)
+        if not connected:
+            first_errors.append(exc)
+            log.debug("nats: connecting to %s: %s", shown, text)
+            return
         if denied := parse_permission_error(text):
             _denied.append(denied)
             log.error(
@@ -164,6 +173,7 @@ async def connect(
     async def on_reconnect() -> None:
         log.info("nats: reconnected to %s", _current(client, shown))
 
+    connected = False
     extra: dict[str, object] = {}
     if options.creds:
         extra["user_credentials"] = options.creds
@@ -182,18 +192,29 @@ async def connect(
             name=name,
             connect_timeout=connect_timeout,
             allow_reconnect=True,
-            max_reconnect_attempts=-1,
+            # nats-py retries a first connection forever with -1: bounded here, and endless
+            # reconnects once connected (below).
+            max_reconnect_attempts=FIRST_CONNECT_ATTEMPTS,
             reconnect_time_wait=0.5,
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
             **extra,  # type: ignore[arg-type]
         )
-    except nats_errors.AuthorizationError:
-        raise NatsUnavailable(f"NATS at {shown} refused this process's credentials") from None
     except (nats_errors.Error, OSError, TimeoutError, ssl.SSLError) as exc:
-        detail = redact_text(str(exc) or type(exc).__name__)
+        with contextlib.suppress(Exception):
+            await client.close()
+        causes = [*first_errors, exc]
+        if any(isinstance(cause, nats_errors.AuthorizationError) for cause in causes):
+            raise NatsUnavailable(
+                f"NATS at {shown} refused this process's credentials"
+            ) from None
+        cause = next((c for c in reversed(causes) if not isinstance(c, nats_errors.NoServersError)),
+                     exc)
+        detail = redact_text(str(cause) or type(cause).__name__)
         raise NatsUnavailable(f"cannot reach NATS at {shown}: {detail}") from None
+    connected = True
+    client.options["max_reconnect_attempts"] = -1  # never give up once connected
     return client
 
 

@@ -1,0 +1,193 @@
+"""connect_with(settings): server lists, user/password, NKeys, TLS (mutual), redaction and
+permission errors, each against a real nats-server started with the matching config."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import nkeys
+import pytest
+
+from fleet.bus.auth_gen import make_tls
+from fleet.bus.connect import (
+    connect,
+    connect_with,
+    parse_permission_error,
+    permission_errors,
+    redact_text,
+    redact_url,
+    server_list,
+)
+from fleet.bus.embedded import EmbeddedNats
+from fleet.bus.retry import is_transient, pause_after
+from fleet.config import Settings, load_settings
+from fleet.errors import NatsUnavailable
+from tests.bus.cluster import free_port
+
+# ---- pure -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("nats://127.0.0.1:4222", "nats://127.0.0.1:4222"),
+    ("nats://alice:s3cret@127.0.0.1:4222", "nats://alice:***@127.0.0.1:4222"),
+    ("tls://bob:p%40ss@nats.example:4443", "tls://bob:***@nats.example:4443"),
+    ("nats://tokenonly@host:4222", "nats://***@host:4222"),
+    ("127.0.0.1:4222", "127.0.0.1:4222"),
+])
+def test_redact_url(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
+
+
+def test_redact_text_hides_every_password_in_free_text() -> None:
+    text = "cannot reach nats://a:pw1@h1:1, nats://b:pw2@h2:2"
+    assert redact_text(text) == "cannot reach nats://a:***@h1:1, nats://b:***@h2:2"
+
+
+def test_a_comma_separated_url_is_a_list_of_servers() -> None:
+    settings = load_settings(env={"FLEET_NATS_URL": "nats://a:1, nats://b:2,nats://c:3"})
+    assert server_list(settings.url) == ["nats://a:1", "nats://b:2", "nats://c:3"]
+    assert server_list(["nats://a:1"]) == ["nats://a:1"]
+
+
+def test_permission_errors_name_the_operation_and_the_subject() -> None:
+    found = parse_permission_error(
+        "nats: 'Permissions Violation for Publish to \"fleet.out.t1\"'"
+    )
+    assert found is not None and (found.operation, found.subject) == ("publish", "fleet.out.t1")
+    assert parse_permission_error("nats: stale connection") is None
+
+
+@pytest.mark.parametrize(("attempt", "pause"), [(1, 0.1), (2, 0.2), (3, 0.4), (5, 1.6), (6, 2.0),
+                                                (50, 2.0)])
+def test_retry_pauses_double_up_to_a_cap(attempt: int, pause: float) -> None:
+    assert pause_after(attempt) == pytest.approx(pause)
+
+
+def test_transient_errors_are_what_a_restart_or_an_election_causes() -> None:
+    import nats.errors
+    import nats.js.errors
+
+    assert is_transient(nats.errors.TimeoutError())
+    assert is_transient(nats.errors.NoRespondersError())
+    assert is_transient(nats.js.errors.ServiceUnavailableError(code=503))
+    assert is_transient(nats.js.errors.APIError(code=503))
+    assert not is_transient(nats.js.errors.BadRequestError(code=400))
+    assert not is_transient(ValueError())
+
+
+# ---- real servers ---------------------------------------------------------------------------
+
+def server_with(tmp_path: Path, config: str, name: str = "s") -> EmbeddedNats:
+    path = tmp_path / f"{name}.conf"
+    path.write_text(config)
+    return EmbeddedNats(tmp_path / name, port=0, config=path, log_file=tmp_path / f"{name}.log")
+
+
+async def test_the_first_server_of_the_list_down_connects_to_the_next(
+    nats_server: EmbeddedNats,
+) -> None:
+    down = f"nats://127.0.0.1:{free_port()}"
+    settings = Settings(nats_url=f"{down},{nats_server.url}")
+    nc = await connect_with(settings, "test-list")
+    try:
+        assert nc.is_connected
+        assert nc.connected_url is not None and nc.connected_url.port == nats_server.port
+    finally:
+        await nc.close()
+
+
+async def test_no_server_up_is_a_clear_error_with_the_password_redacted() -> None:
+    url = f"nats://alice:s3cret@127.0.0.1:{free_port()}"
+    with pytest.raises(NatsUnavailable) as failed:
+        await connect(url, "test-down", connect_timeout=1.0)
+    assert "alice:***@" in failed.value.message and "s3cret" not in failed.value.message
+
+
+@pytest.fixture
+def password_server(tmp_path: Path) -> Iterator[EmbeddedNats]:
+    config = 'authorization { users: [ { user: alice, password: "s3cret" } ] }\n'
+    with server_with(tmp_path, config) as server:
+        yield server
+
+
+async def test_user_and_password_from_settings_or_url(
+    password_server: EmbeddedNats, caplog: pytest.LogCaptureFixture
+) -> None:
+    plain = password_server.url
+    with caplog.at_level(logging.DEBUG):
+        nc = await connect_with(
+            Settings(nats_url=plain, nats_user="alice", nats_password="s3cret"), "t"
+        )
+        await nc.close()
+        in_url = plain.replace("nats://", "nats://alice:s3cret@")
+        nc = await connect_with(Settings(nats_url=in_url), "t")
+        await nc.close()
+    with pytest.raises(NatsUnavailable) as refused:
+        await connect_with(Settings(nats_url=plain, nats_user="alice", nats_password="no"), "t")
+    assert "s3cret" not in refused.value.message
+    assert "s3cret" not in caplog.text
+
+
+async def test_an_nkey_seed_file(tmp_path: Path) -> None:
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    public = nkeys.from_seed(bytearray(seed)).public_key.decode()
+    seed_file = tmp_path / "user.nk"
+    seed_file.write_bytes(seed)
+    config = f"authorization {{ users: [ {{ nkey: {public} }} ] }}\n"
+    with server_with(tmp_path, config) as server:
+        nc = await connect_with(Settings(nats_url=server.url, nats_nkey=str(seed_file)), "t")
+        assert nc.is_connected
+        await nc.close()
+        with pytest.raises(NatsUnavailable):
+            await connect_with(Settings(nats_url=server.url), "t", connect_timeout=2.0)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_mutual_tls_with_a_private_ca(tmp_path: Path) -> None:
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    files = make_tls(certs)
+    config = (
+        f'tls {{\n  cert_file: "{files.server_cert}"\n  key_file: "{files.server_key}"\n'
+        f'  ca_file: "{files.ca}"\n  verify: true\n}}\n'
+    )
+    with server_with(tmp_path, config) as server:
+        url = f"tls://127.0.0.1:{server.port}"
+        settings = Settings(
+            nats_url=url, nats_tls_ca=str(files.ca),
+            nats_tls_cert=str(certs / "worker-cert.pem"),
+            nats_tls_key=str(certs / "worker-key.pem"),
+        )
+        nc = await connect_with(settings, "t")
+        assert nc.is_connected
+        await nc.publish("x", b"over tls")
+        await nc.flush()
+        await nc.close()
+        # No client certificate: the server refuses it, and the error says where.
+        with pytest.raises(NatsUnavailable, match=r"127\.0\.0\.1"):
+            await connect_with(Settings(nats_url=url, nats_tls_ca=str(files.ca)), "t",
+                               connect_timeout=2.0)
+
+
+async def test_a_permission_violation_is_one_line_naming_the_subject_and_is_recorded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = (
+        'authorization { users: [ { user: u, password: p, permissions: '
+        '{ publish: { allow: ["ok.>", "_INBOX.>"] }, subscribe: { allow: ["_INBOX.>"] } } } ] }\n'
+    )
+    with server_with(tmp_path, config) as server:
+        nc = await connect_with(Settings(nats_url=server.url, nats_user="u", nats_password="p"),
+                                "test-perm")
+        with caplog.at_level(logging.ERROR, logger="fleet.bus.connect"):
+            await nc.publish("forbidden.subject", b"x")
+            await nc.flush()
+            await nc.flush()  # the -ERR arrives before the second PONG
+        await nc.close()
+    denied = [d for d in permission_errors() if d.subject == "forbidden.subject"]
+    assert denied and denied[-1].operation == "publish"
+    lines = [r.getMessage() for r in caplog.records if "forbidden.subject" in r.getMessage()]
+    assert len(lines) == 1 and "permission denied: publish to forbidden.subject" in lines[0]
