@@ -188,7 +188,7 @@ class Backend:
         idle_s: float | None = None,
     ) -> TaskEvents:
         reader = TaskEvents(
-            self.hub, self.jetstream(), task_id, deadline, after, replay=replay, idle_s=idle_s
+            self.jetstream(), task_id, deadline, after, hub=self.hub, replay=replay, idle_s=idle_s
         )
         return await reader.open()
 

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import anyio
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 
 OUT_PREFIX = "fleet.out."
 IDLE_HEARTBEAT_S = 5.0  # lets the ordered consumer notice it was lost and recreate itself
+CLEANUP_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,15 @@ def stream_seq(message: Msg) -> int:
 class EventHub:
     """One subscription for all readers; `listen` before reading anything stored."""
 
-    def __init__(self, client: Callable[[], Client]) -> None:
+    def __init__(
+        self, client: Callable[[], Client], subject: str = f"{OUT_PREFIX}>",
+        from_start: bool = False,
+    ) -> None:
+        """`subject`: what the one subscription covers; a lone reader of one task gives its
+        subject and `from_start` (the stored events too, so it needs no replay)."""
         self._client = client
+        self.subject = subject
+        self.deliver = DeliverPolicy.ALL if from_start else DeliverPolicy.NEW
         self._listeners: dict[str, set[Listener]] = {}
         self._subscription: JetStreamContext.PushSubscription | None = None
         self._starting = asyncio.Lock()
@@ -77,16 +86,16 @@ class EventHub:
                 return
             try:
                 self._subscription = await self._client().jetstream().subscribe(
-                    f"{OUT_PREFIX}>",
+                    self.subject,
                     stream=subjects.OUT_STREAM,
                     ordered_consumer=True,
-                    deliver_policy=DeliverPolicy.NEW,
+                    deliver_policy=self.deliver,
                     idle_heartbeat=IDLE_HEARTBEAT_S,
                     cb=self._deliver,
                 )
             except (NatsError, OSError, TimeoutError) as exc:
                 raise NatsUnavailable(f"cannot read {subjects.OUT_STREAM}: {exc!r}") from None
-            log.info("reading every task's events through one subscription on %s", OUT_PREFIX)
+            log.debug("reading task events through one subscription on %s", self.subject)
 
     async def _deliver(self, message: Msg) -> None:
         task_id = task_of(message.subject)
@@ -113,7 +122,13 @@ class EventHub:
             del self._listeners[listener.task_id]
 
     async def close(self) -> None:
+        """Unsubscribe, even while the caller is being cancelled (a client hung up)."""
         subscription, self._subscription = self._subscription, None
-        if subscription is not None:
-            with contextlib.suppress(NatsError, OSError, TimeoutError):
-                await subscription.unsubscribe()
+        if subscription is None:
+            return
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(CLEANUP_TIMEOUT_S),
+            contextlib.suppress(NatsError, OSError, TimeoutError),
+        ):
+            await subscription.unsubscribe()

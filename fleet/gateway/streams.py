@@ -80,21 +80,26 @@ class TaskEvents(EventReader):
 
     def __init__(
         self,
-        hub: EventHub,
         js: JetStreamContext,
         task_id: str,
         deadline: float,
         after: int = 0,
         *,
+        hub: EventHub | None = None,
         replay: bool = True,
         idle_s: float | None = None,
     ) -> None:
-        self.hub = hub
+        """`hub`: the gateway's shared subscription. Without one (a lone reader such as
+        `fleet follow`) the reader makes its own from the task's first stored event, on the
+        task's subject only, and needs no replay."""
+        self._own_hub = hub is None
+        # nats-py keeps the connection of a JetStream context only as `_nc`
+        self.hub = hub or EventHub(lambda: js._nc, subjects.out(task_id), from_start=True)
         self.js = js
         self.task_id = task_id
         self.deadline = deadline
         self.after = after
-        self.replay = replay
+        self.replay = replay and not self._own_hub
         self.idle_s = idle_s
         self.index = 0
         self.finished: TaskFinished | None = None
@@ -142,6 +147,8 @@ class TaskEvents(EventReader):
         listener, self._listener = self._listener, None
         if listener is not None:
             self.hub.drop(listener)
+        if self._own_hub:
+            await self.hub.close()
 
     async def __aenter__(self) -> TaskEvents:
         return await self.open()

@@ -190,3 +190,19 @@ async def test_an_idle_event_stream_ends_after_its_idle_time(hardened: str) -> N
     assert response.status_code == 200
     [block] = sse_blocks(response.text)
     assert block["event"] == "error" and orjson.loads(block["data"])["error"]["code"] == "idle"
+
+
+async def test_a_lone_reader_without_the_gateway_reads_a_task_from_its_start(nc: Client) -> None:
+    """`fleet follow` reads one task with TaskEvents and no hub: its own subscription."""
+    from fleet.gateway.streams import TaskEvents
+
+    js = nc.jetstream()
+    task_id = "lone-1"
+    await js_publish(js, subjects.out(task_id), TaskAccepted(
+        task_id=task_id, at=1.0, model="m", node_id="n", runner_id="r"))
+    deadline = asyncio.get_running_loop().time() + 10
+    async with TaskEvents(js, task_id, deadline) as events:
+        await js_publish(js, subjects.out(task_id), TaskFinished(
+            task_id=task_id, at=3.0, status="completed"))
+        seen = [(item.index, item.event.type) async for item in events]
+    assert seen == [(1, "task_accepted"), (2, "task_finished")]
