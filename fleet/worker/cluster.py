@@ -24,27 +24,26 @@ from fleet.models.blas import openblas_available
 from fleet.models.catalog import all_cards
 from fleet.models.store import can_provide, models_on_disk
 from fleet.wire import subjects
-from fleet.wire.cluster import Instance, NodeJoined, NodeLeft, RunnerRecord, RunnerStatusChanged
+from fleet.wire.cluster import (
+    Instance,
+    NodeInfo,
+    NodeJoined,
+    NodeLeft,
+    RunnerRecord,
+    RunnerStatusChanged,
+)
 from fleet.wire.codec import DecodeError, decode_model, encode
 from fleet.wire.runners import RunnerStatus
 from fleet.worker.demand import Demand
 from fleet.worker.failover import Failover
+from fleet.worker.heartbeat import Heartbeat
 from fleet.worker.inputs import ImageCache
 from fleet.worker.janitor import Janitor
-from fleet.worker.liveness import (
-    LinkHealth,
-    beat_failed,
-    beat_succeeded,
-    gap_seen,
-    trusts_absences,
-)
 from fleet.worker.node import node_id, node_info
 from fleet.worker.state import InstancesChanged, RunnerView
 
 log = logging.getLogger(__name__)
 
-HEARTBEAT_S = 3.0
-NODE_TTL_S = 15.0  # FLEET_NODES' max age in ops/jetstream; read from the bucket at start
 STOP_BUDGET_S = 2.0  # saying goodbye to a broker that is down is not worth more
 REMEMBERED_CANCELS = 100_000  # the bucket keeps an hour of them; a bound on memory all the same
 
@@ -73,14 +72,6 @@ class ClusterLink:
         self._own_supervisor: Supervisor | None = None
         self.cancelled: dict[str, None] = {}  # cancel records seen, oldest first
         self._cancels_loaded = False
-        self.health = LinkHealth()  # this node's own KV round trips: the liveness evidence
-        self.node_ttl_s = NODE_TTL_S
-        self._beat_now = asyncio.Event()
-        self._reconnects = 0
-
-    def trusts_absences(self) -> bool:
-        """Whether an absent heartbeat key is evidence of a dead node (fleet.worker.liveness)."""
-        return trusts_absences(self.health, time.monotonic(), self.node_ttl_s, HEARTBEAT_S)
 
     async def start(self, supervisor: Supervisor | None = None) -> None:
         """Register this node and start its loops as children of `supervisor` (each restarted
@@ -94,11 +85,15 @@ class ClusterLink:
         self.cancels = await self._bucket(subjects.CANCELS_BUCKET)
         self.store = ObjectBucket(self.nc, subjects.IMAGES_BUCKET)
         self.cache = ImageCache(self.settings.images_dir, self.settings.image_cache_bytes)
-        self.node_ttl_s = await self._node_ttl()
+        self.heartbeat = Heartbeat(
+            self.nc, self.nodes, self.runners, self.node_id, self._node_info,
+            lambda: list(self.records.values()),
+        )
+        await self.heartbeat.read_ttl(self.js)
         self.failover = Failover(
             self.js, self.nodes, self.instances, self.cards, self_id=self.node_id,
-            trusted=self.trusts_absences, on_own_key_gone=self._beat_now.set,
-            on_gap=self._gap,
+            trusted=self.heartbeat.trusts_absences, on_own_key_gone=self.heartbeat.wake.set,
+            on_gap=self.heartbeat.gap,
         )
         self.demand = Demand(
             self.js, self.instances, self.cards, placed=lambda: self.placed.values(),
@@ -108,7 +103,7 @@ class ClusterLink:
         on_known = self.demand.want if self.settings.auto_place else None
         self.janitor = Janitor(self.nc, self.js, self._is_known, on_known=on_known)
         await self.janitor.start()
-        await self._beat_once(budget_s=30.0)
+        await self.heartbeat.beat(budget_s=30.0)
         await publish(self.nc, subjects.node_event(self.node_id), NodeJoined(
             node_id=self.node_id, hostname=node_info(self.node_id, 0, [], [], None).hostname,
             at=time.time(),
@@ -116,7 +111,7 @@ class ClusterLink:
         if self.blas:
             log.info("BLAS: %s loaded for mlx's CPU path", self.blas)
         self._tasks = [
-            supervisor.forever("heartbeat", self._heartbeat_forever),
+            supervisor.forever("heartbeat", self.heartbeat.forever),
             supervisor.forever("instance watch", self._watch_instances),
             supervisor.forever("status writer", self._write_statuses_forever),
             supervisor.forever("cancel watch", self._watch_cancels),
@@ -128,21 +123,6 @@ class ClusterLink:
 
     async def _bucket(self, name: str) -> KeyValue:
         return await with_retry(lambda: self.js.key_value(name), what=f"open bucket {name}")
-
-    async def _node_ttl(self) -> float:
-        """How long a silent node's key lives: the bucket's max age (the TTL of record)."""
-        try:
-            info = await with_retry(
-                lambda: self.js.stream_info(f"KV_{subjects.NODES_BUCKET}"), what="node bucket"
-            )
-        except Exception as exc:
-            log.warning("node bucket TTL unknown (%s); assuming %.0f s", exc, NODE_TTL_S)
-            return NODE_TTL_S
-        return float(info.config.max_age or NODE_TTL_S)
-
-    def _gap(self) -> None:
-        """A reconnect or a restarted watch: what we saw before may have holes."""
-        self.health = gap_seen(self.health)
 
     def _is_known(self, model: str) -> bool:
         return model in self.cards or any(i.model == model for i in self.placed.values())
@@ -168,43 +148,11 @@ class ClusterLink:
 
     # ---- heartbeat and instances -------------------------------------------------------
 
-    async def _beat_once(self, budget_s: float = HEARTBEAT_S) -> None:
-        """One heartbeat round; its outcome is the evidence `trusts_absences` weighs."""
-        info = node_info(
+    def _node_info(self) -> NodeInfo:
+        return node_info(
             self.node_id, self.started_at, models_on_disk(self.settings.models_dir),
             sorted(self.records), self.blas, self.buildable,
         )
-        reconnects = self.nc.stats.get("reconnects", 0)
-        if reconnects != self._reconnects:
-            # Reconnected since the last round, however briefly: what we watched has holes.
-            self._reconnects = reconnects
-            self._gap()
-        try:
-            if not self.nc.is_connected:
-                raise ConnectionError("not connected to NATS")
-            await kv_put(self.nodes, self.node_id, encode(info), budget_s=budget_s)
-        except Exception as exc:
-            if self.health.failures == 0:
-                log.warning("heartbeat failed (%s); no node is judged dead until it is back "
-                            "for %.0f s", exc, self.node_ttl_s)
-            self.health = beat_failed(self.health)
-            return
-        if self.health.failures:
-            log.info("heartbeat back after %d failed round(s)", self.health.failures)
-        self.health = beat_succeeded(self.health, time.monotonic())
-        for record in list(self.records.values()):
-            try:
-                await kv_put(self.runners, record.runner_id, encode(record), budget_s=budget_s)
-            except Exception as exc:
-                log.warning("runner record %s not refreshed: %s", record.runner_id, exc)
-
-    async def _heartbeat_forever(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                # The heartbeat period, or at once when our own key was seen to expire.
-                await asyncio.wait_for(self._beat_now.wait(), HEARTBEAT_S)
-            self._beat_now.clear()
-            await self._beat_once()
 
     async def _watch_instances(self) -> None:
         table: dict[str, Instance] = {}

@@ -14,8 +14,8 @@ from fleet.placement import read_instances
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord, ShardAssignment
 from fleet.wire.codec import decode_model, encode
-from fleet.worker.cluster import NODE_TTL_S
 from fleet.worker.failover import SWEEP_S
+from fleet.worker.heartbeat import NODE_TTL_S
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
     client,

@@ -1,0 +1,103 @@
+"""This node's heartbeat in FLEET_NODES, and the record of its own KV round trips that
+liveness decisions weigh (fleet.worker.liveness): a worker that could not write its own key
+lately judges no other node dead."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from fleet.bus.kv_calls import kv_put
+from fleet.bus.retry import with_retry
+from fleet.wire import subjects
+from fleet.wire.cluster import NodeInfo, RunnerRecord
+from fleet.wire.codec import encode
+from fleet.worker.liveness import (
+    LinkHealth,
+    beat_failed,
+    beat_succeeded,
+    gap_seen,
+    trusts_absences,
+)
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 3.0
+NODE_TTL_S = 15.0  # FLEET_NODES' max age in ops/jetstream; read from the bucket at start
+
+
+class Heartbeat:
+    def __init__(
+        self, nc: Client, nodes: KeyValue, runners: KeyValue, node_id: str,
+        info: Callable[[], NodeInfo], records: Callable[[], list[RunnerRecord]],
+    ) -> None:
+        self.nc = nc
+        self.nodes = nodes
+        self.runners = runners
+        self.node_id = node_id
+        self.info = info
+        self.records = records  # re-put each round, so their keys outlive their TTL
+        self.health = LinkHealth()
+        self.ttl_s = NODE_TTL_S
+        self.wake = asyncio.Event()  # set to beat now (our own key was seen to expire)
+        self._reconnects = 0
+
+    async def read_ttl(self, js: JetStreamContext) -> None:
+        """How long a silent node's key lives: the bucket's max age (the TTL of record)."""
+        try:
+            info = await with_retry(
+                lambda: js.stream_info(f"KV_{subjects.NODES_BUCKET}"), what="node bucket"
+            )
+        except Exception as exc:
+            log.warning("node bucket TTL unknown (%s); assuming %.0f s", exc, NODE_TTL_S)
+            return
+        self.ttl_s = float(info.config.max_age or NODE_TTL_S)
+
+    def trusts_absences(self) -> bool:
+        """Whether an absent heartbeat key is evidence of a dead node, now."""
+        return trusts_absences(self.health, time.monotonic(), self.ttl_s, HEARTBEAT_S)
+
+    def gap(self) -> None:
+        """A reconnect or a restarted watch: what we saw before may have holes."""
+        self.health = gap_seen(self.health)
+
+    async def beat(self, budget_s: float = HEARTBEAT_S) -> None:
+        """One round; its outcome is the evidence `trusts_absences` weighs."""
+        reconnects = self.nc.stats.get("reconnects", 0)
+        if reconnects != self._reconnects:
+            # Reconnected since the last round, however briefly: what we watched has holes.
+            self._reconnects = reconnects
+            self.gap()
+        try:
+            if not self.nc.is_connected:
+                raise ConnectionError("not connected to NATS")
+            await kv_put(self.nodes, self.node_id, encode(self.info()), budget_s=budget_s)
+        except Exception as exc:
+            if self.health.failures == 0:
+                log.warning("heartbeat failed (%s); no node is judged dead until it is back "
+                            "for %.0f s", exc, self.ttl_s)
+            self.health = beat_failed(self.health)
+            return
+        if self.health.failures:
+            log.info("heartbeat back after %d failed round(s)", self.health.failures)
+        self.health = beat_succeeded(self.health, time.monotonic())
+        for record in self.records():
+            try:
+                await kv_put(self.runners, record.runner_id, encode(record), budget_s=budget_s)
+            except Exception as exc:
+                log.warning("runner record %s not refreshed: %s", record.runner_id, exc)
+
+    async def forever(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                # The heartbeat period, or at once when our own key was seen to expire.
+                await asyncio.wait_for(self.wake.wait(), HEARTBEAT_S)
+            self.wake.clear()
+            await self.beat()
