@@ -111,7 +111,9 @@ class GatewayMetrics:
             "fleet_gateway_request_duration_seconds", "From the request to its last byte"
         )
 
-    def render(self, queues: Mapping[str, ModelQueue]) -> str:
+    def render(self, queues: Mapping[str, ModelQueue], waiting: int = 0) -> str:
+        """`waiting`: requests now waiting on task events (their limit answers 429); a total,
+        so an open /metrics names no tenant."""
         def per_model(field: str) -> dict[Labels, float]:
             return {_labels({"model": m}): getattr(q, field) for m, q in queues.items()}
 
@@ -122,6 +124,11 @@ class GatewayMetrics:
             *self.ttft.render(),
             *self.tpot.render(),
             *self.duration.render(),
+            *render_gauge(
+                "fleet_gateway_waiting_requests",
+                "Requests waiting on task events (chats in flight, event streams)",
+                {(): waiting},
+            ),
             *render_gauge(
                 "fleet_queue_depth", "Tasks in FLEET_TASKS not yet acknowledged, per model",
                 per_model("queued"),

@@ -88,7 +88,9 @@ async def metrics(request: Request) -> Response:
         queues = await gateway.backend.queue_stats()
     except FleetError:
         queues = {}  # the scrape still reports what the gateway itself saw
-    return PlainTextResponse(gateway.metrics.render(queues), media_type=PROMETHEUS_TEXT)
+    return PlainTextResponse(
+        gateway.metrics.render(queues, gateway.capacity.waiting), media_type=PROMETHEUS_TEXT
+    )
 
 
 async def openapi(request: Request) -> Response:

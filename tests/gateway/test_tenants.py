@@ -198,7 +198,10 @@ async def test_metrics_can_need_a_key(
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as anyone:
             assert (await anyone.get("/metrics")).status_code == 401
         async with as_key(app, keys["b"]) as b:
-            assert (await b.get("/metrics")).status_code == 200
+            scraped = await b.get("/metrics")
+            assert scraped.status_code == 200
+            assert "\nfleet_gateway_waiting_requests 0\n" in scraped.text
+            assert "team-" not in scraped.text  # no tenant named to whoever scrapes
 
 
 def test_capacity_counts_per_tenant_and_in_all() -> None:
