@@ -89,6 +89,7 @@ def free_port() -> int:
 
 def assert_clean(command: Command, code: int, took: float) -> None:
     output = command.log()
+    print(f"exited {code} in {took:.2f} s")  # shown with -s: the number the README quotes
     assert took < EXIT_WITHIN_S, f"took {took:.1f} s:\n{output[-3000:]}"
     assert code >= 0, f"killed by signal {-code}:\n{output[-3000:]}"
     assert not any(marker in output for marker in ABORTS), output[-3000:]
