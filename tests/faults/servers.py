@@ -5,6 +5,7 @@ process the tests can SIGKILL, restart on the same store and port, SIGSTOP and S
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -13,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import nats
 import orjson
 from nats.aio.client import Client
@@ -36,6 +38,7 @@ class NatsNode:
     log_file: Path
     config: Path | None = None
     port: int = 0
+    http_port: int | None = None  # the monitoring port (cluster nodes), for /connz
     server: EmbeddedNats | None = None
     paused: bool = False
 
@@ -80,13 +83,13 @@ class NatsNode:
             self.server.stop()
 
 
-def cluster_config(index: int, target: Path, routes: list[int]) -> Path:
+def cluster_config(index: int, target: Path, routes: list[int], http_port: int) -> Path:
     """ops/nats/cluster-<index>.conf with its loopback ports moved to free ones, so the test
     runs the configuration a user copies, beside any other server on this machine."""
     text = (ops_dir() / "nats" / f"cluster-{index}.conf").read_text()
     for shipped, port in zip((6221, 6222, 6223), routes, strict=True):
         text = text.replace(f"127.0.0.1:{shipped}", f"127.0.0.1:{port}")
-    text = re.sub(r"http_port:\s*\d+", f"http_port: {free_port()}", text)
+    text = re.sub(r"http_port:\s*\d+", f"http_port: {http_port}", text)
     # EmbeddedNats gives the store as -sd; the server refuses a second store_dir in the file.
     text = re.sub(r'\n\s*store_dir:\s*"[^"]*"', "", text)
     target.write_text(text)
@@ -120,9 +123,11 @@ class Broker:
         for index in (1, 2, 3):
             store = root / f"n{index}"
             store.mkdir(parents=True, exist_ok=True)
-            config = cluster_config(index, root / f"n{index}.conf", routes)
+            http_port = free_port()
+            config = cluster_config(index, root / f"n{index}.conf", routes, http_port)
             nodes[f"fleet-n{index}"] = NatsNode(
-                f"fleet-n{index}", store, root / f"n{index}.log", config=config
+                f"fleet-n{index}", store, root / f"n{index}.log", config=config,
+                http_port=http_port,
             )
         for node in nodes.values():
             node.start()
@@ -173,6 +178,19 @@ async def until_jetstream(nc: Client, streams: tuple[str, ...] = (), timeout: fl
     raise TimeoutError(f"JetStream not ready with leaders for {streams}: {last!r}")
 
 
+async def clients_named(node: NatsNode, name: str) -> int | None:
+    """How many clients called `name` this server holds (its /connz), None if unknown: shows
+    whether a fault cut workers off or only the servers' RAFT groups."""
+    if node.http_port is None:
+        return None
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            reply = await http.get(f"http://127.0.0.1:{node.http_port}/connz?limit=1024")
+        return sum(c.get("name") == name for c in reply.json().get("connections") or [])
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 async def leader_of(nc: Client, stream: str) -> str | None:
     """The server name leading a stream's RAFT group (None while it elects)."""
     info = await api(nc, f"STREAM.INFO.{stream}")
@@ -180,6 +198,20 @@ async def leader_of(nc: Client, stream: str) -> str | None:
     assert isinstance(cluster, dict)
     leader = cluster.get("leader")
     return str(leader) if leader else None
+
+
+async def move_leader(nc: Client, stream: str, server: str, timeout: float = 20.0) -> bool:
+    """Ask the stream's leader to step down in favour of `server` (a preferred placement);
+    True once `server` leads. Each question is a bounded request; the pause paces them."""
+    body = orjson.dumps({"placement": {"preferred": server}})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(NatsError, TimeoutError):
+            if await leader_of(nc, stream) == server:
+                return True
+            await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", body, timeout=2.0)
+        await asyncio.sleep(0.5)
+    return False
 
 
 async def replicas_of(nc: Client, stream: str) -> int:

@@ -25,7 +25,14 @@ import pytest
 from fleet.wire import subjects
 from tests.faults.conftest import LONG, RunFactory
 from tests.faults.run import FaultReport, FaultRun, Load
-from tests.faults.servers import Broker, NatsNode, leader_of, until_jetstream
+from tests.faults.servers import (
+    Broker,
+    NatsNode,
+    clients_named,
+    leader_of,
+    move_leader,
+    until_jetstream,
+)
 from tests.faults.tally import describe
 
 KV_STREAMS = (f"KV_{subjects.NODES_BUCKET}", f"KV_{subjects.INSTANCES_BUCKET}")
@@ -35,11 +42,11 @@ LEADER_TARGETS = (subjects.TASKS_STREAM, subjects.OUT_STREAM, *KV_STREAMS)
 if LONG:
     SINGLE = Load(tasks=100, tokens=60, delay_ms=50)
     CLUSTER = Load(tasks=200, tokens=50, delay_ms=40)
-    PARTITION = Load(tasks=100, tokens=50, delay_ms=60)
+    PARTITION = Load(tasks=150, tokens=50, delay_ms=60)
 else:
     SINGLE = Load(tasks=32, tokens=30, delay_ms=100)
     CLUSTER = Load(tasks=80, tokens=40, delay_ms=100)
-    PARTITION = Load(tasks=64, tokens=30, delay_ms=100)
+    PARTITION = Load(tasks=96, tokens=30, delay_ms=100)
 # How long a killed server stays down: the single server 5 s as in the issue (longer than a
 # publish's 5 s timeout); the cluster's servers a few seconds each.
 SINGLE_DOWN_S = 5.0
@@ -53,7 +60,8 @@ async def kill_and_restart(
     run: FaultRun, broker: Broker, node: NatsNode, why: str, down_s: float
 ) -> float:
     """SIGKILL `node`, keep it down `down_s`, start it on the same store; the return time."""
-    run.fault_now(f"kill {node.name} ({why})")
+    workers = await clients_named(node, "fleet-worker")
+    run.fault_now(f"kill {node.name} ({why}; {workers} worker(s) connected)")
     node.kill()
     await asyncio.sleep(down_s)  # the outage itself: the duration under test, not a sync
     await broker.restart(node)
@@ -127,10 +135,17 @@ async def test_kv_leader_partitioned_for_20s_loses_nothing_and_cancels_nothing(
     await run.start()
     await run.publish()
     await run.until_busy()
+    # The harshest partition cuts off a worker with the leader: move the leader to a server
+    # that has a worker, when the election put it elsewhere.
+    for name, candidate in cluster_broker.nodes.items():
+        if await clients_named(candidate, "fleet-worker"):
+            await move_leader(run.nc, KV_STREAMS[0], name)
+            break
     leader = await leader_of(run.nc, KV_STREAMS[0])
     assert leader is not None
     node = cluster_broker.nodes[leader]
-    run.fault_now(f"pause {leader} (leads {KV_STREAMS[0]})")
+    workers = await clients_named(node, "fleet-worker")
+    run.fault_now(f"pause {leader} (leads {KV_STREAMS[0]}; {workers} worker(s) connected)")
     node.pause()
     try:
         await asyncio.sleep(PARTITION_S)  # the partition itself: the duration under test
