@@ -29,9 +29,13 @@ class ErrorBody(BaseModel):
 _ERRORS = {
     "400": "Invalid request",
     "401": "Missing or wrong API key (when keys are configured)",
-    "404": "Unknown model, image, route, or a task with no stored events",
-    "413": "Request body too large",
-    "429": "The model's queue is full",
+    "404": "Unknown model, image or route; a task with no stored events; another API key's "
+    "task or image (the same answer, so nothing confirms it exists)",
+    "408": "The request body did not arrive in time (FLEET_GATEWAY_BODY_TIMEOUT_S)",
+    "413": "Request body too large, or a task larger than a NATS message may be",
+    "429": "The model's queue is full, or too many requests are waiting (per key or in all); "
+    "see Retry-After",
+    "502": "A stored image does not hash to its name: refused, not served",
     "503": "NATS unreachable",
     "504": "No terminal event before the deadline",
 }
@@ -76,6 +80,7 @@ def _task_operation(summary: str, operation_id: str, model: type[BaseModel]) -> 
                 "The result, or an SSE stream when `stream` is true",
                 content,
                 "404",
+                "408",
                 "413",
                 "429",
                 "503",
@@ -178,7 +183,8 @@ def openapi_document() -> dict[str, Any]:
                     "The edited images, or an SSE stream",
                     {**_JSON, **_SSE},
                     "404",
-                    "413",
+                    "408",
+                "413",
                     "429",
                     "503",
                     "504",
@@ -186,11 +192,12 @@ def openapi_document() -> dict[str, Any]:
             }
         },
         "/v1/images/{sha256}": _get(
-            "A stored image by the sha256 of its bytes",
+            "A stored image by the sha256 of its bytes (one this key's tasks made or it sent)",
             "getImage",
             "The image bytes",
             image["content"],
             "404",
+            "502",
             "503",
             parameters=[_path_param("sha256", "^[0-9a-f]{64}$")],
         ),
@@ -207,22 +214,30 @@ def openapi_document() -> dict[str, Any]:
         ),
         "/v1/tasks/{task_id}/cancel": {
             "post": {
-                "summary": "Cancel a task",
+                "summary": "Cancel a task (of this API key's tenant)",
                 "operationId": "cancelTask",
                 "parameters": [task_id],
-                "responses": _responses("The cancel was recorded and announced", _JSON, "503"),
+                "responses": _responses(
+                    "The cancel was recorded and announced", _JSON, "404", "503"
+                ),
             }
         },
         "/v1/tasks/{task_id}/events": _get(
-            "A task's Fleet events as SSE, resumable after N events",
+            "A task's Fleet events as SSE, resumable after N events (this API key's tasks only);"
+            " a stream with no event for FLEET_GATEWAY_EVENTS_IDLE_S ends with an `idle` error",
             "taskEvents",
             "SSE of raw Fleet events; `id:` is the event's index",
             _SSE,
             "404",
+            "429",
             "503",
             parameters=[task_id, after],
         ),
-        "/healthz": _get("NATS, streams and model readiness", "health", "Healthy", _JSON, "503"),
+        "/healthz": _get(
+            "Up or not: {\"status\": \"ok\"}; with an API key (or without keys configured)"
+            " also NATS, streams, models and permission errors",
+            "health", "Healthy", _JSON, "503",
+        ),
         "/metrics": _get(
             "Prometheus metrics",
             "metrics",
