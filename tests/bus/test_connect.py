@@ -3,11 +3,15 @@ permission errors, each against a real nats-server started with the matching con
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import nkeys
 import pytest
@@ -191,3 +195,55 @@ async def test_a_permission_violation_is_one_line_naming_the_subject_and_is_reco
     assert denied and denied[-1].operation == "publish"
     lines = [r.getMessage() for r in caplog.records if "forbidden.subject" in r.getMessage()]
     assert len(lines) == 1 and "permission denied: publish to forbidden.subject" in lines[0]
+
+
+# ---- a .creds file (operator mode: JWTs signed with NKeys, as `nsc` would make them) -------
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).decode().rstrip("=")
+
+
+def _keypair(prefix: int) -> nkeys.KeyPair:
+    return nkeys.from_seed(bytearray(nkeys.encode_seed(os.urandom(32), prefix)))
+
+
+def _jwt(subject: nkeys.KeyPair, issuer: nkeys.KeyPair, name: str, nats: dict[str, Any]) -> str:
+    header = _b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+    claims = {
+        "jti": _b64(os.urandom(16)), "iat": int(time.time()), "iss": issuer.public_key.decode(),
+        "name": name, "sub": subject.public_key.decode(), "nats": {**nats, "version": 2},
+    }
+    body = _b64(json.dumps(claims).encode())
+    return f"{header}.{body}.{_b64(issuer.sign(f'{header}.{body}'.encode()))}"
+
+
+async def test_a_creds_file(tmp_path: Path) -> None:
+    operator = _keypair(nkeys.PREFIX_BYTE_OPERATOR)
+    account = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+    system = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)  # JetStream needs a system account
+    user = _keypair(nkeys.PREFIX_BYTE_USER)
+    unlimited = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+                 "wildcards": True, "conn": -1, "leaf": -1}
+    operator_jwt = _jwt(operator, operator, "op", {"type": "operator"})
+    account_jwt = _jwt(account, operator, "FLEET", {"type": "account", "limits": unlimited})
+    system_jwt = _jwt(system, operator, "SYS", {"type": "account", "limits": unlimited})
+    user_jwt = _jwt(user, account, "worker", {
+        "type": "user", "pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1,
+    })
+    creds = tmp_path / "worker.creds"
+    creds.write_text(
+        f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{user.seed.decode()}\n------END USER NKEY SEED------\n"
+    )
+    config = (
+        f'operator: "{operator_jwt}"\nresolver: MEMORY\n'
+        f'system_account: {system.public_key.decode()}\n'
+        f'resolver_preload: {{\n  {account.public_key.decode()}: "{account_jwt}"\n'
+        f'  {system.public_key.decode()}: "{system_jwt}"\n}}\n'
+    )
+    with server_with(tmp_path, config) as server:
+        nc = await connect_with(Settings(nats_url=server.url, nats_creds=str(creds)), "t")
+        assert nc.is_connected
+        await nc.close()
+        with pytest.raises(NatsUnavailable):
+            await connect_with(Settings(nats_url=server.url), "t", connect_timeout=2.0)
