@@ -70,3 +70,27 @@ def test_a_guard_kills_its_child_when_the_owner_vanishes_and_not_after_a_goodbye
             child.kill()
             child.wait(10)
             assert not psutil.pid_exists(guard.process.pid) or guard.process.poll() is not None
+
+
+PARENT = textwrap.dedent("""
+    import subprocess, sys
+    from fleet.proc import die_with_parent
+
+    child = subprocess.Popen(["sleep", "60"], preexec_fn=die_with_parent)
+    print(child.pid, flush=True)
+    child.wait()
+""")
+
+
+def test_die_with_parent_ends_the_child_when_its_parent_is_killed() -> None:
+    if not sys.platform.startswith("linux"):
+        return  # a no-op elsewhere, by design
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    child = psutil.Process(int(parent.stdout.readline()))
+    parent.kill()
+    parent.wait(10)
+    gone, alive = psutil.wait_procs([child], timeout=10)
+    for process in alive:
+        process.kill()
+    assert gone and not alive
