@@ -24,9 +24,7 @@ from fleet.bus.provision import provision
 from fleet.config import Settings
 from fleet.runner import protocol as pipe
 from fleet.wire.events import (
-    ErrorChunk,
     ErrorReason,
-    OutputEvent,
     TaskAccepted,
     TaskFinished,
     TokenChunk,
@@ -55,18 +53,16 @@ from fleet.worker.inbox import (
 )
 from fleet.worker.intake import Intake, Queued
 from fleet.worker.outputs import TaskOutput
-from fleet.worker.pulls import FETCH_WAIT_S, TaskPuller
+from fleet.worker.pulls import TaskPuller
+from fleet.worker.reports import RunnerReports
 from fleet.worker.runners import RunnerPool
 from fleet.worker.spans import TaskSpans
 from fleet.worker.state import WorkerState, apply
-from fleet.worker.supervisor import crashed_terminal
+from fleet.worker.stopping import Stopping
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_ENDINGS_S = 10.0
-
-
-class Worker:
+class Worker(RunnerReports, Stopping):
     def __init__(self, settings: Settings, ready: asyncio.Event | None = None) -> None:
         self.settings = settings
         self.ready = ready or asyncio.Event()
@@ -243,14 +239,6 @@ class Worker:
         if (msg := self.acks.release(task_id)) is not None:
             self.endings.settle(task_id, msg, stage)
 
-    def _cut_short(self, report: TaskFinished) -> bool:
-        """A runner stopping with the worker cancels what it runs: that is not the user's
-        cancel, and must not reach the task's stream as one."""
-        return (
-            self.state.stopping and report.status == "cancelled"
-            and report.task_id not in self.cancels_sent
-        )
-
     def _end(self, task_id: str, reason: ErrorReason, message: str) -> None:
         """End a task that never reached a runner; its slot is free at once."""
         self._release(task_id)
@@ -268,58 +256,6 @@ class Worker:
         if pinned := self.pinned.pop(task_id, None):
             self.cluster.release_inputs(pinned)
 
-    async def _report(self, reported: RunnerReported) -> None:
-        report = reported.report
-        with self.spans.active(getattr(report, "task_id", None)):
-            await self._on_report(reported.runner_id, report)
-
-    async def _on_report(self, runner_id: str, report: pipe.RunnerReport) -> None:
-        match report:
-            case pipe.RunnerStatusReport(status=status):
-                self._apply(ev.RunnerStatusSeen(runner_id, status))
-                self.cluster.runner_status(self.state.runners.get(runner_id), status)
-            case TaskFinished() if self._cut_short(report):
-                self._hand_back(report.task_id, Stage.STOPPED_MID_RUN)
-            case TaskFinished():
-                report = self.images.final(report, runner_id)
-                if report.status == "failed" and report.reason and report.message:
-                    await self._chunk(ErrorChunk(
-                        task_id=report.task_id, at=report.at, reason=report.reason,
-                        message=report.message,
-                    ))
-                self._finish(report)  # whatever became of the chunk, the task ends
-            case pipe.SpanBatch(spans=records):
-                telemetry.export_records(records)
-            case pipe.TaskRunning():
-                pass
-            case _:
-                await self._chunk(report)
-
-    async def _chunk(self, event: OutputEvent) -> None:
-        """A task's event, in order behind its earlier ones. One that cannot be sent is
-        logged and counted; the terminal still comes, and TaskOutput.finish does not let a
-        task with a hole in its output end completed."""
-        try:
-            await self.output.chunk(event)
-        except Exception as exc:
-            self.unsent_chunks += 1
-            log.warning("task %s: %s event not sent (%s: %s)", event.task_id, event.type,
-                        type(exc).__name__, exc)
-
-    async def _runner_exited(self, exited: RunnerExited) -> None:
-        """The runner is gone: every task still in flight there (WorkerState says which) ends
-        runner_crashed, behind any image of it still uploading."""
-        runner_id = exited.runner_id
-        view = self.state.runners.get(runner_id)
-        crashed = self.runners.exited(exited)
-        for task_id in sorted(view.in_flight if view else ()):
-            lost = crashed_terminal(task_id, exited, self.state.node_id)
-            item = RunnerReported(runner_id, lost)
-            if self.images.admit(item):
-                await self._report(item)
-        self._apply(ev.RunnerGone(runner_id, crashed=crashed, at=time.time()))
-        self.cluster.runner_removed(runner_id)
-
     async def _cancel(self, task_id: str) -> None:
         if task_id in self.state.pending:
             self._end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
@@ -332,61 +268,6 @@ class Worker:
         # Not taken in yet (a fetch still on its way here, or not fetched at all): remembered,
         # so the intake ends the task cancelled as soon as it arrives.
         self.cluster.remember_cancel(task_id)
-
-    # ---- shutdown -----------------------------------------------------------------------
-
-    async def _shutdown(self) -> None:
-        log.info("worker %s stopping", self.state.node_id)
-        self._apply(ev.Stopping())
-        await self._end_pulls()
-        for task_id in list(self.state.pending):  # not started here: another worker, now
-            self._release(task_id)
-            self._apply(ev.TaskEnded(task_id))
-            self.spans.settled(task_id, "nak")
-            if (msg := self.acks.release(task_id)) is not None:
-                self.endings.settle(task_id, msg, Stage.STOPPING_NOT_STARTED)
-        await self.runners.stop_all(timeout=10.0)
-        await self._drain_runner_reports()
-        await self.endings.wait(SHUTDOWN_ENDINGS_S)
-        for step in (self.puller.close, self.cluster.stop, telemetry.flush):
-            try:
-                await step()
-            except Exception:  # each step is worth trying whatever became of the others
-                log.exception("worker: shutdown step %s failed", step.__qualname__)
-
-    async def _end_pulls(self) -> None:
-        """Wait out the pulls still open at the server (each ends within FETCH_WAIT_S) and
-        give back what they bring. Before any nak: a message nak'ed while a pull of ours is
-        open would be redelivered into it, to a worker that is leaving, and sit to AckWait."""
-        try:
-            async with asyncio.timeout(FETCH_WAIT_S + 2.0):
-                while self.state.pulling:
-                    item = await self.inbox.get()
-                    if isinstance(item, Fetched):
-                        self._apply(ev.PullEnded(item.model))
-                        for msg in item.msgs:
-                            self.endings.settle(None, msg, Stage.STOPPING_NOT_STARTED)
-                    elif not isinstance(item, Stop | Tick):
-                        await self._handle(item)
-        except TimeoutError:
-            log.warning("stopping: pulls still open for %s", sorted(self.state.pulling))
-
-    async def _drain_runner_reports(self) -> None:
-        """What the runners said while stopping (their last terminals) still goes out."""
-        while not self.inbox.empty():
-            item = self.inbox.get_nowait()
-            log.debug("stopping: %s", item)
-            if isinstance(item, RunnerReported | RunnerExited | ImageUploaded):
-                try:
-                    await self._handle(item)
-                except Exception:
-                    log.exception("worker: a runner's last report was not handled")
-
-    async def _disconnect(self) -> None:
-        try:
-            await asyncio.wait_for(self.nc.drain(), 5.0)
-        except Exception as exc:  # exiting anyway; the server drops what is left
-            log.warning("connection not drained: %s: %s", type(exc).__name__, exc)
 
 
 def _streams_only(item: InboxItem) -> bool:

@@ -1,0 +1,87 @@
+"""What a runner says, and how the worker answers: statuses into state and the runner
+record, events onto the task's stream in order, terminals to the task's ending, and a runner's
+exit ending what was still in flight there (from WorkerState, the one record of it).
+
+A mixin of `Worker` (fleet.worker.main), kept apart so each file stays readable.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from fleet import telemetry
+from fleet.runner import protocol as pipe
+from fleet.wire.events import ErrorChunk, OutputEvent, TaskFinished
+from fleet.worker import state as ev
+from fleet.worker.acks import Stage
+from fleet.worker.inbox import RunnerExited, RunnerReported
+from fleet.worker.supervisor import crashed_terminal
+
+if TYPE_CHECKING:
+    from fleet.worker.main import Worker
+
+log = logging.getLogger(__name__)
+
+
+class RunnerReports:
+    def _cut_short(self: Worker, report: TaskFinished) -> bool:
+        """A runner stopping with the worker cancels what it runs: that is not the user's
+        cancel, and must not reach the task's stream as one."""
+        return (
+            self.state.stopping and report.status == "cancelled"
+            and report.task_id not in self.cancels_sent
+        )
+
+    async def _report(self: Worker, reported: RunnerReported) -> None:
+        report = reported.report
+        with self.spans.active(getattr(report, "task_id", None)):
+            await self._on_report(reported.runner_id, report)
+
+    async def _on_report(self: Worker, runner_id: str, report: pipe.RunnerReport) -> None:
+        match report:
+            case pipe.RunnerStatusReport(status=status):
+                self._apply(ev.RunnerStatusSeen(runner_id, status))
+                self.cluster.runner_status(self.state.runners.get(runner_id), status)
+            case TaskFinished() if self._cut_short(report):
+                self._hand_back(report.task_id, Stage.STOPPED_MID_RUN)
+            case TaskFinished():
+                report = self.images.final(report, runner_id)
+                if report.status == "failed" and report.reason and report.message:
+                    await self._chunk(ErrorChunk(
+                        task_id=report.task_id, at=report.at, reason=report.reason,
+                        message=report.message,
+                    ))
+                self._finish(report)  # whatever became of the chunk, the task ends
+            case pipe.SpanBatch(spans=records):
+                telemetry.export_records(records)
+            case pipe.TaskRunning():
+                pass
+            case _:
+                await self._chunk(report)
+
+    async def _chunk(self: Worker, event: OutputEvent) -> None:
+        """A task's event, in order behind its earlier ones. One that cannot be sent is
+        logged and counted; the terminal still comes, and TaskOutput.finish does not let a
+        task with a hole in its output end completed."""
+        try:
+            await self.output.chunk(event)
+        except Exception as exc:
+            self.unsent_chunks += 1
+            log.warning("task %s: %s event not sent (%s: %s)", event.task_id, event.type,
+                        type(exc).__name__, exc)
+
+    async def _runner_exited(self: Worker, exited: RunnerExited) -> None:
+        """The runner is gone: every task still in flight there (WorkerState says which) ends
+        runner_crashed, behind any image of it still uploading."""
+        runner_id = exited.runner_id
+        view = self.state.runners.get(runner_id)
+        crashed = self.runners.exited(exited)
+        for task_id in sorted(view.in_flight if view else ()):
+            lost = crashed_terminal(task_id, exited, self.state.node_id)
+            item = RunnerReported(runner_id, lost)
+            if self.images.admit(item):
+                await self._report(item)
+        self._apply(ev.RunnerGone(runner_id, crashed=crashed, at=time.time()))
+        self.cluster.runner_removed(runner_id)

@@ -1,0 +1,80 @@
+"""How the worker stops: hand back what has not started, let the runners stop, write what
+they said last, wait for endings in flight, then leave the cluster and the connection.
+
+A mixin of `Worker` (fleet.worker.main), kept apart so each file stays readable; it uses the
+worker's own parts (state, inbox, endings, runners, puller, cluster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from fleet import telemetry
+from fleet.worker import state as ev
+from fleet.worker.acks import Stage
+from fleet.worker.inbox import Fetched, ImageUploaded, RunnerExited, RunnerReported, Stop, Tick
+from fleet.worker.pulls import FETCH_WAIT_S
+
+if TYPE_CHECKING:
+    from fleet.worker.main import Worker
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_ENDINGS_S = 10.0
+
+
+class Stopping:
+    async def _shutdown(self: Worker) -> None:
+        log.info("worker %s stopping", self.state.node_id)
+        self._apply(ev.Stopping())
+        await self._end_pulls()
+        for task_id in list(self.state.pending):  # not started here: another worker, now
+            self._release(task_id)
+            self._apply(ev.TaskEnded(task_id))
+            self.spans.settled(task_id, "nak")
+            if (msg := self.acks.release(task_id)) is not None:
+                self.endings.settle(task_id, msg, Stage.STOPPING_NOT_STARTED)
+        await self.runners.stop_all(timeout=10.0)
+        await self._drain_runner_reports()
+        await self.endings.wait(SHUTDOWN_ENDINGS_S)
+        for step in (self.puller.close, self.cluster.stop, telemetry.flush):
+            try:
+                await step()
+            except Exception:  # each step is worth trying whatever became of the others
+                log.exception("worker: shutdown step %s failed", step.__qualname__)
+
+    async def _end_pulls(self: Worker) -> None:
+        """Wait out the pulls still open at the server (each ends within FETCH_WAIT_S) and
+        give back what they bring. Before any nak: a message nak'ed while a pull of ours is
+        open would be redelivered into it, to a worker that is leaving, and sit to AckWait."""
+        try:
+            async with asyncio.timeout(FETCH_WAIT_S + 2.0):
+                while self.state.pulling:
+                    item = await self.inbox.get()
+                    if isinstance(item, Fetched):
+                        self._apply(ev.PullEnded(item.model))
+                        for msg in item.msgs:
+                            self.endings.settle(None, msg, Stage.STOPPING_NOT_STARTED)
+                    elif not isinstance(item, Stop | Tick):
+                        await self._handle(item)
+        except TimeoutError:
+            log.warning("stopping: pulls still open for %s", sorted(self.state.pulling))
+
+    async def _drain_runner_reports(self: Worker) -> None:
+        """What the runners said while stopping (their last terminals) still goes out."""
+        while not self.inbox.empty():
+            item = self.inbox.get_nowait()
+            log.debug("stopping: %s", item)
+            if isinstance(item, RunnerReported | RunnerExited | ImageUploaded):
+                try:
+                    await self._handle(item)
+                except Exception:
+                    log.exception("worker: a runner's last report was not handled")
+
+    async def _disconnect(self: Worker) -> None:
+        try:
+            await asyncio.wait_for(self.nc.drain(), 5.0)
+        except Exception as exc:  # exiting anyway; the server drops what is left
+            log.warning("connection not drained: %s: %s", type(exc).__name__, exc)
