@@ -49,7 +49,8 @@ class _Message:
     body: bytes
     headers: dict[str, str]
     seq: int | None = None  # the stream sequence once confirmed
-    waiter: asyncio.Future[None] | None = None  # the ack of the latest send
+    token: str = ""  # the reply token of the latest send
+    error: Exception | None = None  # the error answer to the latest send
     refused: str | None = None  # a final refusal by the stream (too big, no permission ...)
 
 
@@ -61,6 +62,8 @@ class _Sequence:
     epoch: int = -1  # the connection (reconnect count) the pipelined sends went out on
     broken: bool = False
     repair: asyncio.Task[None] | None = None
+    # Set at every answer to one of this sequence's messages (a waiter clears it first).
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
 
     def unconfirmed(self) -> list[_Message]:
         while self.confirmed < len(self.messages) and self.messages[self.confirmed].seq:
@@ -75,7 +78,7 @@ class ConfirmedPublisher:
         self.nc = nc
         self.budget_s = budget_s
         self._sequences: dict[str, _Sequence] = {}
-        self._waiting: dict[str, tuple[_Message, asyncio.Future[None]]] = {}
+        self._waiting: dict[str, tuple[_Sequence, _Message]] = {}  # reply token -> sent
         self._inbox = ""
         self._tokens = 0
         self.repairs = 0  # sequences that had to be re-sent (for metrics and tests)
@@ -93,7 +96,7 @@ class ConfirmedPublisher:
             self._break(seq)
             return
         try:
-            await self._send(message)
+            await self._send(seq, message)
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -101,9 +104,9 @@ class ConfirmedPublisher:
             return
         if len(seq.messages) - seq.confirmed > WINDOW:
             oldest = seq.unconfirmed()  # moves `confirmed` past what was acked meanwhile
-            if len(seq.messages) - seq.confirmed > WINDOW and oldest[0].waiter is not None:
+            if len(seq.messages) - seq.confirmed > WINDOW:
                 try:
-                    await asyncio.wait_for(asyncio.shield(oldest[0].waiter), ACK_TIMEOUT_S)
+                    await self._answer(seq, oldest[0], ACK_TIMEOUT_S)
                 except Exception:  # lost, or refused with a 503: resend in order
                     self._break(seq)
 
@@ -115,12 +118,10 @@ class ConfirmedPublisher:
             return None
         deadline = time.monotonic() + (self.budget_s if budget_s is None else budget_s)
         for message in seq.unconfirmed():
-            if message.seq is not None or seq.broken or message.waiter is None:
+            if message.seq is not None or seq.broken or not message.token:
                 continue
             with contextlib.suppress(Exception):  # lost or failed: the repair below resends
-                await asyncio.wait_for(
-                    asyncio.shield(message.waiter), max(0.0, min(ACK_TIMEOUT_S, _left(deadline)))
-                )
+                await self._answer(seq, message, max(0.0, min(ACK_TIMEOUT_S, _left(deadline))))
             if message.seq is None:
                 seq.broken = True
                 break
@@ -139,10 +140,9 @@ class ConfirmedPublisher:
             return
         if seq.repair:
             seq.repair.cancel()
-        if unanswered := {m for m in seq.messages if m.seq is None}:
-            for token, (message, _) in list(self._waiting.items()):
-                if message in unanswered:
-                    del self._waiting[token]
+        for token, (sent_in, _) in list(self._waiting.items()):
+            if sent_in is seq:
+                del self._waiting[token]
 
     async def close(self) -> None:
         for key in list(self._sequences):
@@ -176,7 +176,7 @@ class ConfirmedPublisher:
                         continue  # its first ack came in late
                     try:
                         await with_retry(
-                            lambda m=message: self._send_and_wait(m),  # type: ignore[misc]
+                            lambda m=message: self._send_and_wait(seq, m),  # type: ignore[misc]
                             what=f"store output {seq.key}", budget_s=max(0.1, _left(deadline)),
                         )
                     except APIError:
@@ -187,22 +187,31 @@ class ConfirmedPublisher:
         except BrokerUnavailable as exc:
             log.error("output of %s: %s", seq.key, exc)
 
-    async def _send_and_wait(self, message: _Message) -> None:
+    async def _send_and_wait(self, seq: _Sequence, message: _Message) -> None:
         if not self.nc.is_connected:
             raise NatsTimeout  # transient: with_retry waits and tries again
-        await self._send(message)
+        await self._send(seq, message)
         self.resent += 1
-        assert message.waiter is not None
-        await asyncio.wait_for(message.waiter, ACK_TIMEOUT_S)
+        await self._answer(seq, message, ACK_TIMEOUT_S)
 
-    async def _send(self, message: _Message) -> None:
+    async def _answer(self, seq: _Sequence, message: _Message, timeout: float) -> None:
+        """Wait for the answer to the latest send of `message`: returns once it is stored,
+        raises the stream's error answer, or TimeoutError."""
+        deadline = time.monotonic() + timeout
+        while message.seq is None and message.error is None:
+            seq.progress.clear()
+            await asyncio.wait_for(seq.progress.wait(), max(0.0, _left(deadline)))
+        if message.seq is None and message.error is not None:
+            raise message.error
+
+    async def _send(self, seq: _Sequence, message: _Message) -> None:
         if not self._inbox:
             self._inbox = self.nc.new_inbox()
             await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_ack)
         self._tokens += 1
-        token = str(self._tokens)
-        message.waiter = asyncio.get_running_loop().create_future()
-        self._waiting[token] = (message, message.waiter)
+        token = message.token = str(self._tokens)
+        message.error = None
+        self._waiting[token] = (seq, message)
         try:
             await self.nc.publish(
                 message.subject, message.body, reply=f"{self._inbox}.{token}",
@@ -213,23 +222,22 @@ class ConfirmedPublisher:
             raise
 
     async def _on_ack(self, msg: Msg) -> None:
-        found = self._waiting.pop(msg.subject.rsplit(".", 1)[-1], None)
+        token = msg.subject.rsplit(".", 1)[-1]
+        found = self._waiting.pop(token, None)
         if found is None:
             return
-        message, waiter = found
+        seq, message = found
         error = _ack_error(msg)
         if error is None:
-            if message.seq is None:
+            if message.seq is None:  # an earlier send's late answer counts as well
                 message.seq = orjson.loads(msg.data)["seq"]
-            if not waiter.done():
-                waiter.set_result(None)
-            return
-        if not is_transient(error):
-            message.refused = str(error)
-            log.error("the stream refused an output message on %s: %s", message.subject, error)
-        if not waiter.done():
-            waiter.set_exception(error)
-            waiter.exception()  # retrieved here: nobody may be waiting on this one
+        elif token == message.token:  # an earlier send's error is old news
+            message.error = error
+            if not is_transient(error):
+                message.refused = str(error)
+                log.error("the stream refused an output message on %s: %s", message.subject,
+                          error)
+        seq.progress.set()
 
 
 def _ack_error(msg: Msg) -> Exception | None:
