@@ -27,6 +27,7 @@ T = TypeVar("T")
 BROKER_BUDGET_S = 30.0
 FIRST_PAUSE_S = 0.1
 PAUSE_CAP_S = 2.0
+STORE_FULL_ERR_CODES = (10077, 10078)  # JetStream: maximum messages / bytes exceeded
 
 # What a server restart, a reconnect or a leader election looks like to nats-py.
 _TRANSIENT: tuple[type[BaseException], ...] = (
@@ -37,7 +38,7 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     nats_errors.StaleConnectionError,
     nats_errors.FlushTimeoutError,
     js_errors.ServiceUnavailableError,
-    asyncio.TimeoutError,
+    TimeoutError,
     ConnectionError,
 )
 
@@ -48,6 +49,8 @@ class BrokerUnavailable(NatsUnavailable):
 
 def is_transient(exc: BaseException) -> bool:
     """True for errors that a retry can cure (the broker is restarting or electing)."""
+    if getattr(exc, "err_code", None) in STORE_FULL_ERR_CODES:
+        return False  # a full stream answers 503 too, but waiting will not empty it
     if isinstance(exc, _TRANSIENT):
         return True
     # JetStream answers 503 while a stream has no leader; other API errors are final.
