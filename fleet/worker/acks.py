@@ -142,6 +142,19 @@ class AckPolicy:
     def held(self) -> list[str]:
         return list(self._held)
 
+    def redelivered_while_held(self, msg: Msg) -> str | None:
+        """The task id when `msg` is a redelivery of a message held here (its AckWait ran out
+        while an in_progress was lost, e.g. in a leader election): still ours, not new work."""
+        if msg.metadata is None or msg.metadata.num_delivered < 2:
+            return None  # a first delivery (the token path's common case): nothing to look up
+        held = next((h for h in self._held.items() if _same(h[1].msg, msg)), None)
+        return held[0] if held else None
+
+    async def renew(self, task_id: str, msg: Msg, now: float) -> None:
+        """Hold the newest delivery of a held message instead, and tell in_progress at once."""
+        self._held[task_id] = _Held(msg, now - progress_every(self.ack_wait_s))
+        await self.heartbeat({task_id: Stage.RUNNING}, now)
+
     def release(self, task_id: str) -> Msg | None:
         """Stop holding a task's message (it is being settled) and return it."""
         held = self._held.pop(task_id, None)
@@ -192,6 +205,13 @@ class AckPolicy:
             "task %s: %s failed (%s: %s); %d %s failure(s) so far",
             task_id, verb.kind, type(exc).__name__, exc, self.failures[verb.kind], verb.kind,
         )
+
+
+def _same(held: Msg, msg: Msg) -> bool:
+    """The same stream message (a later delivery of it), by stream sequence."""
+    if held.metadata is None or msg.metadata is None:
+        return False
+    return bool(held.metadata.sequence.stream == msg.metadata.sequence.stream)
 
 
 async def _send(msg: Msg, verb: Verb) -> None:

@@ -163,6 +163,12 @@ class Worker(RunnerReports, Stopping):
                 self._apply(item)
 
     async def _take(self, msg: Msg) -> None:
+        if (task_id := self.acks.redelivered_while_held(msg)) is not None:
+            # Never run twice, never judged "lost" by our own intake: keep it, renewed.
+            log.warning("task %s redelivered while it is held here: kept, not run twice",
+                        task_id)
+            await self.acks.renew(task_id, msg, time.monotonic())
+            return
         span = self.spans.received(msg)
         try:
             with self.spans.current(span):

@@ -101,3 +101,30 @@ async def test_a_verb_that_cannot_be_sent_is_counted_not_swallowed(
     await policy.heartbeat({"x": Stage.RUNNING}, now=100.0)
     assert not await policy.settle("x", msg, Stage.FINISHED_STORED)
     assert policy.failures == {Kind.IN_PROGRESS: 1, Kind.ACK: 1}
+
+
+async def test_a_redelivery_of_a_held_message_is_recognised_and_renewed(
+    provisioned_nc: Client,
+) -> None:
+    """AckWait ran out while the message was held (its in_progress lost in an election):
+    the redelivery is the same task, still ours, not new work."""
+    js = provisioned_nc.jetstream()
+    await ensure_task_consumer(provisioned_nc, "m", ack_wait_s=1.0)
+    sub = await js.pull_subscribe_bind(subjects.durable("m"), stream=subjects.TASKS_STREAM)
+    await js.publish(subjects.tasks("m"), b"held")
+    await js.publish(subjects.tasks("m"), b"other")
+    [first] = await sub.fetch(1, timeout=5)
+    policy = AckPolicy(ack_wait_s=1.0, budget_s=2.0)
+    policy.hold("t", first, now=0.0)
+    [other] = await sub.fetch(1, timeout=5)
+    assert policy.redelivered_while_held(other) is None  # a first delivery of another message
+    [again] = await sub.fetch(1, timeout=5)  # after AckWait (1 s): the same message again
+    assert again.metadata.num_delivered == 2 and again.data == b"held"
+    assert policy.redelivered_while_held(again) == "t"
+    await policy.renew("t", again, now=10.0)
+    assert policy.sent[Kind.IN_PROGRESS] == 1
+    assert await policy.settle("t", again, Stage.FINISHED_STORED)
+    await other.ack()
+    await provisioned_nc.flush()
+    info = await js.consumer_info(subjects.TASKS_STREAM, subjects.durable("m"))
+    assert info.num_ack_pending == 0
