@@ -43,6 +43,7 @@ class FaultCounts:
     # output was there, so ending it failed was avoidable), and tokens stored out of order.
     output_lost_but_whole: int = 0
     tokens_out_of_order: int = 0
+    output_after_terminal: int = 0  # tokens stored after the task's terminal (a second runner)
     workers_dead: int = 0  # worker processes that are not running at the end
     last_terminal_after_return_s: float | None = None
     examples: dict[str, list[str]] = field(default_factory=dict)  # kind -> a few task ids
@@ -92,6 +93,9 @@ def tally(
             counts.note("duplicate_tokens", task_id)
         if indexes != sorted(indexes):
             counts.note("tokens_out_of_order", task_id)
+        after_end = events[events.index(first) + 1:]
+        if any(isinstance(s.event, TokenChunk) for s in after_end):
+            counts.note("output_after_terminal", task_id)
         _judge(counts, task_id, first.event, indexes, tokens)
     return counts
 

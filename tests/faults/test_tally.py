@@ -56,6 +56,9 @@ CASES = [
      {"output_lost": 1, "output_lost_but_whole": 1}),
     ("tokens stored out of order", [accepted("a"), token("a", 1), token("a", 0), token("a", 2),
                                     done("a")], {"completed": 1, "tokens_out_of_order": 1}),
+    ("tokens after the terminal",
+     [accepted("a"), token("a", 0), ended("a", ErrorReason.WORKER_LOST), token("a", 1)],
+     {"worker_lost": 1, "output_after_terminal": 1}),
     ("failed otherwise", [ended("a", ErrorReason.INTERNAL)], {"other_failed": 1}),
     ("ended after the deadline", [*whole("a"), done("a", at=T0 + 61)], {"completed": 1, "late": 1}),
 ]
@@ -66,7 +69,8 @@ def test_tally(events: list[Stored], want: dict[str, int]) -> None:
     counts = tally({"a": 3}, {"a": events}, returned_at=T0)
     fields = ("completed", "lost", "hung", "late", "duplicate_terminals", "completed_with_gap",
               "duplicate_tokens", "spurious_cancelled", "worker_lost", "runner_crashed",
-              "output_lost", "other_failed", "output_lost_but_whole", "tokens_out_of_order")
+              "output_lost", "other_failed", "output_lost_but_whole", "tokens_out_of_order",
+              "output_after_terminal")
     assert {f: getattr(counts, f) for f in fields if getattr(counts, f)} == want
     assert counts.tasks == 1
 
