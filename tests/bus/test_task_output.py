@@ -17,11 +17,13 @@ from pathlib import Path
 import nats
 import pytest
 from nats.aio.client import Client
+from nats.js.errors import NotFoundError
 
 from fleet.bus.confirmed import _Message, _problem, _Sequence
 from fleet.bus.connect import connect
 from fleet.bus.embedded import EmbeddedNats, ops_dir
 from fleet.bus.provision import provision
+from fleet.bus.retry import BrokerUnavailable, with_retry
 from fleet.wire import subjects
 from fleet.wire.codec import decode_event
 from fleet.wire.events import (
@@ -175,3 +177,36 @@ async def test_a_terminal_after_an_event_the_stream_refused_is_not_completed(
         assert terminal.reason is ErrorReason.OUTPUT_LOST
         assert [e.index for e in events if isinstance(e, TokenChunk)] == [0, 2]
         await nc.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_terminal_during_an_outage_past_the_budget_raises_and_is_never_completed(
+    server: EmbeddedNats, tmp_path: Path
+) -> None:
+    nc = await connect(server.url, "test-output")
+    output = TaskOutput(nc, nc.jetstream(), budget_s=2.0)
+    await output.chunk(token("t3", 0))
+    await asyncio.to_thread(kill, server)
+    await output.chunk(token("t3", 1))
+    with pytest.raises(BrokerUnavailable):  # the worker does not ack: the task is redelivered
+        await output.finish(completed("t3", 2))
+    restarted = EmbeddedNats(server.store_dir, port=server.port, log_file=tmp_path / "n2.log")
+    await asyncio.to_thread(restarted.start)
+    try:
+        js = nc.jetstream()
+
+        async def last_stored() -> OutputEvent | None:
+            try:
+                return decode_event(
+                    (await js.get_last_msg(subjects.OUT_STREAM, subjects.out("t3"))).data
+                )
+            except NotFoundError:  # nothing stored (the kill took even token 0): no terminal
+                return None
+
+        # A terminal may have been stored after all (nats-py buffers a publish made while it
+        # reconnects and sends it on reconnect), but never a completed one.
+        last = await with_retry(last_stored, what="read back")
+        assert not (isinstance(last, TaskFinished) and last.status == "completed")
+    finally:
+        await nc.close()
+        restarted.stop()
