@@ -3,9 +3,10 @@
 The files are the JSON that `nats stream add --config FILE` takes, sent as they are to the
 JetStream API, so what an operator reads in ops/ is exactly what the server gets, plus
 `num_replicas`, which the files leave out: it follows the cluster (fleet.bus.replicas: 3 on a
-cluster that can hold three copies, 1 otherwise, `replicas` to override). A stream that exists with a
-different value for another key the file sets is reported, never clobbered; an existing
-stream with fewer replicas than chosen is reported with the command that raises it.
+cluster that can hold three copies, 1 otherwise, `replicas` to override). A stream that
+exists with a different value for another key the file sets is reported, never clobbered;
+an existing stream with fewer replicas than chosen is reported with the command that raises
+it.
 
 Every API call retries transient errors (an election, a restart) within the broker budget.
 """
