@@ -71,6 +71,11 @@ class ProvisioningConflict(FleetError):
     pass
 
 
+class ProvisioningDenied(FleetError):
+    """This process's NATS user may not create what is missing (only the operator role
+    may): a retry cannot help, so it is said at once."""
+
+
 class EmbeddedServerError(FleetError):
     pass
 
@@ -88,6 +93,7 @@ HTTP_STATUS_BY_REASON: dict[ErrorReason, int] = {
     ErrorReason.RUNNER_CRASHED: 502,
     ErrorReason.WORKER_LOST: 502,
     ErrorReason.MAX_DELIVERIES: 502,
+    ErrorReason.OUTPUT_LOST: 502,
     ErrorReason.INTERNAL: 500,
 }
 

@@ -41,6 +41,14 @@ MSG_ID = "Nats-Msg-Id"
 PERMISSION_WINDOW_S = 60.0
 # Tries per server before the first connection is declared impossible (a restart gets two).
 FIRST_CONNECT_ATTEMPTS = 1
+# A dead server behind a live socket (a partition, a SIGSTOPped server) is noticed after
+# PING_INTERVAL_S * MAX_OUTSTANDING_PINGS: nats-py's defaults (120 s x 2) would leave a worker
+# talking to nobody for four minutes while its heartbeat expires elsewhere.
+PING_INTERVAL_S = 5
+MAX_OUTSTANDING_PINGS = 3
+# While reconnecting, nats-py reports each failed attempt (two a second): one line per
+# distinct error per this many seconds is enough to tell the operator.
+REPEAT_WARNING_S = 10.0
 _PERMISSION = re.compile(r"permissions violation for (\w+) to \"?([^\"\s']+)\"?", re.IGNORECASE)
 _USERINFO = re.compile(r"(\w+://)([^:/@\s]+):([^@/\s]+)@")
 
@@ -150,6 +158,7 @@ async def connect(
     shown = redact_urls(urls)
 
     first_errors: list[Exception] = []  # what the first connection met, for its error
+    last_warned: dict[str, float] = {}  # error text -> when it was last logged
 
     async def on_error(exc: Exception) -> None:
         text = redact_text(str(exc) or type(exc).__name__)
@@ -164,13 +173,17 @@ async def connect(
                 denied.operation, denied.subject, name,
             )
             return
-        log.warning("nats: %s", text)
+        now = time.monotonic()
+        if now - last_warned.get(text, -REPEAT_WARNING_S) >= REPEAT_WARNING_S:
+            last_warned[text] = now
+            log.warning("nats: %s", text)
 
     async def on_disconnect() -> None:
         if not (client.is_closed or client.is_draining):  # a close we asked for is no news
             log.warning("nats: disconnected from %s, reconnecting", _current(client, shown))
 
     async def on_reconnect() -> None:
+        last_warned.clear()  # the next outage is news again
         log.info("nats: reconnected to %s", _current(client, shown))
 
     connected = False
@@ -196,6 +209,8 @@ async def connect(
             # reconnects once connected (below).
             max_reconnect_attempts=FIRST_CONNECT_ATTEMPTS,
             reconnect_time_wait=0.5,
+            ping_interval=PING_INTERVAL_S,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,

@@ -21,12 +21,14 @@ from typing import Any
 
 import orjson
 from nats.aio.client import Client
+from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import ServiceUnavailableError
 
+from fleet.bus.connect import permission_errors
 from fleet.bus.embedded import ops_dir
 from fleet.bus.replicas import choose_replicas, replicas_advice
 from fleet.bus.retry import BROKER_BUDGET_S, with_retry
-from fleet.errors import NatsUnavailable, ProvisioningConflict
+from fleet.errors import NatsUnavailable, ProvisioningConflict, ProvisioningDenied
 from fleet.wire import subjects
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,11 @@ async def _api(
     payload = orjson.dumps(body) if body is not None else b""
 
     async def once() -> dict[str, Any]:
-        reply = await nc.request(f"{API}.{subject}", payload, timeout=5.0)
+        try:
+            reply = await nc.request(f"{API}.{subject}", payload, timeout=5.0)
+        except NatsTimeout:
+            _raise_if_denied(f"{API}.{subject}")
+            raise
         answer: dict[str, Any] = orjson.loads(reply.data)
         if answer.get("error", {}).get("code") == 503:  # no leader yet: an election
             raise ServiceUnavailableError(**answer["error"])
@@ -78,6 +84,17 @@ async def _api(
         raise NatsUnavailable(
             f"JetStream is not enabled or not answering on this server: {exc}"
         ) from None
+
+
+def _raise_if_denied(subject: str) -> None:
+    """A request the server refused by permission gets no reply, only an async error: tell
+    it apart from an election's silence, which a retry outlasts."""
+    # nats-py lowers the case of the server's error text
+    if any(denied.subject.lower() == subject.lower() for denied in permission_errors()):
+        raise ProvisioningDenied(
+            f"this NATS user may not publish to {subject}: streams and buckets are created "
+            "by the operator role (`fleet nats --provision` with its credentials)"
+        )
 
 
 def _differences(wanted: dict[str, Any], actual: dict[str, Any]) -> list[str]:

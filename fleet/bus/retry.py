@@ -28,6 +28,9 @@ BROKER_BUDGET_S = 30.0
 FIRST_PAUSE_S = 0.1
 PAUSE_CAP_S = 2.0
 STORE_FULL_ERR_CODES = (10077, 10078)  # JetStream: maximum messages / bytes exceeded
+# JetStream 409 "duplicate message id is in process": the first send of this Nats-Msg-Id is
+# still being stored (a re-send raced it during an election); asking again gets its answer.
+DUPLICATE_IN_PROCESS_ERR_CODE = 10158
 
 # What a server restart, a reconnect or a leader election looks like to nats-py.
 _TRANSIENT: tuple[type[BaseException], ...] = (
@@ -38,6 +41,7 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     nats_errors.StaleConnectionError,
     nats_errors.FlushTimeoutError,
     js_errors.ServiceUnavailableError,
+    js_errors.NoStreamResponseError,  # a publish answered 503: no stream leader (an election)
     TimeoutError,
     ConnectionError,
 )
@@ -51,6 +55,8 @@ def is_transient(exc: BaseException) -> bool:
     """True for errors that a retry can cure (the broker is restarting or electing)."""
     if getattr(exc, "err_code", None) in STORE_FULL_ERR_CODES:
         return False  # a full stream answers 503 too, but waiting will not empty it
+    if getattr(exc, "err_code", None) == DUPLICATE_IN_PROCESS_ERR_CODE:
+        return True
     if isinstance(exc, _TRANSIENT):
         return True
     # JetStream answers 503 while a stream has no leader; other API errors are final.

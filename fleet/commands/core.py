@@ -100,7 +100,7 @@ async def provision_as(settings: Settings) -> int:
 
     nc = await connect_with(settings, "fleet-provision")
     try:
-        for outcome in await provision(nc):
+        for outcome in await provision(nc, replicas=settings.replicas):
             print(f"{outcome.name:20} {outcome.action}")
     finally:
         await nc.close()

@@ -121,7 +121,7 @@ async def stack(
         secured = config is not None
         nc = await connect_with(as_role(settings, "operator", secured), "fleet-up")
         try:
-            await provision(nc)
+            await provision(nc, replicas=settings.replicas)
             worker = Worker(as_role(settings, "worker", secured))
             worker_task = asyncio.create_task(worker.run())
             await _first(worker.ready.wait(), worker_task, stopping)

@@ -113,7 +113,7 @@ class Backend:
                 log.warning("%s; retrying", exc.message)
                 await asyncio.sleep(RECONNECT_WAIT_S)
         try:
-            await provision(nc)
+            await provision(nc, replicas=self.settings.replicas)
         except FleetError as exc:
             log.error("provisioning JetStream failed: %s", exc.message)
         self.nc = nc

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 
 from fleet import telemetry
 from fleet.aio import Supervisor
-from fleet.bus.connect import connect_with
+from fleet.bus.connect import connect_with, redact_urls
 from fleet.bus.provision import provision
 from fleet.config import Settings
 from fleet.runner import protocol as pipe
@@ -79,7 +79,7 @@ class Worker(RunnerReports, Stopping):
         self.nc = await connect_with(settings, "fleet-worker")
         self.js = self.nc.jetstream()
         telemetry.export_to_nats(lambda: self.nc)
-        await provision(self.nc)
+        await provision(self.nc, replicas=settings.replicas)
         self.output = TaskOutput(self.nc, self.js)
         async with Supervisor("worker") as owner:
             self.owner = owner
@@ -100,7 +100,7 @@ class Worker(RunnerReports, Stopping):
             await self.feeds.subscribe_cancels()
             owner.forever("cancel listener", self.feeds.follow_cancels)
             owner.forever("tick", self.feeds.tick_forever)
-            log.info("worker %s serving on %s", node, settings.url)
+            log.info("worker %s serving on %s", node, redact_urls(settings.urls))
             self.ready.set()
             try:
                 await self._loop()
@@ -173,10 +173,11 @@ class Worker(RunnerReports, Stopping):
         try:
             with self.spans.current(span):
                 outcome = await self.intake.receive(msg)
-        except Exception as exc:  # not taken in: JetStream redelivers it after AckWait
-            log.warning("a task on %s was not taken in (%s: %s); left for redelivery",
+        except Exception as exc:  # not taken in: given back for another try soon
+            log.warning("a task on %s was not taken in (%s: %s); given back",
                         msg.subject, type(exc).__name__, exc)
-            self.spans.settled(None, "none", span, "intake_failed")
+            self.spans.settled(None, "nak", span, "intake_failed")
+            self.endings.settle(None, msg, Stage.HANDED_BACK)
             return
         if isinstance(outcome, Queued):
             task = outcome.pending.task

@@ -27,11 +27,14 @@ log = logging.getLogger(__name__)
 
 class RunnerReports:
     def _cut_short(self: Worker, report: TaskFinished) -> bool:
-        """A runner stopping with the worker cancels what it runs: that is not the user's
-        cancel, and must not reach the task's stream as one."""
+        """A runner stopped under its tasks (the worker stopping, or its instance moved or
+        removed) cancels what it runs: that is not the user's cancel, and must not reach the
+        task's stream as one. Only the worker's own cancels are real ones: a user's, or an
+        image that could not be stored (its terminal becomes that failure)."""
         return (
-            self.state.stopping and report.status == "cancelled"
+            report.status == "cancelled"
             and report.task_id not in self.cancels_sent
+            and report.task_id not in self.images.unstored
         )
 
     async def _report(self: Worker, reported: RunnerReported) -> None:

@@ -39,7 +39,7 @@ class Stopping:
         await self.runners.stop_all(timeout=10.0)
         await self._drain_runner_reports()
         await self.endings.wait(SHUTDOWN_ENDINGS_S)
-        for step in (self.puller.close, self.cluster.stop, telemetry.flush):
+        for step in (self.puller.close, self.output.close, self.cluster.stop, telemetry.flush):
             try:
                 await step()
             except Exception:  # each step is worth trying whatever became of the others

@@ -23,9 +23,12 @@ def api_error(code: int, err_code: int) -> js_errors.APIError:
         (nats_errors.ConnectionReconnectingError(), True),
         (TimeoutError(), True),
         (api_error(503, 10008), True),  # no stream leader (an election)
+        (js_errors.NoStreamResponseError(), True),  # a publish during an election
         (api_error(503, 10077), False),  # the stream is full: waiting does not empty it
         (api_error(503, 10078), False),
         (api_error(404, 10059), False),
+        (api_error(409, 10158), True),  # the same Nats-Msg-Id is still being stored
+        (api_error(409, 10071), False),  # wrong last sequence: final
         (js_errors.KeyWrongLastSequenceError(), False),  # an APIError without a code
         (nats_errors.ConnectionClosedError(), False),
         (ValueError("bad"), False),

@@ -14,9 +14,11 @@ from nats.errors import NoRespondersError
 from nats.js.errors import APIError
 
 from fleet.bus.auth_gen import env_password, shipped_config
+from fleet.bus.connect import ConnectOptions, connect
 from fleet.bus.embedded import EmbeddedNats, ops_dir
 from fleet.bus.provision import provision
 from fleet.bus.roles import ACTIONS, GRANTS, ROLES, Action, table_markdown
+from fleet.errors import ProvisioningDenied
 from tests.bus.role_probes import NEEDS, PROBES, Probe, prepare
 
 REPO = Path(__file__).resolve().parents[2]
@@ -126,3 +128,26 @@ async def test_a_wrong_password_is_refused(secured_url: str) -> None:
     with pytest.raises(Exception, match=r"(?i)authorization"):
         await nats.connect(secured_url, user="worker", password="wrong", allow_reconnect=False,
                            max_reconnect_attempts=0, connect_timeout=5)
+
+
+async def test_provisioning_without_the_operator_role_fails_at_once_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker started before the operator provisioned: a clear error, not 30 s of retries
+    that end in "JetStream is not answering"."""
+    for role, password in PASSWORDS.items():
+        monkeypatch.setenv(env_password(role), password)
+    server = EmbeddedNats(tmp_path / "nats", port=0, config=ops_dir() / "nats" / "auth.conf",
+                          log_file=tmp_path / "nats.log")
+    server.start()
+    try:
+        nc = await connect(server.url, "test-worker", options=ConnectOptions(
+            user="worker", password=PASSWORDS["worker"]))
+        try:
+            async with asyncio.timeout(20):  # under the 30 s broker budget a retry would take
+                with pytest.raises(ProvisioningDenied, match="operator role"):
+                    await provision(nc)
+        finally:
+            await nc.close()
+    finally:
+        server.stop()

@@ -9,7 +9,6 @@ import contextlib
 import time
 from functools import partial
 
-import pytest
 from nats.aio.msg import Msg
 
 from fleet.bus.embedded import EmbeddedNats
@@ -134,11 +133,6 @@ async def test_an_instance_stranded_on_a_node_that_died_alone_is_healed_by_a_lat
     await nc.close()
 
 
-@pytest.mark.xfail(
-    reason="needs fleet/worker/main.py Worker._cut_short to hand back every runner cancel the "
-    "worker did not send, not only while the worker stops (verified to pass with it)",
-    strict=False,
-)
 async def test_a_task_on_an_instance_that_moves_away_is_not_reported_cancelled(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
