@@ -95,12 +95,6 @@ def _save(report: FaultReport) -> None:
         path.write_text(json.dumps(asdict(report), indent=1, default=str))
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "1 run in 5 (bba2fce): after a SIGKILL the restarted server redelivers a task the worker "
-    "still holds (consumer state not yet synced); main.py _take queues it again, the runner "
-    "raises 'task ... was submitted twice' (runner/machine.py) and exits: 4 runner_crashed + "
-    "1 failed/internal"
-))
 async def test_single_server_killed_and_restarted_on_its_store_loses_nothing(
     single_broker: Broker, fault_run: RunFactory
 ) -> None:
@@ -116,12 +110,6 @@ async def test_single_server_killed_and_restarted_on_its_store_loses_nothing(
     check(await run.report(returned), replicas=1)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "2 runs in 5 (bba2fce, ca5b85a): nats.js.errors.NoStreamResponseError (a publish meeting "
-    "no responders during an election) is not transient in bus/retry.py, so the claim in "
-    "worker/claims.py claim() fails at once; main.py _take leaves the task for redelivery "
-    "after AckWait (30 s, no nak), twice for some: hung/late/lost past the 60 s bar"
-))
 async def test_cluster_leaders_killed_in_turn_lose_nothing(
     cluster_broker: Broker, fault_run: RunFactory
 ) -> None:
