@@ -48,6 +48,8 @@ class Admission:
     task: Task
     inputs: dict[str, Path] = field(default_factory=dict)  # sha256 -> verified local file
     queue_wait_s: float = 0.0
+    # A continued text task: the completion tokens its earlier attempts streamed, in order.
+    generated: tuple[int, ...] = ()
 
 
 class Engine(Protocol):

@@ -191,12 +191,14 @@ class RunnerMachine:
                 trace_id=trace_id_of(command.traceparent),
                 queue_wait_s=command.queue_wait_s,
                 delivery=command.delivery,
+                continued_from=len(command.generated),
             )
         )
         admission = Admission(
             task=task,
             inputs={sha: Path(path) for sha, path in command.inputs.items()},
             queue_wait_s=command.queue_wait_s,
+            generated=tuple(command.generated),
         )
         try:
             self._engine.admit(admission)

@@ -55,6 +55,10 @@ class SubmitTask(Wire):
     inputs: dict[str, str] = Field(default_factory=dict, description="sha256 -> local file")
     queue_wait_s: float = 0.0
     delivery: int = 1
+    generated: list[int] = Field(
+        default_factory=list,
+        description="a continued text task: the token ids its earlier attempts streamed",
+    )
     traceparent: str | None = None
     tracestate: str | None = None
 

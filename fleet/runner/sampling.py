@@ -1,10 +1,11 @@
 """Per-task sampling for the text engine: a sampler and logits processors built once per task.
 
-Each sampled task draws from its own PRNG key, split once per token, so its tokens depend on
-its seed and its prompt alone: not on which other tasks share the batch or on the order in
-which they were admitted. mlx's global random state would interleave the draws of every task
-in the batch. Greedy tasks all share mlx-lm's one greedy sampler, which lets the batch
-generator sample an all-greedy batch in a single call.
+Each sampled task draws token i from a PRNG key that is a pure function of (seed, i), so its
+tokens depend on its seed and its prompt alone: not on which other tasks share the batch, on
+the order in which they were admitted, or on whether the task was interrupted and continued
+from token i on another runner (fleet.worker.continuation). mlx's global random state would
+interleave the draws of every task in the batch. Greedy tasks all share mlx-lm's one greedy
+sampler, which lets the batch generator sample an all-greedy batch in a single call.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 class KeyedSampler:
     """Temperature sampling with optional top-p, min-p and top-k filters, from its own key."""
 
-    def __init__(self, task: TextGeneration, vocab_size: int) -> None:
-        seed = task.seed if task.seed is not None else secrets.randbits(63)
-        self._key = mx.random.key(seed)
+    def __init__(self, task: TextGeneration, vocab_size: int, start_index: int = 0) -> None:
+        self._seed = task.seed if task.seed is not None else secrets.randbits(63)
+        self._index = start_index  # the completion index of the next token drawn
         self._inverse_temperature = 1.0 / task.temperature
         self._filters: list[Callable[[mx.array], mx.array]] = []
         if task.top_p < 1.0:
@@ -49,19 +50,37 @@ class KeyedSampler:
             self._filters.append(lambda logprobs: apply_top_k(logprobs, top_k))
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        self._key, draw_key = mx.random.split(self._key)
+        draw_key = mx.random.key(token_seed(self._seed, self._index))
+        self._index += 1
         for keep_likely in self._filters:
             logprobs = keep_likely(logprobs)
         return mx.random.categorical(logprobs * self._inverse_temperature, key=draw_key)
 
 
-def make_task_sampler(task: TextGeneration, vocab_size: int) -> Sampler:
+_MASK64 = (1 << 64) - 1
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The PRNG seed of completion token `index`: splitmix64 of (seed, index), so draws for
+    neighbouring indexes (or seeds) are unrelated, and any index can be drawn first."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def make_task_sampler(task: TextGeneration, vocab_size: int, start_index: int = 0) -> Sampler:
+    """`start_index`: how many completion tokens were generated before (a continued task)."""
     if task.temperature == 0.0:
         return greedy_sampler
-    return KeyedSampler(task, vocab_size)
+    return KeyedSampler(task, vocab_size, start_index)
 
 
-def make_task_processors(task: TextGeneration, vocab_size: int) -> list[LogitsProcessor]:
+def make_task_processors(
+    task: TextGeneration, vocab_size: int, completion_starts: int | None = None
+) -> list[LogitsProcessor]:
+    """`completion_starts`: the prompt's length in tokens. A continued task is prefilled with
+    prompt + generated tokens, so only the prompt's length says where its completion began."""
     processors: list[LogitsProcessor] = []
     if task.logit_bias:
         outside = sorted(token for token in task.logit_bias if not 0 <= token < vocab_size)
@@ -75,7 +94,9 @@ def make_task_processors(task: TextGeneration, vocab_size: int) -> list[LogitsPr
         logit_bias=task.logit_bias, repetition_penalty=task.repetition_penalty
     )
     if task.presence_penalty or task.frequency_penalty:
-        processors.append(CompletionPenalties(task.presence_penalty, task.frequency_penalty))
+        processors.append(CompletionPenalties(
+            task.presence_penalty, task.frequency_penalty, completion_starts
+        ))
     return processors
 
 
@@ -88,10 +109,12 @@ class CompletionPenalties:
     at the first step is where the completion begins.
     """
 
-    def __init__(self, presence: float, frequency: float) -> None:
+    def __init__(
+        self, presence: float, frequency: float, completion_starts: int | None = None
+    ) -> None:
         self._presence = presence
         self._frequency = frequency
-        self._completion_starts: int | None = None
+        self._completion_starts = completion_starts
 
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
         if self._completion_starts is None:

@@ -11,6 +11,7 @@ that overlap for correctness, and only the batches it is in pay for it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -67,7 +68,11 @@ class StructuredOutput:
         self._end_tokens = end_tokens
         self._tokenizer: LLTokenizer | None = None
 
-    def mask_for(self, task: TextGeneration) -> GrammarMask | None:
+    def mask_for(
+        self, task: TextGeneration, generated: Sequence[int] = ()
+    ) -> GrammarMask | None:
+        """`generated`: tokens a continued task already produced, replayed through the
+        matcher before its first step so the grammar resumes where the stream stopped."""
         try:
             grammar = self._grammar(task)
         except ValueError as exc:
@@ -78,6 +83,11 @@ class StructuredOutput:
         if matcher.is_error():
             raise TaskRejected(
                 ErrorReason.INVALID_TASK, f"the JSON schema cannot be used: {matcher.get_error()}"
+            )
+        if generated and not matcher.consume_tokens(list(generated)):
+            raise TaskRejected(
+                ErrorReason.INTERNAL,
+                f"the generated tokens do not replay in the grammar: {matcher.get_error()}",
             )
         return GrammarMask(matcher, self._end_tokens)
 

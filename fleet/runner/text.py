@@ -26,8 +26,8 @@ from fleet.runner.prefix_cache import PrefixCache
 from fleet.runner.solo import SequenceSpec, SoloSequence
 from fleet.runner.structured import StructuredOutput
 from fleet.runner.text_admission import prepare_task
-from fleet.runner.text_task import TextTask
-from fleet.wire.events import ErrorReason, OutputEvent
+from fleet.runner.text_task import FinishReason, TextTask
+from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished
 from fleet.wire.tasks import TextGeneration
 
 PREFIX_CACHE_ENTRIES = 8
@@ -51,6 +51,7 @@ class TextEngine:
         # By the batch generator's uid, or a negative one of our own while a task runs alone.
         self._tasks: dict[int, TextTask] = {}
         self._uids: dict[str, int] = {}  # task id -> uid
+        self._ended_at_admission: list[TaskFinished] = []  # continued tasks already done
         self._prefix_cache = self._new_prefix_cache()
         self._cancel_lock = threading.Lock()
         self._cancel_requests: set[str] = set()
@@ -140,16 +141,9 @@ class TextEngine:
             vocab_size=self._vocab_size,
             prefix_cache=self._prefix_cache,
             structured=self._structured,
+            generated=admission.generated,
         )
-        if self._tasks:
-            uid = self._insert(generator, prepared.spec)
-        else:
-            self._solo_uids -= 1  # negative: never one of the batch generator's uids
-            uid = self._solo_uids
-            self._solo = SoloSequence(
-                self._model, uid, prepared.spec, self._stop_tokens, PREFILL_STEP_TOKENS
-            )
-        self._tasks[uid] = TextTask(
+        text_task = TextTask(
             task=task,
             detokenizer=self._tokenizer.detokenizer,
             token_text=self._token_text,
@@ -160,14 +154,40 @@ class TextEngine:
             queue_wait_s=admission.queue_wait_s,
             node_id=self.config.node_id,
             runner_id=self.config.runner_id,
+            generated=admission.generated,
         )
+        if ended := self._ended_before(text_task, admission.generated, prepared.spec.max_tokens):
+            # Its earlier attempt had finished it but died before the terminal.
+            self._ended_at_admission.append(
+                text_task.finish_now(time.time(), time.perf_counter(), ended)
+            )
+            return
+        if self._tasks:
+            uid = self._insert(generator, prepared.spec)
+        else:
+            self._solo_uids -= 1  # negative: never one of the batch generator's uids
+            uid = self._solo_uids
+            self._solo = SoloSequence(
+                self._model, uid, prepared.spec, self._stop_tokens, PREFILL_STEP_TOKENS
+            )
+        self._tasks[uid] = text_task
         self._uids[task.task_id] = uid
         batched_with = len(self._tasks) - 1
         for running in self._tasks.values():
             running.batched_with = max(running.batched_with, batched_with)
 
+    def _ended_before(
+        self, text_task: TextTask, generated: tuple[int, ...], max_tokens: int
+    ) -> FinishReason | None:
+        if not generated:
+            return None
+        if text_task.ended_before or generated[-1] in self._stop_tokens:
+            return "stop"
+        return "length" if max_tokens <= 0 else None
+
     def step(self) -> list[OutputEvent]:
-        events: list[OutputEvent] = []
+        events: list[OutputEvent] = list(self._ended_at_admission)
+        self._ended_at_admission.clear()
         if self._cancel_requests:
             self._end_cancelled(events)
         if not self._tasks:
@@ -273,7 +293,7 @@ class TextEngine:
 
     @property
     def active(self) -> int:
-        return len(self._tasks)
+        return len(self._tasks) + len(self._ended_at_admission)
 
     def close(self) -> None:
         if self._generator is not None:

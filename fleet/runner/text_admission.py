@@ -8,6 +8,7 @@ the system prompt's KV cache can be kept for the tasks after it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -40,37 +41,41 @@ def prepare_task(
     vocab_size: int,
     prefix_cache: PrefixCache | None,
     structured: StructuredOutput | None = None,
+    generated: Sequence[int] = (),
 ) -> PreparedTask:
+    """`generated`: the completion tokens a continued task already streamed. They are
+    prefilled after the prompt, and sampling, penalties and grammar resume at their end."""
     prompt = build_prompt(tokenizer, task)
     prompt_length = len(prompt.tokens)
-    if prompt_length >= context_length:
+    tokens = [*prompt.tokens, *generated]
+    if len(tokens) >= context_length:
         raise TaskRejected(
             ErrorReason.CONTEXT_LENGTH,
             f"the prompt is {prompt_length} tokens but this model's context holds "
             f"{context_length}, the prompt and at least one new token",
         )
-    sampler = make_task_sampler(task, vocab_size)
-    processors = make_task_processors(task, vocab_size)
-    if structured is not None and (mask := structured.mask_for(task)):
+    sampler = make_task_sampler(task, vocab_size, len(generated))
+    processors = make_task_processors(task, vocab_size, prompt_length)
+    if structured is not None and (mask := structured.mask_for(task, generated)):
         processors = [*processors, mask]  # last: no bias can bring back a masked token
 
     cache, cached = None, 0
     system_end = 0
     if prefix_cache is not None:
-        cache, cached = prefix_cache.lookup(prompt.tokens)
+        cache, cached = prefix_cache.lookup(tokens)
         system_end = prompt.system_end
     if system_end > cached:
-        segments = [prompt.tokens[cached:system_end], prompt.tokens[system_end:]]
+        segments = [tokens[cached:system_end], tokens[system_end:]]
     else:
-        segments, system_end = [prompt.tokens[cached:]], 0
+        segments, system_end = [tokens[cached:]], 0
     spec = SequenceSpec(
         segments=segments,
         cache=cache,
-        cached_tokens=prompt.tokens[:cached],
+        cached_tokens=tokens[:cached],
         sampler=sampler,
         processors=processors,
         # Generation ends at the end of the context, with finish_reason "length".
-        max_tokens=min(task.max_tokens, context_length - prompt_length),
+        max_tokens=min(task.max_tokens, context_length - prompt_length) - len(generated),
     )
     return PreparedTask(
         spec=spec,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -46,7 +46,12 @@ class TextTask:
         queue_wait_s: float,
         node_id: str,
         runner_id: str,
+        generated: Sequence[int] = (),
     ) -> None:
+        """`generated`: the tokens a continued task already streamed (its earlier attempts).
+        They are replayed through the detokenizer and the visible-text filter, so the next
+        token's text, held-back stop-string prefixes and tool calls resume exactly; indexes
+        and usage count on from them."""
         self.task = task
         self.system_end = system_end  # > 0 while its system prompt is still to be cached
         self.batched_with = 0
@@ -63,6 +68,29 @@ class TextTask:
         self._last_token_at = 0.0
         self._emitted = 0
         self._tool_calls = 0
+        self.ended_before = self._replay(generated)
+
+    def _replay(self, generated: Sequence[int]) -> bool:
+        """Replay earlier tokens without emitting them; True when they had already ended the
+        text (a stop string), so the continued task finishes without a new token."""
+        for token in generated:
+            self._detokenizer.add_token(token)
+        text = self._detokenizer.last_segment
+        self._emitted = len(generated)
+        if self._visible is None:
+            return False
+        self._visible.push(text)
+        self._tool_calls = len(self._visible.take_tool_calls())  # streamed before the seam
+        return self._visible.stopped
+
+    def finish_now(self, at: float, now: float, finish_reason: FinishReason) -> TaskFinished:
+        """A continued task whose earlier tokens already ended it (the previous attempt died
+        between its last token and its terminal): the terminal alone."""
+        return TaskFinished(
+            task_id=self.task.task_id, at=at, status="completed", finish_reason=finish_reason,
+            usage=self._usage(), stats=self._stats(now),
+            node_id=self._node_id, runner_id=self._runner_id,
+        )
 
     def on_token(
         self, response: Any, at: float, now: float, events: list[OutputEvent]

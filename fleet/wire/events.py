@@ -42,6 +42,11 @@ class TaskAccepted(_Event):
     trace_id: str | None = Field(default=None, description="W3C trace id, 32 hex digits")
     queue_wait_s: float = 0.0
     delivery: int = Field(default=1, description="JetStream delivery count of the task")
+    continued_from: int = Field(
+        default=0, ge=0,
+        description="a continued task: the token index this attempt goes on from (0: a fresh "
+        "start); the events before it were streamed by an earlier attempt",
+    )
 
 
 class TopLogprob(Part):

@@ -78,6 +78,11 @@ class _TaskBase(Wire):
         default=None, description="The task expires if it has not started by then"
     )
     created_at: AwareDatetime | None = None
+    max_continuations: int = Field(
+        default=3, ge=0, le=16,
+        description="How many times a text task whose worker died after its output began is "
+        "continued by another worker before it ends failed/worker_lost",
+    )
 
 
 class ResponseFormat(Part):

@@ -23,9 +23,10 @@ from fleet.bus.retry import with_retry
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_task, sent_task_id
 from fleet.wire.events import ErrorReason, ImageChunk, TaskFinished, TokenChunk, ToolCallChunk
-from fleet.wire.tasks import is_past
+from fleet.wire.tasks import Task, is_past
 from fleet.worker.claims import Claims, owner_of
 from fleet.worker.cluster import ClusterLink
+from fleet.worker.continuation import Continue, GiveUp, decide, stored_events
 from fleet.worker.outputs import TaskOutput
 from fleet.worker.state import PendingTask
 
@@ -70,6 +71,8 @@ class Intake:
         self.cluster = cluster
         self.claims = claims
         self.invalid_count = 0
+        # Continued tasks, by id: the tokens their earlier attempts streamed (until dispatch).
+        self.continuations: dict[str, tuple[int, ...]] = {}
 
     async def receive(self, msg: Msg) -> Queued | Settled:
         delivery = msg.metadata.num_delivered if msg.metadata else 1
@@ -84,7 +87,7 @@ class Intake:
             )
         if refused := await self._claim(msg, task.task_id):
             return refused
-        if delivery > 1 and (settled := await self._redelivered(task.task_id)):
+        if delivery > 1 and (settled := await self._redelivered(task)):
             return settled
         if await self.cluster.is_cancelled(task.task_id):
             return await self._end(task.task_id, ErrorReason.CANCELLED, "cancelled early")
@@ -132,18 +135,28 @@ class Intake:
         return Settled(task_id, "invalid_task", "term")  # poison: never redeliver
 
     async def _end(self, task_id: str, reason: ErrorReason, message: str) -> Settled:
+        self.continuations.pop(task_id, None)
         await self.output.fail(task_id, reason, message, node_id=self.cluster.node_id)
         return Settled(task_id, reason.value)
 
-    async def _redelivered(self, task_id: str) -> Settled | None:
-        """A worker took this task before and died. Rerun it only if no output was streamed:
-        a client must never see tokens twice."""
+    async def _redelivered(self, task: Task) -> Settled | None:
+        """A worker took this task before and died. Rerun it if no output was streamed;
+        continue a text task from its next token if some was (fleet.worker.continuation):
+        a client must never see a token twice or miss one."""
+        task_id = task.task_id
         last = await self.output.last_event(task_id)
         if isinstance(last, TaskFinished):
             return Settled(task_id, "already_finished")
-        if isinstance(last, STREAMED):
-            return await self._end(
-                task_id, ErrorReason.WORKER_LOST,
-                "the worker running this task was lost after output had started",
-            )
+        if not isinstance(last, STREAMED):
+            return None
+        events = await stored_events(self.output.nc, self.js, task_id)
+        match decide(task, events):
+            case None:
+                return Settled(task_id, "already_finished")
+            case GiveUp(message=message):
+                return await self._end(task_id, ErrorReason.WORKER_LOST, message)
+            case Continue(generated=generated, attempt=attempt):
+                log.info("task %s continues from token %d (continuation %d)",
+                         task_id, len(generated), attempt)
+                self.continuations[task_id] = generated
         return None

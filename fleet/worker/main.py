@@ -231,6 +231,7 @@ class Worker(RunnerReports, Stopping):
         self._apply(ev.TaskDispatched(task_id, runner_id))
         sent = await self.runners.send(runner_id, pipe.SubmitTask(
             task=pending.task, inputs=pending.inputs or {}, delivery=pending.delivery,
+            generated=list(self.intake.continuations.pop(task_id, ())),
             queue_wait_s=max(0.0, time.time() - pending.received_at),
             traceparent=traceparent, tracestate=tracestate,
         ))

@@ -1,0 +1,104 @@
+"""Continuing a text task whose worker died after its output began.
+
+FLEET_OUT holds every event the dead attempt published, in order, each token with its index
+and token id. A redelivered task's stored stream is read back, and `decide` (pure) says what
+to do: continue from the next index with the generated token ids (the runner prefills prompt
++ generated and resumes sampling, penalties and grammar there), or give up (`worker_lost`)
+when the stream cannot be continued exactly or the task used up its `max_continuations`.
+
+Only the contiguous run of tokens from index 0 counts as generated: a client reading
+FLEET_OUT sees the stream in order, so what it has seen is exactly that run, and the next
+attempt's first token takes the next index (the Msg-Id of every token is its index, so a token
+the dead attempt published late is stored once, never twice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from fleet.bus.chunks import read_in_order
+from fleet.bus.retry import with_retry
+from fleet.wire import subjects
+from fleet.wire.codec import DecodeError, decode_event
+from fleet.wire.events import (
+    ImageChunk,
+    OutputEvent,
+    TaskAccepted,
+    TaskFinished,
+    TokenChunk,
+)
+from fleet.wire.tasks import Task, TextGeneration
+
+log = logging.getLogger(__name__)
+
+READ_IDLE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Continue:
+    generated: tuple[int, ...]  # token ids of indexes 0..k-1; the next attempt emits index k
+    attempt: int  # 1 for the first continuation
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    message: str
+
+
+def decide(task: Task, events: list[OutputEvent]) -> Continue | GiveUp | None:
+    """What a redelivered task with stored output needs. None: it has finished already."""
+    if any(isinstance(event, TaskFinished) for event in events):
+        return None
+    if not isinstance(task, TextGeneration):
+        return GiveUp("the worker running this task was lost after output had started")
+    if any(isinstance(event, ImageChunk) for event in events):
+        return GiveUp("image output cannot be continued by a text task")
+    # Each attempt is accepted once: the continuations so far are the attempts but the first.
+    attempts = len({e.delivery for e in events if isinstance(e, TaskAccepted)})
+    continuations = max(0, attempts - 1)
+    if continuations >= task.max_continuations:
+        return GiveUp(
+            f"the worker running this task was lost after output had started, and it was "
+            f"continued {continuations} times already (max_continuations "
+            f"{task.max_continuations})"
+        )
+    return Continue(generated=generated_tokens(events), attempt=continuations + 1)
+
+
+def generated_tokens(events: list[OutputEvent]) -> tuple[int, ...]:
+    """The token ids of the contiguous run of indexes from 0 (what a reader has seen)."""
+    by_index: dict[int, int] = {}
+    for event in events:
+        if isinstance(event, TokenChunk):
+            by_index.setdefault(event.index, event.token_id)
+    tokens: list[int] = []
+    while len(tokens) in by_index:
+        tokens.append(by_index[len(tokens)])
+    return tuple(tokens)
+
+
+async def stored_events(nc: Client, js: JetStreamContext, task_id: str) -> list[OutputEvent]:
+    """Every event stored for a task in FLEET_OUT, in order."""
+    subject = subjects.out(task_id)
+
+    async def count() -> int:
+        info = await js.stream_info(subjects.OUT_STREAM, subjects_filter=subject)
+        return int((info.state.subjects or {}).get(subject, 0))
+
+    total = await with_retry(count, what=f"count the stored events of {task_id}")
+    events: list[OutputEvent] = []
+    if total == 0:
+        return events
+    reader = read_in_order(nc, js, subjects.OUT_STREAM, subject, READ_IDLE_S, count=total)
+    async with contextlib.aclosing(reader) as stored:
+        async for data in stored:
+            try:
+                events.append(decode_event(data))
+            except DecodeError:
+                log.warning("undecodable stored event on %s", subject)
+    return events
