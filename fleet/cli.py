@@ -1,15 +1,21 @@
-"""`fleet`: parse flags, build Settings, call one entry point per subcommand."""
+"""`fleet`: parse flags, build Settings, call one entry point per subcommand.
+
+Every setting a command reads is a flag of that command, accepted before the command or after
+it (`fleet --nats-url X up` and `fleet up --nats-url X`); its `--help` names the environment
+variable and the default. The table below says which settings each command reads.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata as metadata
 import logging
 import sys
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
-from fleet.errors import FleetError
+from fleet import config
+from fleet.errors import FleetError, NatsUnavailable
 from fleet.telemetry import setup
 
 # Each module adds its subcommands with register(subparsers); handlers are set as `func`.
@@ -28,24 +34,103 @@ COMMAND_MODULES = (
 # The commands whose processes make spans (a runner sets up its own, exporting via its worker).
 TRACED_COMMANDS = ("worker", "gateway", "up", "demo", "submit")
 
+_CLIENT = config.GENERAL + config.CONNECTION
+# The settings each command reads (a command not named here reads only config.GENERAL).
+COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
+    "up": _CLIENT + config.WORKER + config.GATEWAY + ("nats_port",),
+    "worker": _CLIENT + config.WORKER,
+    "gateway": _CLIENT + config.GATEWAY,
+    "nats": (*_CLIENT, "nats_port", "replicas"),
+    "demo": (*config.GENERAL, "gateway_port", "nats_port", "slots"),
+    "instances": _CLIENT,
+    "submit": _CLIENT,
+    "follow": _CLIENT,
+    "cancel": _CLIENT,
+    "images": _CLIENT,
+    "trace": _CLIENT,
+}
+# Short names a command has always accepted for a setting.
+ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
+    "up": {"gateway_host": ("--host",), "gateway_port": ("--port",)},
+    "gateway": {"gateway_host": ("--host",), "gateway_port": ("--port",),
+                "gateway_timeout_s": ("--timeout",)},
+    "nats": {"nats_port": ("--port",)},
+    "demo": {"gateway_port": ("--port",)},
+}
+NATS_HINT = (
+    "point fleet at a running server with --nats-url URL (or FLEET_NATS_URL); "
+    "`fleet up` or `fleet nats` starts one here"
+)
+
+
+def fleet_version() -> str:
+    try:
+        return metadata.version("fleet")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def setting_help(name: str) -> str:
+    default = config.default_of(name)
+    shown = "none" if default in (None, "", ()) else default
+    return f"{config.DESCRIPTIONS[name]} (env {config.env_var(name)}; default {shown})"
+
+
+def add_settings(
+    parser: argparse.ArgumentParser, names: tuple[str, ...],
+    aliases: dict[str, tuple[str, ...]] | None = None, *, top: bool = False,
+) -> None:
+    """Flags for `names`, each stored under the setting's own name. After the command their
+    default is SUPPRESS, so a flag given before the command is not overwritten by absence."""
+    group = parser.add_argument_group("settings (before or after the command)")
+    taken = set(parser._option_string_actions)
+    for name in dict.fromkeys(names):
+        options = [o for o in (config.flag(name), *(aliases or {}).get(name, ())) if o not in taken]
+        if not options:
+            continue
+        default = None if top else argparse.SUPPRESS
+        if config.kind_of(name) == "bool":
+            group.add_argument(*options, dest=name, action=argparse.BooleanOptionalAction,
+                               default=default, help=setting_help(name))
+        else:
+            group.add_argument(*options, dest=name, default=default, help=setting_help(name),
+                               metavar=name.upper().removeprefix("GATEWAY_"))
+
+
+def subcommand_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
+    """`parser` and every parser below it (verbs such as `fleet images ls`)."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in dict.fromkeys(action.choices.values()):
+                yield from subcommand_parsers(sub)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fleet", description="A NATS JetStream driven worker fleet for AI models."
     )
-    parser.add_argument("--nats-url", help="NATS server URL (env FLEET_NATS_URL)")
-    parser.add_argument("--data-dir", type=Path, help="data directory (env FLEET_DATA_DIR)")
-    parser.add_argument("--log-level", help="debug, info, warning (env FLEET_LOG_LEVEL)")
+    parser.add_argument("--version", action="version", version=f"fleet {fleet_version()}")
+    add_settings(parser, tuple(config.DESCRIPTIONS), top=True)
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    for command, sub in subparsers.choices.items():
+        names = COMMAND_SETTINGS.get(command, config.GENERAL)
+        for each in subcommand_parsers(sub):
+            add_settings(each, names, ALIASES.get(command))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        settings = config.settings_of(args)
+    except FleetError as exc:
+        print(f"fleet: {exc.message}", file=sys.stderr)
+        return 2
     logging.basicConfig(
-        level=(args.log_level or "info").upper(),
+        level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
@@ -54,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int | None] = args.func
     try:
         return handler(args) or 0
+    except NatsUnavailable as exc:
+        print(f"fleet: {exc.message}\nhint: {NATS_HINT}", file=sys.stderr)
+        return 1
     except FleetError as exc:
         print(f"fleet: {exc.message}", file=sys.stderr)
         return 1

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fleet.errors import InvalidRequest
+from fleet.errors import InvalidSetting
 
 
 def _default_data_dir() -> Path:
@@ -151,4 +151,79 @@ def _checked(name: str, raw: Any, source: str) -> Any:
     try:
         return _coerce(name, raw)
     except ValueError:
-        raise InvalidRequest(f"{source}: {raw!r} is not a valid value for {name}") from None
+        raise InvalidSetting(f"{source}: {raw!r} is not a valid value for {name}") from None
+
+
+# What each setting means, for `--help` (which adds its flag's env var and default).
+DESCRIPTIONS: dict[str, str] = {
+    "nats_url": "NATS server URL; comma-separated for a cluster (`fleet up`: none = embedded)",
+    "data_dir": "data directory: models, images, the embedded server's store, auth",
+    "gateway_host": "address the gateway listens on",
+    "gateway_port": "port the gateway listens on",
+    "gateway_timeout_s": "seconds a request waits for its task to end (then 504)",
+    "gateway_max_body_bytes": "larger request bodies get 413",
+    "nats_port": "client port of the embedded nats-server",
+    "log_level": "debug, info, warning, error",
+    "slots": "concurrent tasks per text runner",
+    "api_keys": "comma-separated API keys the gateway accepts (prefer the env var)",
+    "image_cache_bytes": "bytes of images the worker keeps on disk",
+    "input_wait_s": "seconds a task waits for a missing input image",
+    "max_deliver": "deliveries of a task before it is given up",
+    "ack_wait_s": "seconds a worker holds a task before JetStream redelivers it",
+    "auto_place": "place a model when tasks wait for one nobody serves",
+    "replicas": "stream and KV replicas (0: from the cluster's size)",
+    "nats_creds": "a .creds file (JWT + NKey seed)",
+    "nats_nkey": "an NKey seed file",
+    "nats_user": "NATS user",
+    "nats_password": "NATS password (prefer the env var)",
+    "nats_tls_ca": "CA bundle that signed the server's certificate",
+    "nats_tls_cert": "client certificate (mutual TLS)",
+    "nats_tls_key": "client certificate's key",
+    "api_keys_file": "keys file: JSON lines {tenant, sha256}",
+    "gateway_protect_metrics": "/metrics needs an API key too",
+    "gateway_events_idle_s": "a /v1/tasks/<id>/events stream ends after this quiet",
+    "gateway_streams_per_key": "requests waiting on task events, per tenant (then 429)",
+    "gateway_max_waiting": "requests waiting on task events, in all (then 429)",
+    "gateway_max_connections": "open HTTP connections (more get 429)",
+    "gateway_header_timeout_s": "seconds to send a request's headers",
+    "gateway_body_timeout_s": "seconds to send a request's whole body (then 408)",
+    "gateway_keep_alive_s": "an idle keep-alive connection is closed after this",
+}
+
+# Which settings a kind of command reads: `fleet.cli` offers exactly these on each command.
+GENERAL = ("data_dir", "log_level")
+CONNECTION = (
+    "nats_url", "nats_creds", "nats_nkey", "nats_user", "nats_password",
+    "nats_tls_ca", "nats_tls_cert", "nats_tls_key",
+)
+WORKER = ("slots", "image_cache_bytes", "input_wait_s", "max_deliver", "ack_wait_s",
+          "auto_place", "replicas")
+GATEWAY = (
+    *(name for name in _ENV if name.startswith("gateway_")), "api_keys", "api_keys_file",
+    "replicas",
+)
+
+
+def env_var(name: str) -> str:
+    return _ENV[name]
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def kind_of(name: str) -> str:
+    """The setting's type as written in Settings ("bool", "int", "str | None", ...)."""
+    return str({f.name: f.type for f in fields(Settings)}[name])
+
+
+def default_of(name: str) -> Any:
+    return getattr(Settings(), name)
+
+
+def settings_of(namespace: object, **overrides: Any) -> Settings:
+    """Settings from a parsed command line: every attribute named like a setting is a flag
+    (None or absent: not given); `overrides` are flags under other names."""
+    flags = {name: getattr(namespace, name, None) for name in _ENV}
+    flags.update({k: v for k, v in overrides.items() if v is not None})
+    return load_settings(flags)

@@ -2,6 +2,7 @@
 
     FleetError
      ├── InvalidRequest        400  invalid_task
+     ├── InvalidSetting             a flag or FLEET_* variable has a bad value (CLI exit 2)
      ├── Unauthorized          401
      ├── ModelNotFound         404  model_not_found
      ├── PayloadTooLarge       413
@@ -32,6 +33,10 @@ class InvalidRequest(FleetError):
     http_status = 400
     reason = ErrorReason.INVALID_TASK
     openai_type = "invalid_request_error"
+
+
+class InvalidSetting(FleetError):
+    """A bad flag or environment value: the operator's mistake, not a client's request."""
 
 
 class Unauthorized(FleetError):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from fleet.config import Settings, load_settings
-from fleet.errors import InvalidRequest
+from fleet.errors import InvalidSetting
 
 DEFAULTS = Settings()
 
@@ -148,5 +148,5 @@ def test_switches_read_the_usual_spellings(raw: str, expected: bool) -> None:
 
 
 def test_a_switch_that_is_neither_on_nor_off_is_one_clear_error() -> None:
-    with pytest.raises(InvalidRequest, match="FLEET_AUTO_PLACE: 'maybe'"):
+    with pytest.raises(InvalidSetting, match="FLEET_AUTO_PLACE: 'maybe'"):
         load_settings(env={"FLEET_AUTO_PLACE": "maybe"})

@@ -9,14 +9,14 @@ import signal
 import sys
 from pathlib import Path
 
-from fleet.config import Settings, load_settings
+from fleet.config import Settings, settings_of
 
 MFLUX_SERIES = "0.24."
 
 
-def settings_from(args: argparse.Namespace, **flags: object):
-    base = {"nats_url": args.nats_url, "data_dir": args.data_dir, "log_level": args.log_level}
-    return load_settings({**base, **flags})
+def settings_from(args: argparse.Namespace, **flags: object) -> Settings:
+    """The command's settings: its flags (see fleet.cli) over FLEET_* over defaults."""
+    return settings_of(args, **flags)
 
 
 def versions() -> dict[str, str]:
@@ -66,7 +66,7 @@ def cmd_nats(args: argparse.Namespace) -> int:
     from fleet.bus import auth_gen
     from fleet.bus.embedded import EmbeddedNats
 
-    settings = settings_from(args, nats_port=args.port)
+    settings = settings_from(args)
     if args.auth:
         folder = auth_gen.generate(settings.data_dir, port=settings.nats_port, tls=args.tls)
         print(auth_gen.how_to_start(folder))
@@ -132,7 +132,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_schemas)
 
     p = subparsers.add_parser("nats", help="run the embedded nats-server with JetStream")
-    p.add_argument("--port", "--nats-port", dest="port", type=int, help="client port (4222)")
     p.add_argument(
         "--auth", action="store_true",
         help="write <data>/auth/: a server config with new secrets and one credentials file "

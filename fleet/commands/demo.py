@@ -118,8 +118,6 @@ async def run_demo(settings: Settings, timeout: float) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="run the embedded stack, chat, make an image, stop")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for runners")
-    p.add_argument("--port", type=int, help="gateway port")
-    p.add_argument("--nats-port", type=int)
     p.set_defaults(func=lambda a: asyncio.run(run_demo(
-        settings_from(a, gateway_port=a.port, nats_port=a.nats_port), a.timeout
+        settings_from(a), a.timeout
     )))

@@ -229,27 +229,18 @@ async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("worker", help="run the node agent")
-    p.add_argument("--slots", type=int, help="concurrent tasks per text runner")
-    _auto_place_flag(p)
     # run_main: signals stop it within its grace in every state, and it exits without
     # native teardown (see fleet.proc).
     p.set_defaults(func=lambda a: run_main(lambda exit_: run_worker(
-        settings_from(a, slots=a.slots, auto_place=a.auto_place), exit_
+        settings_from(a), exit_
     )))
 
     p = subparsers.add_parser("up", help="embedded NATS + worker + gateway on this machine")
     p.add_argument("--models", default="smollm2-135m,tiny-flux2", help="comma-separated ids")
-    p.add_argument("--host", help="gateway host")
-    p.add_argument("--port", type=int, help="gateway port")
-    p.add_argument("--nats-port", type=int, help="embedded nats-server port")
-    p.add_argument("--slots", type=int)
     p.add_argument("--auth", action="store_true", help="run the embedded server secured: "
                    "generate <data>/auth unless there (once there, `fleet up` uses it anyway)")
-    _auto_place_flag(p)
     p.set_defaults(func=lambda a: run_main(lambda exit_: run_up(
-        ensure_auth(settings_from(a, gateway_host=a.host, gateway_port=a.port,
-                                  nats_port=a.nats_port, slots=a.slots,
-                                  auto_place=a.auto_place), a.auth),
+        ensure_auth(settings_from(a), a.auth),
         [m for m in a.models.split(",") if m], exit_,
     )))
 
@@ -264,9 +255,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     remove_p.add_argument("instance_id")
     p.set_defaults(func=lambda a: asyncio.run(instances_cmd(settings_from(a), a)))
 
-
-def _auto_place_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--no-auto-place", dest="auto_place", action="store_false", default=None,
-        help="do not place a model because tasks wait for it (FLEET_AUTO_PLACE=0)",
-    )

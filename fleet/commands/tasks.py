@@ -84,6 +84,9 @@ async def submit_task(settings: Settings, args: argparse.Namespace) -> int:
             task = decode_task(data)
         except DecodeError as exc:
             raise InvalidRequest(f"{args.file}: {exc}") from None
+    elif not args.prompt.strip():
+        raise InvalidRequest("fleet submit needs a prompt: fleet submit 'your message' "
+                             "(or --file TASK.json)")
     else:
         task = TextGeneration(
             task_id=new_task_id(), model=args.model, max_tokens=args.max_tokens,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet.bus.connect import redact_urls
-from fleet.config import Settings, load_settings
+from fleet.config import Settings, settings_of
 from fleet.errors import FleetError
 from fleet.gateway.http_server import server_options
 from fleet.gateway.tenants import add_key
@@ -28,16 +28,9 @@ GRACEFUL_SHUTDOWN_S = 5
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
-    return load_settings(
-        {
-            "nats_url": getattr(args, "nats_url", None),
-            "data_dir": getattr(args, "data_dir", None),
-            "log_level": getattr(args, "log_level", None),
-            "gateway_host": getattr(args, "host", None),
-            "gateway_port": getattr(args, "port", None),
-            "gateway_timeout_s": getattr(args, "timeout", None),
-        }
-    )
+    """The gateway's flags (see fleet.cli: --host, --port, --timeout and every gateway_*
+    setting) over FLEET_* over defaults."""
+    return settings_of(args)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -116,13 +109,6 @@ def cmd_gateway(args: argparse.Namespace) -> int:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "gateway", help="the OpenAI-compatible HTTP gateway over the task subjects"
-    )
-    parser.add_argument("--host", help="address to listen on (env FLEET_GATEWAY_HOST)")
-    parser.add_argument("--port", type=int, help="port to listen on (env FLEET_GATEWAY_PORT)")
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        help="seconds a request waits for its task to end (env FLEET_GATEWAY_TIMEOUT_S)",
     )
     parser.set_defaults(func=cmd_gateway)
     keys = parser.add_subparsers(dest="gateway_command").add_parser(
