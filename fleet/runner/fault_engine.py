@@ -120,7 +120,10 @@ class FaultEngine:
             raise TaskRejected(knobs.reject, f"fault injected: rejected as {knobs.reject}")
         if len(self._runs) >= self._config.slots:
             raise TaskRejected(ErrorReason.QUEUE_FULL, f"all {self._config.slots} slots busy")
-        self._runs[task.task_id] = _Run(task, knobs, prompt_tokens=len(text.split()))
+        # A continued task goes on from the token after those its earlier attempts streamed.
+        self._runs[task.task_id] = _Run(
+            task, knobs, prompt_tokens=len(text.split()), produced=len(admission.generated)
+        )
 
     def step(self) -> list[OutputEvent]:
         if not self._runs:

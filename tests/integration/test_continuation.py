@@ -1,0 +1,229 @@
+"""A worker SIGKILLed mid-answer: the other worker continues each of its text tasks from the next
+token, and the stream equals, token for token, the same request run without a kill.
+
+Real processes: nats-server, two `fleet worker`s with their runner subprocesses, mlx-lm on
+tiny-llm. The kill takes the worker's whole process group (worker and runner), as a power
+loss would. The seam (kill -> first token of the continuation, seen by a live subscriber) is
+printed; AckWait is 2 s here, so it is about AckWait + one prefill.
+
+FLEET_CONTINUATION_CHAOS=1 runs the chaos version: more, longer tasks and a kill every few
+seconds, alternating between the workers (see docs/faults.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from fleet.models.catalog import get_card
+from fleet.placement import place
+from fleet.wire import subjects
+from fleet.wire.cluster import ModelCard, RunnerRecord
+from fleet.wire.codec import decode_event, decode_model
+from fleet.wire.events import (
+    OutputEvent,
+    TaskAccepted,
+    TaskFinished,
+    TokenChunk,
+)
+from fleet.wire.tasks import ChatMessage, TextGeneration
+from tests.integration.conftest import WorkerFactory
+from tests.integration.harness import (
+    WorkerProcess,
+    client,
+    events_of,
+    submit,
+    wait_node,
+)
+
+ENV = {"FLEET_ACK_WAIT_S": "2", "OPENBLAS_NUM_THREADS": "1"}
+NO_EOS = {2: -100.0}  # tiny-llm's <|im_end|>: random weights would otherwise stop early
+CHAOS = os.environ.get("FLEET_CONTINUATION_CHAOS") == "1"
+
+SAMPLERS: dict[str, dict[str, Any]] = {
+    "greedy": {},
+    "seeded": {"temperature": 0.8, "seed": 1234},
+    "frequency": {"frequency_penalty": 1.2},
+    "top-p-logprobs": {"temperature": 0.8, "top_p": 0.9, "seed": 7, "logprobs": True},
+}
+
+
+def request(task_id: str, sampler: str, max_tokens: int) -> TextGeneration:
+    fields = {"temperature": 0.0, **SAMPLERS[sampler]}
+    return TextGeneration(
+        task_id=task_id, model="tiny-llm", max_tokens=max_tokens, logit_bias=NO_EOS,
+        messages=[ChatMessage(role="user", content=f"Tell me a long story ({sampler})")],
+        **fields,
+    )
+
+
+async def place_on(nc: Client, card: ModelCard, node: str, timeout: float = 120.0) -> None:
+    """Place `card` on `node` and wait for that node's runner to be ready."""
+    kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
+    watcher = await kv.watchall()
+    await place(nc.jetstream(), card, node_id=node, slots=8)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                entry = await watcher.updates(timeout=max(0.05, deadline - time.monotonic()))
+            except TimeoutError:
+                continue
+            if entry is None or not entry.value:
+                continue
+            record = decode_model(RunnerRecord, entry.value)
+            if record.node_id == node and record.status.state == "ready":
+                return
+    finally:
+        await watcher.stop()
+    raise TimeoutError(f"no ready runner on {node}")
+
+
+class Live:
+    """Every task's events as a live subscriber sees them, with arrival times."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[tuple[float, OutputEvent]]] = {}
+        self.changed = asyncio.Event()
+
+    async def on_msg(self, msg: Msg) -> None:
+        event = decode_event(msg.data)
+        self.events.setdefault(event.task_id, []).append((time.monotonic(), event))
+        self.changed.set()
+
+    async def until(self, check: Callable[[], Any], timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while not (found := check()):
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), max(0.01, deadline - time.monotonic()))
+        return found
+
+    def tokens(self, task_id: str) -> int:
+        return sum(isinstance(e, TokenChunk) for _, e in self.events.get(task_id, []))
+
+    def node_running(self, task_id: str) -> str | None:
+        accepted = [e for _, e in self.events.get(task_id, []) if isinstance(e, TaskAccepted)]
+        return accepted[-1].node_id if accepted else None
+
+    def done(self, task_id: str) -> bool:
+        return any(isinstance(e, TaskFinished) for _, e in self.events.get(task_id, []))
+
+
+def assert_one_clean_stream(events: list[OutputEvent], reference: list[OutputEvent]) -> None:
+    tokens = [e for e in events if isinstance(e, TokenChunk)]
+    expected = [e for e in reference if isinstance(e, TokenChunk)]
+    assert [t.index for t in tokens] == list(range(len(tokens))), "a repeated or missing index"
+    assert [t.token_id for t in tokens] == [t.token_id for t in expected]
+    assert "".join(t.text for t in tokens) == "".join(t.text for t in expected)
+    # Logprobs continue; batches of other shapes move them by float rounding only.
+    assert [t.logprob for t in tokens] == pytest.approx([t.logprob for t in expected], abs=1e-3)
+    terminals = [e for e in events if isinstance(e, TaskFinished)]
+    assert len(terminals) == 1 and events[-1] is terminals[0]
+    [want] = [e for e in reference if isinstance(e, TaskFinished)]
+    assert terminals[0].status == "completed", terminals[0]
+    assert terminals[0].finish_reason == want.finish_reason
+    assert terminals[0].usage is not None and want.usage is not None
+    assert terminals[0].usage.completion_tokens == len(tokens) == want.usage.completion_tokens
+
+
+async def test_a_worker_killed_mid_answer_is_continued_token_for_token(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    rounds, max_tokens = (12, 400) if CHAOS else (1, 240)
+    workers = {"a": start_worker("a", **ENV), "b": start_worker("b", **ENV)}
+    nc = await client(nats_url)
+    nodes: dict[str, WorkerProcess] = {}
+    card = get_card("tiny-llm")
+    for worker in workers.values():
+        node = await wait_node(nc, worker.data_dir)
+        nodes[node] = worker
+        await place_on(nc, card, node)
+
+    live = Live()
+    await nc.subscribe("fleet.out.>", cb=live.on_msg)
+    seams: list[float] = []
+    kills = 0
+    for round_no in range(rounds):
+        names = [f"r{round_no}-{name}" for name in SAMPLERS]
+        # The same requests, uninterrupted, first: the reference each continued stream must equal.
+        references = await asyncio.gather(*(
+            _run(nc, request(f"ref-{name}", name.split("-", 1)[1], max_tokens))
+            for name in names
+        ))
+        for name in names:
+            await submit(nc, request(f"cont-{name}", name.split("-", 1)[1], max_tokens))
+        # Kill the worker running the first task once it is well into its answer.
+        first = f"cont-{names[0]}"
+        await live.until(lambda: live.tokens(first) >= 40 or live.done(first), 120)
+        victim_node = live.node_running(first)
+        if live.done(first) or victim_node is None:
+            pytest.fail("the task ended before the kill: make it longer")
+        victim = nodes[victim_node]
+        seen = {task: live.tokens(task) for task in (f"cont-{n}" for n in names)}
+        killed_at = time.monotonic()
+        victim.kill()
+        kills += 1
+        # The seam: the first token after the kill, from the continuing attempt.
+        resumed = await live.until(lambda: _first_after(live, first, seen[first]), 120)
+        seams.append(resumed - killed_at)
+        for name, reference in zip(names, references, strict=True):
+            stored = await events_of(nc, f"cont-{name}")  # replayed from FLEET_OUT
+            assert_one_clean_stream(stored, reference)
+            live_events = [e for _, e in live.events[f"cont-{name}"]]
+            assert_one_clean_stream(_dedup(live_events), reference)
+        accepted = [e for e in await events_of(nc, first) if isinstance(e, TaskAccepted)]
+        assert len(accepted) == 2 and accepted[1].continued_from > 0
+        assert accepted[1].node_id != victim_node
+        # Bring the victim back for the next round (chaos), on its own data dir.
+        name = next(k for k, w in workers.items() if w is victim)
+        if round_no + 1 < rounds:
+            workers[name] = restarted = WorkerProcess(
+                victim.env["FLEET_NATS_URL"], victim.data_dir, **ENV
+            ).start()
+            node = await wait_node(nc, restarted.data_dir)
+            nodes[node] = restarted
+            await place_on(nc, card, node)
+    print(f"\ncontinuation seam (kill -> next token) over {kills} kills: "
+          f"p50 {statistics.median(seams):.2f} s, max {max(seams):.2f} s (AckWait 2 s)")
+    for worker in workers.values():
+        worker.kill()
+    await nc.close()
+
+
+def _first_after(live: Live, task_id: str, tokens_before_kill: int) -> float | None:
+    """Arrival time of the first token of the next attempt (a later task_accepted)."""
+    attempts = 0
+    for at, event in live.events.get(task_id, []):
+        if isinstance(event, TaskAccepted):
+            attempts += 1
+        elif isinstance(event, TokenChunk) and attempts >= 2:
+            return at
+    return None
+
+
+def _dedup(events: list[OutputEvent]) -> list[OutputEvent]:
+    """A live core subscriber may also see a token the dead worker published twice (its
+    retry): JetStream stores it once (Msg-Id); the live view keeps the first by index."""
+    seen: set[int] = set()
+    kept: list[OutputEvent] = []
+    for event in events:
+        if isinstance(event, TokenChunk):
+            if event.index in seen:
+                continue
+            seen.add(event.index)
+        kept.append(event)
+    return kept
+
+
+async def _run(nc: Client, task: TextGeneration) -> list[OutputEvent]:
+    collector = asyncio.create_task(events_of(nc, task.task_id))
+    await submit(nc, task)
+    return await collector
