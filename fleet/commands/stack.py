@@ -15,6 +15,7 @@ from fleet.bus.auth_gen import as_role, ensure_auth
 from fleet.bus.connect import connect_with
 from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.provision import provision
+from fleet.commands.announce import announce_runners
 from fleet.commands.core import check_mflux, secured_config, settings_from
 from fleet.config import Settings
 from fleet.models.catalog import get_card
@@ -201,10 +202,22 @@ async def run_up(settings: Settings, models: list[str], exit_: Exit | None = Non
                 f"{running.gateway_port}/v1, data {running.data_dir}", file=sys.stderr,
                 flush=True,
             )
-            await wait_for_signal(exit_)
+            news = asyncio.create_task(announce_runners(running), name="fleet-up-runners")
+            news.add_done_callback(_log_failure)
+            try:
+                await wait_for_signal(exit_)
+            finally:
+                news.cancel()
+                await asyncio.gather(news, return_exceptions=True)
     except StopRequested:
         log.info("stopped while starting")
     return 0
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """Runner news is a courtesy: its failure is logged and the stack runs on."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.warning("runner announcements stopped: %s", exc)
 
 
 async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:

@@ -34,6 +34,8 @@ async def test_fleet_up_keeps_a_stranded_instance_says_so_and_heals_it(
         result = finished(await run_task(nc, hello("kept-and-healed"), timeout=120))
         assert result.status == "completed"
         assert "moved tiny-llm-old" in up.log()
+        up.wait_for_line("for tiny-llm on node")  # fleet up says when a runner is ready
+        assert "is ready" in up.log()
         assert_clean(up, *up.terminate_and_time())
     finally:
         up.kill()
