@@ -73,14 +73,16 @@ async def test_worker_killed_before_output_lets_a_second_worker_complete_the_tas
     await nc.close()
 
 
-async def test_worker_killed_after_output_started_ends_the_task_worker_lost(
+async def test_worker_killed_after_output_started_ends_the_task_worker_lost_past_its_limit(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
     first = start_worker("a", **FAST_REDELIVERY)
     card = add_fault_card(first.data_dir)
     nc = await client(nats_url)
     await place_and_wait(nc, card, await wait_node(nc, first.data_dir))
-    task = fault_task("half-done", "tokens:200 delay_ms:200")
+    task = fault_task("half-done", "tokens:200 delay_ms:200").model_copy(
+        update={"max_continuations": 0}
+    )
     token = await _first(nc, task.task_id, "token")
     collector = asyncio.create_task(events_of(nc, task.task_id))
     await submit(nc, task)
@@ -92,6 +94,35 @@ async def test_worker_killed_after_output_started_ends_the_task_worker_lost(
     await place_and_wait(nc, card, await wait_node(nc, second.data_dir))
     result = finished(await collector)
     assert result.status == "failed" and result.reason is ErrorReason.WORKER_LOST
+    await nc.close()
+
+
+async def test_worker_killed_after_output_started_is_continued_from_the_next_token(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    first = start_worker("a", **FAST_REDELIVERY)
+    card = add_fault_card(first.data_dir)
+    nc = await client(nats_url)
+    await place_and_wait(nc, card, await wait_node(nc, first.data_dir))
+    task = fault_task("continued", "tokens:12 delay_ms:300")
+    token = await _first(nc, task.task_id, "token")
+    collector = asyncio.create_task(events_of(nc, task.task_id))
+    await submit(nc, task)
+    await asyncio.wait_for(token.wait(), 30)
+    first.kill()
+
+    second = start_worker("b", **FAST_REDELIVERY)
+    add_fault_card(second.data_dir)
+    await place_and_wait(nc, card, await wait_node(nc, second.data_dir))
+    events = await collector
+    result = finished(events)
+    assert result.status == "completed" and result.usage is not None
+    tokens = [e for e in events if isinstance(e, TokenChunk)]
+    assert [t.index for t in tokens] == list(range(12))  # no index repeated, none missing
+    assert "".join(t.text for t in tokens) == "".join(f" t{i}" for i in range(12))
+    assert result.usage.completion_tokens == 12
+    accepted = [e for e in events if isinstance(e, TaskAccepted)]
+    assert accepted[0].continued_from == 0 and accepted[-1].continued_from > 0
     await nc.close()
 
 
