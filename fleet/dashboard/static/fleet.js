@@ -1,0 +1,114 @@
+// Fleet: nodes (with the age of their heartbeat), instances with their shards and the runners
+// of each, every runner's state machine drawn with its current state lit.
+import { call, fmt, h } from "./api.js";
+
+function nodeCard(node) {
+  const used = node.memory_total_bytes - node.memory_available_bytes;
+  const share = node.memory_total_bytes ? (100 * used) / node.memory_total_bytes : 0;
+  const age = Math.max(0, Date.now() / 1000 - node.at);
+  return h("article", { class: "card node", "data-node": node.node_id },
+    h("h3", {}, node.hostname, " ", h("span", { class: "muted" }, node.node_id)),
+    h("div", {}, `memory ${fmt.bytes(used)} / ${fmt.bytes(node.memory_total_bytes)}`),
+    h("div", { class: "bar", role: "img", "aria-label": `memory ${share.toFixed(0)}% used` },
+      h("span", { style: `width:${share.toFixed(1)}%` })),
+    h("div", {}, `${node.cpu_count} CPUs · BLAS ${node.blas || "–"}`),
+    h("div", {}, "devices: ", (node.devices || []).map((d) =>
+      `${d.kind} ${d.name}${d.memory_bytes ? " " + fmt.bytes(d.memory_bytes) : ""}`).join(", ") || "–"),
+    h("div", {}, "models on disk: ", (node.models_on_disk || []).join(", ") || "–"),
+    h("div", { class: "muted heartbeat", "data-at": node.at }, `heartbeat ${age.toFixed(0)} s ago`));
+}
+
+function stateMachine(states, status) {
+  return h("ol", { class: "states", "aria-label": `state: ${status.state}` },
+    states.map((state) => h("li", {
+      class: state === status.state ? `lit ${state}` : state,
+      "aria-current": state === status.state ? "step" : null,
+    }, state.replace("_", " "))));
+}
+
+function runnerCard(runner, states) {
+  const s = runner.status;
+  const progress = s.state === "loading" && s.layers_total
+    ? h("div", { class: "bar", role: "progressbar", "aria-valuenow": s.layers_done,
+      "aria-valuemax": s.layers_total, "aria-label": "loading layers" },
+    h("span", { style: `width:${(100 * s.layers_done) / s.layers_total}%` })) : null;
+  return h("div", { class: "runner", "data-runner": runner.runner_id, "data-state": s.state },
+    h("div", {}, h("strong", {}, runner.runner_id), ` on ${runner.node_id} · `,
+      `${runner.active_tasks}/${runner.slots} slots busy`),
+    stateMachine(states, s), progress,
+    s.error ? h("div", { class: "error" }, s.error) : null);
+}
+
+async function removeInstance(id, button, note) {
+  if (!confirm(`Remove instance ${id}? Its runners stop.`)) return;
+  button.disabled = true;
+  try {
+    await call(`/ui/api/instances/${encodeURIComponent(id)}`, { method: "DELETE" });
+    note.textContent = `removing ${id}…`;
+  } catch (error) {
+    button.disabled = false;
+    note.textContent = `${error.message}${error.data?.cli ? ` — run: ${error.data.cli}` : ""}`;
+  }
+}
+
+function instanceCard(instance, runners, states, note) {
+  const remove = h("button", { class: "danger", type: "button",
+    "aria-label": `remove instance ${instance.instance_id}` }, "Remove");
+  remove.addEventListener("click", () => removeInstance(instance.instance_id, remove, note));
+  return h("article", { class: "card instance", "data-instance": instance.instance_id },
+    h("h3", {}, instance.model, " ", h("span", { class: "muted" }, instance.instance_id)),
+    h("div", {}, `${instance.slots} slots · shards: `, instance.shards.map((shard) =>
+      `rank ${shard.rank}/${shard.world_size} on ${shard.node_id} (layers ${shard.start_layer}–${shard.end_layer})`).join("; ")),
+    runners.filter((r) => r.instance_id === instance.instance_id).map((r) => runnerCard(r, states)),
+    remove);
+}
+
+export function mount(view, store) {
+  const nodes = h("div", { class: "grid", id: "nodes" });
+  const instances = h("div", { class: "grid", id: "instances" });
+  const note = h("p", { role: "status", "aria-live": "polite", class: "muted" });
+  const model = h("select", { id: "place-model" });
+  const node = h("select", { id: "place-node" }, h("option", { value: "" }, "any node"));
+  const place = h("form", { class: "row", "aria-label": "place an instance" },
+    h("div", {}, h("label", { for: "place-model" }, "Model"), model),
+    h("div", {}, h("label", { for: "place-node" }, "Node"), node),
+    h("button", { type: "submit" }, "Place"));
+  place.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    try {
+      const done = await call("/ui/api/instances", { method: "POST",
+        body: { model: model.value, node: node.value || null } });
+      note.textContent = `placed ${done.placed} on ${done.node}`;
+    } catch (error) {
+      note.textContent = `${error.message}${error.data?.cli ? ` — run: ${error.data.cli}` : ""}`;
+    }
+  });
+  call("/v1/models").then((list) => {
+    model.replaceChildren(...list.data.map((m) => h("option", { value: m.id }, m.id)));
+  }).catch(() => {});
+  view.append(h("h1", {}, "Fleet"),
+    h("h2", {}, "Nodes"), nodes,
+    h("h2", {}, "Instances and runners"), instances, note,
+    h("h2", {}, "Place an instance"), place);
+
+  function draw() {
+    const fleet = store.fleet;
+    if (!fleet) { nodes.replaceChildren(h("p", { class: "muted" }, "waiting for the fleet…")); return; }
+    nodes.replaceChildren(...(fleet.nodes.length ? fleet.nodes.map(nodeCard)
+      : [h("p", { class: "muted" }, "no live node")]));
+    instances.replaceChildren(...(fleet.instances.length
+      ? fleet.instances.map((i) => instanceCard(i, fleet.runners, fleet.runner_states, note))
+      : [h("p", { class: "muted" }, "no instance placed")]));
+    const chosen = node.value;
+    node.replaceChildren(h("option", { value: "" }, "any node"),
+      ...fleet.nodes.map((n) => h("option", { value: n.node_id }, `${n.hostname} (${n.node_id})`)));
+    node.value = chosen;
+  }
+  draw();
+  const ticker = setInterval(() => {  // heartbeat ages count up between snapshots
+    for (const el of view.querySelectorAll(".heartbeat")) {
+      el.textContent = `heartbeat ${Math.max(0, Date.now() / 1000 - el.dataset.at).toFixed(0)} s ago`;
+    }
+  }, 1000);
+  return { update: (kind) => { if (kind === "fleet") draw(); }, stop: () => clearInterval(ticker) };
+}

@@ -1,0 +1,90 @@
+// Playground: pick a model, chat with streaming (or make an image, with previews), cancel
+// it, and jump to that task's page. Requests go to the same /v1 API any client uses.
+import { call, h, sse } from "./api.js";
+import { imageUrl } from "./task.js";
+
+export function mount(view, store) {
+  const model = h("select", { id: "pg-model" });
+  const prompt = h("textarea", { id: "pg-prompt", rows: 3 }, "Say hello in five words.");
+  const send = h("button", { type: "submit", id: "pg-send" }, "Send");
+  const cancel = h("button", { type: "button", class: "danger", id: "pg-cancel", disabled: true }, "Cancel");
+  const answer = h("div", { class: "answer", id: "pg-answer", "aria-live": "polite" });
+  const images = h("div", { class: "images", id: "pg-images" });
+  const link = h("p", { id: "pg-task" });
+  const note = h("p", { role: "status", class: "muted", id: "pg-note" });
+  const form = h("form", { "aria-label": "playground" },
+    h("div", { class: "row" }, h("div", {}, h("label", { for: "pg-model" }, "Model"), model)),
+    h("label", { for: "pg-prompt" }, "Prompt"), prompt,
+    h("div", { class: "row" }, send, cancel));
+  view.append(h("h1", {}, "Playground"), form, note, answer, images, link);
+  const cards = new Map();
+  call("/v1/models").then((list) => {
+    for (const m of list.data) cards.set(m.id, m);
+    model.replaceChildren(...list.data.map((m) => h("option", { value: m.id }, m.id)));
+  }).catch((error) => { note.textContent = error.message; });
+
+  let controller = null;
+  let taskId = null;
+  const isImage = (id) => /flux|image|sd/i.test(id) || (cards.get(id)?.tasks || []).includes?.("text_to_image");
+  const showTask = (id) => link.replaceChildren("task ", h("a", { href: `#/task/${encodeURIComponent(id)}`, id: "pg-task-link" }, id));
+
+  cancel.addEventListener("click", async () => {
+    if (taskId) {
+      try { await call(`/v1/tasks/${encodeURIComponent(taskId)}/cancel`, { method: "POST" }); }
+      catch (error) { note.textContent = error.message; }
+    }
+    controller?.abort();
+  });
+
+  async function chat() {
+    const body = { model: model.value, stream: true, max_tokens: 64,
+      messages: [{ role: "user", content: prompt.value }] };
+    for await (const message of sse("/v1/chat/completions", { method: "POST", body, signal: controller.signal })) {
+      if (message.data === "[DONE]") break;
+      const chunk = JSON.parse(message.data);
+      if (chunk.id && chunk.id !== taskId) { taskId = chunk.id; showTask(taskId); }
+      for (const choice of chunk.choices || []) answer.append(choice.delta?.content || "");
+    }
+  }
+
+  async function image() {
+    const started = Date.now() / 1000;
+    const body = { model: model.value, prompt: prompt.value, size: "128x128", stream: true,
+      partial_images: 2, response_format: "url" };
+    for await (const message of sse("/v1/images/generations", { method: "POST", body, signal: controller.signal })) {
+      const data = JSON.parse(message.data);
+      if (!data.sha256) continue;
+      const final = !String(data.type).endsWith("partial_image");
+      const img = h("img", { alt: final ? `image for “${prompt.value}”` : `preview ${data.partial_image_index}`,
+        class: final ? "final" : "preview" });
+      imageUrl(data.sha256).then((url) => { img.src = url; });
+      images.append(img);
+      if (!taskId) {  // the image API names no task: the newest task of this model is it
+        const row = [...store.tasks.values()].reverse()
+          .find((r) => r.model === model.value && r.started_at >= started - 1);
+        if (row) { taskId = row.id; showTask(taskId); }
+      }
+    }
+  }
+
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    controller = new AbortController();
+    taskId = null;
+    answer.replaceChildren();
+    images.replaceChildren();
+    link.replaceChildren();
+    send.disabled = true;
+    cancel.disabled = false;
+    note.textContent = "running…";
+    try {
+      await (isImage(model.value) ? image() : chat());
+      note.textContent = "done";
+    } catch (error) {
+      note.textContent = error.name === "AbortError" ? "cancelled" : error.message;
+    } finally {
+      send.disabled = false;
+      cancel.disabled = true;
+    }
+  });
+}

@@ -1,0 +1,94 @@
+// One task: its live events (tokens appearing, images and previews as they come), its
+// terminal, a cancel button, and its trace drawn as a waterfall once it has finished.
+import { call, fmt, h, key, sse } from "./api.js";
+
+export async function imageUrl(sha256) {
+  const response = await fetch(`/v1/images/${sha256}`,
+    { headers: key.get() ? { Authorization: `Bearer ${key.get()}` } : {} });
+  return URL.createObjectURL(await response.blob());
+}
+
+export function waterfall(spans) {
+  if (!spans.length) return h("p", { class: "muted" }, "no spans stored for this task (yet)");
+  const origin = Math.min(...spans.map((s) => s.start_ns));
+  const total = Math.max(1, Math.max(...spans.map((s) => s.end_ns)) - origin);
+  return h("div", { class: "waterfall", role: "list", "aria-label": "trace waterfall" },
+    spans.map((s) => {
+      const a = s.attributes || {};
+      const who = [s.service, a["fleet.rank"] !== undefined ? `rank ${a["fleet.rank"]}` : null,
+        a["fleet.runner_id"] || null].filter((x) => x !== null).join(" · ");
+      const ms = (s.end_ns - s.start_ns) / 1e6;
+      const kind = s.status === "error" ? "error" : (s.service || "").includes("runner") ? "runner" : "";
+      return h("div", { class: "span-row", role: "listitem", "data-service": s.service },
+        h("div", { class: "name", title: `${s.label} — ${who}` },
+          h("code", {}, s.prefix), s.label, " ", h("span", { class: "muted" }, who)),
+        h("div", { class: "span-track" }, h("span", {
+          class: `span-bar ${kind}`, title: `${ms.toFixed(1)} ms`,
+          style: `left:${(100 * (s.start_ns - origin)) / total}%;width:${(100 * (s.end_ns - s.start_ns)) / total}%`,
+        })));
+    }));
+}
+
+export function mount(view, store, taskId) {
+  const controller = new AbortController();
+  const status = h("p", { role: "status", "aria-live": "polite" }, "following…");
+  const text = h("div", { class: "answer", id: "task-text", "aria-live": "off" });
+  const images = h("div", { class: "images", id: "task-images" });
+  const log = h("tbody");
+  const trace = h("div", { id: "task-trace" }, h("p", { class: "muted" }, "the trace appears when the task ends"));
+  const cancel = h("button", { class: "danger", type: "button" }, "Cancel task");
+  cancel.addEventListener("click", async () => {
+    try { await call(`/v1/tasks/${encodeURIComponent(taskId)}/cancel`, { method: "POST" }); }
+    catch (error) { status.textContent = error.message; }
+  });
+  view.append(h("h1", {}, "Task ", h("code", {}, taskId)), status, cancel,
+    h("h2", {}, "Output"), text, images,
+    h("h2", {}, "Trace"), trace,
+    h("h2", {}, "Events"),
+    h("div", { class: "scroll" }, h("table", {}, h("thead", {}, h("tr", {},
+      h("th", { scope: "col" }, "#"), h("th", { scope: "col" }, "Event"), h("th", { scope: "col" }, "Detail"))), log)));
+
+  async function loadTrace() {
+    try {
+      const found = await call(`/ui/api/tasks/${encodeURIComponent(taskId)}/trace`);
+      trace.replaceChildren(h("p", { class: "muted" }, `trace ${found.trace_id || "–"}`), waterfall(found.spans));
+      return found.spans.length;
+    } catch (error) {
+      trace.replaceChildren(h("p", { class: "error" }, error.message));
+      return 0;
+    }
+  }
+
+  (async () => {
+    let count = 0;
+    try {
+      for await (const message of sse(`/v1/tasks/${encodeURIComponent(taskId)}/events`, { signal: controller.signal })) {
+        const event = JSON.parse(message.data);
+        count += 1;
+        let detail = "";
+        if (event.type === "token") { text.append(event.text); detail = JSON.stringify(event.text); }
+        else if (event.type === "image") {
+          detail = `${event.partial_index !== null && event.partial_index !== undefined ? "preview" : "image"} ${event.width}×${event.height}`;
+          imageUrl(event.sha256).then((url) => images.append(h("img", { src: url, alt: `${detail} of task ${taskId}` })));
+        } else if (event.type === "task_accepted") detail = `${event.model} on ${event.node_id} (${event.runner_id})`;
+        else if (event.type === "task_finished") {
+          detail = `${event.status} ${event.finish_reason || event.reason || ""} · TTFT ${fmt.s(event.stats?.time_to_first_token_s)} · ${fmt.n(event.stats?.tokens_per_s)} tok/s`;
+          status.textContent = `${event.status}${event.message ? ": " + event.message : ""}`;
+          status.className = `status-${event.status}`;
+          cancel.disabled = true;
+        } else if (event.type === "error") detail = `${event.reason}: ${event.message}`;
+        if (event.type !== "token" || count < 200) {
+          log.append(h("tr", {}, h("td", {}, message.id ?? count), h("td", {}, event.type), h("td", {}, detail)));
+        }
+      }
+    } catch (error) {
+      if (error.name !== "AbortError") status.textContent = error.message;
+    }
+    // Spans are flushed by each process a moment after the task ends: ask a few times.
+    for (let i = 0; i < 10 && !controller.signal.aborted; i++) {
+      if (await loadTrace() > 0 && i > 1) break;
+      await new Promise((resolve) => setTimeout(resolve, 1000));
+    }
+  })();
+  return { stop: () => controller.abort() };
+}
