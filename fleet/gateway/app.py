@@ -13,6 +13,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
 from fleet.config import Settings
+from fleet.dashboard import mount as mount_dashboard
 from fleet.errors import FleetError
 from fleet.gateway import image_routes, ops_routes, text_routes
 from fleet.gateway.backend import Backend
@@ -91,4 +92,5 @@ def build_app(settings: Settings) -> Starlette:
         lifespan=lifespan,
     )
     app.state.gateway = gateway
+    mount_dashboard(app)  # /ui: fleet/dashboard
     return app
