@@ -106,6 +106,7 @@ async def run_demo(settings: Settings, timeout: float) -> int:
     async with stack(settings, [CHAT_MODEL, IMAGE_MODEL]) as running:
         base = f"http://{running.gateway_host}:{running.gateway_port}/v1"
         print(f"  NATS {running.url}; gateway {base}", file=sys.stderr)
+        print(f"  dashboard {base.removesuffix('/v1')}/ui", file=sys.stderr)
         await wait_ready(running, [CHAT_MODEL, IMAGE_MODEL], timeout)
         answer = await chat(base)
         path = await image(base, running.data_dir / "demo-image.png")
