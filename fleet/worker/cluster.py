@@ -19,13 +19,15 @@ from fleet.bus.connect import publish
 from fleet.bus.kv_calls import kv_delete, kv_get, kv_put
 from fleet.bus.objects import ObjectBucket
 from fleet.bus.retry import with_retry
+from fleet.bus.weights import MODELS_BUCKET, FleetModels
 from fleet.config import Settings
 from fleet.models.blas import openblas_available
-from fleet.models.catalog import all_cards
-from fleet.models.store import can_provide, models_on_disk
+from fleet.models.catalog import all_cards, builtin_cards
+from fleet.models.store import can_provide, fleet_fetching, models_on_disk
 from fleet.wire import subjects
 from fleet.wire.cluster import (
     Instance,
+    ModelCard,
     NodeInfo,
     NodeJoined,
     NodeLeft,
@@ -84,6 +86,8 @@ class ClusterLink:
         self.runners = await self._bucket(subjects.RUNNERS_BUCKET)
         self.cancels = await self._bucket(subjects.CANCELS_BUCKET)
         self.store = ObjectBucket(self.nc, subjects.IMAGES_BUCKET)
+        self.fleet_models = FleetModels(self.nc, self.js)
+        await self._load_fleet_models()
         self.cache = ImageCache(self.settings.images_dir, self.settings.image_cache_bytes)
         self.heartbeat = Heartbeat(
             self.nc, self.nodes, self.runners, self.node_id, self._node_info,
@@ -117,6 +121,7 @@ class ClusterLink:
             supervisor.forever("cancel watch", self._watch_cancels),
             supervisor.forever("node watch", self.failover.watch),
             supervisor.forever("failover sweep", self.failover.sweep_forever),
+            supervisor.forever("model cards watch", self._watch_models),
         ]
         if self.settings.auto_place:
             self._tasks.append(supervisor.forever("demand sweep", self.demand.sweep_forever))
@@ -149,10 +154,41 @@ class ClusterLink:
     # ---- heartbeat and instances -------------------------------------------------------
 
     def _node_info(self) -> NodeInfo:
+        models_dir = self.settings.models_dir
+        # Fetched models are directories named by id, whether or not a local card names them.
+        held = set(models_on_disk(models_dir)) | {
+            model for model in self.cards if (models_dir / model).is_dir()
+        }
+        fetchable = [
+            model for model, card in self.cards.items()
+            if card.manifest is not None and fleet_fetching()
+        ]
+        available = sorted({*self.buildable, *held, *fetchable})
         return node_info(
-            self.node_id, self.started_at, models_on_disk(self.settings.models_dir),
-            sorted(self.records), self.blas, self.buildable,
+            self.node_id, self.started_at, sorted(held), sorted(self.records), self.blas,
+            available,
         )
+
+    # ---- the fleet's model cards ---------------------------------------------------------
+
+    async def _load_fleet_models(self) -> None:
+        """Write the built-in cards the fleet lacks, then take in every card of the fleet (a
+        model added on another machine is servable here by fetching its files)."""
+        await self.fleet_models.ensure_cards(builtin_cards())
+        self.cards.update(await self.fleet_models.all())
+
+    async def _watch_models(self) -> None:
+        kv = await self.fleet_models.kv()
+        watcher = await kv.watchall()
+        async for entry in watcher:
+            if entry is None or entry.operation in ("DEL", "PURGE") or not entry.value:
+                continue  # a removed card stays known until restart: placed runners keep it
+            try:
+                card = decode_model(ModelCard, entry.value)
+            except DecodeError as exc:
+                log.warning("ignoring model card %s in %s: %s", entry.key, MODELS_BUCKET, exc)
+                continue
+            self.cards[card.id] = card  # in place: WorkerState and Demand share this dict
 
     async def _watch_instances(self) -> None:
         table: dict[str, Instance] = {}

@@ -89,7 +89,7 @@ class Worker(RunnerReports, Stopping):
             self.state = WorkerState(node_id=node, cards=self.cluster.cards)
             self.intake = Intake(self.js, self.output, self.cluster)
             self.endings = Endings(self.output, self.acks, self.spans, owner, node)
-            self.runners = RunnerPool(settings, node, self.inbox, owner)
+            self.runners = RunnerPool(settings, node, self.inbox, owner, self.cluster)
             self.images = ImageOutputs(
                 self.cluster, self.spans, self.runners.send, self.inbox, owner
             )
@@ -225,13 +225,14 @@ class Worker(RunnerReports, Stopping):
 
     async def _dispatch(self, task_id: str, runner_id: str) -> None:
         pending = self.state.pending[task_id]
+        generated, attempt = self.intake.book.dispatched(pending)  # a continued task's
         traceparent, tracestate = self.spans.dispatched(task_id, runner_id)
         # In flight from here on, in WorkerState only: if the send fails (the runner has just
         # died) its RunnerExited, which always follows, ends this task runner_crashed.
         self._apply(ev.TaskDispatched(task_id, runner_id))
         sent = await self.runners.send(runner_id, pipe.SubmitTask(
             task=pending.task, inputs=pending.inputs or {}, delivery=pending.delivery,
-            generated=list(self.intake.continuations.pop(task_id, ())),
+            generated=list(generated), attempt=attempt,
             queue_wait_s=max(0.0, time.time() - pending.received_at),
             traceparent=traceparent, tracestate=tracestate,
         ))
@@ -261,6 +262,7 @@ class Worker(RunnerReports, Stopping):
         self.endings.finish(report, self.acks.release(report.task_id))
 
     def _release(self, task_id: str) -> None:
+        self.intake.book.released(task_id)
         if pinned := self.pinned.pop(task_id, None):
             self.cluster.release_inputs(pinned)
 

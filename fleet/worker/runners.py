@@ -1,4 +1,11 @@
-"""The runner subprocesses this node hosts: prepare a model, spawn, command, stop."""
+"""The runner subprocesses this node hosts: prepare a model, spawn, command, stop.
+
+Preparing a model: weights already here are used as they are; else, when the fleet holds the
+model's files (a card with a manifest in FLEET_MODELS), they are fetched into the data dir,
+the node showing a `downloading` runner record meanwhile (no runner process exists then, so
+nothing can be dispatched to it); else a built-in model is built here. A built-in model this
+node has and the fleet lacks is published, so that the next node fetches it.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +13,25 @@ import asyncio
 import logging
 import time
 import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fleet.aio import Supervisor
 from fleet.config import Settings
-from fleet.models.store import ensure_model
+from fleet.models.store import BUILDERS, ensure_model, fleet_fetching, local_model_dir
 from fleet.runner.protocol import RunnerCommand, RunnerSpec
 from fleet.wire.cluster import Instance, ModelCard
+from fleet.wire.runners import RunnerDownloading
 from fleet.worker.inbox import Inbox, RunnerExited
 from fleet.worker.state import RunnerSpawned, RunnerStartFailed, RunnerView
 from fleet.worker.supervisor import RunnerNotRunning, RunnerProcess
 
+if TYPE_CHECKING:
+    from fleet.worker.cluster import ClusterLink
+
 log = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 0.5  # how often a fetch's progress is written to FLEET_RUNNERS
 
 # mflux draws a tqdm progress bar per generation: carriage-return noise in the runner's log.
 RUNNER_ENV = {"TQDM_DISABLE": "1"}
@@ -27,9 +42,11 @@ class RunnerPool:
     children of the worker's Supervisor (`owner`)."""
 
     def __init__(
-        self, settings: Settings, node_id: str, inbox: Inbox, owner: Supervisor
+        self, settings: Settings, node_id: str, inbox: Inbox, owner: Supervisor,
+        cluster: ClusterLink | None = None,
     ) -> None:
         self.settings = settings
+        self.cluster = cluster  # None: no fleet fetch nor publish (unit tests)
         self.node_id = node_id
         self.inbox = inbox
         self.owner = owner
@@ -45,10 +62,7 @@ class RunnerPool:
         try:
             if card is None:
                 raise LookupError(f"no model card {instance.model!r} on this node")
-            # One build at a time: builds saturate the cores anyway, and the libraries they
-            # import lazily (transformers) are not safe to import from two threads at once.
-            async with self.building:
-                path = await asyncio.to_thread(ensure_model, card, self.settings.models_dir)
+            path = await self._prepare(instance, card)
             runner_id = f"run-{uuid.uuid4().hex[:10]}"
             slots = 1 if card.is_image else instance.slots
             spec = RunnerSpec(
@@ -73,6 +87,53 @@ class RunnerPool:
             slots=slots,
         )
         self.inbox.put_nowait(RunnerSpawned(view))
+
+    async def _prepare(self, instance: Instance, card: ModelCard) -> Path:
+        models_dir = self.settings.models_dir
+        local = await asyncio.to_thread(local_model_dir, card, models_dir)
+        fleet = self.cluster.fleet_models if self.cluster is not None else None
+        if local is None and fleet is not None and fleet_fetching():
+            published = await fleet.get(card.id)
+            if published is not None and published.manifest is not None:
+                return await self._fetch(instance, published)
+        # One build at a time: builds saturate the cores anyway, and the libraries they
+        # import lazily (transformers) are not safe to import from two threads at once.
+        async with self.building:
+            path = await asyncio.to_thread(ensure_model, card, models_dir)
+        if fleet is not None and card.source == "built-in" and card.id in BUILDERS:
+            self.owner.spawn(f"publish {card.id}", self._publish_if_absent(card, path))
+        return path
+
+    async def _fetch(self, instance: Instance, card: ModelCard) -> Path:
+        assert self.cluster is not None and self.cluster.fleet_models is not None
+        cluster = self.cluster
+        view = RunnerView(
+            runner_id=f"fetch-{instance.instance_id}"[:64], instance_id=instance.instance_id,
+            model=instance.model, slots=instance.slots,
+        )
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= PROGRESS_EVERY_S or done >= total:
+                last[0] = now
+                cluster.runner_status(view, RunnerDownloading(bytes_done=done, bytes_total=total))
+
+        try:
+            return await cluster.fleet_models.fetch(card, self.settings.models_dir, progress)
+        finally:
+            cluster.runner_removed(view.runner_id)
+
+    async def _publish_if_absent(self, card: ModelCard, path: Path) -> None:
+        assert self.cluster is not None and self.cluster.fleet_models is not None
+        fleet = self.cluster.fleet_models
+        published = await fleet.get(card.id)
+        if published is not None and published.manifest is not None:
+            return
+        try:
+            await fleet.publish(published or card, path)
+        except Exception as exc:
+            log.warning("could not publish %s to the fleet: %s", card.id, exc)
 
     async def send(self, runner_id: str, command: RunnerCommand) -> bool:
         """Write a command; False when the runner is gone (its RunnerExited is then on its

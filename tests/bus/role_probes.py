@@ -140,6 +140,23 @@ async def _put_image(p: Probe) -> None:
     await ObjectBucket(p.nc, timeout=TIMEOUT).put_by_hash(f"image of {p.role}".encode())
 
 
+async def _read_models(p: Probe) -> None:
+    kv = await p.js.key_value("FLEET_MODELS")
+    await kv.get("probe-model")
+    await ObjectBucket(p.nc, "FLEET_WEIGHTS", timeout=TIMEOUT, named_by_hash=True).get(IMAGE)
+
+
+async def _publish_models(p: Probe) -> None:
+    weights = ObjectBucket(p.nc, "FLEET_WEIGHTS", timeout=TIMEOUT, named_by_hash=True)
+    await weights.put_by_hash(f"weights of {p.role}".encode())
+    kv = await p.js.key_value("FLEET_MODELS")
+    await kv.put(f"made-by-{p.role}", b"{}")
+
+
+async def _remove_model_files(p: Probe) -> None:
+    await p.js.purge_stream("OBJ_FLEET_WEIGHTS", subject="$O.FLEET_WEIGHTS.C.nothing")
+
+
 async def _get_image(p: Probe) -> None:
     await ObjectBucket(p.nc, timeout=TIMEOUT).get(IMAGE)
 
@@ -186,6 +203,9 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "write_state": _write_state,
     "put_image": _put_image,
     "get_image": _get_image,
+    "read_models": _read_models,
+    "publish_models": _publish_models,
+    "remove_model_files": _remove_model_files,
     "read_traces": _read_traces,
     "publish_traces": lambda p: p.sent("fleet.traces.probe"),
     "publish_events": lambda p: p.sent("fleet.events.node.probe"),
@@ -212,3 +232,5 @@ async def prepare(admin: Client) -> None:
     for bucket in ("FLEET_NODES", "FLEET_INSTANCES", "FLEET_RUNNERS"):
         await js.publish(f"$KV.{bucket}.probe", b"{}")
     await ObjectBucket(admin).put_by_hash(IMAGE_BYTES)
+    await ObjectBucket(admin, "FLEET_WEIGHTS", named_by_hash=True).put_by_hash(IMAGE_BYTES)
+    await js.publish("$KV.FLEET_MODELS.probe-model", b"{}")
