@@ -8,15 +8,19 @@ export async function imageUrl(sha256) {
   return URL.createObjectURL(await response.blob());
 }
 
-export function waterfall(spans) {
+// `runner` ({runner_id, rank}) names the runner that ran the task: runner spans carry only
+// their service name in the stored records, the task's acceptance says which runner it was.
+export function waterfall(spans, runner = null) {
   if (!spans.length) return h("p", { class: "muted" }, "no spans stored for this task (yet)");
   const origin = Math.min(...spans.map((s) => s.start_ns));
   const total = Math.max(1, Math.max(...spans.map((s) => s.end_ns)) - origin);
   return h("div", { class: "waterfall", role: "list", "aria-label": "trace waterfall" },
     spans.map((s) => {
       const a = s.attributes || {};
-      const who = [s.service, a["fleet.rank"] !== undefined ? `rank ${a["fleet.rank"]}` : null,
-        a["fleet.runner_id"] || null].filter((x) => x !== null).join(" · ");
+      const mine = runner && (s.service || "").includes("runner");
+      const who = [s.service, mine ? runner.runner_id : null,
+        mine && runner.rank !== undefined ? `rank ${runner.rank}` : null]
+        .filter((x) => x !== null).join(" · ");
       const ms = (s.end_ns - s.start_ns) / 1e6;
       const kind = s.status === "error" ? "error" : (s.service || "").includes("runner") ? "runner" : "";
       return h("div", { class: "span-row", role: "listitem", "data-service": s.service },
@@ -48,10 +52,12 @@ export function mount(view, store, taskId) {
     h("div", { class: "scroll" }, h("table", {}, h("thead", {}, h("tr", {},
       h("th", { scope: "col" }, "#"), h("th", { scope: "col" }, "Event"), h("th", { scope: "col" }, "Detail"))), log)));
 
+  let runner = null;
   async function loadTrace() {
     try {
       const found = await call(`/ui/api/tasks/${encodeURIComponent(taskId)}/trace`);
-      trace.replaceChildren(h("p", { class: "muted" }, `trace ${found.trace_id || "–"}`), waterfall(found.spans));
+      trace.replaceChildren(h("p", { class: "muted" }, `trace ${found.trace_id || "–"}`),
+        waterfall(found.spans, runner));
       return found.spans.length;
     } catch (error) {
       trace.replaceChildren(h("p", { class: "error" }, error.message));
@@ -70,7 +76,15 @@ export function mount(view, store, taskId) {
         else if (event.type === "image") {
           detail = `${event.partial_index !== null && event.partial_index !== undefined ? "preview" : "image"} ${event.width}×${event.height}`;
           imageUrl(event.sha256).then((url) => images.append(h("img", { src: url, alt: `${detail} of task ${taskId}` })));
-        } else if (event.type === "task_accepted") detail = `${event.model} on ${event.node_id} (${event.runner_id})`;
+        } else if (event.type === "task_accepted") {
+          detail = `${event.model} on ${event.node_id} (${event.runner_id})`;
+          // A shard names its runner once placed; until then its runner record and node say.
+          const record = (store.fleet?.runners || []).find((r) => r.runner_id === event.runner_id);
+          const shard = (store.fleet?.instances || []).flatMap((i) => i.shards.map((sh) => ({ ...sh, i })))
+            .find((sh) => sh.runner_id === event.runner_id
+              || (record && sh.i.instance_id === record.instance_id && sh.node_id === record.node_id));
+          runner = { runner_id: event.runner_id, rank: shard ? shard.rank : undefined };
+        }
         else if (event.type === "task_finished") {
           detail = `${event.status} ${event.finish_reason || event.reason || ""} · TTFT ${fmt.s(event.stats?.time_to_first_token_s)} · ${fmt.n(event.stats?.tokens_per_s)} tok/s`;
           status.textContent = `${event.status}${event.message ? ": " + event.message : ""}`;
