@@ -4,6 +4,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+# The dashboard's browser tests drive Debian's chromium through its chromedriver (a matched
+# pair); without them those tests skip and say why.
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "test: adding Debian's chromium and chromium-driver (dashboard tests)" >&2
+    (apt-get install -y -q --no-install-recommends chromium chromium-driver >/dev/null 2>&1 \
+      || (apt-get update -q >/dev/null 2>&1 \
+          && apt-get install -y -q --no-install-recommends chromium chromium-driver >/dev/null 2>&1)) \
+      || echo "test: chromium unavailable; the dashboard's browser tests will skip" >&2
+  fi
+fi
 export MLX_DISABLE_COMPILE=1  # CPU kernel compilation shells out to g++: +20 s, no gain here
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 .venv/bin/ruff check fleet tests bench
