@@ -192,6 +192,7 @@ class RunnerMachine:
                 queue_wait_s=command.queue_wait_s,
                 delivery=command.delivery,
                 continued_from=len(command.generated),
+                attempt=command.attempt,
             )
         )
         admission = Admission(

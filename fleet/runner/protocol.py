@@ -59,6 +59,7 @@ class SubmitTask(Wire):
         default_factory=list,
         description="a continued text task: the token ids its earlier attempts streamed",
     )
+    attempt: int = Field(default=0, description="k for a task's k-th continuation")
     traceparent: str | None = None
     tracestate: str | None = None
 

@@ -47,6 +47,9 @@ class TaskAccepted(_Event):
         description="a continued task: the token index this attempt goes on from (0: a fresh "
         "start); the events before it were streamed by an earlier attempt",
     )
+    attempt: int = Field(
+        default=0, ge=0, description="0 for the first run; k for the task's k-th continuation"
+    )
 
 
 class TopLogprob(Part):

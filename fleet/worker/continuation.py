@@ -33,8 +33,11 @@ from fleet.wire.events import (
     TokenChunk,
 )
 from fleet.wire.tasks import Task, TextGeneration
+from fleet.worker.state import PendingTask
 
 log = logging.getLogger(__name__)
+
+NOT_CONTINUED = ((), 0)
 
 READ_IDLE_S = 10.0
 
@@ -58,9 +61,8 @@ def decide(task: Task, events: list[OutputEvent]) -> Continue | GiveUp | None:
         return GiveUp("the worker running this task was lost after output had started")
     if any(isinstance(event, ImageChunk) for event in events):
         return GiveUp("image output cannot be continued by a text task")
-    # Each attempt is accepted once: the continuations so far are the attempts but the first.
-    attempts = len({e.delivery for e in events if isinstance(e, TaskAccepted)})
-    continuations = max(0, attempts - 1)
+    # Each attempt is accepted once, marked with its number (0 for the first run).
+    continuations = max((e.attempt for e in events if isinstance(e, TaskAccepted)), default=0)
     if continuations >= task.max_continuations:
         return GiveUp(
             f"the worker running this task was lost after output had started, and it was "
@@ -80,6 +82,28 @@ def generated_tokens(events: list[OutputEvent]) -> tuple[int, ...]:
     while len(tokens) in by_index:
         tokens.append(by_index[len(tokens)])
     return tuple(tokens)
+
+
+class ContinuationBook:
+    """The worker's notes for continuing tasks: what a continued task's next dispatch must
+    carry, and each running text task (its message is held here), so that a runner crash can
+    put it back in the queue instead of ending it."""
+
+    def __init__(self) -> None:
+        self.queued: dict[str, Continue] = {}
+        self.running: dict[str, PendingTask] = {}
+
+    def dispatched(self, pending: PendingTask) -> tuple[tuple[int, ...], int]:
+        """(generated, attempt) for the SubmitTask of a task being dispatched now."""
+        task_id = pending.task.task_id
+        if isinstance(pending.task, TextGeneration):
+            self.running[task_id] = pending
+        found = self.queued.pop(task_id, None)
+        return (found.generated, found.attempt) if found else NOT_CONTINUED
+
+    def released(self, task_id: str) -> None:
+        self.queued.pop(task_id, None)
+        self.running.pop(task_id, None)
 
 
 async def stored_events(nc: Client, js: JetStreamContext, task_id: str) -> list[OutputEvent]:

@@ -26,7 +26,13 @@ from fleet.wire.events import ErrorReason, ImageChunk, TaskFinished, TokenChunk,
 from fleet.wire.tasks import Task, is_past
 from fleet.worker.claims import Claims, owner_of
 from fleet.worker.cluster import ClusterLink
-from fleet.worker.continuation import Continue, GiveUp, decide, stored_events
+from fleet.worker.continuation import (
+    ContinuationBook,
+    Continue,
+    GiveUp,
+    decide,
+    stored_events,
+)
 from fleet.worker.outputs import TaskOutput
 from fleet.worker.state import PendingTask
 
@@ -71,8 +77,7 @@ class Intake:
         self.cluster = cluster
         self.claims = claims
         self.invalid_count = 0
-        # Continued tasks, by id: the tokens their earlier attempts streamed (until dispatch).
-        self.continuations: dict[str, tuple[int, ...]] = {}
+        self.book = ContinuationBook()
 
     async def receive(self, msg: Msg) -> Queued | Settled:
         delivery = msg.metadata.num_delivered if msg.metadata else 1
@@ -135,7 +140,7 @@ class Intake:
         return Settled(task_id, "invalid_task", "term")  # poison: never redeliver
 
     async def _end(self, task_id: str, reason: ErrorReason, message: str) -> Settled:
-        self.continuations.pop(task_id, None)
+        self.book.released(task_id)
         await self.output.fail(task_id, reason, message, node_id=self.cluster.node_id)
         return Settled(task_id, reason.value)
 
@@ -149,14 +154,21 @@ class Intake:
             return Settled(task_id, "already_finished")
         if not isinstance(last, STREAMED):
             return None
-        events = await stored_events(self.output.nc, self.js, task_id)
-        match decide(task, events):
+        match await self.continuation(task):
             case None:
                 return Settled(task_id, "already_finished")
             case GiveUp(message=message):
                 return await self._end(task_id, ErrorReason.WORKER_LOST, message)
-            case Continue(generated=generated, attempt=attempt):
-                log.info("task %s continues from token %d (continuation %d)",
-                         task_id, len(generated), attempt)
-                self.continuations[task_id] = generated
         return None
+
+    async def continuation(self, task: Task) -> Continue | GiveUp | None:
+        """Read back what the task's earlier attempts streamed and decide; a Continue is
+        noted for the task's next dispatch."""
+        await self.output.nc.flush()  # our own chunks of it (a runner crash) stored first
+        events = await stored_events(self.output.nc, self.js, task.task_id)
+        decided = decide(task, events)
+        if isinstance(decided, Continue):
+            log.info("task %s continues from token %d (continuation %d)",
+                     task.task_id, len(decided.generated), decided.attempt)
+            self.book.queued[task.task_id] = decided
+        return decided

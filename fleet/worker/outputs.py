@@ -56,6 +56,8 @@ def event_msg_id(event: OutputEvent) -> str:
             index = f"{event.image_index}.{partial}"
         case TaskAccepted():
             index = str(event.delivery)  # a redelivery is accepted anew
+            if event.attempt:  # and so is each continuation, on the same delivery too
+                index += f".{event.attempt}"
         case ErrorChunk():
             index = event.reason.value
         case TaskFinished():

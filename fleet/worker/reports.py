@@ -16,7 +16,9 @@ from fleet.runner import protocol as pipe
 from fleet.wire.events import ErrorChunk, OutputEvent, TaskFinished
 from fleet.worker import state as ev
 from fleet.worker.acks import Stage
+from fleet.worker.continuation import Continue
 from fleet.worker.inbox import RunnerExited, RunnerReported
+from fleet.worker.intake import STREAMED
 from fleet.worker.supervisor import crashed_terminal
 
 if TYPE_CHECKING:
@@ -75,6 +77,20 @@ class RunnerReports:
             log.warning("task %s: %s event not sent (%s: %s)", event.task_id, event.type,
                         type(exc).__name__, exc)
 
+    async def _continue_after_crash(self: Worker, task_id: str) -> bool:
+        """A text task whose output began goes back in this node's queue, to continue from
+        its next token on the restarted runner or another (fleet.worker.continuation); its
+        message stays held. False: it ends runner_crashed as before (no output yet, an image,
+        or its continuations used up)."""
+        pending = self.intake.book.running.pop(task_id, None)
+        if pending is None or not isinstance(await self.output.last_event(task_id), STREAMED):
+            return False
+        if not isinstance(await self.intake.continuation(pending.task), Continue):
+            return False
+        self._apply(ev.TaskEnded(task_id))  # off the dead runner...
+        self._apply(ev.TaskQueued(pending))  # ...and waiting for a slot again
+        return True
+
     async def _runner_exited(self: Worker, exited: RunnerExited) -> None:
         """The runner is gone: every task still in flight there (WorkerState says which) ends
         runner_crashed, behind any image of it still uploading."""
@@ -82,6 +98,8 @@ class RunnerReports:
         view = self.state.runners.get(runner_id)
         crashed = self.runners.exited(exited)
         for task_id in sorted(view.in_flight if view else ()):
+            if await self._continue_after_crash(task_id):
+                continue
             lost = crashed_terminal(task_id, exited, self.state.node_id)
             item = RunnerReported(runner_id, lost)
             if self.images.admit(item):

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,7 +67,9 @@ def request(task_id: str, sampler: str, max_tokens: int) -> TextGeneration:
     )
 
 
-async def place_on(nc: Client, card: ModelCard, node: str, timeout: float = 120.0) -> None:
+async def place_on(
+    nc: Client, card: ModelCard, node: str, timeout: float = 120.0
+) -> RunnerRecord:
     """Place `card` on `node` and wait for that node's runner to be ready."""
     kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
     watcher = await kv.watchall()
@@ -81,7 +85,7 @@ async def place_on(nc: Client, card: ModelCard, node: str, timeout: float = 120.
                 continue
             record = decode_model(RunnerRecord, entry.value)
             if record.node_id == node and record.status.state == "ready":
-                return
+                return record
     finally:
         await watcher.stop()
     raise TimeoutError(f"no ready runner on {node}")
@@ -162,17 +166,16 @@ async def test_a_worker_killed_mid_answer_is_continued_token_for_token(
             await submit(nc, request(f"cont-{name}", name.split("-", 1)[1], max_tokens))
         # Kill the worker running the first task once it is well into its answer.
         first = f"cont-{names[0]}"
-        await live.until(lambda: live.tokens(first) >= 40 or live.done(first), 120)
+        await live.until(lambda t=first: live.tokens(t) >= 40 or live.done(t), 120)
         victim_node = live.node_running(first)
         if live.done(first) or victim_node is None:
             pytest.fail("the task ended before the kill: make it longer")
         victim = nodes[victim_node]
-        seen = {task: live.tokens(task) for task in (f"cont-{n}" for n in names)}
         killed_at = time.monotonic()
         victim.kill()
         kills += 1
         # The seam: the first token after the kill, from the continuing attempt.
-        resumed = await live.until(lambda: _first_after(live, first, seen[first]), 120)
+        resumed = await live.until(lambda t=first: _first_after(live, t), 120)
         seams.append(resumed - killed_at)
         for name, reference in zip(names, references, strict=True):
             stored = await events_of(nc, f"cont-{name}")  # replayed from FLEET_OUT
@@ -198,7 +201,54 @@ async def test_a_worker_killed_mid_answer_is_continued_token_for_token(
     await nc.close()
 
 
-def _first_after(live: Live, task_id: str, tokens_before_kill: int) -> float | None:
+async def test_a_runner_killed_mid_answer_is_continued_on_its_restart_token_for_token(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    worker = start_worker("a", **ENV)
+    nc = await client(nats_url)
+    record = await place_on(nc, get_card("tiny-llm"), await wait_node(nc, worker.data_dir))
+    live = Live()
+    await nc.subscribe("fleet.out.>", cb=live.on_msg)
+    references = {name: await _run(nc, request(f"ref-{name}", name, 240)) for name in SAMPLERS}
+    for name in SAMPLERS:
+        await submit(nc, request(f"cont-{name}", name, 240))
+    first = "cont-greedy"
+    await live.until(lambda: live.tokens(first) >= 40 or live.done(first), 120)
+    assert not live.done(first), "the task ended before the kill: make it longer"
+    killed_at = time.monotonic()
+    os.kill(_runner_pid(record.runner_id), signal.SIGKILL)
+    resumed = await live.until(lambda: _first_after(live, first), 120)
+    print(f"\nrunner crash seam (SIGKILL -> next token): {resumed - killed_at:.2f} s "
+          "(runner restart and model load included)")
+    for name, reference in references.items():
+        stored = await events_of(nc, f"cont-{name}")
+        assert_one_clean_stream(stored, reference)
+        assert_one_clean_stream(_dedup([e for _, e in live.events[f"cont-{name}"]]), reference)
+    accepted = [e for e in await events_of(nc, first) if isinstance(e, TaskAccepted)]
+    assert [e.attempt for e in accepted] == [0, 1] and accepted[1].continued_from >= 40
+    assert accepted[0].delivery == accepted[1].delivery  # the same message, held throughout
+    await nc.close()
+
+
+def _runner_pid(runner_id: str) -> int:
+    """The runner subprocess's pid, found by its id on its command line."""
+    found = [
+        int(entry.name) for entry in Path("/proc").iterdir()
+        if entry.name.isdigit() and b"fleet.runner.main" in (line := _cmdline(entry))
+        and runner_id.encode() in line
+    ]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _first_after(live: Live, task_id: str) -> float | None:
     """Arrival time of the first token of the next attempt (a later task_accepted)."""
     attempts = 0
     for at, event in live.events.get(task_id, []):

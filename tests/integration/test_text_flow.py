@@ -128,7 +128,10 @@ async def test_runner_sigkill_mid_task_ends_runner_crashed_and_runner_restarts(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
     nc, record = await serving(nats_url, start_worker(), get_card("tiny-llm"))
-    task = chat("crash-me", "long", max_tokens=100000, logit_bias={0: -100.0})
+    # Not continued (max_continuations 0): tests/integration/test_continuation.py does that.
+    task = chat(
+        "crash-me", "long", max_tokens=100000, logit_bias={0: -100.0}, max_continuations=0
+    )
     collector = asyncio.create_task(events_of(nc, task.task_id))
     first_token = asyncio.Event()
     await nc.subscribe(subjects.out(task.task_id), cb=partial(_set_on_token, event=first_token))
