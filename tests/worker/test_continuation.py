@@ -1,0 +1,86 @@
+"""`decide`: what a redelivered (or runner-crashed) task with stored output needs. Table tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet.wire.events import (
+    ErrorReason,
+    ImageChunk,
+    OutputEvent,
+    TaskAccepted,
+    TokenChunk,
+    failed,
+)
+from fleet.wire.tasks import ImageGeneration, TextGeneration
+from fleet.worker.continuation import (
+    ContinuationBook,
+    Continue,
+    GiveUp,
+    decide,
+    generated_tokens,
+)
+from fleet.worker.state import PendingTask
+
+T = "t1"
+
+
+def accepted(delivery: int = 1, attempt: int = 0) -> TaskAccepted:
+    return TaskAccepted(
+        task_id=T, at=1.0, model="m", node_id="n", runner_id="r", delivery=delivery,
+        attempt=attempt,
+    )
+
+
+def token(index: int, token_id: int | None = None) -> TokenChunk:
+    return TokenChunk(task_id=T, at=1.0, index=index, token_id=token_id or 100 + index, text="x")
+
+
+def text(max_continuations: int = 3) -> TextGeneration:
+    return TextGeneration(task_id=T, model="m", prompt="p", max_continuations=max_continuations)
+
+
+IMAGE = ImageGeneration(task_id=T, model="m", prompt="p")
+
+
+@pytest.mark.parametrize(("task", "events", "expected"), [
+    (text(), [accepted(), token(0), token(1)], Continue((100, 101), 1)),
+    (text(), [accepted(), token(0), accepted(2, 1), token(1)], Continue((100, 101), 2)),
+    (text(), [accepted(), token(0), accepted(2, 1), accepted(3, 2), accepted(4, 3), token(1)],
+     GiveUp),
+    (text(max_continuations=0), [accepted(), token(0)], GiveUp),
+    (text(), [accepted(), token(0), failed(T, 1.0, ErrorReason.WORKER_LOST, "x")], None),
+    (IMAGE, [accepted(), ImageChunk(task_id=T, at=1.0, image_index=0, partial_index=0,
+                                    format="png", width=1, height=1, size_bytes=1,
+                                    sha256="0" * 64)], GiveUp),
+])
+def test_decide(task: object, events: list[OutputEvent], expected: object) -> None:
+    got = decide(task, events)  # type: ignore[arg-type]
+    if expected is GiveUp:
+        assert isinstance(got, GiveUp)
+    else:
+        assert got == expected
+
+
+@pytest.mark.parametrize(("indexes", "expected"), [
+    ([], ()),
+    ([0, 1, 2], (100, 101, 102)),
+    ([0, 1, 3], (100, 101)),  # a gap: only what a reader in order has seen
+    ([0, 1, 1, 2], (100, 101, 102)),  # a token stored twice counts once
+    ([1, 2], ()),
+])
+def test_generated_tokens_are_the_contiguous_run_from_zero(
+    indexes: list[int], expected: tuple[int, ...]
+) -> None:
+    assert generated_tokens([token(i) for i in indexes]) == expected
+
+
+def test_the_book_hands_a_continuation_to_its_next_dispatch_once() -> None:
+    book = ContinuationBook()
+    pending = PendingTask(task=text(), received_at=0.0)
+    book.queued[T] = Continue((1, 2), 1)
+    assert book.dispatched(pending) == ((1, 2), 1)
+    assert book.running[T] is pending
+    assert book.dispatched(pending) == ((), 0)
+    book.released(T)
+    assert T not in book.running and T not in book.queued
