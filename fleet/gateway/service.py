@@ -120,7 +120,7 @@ class Gateway:
         resumable: bool,
         timeout_s: float,
     ) -> Response:
-        return await run_task(
+        response = await run_task(
             self.backend,
             self.metrics,
             tasks,
@@ -132,6 +132,20 @@ class Gateway:
             tenant=tenant_of(request),
             capacity=self.capacity,
         )
+        response.headers.update(task_id_headers([task.task_id for task in tasks]))
+        return response
+
+
+TASK_ID_HEADER = "x-fleet-task-id"
+CHOICE_IDS_HEADER = "x-fleet-choice-task-ids"
+
+
+def task_id_headers(task_ids: Sequence[str]) -> dict[str, str]:
+    """The request's task id on every response it gets, streamed or not; with n > 1 the
+    request's id (each choice is `<id>-<index>`) and the choices' ids, comma-separated."""
+    if len(task_ids) == 1:
+        return {TASK_ID_HEADER: task_ids[0]}
+    return {TASK_ID_HEADER: task_ids[0].removesuffix("-0"), CHOICE_IDS_HEADER: ",".join(task_ids)}
 
 
 def gateway_of(request: Request) -> Gateway:

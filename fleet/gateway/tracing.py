@@ -8,6 +8,8 @@ Health checks and metric scrapes are left out: they would be a trace each, every
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,23 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from fleet import telemetry
 
 UNTRACED_PATHS = frozenset({"/healthz", "/metrics"})
+# One line per request: `<client> "<METHOD> <path>" <status> <ms> ms task=<id>` (health checks
+# and scrapes at debug). The task id comes from the response's x-fleet-task-id header.
+access_log = logging.getLogger("fleet.gateway.access")
+
+
+def access_line(scope: Scope, status: int, elapsed_s: float, task_id: str) -> str:
+    client = scope.get("client")
+    who = f"{client[0]}:{client[1]}" if client else "-"
+    line = f'{who} "{scope["method"]} {scope["path"]}" {status or "-"} {elapsed_s * 1000:.1f} ms'
+    return line + (f" task={task_id}" if task_id else "")
+
+
+def header_of(message: Message, name: bytes) -> str:
+    for key, value in message.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return ""
 
 
 def request_attributes(scope: Scope) -> dict[str, Any]:
@@ -56,16 +75,34 @@ class HttpSpans:
         telemetry.export_to_nats(nats)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in UNTRACED_PATHS:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         status_code = 0
+        task_id = ""
+        started = time.perf_counter()
 
         async def send_noting_status(message: Message) -> None:
-            nonlocal status_code
+            nonlocal status_code, task_id
             if message["type"] == "http.response.start":
                 status_code = message["status"]
+                task_id = header_of(message, b"x-fleet-task-id")
             await send(message)
+
+        try:
+            if scope["path"] in UNTRACED_PATHS:
+                await self.app(scope, receive, send_noting_status)
+            else:
+                await self._traced(scope, receive, send_noting_status, lambda: status_code)
+        finally:
+            level = logging.DEBUG if scope["path"] in UNTRACED_PATHS else logging.INFO
+            if access_log.isEnabledFor(level):
+                access_log.log(level, "%s", access_line(
+                    scope, status_code, time.perf_counter() - started, task_id))
+
+    async def _traced(
+        self, scope: Scope, receive: Receive, send: Send, status: Callable[[], int]
+    ) -> None:
 
         with self.tracer.start_as_current_span(
             scope["method"],
@@ -74,8 +111,9 @@ class HttpSpans:
             attributes=request_attributes(scope),
         ) as span:
             try:
-                await self.app(scope, receive, send_noting_status)
+                await self.app(scope, receive, send)
             finally:
+                status_code = status()
                 # The router wrote the matched route into this scope on the way down.
                 if route := getattr(scope.get("route"), "path", None):
                     span.update_name(f"{scope['method']} {route}")

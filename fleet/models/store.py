@@ -89,7 +89,9 @@ def local_model_dir(card: ModelCard, models_dir: Path) -> Path | None:
     own = Path(models_dir).absolute() / card.id
     if own.is_dir():
         return own
-    if card.source == "built-in":
+    # With local sources off, a card's path or HF cache entry (valid on the machine that
+    # added it) does not count: only what is in this node's models dir.
+    if card.source == "built-in" or not local_building():
         return None
     source = Path(card.source).expanduser()
     if source.is_absolute():
