@@ -50,6 +50,9 @@ class Admission:
     queue_wait_s: float = 0.0
     # A continued text task: the completion tokens its earlier attempts streamed, in order.
     generated: tuple[int, ...] = ()
+    # A restarted image task: the images and previews its earlier attempts delivered, as
+    # "<image>.<preview>" / "<image>.final"; they are not announced again.
+    delivered_images: frozenset[str] = frozenset()
 
 
 class Engine(Protocol):

@@ -159,15 +159,22 @@ class ImageEngine:
             queued = self._queued.popleft()
             task = queued.admission.task
             assert isinstance(task, ImageGeneration | ImageEdits)
+            delivered = queued.admission.delivered_images
             running = _Running(
                 admission=queued.admission,
                 task=task,
                 base_seed=task.seed if task.seed is not None else _seed_from(task.task_id),
                 started=now,
                 queue_wait_s=queued.admission.queue_wait_s + (now - queued.admitted_at),
+                # A restarted task: its delivered images are not made again (same seeds,
+                # same bytes); the next one starts from step 0.
+                next_image=_first_undelivered(delivered, task.n),
             )
             self._running = running
-        self._submit_next_image(running)
+        if running.next_image >= task.n:  # every image was delivered; only the terminal was lost
+            self._events.put(_ImageEnded("done"))
+        else:
+            self._submit_next_image(running)
         return True
 
     def _submit_next_image(self, running: _Running) -> None:
@@ -255,6 +262,11 @@ class ImageEngine:
     def _store_preview(
         self, image: ImageInProgress, latents: Any, config: Any, index: int, total: int
     ) -> None:
+        running = self._running
+        if running is not None and f"{image.image_index}.{index}" in (
+            running.admission.delivered_images
+        ):
+            return  # an earlier attempt delivered this preview
         preview = decode_preview(
             self._model, self._family, latents, width=config.width, height=config.height
         )
@@ -277,6 +289,13 @@ class ImageEngine:
         return finished.model_copy(
             update={"node_id": self._config.node_id, "runner_id": self._config.runner_id}
         )
+
+
+def _first_undelivered(delivered: frozenset[str], count: int) -> int:
+    index = 0
+    while index < count and f"{index}.final" in delivered:
+        index += 1
+    return index
 
 
 def _seed_from(task_id: str) -> int:

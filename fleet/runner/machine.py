@@ -200,6 +200,7 @@ class RunnerMachine:
             inputs={sha: Path(path) for sha, path in command.inputs.items()},
             queue_wait_s=command.queue_wait_s,
             generated=tuple(command.generated),
+            delivered_images=frozenset(command.delivered_images),
         )
         try:
             self._engine.admit(admission)

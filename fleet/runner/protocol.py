@@ -60,6 +60,11 @@ class SubmitTask(Wire):
         description="a continued text task: the token ids its earlier attempts streamed",
     )
     attempt: int = Field(default=0, description="k for a task's k-th continuation")
+    delivered_images: list[str] = Field(
+        default_factory=list,
+        description="a restarted image task: the images and previews already delivered, as "
+        "'<image>.<preview>' or '<image>.final'",
+    )
     traceparent: str | None = None
     tracestate: str | None = None
 

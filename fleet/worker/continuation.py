@@ -37,7 +37,6 @@ from fleet.worker.state import PendingTask
 
 log = logging.getLogger(__name__)
 
-NOT_CONTINUED = ((), 0)
 
 READ_IDLE_S = 10.0
 
@@ -46,6 +45,7 @@ READ_IDLE_S = 10.0
 class Continue:
     generated: tuple[int, ...]  # token ids of indexes 0..k-1; the next attempt emits index k
     attempt: int  # 1 for the first continuation
+    delivered_images: frozenset[str] = frozenset()  # an image task: "<i>.<preview>", "<i>.final"
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,8 @@ def decide(task: Task, events: list[OutputEvent]) -> Continue | GiveUp | None:
     """What a redelivered task with stored output needs. None: it has finished already."""
     if any(isinstance(event, TaskFinished) for event in events):
         return None
-    if not isinstance(task, TextGeneration):
-        return GiveUp("the worker running this task was lost after output had started")
-    if any(isinstance(event, ImageChunk) for event in events):
+    images = [event for event in events if isinstance(event, ImageChunk)]
+    if isinstance(task, TextGeneration) and images:
         return GiveUp("image output cannot be continued by a text task")
     # Each attempt is accepted once, marked with its number (0 for the first run).
     continuations = max((e.attempt for e in events if isinstance(e, TaskAccepted)), default=0)
@@ -69,7 +68,16 @@ def decide(task: Task, events: list[OutputEvent]) -> Continue | GiveUp | None:
             f"continued {continuations} times already (max_continuations "
             f"{task.max_continuations})"
         )
+    if not isinstance(task, TextGeneration):
+        # An image task restarts from step 0 with the same seeds (the same bytes) and skips
+        # what was delivered.
+        return Continue((), continuations + 1, frozenset(map(image_key, images)))
     return Continue(generated=generated_tokens(events), attempt=continuations + 1)
+
+
+def image_key(event: ImageChunk) -> str:
+    partial = "final" if event.partial_index is None else event.partial_index
+    return f"{event.image_index}.{partial}"
 
 
 def generated_tokens(events: list[OutputEvent]) -> tuple[int, ...]:
@@ -84,6 +92,9 @@ def generated_tokens(events: list[OutputEvent]) -> tuple[int, ...]:
     return tuple(tokens)
 
 
+NOT_CONTINUED = Continue((), 0)
+
+
 class ContinuationBook:
     """The worker's notes for continuing tasks: what a continued task's next dispatch must
     carry, and each running text task (its message is held here), so that a runner crash can
@@ -93,13 +104,13 @@ class ContinuationBook:
         self.queued: dict[str, Continue] = {}
         self.running: dict[str, PendingTask] = {}
 
-    def dispatched(self, pending: PendingTask) -> tuple[tuple[int, ...], int]:
-        """(generated, attempt) for the SubmitTask of a task being dispatched now."""
+    def dispatched(self, pending: PendingTask) -> Continue:
+        """What the SubmitTask of a task being dispatched now carries of its earlier attempts
+        (nothing, attempt 0, for a first run)."""
         task_id = pending.task.task_id
         if isinstance(pending.task, TextGeneration):
             self.running[task_id] = pending
-        found = self.queued.pop(task_id, None)
-        return (found.generated, found.attempt) if found else NOT_CONTINUED
+        return self.queued.pop(task_id, None) or NOT_CONTINUED
 
     def released(self, task_id: str) -> None:
         self.queued.pop(task_id, None)

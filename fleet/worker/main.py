@@ -225,14 +225,15 @@ class Worker(RunnerReports, Stopping):
 
     async def _dispatch(self, task_id: str, runner_id: str) -> None:
         pending = self.state.pending[task_id]
-        generated, attempt = self.intake.book.dispatched(pending)  # a continued task's
+        earlier = self.intake.book.dispatched(pending)  # a continued task's earlier attempts
         traceparent, tracestate = self.spans.dispatched(task_id, runner_id)
         # In flight from here on, in WorkerState only: if the send fails (the runner has just
         # died) its RunnerExited, which always follows, ends this task runner_crashed.
         self._apply(ev.TaskDispatched(task_id, runner_id))
         sent = await self.runners.send(runner_id, pipe.SubmitTask(
             task=pending.task, inputs=pending.inputs or {}, delivery=pending.delivery,
-            generated=list(generated), attempt=attempt,
+            generated=list(earlier.generated), attempt=earlier.attempt,
+            delivered_images=sorted(earlier.delivered_images),
             queue_wait_s=max(0.0, time.time() - pending.received_at),
             traceparent=traceparent, tracestate=tracestate,
         ))

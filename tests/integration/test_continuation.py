@@ -31,12 +31,13 @@ from fleet.wire import subjects
 from fleet.wire.cluster import ModelCard, RunnerRecord
 from fleet.wire.codec import decode_event, decode_model
 from fleet.wire.events import (
+    ImageChunk,
     OutputEvent,
     TaskAccepted,
     TaskFinished,
     TokenChunk,
 )
-from fleet.wire.tasks import ChatMessage, TextGeneration
+from fleet.wire.tasks import ChatMessage, ImageGeneration, TextGeneration
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
     WorkerProcess,
@@ -228,6 +229,51 @@ async def test_a_runner_killed_mid_answer_is_continued_on_its_restart_token_for_
     assert [e.attempt for e in accepted] == [0, 1] and accepted[1].continued_from >= 40
     assert accepted[0].delivery == accepted[1].delivery  # the same message, held throughout
     await nc.close()
+
+
+async def test_an_image_task_whose_worker_dies_between_steps_ends_with_the_same_bytes(
+    nats_url: str, start_worker: WorkerFactory, tiny_flux2_dir: Path
+) -> None:
+    model = "tiny-flux2"
+    nc = await client(nats_url)
+    first = start_worker("a", models={model: tiny_flux2_dir}, **ENV)
+    await place_on(nc, get_card(model), await wait_node(nc, first.data_dir))
+
+    def draw(task_id: str) -> ImageGeneration:
+        return ImageGeneration(
+            task_id=task_id, model=model, prompt="a lighthouse", size="128x128", steps=40,
+            seed=7, partial_images=4,
+        )
+
+    reference = await _run(nc, draw("ref-image"))
+    live = Live()
+    await nc.subscribe("fleet.out.>", cb=live.on_msg)
+    await submit(nc, draw("restarted-image"))
+    await live.until(lambda: any(
+        isinstance(e, ImageChunk) for _, e in live.events.get("restarted-image", [])
+    ), 120)
+    first.kill()  # between steps: a preview is out, the final is not
+    second = start_worker("b", models={model: tiny_flux2_dir}, **ENV)
+    await place_on(nc, get_card(model), await wait_node(nc, second.data_dir))
+    events = await events_of(nc, "restarted-image")
+    assert finished_of(events).status == "completed"
+    images = [e for e in events if isinstance(e, ImageChunk)]
+    keys = [(e.image_index, e.partial_index) for e in images]
+    assert len(keys) == len(set(keys)), "an image or preview announced twice"
+    [final] = [e for e in images if e.partial_index is None]
+    [want] = [e for e in reference if isinstance(e, ImageChunk) and e.partial_index is None]
+    assert final.sha256 == want.sha256  # restarted from step 0 with the same seed
+    previews = {e.partial_index: e.sha256 for e in images if e.partial_index is not None}
+    wanted = {e.partial_index: e.sha256 for e in reference if isinstance(e, ImageChunk)}
+    assert all(wanted[index] == sha for index, sha in previews.items())
+    accepted = [e for e in events if isinstance(e, TaskAccepted)]
+    assert [e.attempt for e in accepted] == [0, 1]
+    await nc.close()
+
+
+def finished_of(events: list[OutputEvent]) -> TaskFinished:
+    [terminal] = [e for e in events if isinstance(e, TaskFinished)]
+    return terminal
 
 
 def _runner_pid(runner_id: str) -> int:

@@ -185,7 +185,10 @@ async def test_a_worker_stopped_mid_task_gives_it_back_and_never_says_cancelled(
     card = add_fault_card(first.data_dir)
     nc = await client(nats_url)
     await place_and_wait(nc, card, await wait_node(nc, first.data_dir))
-    task = fault_task("interrupted", "tokens:100000 delay_ms:20")
+    # Not continued (max_continuations 0): continuation has tests/integration/test_continuation.py
+    task = fault_task("interrupted", "tokens:100000 delay_ms:20").model_copy(
+        update={"max_continuations": 0}
+    )
     token = asyncio.Event()
 
     async def on_event(msg: object) -> None:

@@ -36,6 +36,11 @@ def token(index: int, token_id: int | None = None) -> TokenChunk:
     return TokenChunk(task_id=T, at=1.0, index=index, token_id=token_id or 100 + index, text="x")
 
 
+def image(index: int, partial: int | None) -> ImageChunk:
+    return ImageChunk(task_id=T, at=1.0, image_index=index, partial_index=partial,
+                      format="png", width=1, height=1, size_bytes=1, sha256="0" * 64)
+
+
 def text(max_continuations: int = 3) -> TextGeneration:
     return TextGeneration(task_id=T, model="m", prompt="p", max_continuations=max_continuations)
 
@@ -50,9 +55,9 @@ IMAGE = ImageGeneration(task_id=T, model="m", prompt="p")
      GiveUp),
     (text(max_continuations=0), [accepted(), token(0)], GiveUp),
     (text(), [accepted(), token(0), failed(T, 1.0, ErrorReason.WORKER_LOST, "x")], None),
-    (IMAGE, [accepted(), ImageChunk(task_id=T, at=1.0, image_index=0, partial_index=0,
-                                    format="png", width=1, height=1, size_bytes=1,
-                                    sha256="0" * 64)], GiveUp),
+    (IMAGE, [accepted(), image(0, 0), image(0, None), image(1, 0)],
+     Continue((), 1, frozenset({"0.0", "0.final", "1.0"}))),
+    (text(), [accepted(), image(0, 0)], GiveUp),
 ])
 def test_decide(task: object, events: list[OutputEvent], expected: object) -> None:
     got = decide(task, events)  # type: ignore[arg-type]
@@ -79,8 +84,8 @@ def test_the_book_hands_a_continuation_to_its_next_dispatch_once() -> None:
     book = ContinuationBook()
     pending = PendingTask(task=text(), received_at=0.0)
     book.queued[T] = Continue((1, 2), 1)
-    assert book.dispatched(pending) == ((1, 2), 1)
+    assert book.dispatched(pending) == Continue((1, 2), 1)
     assert book.running[T] is pending
-    assert book.dispatched(pending) == ((), 0)
+    assert book.dispatched(pending) == Continue((), 0)
     book.released(T)
     assert T not in book.running and T not in book.queued
