@@ -1,16 +1,26 @@
-"""`fleet models …`: list the cards, make the tiny models, add a custom card, convert SmolLM2."""
+"""`fleet models …`: list the cards, make the tiny models, add a custom card, convert SmolLM2.
+
+With a NATS URL configured (FLEET_NATS_URL / --nats-url), `add` also publishes the model to
+the fleet (its files into FLEET_WEIGHTS, its card into FLEET_MODELS), `list` also shows the
+fleet's catalogue and which nodes hold each model, and `remove` deletes a model from the fleet.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fleet.config import Settings, load_settings
-from fleet.models.catalog import add_custom_card, all_cards
+from fleet.models.catalog import add_custom_card, all_cards, custom_cards_dir
 from fleet.models.store import can_provide, dir_size, ensure_model, local_model_dir
 from fleet.wire.cluster import ModelCard
+
+if TYPE_CHECKING:  # the bus is imported only by the verbs that talk to the fleet
+    from fleet.bus.weights import FleetModels
 
 TINY_MODELS = ("tiny-llm", "tiny-flux2")
 CONVERTIBLE = ("smollm2-135m",)
@@ -33,7 +43,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add.add_argument(
         "--path", required=True, help="mlx-lm directory, HF cache entry, or cached repo id"
     )
+    add.add_argument(
+        "--no-publish", action="store_true",
+        help="only write the card on this machine, even with a NATS URL set",
+    )
     add.set_defaults(func=cmd_add)
+
+    remove = verbs.add_parser(
+        "remove", help="delete a model from the fleet: its card and the files no other uses"
+    )
+    remove.add_argument("model_id")
+    remove.set_defaults(func=cmd_remove)
 
     convert = verbs.add_parser("convert", help="convert a bundled GGUF model now")
     convert.add_argument("model_id", choices=CONVERTIBLE)
@@ -41,7 +61,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    return load_settings({"data_dir": getattr(args, "data_dir", None)})
+    return load_settings({
+        "data_dir": getattr(args, "data_dir", None), "nats_url": getattr(args, "nats_url", None)
+    })
+
+
+def _on_fleet(settings: Settings, verb: Callable[[FleetModels], Awaitable[int]]) -> int:
+    from fleet.bus.connect import connect_with
+    from fleet.bus.weights import FleetModels
+
+    async def main() -> int:
+        nc = await connect_with(settings, "fleet-models")
+        try:
+            return await verb(FleetModels(nc))
+        finally:
+            await nc.close()
+
+    return asyncio.run(main())
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -57,6 +93,30 @@ def cmd_list(args: argparse.Namespace) -> int:
         rows.append([card.id, ",".join(card.tasks), card.family, where, size, card.source])
     print(table(["ID", "TASKS", "FAMILY", "ON DISK", "SIZE", "SOURCE"], rows))
     print(f"\nmodels dir: {settings.models_dir}")
+    if settings.nats_url:
+        return _on_fleet(settings, _list_fleet)
+    return 0
+
+
+async def _list_fleet(fleet: FleetModels) -> int:
+    from fleet.placement import read_nodes
+
+    cards = await fleet.all()
+    holders: dict[str, list[str]] = {}
+    for node in await read_nodes(fleet.js):
+        for model in node.models_on_disk:
+            holders.setdefault(model, []).append(node.node_id)
+    rows = []
+    for card in cards.values():
+        manifest = card.manifest
+        files = (
+            f"{len(manifest.files)} files, {human_size(manifest.total_bytes)}"
+            if manifest else "not published"
+        )
+        nodes = ",".join(holders.get(card.id, [])) or "-"
+        rows.append([card.id, ",".join(card.tasks), files, nodes])
+    print("\nfleet (FLEET_MODELS):")
+    print(table(["ID", "TASKS", "FILES", "ON NODES"], rows))
     return 0
 
 
@@ -84,7 +144,35 @@ def cmd_add(args: argparse.Namespace) -> int:
         ["size", human_size(card.size_bytes)],
     ]
     print(table(["FIELD", "VALUE"], rows))
+    if settings.nats_url and not args.no_publish:
+        return _on_fleet(settings, lambda fleet: _publish(fleet, card))
     return 0
+
+
+async def _publish(fleet: FleetModels, card: ModelCard) -> int:
+    started = time.perf_counter()
+    published = await fleet.publish(card, Path(card.source))
+    elapsed = time.perf_counter() - started
+    total = published.manifest.total_bytes if published.manifest else 0
+    print(f"published {card.id} to the fleet: {human_size(total)} in {elapsed:.1f} s "
+          f"({total / 1e6 / max(elapsed, 1e-9):.0f} MB/s)")
+    return 0
+
+
+def cmd_remove(args: argparse.Namespace) -> int:
+    settings = _settings(args)
+    (custom_cards_dir(settings.data_dir) / f"{args.model_id}.json").unlink(missing_ok=True)
+    if not settings.nats_url:
+        print(f"{args.model_id}: local card removed (no NATS URL: the fleet was not asked)")
+        return 0
+
+    async def remove(fleet: FleetModels) -> int:
+        gone = await fleet.remove(args.model_id)
+        print(f"removed {args.model_id} from the fleet; {len(gone)} file(s) no other model uses "
+              "deleted")
+        return 0
+
+    return _on_fleet(settings, remove)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
