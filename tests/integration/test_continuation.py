@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -40,6 +45,7 @@ from fleet.wire.events import (
 from fleet.wire.tasks import ChatMessage, ImageGeneration, TextGeneration
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
+    REPO,
     WorkerProcess,
     client,
     events_of,
@@ -323,3 +329,94 @@ async def _run(nc: Client, task: TextGeneration) -> list[OutputEvent]:
     collector = asyncio.create_task(events_of(nc, task.task_id))
     await submit(nc, task)
     return await collector
+
+
+class Gateway:
+    """`fleet gateway --port 0`; its URL read from its own log line."""
+
+    def __init__(self, nats_url: str, data_dir: Path) -> None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        self.log = data_dir / "gateway.log"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "fleet.cli", "--nats-url", nats_url, "--data-dir",
+             str(data_dir), "gateway", "--port", "0"],
+            cwd=REPO, stderr=self.log.open("ab"), stdout=subprocess.DEVNULL,
+        )
+
+    async def url(self, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if match := LISTENING.search(self.log.read_text(errors="replace")):
+                return match.group(1)
+            await asyncio.sleep(0.1)  # polling a log file: there is no event to wait on
+        raise TimeoutError(self.log.read_text(errors="replace"))
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(20)
+
+
+LISTENING = re.compile(r"gateway listening on (http://\S+)/v1")
+
+
+async def test_the_openai_client_never_sees_the_kill_n2_seeded(
+    nats_url: str, start_worker: WorkerFactory, tmp_path: Path
+) -> None:
+    workers = [start_worker("a", **ENV), start_worker("b", **ENV)]
+    nc = await client(nats_url)
+    nodes: dict[str, WorkerProcess] = {}
+    for worker in workers:
+        node = await wait_node(nc, worker.data_dir)
+        nodes[node] = worker
+        await place_on(nc, get_card("tiny-llm"), node)
+    gateway = Gateway(nats_url, tmp_path / "gateway")
+    try:
+        url = await gateway.url()
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
+        ask = {
+            "model": "tiny-llm", "n": 2, "seed": 99, "temperature": 0.8, "max_tokens": 240,
+            "logit_bias": {"2": -100}, "stream": True,
+            "messages": [{"role": "user", "content": "Tell me a long story"}],
+        }
+        reference = await asyncio.to_thread(_stream, api, ask, None)
+        live = Live()
+        await nc.subscribe("fleet.out.>", cb=live.on_msg)
+        killed: list[str] = []
+
+        def kill_mid_answer() -> None:  # called from the streaming thread at chunk 40
+            task_id = next(iter(list(live.events)))
+            victim = nodes[live.node_running(task_id) or ""]
+            killed.append(task_id)
+            victim.kill()
+
+        got = await asyncio.to_thread(_stream, api, ask, kill_mid_answer)
+        assert killed, "the answer ended before the kill"
+        assert got.texts == reference.texts  # each choice, token for token
+        assert got.finish == reference.finish
+        accepted = [e for e in await events_of(nc, killed[0]) if isinstance(e, TaskAccepted)]
+        assert [e.attempt for e in accepted] == [0, 1]  # it was continued, unseen
+    finally:
+        gateway.stop()
+    await nc.close()
+
+
+@dataclass
+class Streamed:
+    texts: dict[int, str]
+    finish: dict[int, str | None]
+    task_ids: set[str]
+
+
+def _stream(
+    api: openai.OpenAI, ask: dict[str, Any], at_chunk_40: Callable[[], None] | None
+) -> Streamed:
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    for count, chunk in enumerate(api.chat.completions.create(**ask)):
+        if count == 40 and at_chunk_40 is not None:
+            at_chunk_40()
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    return Streamed(texts, finish, set())
