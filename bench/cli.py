@@ -128,6 +128,11 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
             result["text"][model_id] = uvloop.run(
                 run_model(model_id, path, plan, workdir / model_id, env, custom)
             )
+    if args.only in (None, "weights"):
+        from bench.weights import run as run_weights
+
+        # Its own nats-server and event loop: publish and fetch MB/s of a model directory.
+        result["weights"] = run_weights(args.quick, getattr(args, "weights_mb", 540))["results"]
     if args.only in (None, "plumbing"):
         from bench.plumbing import run_plumbing
 

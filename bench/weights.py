@@ -1,0 +1,112 @@
+"""Weights plumbing: publish a model directory to FLEET_WEIGHTS and fetch it into an empty one.
+
+A fresh embedded nats-server with a temporary store, provisioned as Fleet provisions it. The
+model is SmolLM2-135M as converted here (~540 MB, when `--model-dir` names it) or a synthetic
+directory of the same shape: one safetensors file of random bytes (`--size-mb`, default 540)
+plus a config. Publish MB/s counts hashing and storing; fetch MB/s counts every chunk read,
+its sha256 check, the writes and the renames, into a data dir that holds nothing yet. Each
+fetch is new (a fresh directory), as a node joining the fleet sees it. MB = 10^6 bytes.
+
+    python -m bench.weights [--quick] [--size-mb N] [--model-dir DIR] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from fleet.bus.embedded import EmbeddedNats
+from fleet.bus.provision import provision
+from fleet.bus.weights import FleetModels
+from fleet.models.catalog import describe_model_dir
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def synthetic_model(folder: Path, size_mb: int) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30, "hidden_size": 576,
+    }))
+    with (folder / "model.safetensors").open("wb") as out:
+        for _ in range(size_mb):
+            out.write(os.urandom(1_000_000))
+    return folder
+
+
+async def _measure(model_dir: Path, workdir: Path, repeats: int) -> dict[str, Any]:
+    with EmbeddedNats(workdir / "nats", port=0) as server:
+        nc = await nats.connect(server.url)
+        try:
+            await provision(nc)
+            fleet = FleetModels(nc)
+            card = describe_model_dir("bench-model", model_dir)
+            started = time.perf_counter()
+            published = await fleet.publish(card, model_dir)
+            publish_s = time.perf_counter() - started
+            assert published.manifest is not None
+            total = published.manifest.total_bytes
+            fetches = []
+            for n in range(repeats):
+                target = workdir / f"node-{n}" / "models"
+                started = time.perf_counter()
+                await fleet.fetch(published, target)
+                fetches.append(time.perf_counter() - started)
+                shutil.rmtree(target.parent)
+            fetch_s = statistics.median(fetches)
+            return {
+                "bytes": total,
+                "files": len(published.manifest.files),
+                "publish_s": round(publish_s, 2),
+                "publish_mb_s": round(total / 1e6 / publish_s, 1),
+                "fetch_s": [round(s, 2) for s in fetches],
+                "fetch_mb_s": round(total / 1e6 / fetch_s, 1),
+            }
+        finally:
+            await nc.close()
+
+
+def run(quick: bool = False, size_mb: int = 540, model_dir: Path | None = None,
+        repeats: int | None = None) -> dict[str, Any]:
+    repeats = repeats or (1 if quick else 3)
+    if quick and model_dir is None:
+        size_mb = min(size_mb, 64)
+    with tempfile.TemporaryDirectory(prefix="fleet-bench-weights-") as tmp:
+        workdir = Path(tmp)
+        source = model_dir or synthetic_model(workdir / "source", size_mb)
+        measured = asyncio.run(_measure(source, workdir, repeats))
+    result = {
+        "bench": "weights",
+        "model": str(model_dir) if model_dir else f"synthetic {size_mb} MB",
+        "repeats": repeats,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "results": measured,
+    }
+    print(f"weights: {measured['bytes'] / 1e6:.0f} MB in {measured['files']} file(s): "
+          f"publish {measured['publish_mb_s']} MB/s, fetch {measured['fetch_mb_s']} MB/s "
+          f"(median of {repeats}: {measured['fetch_s']} s)")
+    RESULTS_DIR.mkdir(exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (RESULTS_DIR / f"weights-{stamp}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="64 MB synthetic, one fetch")
+    parser.add_argument("--size-mb", type=int, default=540)
+    parser.add_argument("--model-dir", type=Path, help="a real model directory to publish")
+    parser.add_argument("--repeats", type=int)
+    args = parser.parse_args()
+    run(args.quick, args.size_mb, args.model_dir, args.repeats)
