@@ -20,15 +20,19 @@ class PlacementError(FleetError):
 
 
 def choose_node(nodes: list[NodeInfo], card: ModelCard, now: float) -> NodeInfo:
-    """The live node with the most free memory that can hold the model (the key's TTL already
-    dropped dead nodes; a stale `at` is a second guard)."""
+    """The live node that can hold the model in memory: one that has its files on disk first
+    (no fetch), then the one with the most free memory (the key's TTL already dropped dead
+    nodes; a stale `at` is a second guard)."""
     live = [n for n in nodes if now - n.at < 30.0]
     fitting = [n for n in live if n.memory_available_bytes >= card.size_bytes]
     if not fitting:
         raise PlacementError(
             f"no live node can hold {card.id} ({len(live)} live node(s)); start `fleet worker`"
         )
-    return max(fitting, key=lambda n: (n.memory_available_bytes, n.node_id))
+    return max(
+        fitting,
+        key=lambda n: (card.id in n.models_on_disk, n.memory_available_bytes, n.node_id),
+    )
 
 
 def new_instance(
