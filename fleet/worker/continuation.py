@@ -31,6 +31,7 @@ from fleet.wire.events import (
     TaskAccepted,
     TaskFinished,
     TokenChunk,
+    ToolCallChunk,
 )
 from fleet.wire.tasks import Task, TextGeneration
 from fleet.worker.state import PendingTask
@@ -78,6 +79,14 @@ def decide(task: Task, events: list[OutputEvent]) -> Continue | GiveUp | None:
 def image_key(event: ImageChunk) -> str:
     partial = "final" if event.partial_index is None else event.partial_index
     return f"{event.image_index}.{partial}"
+
+
+def output_began(last: OutputEvent | None) -> bool:
+    """Whether a task's newest stored event shows that output went out: a streamed event, or
+    the acceptance of a continuation (killed again before its first new event)."""
+    return isinstance(last, TokenChunk | ToolCallChunk | ImageChunk) or (
+        isinstance(last, TaskAccepted) and last.attempt > 0
+    )
 
 
 def generated_tokens(events: list[OutputEvent]) -> tuple[int, ...]:

@@ -31,6 +31,7 @@ from fleet.worker.continuation import (
     Continue,
     GiveUp,
     decide,
+    output_began,
     stored_events,
 )
 from fleet.worker.outputs import TaskOutput
@@ -152,7 +153,7 @@ class Intake:
         last = await self.output.last_event(task_id)
         if isinstance(last, TaskFinished):
             return Settled(task_id, "already_finished")
-        if not isinstance(last, STREAMED):
+        if not output_began(last):
             return None
         match await self.continuation(task):
             case None:

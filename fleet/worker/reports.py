@@ -16,9 +16,8 @@ from fleet.runner import protocol as pipe
 from fleet.wire.events import ErrorChunk, OutputEvent, TaskFinished
 from fleet.worker import state as ev
 from fleet.worker.acks import Stage
-from fleet.worker.continuation import Continue
+from fleet.worker.continuation import Continue, output_began
 from fleet.worker.inbox import RunnerExited, RunnerReported
-from fleet.worker.intake import STREAMED
 from fleet.worker.supervisor import crashed_terminal
 
 if TYPE_CHECKING:
@@ -83,7 +82,7 @@ class RunnerReports:
         message stays held. False: it ends runner_crashed as before (no output yet, an image,
         or its continuations used up)."""
         pending = self.intake.book.running.pop(task_id, None)
-        if pending is None or not isinstance(await self.output.last_event(task_id), STREAMED):
+        if pending is None or not output_began(await self.output.last_event(task_id)):
             return False
         if not isinstance(await self.intake.continuation(pending.task), Continue):
             return False

@@ -36,6 +36,7 @@ from fleet.wire import subjects
 from fleet.wire.cluster import ModelCard, RunnerRecord
 from fleet.wire.codec import decode_event, decode_model
 from fleet.wire.events import (
+    ErrorReason,
     ImageChunk,
     OutputEvent,
     TaskAccepted,
@@ -47,6 +48,7 @@ from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
     REPO,
     WorkerProcess,
+    add_fault_card,
     client,
     events_of,
     submit,
@@ -420,3 +422,84 @@ def _stream(
             if choice.finish_reason:
                 finish[choice.index] = choice.finish_reason
     return Streamed(texts, finish, set())
+
+
+async def _until_event(live: Live, task_id: str, check: Callable[[OutputEvent], bool]) -> None:
+    await live.until(lambda: any(check(e) for _, e in live.events.get(task_id, [])), 60)
+
+
+def _is_attempt(attempt: int) -> Callable[[OutputEvent], bool]:
+    return lambda e: isinstance(e, TaskAccepted) and e.attempt == attempt
+
+
+async def _fault_worker(nc: Client, start_worker: WorkerFactory, name: str) -> WorkerProcess:
+    worker = start_worker(name, **ENV)
+    card = add_fault_card(worker.data_dir)
+    await place_on(nc, card, await wait_node(nc, worker.data_dir))
+    return worker
+
+
+def _fault_task(task_id: str, **fields: Any) -> TextGeneration:
+    return TextGeneration(
+        task_id=task_id, model="fault-llm", max_tokens=1000,
+        messages=[ChatMessage(role="user", content="tokens:40 delay_ms:100")], **fields,
+    )
+
+
+async def test_a_kill_during_the_continuations_prefill_is_continued_again(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    nc = await client(nats_url)
+    live = Live()
+    await nc.subscribe("fleet.out.>", cb=live.on_msg)
+    first = await _fault_worker(nc, start_worker, "a")
+    await submit(nc, _fault_task("twice"))
+    await _until_event(live, "twice", lambda e: isinstance(e, TokenChunk) and e.index >= 3)
+    first.kill()
+    second = await _fault_worker(nc, start_worker, "b")
+    await _until_event(live, "twice", _is_attempt(1))
+    second.kill()  # accepted, not a token yet: in the continuation's own prefill
+    await _fault_worker(nc, start_worker, "c")
+    events = await events_of(nc, "twice")
+    tokens = [e for e in events if isinstance(e, TokenChunk)]
+    assert [t.index for t in tokens] == list(range(40))
+    assert "".join(t.text for t in tokens) == "".join(f" t{i}" for i in range(40))
+    result = finished_of(events)
+    assert result.status == "completed", (result.reason, result.message, result.usage)
+    assert [e.attempt for e in events if isinstance(e, TaskAccepted)][-1] == 2
+    await nc.close()
+
+
+async def test_kills_past_max_continuations_end_the_task_worker_lost(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    nc = await client(nats_url)
+    live = Live()
+    await nc.subscribe("fleet.out.>", cb=live.on_msg)
+    first = await _fault_worker(nc, start_worker, "a")
+    await submit(nc, _fault_task("doomed", max_continuations=1))
+    await _until_event(live, "doomed", lambda e: isinstance(e, TokenChunk))
+    first.kill()
+    second = await _fault_worker(nc, start_worker, "b")
+    await _until_event(live, "doomed", _is_attempt(1))
+    await live.until(lambda: live.tokens("doomed") >= 2 + _tokens_at_attempt(live, "doomed"), 60)
+    second.kill()
+    await _fault_worker(nc, start_worker, "c")
+    events = await events_of(nc, "doomed")
+    result = finished_of(events)
+    assert (result.status, result.reason) == ("failed", ErrorReason.WORKER_LOST)
+    assert "max_continuations 1" in (result.message or "")
+    tokens = [e.index for e in events if isinstance(e, TokenChunk)]
+    assert tokens == list(range(len(tokens)))  # what was streamed stays one clean stream
+    await nc.close()
+
+
+def _tokens_at_attempt(live: Live, task_id: str) -> int:
+    """How many tokens had arrived when the latest attempt was accepted."""
+    count = seen = 0
+    for _, event in live.events.get(task_id, []):
+        if isinstance(event, TokenChunk):
+            count += 1
+        elif isinstance(event, TaskAccepted):
+            seen = count
+    return seen
