@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from fleet.aio import Supervisor
 from fleet.config import Settings
+from fleet.models.disk import make_room, touch
 from fleet.models.store import BUILDERS, ensure_model, fleet_fetching, local_model_dir
 from fleet.runner.protocol import RunnerCommand, RunnerSpec
 from fleet.wire.cluster import Instance, ModelCard
@@ -91,6 +92,8 @@ class RunnerPool:
     async def _prepare(self, instance: Instance, card: ModelCard) -> Path:
         models_dir = self.settings.models_dir
         local = await asyncio.to_thread(local_model_dir, card, models_dir)
+        if local is not None:
+            touch(local, models_dir)
         fleet = self.cluster.fleet_models if self.cluster is not None else None
         if local is None and fleet is not None and fleet_fetching():
             published = await fleet.get(card.id)
@@ -119,8 +122,15 @@ class RunnerPool:
                 last[0] = now
                 cluster.runner_status(view, RunnerDownloading(bytes_done=done, bytes_total=total))
 
+        models_dir = self.settings.models_dir
+        needed = card.manifest.total_bytes if card.manifest else 0
+        placed = {i.model for i in cluster.placed.values()
+                  if any(s.node_id == self.node_id for s in i.shards)}
+        evicted = await asyncio.to_thread(make_room, models_dir, card.id, needed, placed)
+        if evicted:
+            log.info("evicted %s to make room for %s", ", ".join(evicted), card.id)
         try:
-            return await cluster.fleet_models.fetch(card, self.settings.models_dir, progress)
+            return await cluster.fleet_models.fetch(card, models_dir, progress)
         finally:
             cluster.runner_removed(view.runner_id)
 

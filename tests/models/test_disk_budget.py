@@ -1,0 +1,54 @@
+"""The models disk budget: which models to evict (pure, table) and eviction on real dirs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from fleet.models.disk import (
+    LIMIT_ENV,
+    DiskBudgetExceeded,
+    Held,
+    choose_evictions,
+    held_models,
+    make_room,
+)
+
+A, B, C = Held("a", 40, 1.0), Held("b", 30, 2.0), Held("c", 20, 3.0)
+
+
+@pytest.mark.parametrize(
+    ("held", "placed", "needed", "limit", "evicted"),
+    [
+        ([A, B], set(), 10, 0, []),  # no budget
+        ([A, B], set(), 30, 100, []),  # fits as is
+        ([A, B, C], set(), 30, 100, ["a"]),  # least recently used first
+        ([A, B, C], {"a"}, 30, 100, ["b"]),  # a placed model stays
+        ([A, B, C], set(), 80, 100, ["a", "b"]),
+        ([A, B, C], {"a", "b", "c"}, 30, 100, None),  # everything is placed: refused
+        ([], set(), 200, 100, None),  # bigger than the whole budget
+    ],
+)
+def test_choose_evictions(
+    held: list[Held], placed: set[str], needed: int, limit: int, evicted: list[str] | None
+) -> None:
+    assert choose_evictions(held, placed, needed, limit) == evicted
+
+
+def test_make_room_deletes_the_oldest_unplaced_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for age, name in enumerate(["old", "placed", "new"]):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "w.safetensors").write_bytes(b"x" * 100)
+        os.utime(folder, (age, age))
+    (tmp_path / ".fetching-x").mkdir()  # in progress: not a model held
+    monkeypatch.setenv(LIMIT_ENV, "350")
+    assert {h.model for h in held_models(tmp_path)} == {"old", "placed", "new"}
+    assert make_room(tmp_path, "incoming", 100, {"placed"}) == ["old"]
+    assert not (tmp_path / "old").exists() and (tmp_path / "placed").exists()
+    with pytest.raises(DiskBudgetExceeded, match="budget is 350"):
+        make_room(tmp_path, "huge", 300, {"placed", "new"})
