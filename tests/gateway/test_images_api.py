@@ -79,6 +79,7 @@ async def test_generation_answers_b64_json_or_a_url_that_serves_the_image(
     assert response.status_code == 200, response.text
     assert base64.b64decode(response.json()["data"][0]["b64_json"]) == image
     assert isinstance(task, ImageGeneration)
+    assert response.headers["x-fleet-task-id"] == task.task_id
     assert (task.width, task.seed, task.partial_images) == (128, 7, 0)
 
     response, _ = await asyncio.gather(

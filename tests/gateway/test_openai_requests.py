@@ -25,6 +25,7 @@ from fleet.gateway.openai import (
     completion_task,
     image_urls,
 )
+from fleet.gateway.service import task_id_headers
 from fleet.wire.tasks import ImagePart, NamedFunction, TextPart
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
@@ -199,6 +200,12 @@ def test_image_edit_form_to_task() -> None:
     assert (task.input_images, task.strength, task.size) == ([SHA], 0.3, "512x512")
     with pytest.raises(InvalidRequest, match="mask"):
         edit_form_fields({**form, "mask": object()})
+
+
+def test_the_task_id_headers_name_the_request_and_its_choices() -> None:
+    assert task_id_headers(["chatcmpl-x"]) == {"x-fleet-task-id": "chatcmpl-x"}
+    assert task_id_headers(["c-0", "c-1"]) == {
+        "x-fleet-task-id": "c", "x-fleet-choice-task-ids": "c-0,c-1"}
 
 
 def test_each_choice_is_a_task_with_the_next_seed() -> None:

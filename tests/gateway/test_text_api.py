@@ -4,9 +4,11 @@ that answers from a script: this tests the gateway's plumbing, not a model."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import httpx
 import orjson
+import pytest
 from gateway_helpers import StandInWorker, sse_blocks, tokens_script
 
 from fleet.wire.events import ErrorChunk, ErrorReason, TaskAccepted, failed
@@ -20,8 +22,9 @@ def sse_data(body: str) -> list[dict]:
 
 
 async def test_chat_completion_gathers_the_tokens(
-    client: httpx.AsyncClient, worker: StandInWorker
+    client: httpx.AsyncClient, worker: StandInWorker, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, "fleet.gateway.access")
     response, task = await asyncio.gather(
         client.post("/v1/chat/completions", json={**CHAT, "temperature": 0, "max_tokens": 7}),
         worker.answer(tokens_script("Par", "is", ".")),
@@ -29,6 +32,9 @@ async def test_chat_completion_gathers_the_tokens(
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["id"] == task.task_id
+    assert response.headers["x-fleet-task-id"] == task.task_id
+    [line] = [r.getMessage() for r in caplog.records if r.name == "fleet.gateway.access"]
+    assert '"POST /v1/chat/completions" 200 ' in line and line.endswith(f"task={task.task_id}")
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {
         "role": "assistant",
@@ -57,6 +63,7 @@ async def test_streamed_chat_ends_with_usage_and_done(
     )
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
+    assert response.headers["x-fleet-task-id"].startswith("chatcmpl-")
     assert response.text.endswith("data: [DONE]\n\n")
     ids = [b.get("id") for b in sse_blocks(response.text)]
     assert ids == [None, "2", "3", "4", "4", None]  # opening, tokens, finish + usage, [DONE]
