@@ -231,6 +231,7 @@ any_output_event = st.one_of(
 
 any_runner_status = st.one_of(
     st.builds(runners.RunnerIdle),
+    st.builds(runners.RunnerDownloading, bytes_done=counts, bytes_total=counts),
     st.builds(runners.RunnerConnecting),
     st.builds(runners.RunnerConnected),
     st.builds(runners.RunnerLoading, layers_done=counts, layers_total=counts),
@@ -277,7 +278,8 @@ def test_strategies_cover_every_member_of_each_union() -> None:
             cluster.InstancePlaced, cluster.InstanceRemoved,
         },
         runners.RunnerStatus: {
-            runners.RunnerIdle, runners.RunnerConnecting, runners.RunnerConnected,
+            runners.RunnerIdle, runners.RunnerDownloading, runners.RunnerConnecting,
+            runners.RunnerConnected,
             runners.RunnerLoading, runners.RunnerLoaded, runners.RunnerWarmingUp,
             runners.RunnerReady, runners.RunnerRunning, runners.RunnerShuttingDown,
             runners.RunnerShutdown, runners.RunnerFailed,
