@@ -10,8 +10,11 @@ import sys
 import uuid
 from pathlib import Path
 
+from nats.js import JetStreamContext
+
 from fleet import telemetry
 from fleet.bus.connect import connect_with, js_publish, publish
+from fleet.bus.retry import with_retry
 from fleet.commands.core import settings_from
 from fleet.config import Settings
 from fleet.errors import InvalidRequest
@@ -51,6 +54,9 @@ async def follow_task(settings: Settings, task_id: str, raw: bool, timeout: floa
 
     nc = await connect_with(settings, "fleet-cli")
     try:
+        if await stored_events(nc.jetstream(), task_id) == 0:
+            print(f"fleet follow: no events are stored for task {task_id}: unknown, expired, "
+                  f"or still queued; waiting up to {timeout:.0f} s", file=sys.stderr, flush=True)
         deadline = asyncio.get_running_loop().time() + timeout
         async with TaskEvents(nc.jetstream(), task_id, deadline) as events:
             async for item in events:
@@ -62,6 +68,16 @@ async def follow_task(settings: Settings, task_id: str, raw: bool, timeout: floa
     finally:
         await nc.close()
     return 1
+
+
+async def stored_events(js: JetStreamContext, task_id: str) -> int:
+    """How many events FLEET_OUT holds for the task (0: unknown, expired or not yet taken)."""
+    subject = subjects.out(task_id)
+    info = await with_retry(
+        lambda: js.stream_info(subjects.OUT_STREAM, subjects_filter=subject),
+        what=f"count the events of {task_id}", budget_s=5.0,
+    )
+    return (info.state.subjects or {}).get(subject, 0)
 
 
 def response_format(json_mode: bool, schema_file: str | None) -> ResponseFormat | None:

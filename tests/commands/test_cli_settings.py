@@ -122,3 +122,12 @@ def test_a_bad_setting_is_a_usage_error_naming_the_flag() -> None:
                             text=True, timeout=60, check=False)
     assert result.returncode == 2
     assert "--slots: 'many'" in result.stderr
+
+
+async def test_follow_of_an_unknown_task_says_so(provisioned_nc: object, nats_url: str) -> None:
+    result = subprocess.run(
+        [str(FLEET), "follow", "no-such-task", "--timeout", "1", "--nats-url", nats_url],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert result.returncode == 1
+    assert "no events are stored for task no-such-task" in result.stderr
