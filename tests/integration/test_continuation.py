@@ -208,8 +208,8 @@ async def test_a_worker_killed_mid_answer_is_continued_token_for_token(
             await place_on(nc, card, node)
     print(f"\ncontinuation: {rounds * len(SAMPLERS)} tasks of {max_tokens} tokens, {kills} "
           f"worker SIGKILLs, {continued} tasks continued mid-answer, 0 lost, 0 duplicated, "
-          f"0 worker_lost, every stream equal to its uninterrupted run; seam (kill -> next token) p50 {statistics.median(seams):.2f} s, "
-          f"max {max(seams):.2f} s (AckWait 2 s)")
+          f"0 worker_lost, every stream equal to its uninterrupted run; seam (kill -> next "
+          f"token) p50 {statistics.median(seams):.2f} s, max {max(seams):.2f} s (AckWait 2 s)")
     await nc.close()
 
 
