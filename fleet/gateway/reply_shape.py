@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from fleet.gateway.openai_base import InvalidParameter, OpenAIRequest
-from fleet.runner.grammar import grammar_for
+from fleet.grammar import grammar_for
 from fleet.wire.tasks import ResponseFormat
 
 

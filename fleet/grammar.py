@@ -1,5 +1,6 @@
 """The grammar of a response format: JSON Schema compiled by llguidance, without mlx, so the
-gateway can refuse a schema that cannot be compiled before anything is queued.
+gateway can refuse a schema that cannot be compiled before anything is queued. A neutral
+module (neither gateway nor runner): both use it, and the gateway never imports the runner.
 
 The separators are fixed (", " and ": ") and no other whitespace is allowed: a small model
 given free whitespace can spend its whole budget on newlines and never close the object.
