@@ -64,6 +64,7 @@ SAMPLERS: dict[str, dict[str, Any]] = {
     "seeded": {"temperature": 0.8, "seed": 1234},
     "frequency": {"frequency_penalty": 1.2},
     "top-p-logprobs": {"temperature": 0.8, "top_p": 0.9, "seed": 7, "logprobs": True},
+    "json": {"response_format": {"type": "json_object"}},  # the grammar is replayed
 }
 
 
