@@ -53,19 +53,30 @@ class Feed:
         self.tasks = RecentTasks()
         self.subscribers: set[asyncio.Queue[bytes]] = set()
         self._supervisor: Supervisor | None = None
+        self._owner: asyncio.Task[None] | None = None
         self._tokens_this_tick = 0
         self._tasks_this_tick = 0
 
     async def start(self) -> None:
-        self._supervisor = Supervisor("dashboard-feed")
-        await self._supervisor.__aenter__()
-        self._supervisor.forever("fleet", self._read_fleet)
-        self._supervisor.forever("tasks", self._follow_tasks)
+        # The supervisor lives in a task of its own: a TaskGroup is entered and left by the
+        # same task, and the app's lifespan may run its start and its end in different ones.
+        started = asyncio.Event()
+        self._owner = asyncio.create_task(self._own(started), name="dashboard-feed")
+        await started.wait()
+
+    async def _own(self, started: asyncio.Event) -> None:
+        async with Supervisor("dashboard-feed") as supervisor:
+            self._supervisor = supervisor
+            supervisor.forever("fleet", self._read_fleet)
+            supervisor.forever("tasks", self._follow_tasks)
+            started.set()
+            await asyncio.Event().wait()  # until close() cancels it
 
     async def close(self) -> None:
-        if self._supervisor is not None:
-            await self._supervisor.cancel_all()
-            await self._supervisor.__aexit__(None, None, None)
+        if self._owner is not None:
+            self._owner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._owner
 
     # --- what a tab gets -------------------------------------------------------------------
 
