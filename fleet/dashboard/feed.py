@@ -43,6 +43,9 @@ async def _bucket(backend: Backend, name: str) -> list[dict[str, Any]]:
     return values
 
 
+CLOSE_WAIT_S = 5.0
+
+
 class Feed:
     """Latest fleet snapshot, queue history and recent tasks, pushed to every subscriber."""
 
@@ -75,8 +78,12 @@ class Feed:
     async def close(self) -> None:
         if self._owner is not None:
             self._owner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._owner
+            # Bounded: a child inside a nats-py call can swallow the cancel (seen hanging a
+            # gateway's shutdown with no NATS); the app must still stop.
+            done, _ = await asyncio.wait({self._owner}, timeout=CLOSE_WAIT_S)
+            if not done:
+                log.warning("dashboard feed did not stop within %.0f s; left behind",
+                            CLOSE_WAIT_S)
 
     # --- what a tab gets -------------------------------------------------------------------
 
