@@ -65,6 +65,7 @@ class Feed:
         # same task, and the app's lifespan may run its start and its end in different ones.
         started = asyncio.Event()
         self._owner = asyncio.create_task(self._own(started), name="dashboard-feed")
+        self._owner.add_done_callback(_log_failure)
         await started.wait()
 
     async def _own(self, started: asyncio.Event) -> None:
@@ -170,3 +171,9 @@ class Feed:
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """The feed's owner ends only by close(); any other end is a failure someone must hear."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("dashboard feed stopped", exc_info=exc)
