@@ -9,6 +9,7 @@ kept for `permission_errors()`, which a health check reads.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -219,6 +220,12 @@ async def connect(
     except (nats_errors.Error, OSError, TimeoutError, ssl.SSLError) as exc:
         with contextlib.suppress(Exception):
             await client.close()
+        # nats-py's close() swallows a CancelledError that lands while it waits for its
+        # reconnect task: a cancel of the caller must not turn into a retried NatsUnavailable
+        # (seen: a gateway with no NATS could never stop its connect loop).
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise asyncio.CancelledError from None
         causes = [*first_errors, exc]
         if any(isinstance(cause, nats_errors.AuthorizationError) for cause in causes):
             raise NatsUnavailable(

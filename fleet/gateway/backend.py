@@ -55,6 +55,7 @@ Model = TypeVar("Model", bound=BaseModel)
 MAXIMUM_MESSAGES_EXCEEDED = 10077
 MAXIMUM_BYTES_EXCEEDED = 10078
 RECONNECT_WAIT_S = 1.0
+CLOSE_WAIT_S = 5.0
 # Room for the headers a task is published with (Nats-Msg-Id, traceparent, tracestate).
 HEADER_ALLOWANCE = 1024
 STREAMS = (subjects.TASKS_STREAM, subjects.OUT_STREAM)
@@ -129,8 +130,10 @@ class Backend:
         await self.hub.close()
         if self._connecting:
             self._connecting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._connecting
+            # Bounded: should a library call ever swallow the cancel again, the app still stops.
+            done, _ = await asyncio.wait({self._connecting}, timeout=CLOSE_WAIT_S)
+            if not done:
+                log.warning("the NATS connect loop did not stop within %.0f s", CLOSE_WAIT_S)
         if self.nc is not None:
             with contextlib.suppress(NatsError, OSError):
                 await self.nc.close()

@@ -93,8 +93,6 @@ async def app(settings: Settings, provisioned_nc: Client) -> AsyncIterator[Starl
         yield application
 
 
-@pytest.mark.skip(reason="hangs at shutdown in a full-suite run (seen 2026-12-02 00:53: the "
-                  "feed's task group on app shutdown); the browser tests cover the same paths")
 async def test_the_page_is_open_and_its_api_needs_the_key(app: Starlette) -> None:
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
@@ -116,8 +114,6 @@ async def next_fleet(queue: asyncio.Queue[bytes], timeout: float = 10.0) -> dict
                 return orjson.loads(data)
 
 
-@pytest.mark.skip(reason="hangs at shutdown in a full-suite run (seen 2026-12-02 00:53: the "
-                  "feed's task group on app shutdown); the browser tests cover the same paths")
 async def test_every_tab_shares_one_reader_and_sees_a_node_join(
     app: Starlette, provisioned_nc: Client
 ) -> None:

@@ -161,8 +161,6 @@ async def test_a_deadline_is_504_and_cancels_the_task(
     assert (await kv.get(cancel.task_id)).value
 
 
-@pytest.mark.skip(reason="hangs since the dashboard mount (4c5e39e): a gateway with no NATS "
-                  "does not finish its request; to fix next session")
 async def test_no_nats_is_503(settings: Settings, unused_tcp_port: int) -> None:
     app: Starlette = build_app(replace(settings, nats_url=f"nats://127.0.0.1:{unused_tcp_port}"))
     async with app.router.lifespan_context(app):
