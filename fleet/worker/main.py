@@ -36,6 +36,7 @@ from fleet.worker import state as ev
 from fleet.worker.acks import AckPolicy, Stage, held_stages
 from fleet.worker.children import Feeds
 from fleet.worker.cluster import ClusterLink
+from fleet.worker.continuation import with_seed
 from fleet.worker.endings import Endings, intake_stage
 from fleet.worker.image_outputs import ImageOutputs
 from fleet.worker.inbox import (
@@ -231,7 +232,8 @@ class Worker(RunnerReports, Stopping):
         # died) its RunnerExited, which always follows, ends this task runner_crashed.
         self._apply(ev.TaskDispatched(task_id, runner_id))
         sent = await self.runners.send(runner_id, pipe.SubmitTask(
-            task=pending.task, inputs=pending.inputs or {}, delivery=pending.delivery,
+            task=with_seed(pending.task, earlier.seed), inputs=pending.inputs or {},
+            delivery=pending.delivery,
             generated=list(earlier.generated), attempt=earlier.attempt,
             delivered_images=sorted(earlier.delivered_images),
             queue_wait_s=max(0.0, time.time() - pending.received_at),
