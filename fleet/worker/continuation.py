@@ -132,8 +132,8 @@ NOT_CONTINUED = Continue((), 0)
 
 class ContinuationBook:
     """The worker's notes for continuing tasks: what a continued task's next dispatch must
-    carry, and each running text task (its message is held here), so that a runner crash can
-    put it back in the queue instead of ending it."""
+    carry, and each running task (its message is held here), so that a runner crash can put
+    it back in the queue instead of ending it."""
 
     def __init__(self) -> None:
         self.queued: dict[str, Continue] = {}
@@ -143,8 +143,7 @@ class ContinuationBook:
         """What the SubmitTask of a task being dispatched now carries of its earlier attempts
         (nothing, attempt 0, for a first run)."""
         task_id = pending.task.task_id
-        if isinstance(pending.task, TextGeneration):
-            self.running[task_id] = pending
+        self.running[task_id] = pending
         return self.queued.pop(task_id, None) or NOT_CONTINUED
 
     def released(self, task_id: str) -> None:

@@ -28,23 +28,29 @@ from typing import Any
 import openai
 import pytest
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from fleet.models.catalog import get_card
-from fleet.placement import place
-from fleet.wire import subjects
-from fleet.wire.cluster import ModelCard, RunnerRecord
-from fleet.wire.codec import decode_event, decode_model
 from fleet.wire.events import (
     ErrorReason,
     ImageChunk,
     OutputEvent,
     TaskAccepted,
-    TaskFinished,
     TokenChunk,
 )
 from fleet.wire.tasks import ChatMessage, ImageGeneration, TextGeneration
 from tests.integration.conftest import WorkerFactory
+from tests.integration.continuing import (
+    ENV,
+    NO_EOS,
+    Live,
+    assert_one_clean_stream,
+    dedup,
+    finished_of,
+    first_after,
+    place_on,
+    run_whole,
+    runner_pid,
+)
 from tests.integration.harness import (
     REPO,
     WorkerProcess,
@@ -55,8 +61,6 @@ from tests.integration.harness import (
     wait_node,
 )
 
-ENV = {"FLEET_ACK_WAIT_S": "2", "OPENBLAS_NUM_THREADS": "1"}
-NO_EOS = {2: -100.0}  # tiny-llm's <|im_end|>: random weights would otherwise stop early
 CHAOS = os.environ.get("FLEET_CONTINUATION_CHAOS") == "1"
 
 SAMPLERS: dict[str, dict[str, Any]] = {
@@ -75,77 +79,6 @@ def request(task_id: str, sampler: str, max_tokens: int) -> TextGeneration:
         messages=[ChatMessage(role="user", content=f"Tell me a long story ({sampler})")],
         **fields,
     )
-
-
-async def place_on(
-    nc: Client, card: ModelCard, node: str, timeout: float = 120.0
-) -> RunnerRecord:
-    """Place `card` on `node` and wait for that node's runner to be ready."""
-    kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
-    watcher = await kv.watchall()
-    await place(nc.jetstream(), card, node_id=node, slots=8)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            try:
-                entry = await watcher.updates(timeout=max(0.05, deadline - time.monotonic()))
-            except TimeoutError:
-                continue
-            if entry is None or not entry.value:
-                continue
-            record = decode_model(RunnerRecord, entry.value)
-            if record.node_id == node and record.status.state == "ready":
-                return record
-    finally:
-        await watcher.stop()
-    raise TimeoutError(f"no ready runner on {node}")
-
-
-class Live:
-    """Every task's events as a live subscriber sees them, with arrival times."""
-
-    def __init__(self) -> None:
-        self.events: dict[str, list[tuple[float, OutputEvent]]] = {}
-        self.changed = asyncio.Event()
-
-    async def on_msg(self, msg: Msg) -> None:
-        event = decode_event(msg.data)
-        self.events.setdefault(event.task_id, []).append((time.monotonic(), event))
-        self.changed.set()
-
-    async def until(self, check: Callable[[], Any], timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while not (found := check()):
-            self.changed.clear()
-            await asyncio.wait_for(self.changed.wait(), max(0.01, deadline - time.monotonic()))
-        return found
-
-    def tokens(self, task_id: str) -> int:
-        return sum(isinstance(e, TokenChunk) for _, e in self.events.get(task_id, []))
-
-    def node_running(self, task_id: str) -> str | None:
-        accepted = [e for _, e in self.events.get(task_id, []) if isinstance(e, TaskAccepted)]
-        return accepted[-1].node_id if accepted else None
-
-    def done(self, task_id: str) -> bool:
-        return any(isinstance(e, TaskFinished) for _, e in self.events.get(task_id, []))
-
-
-def assert_one_clean_stream(events: list[OutputEvent], reference: list[OutputEvent]) -> None:
-    tokens = [e for e in events if isinstance(e, TokenChunk)]
-    expected = [e for e in reference if isinstance(e, TokenChunk)]
-    assert [t.index for t in tokens] == list(range(len(tokens))), "a repeated or missing index"
-    assert [t.token_id for t in tokens] == [t.token_id for t in expected]
-    assert "".join(t.text for t in tokens) == "".join(t.text for t in expected)
-    # Logprobs continue; batches of other shapes move them by float rounding only.
-    assert [t.logprob for t in tokens] == pytest.approx([t.logprob for t in expected], abs=1e-3)
-    terminals = [e for e in events if isinstance(e, TaskFinished)]
-    assert len(terminals) == 1 and events[-1] is terminals[0]
-    [want] = [e for e in reference if isinstance(e, TaskFinished)]
-    assert terminals[0].status == "completed", terminals[0]
-    assert terminals[0].finish_reason == want.finish_reason
-    assert terminals[0].usage is not None and want.usage is not None
-    assert terminals[0].usage.completion_tokens == len(tokens) == want.usage.completion_tokens
 
 
 @pytest.mark.timeout(3600 if CHAOS else 300)
@@ -171,7 +104,7 @@ async def test_a_worker_killed_mid_answer_is_continued_token_for_token(
         names = [f"r{round_no}-{name}" for name in SAMPLERS]
         # The same requests, uninterrupted, first: the reference each continued stream must equal.
         references = await asyncio.gather(*(
-            _run(nc, request(f"ref-{name}", name.split("-", 1)[1], max_tokens))
+            run_whole(nc, request(f"ref-{name}", name.split("-", 1)[1], max_tokens))
             for name in names
         ))
         for name in names:
@@ -187,7 +120,7 @@ async def test_a_worker_killed_mid_answer_is_continued_token_for_token(
         victim.kill()
         kills += 1
         # The seam: the first token after the kill, from the continuing attempt.
-        resumed = await live.until(lambda t=first: _first_after(live, t), 120)
+        resumed = await live.until(lambda t=first: first_after(live, t), 120)
         seams.append(resumed - killed_at)
         if CHAOS:
             print(f"round {round_no}: seam {seams[-1]:.2f} s", flush=True)
@@ -196,7 +129,7 @@ async def test_a_worker_killed_mid_answer_is_continued_token_for_token(
             assert_one_clean_stream(stored, reference)
             continued += any(isinstance(e, TaskAccepted) and e.attempt for e in stored)
             live_events = [e for _, e in live.events[f"cont-{name}"]]
-            assert_one_clean_stream(_dedup(live_events), reference)
+            assert_one_clean_stream(dedup(live_events), reference)
         accepted = [e for e in await events_of(nc, first) if isinstance(e, TaskAccepted)]
         assert len(accepted) == 2 and accepted[1].continued_from > 0
         assert accepted[1].node_id != victim_node
@@ -222,21 +155,21 @@ async def test_a_runner_killed_mid_answer_is_continued_on_its_restart_token_for_
     record = await place_on(nc, get_card("tiny-llm"), await wait_node(nc, worker.data_dir))
     live = Live()
     await nc.subscribe("fleet.out.>", cb=live.on_msg)
-    references = {name: await _run(nc, request(f"ref-{name}", name, 240)) for name in SAMPLERS}
+    references = {name: await run_whole(nc, request(f"ref-{name}", name, 240)) for name in SAMPLERS}
     for name in SAMPLERS:
         await submit(nc, request(f"cont-{name}", name, 240))
     first = "cont-greedy"
     await live.until(lambda: live.tokens(first) >= 40 or live.done(first), 120)
     assert not live.done(first), "the task ended before the kill: make it longer"
     killed_at = time.monotonic()
-    os.kill(_runner_pid(record.runner_id), signal.SIGKILL)
-    resumed = await live.until(lambda: _first_after(live, first), 120)
+    os.kill(runner_pid(record.runner_id), signal.SIGKILL)
+    resumed = await live.until(lambda: first_after(live, first), 120)
     print(f"\nrunner crash seam (SIGKILL -> next token): {resumed - killed_at:.2f} s "
           "(runner restart and model load included)")
     for name, reference in references.items():
         stored = await events_of(nc, f"cont-{name}")
         assert_one_clean_stream(stored, reference)
-        assert_one_clean_stream(_dedup([e for _, e in live.events[f"cont-{name}"]]), reference)
+        assert_one_clean_stream(dedup([e for _, e in live.events[f"cont-{name}"]]), reference)
     accepted = [e for e in await events_of(nc, first) if isinstance(e, TaskAccepted)]
     assert [e.attempt for e in accepted] == [0, 1] and accepted[1].continued_from >= 40
     assert accepted[0].delivery == accepted[1].delivery  # the same message, held throughout
@@ -257,7 +190,7 @@ async def test_an_image_task_whose_worker_dies_between_steps_ends_with_the_same_
             seed=7, partial_images=4,
         )
 
-    reference = await _run(nc, draw("ref-image"))
+    reference = await run_whole(nc, draw("ref-image"))
     live = Live()
     await nc.subscribe("fleet.out.>", cb=live.on_msg)
     await submit(nc, draw("restarted-image"))
@@ -281,60 +214,6 @@ async def test_an_image_task_whose_worker_dies_between_steps_ends_with_the_same_
     accepted = [e for e in events if isinstance(e, TaskAccepted)]
     assert [e.attempt for e in accepted] == [0, 1]
     await nc.close()
-
-
-def finished_of(events: list[OutputEvent]) -> TaskFinished:
-    [terminal] = [e for e in events if isinstance(e, TaskFinished)]
-    return terminal
-
-
-def _runner_pid(runner_id: str) -> int:
-    """The runner subprocess's pid, found by its id on its command line."""
-    found = [
-        int(entry.name) for entry in Path("/proc").iterdir()
-        if entry.name.isdigit() and b"fleet.runner.main" in (line := _cmdline(entry))
-        and runner_id.encode() in line
-    ]
-    assert len(found) == 1, found
-    return found[0]
-
-
-def _cmdline(entry: Path) -> bytes:
-    try:
-        return (entry / "cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _first_after(live: Live, task_id: str) -> float | None:
-    """Arrival time of the first token of the next attempt (a later task_accepted)."""
-    attempts = 0
-    for at, event in live.events.get(task_id, []):
-        if isinstance(event, TaskAccepted):
-            attempts += 1
-        elif isinstance(event, TokenChunk) and attempts >= 2:
-            return at
-    return None
-
-
-def _dedup(events: list[OutputEvent]) -> list[OutputEvent]:
-    """A live core subscriber may also see a token the dead worker published twice (its
-    retry): JetStream stores it once (Msg-Id); the live view keeps the first by index."""
-    seen: set[int] = set()
-    kept: list[OutputEvent] = []
-    for event in events:
-        if isinstance(event, TokenChunk):
-            if event.index in seen:
-                continue
-            seen.add(event.index)
-        kept.append(event)
-    return kept
-
-
-async def _run(nc: Client, task: TextGeneration) -> list[OutputEvent]:
-    collector = asyncio.create_task(events_of(nc, task.task_id))
-    await submit(nc, task)
-    return await collector
 
 
 class Gateway:
