@@ -1,7 +1,8 @@
 """The continuation chaos run: two workers serve many tasks of 320 tokens while a worker is
 SIGKILLed (with its runner) every ~10 s and a fresh one takes its place. Every task must end
 exactly once: completed with the same tokens as the same request run without a kill, or
-`worker_lost` only where it used up its `max_continuations`. Nothing lost, nothing duplicated,
+`worker_lost` only where it used up its `max_continuations` (`max_deliveries` only where it
+used up FLEET_MAX_DELIVER). Nothing lost, nothing duplicated,
 no index gap (counted from what FLEET_OUT stored).
 
 CI runs a short version (32 tasks, at most two kills); FLEET_CONTINUATION_CHAOS=1 the long one
@@ -34,6 +35,10 @@ TASKS = int(os.environ.get("FLEET_CONTINUATION_TASKS", "120")) if CHAOS else 32
 MAX_KILLS = 10_000 if CHAOS else 2
 KILL_EVERY_S = 10.0
 MAX_TOKENS = 320
+# Each worker death uses a delivery: with FLEET_MAX_DELIVER below max_continuations + 1 (the
+# defaults are 3 and 3) a task killed often ends max_deliveries before worker_lost.
+MAX_DELIVER = 4
+CHAOS_ENV = {**ENV, "FLEET_MAX_DELIVER": str(MAX_DELIVER)}
 SAMPLERS: dict[str, dict[str, object]] = {
     "greedy": {},
     "seeded": {"temperature": 0.8, "seed": 1234},
@@ -86,6 +91,9 @@ class Tally:
             return self.note("completed" if exact else "completed_unlike_reference", task_id)
         if end.reason == "worker_lost" and continuations >= task.max_continuations:
             return self.note("worker_lost_at_limit", task_id)
+        deliveries = max((e.delivery for e in events if isinstance(e, TaskAccepted)), default=0)
+        if end.reason == "max_deliveries" and deliveries >= MAX_DELIVER:
+            return self.note("max_deliveries_at_limit", task_id)
         self.note(f"{end.status}/{end.reason}", task_id)
 
 
@@ -98,7 +106,7 @@ async def test_workers_killed_every_10s_lose_and_duplicate_nothing(
     alive: dict[str, WorkerProcess] = {}
 
     async def add_worker(name: str) -> None:
-        worker = start_worker(name, **ENV)
+        worker = start_worker(name, **CHAOS_ENV)
         node = await wait_node(nc, worker.data_dir, timeout=120)
         await place_on(nc, card, node)
         alive[node] = worker
@@ -156,9 +164,11 @@ async def test_workers_killed_every_10s_lose_and_duplicate_nothing(
     print(f"\n{report}")
     assert kills, "every task ended before the first kill: make them longer"
     bad = {k: v for k, v in tally.counts.items()
-           if k not in ("completed", "continued", "worker_lost_at_limit")}
+           if k not in ("completed", "continued", "worker_lost_at_limit",
+                        "max_deliveries_at_limit")}
     assert not bad, f"{report}\nexamples: {tally.examples}"
-    assert tally.counts["completed"] + tally.counts["worker_lost_at_limit"] == TASKS
+    at_a_limit = tally.counts["worker_lost_at_limit"] + tally.counts["max_deliveries_at_limit"]
+    assert tally.counts["completed"] + at_a_limit == TASKS
     assert tally.counts["continued"] > 0, report
     await nc.close()
 
