@@ -285,8 +285,10 @@ def _is_attempt(attempt: int) -> Callable[[OutputEvent], bool]:
     return lambda e: isinstance(e, TaskAccepted) and e.attempt == attempt
 
 
-async def _fault_worker(nc: Client, start_worker: WorkerFactory, name: str) -> WorkerProcess:
-    worker = start_worker(name, **ENV)
+async def _fault_worker(
+    nc: Client, start_worker: WorkerFactory, name: str, **env: str
+) -> WorkerProcess:
+    worker = start_worker(name, **ENV, **env)
     card = add_fault_card(worker.data_dir)
     await place_on(nc, card, await wait_node(nc, worker.data_dir))
     return worker
@@ -329,18 +331,21 @@ async def test_three_kills_in_a_row_exhaust_max_continuations_and_end_worker_los
     nc = await client(nats_url)
     live = Live()
     await nc.subscribe("fleet.out.>", cb=live.on_msg)
-    worker = await _fault_worker(nc, start_worker, "a")
+    # Each worker death uses a delivery: three kills and the continuation that gives up need
+    # four (the default FLEET_MAX_DELIVER, 3, would end the task max_deliveries first).
+    four = {"FLEET_MAX_DELIVER": "4"}
+    worker = await _fault_worker(nc, start_worker, "a", **four)
     await submit(nc, _fault_task("doomed", max_continuations=2))
     await _until_event(live, "doomed", lambda e: isinstance(e, TokenChunk))
     for attempt in (1, 2):  # each continuation killed two tokens into its own output
         worker.kill()
-        worker = await _fault_worker(nc, start_worker, f"w{attempt}")
+        worker = await _fault_worker(nc, start_worker, f"w{attempt}", **four)
         await _until_event(live, "doomed", _is_attempt(attempt))
         await live.until(
             lambda: live.tokens("doomed") >= 2 + _tokens_at_attempt(live, "doomed"), 60
         )
     worker.kill()  # the third kill: both continuations are used up
-    await _fault_worker(nc, start_worker, "last")
+    await _fault_worker(nc, start_worker, "last", **four)
     events = await events_of(nc, "doomed")
     result = finished_of(events)
     assert (result.status, result.reason) == ("failed", ErrorReason.WORKER_LOST)
