@@ -52,7 +52,7 @@ async function removeInstance(id, button, note) {
 }
 
 function instanceCard(instance, runners, states, note) {
-  const remove = h("button", { class: "danger", type: "button",
+  const remove = h("button", { class: "danger operator-only", type: "button",
     "aria-label": `remove instance ${instance.instance_id}` }, "Remove");
   remove.addEventListener("click", () => removeInstance(instance.instance_id, remove, note));
   return h("article", { class: "card instance", "data-instance": instance.instance_id },
@@ -69,7 +69,7 @@ export function mount(view, store) {
   const note = h("p", { role: "status", "aria-live": "polite", class: "muted" });
   const model = h("select", { id: "place-model" });
   const node = h("select", { id: "place-node" }, h("option", { value: "" }, "any node"));
-  const place = h("form", { class: "row", "aria-label": "place an instance" },
+  const place = h("form", { class: "row operator-only", "aria-label": "place an instance" },
     h("div", {}, h("label", { for: "place-model" }, "Model"), model),
     h("div", {}, h("label", { for: "place-node" }, "Node"), node),
     h("button", { type: "submit" }, "Place"));
@@ -89,7 +89,7 @@ export function mount(view, store) {
   view.append(h("h1", {}, "Fleet"),
     h("h2", {}, "Nodes"), nodes,
     h("h2", {}, "Instances and runners"), instances, note,
-    h("h2", {}, "Place an instance"), place);
+    h("h2", { class: "operator-only" }, "Place an instance"), place);
 
   function draw() {
     const fleet = store.fleet;
@@ -110,5 +110,12 @@ export function mount(view, store) {
       el.textContent = `heartbeat ${Math.max(0, Date.now() / 1000 - el.dataset.at).toFixed(0)} s ago`;
     }
   }, 1000);
-  return { update: (kind) => { if (kind === "fleet") draw(); }, stop: () => clearInterval(ticker) };
+  function beat() {  // a node's heartbeat time moved (a `beats` message): only its age text
+    for (const n of store.fleet?.nodes || []) {
+      const el = view.querySelector(`[data-node="${CSS.escape(n.node_id)}"] .heartbeat`);
+      if (el) el.dataset.at = n.at;
+    }
+  }
+  return { update: (kind) => { if (kind === "fleet") draw(); else if (kind === "beats") beat(); },
+    stop: () => clearInterval(ticker) };
 }
