@@ -65,6 +65,7 @@ API_ROUTES = [
     Route("/ui/api/tasks/{task_id}/events", task_routes.events, methods=["GET"]),
     Route("/ui/api/tasks/{task_id}/trace", task_routes.trace, methods=["GET"]),
     Route("/ui/api/tasks/{task_id}/cancel", task_routes.cancel, methods=["POST"]),
+    Route("/ui/api/images/{sha256}", task_routes.image, methods=["GET"]),
     Route("/ui/api/dead", actions.dead_letters, methods=["GET"]),
     Route("/ui/api/instances", actions.place_instance, methods=["POST"]),
     Route("/ui/api/instances/{instance_id}", actions.remove_instance, methods=["DELETE"]),

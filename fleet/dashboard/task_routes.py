@@ -1,6 +1,6 @@
-"""One task seen from the dashboard: its live events, its trace, its cancel. The task's
-tenant may reach them, and an operator for any task; to anyone else a task reads as unknown
-(404), as on /v1."""
+"""One task seen from the dashboard: its live events, its trace, its cancel, its images. The
+task's tenant may reach them, and an operator for any task; to anyone else a task (or an
+image) reads as unknown (404), as on /v1."""
 
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fleet.dashboard.access import viewer_tenant
+from fleet.gateway.image_bytes import image_format
 from fleet.gateway.resume import resume
 from fleet.gateway.service import gateway_of
 from fleet.trace.cli import linked_spans, spans_of_trace, trace_id_of_task
 from fleet.trace.render import label, tree_rows
 
 TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def _task_id(request: Request) -> str | None:
@@ -76,3 +78,19 @@ async def trace(request: Request) -> Response:
     rows = [{**row.span, "prefix": row.prefix, "label": label(row.span)}
             for row in tree_rows(spans)]
     return JSONResponse({"trace_id": trace_id, "spans": rows})
+
+
+async def image(request: Request) -> Response:
+    """An image by its hash, to a tenant that owns it or to an operator (the backend refuses
+    bytes that do not hash to the name)."""
+    sha256 = request.path_params["sha256"]
+    backend = gateway_of(request).backend
+    if not SHA256.match(sha256) or not await backend.owners.owns_image(
+            sha256, viewer_tenant(request)):
+        return JSONResponse({"error": "unknown image"}, status_code=404)
+    data = await backend.get_image(sha256)
+    if data is None:
+        return JSONResponse({"error": "unknown image"}, status_code=404)
+    kind = image_format(data)
+    return Response(data, media_type=f"image/{kind}" if kind else "application/octet-stream",
+                    headers={"cache-control": "private, max-age=86400"})

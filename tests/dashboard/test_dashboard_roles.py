@@ -1,7 +1,8 @@
 """The dashboard's actions under NATS roles (the shipped ops/nats/auth.conf; the gateway
 connects as its own user): an operator key places and removes an instance and reads the dead
 letters, and the feed's watches see it; a tenant key is refused all three and sees only its
-own tasks; no permission violation on the gateway's connection."""
+own tasks; an operator sees another tenant's trace and image, a tenant does not; no
+permission violation on the gateway's connection."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from nats.aio.client import Client
 import fleet.bus.connect as bus_connect
 from fleet.bus.auth_gen import env_password
 from fleet.bus.embedded import EmbeddedNats, ops_dir
+from fleet.bus.objects import ObjectBucket
 from fleet.bus.provision import provision
 from fleet.config import load_settings
 from fleet.gateway.app import build_app
@@ -116,4 +118,12 @@ async def test_operator_actions_under_the_gateways_role(
             other = await tenant.get("/ui/api/tasks/t-b/trace")
             assert other.status_code == 404  # another tenant's task reads as unknown
             assert (await operator.get("/ui/api/tasks/t-b/trace")).status_code == 200
+
+            sha256 = await ObjectBucket(admin).put_by_hash(b"an image of team-b's")
+            await js.publish(f"$KV.FLEET_TENANTS.image.{sha256}.team-b", b"1",
+                             headers={"Nats-TTL": "3600s"})
+            assert (await tenant.get(f"/ui/api/images/{sha256}")).status_code == 404
+            shown = await operator.get(f"/ui/api/images/{sha256}")
+            assert shown.status_code == 200 and shown.content == b"an image of team-b's"
+            assert (await operator.get("/ui/api/images/not-a-hash")).status_code == 404
     assert not bus_connect.permission_errors()

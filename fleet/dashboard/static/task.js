@@ -3,7 +3,7 @@
 import { call, fmt, h, key, sse } from "./api.js";
 
 export async function imageUrl(sha256) {
-  const response = await fetch(`/v1/images/${sha256}`,
+  const response = await fetch(`/ui/api/images/${sha256}`,
     { headers: key.get() ? { Authorization: `Bearer ${key.get()}` } : {} });
   return URL.createObjectURL(await response.blob());
 }
