@@ -18,6 +18,7 @@ import pytest
 from nats.aio.client import Client
 from starlette.applications import Starlette
 
+from fleet.bus.embedded import EmbeddedNats
 from fleet.config import Settings, load_settings
 from fleet.dashboard.feed import Feed, Tab
 from fleet.dashboard.model import RecentTasks, changed, sees, snapshot
@@ -258,3 +259,33 @@ async def test_fifty_nodes_and_a_thousand_tasks_arrive_coalesced(
     assert tab in feed.tabs
     listing = feed.tasks.listing()
     assert len(listing) == 1000 and len(orjson.dumps(listing)) < 400_000
+
+
+async def fleet_until(tab: Tab, node_ids: list[str], timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while [n["node_id"] for n in (await next_fleet(tab, timeout))["nodes"]] != node_ids:
+            pass
+
+
+async def test_the_watches_start_afresh_after_the_server_restarts(
+    app: Starlette, provisioned_nc: Client, nats_server: EmbeddedNats
+) -> None:
+    feed: Feed = app.state.dashboard_feed
+    tab = feed.subscribe()
+    kv = await provisioned_nc.jetstream().key_value(subjects.NODES_BUCKET)
+    now = time.time()
+
+    def info(node_id: str) -> bytes:
+        return encode(NodeInfo(node_id=node_id, hostname="h", memory_total_bytes=8,
+                               memory_available_bytes=4, cpu_count=2, started_at=now, at=now))
+
+    await kv.put("n-before", info("n-before"))
+    await fleet_until(tab, ["n-before"], 10)
+    nats_server.stop()
+    await asyncio.to_thread(nats_server.start)  # the same port and store
+    async with asyncio.timeout(30):
+        while not (provisioned_nc.is_connected and feed.backend.connected):
+            await asyncio.sleep(0.1)  # nats-py reconnects on its own timer
+    await kv.put("n-after", info("n-after"))
+    await kv.delete("n-before")
+    await fleet_until(tab, ["n-after"], 30)
