@@ -70,7 +70,7 @@ class Feed:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.fleet: dict[str, Any] | None = None
-        self.beats: dict[str, float] = {}
+        self.beats: dict[str, dict[str, Any]] = {}
         self.queues: dict[str, dict[str, int]] = {}
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.tasks = RecentTasks()

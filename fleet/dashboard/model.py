@@ -100,9 +100,12 @@ def snapshot(
     }
 
 
-def beats(nodes: list[dict[str, Any]]) -> dict[str, float]:
-    """Each node's last heartbeat time: what the page needs between fleet snapshots."""
-    return {n["node_id"]: n.get("at", 0.0) for n in nodes}
+def beats(nodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """What each heartbeat changes and `changed` leaves out of a snapshot: the beat's time and
+    the free memory, sent on their own (small) between fleet snapshots."""
+    return {n["node_id"]: {"at": n.get("at", 0.0),
+                           "memory_available_bytes": n.get("memory_available_bytes", 0)}
+            for n in nodes}
 
 
 def changed(previous: dict[str, Any] | None, current: dict[str, Any]) -> bool:

@@ -21,7 +21,7 @@ from starlette.applications import Starlette
 from fleet.bus.embedded import EmbeddedNats
 from fleet.config import Settings, load_settings
 from fleet.dashboard.feed import Feed, Tab
-from fleet.dashboard.model import RecentTasks, changed, sees, snapshot
+from fleet.dashboard.model import RecentTasks, beats, changed, sees, snapshot
 from fleet.dashboard.watch import apply_entry
 from fleet.gateway.app import build_app
 from fleet.wire import subjects
@@ -125,6 +125,10 @@ def node(node_id: str, at: float, available: int = 1) -> dict:
 ])
 def test_only_what_the_page_draws_differently_is_a_change(before, after, expected) -> None:
     assert changed(before, after) is expected
+
+
+def test_what_a_heartbeat_changes_goes_in_the_beats() -> None:
+    assert beats([node("a", 5.0, 7)]) == {"a": {"at": 5.0, "memory_available_bytes": 7}}
 
 
 @pytest.fixture

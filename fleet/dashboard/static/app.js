@@ -53,7 +53,7 @@ function fold(message) {
     for (const row of data) { store.tasks.delete(row.id); store.tasks.set(row.id, row); }
     while (store.tasks.size > RECENT) store.tasks.delete(store.tasks.keys().next().value);
   } else if (message.event === "beats" && store.fleet) {
-    for (const node of store.fleet.nodes) if (data[node.node_id]) node.at = data[node.node_id];
+    for (const node of store.fleet.nodes) Object.assign(node, data[node.node_id] || {});
   }
   store.emit(message.event);
 }

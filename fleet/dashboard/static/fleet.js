@@ -91,11 +91,14 @@ export function mount(view, store) {
     h("h2", {}, "Instances and runners"), instances, note,
     h("h2", { class: "operator-only" }, "Place an instance"), place);
 
+  function drawNodes() {
+    nodes.replaceChildren(...(store.fleet.nodes.length ? store.fleet.nodes.map(nodeCard)
+      : [h("p", { class: "muted" }, "no live node")]));
+  }
   function draw() {
     const fleet = store.fleet;
     if (!fleet) { nodes.replaceChildren(h("p", { class: "muted" }, "waiting for the fleet…")); return; }
-    nodes.replaceChildren(...(fleet.nodes.length ? fleet.nodes.map(nodeCard)
-      : [h("p", { class: "muted" }, "no live node")]));
+    drawNodes();
     instances.replaceChildren(...(fleet.instances.length
       ? fleet.instances.map((i) => instanceCard(i, fleet.runners, fleet.runner_states, note))
       : [h("p", { class: "muted" }, "no instance placed")]));
@@ -110,12 +113,7 @@ export function mount(view, store) {
       el.textContent = `heartbeat ${Math.max(0, Date.now() / 1000 - el.dataset.at).toFixed(0)} s ago`;
     }
   }, 1000);
-  function beat() {  // a node's heartbeat time moved (a `beats` message): only its age text
-    for (const n of store.fleet?.nodes || []) {
-      const el = view.querySelector(`[data-node="${CSS.escape(n.node_id)}"] .heartbeat`);
-      if (el) el.dataset.at = n.at;
-    }
-  }
-  return { update: (kind) => { if (kind === "fleet") draw(); else if (kind === "beats") beat(); },
+  // A `beats` message (heartbeat times, free memory) redraws the node cards alone.
+  return { update: (kind) => { if (kind === "fleet") draw(); else if (kind === "beats" && store.fleet) drawNodes(); },
     stop: () => clearInterval(ticker) };
 }
