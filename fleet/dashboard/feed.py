@@ -125,6 +125,7 @@ class Feed:
         self.tabs.add(tab)
         if self.fleet is not None:
             tab.queue.put_nowait(message("fleet", self.fleet))
+            tab.queue.put_nowait(message("beats", self.beats))  # fresher than the snapshot
         tab.queue.put_nowait(message("history", list(self.history)))
         tab.queue.put_nowait(message("tasks", self.tasks.listing(tenant, sees_all)))
         return tab
