@@ -83,7 +83,8 @@ def test_without_a_key_the_page_asks_for_one_then_shows_the_fleet(
     wait(page, lambda d: css(d, "#nodes .node"), 30, "a node")
     wait(page, lambda d: css(d, '.runner[data-state="ready"] .states li.lit'), 120,
          "a ready runner with its state lit")
-    lit = {e.text for e in css(page, ".runner .states li.lit")}
+    lit = set(page.execute_script(  # one read: a fleet update redraws the cards
+        "return [...document.querySelectorAll('.runner .states li.lit')].map(e => e.textContent)"))
     assert "ready" in lit, lit
     assert css(page, '.runner[data-state="ready"]')
     screenshot(page, "dashboard-fleet")
@@ -157,10 +158,12 @@ def test_a_node_that_stops_leaves_the_page_within_its_heartbeat_ttl(
 
 def test_removing_an_instance_is_reflected(page: Any, stack: dict[str, Any]) -> None:
     go(page, stack, "fleet")
-    card = wait(page, lambda d: [c for c in css(d, ".instance")
-                                 if "tiny-flux2" in c.text], 30, "the image instance")[0]
-    instance_id = card.get_attribute("data-instance")
-    card.find_element("css selector", "button.danger").click()
+    instance_id = wait(page, lambda d: d.execute_script(
+        "return [...document.querySelectorAll('.instance')].filter(c => "
+        "c.textContent.includes('tiny-flux2')).map(c => c.dataset.instance)[0]"),
+        30, "the image instance")
+    page.find_element("css selector",
+                      f'[data-instance="{instance_id}"] button.danger').click()
     page.switch_to.alert.accept()
     wait(page, lambda d: not css(d, f'[data-instance="{instance_id}"]'), 30,
          "the instance gone")
@@ -201,7 +204,9 @@ def test_a_tenant_key_sees_only_its_own_tasks_and_no_fleet_actions(
         assert set(listed_tasks(page)) == {task_id}  # not the operator's chat and image
         go(page, stack, "fleet")
         wait(page, lambda d: css(d, ".instance"), 20, "an instance")
-        assert not [b for b in css(page, ".instance button.danger") if b.is_displayed()]
+        assert not page.execute_script(  # drawn hidden (offsetParent is null when hidden)
+            "return [...document.querySelectorAll('.instance button.danger')]"
+            ".some(b => b.offsetParent !== null)")
         assert not page.find_element("css selector", "form.operator-only").is_displayed()
         screenshot(page, "dashboard-tenant")
     finally:
