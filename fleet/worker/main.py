@@ -53,6 +53,7 @@ from fleet.worker.inbox import (
 )
 from fleet.worker.intake import Intake, Queued
 from fleet.worker.outputs import TaskOutput
+from fleet.worker.prefix_adverts import PrefixAdverts
 from fleet.worker.pulls import TaskPuller
 from fleet.worker.reports import RunnerReports
 from fleet.worker.routing import Weights
@@ -105,6 +106,7 @@ class Worker(RunnerReports, Stopping):
             await self.feeds.subscribe_cancels()
             owner.forever("cancel listener", self.feeds.follow_cancels)
             owner.forever("tick", self.feeds.tick_forever)
+            owner.forever("prefix adverts", PrefixAdverts(self.js, lambda: self.state).forever)
             log.info("worker %s serving on %s", node, redact_urls(settings.urls))
             self.ready.set()
             try:

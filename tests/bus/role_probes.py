@@ -136,6 +136,13 @@ async def _write_state(p: Probe) -> None:
         await p.js.publish(f"$KV.{bucket}.written-by-{p.role}", b"{}")
 
 
+async def _advertise_prefixes(p: Probe) -> None:
+    await p.js.publish(f"$KV.FLEET_PREFIXES.written-by-{p.role}", b"{}")
+    kv = await p.js.key_value("FLEET_PREFIXES")
+    with contextlib.suppress(KeyNotFoundError):
+        await kv.get("probe")
+
+
 async def _put_image(p: Probe) -> None:
     await ObjectBucket(p.nc, timeout=TIMEOUT).put_by_hash(f"image of {p.role}".encode())
 
@@ -201,6 +208,7 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "purge_model_tasks": _purge_model_tasks,
     "read_state": _read_state,
     "write_state": _write_state,
+    "advertise_prefixes": _advertise_prefixes,
     "put_image": _put_image,
     "get_image": _get_image,
     "read_models": _read_models,

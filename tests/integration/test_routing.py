@@ -15,7 +15,9 @@ from fleet.wire import subjects
 from fleet.wire.cluster import RunnerRecord
 from fleet.wire.codec import decode_event, decode_model
 from fleet.wire.events import TaskAccepted
+from fleet.wire.prefixes import PrefixSummary
 from fleet.wire.tasks import ChatMessage, TextGeneration
+from fleet.worker.prefix_blocks import prompt_blocks
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
     client,
@@ -79,7 +81,33 @@ async def test_a_returning_conversation_lands_where_it_was_served(
         assert result.status == "completed"
         assert result.runner_id == home[i], f"conversation {i} left its runner"
         assert result.usage is not None and result.usage.cached_tokens > 0
+    # The fleet sees the same: each runner's summary in FLEET_PREFIXES holds the blocks of
+    # the conversations it served.
+    summaries = await advertised(nc, runners)
+    for i, messages in enumerate(chats):
+        blocks = {f"{b:016x}" for b in prompt_blocks(turn(i, messages, 2))}
+        assert blocks & set(summaries[home[i]].blocks)
     await nc.close()
+
+
+async def advertised(
+    nc: Client, runners: set[str], timeout: float = 10.0,
+) -> dict[str, PrefixSummary]:
+    """Each runner's latest PrefixSummary, once every one of `runners` has one with blocks
+    (the worker writes them about once a second)."""
+    kv = await nc.jetstream().key_value(subjects.PREFIXES_BUCKET)
+    watcher = await kv.watchall()
+    found: dict[str, PrefixSummary] = {}
+    try:
+        async with asyncio.timeout(timeout):
+            while not (set(found) >= runners and all(found[r].blocks for r in runners)):
+                entry = await watcher.updates(timeout=timeout)
+                if entry is not None and entry.value:
+                    summary = decode_model(PrefixSummary, entry.value)
+                    found[summary.runner_id] = summary
+    finally:
+        await watcher.stop()
+    return found
 
 
 async def test_one_hot_prefix_spreads_over_both_runners(
