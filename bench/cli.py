@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -101,7 +102,11 @@ def run_bench(args: argparse.Namespace) -> int:
         except BaseException:
             show_logs(workdir)
             raise
-        failures = stream_failures(result["text"])
+        failures = stream_failures(result["text"]) + [
+            f"routing {model} {name}: {error}"
+            for model, info in result.get("routing", {}).items()
+            for name, scenario in info["scenarios"].items() for error in scenario["errors"]
+        ]
         if failures:
             show_logs(workdir)
     result["machine"]["load_average_end"] = load_average()
@@ -136,6 +141,12 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
         from bench.routing import full_plan, quick_plan, run_routing
 
         routing_plan = quick_plan() if args.quick else full_plan()
+        if args.conversations:
+            routing_plan = replace(routing_plan, workload=replace(
+                routing_plan.workload, conversations=args.conversations))
+        if args.no_peer:
+            routing_plan = replace(routing_plan, scenarios=tuple(
+                s for s in routing_plan.scenarios if s != "peer"))
         result["routing"] = {}
         for model_id in models:
             path, custom = model_dir(model_id, models_dir)

@@ -30,6 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-peer", action="store_true", help="leave mlx_lm.server out")
     p.add_argument("--only", choices=("text", "plumbing", "weights", "routing"),
                    help="run one part only (routing: the multi-turn prefix-routing workload)")
+    p.add_argument("--conversations", type=int,
+                   help="routing: conversations of the multi-turn workload (default 16)")
     p.add_argument("--weights-mb", type=int, default=540,
                    help="size of the synthetic model the weights part publishes and fetches "
                    "(default 540, SmolLM2-135M's size; --quick: 64)")
