@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from fleet.wire.cluster import Instance, ShardAssignment
+from fleet.wire.runners import RunnerReady
 from fleet.wire.tasks import ChatMessage, TextGeneration
+from fleet.worker.plan import Dispatch, plan
 from fleet.worker.prefix_blocks import BLOCK_CHARS, block_hashes, prompt_blocks
 from fleet.worker.routing import Candidate, PrefixHeld, Weights, choose_runner
+from fleet.worker.state import PendingTask, RunnerView, TaskDispatched, TaskQueued, WorkerState
+from fleet.worker.state import apply as step
 
 SYSTEM = "You are a careful assistant. " * 40  # ~1,100 characters: four blocks
 
@@ -96,12 +101,6 @@ def test_held_blocks_are_lru_by_blocks() -> None:
 def test_the_plan_sends_a_returning_conversation_home() -> None:
     """Through WorkerState: a dispatch records the prompt's blocks on its runner, and the
     next turn of that conversation is dispatched to the same runner."""
-    from fleet.wire.cluster import Instance, ShardAssignment
-    from fleet.wire.runners import RunnerReady
-    from fleet.worker.plan import Dispatch, plan
-    from fleet.worker.state import PendingTask, RunnerView, TaskDispatched, TaskQueued, WorkerState
-    from fleet.worker.state import apply as step
-
     def queued(state: WorkerState, task: TextGeneration) -> WorkerState:
         return step(state, TaskQueued(PendingTask(
             task=task, received_at=0.0, inputs={}, blocks=prompt_blocks(task),
