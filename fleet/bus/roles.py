@@ -29,9 +29,10 @@ STATE_BUCKETS = ("FLEET_NODES", INSTANCES, "FLEET_RUNNERS")
 CANCELS = "FLEET_CANCELS"
 CLAIMS = "FLEET_CLAIMS"
 TENANTS = "FLEET_TENANTS"
+PREFIXES = "FLEET_PREFIXES"
 ALL_STREAMS = (
     TASKS, OUT, EVENTS, TRACES, DEAD, ADVISORIES, REFUSED, IMAGES, WEIGHTS,
-    *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS, MODELS)),
+    *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS, MODELS, PREFIXES)),
 )
 
 
@@ -128,7 +129,7 @@ GRANTS: dict[str, Grant] = {
         publish=[
             "fleet.out.>", "fleet.events.>", "fleet.traces.>", "fleet.dead.>", "fleet.refused.>",
             INBOX,  # a refused task's publisher hears why on its reply inbox
-            *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS)),
+            *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS, PREFIXES)),
             "$O.FLEET_IMAGES.>", "$O.FLEET_WEIGHTS.>", FLOW_CONTROL, _api("INFO"),
             f"$JS.ACK.{TASKS}.>", f"$JS.ACK.{ADVISORIES}.>",
             *_info(*ALL_STREAMS),
@@ -142,7 +143,8 @@ GRANTS: dict[str, Grant] = {
             _api("CONSUMER", "CREATE", ADVISORIES, ">"), _api("CONSUMER", "INFO", ADVISORIES, "*"),
             _api("CONSUMER", "MSG", "NEXT", ADVISORIES, "*"),
             _api("STREAM", "MSG", "GET", OUT),
-            *(s for b in (*STATE_BUCKETS, CANCELS, CLAIMS, MODELS) for s in _kv_read(b)),
+            *(s for b in (*STATE_BUCKETS, CANCELS, CLAIMS, MODELS, PREFIXES)
+              for s in _kv_read(b)),
             *_images_read(), *_weights_read(),
         ],
         subscribe=[INBOX, "fleet.tasks.>", "fleet.cancel.*"],
@@ -225,6 +227,8 @@ ACTIONS: tuple[Action, ...] = (
     Action("dead_letter", "publish a dead letter on `fleet.dead.<model>`", _who("worker")),
     Action("claim_task_id", "claim a task id (FLEET_CLAIMS) and record a refusal "
            "(`fleet.refused.<model>`)", _who("worker")),
+    Action("advertise_prefixes", "read and write runners' prefix summaries (FLEET_PREFIXES)",
+           _who("worker"), "a worker advertises what its runners' prefix caches hold"),
     Action("tenant_records", "read and write which tenant owns a task or image (FLEET_TENANTS)",
            _who("gateway"), "tenants are the gateway's: NATS users are roles, not tenants"),
 )

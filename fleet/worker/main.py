@@ -54,8 +54,10 @@ from fleet.worker.inbox import (
 )
 from fleet.worker.intake import Intake, Queued
 from fleet.worker.outputs import TaskOutput
+from fleet.worker.prefix_adverts import PrefixAdverts
 from fleet.worker.pulls import TaskPuller
 from fleet.worker.reports import RunnerReports
+from fleet.worker.routing import Weights
 from fleet.worker.runners import RunnerPool
 from fleet.worker.spans import TaskSpans
 from fleet.worker.state import WorkerState, apply
@@ -87,7 +89,11 @@ class Worker(RunnerReports, Stopping):
             self.cluster = ClusterLink(settings, self.nc, self.js, self.inbox)
             await self.cluster.start(owner)
             node = self.cluster.node_id
-            self.state = WorkerState(node_id=node, cards=self.cluster.cards)
+            self.state = WorkerState(
+                node_id=node, cards=self.cluster.cards,
+                routing=Weights(prefix=settings.prefix_routing),
+                prefix_capacity=settings.prefix_index_blocks,
+            )
             self.intake = Intake(self.js, self.output, self.cluster)
             self.endings = Endings(self.output, self.acks, self.spans, owner, node)
             self.runners = RunnerPool(settings, node, self.inbox, owner, self.cluster)
@@ -101,6 +107,7 @@ class Worker(RunnerReports, Stopping):
             await self.feeds.subscribe_cancels()
             owner.forever("cancel listener", self.feeds.follow_cancels)
             owner.forever("tick", self.feeds.tick_forever)
+            owner.forever("prefix adverts", PrefixAdverts(self.js, lambda: self.state).forever)
             log.info("worker %s serving on %s", node, redact_urls(settings.urls))
             self.ready.set()
             try:

@@ -136,6 +136,13 @@ async def _write_state(p: Probe) -> None:
         await p.js.publish(f"$KV.{bucket}.written-by-{p.role}", b"{}")
 
 
+async def _advertise_prefixes(p: Probe) -> None:
+    await p.js.publish(f"$KV.FLEET_PREFIXES.written-by-{p.role}", b"{}")
+    kv = await p.js.key_value("FLEET_PREFIXES")
+    with contextlib.suppress(KeyNotFoundError):
+        await kv.get("probe")
+
+
 async def _write_instances(p: Probe) -> None:
     """As fleet.placement does it: a create (compare-and-set) and a delete marker."""
     kv = await p.js.key_value("FLEET_INSTANCES")
@@ -208,6 +215,7 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "purge_model_tasks": _purge_model_tasks,
     "read_state": _read_state,
     "write_state": _write_state,
+    "advertise_prefixes": _advertise_prefixes,
     "write_instances": _write_instances,
     "read_dead_letters": lambda p: p.js.get_msg("FLEET_DEAD", seq=1),
     "put_image": _put_image,
