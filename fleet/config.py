@@ -29,7 +29,10 @@ class Settings:
     api_keys: tuple[str, ...] = ()
     image_cache_bytes: int = 2 * 1024**3
     input_wait_s: float = 10.0  # how long a task waits for a missing input image
-    max_deliver: int = 3
+    # One delivery more than the first plus max_continuations (3): a task whose worker dies
+    # three times mid-answer still ends worker_lost, not max_deliveries; one spare for a
+    # death before its output began.
+    max_deliver: int = 5
     ack_wait_s: float = 30.0
     auto_place: bool = True  # a task queued for a model nobody serves places an instance
     prefix_routing: bool = True  # a task goes to the runner holding most of its prompt

@@ -152,7 +152,7 @@ async def provision(
 
 
 async def ensure_task_consumer(
-    nc: Client, model: str, *, max_deliver: int = 3, ack_wait_s: float = 30.0,
+    nc: Client, model: str, *, max_deliver: int = 5, ack_wait_s: float = 30.0,
     budget_s: float = BROKER_BUDGET_S,
 ) -> Outcome:
     """The one durable pull consumer of a model's tasks, shared by every worker serving it."""
@@ -161,7 +161,11 @@ async def ensure_task_consumer(
     info = await _api(nc, f"CONSUMER.INFO.{subjects.TASKS_STREAM}.{name}", budget_s=budget_s)
     if "error" not in info:
         if diffs := _differences(config, info["config"]):
-            raise ProvisioningConflict(f"consumer {name} differs: " + "; ".join(diffs))
+            raise ProvisioningConflict(
+                f"consumer {name} differs: " + "; ".join(diffs) + " (every worker of a model "
+                "must use the same --max-deliver and --ack-wait; to change them for the fleet, "
+                f"`nats consumer rm {subjects.TASKS_STREAM} {name}` while no worker runs)"
+            )
         return Outcome(name, "unchanged")
     body = {"stream_name": subjects.TASKS_STREAM, "config": config}
     created = await _api(

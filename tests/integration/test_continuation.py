@@ -332,7 +332,7 @@ async def test_three_kills_in_a_row_exhaust_max_continuations_and_end_worker_los
     live = Live()
     await nc.subscribe("fleet.out.>", cb=live.on_msg)
     # Each worker death uses a delivery: three kills and the continuation that gives up need
-    # four (the default FLEET_MAX_DELIVER, 3, would end the task max_deliveries first).
+    # four; exactly four, so a delivery too many would show as max_deliveries.
     four = {"FLEET_MAX_DELIVER": "4"}
     worker = await _fault_worker(nc, start_worker, "a", **four)
     await submit(nc, _fault_task("doomed", max_continuations=2))

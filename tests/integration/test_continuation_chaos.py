@@ -35,8 +35,8 @@ TASKS = int(os.environ.get("FLEET_CONTINUATION_TASKS", "120")) if CHAOS else 32
 MAX_KILLS = 10_000 if CHAOS else 2
 KILL_EVERY_S = 10.0
 MAX_TOKENS = 320
-# Each worker death uses a delivery: with FLEET_MAX_DELIVER below max_continuations + 1 (the
-# defaults are 3 and 3) a task killed often ends max_deliveries before worker_lost.
+# Each worker death uses a delivery: with FLEET_MAX_DELIVER below max_continuations + 1 a task
+# killed often ends max_deliveries before worker_lost; 4 is that bound exactly.
 MAX_DELIVER = 4
 CHAOS_ENV = {**ENV, "FLEET_MAX_DELIVER": str(MAX_DELIVER)}
 SAMPLERS: dict[str, dict[str, object]] = {
