@@ -59,7 +59,9 @@ class Catalogue:
 
     def card(self, model: str) -> ModelCard | None:
         found = self.fleet.get(model) or self.local.get(model)
-        if found is None:  # a card added to this data dir since (rare: an unknown model)
+        if found is None:
+            # A card added to this data dir since (`fleet models add` without NATS): read
+            # only for a model no card names, never for the models being served.
             self.local = {**builtin_cards(), **_custom_cards(self.data_dir)}
             found = self.local.get(model)
         return found
