@@ -150,9 +150,9 @@ class FleetModels:
         done = 0
         for file in manifest.files:
             if await self.weights.find(file.sha256) is None:
-                stored = await self.weights.put_by_hash(paths[file.path])
-                if stored != file.sha256:
-                    raise ModelNotFound(f"{card.id}: {file.path} changed while publishing")
+                # The manifest hashed it already: the upload checks that hash as it streams
+                # (ObjectCorrupt if the file changed since), so the file is read once more.
+                await self.weights.put_by_hash(paths[file.path], sha256=file.sha256)
             done += file.size
             if progress:
                 progress(done, manifest.total_bytes)
