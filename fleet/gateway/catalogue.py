@@ -3,8 +3,8 @@
 Cards come from KV FLEET_MODELS (so a model added with `fleet models add` on another machine
 is known here at once), over the built-in cards and the custom cards of this data dir (read at
 start, and again only when a request names a model no card knows). The nodes' heartbeats
-(FLEET_NODES) say which models some node can provide. Requests read both from memory: no disk
-or KV read per request.
+(FLEET_NODES) say which models some node can provide, FLEET_INSTANCES which are placed (and so
+served, or about to be). Requests read all three from memory: no disk or KV read per request.
 
 The watches are children of a Supervisor that lives in a task of its own (a TaskGroup is
 entered and left by one task): a watch that fails is logged and restarted with backoff.
@@ -30,7 +30,7 @@ from fleet.gateway.models_view import unavailable_reason
 from fleet.models.catalog import builtin_cards, custom_cards
 from fleet.placement import HEARTBEAT_STALE_S
 from fleet.wire import subjects
-from fleet.wire.cluster import ModelCard, NodeInfo
+from fleet.wire.cluster import Instance, ModelCard, NodeInfo
 from fleet.wire.codec import DecodeError, decode_model
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ class Catalogue:
         self.local = {**builtin_cards(), **_custom_cards(data_dir)}
         self.fleet: dict[str, ModelCard] = {}
         self.nodes: dict[str, NodeInfo] = {}
+        self.placed: set[str] = set()  # models with an instance in FLEET_INSTANCES
         self.nodes_loaded = False  # the nodes watch has delivered every current heartbeat
         self.cards_loaded = False
         self._changed = asyncio.Condition()
@@ -66,12 +67,13 @@ class Catalogue:
             found = self.local.get(model)
         return found
 
-    def unavailable(self, card: ModelCard, ready: bool = False) -> str | None:
+    def unavailable(self, card: ModelCard, placed: bool = False) -> str | None:
         """Why no node can serve `card` now; None when one can, or while the nodes are not
         known yet (the gateway just started, or NATS is down: the request path says so)."""
         if not self.nodes_loaded:
             return None
-        return unavailable_reason(card, self.nodes.values(), ready, time.time())
+        placed = placed or card.id in self.placed
+        return unavailable_reason(card, self.nodes.values(), placed, time.time())
 
     def refuses(self, card: ModelCard) -> str | None:
         """Why a request for `card` fails at once. With no worker up at all the task waits
@@ -107,6 +109,7 @@ class Catalogue:
         async with Supervisor("catalogue") as supervisor:
             supervisor.forever("model cards watch", self._watch_cards)
             supervisor.forever("nodes watch", self._watch_nodes)
+            supervisor.forever("instances watch", self._watch_instances)
 
     async def _watch_cards(self) -> None:
         try:
@@ -125,6 +128,14 @@ class Catalogue:
                 await self._notify()
         finally:
             self.nodes_loaded = False  # stale until the restarted watch has loaded again
+
+    async def _watch_instances(self) -> None:
+        try:
+            async for instances in self._watch(subjects.INSTANCES_BUCKET, Instance):
+                self.placed = {instance.model for instance in instances.values()}
+                await self._notify()
+        finally:
+            self.placed = set()
 
     async def _watch(self, bucket: str, model: type[Model]) -> AsyncIterator[dict[str, Model]]:
         """Yield the bucket's decoded values by key: once loaded, then after every change."""

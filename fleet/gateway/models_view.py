@@ -53,11 +53,12 @@ def model_states(
 
 
 def unavailable_reason(
-    card: ModelCard, nodes: Iterable[NodeInfo], ready: bool, now: float
+    card: ModelCard, nodes: Iterable[NodeInfo], placed: bool, now: float
 ) -> str | None:
     """Why no node can serve the model: none is up, none can provide its files, or none that
-    can has the memory or disk room (placement's own reasons). None when one can. Pure."""
-    if ready:
+    can has the memory or disk room (placement's own reasons). None when one can, or when it
+    is placed already (its node's free memory then no longer counts the model). Pure."""
+    if placed:
         return None
     live = [n for n in nodes if now - n.at < HEARTBEAT_STALE_S]
     if not live:
@@ -82,7 +83,8 @@ def model_object(
     """An OpenAI model object, with what Fleet knows about the model beside it; placement and
     readiness are null when NATS cannot tell. `available` says whether some node can serve it
     (null while the gateway does not know the nodes yet), `unavailable_reason` why not."""
-    why = unavailable(card, bool(state and state.ready)) if unavailable and state else None
+    placed = bool(state and (state.placed or state.ready))
+    why = unavailable(card, placed) if unavailable and state else None
     known = unavailable is not None and state is not None
     return {
         "id": card.id,

@@ -22,7 +22,7 @@ from fleet.gateway.catalogue import Catalogue
 from fleet.gateway.models_view import unavailable_reason
 from fleet.models.catalog import describe_model_dir, get_card
 from fleet.wire import subjects
-from fleet.wire.cluster import NodeInfo
+from fleet.wire.cluster import Instance, NodeInfo, ShardAssignment
 from fleet.wire.codec import encode
 
 NOW = 1000.0
@@ -41,10 +41,10 @@ def node(
 
 
 @pytest.mark.parametrize(
-    ("nodes", "ready", "why"),
+    ("nodes", "placed", "why"),
     [
         ([], False, "no worker is up"),
-        ([], True, None),  # a ready runner serves it whatever the heartbeats say
+        ([], True, None),  # placed: its runner serves it whatever the heartbeats say
         ([node("a", ("tiny-llm",), at=NOW - 60)], False, "no worker is up"),  # stale
         ([node("a", ("smollm2-135m",))], False, "no live node can provide tiny-llm (a)"),
         ([node("a", ("tiny-llm",))], False, None),
@@ -53,8 +53,8 @@ def node(
         ([node("a"), node("b", ("tiny-llm",))], False, None),
     ],
 )
-def test_unavailable_reason(nodes: list[NodeInfo], ready: bool, why: str | None) -> None:
-    found = unavailable_reason(get_card("tiny-llm"), nodes, ready, NOW)
+def test_unavailable_reason(nodes: list[NodeInfo], placed: bool, why: str | None) -> None:
+    found = unavailable_reason(get_card("tiny-llm"), nodes, placed, NOW)
     assert found == why if why is None else why in (found or "")
 
 
@@ -127,3 +127,16 @@ async def test_a_model_no_live_node_can_serve_fails_at_once_with_the_reason(
     listed = {m["id"]: m for m in (await http.get("/v1/models")).json()["data"]}
     assert listed["far-model"]["available"] is False
     assert listed["tiny-llm"]["available"] is True
+
+    # Once placed (here by hand, on a node whose heartbeat lacks it) it is served: a node
+    # running a model no longer has the free memory the model takes, and that must not count.
+    shard = ShardAssignment(node_id="n1", runner_id="pending")
+    instance = Instance(instance_id="i-far", model="far-model", shards=[shard], created_at=1)
+    kv = await provisioned_nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
+    await kv.put(instance.instance_id, encode(instance))
+    await catalogue.until(lambda: "far-model" in catalogue.placed, 10)
+    reply, _ = await asyncio.gather(
+        http.post("/v1/chat/completions", json=chat),
+        StandInWorker(provisioned_nc, "far-model").answer(tokens_script("served")),
+    )
+    assert reply.status_code == 200
