@@ -24,7 +24,8 @@ REFUSED = "FLEET_REFUSED"
 IMAGES = "OBJ_FLEET_IMAGES"
 WEIGHTS = "OBJ_FLEET_WEIGHTS"
 MODELS = "FLEET_MODELS"
-STATE_BUCKETS = ("FLEET_NODES", "FLEET_INSTANCES", "FLEET_RUNNERS")
+INSTANCES = "FLEET_INSTANCES"
+STATE_BUCKETS = ("FLEET_NODES", INSTANCES, "FLEET_RUNNERS")
 CANCELS = "FLEET_CANCELS"
 CLAIMS = "FLEET_CLAIMS"
 TENANTS = "FLEET_TENANTS"
@@ -105,6 +106,10 @@ GRANTS: dict[str, Grant] = {
         publish=[
             "fleet.tasks.>", "fleet.cancel.>", f"$KV.{CANCELS}.>", "fleet.traces.>",
             f"$KV.{TENANTS}.>", "$O.FLEET_IMAGES.>", FLOW_CONTROL, _api("INFO"),
+            # The dashboard's operator actions: place and remove an instance (a put or a
+            # delete marker on one key of FLEET_INSTANCES; nodes and runners stay the
+            # workers'), and the dead letters list (reads of FLEET_DEAD, no consumer).
+            f"$KV.{INSTANCES}.>", _api("STREAM", "MSG", "GET", DEAD),
             *_info(*ALL_STREAMS),
             _api("CONSUMER", "INFO", TASKS, "*"), _api("CONSUMER", "LIST", TASKS),
             _api("CONSUMER", "NAMES", TASKS),
@@ -195,8 +200,12 @@ ACTIONS: tuple[Action, ...] = (
            "the janitor drops tasks of a model that no card names"),
     Action("read_state", "read FLEET_NODES / FLEET_INSTANCES / FLEET_RUNNERS",
            _who("gateway", "worker")),
-    Action("write_state", "write FLEET_NODES / FLEET_INSTANCES / FLEET_RUNNERS",
-           _who("worker")),
+    Action("write_state", "write FLEET_NODES / FLEET_RUNNERS", _who("worker")),
+    Action("write_instances", "place or remove an instance (write FLEET_INSTANCES)",
+           _who("gateway", "worker"),
+           "the gateway only for the dashboard's operator keys (fleet/gateway/tenants.py)"),
+    Action("read_dead_letters", "read the dead letters (STREAM.MSG.GET on FLEET_DEAD)",
+           _who("gateway"), "the dashboard lists them, to operator keys only"),
     Action("put_image", "store an image in FLEET_IMAGES",
            _who("client", "gateway", "worker")),
     Action("get_image", "read an image from FLEET_IMAGES",
