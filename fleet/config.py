@@ -28,6 +28,7 @@ class Settings:
     slots: int = 4  # concurrent tasks per text runner (continuous batching width)
     api_keys: tuple[str, ...] = ()
     image_cache_bytes: int = 2 * 1024**3
+    models_disk_limit: int = 0  # bytes of model files a node keeps; 0 = no budget
     input_wait_s: float = 10.0  # how long a task waits for a missing input image
     # One delivery more than the first plus max_continuations (3): a task whose worker dies
     # three times mid-answer still ends worker_lost, not max_deliveries; one spare for a
@@ -91,6 +92,7 @@ _ENV: dict[str, str] = {
     "slots": "FLEET_SLOTS",
     "api_keys": "FLEET_API_KEYS",
     "image_cache_bytes": "FLEET_IMAGE_CACHE_BYTES",
+    "models_disk_limit": "FLEET_MODELS_DISK_LIMIT",
     "input_wait_s": "FLEET_INPUT_WAIT_S",
     "max_deliver": "FLEET_MAX_DELIVER",
     "ack_wait_s": "FLEET_ACK_WAIT_S",
@@ -174,6 +176,8 @@ DESCRIPTIONS: dict[str, str] = {
     "slots": "concurrent tasks per text runner",
     "api_keys": "comma-separated API keys the gateway accepts (prefer the env var)",
     "image_cache_bytes": "bytes of images the worker keeps on disk",
+    "models_disk_limit": "bytes of model files the worker keeps on disk (0: no limit); "
+    "least recently used models not placed here are evicted to make room",
     "input_wait_s": "seconds a task waits for a missing input image",
     "max_deliver": "deliveries of a task before it is given up",
     "ack_wait_s": "seconds a worker holds a task before JetStream redelivers it",
@@ -205,8 +209,8 @@ CONNECTION = (
     "nats_url", "nats_creds", "nats_nkey", "nats_user", "nats_password",
     "nats_tls_ca", "nats_tls_cert", "nats_tls_key",
 )
-WORKER = ("slots", "image_cache_bytes", "input_wait_s", "max_deliver", "ack_wait_s",
-          "auto_place", "replicas", "prefix_routing", "prefix_index_blocks")
+WORKER = ("slots", "image_cache_bytes", "models_disk_limit", "input_wait_s", "max_deliver",
+          "ack_wait_s", "auto_place", "replicas", "prefix_routing", "prefix_index_blocks")
 GATEWAY = (
     *(name for name in _ENV if name.startswith("gateway_")), "api_keys", "api_keys_file",
     "replicas",

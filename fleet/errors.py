@@ -8,6 +8,7 @@
      ├── PayloadTooLarge       413
      ├── QueueFull             429  queue_full
      ├── NatsUnavailable       503
+     ├── ModelUnavailable      503  model_unavailable: no live node can serve the model
      ├── DeadlineExceeded      504  deadline
      ├── ProvisioningConflict       an existing stream differs from ops/jetstream
      ├── EmbeddedServerError        the embedded nats-server could not start
@@ -64,6 +65,14 @@ class QueueFull(FleetError):
 class NatsUnavailable(FleetError):
     http_status = 503
     openai_type = "service_unavailable"
+
+
+class ModelUnavailable(FleetError):
+    """Workers are up and none can serve the model (no files, memory or disk room)."""
+
+    http_status = 503
+    openai_type = "service_unavailable"
+    code = "model_unavailable"
 
 
 class DeadlineExceeded(FleetError):

@@ -19,15 +19,43 @@ class PlacementError(FleetError):
     pass
 
 
+HEARTBEAT_STALE_S = 30.0
+
+
+def files_bytes(card: ModelCard) -> int:
+    """What a node that lacks the model must store to serve it."""
+    return card.manifest.total_bytes if card.manifest else card.size_bytes
+
+
+def refusal(node: NodeInfo, card: ModelCard, now: float) -> str | None:
+    """Why `node` cannot take the model, or None when it can. Pure."""
+    if now - node.at >= HEARTBEAT_STALE_S:
+        return f"silent for {now - node.at:.0f} s"
+    if node.memory_available_bytes < card.size_bytes:
+        return (f"{_mb(node.memory_available_bytes)} of free memory, the model needs "
+                f"{_mb(card.size_bytes)}")
+    room = node.models_disk_room_bytes
+    if card.id not in node.models_on_disk and room is not None and room < files_bytes(card):
+        return (f"its models disk budget leaves {_mb(room)} (--models-disk-limit), the files "
+                f"need {_mb(files_bytes(card))}")
+    return None
+
+
+def _mb(size: int) -> str:
+    return f"{size / 1e6:.0f} MB" if size >= 1e6 else f"{size} bytes"
+
+
 def choose_node(nodes: list[NodeInfo], card: ModelCard, now: float) -> NodeInfo:
-    """The live node that can hold the model in memory: one that has its files on disk first
-    (no fetch), then the one with the most free memory (the key's TTL already dropped dead
-    nodes; a stale `at` is a second guard)."""
-    live = [n for n in nodes if now - n.at < 30.0]
-    fitting = [n for n in live if n.memory_available_bytes >= card.size_bytes]
+    """The live node that can hold the model in memory and its files on disk: one that has
+    its files first (no fetch), then the one with the most free memory (the key's TTL already
+    dropped dead nodes; a stale `at` is a second guard). The error names each node's reason."""
+    reasons = {n.node_id: refusal(n, card, now) for n in nodes}
+    fitting = [n for n in nodes if reasons[n.node_id] is None]
     if not fitting:
+        why = "; ".join(f"node {node}: {reason}" for node, reason in sorted(reasons.items()))
         raise PlacementError(
-            f"no live node can hold {card.id} ({len(live)} live node(s)); start `fleet worker`"
+            f"no live node can hold {card.id}: {why}" if why
+            else f"no live node can hold {card.id} (no worker is up); start `fleet worker`"
         )
     return max(
         fitting,
@@ -46,6 +74,14 @@ def new_instance(
         shards=[ShardAssignment(
             node_id=node.node_id, runner_id="pending", end_layer=card.n_layers,
         )],
+    )
+
+
+def unprovided(card: ModelCard, nodes: list[NodeInfo]) -> str:
+    names = ", ".join(sorted(n.node_id for n in nodes))
+    return (
+        f"no live node can provide {card.id} ({names}): its files are on no node's disk, no "
+        "node can build it, and the fleet holds none of its files (`fleet models add`)"
     )
 
 
@@ -76,8 +112,10 @@ async def place(
         if not nodes:
             raise InvalidRequest(f"node {node_id!r} is not alive")
     else:
-        # Prefer a node that has the weights or can build them; else let the user see why.
-        nodes = [n for n in nodes if card.id in n.models_available] or nodes
+        able = [n for n in nodes if card.id in n.models_available]
+        if nodes and not able:
+            raise PlacementError(unprovided(card, nodes))
+        nodes = able
     instance = new_instance(card, choose_node(nodes, card, now), slots, now)
     kv = await js.key_value(subjects.INSTANCES_BUCKET)
     if await kv_create(kv, instance.instance_id, encode(instance)) is None:  # CAS: a new key

@@ -14,12 +14,17 @@ from nats.js import JetStreamContext
 
 from fleet.bus.kv_calls import kv_create
 from fleet.errors import InvalidRequest
-from fleet.placement import PlacementError, new_instance, read_nodes
+from fleet.placement import (
+    PlacementError,
+    choose_node,
+    new_instance,
+    read_nodes,
+    refusal,
+    unprovided,
+)
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
 from fleet.wire.codec import encode
-
-LIVE_S = 30.0  # the same staleness guard as placement.choose_node
 
 
 def choose_nodes(
@@ -29,7 +34,9 @@ def choose_nodes(
     replicas already chosen; a node that cannot hold one more replica is not chosen."""
     if replicas < 1:
         raise InvalidRequest("replicas must be at least 1")
-    live = [n for n in nodes if now - n.at < LIVE_S]
+    live = [n for n in nodes if refusal(n, card, now) is None]
+    if not live:
+        choose_node(nodes, card, now)  # raises, with each node's reason
     given: dict[str, int] = {}
     chosen: list[NodeInfo] = []
     for _ in range(replicas):
@@ -58,7 +65,10 @@ async def place_replicas(
         if not nodes:
             raise InvalidRequest(f"node {node_id!r} is not alive")
     else:
-        nodes = [n for n in nodes if card.id in n.models_available] or nodes
+        able = [n for n in nodes if card.id in n.models_available]
+        if nodes and not able:
+            raise PlacementError(unprovided(card, nodes))
+        nodes = able
     now = time.time()
     kv = await js.key_value(subjects.INSTANCES_BUCKET)
     placed = []

@@ -1,4 +1,5 @@
-"""`fleet up` tells the operator when each runner is ready (or failed), from FLEET_RUNNERS."""
+"""`fleet up` tells the operator when each runner is ready (or failed), and how a model's
+download from the fleet goes (a bar every 10%), from FLEET_RUNNERS."""
 
 from __future__ import annotations
 
@@ -11,17 +12,46 @@ from fleet.config import Settings
 from fleet.wire import subjects
 from fleet.wire.cluster import RunnerRecord
 from fleet.wire.codec import DecodeError, decode_model
+from fleet.wire.runners import RunnerDownloading, RunnerStatus
 
 log = logging.getLogger(__name__)
 
 # The states worth a line: a runner that can take tasks, and one that never will.
 NEWS = ("ready", "failed")
+BAR_WIDTH = 20
+PROGRESS_STEP = 10  # percent of a download between two lines
+
+
+def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
+    """`[######--------------]  30% 162/540 MB`. Pure."""
+    fraction = min(1.0, done / total) if total > 0 else 1.0
+    filled = round(fraction * width)
+    return (f"[{'#' * filled}{'-' * (width - filled)}] {fraction * 100:3.0f}% "
+            f"{done / 1e6:.0f}/{total / 1e6:.0f} MB")
+
+
+def status_text(status: RunnerStatus) -> str:
+    """A runner's state for a listing, with its download progress when it has one. Pure."""
+    if isinstance(status, RunnerDownloading):
+        return f"downloading {progress_bar(status.bytes_done, status.bytes_total)}"
+    return status.state
 
 
 def runner_news(record: RunnerRecord, told: dict[str, str]) -> str | None:
     """A line when `record` moves its runner into a state not told yet; `told` (runner id →
-    last state told) is updated. `running` counts as ready: a runner busy at once is ready."""
-    state = "ready" if record.status.state == "running" else record.status.state
+    last state told) is updated. `running` counts as ready: a runner busy at once is ready.
+    A download gets a line at its start and then every PROGRESS_STEP percent."""
+    status = record.status
+    if isinstance(status, RunnerDownloading):
+        total = status.bytes_total
+        step = 100 if total <= 0 else status.bytes_done * 100 // total // PROGRESS_STEP
+        key = f"downloading:{step}"
+        if told.get(record.runner_id) == key:
+            return None
+        told[record.runner_id] = key
+        return (f"fleet up: node {record.node_id} fetching {record.model} from the fleet "
+                f"{progress_bar(status.bytes_done, total)}")
+    state = "ready" if status.state == "running" else status.state
     if state not in NEWS or told.get(record.runner_id) == state:
         return None
     told[record.runner_id] = state

@@ -14,14 +14,18 @@ from typing import TYPE_CHECKING
 from fleet.bus.auth_gen import as_role, ensure_auth
 from fleet.bus.connect import connect_with
 from fleet.bus.embedded import EmbeddedNats
+from fleet.bus.kv_read import live_values
 from fleet.bus.provision import provision
-from fleet.commands.announce import announce_runners
+from fleet.bus.weights import FleetModels
+from fleet.commands.announce import announce_runners, status_text
 from fleet.commands.core import check_mflux, secured_config, settings_from
 from fleet.config import Settings
 from fleet.models.catalog import get_card
 from fleet.placement import find_instance, place, read_instances, read_nodes, remove
 from fleet.placement_replicas import place_replicas
 from fleet.proc import Exit, guard_child, run_main
+from fleet.wire import subjects
+from fleet.wire.cluster import ModelCard, RunnerRecord
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -154,7 +158,7 @@ async def stack(
 async def _place_here(nc: Client, settings: Settings, model: str, node_id: str) -> None:
     """Place `model` on this node, or keep the instance the fleet has of it already."""
     js = nc.jetstream()
-    card = get_card(model, settings.data_dir)
+    card = await card_of(nc, model, settings)
     if existing := await find_instance(js, card.id):
         nodes = ",".join(shard.node_id for shard in existing.shards)
         alive = {node.node_id for node in await read_nodes(js)}
@@ -169,6 +173,11 @@ async def _place_here(nc: Client, settings: Settings, model: str, node_id: str) 
         return
     instance = await place(js, card, node_id=node_id, slots=settings.slots)
     log.info("placed %s as %s on node %s", model, instance.instance_id, node_id)
+
+
+async def card_of(nc: Client, model: str, settings: Settings) -> ModelCard:
+    """The fleet's card of `model` (FLEET_MODELS: added on any machine), else a local one."""
+    return await FleetModels(nc).get(model) or get_card(model, settings.data_dir)
 
 
 async def _first(
@@ -226,7 +235,7 @@ async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:
     js = nc.jetstream()
     try:
         if args.action == "place":
-            card = get_card(args.model, settings.data_dir)
+            card = await card_of(nc, args.model, settings)
             placed = await place_replicas(
                 js, card, args.replicas, node_id=args.node, slots=args.slots
             )
@@ -236,9 +245,15 @@ async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:
             await remove(js, args.instance_id)
             print(f"removed {args.instance_id}")
         else:
+            runners = await live_values(js, subjects.RUNNERS_BUCKET, RunnerRecord)
             for inst in await read_instances(js):
                 nodes = ",".join(s.node_id for s in inst.shards)
-                print(f"{inst.instance_id:32} {inst.model:20} slots={inst.slots} nodes={nodes}")
+                # A runner record per shard once placed; a download record before that.
+                states = "; ".join(
+                    status_text(r.status) for r in runners if r.instance_id == inst.instance_id
+                ) or "pending"
+                print(f"{inst.instance_id:32} {inst.model:20} slots={inst.slots} nodes={nodes} "
+                      f"{states}")
     finally:
         await nc.close()
     return 0

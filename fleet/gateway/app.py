@@ -69,9 +69,11 @@ def build_app(settings: Settings) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gateway.backend.start()
+        await gateway.catalogue.start(wait_s=2.0 if gateway.backend.connected else 0.0)
         try:
             yield
         finally:
+            await gateway.catalogue.close()
             await gateway.backend.close()
 
     app = Starlette(

@@ -9,11 +9,12 @@ takes tasks, and the gateway tells what it sees.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.wire.cluster import Instance, ModelCard, RunnerRecord
+from fleet.placement import HEARTBEAT_STALE_S, PlacementError, choose_node, unprovided
+from fleet.wire.cluster import Instance, ModelCard, NodeInfo, RunnerRecord
 from fleet.wire.runners import ACCEPTS_TASKS
 
 OWNER = "fleet"
@@ -51,9 +52,40 @@ def model_states(
     return states
 
 
-def model_object(card: ModelCard, state: ModelState | None, created: int = 0) -> dict[str, Any]:
+def unavailable_reason(
+    card: ModelCard, nodes: Iterable[NodeInfo], placed: bool, now: float
+) -> str | None:
+    """Why no node can serve the model: none is up, none can provide its files, or none that
+    can has the memory or disk room (placement's own reasons). None when one can, or when it
+    is placed already (its node's free memory then no longer counts the model). Pure."""
+    if placed:
+        return None
+    live = [n for n in nodes if now - n.at < HEARTBEAT_STALE_S]
+    if not live:
+        return f"no worker is up to serve {card.id} (start `fleet worker`)"
+    able = [n for n in live if card.id in n.models_available]
+    if not able:
+        return unprovided(card, live)
+    try:
+        choose_node(able, card, now)
+    except PlacementError as exc:
+        return exc.message
+    return None
+
+
+Unavailable = Callable[[ModelCard, bool], str | None]
+
+
+def model_object(
+    card: ModelCard, state: ModelState | None, created: int = 0,
+    unavailable: Unavailable | None = None,
+) -> dict[str, Any]:
     """An OpenAI model object, with what Fleet knows about the model beside it; placement and
-    readiness are null when NATS cannot tell."""
+    readiness are null when NATS cannot tell. `available` says whether some node can serve it
+    (null while the gateway does not know the nodes yet), `unavailable_reason` why not."""
+    placed = bool(state and (state.placed or state.ready))
+    why = unavailable(card, placed) if unavailable and state else None
+    known = unavailable is not None and state is not None
     return {
         "id": card.id,
         "object": "model",
@@ -67,14 +99,20 @@ def model_object(card: ModelCard, state: ModelState | None, created: int = 0) ->
         "ready": state.ready if state else None,
         "instances": state.instances if state else None,
         "ready_runners": state.ready_runners if state else None,
+        "available": (why is None) if known else None,
+        "unavailable_reason": why,
     }
 
 
 def model_list(
-    cards: Mapping[str, ModelCard], states: Mapping[str, ModelState] | None
+    cards: Mapping[str, ModelCard], states: Mapping[str, ModelState] | None,
+    unavailable: Unavailable | None = None,
 ) -> dict[str, Any]:
     data = [
-        model_object(card, None if states is None else states.get(model, ModelState()))
+        model_object(
+            card, None if states is None else states.get(model, ModelState()),
+            unavailable=unavailable,
+        )
         for model, card in cards.items()
     ]
     return {"object": "list", "data": data}

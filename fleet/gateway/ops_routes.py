@@ -60,17 +60,20 @@ async def task_events(request: Request) -> Response:
 
 async def list_models(request: Request) -> Response:
     gateway = gateway_of(request)
-    return JSONResponse(model_list(gateway.cards(), await gateway.model_states()))
+    states = await gateway.model_states()
+    return JSONResponse(model_list(gateway.cards(), states, gateway.availability()))
 
 
 async def get_model(request: Request) -> Response:
     gateway = gateway_of(request)
     model = request.path_params["model"]
-    card = gateway.cards().get(model)
+    card = gateway.catalogue.card(model)
     if card is None:
         raise ModelNotFound(f"the model {model!r} does not exist")
     states = await gateway.model_states()
-    return JSONResponse(model_object(card, states.get(model) if states else None))
+    return JSONResponse(model_object(
+        card, states.get(model) if states else None, unavailable=gateway.availability()
+    ))
 
 
 async def healthz(request: Request) -> Response:

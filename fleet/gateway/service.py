@@ -14,16 +14,16 @@ from starlette.responses import Response
 
 from fleet.bus.connect import permission_errors
 from fleet.config import Settings
-from fleet.errors import FleetError, InvalidRequest, ModelNotFound
+from fleet.errors import FleetError, InvalidRequest, ModelNotFound, ModelUnavailable
 from fleet.gateway.backend import Backend
+from fleet.gateway.catalogue import Catalogue
 from fleet.gateway.flow import run_task
 from fleet.gateway.guards import tenant_of
 from fleet.gateway.image_bytes import image_reference
 from fleet.gateway.limits import Capacity
 from fleet.gateway.metrics import GatewayMetrics
-from fleet.gateway.models_view import ModelState, model_states, refuses_task
+from fleet.gateway.models_view import ModelState, Unavailable, model_states, refuses_task
 from fleet.gateway.renderers import Renderer
-from fleet.models.catalog import all_cards, get_card
 from fleet.wire.cluster import ModelCard
 from fleet.wire.tasks import Task
 
@@ -43,24 +43,32 @@ class Gateway:
     backend: Backend
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     capacity: Capacity = field(init=False)
+    catalogue: Catalogue = field(init=False)
 
     def __post_init__(self) -> None:
         self.capacity = Capacity(
             self.settings.gateway_max_waiting, self.settings.gateway_streams_per_key
         )
+        self.catalogue = Catalogue(self.settings.data_dir, lambda: self.backend.nc)
 
     def cards(self) -> dict[str, ModelCard]:
-        return all_cards(self.settings.data_dir)
+        return self.catalogue.cards()
 
     def card_for(self, model: str, task: str) -> ModelCard:
-        """The model's card, or 404; a model that cannot do `task` is a 400 before publishing."""
-        try:
-            card = get_card(model, self.settings.data_dir)
-        except ModelNotFound:
-            raise ModelNotFound(f"the model {model!r} does not exist") from None
+        """The model's card, or 404; a model that cannot do `task` is a 400 before publishing,
+        and one that no live node can serve a 503 saying why (not a timeout later)."""
+        card = self.catalogue.card(model)
+        if card is None:
+            raise ModelNotFound(f"the model {model!r} does not exist")
         if why := refuses_task(card, task):
             raise InvalidRequest(why)
+        if why := self.catalogue.refuses(card):
+            raise ModelUnavailable(why)
         return card
+
+    def availability(self) -> Unavailable | None:
+        """Why a model is unavailable, once the nodes are known (else None: unknown)."""
+        return self.catalogue.unavailable if self.catalogue.nodes_loaded else None
 
     def timeout_for(self, requested: float | None) -> float:
         return requested or self.settings.gateway_timeout_s

@@ -1,6 +1,7 @@
-"""A disk budget for the models a node keeps (FLEET_MODELS_DISK_LIMIT, bytes; 0 or unset: no
-limit). Before a fetch, the least recently used models that are not placed on this node are
-evicted until the new one fits; if it cannot fit even then, the fetch is refused and says why.
+"""A disk budget for the models a node keeps (`--models-disk-limit` / FLEET_MODELS_DISK_LIMIT,
+bytes; 0: no limit). Before a fetch, the least recently used models that are not placed on
+this node are evicted until the new one fits; if it cannot fit even then, the fetch is refused
+and says why. The node advertises the room it has (placement skips a node without enough).
 
 Only directories this node made (`<models_dir>/<id>`, fetched or built) count and may be
 evicted: a symlink or a card's own path is someone else's and never deleted. "Used" is the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +21,6 @@ from fleet.errors import FleetError
 
 log = logging.getLogger(__name__)
 
-LIMIT_ENV = "FLEET_MODELS_DISK_LIMIT"
 
 
 class DiskBudgetExceeded(FleetError):
@@ -31,11 +32,6 @@ class Held:
     model: str
     size: int
     last_used: float
-
-
-def disk_limit() -> int:
-    raw = os.environ.get(LIMIT_ENV, "").strip()
-    return int(raw) if raw else 0
 
 
 def choose_evictions(
@@ -57,6 +53,14 @@ def choose_evictions(
     return evict if used + needed <= limit else None
 
 
+def room_for_models(held: Iterable[Held], placed: set[str], limit: int) -> int | None:
+    """Bytes of new model files that fit under `limit` once every model not in `placed` is
+    evicted; None without a budget. What a node advertises so that placement can skip it. Pure."""
+    if limit <= 0:
+        return None
+    return max(0, limit - sum(h.size for h in held if h.model in placed))
+
+
 def held_models(models_dir: Path) -> list[Held]:
     found = []
     for entry in Path(models_dir).iterdir() if Path(models_dir).is_dir() else []:
@@ -69,14 +73,15 @@ def held_models(models_dir: Path) -> list[Held]:
     return found
 
 
-def make_room(models_dir: Path, model: str, needed: int, placed: set[str]) -> list[str]:
+def make_room(
+    models_dir: Path, model: str, needed: int, placed: set[str], limit: int
+) -> list[str]:
     """Evict under the budget so that `model` (`needed` bytes) fits; the models evicted."""
-    limit = disk_limit()
     evict = choose_evictions(held_models(models_dir), placed | {model}, needed, limit)
     if evict is None:
         raise DiskBudgetExceeded(
             f"{model} needs {needed} bytes and this node's models budget is {limit} "
-            f"({LIMIT_ENV}); the models held for placed instances leave too little room"
+            "(--models-disk-limit); the models held for placed instances leave too little room"
         )
     for victim in evict:
         shutil.rmtree(Path(models_dir) / victim, ignore_errors=True)

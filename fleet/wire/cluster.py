@@ -81,6 +81,11 @@ class NodeInfo(Wire):
         default_factory=list,
         description="Models this node can load: on disk, or built or converted here offline",
     )
+    models_disk_room_bytes: int | None = Field(
+        default=None, ge=0,
+        description="Bytes of model files this node can still take under its disk budget, "
+        "evicting every model not placed on it; null: no budget",
+    )
     runners: list[RunnerId] = Field(default_factory=list)
     blas: str | None = None
     started_at: float

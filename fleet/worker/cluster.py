@@ -23,6 +23,7 @@ from fleet.bus.weights import MODELS_BUCKET, FleetModels
 from fleet.config import Settings
 from fleet.models.blas import openblas_available
 from fleet.models.catalog import all_cards, builtin_cards
+from fleet.models.disk import Held, held_models, room_for_models
 from fleet.models.store import can_provide, fleet_fetching, models_on_disk
 from fleet.wire import subjects
 from fleet.wire.cluster import (
@@ -74,6 +75,9 @@ class ClusterLink:
         self._own_supervisor: Supervisor | None = None
         self.cancelled: dict[str, None] = {}  # cancel records seen, oldest first
         self._cancels_loaded = False
+        # What the models dir holds, scanned when a model comes or goes (not per heartbeat).
+        self.on_disk: set[str] = set()
+        self.held: list[Held] = []
 
     async def start(self, supervisor: Supervisor | None = None) -> None:
         """Register this node and start its loops as children of `supervisor` (each restarted
@@ -88,6 +92,7 @@ class ClusterLink:
         self.store = ObjectBucket(self.nc, subjects.IMAGES_BUCKET)
         self.fleet_models = FleetModels(self.nc, self.js)
         await self._load_fleet_models()
+        await self.rescan_models()
         self.cache = ImageCache(self.settings.images_dir, self.settings.image_cache_bytes)
         self.heartbeat = Heartbeat(
             self.nc, self.nodes, self.runners, self.node_id, self._node_info,
@@ -154,20 +159,36 @@ class ClusterLink:
     # ---- heartbeat and instances -------------------------------------------------------
 
     def _node_info(self) -> NodeInfo:
-        models_dir = self.settings.models_dir
-        # Fetched models are directories named by id, whether or not a local card names them.
-        held = set(models_on_disk(models_dir)) | {
-            model for model in self.cards if (models_dir / model).is_dir()
-        }
         fetchable = [
             model for model, card in self.cards.items()
             if card.manifest is not None and fleet_fetching()
         ]
-        available = sorted({*self.buildable, *held, *fetchable})
+        available = sorted({*self.buildable, *self.on_disk, *fetchable})
+        limit = self.settings.models_disk_limit
+        room = room_for_models(self.held, self.models_placed_here(), limit)
         return node_info(
-            self.node_id, self.started_at, sorted(held), sorted(self.records), self.blas,
-            available,
+            self.node_id, self.started_at, sorted(self.on_disk), sorted(self.records), self.blas,
+            available, room,
         )
+
+    def models_placed_here(self) -> set[str]:
+        here = self.node_id
+        return {i.model for i in self.placed.values() if any(s.node_id == here for s in i.shards)}
+
+    async def rescan_models(self) -> None:
+        """Read the models dir again (after a fetch, a build or an eviction)."""
+        models_dir = self.settings.models_dir
+        cards = dict(self.cards)
+
+        def scan() -> tuple[set[str], list[Held]]:
+            # Fetched models are directories named by id, whether or not a local card names
+            # them; a local card's own path counts too.
+            on_disk = set(models_on_disk(models_dir)) | {
+                model for model in cards if (models_dir / model).is_dir()
+            }
+            return on_disk, held_models(models_dir)
+
+        self.on_disk, self.held = await asyncio.to_thread(scan)
 
     # ---- the fleet's model cards ---------------------------------------------------------
 

@@ -47,6 +47,7 @@ def node_info(
     runners: list[str],
     blas: str | None,
     available: list[str] | None = None,
+    disk_room: int | None = None,
 ) -> NodeInfo:
     memory = psutil.virtual_memory()
     return NodeInfo(
@@ -58,6 +59,7 @@ def node_info(
         devices=devices(),
         models_on_disk=models,
         models_available=sorted(set(models) | set(available or [])),
+        models_disk_room_bytes=disk_room,
         runners=runners,
         blas=blas,
         started_at=started_at,

@@ -98,6 +98,13 @@ class RunnerPool:
         return len(here | {instance.instance_id})
 
     async def _prepare(self, instance: Instance, card: ModelCard) -> Path:
+        try:
+            return await self._find_or_make(instance, card)
+        finally:
+            if self.cluster is not None:  # a model came (or others were evicted)
+                await self.cluster.rescan_models()
+
+    async def _find_or_make(self, instance: Instance, card: ModelCard) -> Path:
         models_dir = self.settings.models_dir
         local = await asyncio.to_thread(local_model_dir, card, models_dir)
         if local is not None:
@@ -132,9 +139,10 @@ class RunnerPool:
 
         models_dir = self.settings.models_dir
         needed = card.manifest.total_bytes if card.manifest else 0
-        placed = {i.model for i in cluster.placed.values()
-                  if any(s.node_id == self.node_id for s in i.shards)}
-        evicted = await asyncio.to_thread(make_room, models_dir, card.id, needed, placed)
+        evicted = await asyncio.to_thread(
+            make_room, models_dir, card.id, needed, cluster.models_placed_here(),
+            self.settings.models_disk_limit,
+        )
         if evicted:
             log.info("evicted %s to make room for %s", ", ".join(evicted), card.id)
         try:

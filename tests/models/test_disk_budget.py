@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from fleet.config import load_settings
 from fleet.models.disk import (
-    LIMIT_ENV,
     DiskBudgetExceeded,
     Held,
     choose_evictions,
     held_models,
     make_room,
+    room_for_models,
 )
 
 A, B, C = Held("a", 40, 1.0), Held("b", 30, 2.0), Held("c", 20, 3.0)
@@ -37,18 +38,36 @@ def test_choose_evictions(
     assert choose_evictions(held, placed, needed, limit) == evicted
 
 
-def test_make_room_deletes_the_oldest_unplaced_model(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize(
+    ("placed", "limit", "room"),
+    [
+        ({"a"}, 0, None),  # no budget: no bound advertised
+        (set(), 100, 100),  # everything held may be evicted
+        ({"a"}, 100, 60),
+        ({"a", "b", "c"}, 100, 10),
+        ({"a", "b", "c"}, 50, 0),  # over the budget already: nothing more fits
+    ],
+)
+def test_room_for_models(placed: set[str], limit: int, room: int | None) -> None:
+    assert room_for_models([A, B, C], placed, limit) == room
+
+
+def test_the_limit_is_a_setting_from_flag_or_env() -> None:
+    assert load_settings({}, env={}).models_disk_limit == 0
+    assert load_settings({}, env={"FLEET_MODELS_DISK_LIMIT": "500"}).models_disk_limit == 500
+    flags = {"models_disk_limit": "700"}
+    assert load_settings(flags, env={"FLEET_MODELS_DISK_LIMIT": "500"}).models_disk_limit == 700
+
+
+def test_make_room_deletes_the_oldest_unplaced_model(tmp_path: Path) -> None:
     for age, name in enumerate(["old", "placed", "new"]):
         folder = tmp_path / name
         folder.mkdir()
         (folder / "w.safetensors").write_bytes(b"x" * 100)
         os.utime(folder, (age, age))
     (tmp_path / ".fetching-x").mkdir()  # in progress: not a model held
-    monkeypatch.setenv(LIMIT_ENV, "350")
     assert {h.model for h in held_models(tmp_path)} == {"old", "placed", "new"}
-    assert make_room(tmp_path, "incoming", 100, {"placed"}) == ["old"]
+    assert make_room(tmp_path, "incoming", 100, {"placed"}, limit=350) == ["old"]
     assert not (tmp_path / "old").exists() and (tmp_path / "placed").exists()
     with pytest.raises(DiskBudgetExceeded, match="budget is 350"):
-        make_room(tmp_path, "huge", 300, {"placed", "new"})
+        make_room(tmp_path, "huge", 300, {"placed", "new"}, limit=350)
