@@ -86,13 +86,13 @@ async def _relay(
             if isinstance(item.event, ErrorChunk):
                 last_error = item.event
             if isinstance(item.event, TaskFinished) and (failed := failure(item.event, last_error)):
-                observers.metrics.errors.inc(reason=failed.reason.value)
+                observers.metrics.error(failed.reason.value)
                 yield sse_error(failed)
                 return
             for line in await renderer.lines(item):
                 yield line
     except FleetError as exc:  # deadline, NATS gone: the headers are out, so say it in-band
-        observers.metrics.errors.inc(reason=exc.reason.value)
+        observers.metrics.error(exc.reason.value)
         yield sse_error(exc)
         return
     for line in renderer.closing():
