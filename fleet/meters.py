@@ -16,7 +16,6 @@ OTEL_SDK_DISABLED=true turns metrics off with the rest of the SDK: /metrics is t
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -26,16 +25,11 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, generate_latest
 
+from fleet.telemetry import otlp_configured
 from fleet.wire.events import TaskFinished
 
 # What /metrics says it is: the classic text format, which every Prometheus parses.
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def otlp_configured(signal: str) -> bool:
-    """An OTLP endpoint is set for all signals, or for this one (TRACES, METRICS)."""
-    specific = f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"
-    return bool(os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get(specific))
 
 
 class Meters:

@@ -49,7 +49,7 @@ class TaskSpans:
         self._open: dict[str, Span] = {}  # task id -> its process span, until settled
         self._contexts: dict[str, Context] = {}  # task id -> a context with that span current
         self._models: dict[str, str] = {}
-        self._metrics = TaskMetrics()
+        self.metrics = TaskMetrics()
 
     def received(self, msg: Msg) -> Span:
         """Start the process span of a message just fetched (before it is even decoded)."""
@@ -107,7 +107,7 @@ class TaskSpans:
     def finished(self, event: TaskFinished) -> None:
         """The task's outcome, as the worker publishes it (the runner's or its own)."""
         if model := self._models.get(event.task_id):
-            self._metrics.finished(model, event)
+            self.metrics.finished(model, event)
         if span := self._open.get(event.task_id):
             span.set_attribute("fleet.task.status", event.status)
             if event.status in ("failed", "expired"):

@@ -1,0 +1,63 @@
+"""A worker's /metrics: the runner's timings of each finished task under the same histogram
+names as the gateway's, served by prometheus_client's server on `--metrics-port`."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+
+from fleet.errors import InvalidSetting
+from fleet.wire.events import TaskFinished, TaskStats, Usage
+from fleet.worker.task_metrics import TaskMetrics
+from tests.bus.cluster import free_port
+from tests.prometheus_text import SHARED_HISTOGRAMS, Scrape
+
+TINY = {"gen_ai_request_model": "tiny-llm", "otel_scope_name": "fleet.worker"}
+
+
+def finished(status: str = "completed") -> TaskFinished:
+    stats = TaskStats(queue_wait_s=0.5, time_to_first_token_s=0.25, tokens_per_s=20, total_s=2)
+    usage = Usage(prompt_tokens=5, completion_tokens=7, total_tokens=12)
+    return TaskFinished(task_id="t", at=0, status=status, usage=usage, stats=stats)
+
+
+def test_a_finished_task_is_served_on_the_metrics_port() -> None:
+    metrics = TaskMetrics()
+    metrics.finished("tiny-llm", finished())
+    port = free_port()
+    with metrics.served("127.0.0.1", port) as served:
+        assert served == port
+        scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    assert scraped.status_code == 200
+    scrape = Scrape.of(scraped.text)
+    assert scrape.histograms() >= SHARED_HISTOGRAMS
+    assert scrape.value("gen_ai_server_time_to_first_token_seconds_sum", **TINY) == 0.25
+    assert scrape.value("gen_ai_server_time_per_output_token_seconds_sum", **TINY) == 0.05
+    assert scrape.value("fleet_task_queue_wait_seconds_sum", **TINY) == 0.5
+    assert scrape.value("gen_ai_server_request_duration_seconds_sum", **TINY) == 2
+    assert scrape.value("gen_ai_client_token_usage_sum", **TINY, gen_ai_token_type="output") == 7
+    with pytest.raises(httpx.TransportError):  # closed with the block
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+def test_no_port_serves_nothing_and_a_busy_port_is_a_clear_error() -> None:
+    metrics = TaskMetrics()
+    with metrics.served("127.0.0.1", 0) as served:
+        assert served is None
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        refused = pytest.raises(InvalidSetting, match=f"--metrics-port {port}")
+        with refused, metrics.served("127.0.0.1", port):
+            pass
+
+
+def test_a_cancelled_task_has_its_error_type() -> None:
+    metrics = TaskMetrics()
+    metrics.finished("tiny-llm", finished("cancelled"))
+    scrape = Scrape.of(metrics.meters.exposition().decode())
+    duration = "gen_ai_server_request_duration_seconds_count"
+    assert scrape.value(duration, **TINY, error_type="cancelled") == 1
