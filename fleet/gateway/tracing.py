@@ -55,14 +55,18 @@ def http_spans(
 
 
 def route_of(routes: Sequence[BaseRoute], scope: Scope) -> str | None:
-    """The template of the route that will serve `scope` (as the router will match it), so
-    the span is named, and its duration recorded, by template from the start; a path with
+    """The template of the route that will serve `scope`, matched as Starlette's router
+    matches (the first full match, else the first that matches all but the method: its 405),
+    so the span is named, and its duration recorded, by template from the start: a path with
     a task id or an image hash in it would be a metric series of its own."""
+    partial = None
     for route in routes:
         match, _ = route.matches(scope)
         if match is Match.FULL:
-            return getattr(route, "path", None)
-    return None
+            return getattr(route, "path_format", None)
+        if match is Match.PARTIAL and partial is None:
+            partial = getattr(route, "path_format", None)
+    return partial
 
 
 def access_line(scope: Scope, status: int, elapsed_s: float, task_id: str) -> str:
