@@ -239,9 +239,11 @@ class ObjectBucket:
 
         return await self._retrying(once, f"store {name} in {self.bucket}")
 
-    async def put_by_hash(self, source: bytes | Path) -> str:
-        """Store bytes or a file under the sha256 hex of its content unless already stored."""
-        name = await asyncio.to_thread(sha256_hex, source)
+    async def put_by_hash(self, source: bytes | Path, *, sha256: str | None = None) -> str:
+        """Store bytes or a file under the sha256 hex of its content unless already stored.
+        A caller that knows the hash passes it: the upload checks it as it streams the bytes
+        (ObjectCorrupt when they differ), so the source is read once."""
+        name = sha256 or await asyncio.to_thread(sha256_hex, source)
 
         async def once() -> None:
             if await self._find(name) is None:  # again on a retry: the last try may have stored it
@@ -260,7 +262,10 @@ class ObjectBucket:
             with translated_errors(self.bucket, name), _pieces(source, chunk_size) as pieces:
                 written = await publish_chunks(self.nc, subject, pieces, self.timeout)
             if expected_sha256 is not None and written.sha256 != expected_sha256:
-                raise ObjectCorrupt(f"{name}: the file changed while it was being uploaded")
+                raise ObjectCorrupt(
+                    f"{name}: the bytes uploaded do not hash to the name (misnamed, or changed "
+                    "while being uploaded)"
+                )
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.js.purge_stream(self.stream, subject=subject)

@@ -13,7 +13,6 @@ Closed stdin means the worker is gone: shut down and exit.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import os
 import queue
@@ -83,9 +82,7 @@ def make_engine(spec: RunnerSpec, on_step: StepHook | None = None) -> Engine:
 
 
 def _use_openblas() -> None:
-    # Must run before mlx is first imported; the module may not exist in every checkout.
-    if importlib.util.find_spec("fleet.models.blas") is None:
-        return
+    # Must run before mlx is first imported, hence the late import.
     from fleet.models.blas import enable_openblas
 
     loaded = enable_openblas()

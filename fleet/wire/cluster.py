@@ -144,20 +144,7 @@ class NodeLeft(Wire):
     at: float
 
 
-class InstancePlaced(Wire):
-    type: Literal["instance_placed"] = "instance_placed"
-    instance: Instance
-    at: float
-
-
-class InstanceRemoved(Wire):
-    type: Literal["instance_removed"] = "instance_removed"
-    instance_id: InstanceId
-    model: ModelId
-    at: float
-
-
 ClusterEvent = Annotated[
-    RunnerStatusChanged | NodeJoined | NodeLeft | InstancePlaced | InstanceRemoved,
+    RunnerStatusChanged | NodeJoined | NodeLeft,
     Field(discriminator="type"),
 ]

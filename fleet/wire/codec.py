@@ -83,6 +83,3 @@ def decode_task(data: bytes) -> Task:
 def decode_event(data: bytes) -> OutputEvent:
     return decode_with(OUTPUT_EVENT, data)
 
-
-def decode_cluster_event(data: bytes) -> ClusterEvent:
-    return decode_with(CLUSTER_EVENT, data)

@@ -99,10 +99,6 @@ def examples() -> dict[str, BaseModel]:
         ),
         "node_joined": cluster.NodeJoined(node_id="node-a1", hostname="box", at=_AT),
         "node_left": cluster.NodeLeft(node_id="node-a1", at=_AT),
-        "instance_placed": cluster.InstancePlaced(instance=_INSTANCE, at=_AT),
-        "instance_removed": cluster.InstanceRemoved(
-            instance_id="inst-tiny-llm-1", model="tiny-llm", at=_AT
-        ),
         "runner_spec": pipe.RunnerSpec(
             runner_id="run-1", instance_id="inst-tiny-llm-1", node_id="node-a1", card=_CARD,
             model_path="/data/models/tiny-llm", images_dir="/data/images",

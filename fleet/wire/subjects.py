@@ -49,10 +49,6 @@ def node_event(node_id: str) -> str:
     return f"fleet.events.node.{node_id}"
 
 
-def instance_event(instance_id: str) -> str:
-    return f"fleet.events.instance.{instance_id}"
-
-
 def traces(trace_id: str) -> str:
     return f"fleet.traces.{trace_id}"
 

@@ -17,7 +17,7 @@ from nats.js.kv import KeyValue
 from fleet.aio import Supervisor
 from fleet.bus.connect import publish
 from fleet.bus.kv_calls import kv_delete, kv_get, kv_put
-from fleet.bus.objects import ObjectBucket
+from fleet.bus.objects import ObjectBucket, ObjectCorrupt
 from fleet.bus.retry import with_retry
 from fleet.bus.weights import MODELS_BUCKET, FleetModels
 from fleet.config import Settings
@@ -289,6 +289,9 @@ class ClusterLink:
         Pinned meanwhile: a fetch for another task could otherwise evict it mid-upload."""
         self.cache.pin([sha256])
         try:
-            await self.store.put_by_hash(await self.cache.adopt(sha256))
+            await self.store.put_by_hash(self.cache.adopt(sha256), sha256=sha256)
+        except ObjectCorrupt:
+            self.cache.discard(sha256)  # no later task may trust it
+            raise
         finally:
             self.cache.release([sha256])

@@ -12,7 +12,6 @@ A hit reads only the disk: no NATS traffic.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import re
@@ -21,12 +20,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from fleet.bus.objects import (
-    PARTIAL_SUFFIX,
     ObjectBucket,
     ObjectCorrupt,
     ObjectMissing,
     ObjectTimeout,
-    sha256_hex,
 )
 from fleet.errors import FleetError
 from fleet.wire.events import ErrorReason
@@ -68,7 +65,10 @@ class ImageCache:
         """Adopt what an earlier run left, oldest use first; drop its unfinished downloads."""
         found: list[tuple[float, str, int]] = []
         for entry in os.scandir(self.directory):
-            if entry.name.endswith(PARTIAL_SUFFIX):
+            # Every temporary file here starts with a dot: this cache's unfinished downloads
+            # and a killed runner's half-written output (`.<sha>.*.tmp`). No runner of this
+            # worker runs yet, so none is in use.
+            if entry.name.startswith("."):
                 Path(entry.path).unlink(missing_ok=True)
             elif SHA256_HEX.fullmatch(entry.name) and entry.is_file():
                 stat = entry.stat()
@@ -96,29 +96,18 @@ class ImageCache:
         self._pins = +self._pins  # drop counts that reached zero
         self._evict()
 
-    def put_bytes(self, data: bytes) -> str:
-        sha = hashlib.sha256(data).hexdigest()
-        if self._touch(sha):
-            return sha
-        partial = self.path(sha).with_name(f".{sha}.{os.getpid()}{PARTIAL_SUFFIX}")
-        partial.write_bytes(data)
-        os.replace(partial, self.path(sha))
-        self._register(sha, len(data))
-        return sha
-
-    async def adopt(self, sha: str) -> Path:
-        """Register a file that someone else (a runner) placed at `path(sha)`. A file whose
-        bytes do not hash to its name is removed, so no later run can trust it.
-
-        Only the hashing leaves the loop: the cache's books are kept on the loop alone, where
-        `ensure` and `release` change them too."""
+    def adopt(self, sha: str) -> Path:
+        """Register a file that someone else (a runner) placed at `path(sha)`. It is not
+        hashed here: its upload checks the bytes against the name as it streams them (one
+        hash on the way out, not three), and `discard` drops it when they differ."""
         path = self.path(sha)
-        actual = await asyncio.to_thread(sha256_hex, path)
-        if actual != sha:
-            path.unlink()
-            raise ValueError(f"{path} holds bytes with sha256 {actual}, not {sha}")
         self._register(sha, path.stat().st_size)
         return path
+
+    def discard(self, sha: str) -> None:
+        """Forget and delete a file whose bytes proved not to be what its name says."""
+        self.total_bytes -= self._sizes.pop(sha, 0)
+        self.path(sha).unlink(missing_ok=True)
 
     async def ensure(
         self, hashes: Iterable[str], store: ObjectBucket, wait_s: float

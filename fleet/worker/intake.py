@@ -77,7 +77,6 @@ class Intake:
         self.output = output
         self.cluster = cluster
         self.claims = claims
-        self.invalid_count = 0
         self.book = ContinuationBook()
 
     async def receive(self, msg: Msg) -> Queued | Settled:
@@ -128,7 +127,6 @@ class Intake:
         return Settled(None, reason, "term")
 
     async def _invalid(self, msg: Msg, task_id: str | None, message: str) -> Settled:
-        self.invalid_count += 1
         log.warning("invalid task on %s (%s): %s", msg.subject, task_id or "no id", message)
         if task_id is None:  # no id it could own: answer the publisher, write on no task
             claims = await self._claims()

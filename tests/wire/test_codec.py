@@ -66,8 +66,8 @@ def test_every_example_round_trips_through_each_union_that_holds_it(stem: str) -
 def test_union_decoders_pick_the_class_named_by_type() -> None:
     assert isinstance(codec.decode_task(encode(EXAMPLES["image_edits"])), tasks.ImageEdits)
     assert isinstance(codec.decode_event(encode(EXAMPLES["token"])), events.TokenChunk)
-    decoded = codec.decode_cluster_event(encode(EXAMPLES["instance_placed"]))
-    assert isinstance(decoded, cluster.InstancePlaced)
+    decoded = decode_with(codec.CLUSTER_EVENT, encode(EXAMPLES["node_left"]))
+    assert isinstance(decoded, cluster.NodeLeft)
 
 
 def test_nats_cli_task_decodes_from_plain_json_without_defaults() -> None:
@@ -260,8 +260,6 @@ any_cluster_event = st.one_of(
     st.builds(cluster.RunnerStatusChanged, **runner_where, status=any_runner_status, at=times),
     st.builds(cluster.NodeJoined, node_id=ids, hostname=texts, at=times),
     st.builds(cluster.NodeLeft, node_id=ids, at=times),
-    st.builds(cluster.InstancePlaced, instance=instances, at=times),
-    st.builds(cluster.InstanceRemoved, instance_id=ids, model=model_ids, at=times),
 )
 
 
@@ -275,7 +273,6 @@ def test_strategies_cover_every_member_of_each_union() -> None:
         },
         cluster.ClusterEvent: {
             cluster.RunnerStatusChanged, cluster.NodeJoined, cluster.NodeLeft,
-            cluster.InstancePlaced, cluster.InstanceRemoved,
         },
         runners.RunnerStatus: {
             runners.RunnerIdle, runners.RunnerDownloading, runners.RunnerConnecting,
@@ -304,7 +301,7 @@ def test_any_output_event_round_trips(event: BaseModel) -> None:
 @FAST
 @given(any_cluster_event)
 def test_any_cluster_event_round_trips(event: BaseModel) -> None:
-    assert codec.decode_cluster_event(encode(event)) == event
+    assert decode_with(codec.CLUSTER_EVENT, encode(event)) == event
 
 
 @FAST
@@ -490,8 +487,10 @@ def test_task_id_that_is_not_a_subject_token_is_rejected(task_id: str) -> None:
     ("model", "changes"),
     [
         (cluster.NodeJoined, {"node_id": "node.1", "hostname": "h", "at": 0.0}),
-        (cluster.InstanceRemoved, {"instance_id": "i 1", "model": "m", "at": 0.0}),
-        (cluster.InstanceRemoved, {"instance_id": "i-1", "model": "m.x", "at": 0.0}),
+        (cluster.Instance, {"instance_id": "i 1", "model": "m", "slots": 1, "created_at": 0.0,
+                            "shards": []}),
+        (cluster.Instance, {"instance_id": "i-1", "model": "m.x", "slots": 1, "created_at": 0.0,
+                            "shards": []}),
         (tasks.CancelTask, {"task_id": "t.1"}),
     ],
 )

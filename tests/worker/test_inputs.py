@@ -15,7 +15,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from fleet.bus.objects import MAX_CHUNK, ROLLUP, ObjectBucket
+from fleet.bus.objects import MAX_CHUNK, ROLLUP, ObjectBucket, ObjectCorrupt
 from fleet.wire.events import ErrorReason
 from fleet.wire.subjects import IMAGES_BUCKET
 from fleet.worker.inputs import ImageCache, InputCorrupt, InputMissing
@@ -29,6 +29,13 @@ def blob(tag: int, size: int = 100) -> bytes:
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def put(cache: ImageCache, data: bytes) -> str:
+    """What a runner does (write the file under its hash), then the worker's adopt."""
+    cache.path(sha(data)).write_bytes(data)
+    cache.adopt(sha(data))
+    return sha(data)
 
 
 @pytest.fixture
@@ -50,21 +57,21 @@ def cache(tmp_path: Path) -> ImageCache:
 
 
 def test_least_recently_used_goes_first_when_over_budget(cache: ImageCache) -> None:
-    first, second = cache.put_bytes(blob(1)), cache.put_bytes(blob(2))
-    cache.put_bytes(blob(1))  # used again: now the most recent
-    third = cache.put_bytes(blob(3))
+    first, second = put(cache, blob(1)), put(cache, blob(2))
+    put(cache, blob(1))  # used again: now the most recent
+    third = put(cache, blob(3))
     assert (first in cache, second in cache, third in cache) == (True, False, True)
     assert not cache.path(second).exists()
     assert cache.total_bytes == 200
 
 
 def test_pinned_files_survive_eviction_until_released(cache: ImageCache) -> None:
-    pinned = cache.put_bytes(blob(1))
+    pinned = put(cache, blob(1))
     cache.pin([pinned])
-    unpinned = cache.put_bytes(blob(2))
-    cache.put_bytes(blob(3))
+    unpinned = put(cache, blob(2))
+    put(cache, blob(3))
     assert pinned in cache and unpinned not in cache
-    cache.put_bytes(blob(4, size=200))  # over budget while the pin holds
+    put(cache, blob(4, size=200))  # over budget while the pin holds
     assert pinned in cache and cache.total_bytes == 300
     cache.release([pinned])
     assert pinned not in cache and cache.total_bytes <= 250
@@ -72,25 +79,32 @@ def test_pinned_files_survive_eviction_until_released(cache: ImageCache) -> None
 
 def test_a_restart_adopts_files_and_drops_unfinished_downloads(tmp_path: Path) -> None:
     first = ImageCache(tmp_path, max_bytes=1000)
-    kept = first.put_bytes(blob(1))
+    kept = put(first, blob(1))
     (tmp_path / f".{'0' * 64}.x.part").write_bytes(b"half")
     again = ImageCache(tmp_path, max_bytes=1000)
     assert kept in again and again.total_bytes == 100
     assert sorted(os.listdir(tmp_path)) == [kept]
 
 
-async def test_adopt_registers_a_runner_output_and_refuses_a_misnamed_one(
-    cache: ImageCache,
+def test_a_restart_drops_a_killed_runners_half_written_output(tmp_path: Path) -> None:
+    (tmp_path / f".{'1' * 64}.k3j2.tmp").write_bytes(b"half an image")
+    assert os.listdir(ImageCache(tmp_path, max_bytes=1000).directory) == []
+
+
+async def test_a_misnamed_runner_output_is_refused_by_its_upload_and_discarded(
+    cache: ImageCache, store: ObjectBucket
 ) -> None:
     output = blob(7)
-    cache.path(sha(output)).write_bytes(output)
-    assert await cache.adopt(sha(output)) == cache.path(sha(output))
-    assert sha(output) in cache
+    assert cache.adopt(put(cache, output)) == cache.path(sha(output))
+    assert await store.put_by_hash(cache.path(sha(output)), sha256=sha(output)) == sha(output)
     wrong = sha(blob(8))
     cache.path(wrong).write_bytes(blob(9))
-    with pytest.raises(ValueError):
-        await cache.adopt(wrong)
-    assert not cache.path(wrong).exists()
+    cache.adopt(wrong)
+    with pytest.raises(ObjectCorrupt, match="do not hash to the name"):
+        await store.put_by_hash(cache.path(wrong), sha256=wrong)
+    cache.discard(wrong)
+    assert wrong not in cache and not cache.path(wrong).exists()
+    assert await store.find(wrong) is None
 
 
 async def test_ensure_fetches_then_hits_without_nats(
@@ -112,7 +126,7 @@ async def test_ensure_fetches_then_hits_without_nats(
 async def test_ensure_pins_what_it_returns(cache: ImageCache, store: ObjectBucket) -> None:
     image = await store.put_by_hash(blob(5, size=200))
     await cache.ensure([image], store, wait_s=1.0)
-    cache.put_bytes(blob(6))
+    put(cache, blob(6))
     assert image in cache
     cache.release([image])
     assert image not in cache
@@ -170,7 +184,7 @@ async def test_a_file_removed_behind_the_cache_is_fetched_again(
 ) -> None:
     data = blob(15)
     image = await store.put_by_hash(data)
-    cache.put_bytes(data)
+    put(cache, data)
     cache.path(image).unlink()
     paths = await cache.ensure([image], store, wait_s=1.0)
     assert paths[image].read_bytes() == data and cache.total_bytes == len(data)
