@@ -25,8 +25,9 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, generate_latest
 
-from fleet.telemetry import otlp_configured
+from fleet.telemetry import operation_of, otlp_configured
 from fleet.wire.events import TaskFinished
+from fleet.wire.tasks import Task
 
 # What /metrics says it is: the classic text format, which every Prometheus parses.
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
@@ -77,7 +78,13 @@ LATENCY_BUCKETS = [
 TOKEN_BUCKETS = [1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304]
 
 MODEL = "gen_ai.request.model"
+OPERATION = "gen_ai.operation.name"
 TOKEN_TYPE = "gen_ai.token.type"
+
+
+def task_attributes(task: Task) -> dict[str, str]:
+    """What every task histogram is split by: the conventions' model and operation."""
+    return {MODEL: task.model, OPERATION: operation_of(task)}
 
 
 class TaskTimings:
@@ -113,10 +120,11 @@ class TaskTimings:
             explicit_bucket_boundaries_advisory=TOKEN_BUCKETS,
         )
 
-    def finished(self, model: str, seconds: float | None, finished: TaskFinished) -> None:
+    def finished(
+        self, attributes: dict[str, str], seconds: float | None, finished: TaskFinished
+    ) -> None:
         """A task's end: its duration (`seconds`, when known) with error.type on failure,
         and its token usage."""
-        attributes = {MODEL: model}
         if seconds is not None:
             outcome = dict(attributes)
             if finished.status != "completed":

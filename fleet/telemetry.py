@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind
 
 from fleet.trace.records import SpanRecord, readable_of
+from fleet.wire.tasks import ImageEdits, Task, TextGeneration
 
 if TYPE_CHECKING:  # the runner imports this module and has no NATS
     from nats.aio.client import Client
@@ -164,6 +165,17 @@ def carried(span: Span) -> tuple[str | None, str | None]:
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=trace.set_span_in_context(span))
     return carrier.get("traceparent"), carrier.get("tracestate")
+
+
+# ---- GenAI names -----------------------------------------------------------------------------
+
+
+def operation_of(task: Task) -> str:
+    """The GenAI operation name (custom ones for images, which the conventions lack), for the
+    runner's spans and everyone's metrics."""
+    if isinstance(task, TextGeneration):
+        return "chat" if task.messages is not None else "text_completion"
+    return "image_edit" if isinstance(task, ImageEdits) else "image_generation"
 
 
 # ---- the producer span of a published message ------------------------------------------

@@ -186,7 +186,7 @@ async def _run_task(
 ) -> Response:
     loop = asyncio.get_running_loop()
     started = loop.time()
-    observers = Observers(metrics, tasks[0].model, started)
+    observers = Observers(metrics, tasks[0], started)
     claim = claimer(backend, tenant)
     for task in tasks:
         backend.check_size(task)  # 413 before anything is published
@@ -252,9 +252,10 @@ async def _open_events(backend: Backend, tasks: Sequence[Task], deadline: float)
 class Observers:
     """A TaskObserver per task, so each choice's timings are its own."""
 
-    def __init__(self, metrics: GatewayMetrics, model: str, started: float) -> None:
+    def __init__(self, metrics: GatewayMetrics, task: Task, started: float) -> None:
+        """`task`: the request's first (its choices differ only in their ids)."""
         self.metrics = metrics
-        self.model = model
+        self.task = task
         self.started = started
         self.by_task: dict[str, TaskObserver] = {}
 
@@ -262,7 +263,7 @@ class Observers:
         observer = self.by_task.get(event.task_id)
         if observer is None:
             observer = self.by_task[event.task_id] = TaskObserver(
-                self.metrics, self.model, self.started
+                self.metrics, self.task, self.started
             )
         observer.see(event, now)
 

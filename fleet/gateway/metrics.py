@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from fleet.meters import MODEL, Meters, TaskTimings
+from fleet.meters import MODEL, Meters, TaskTimings, task_attributes
 from fleet.wire.events import ImageChunk, OutputEvent, TaskAccepted, TaskFinished, TokenChunk
+from fleet.wire.tasks import Task
 
 if TYPE_CHECKING:
     from fleet.gateway.backend import ModelQueue
@@ -81,10 +82,9 @@ class GatewayMetrics:
 class TaskObserver:
     """Times one task's events as the gateway relays them (monotonic seconds in, no clock here)."""
 
-    def __init__(self, metrics: GatewayMetrics, model: str, started: float) -> None:
+    def __init__(self, metrics: GatewayMetrics, task: Task, started: float) -> None:
         self.timings = metrics.timings
-        self.attributes = {MODEL: model}
-        self.model = model
+        self.attributes = task_attributes(task)
         self.started = started
         self.accepted = False
         self.first_output: float | None = None
@@ -109,4 +109,4 @@ class TaskObserver:
         if self.token_count > 1 and self.first_output is not None and self.last_token is not None:
             mean = (self.last_token - self.first_output) / (self.token_count - 1)
             self.timings.time_per_output_token.record(mean, self.attributes)
-        self.timings.finished(self.model, now - self.started, finished)
+        self.timings.finished(self.attributes, now - self.started, finished)

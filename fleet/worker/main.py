@@ -192,7 +192,7 @@ class Worker(RunnerReports, Stopping):
         if isinstance(outcome, Queued):
             task = outcome.pending.task
             self.acks.hold(task.task_id, msg, time.monotonic())
-            self.spans.queued(task.task_id, task.model, span)
+            self.spans.queued(task, span)
             self._apply(ev.TaskQueued(outcome.pending))
         else:
             self.spans.settled(outcome.task_id, outcome.verb, span, outcome.reason)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from prometheus_client import start_http_server
 
 from fleet.errors import InvalidSetting
-from fleet.meters import MODEL, Meters, TaskTimings
+from fleet.meters import Meters, TaskTimings
 from fleet.wire.events import TaskFinished
 
 log = logging.getLogger(__name__)
@@ -24,9 +24,9 @@ class TaskMetrics:
         self.meters = Meters("fleet-worker")
         self.timings = TaskTimings(self.meters.meter("fleet.worker"))
 
-    def finished(self, model: str, event: TaskFinished) -> None:
+    def finished(self, attributes: dict[str, str], event: TaskFinished) -> None:
+        """`attributes`: the task's (meters.task_attributes)."""
         stats = event.stats
-        attributes = {MODEL: model}
         if stats is not None:
             if stats.time_to_first_token_s is not None:
                 self.timings.time_to_first_token.record(stats.time_to_first_token_s, attributes)
@@ -34,7 +34,7 @@ class TaskMetrics:
                 self.timings.time_per_output_token.record(1.0 / stats.tokens_per_s, attributes)
             if stats.queue_wait_s is not None:
                 self.timings.queue_wait.record(stats.queue_wait_s, attributes)
-        self.timings.finished(model, stats.total_s if stats else None, event)
+        self.timings.finished(attributes, stats.total_s if stats else None, event)
 
     @contextmanager
     def served(self, host: str, port: int) -> Iterator[int | None]:

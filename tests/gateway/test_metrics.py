@@ -8,9 +8,11 @@ import pytest
 from fleet.gateway.backend import ModelQueue
 from fleet.gateway.metrics import GatewayMetrics, TaskObserver
 from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, TokenChunk, Usage
+from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.prometheus_text import SHARED_HISTOGRAMS, Scrape
 
-MODEL = {"gen_ai_request_model": "m"}
+MODEL = {"gen_ai_request_model": "m", "gen_ai_operation_name": "chat"}
+CHAT = TextGeneration(task_id="t", model="m", messages=[ChatMessage(role="user", content="hi")])
 
 
 def accepted(task_id: str) -> TaskAccepted:
@@ -19,7 +21,7 @@ def accepted(task_id: str) -> TaskAccepted:
 
 def test_observer_times_a_task_from_the_request() -> None:
     metrics = GatewayMetrics()
-    observer = TaskObserver(metrics, "m", started=10.0)
+    observer = TaskObserver(metrics, CHAT, started=10.0)
     observer.see(accepted("t"), 10.25)
     observer.see(accepted("t"), 10.4)  # redelivered: the first acceptance counts
     for index, now in enumerate((10.5, 10.7, 10.9)):
@@ -51,7 +53,7 @@ def test_a_failed_task_has_its_error_type_and_no_token_timings() -> None:
     failed = TaskFinished(
         task_id="t", at=0, status="failed", reason=ErrorReason.RUNNER_CRASHED, message="x"
     )
-    TaskObserver(metrics, "m", started=1.0).see(failed, 3.0)
+    TaskObserver(metrics, CHAT, started=1.0).see(failed, 3.0)
     metrics.error(ErrorReason.RUNNER_CRASHED.value)
     scrape = Scrape.of(metrics.render({}).decode())
     duration = "gen_ai_server_request_duration_seconds_count"
@@ -66,15 +68,16 @@ def test_gauges_are_what_the_scrape_was_given() -> None:
     queue = ModelQueue(queued=3, in_flight=2, redelivered=1, dead_lettered=4)
     scrape = Scrape.of(metrics.render({"m": queue}, waiting=5).decode())
     assert scrape.value("fleet_gateway_waiting_requests") == 5
-    assert scrape.value("fleet_queue_depth", **MODEL) == 3
-    assert scrape.value("fleet_tasks_in_flight", **MODEL) == 2
-    assert scrape.value("fleet_tasks_redelivered", **MODEL) == 1
-    assert scrape.value("fleet_tasks_dead_lettered", **MODEL) == 4
+    model = {"gen_ai_request_model": "m"}
+    assert scrape.value("fleet_queue_depth", **model) == 3
+    assert scrape.value("fleet_tasks_in_flight", **model) == 2
+    assert scrape.value("fleet_tasks_redelivered", **model) == 1
+    assert scrape.value("fleet_tasks_dead_lettered", **model) == 4
     assert {scrape.types[name] for name in ("fleet_queue_depth", "fleet_tasks_in_flight")} == {
         "gauge"
     }
     again = Scrape.of(metrics.render({}).decode())  # a model gone from JetStream is gone here
-    assert again.value("fleet_queue_depth", **MODEL) is None
+    assert again.value("fleet_queue_depth", **model) is None
 
 
 def test_each_gateway_counts_from_zero() -> None:

@@ -60,7 +60,10 @@ async def test_gateway_and_worker_metrics_parse_and_carry_the_same_histograms(
     assert at_gateway.histograms() >= SHARED_HISTOGRAMS
     assert at_worker.histograms() >= SHARED_HISTOGRAMS
     for scrape, scope in ((at_gateway, "fleet.gateway"), (at_worker, "fleet.worker")):
-        tiny = {"gen_ai_request_model": "tiny-llm", "otel_scope_name": scope}
+        tiny = {
+            "gen_ai_request_model": "tiny-llm", "gen_ai_operation_name": "chat",
+            "otel_scope_name": scope,
+        }
         for name in SHARED_HISTOGRAMS - {"gen_ai_client_token_usage"}:
             assert scrape.value(f"{name}_count", **tiny) == 1, (scope, name)
         assert scrape.value("gen_ai_client_token_usage_sum", **tiny, gen_ai_token_type="output")

@@ -15,6 +15,7 @@ from tests.bus.cluster import free_port
 from tests.prometheus_text import SHARED_HISTOGRAMS, Scrape
 
 TINY = {"gen_ai_request_model": "tiny-llm", "otel_scope_name": "fleet.worker"}
+IMAGES = {"gen_ai.request.model": "tiny-llm", "gen_ai.operation.name": "image_generation"}
 
 
 def finished(status: str = "completed") -> TaskFinished:
@@ -25,7 +26,7 @@ def finished(status: str = "completed") -> TaskFinished:
 
 def test_a_finished_task_is_served_on_the_metrics_port() -> None:
     metrics = TaskMetrics()
-    metrics.finished("tiny-llm", finished())
+    metrics.finished(IMAGES, finished())
     port = free_port()
     with metrics.served("127.0.0.1", port) as served:
         assert served == port
@@ -33,7 +34,10 @@ def test_a_finished_task_is_served_on_the_metrics_port() -> None:
     assert scraped.status_code == 200
     scrape = Scrape.of(scraped.text)
     assert scrape.histograms() >= SHARED_HISTOGRAMS
-    assert scrape.value("gen_ai_server_time_to_first_token_seconds_sum", **TINY) == 0.25
+    assert scrape.value(
+        "gen_ai_server_time_to_first_token_seconds_sum", **TINY,
+        gen_ai_operation_name="image_generation",
+    ) == 0.25
     assert scrape.value("gen_ai_server_time_per_output_token_seconds_sum", **TINY) == 0.05
     assert scrape.value("fleet_task_queue_wait_seconds_sum", **TINY) == 0.5
     assert scrape.value("gen_ai_server_request_duration_seconds_sum", **TINY) == 2
@@ -57,7 +61,7 @@ def test_no_port_serves_nothing_and_a_busy_port_is_a_clear_error() -> None:
 
 def test_a_cancelled_task_has_its_error_type() -> None:
     metrics = TaskMetrics()
-    metrics.finished("tiny-llm", finished("cancelled"))
+    metrics.finished(IMAGES, finished("cancelled"))
     scrape = Scrape.of(metrics.meters.exposition().decode())
     duration = "gen_ai_server_request_duration_seconds_count"
     assert scrape.value(duration, **TINY, error_type="cancelled") == 1
