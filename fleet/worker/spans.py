@@ -51,7 +51,7 @@ class TaskSpans:
         self._open: dict[str, Span] = {}  # task id -> its process span, until settled
         self._contexts: dict[str, Context] = {}  # task id -> a context with that span current
         self._attributes: dict[str, dict[str, str]] = {}  # task id -> its metrics' attributes
-        self.metrics = TaskMetrics()
+        self.metrics = TaskMetrics(held=lambda: len(self._open))
 
     def received(self, msg: Msg) -> Span:
         """Start the process span of a message just fetched (before it is even decoded)."""

@@ -7,9 +7,10 @@ They also go out over OTLP when an endpoint is configured.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
+from opentelemetry.metrics import CallbackOptions, Observation
 from prometheus_client import start_http_server
 
 from fleet.errors import InvalidSetting
@@ -20,9 +21,19 @@ log = logging.getLogger(__name__)
 
 
 class TaskMetrics:
-    def __init__(self) -> None:
+    def __init__(self, held: Callable[[], int] = lambda: 0) -> None:
+        """`held()`: how many tasks the worker has taken and not yet settled."""
         self.meters = Meters("fleet-worker")
-        self.timings = TaskTimings(self.meters.meter("fleet.worker"))
+        meter = self.meters.meter("fleet.worker")
+        self.timings = TaskTimings(meter)
+
+        def observe_held(options: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(held())
+
+        meter.create_observable_gauge(
+            "fleet.worker.tasks", [observe_held], unit="{task}",
+            description="Tasks this worker has taken and not yet acked, nakked or termed",
+        )
 
     def finished(self, attributes: dict[str, str], event: TaskFinished) -> None:
         """`attributes`: the task's (meters.task_attributes)."""

@@ -25,7 +25,7 @@ def finished(status: str = "completed") -> TaskFinished:
 
 
 def test_a_finished_task_is_served_on_the_metrics_port() -> None:
-    metrics = TaskMetrics()
+    metrics = TaskMetrics(held=lambda: 2)
     metrics.finished(IMAGES, finished())
     port = free_port()
     with metrics.served("127.0.0.1", port) as served:
@@ -34,6 +34,7 @@ def test_a_finished_task_is_served_on_the_metrics_port() -> None:
     assert scraped.status_code == 200
     scrape = Scrape.of(scraped.text)
     assert scrape.histograms() >= SHARED_HISTOGRAMS
+    assert scrape.value("fleet_worker_tasks") == 2
     assert scrape.value(
         "gen_ai_server_time_to_first_token_seconds_sum", **TINY,
         gen_ai_operation_name="image_generation",
