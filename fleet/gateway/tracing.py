@@ -5,14 +5,16 @@ The span (`<METHOD> <route>`, SERVER) is the root of the request's trace unless 
 sent a `traceparent`, whose trace it then joins. It is current while the app runs, so the task
 the request publishes is its child (`send fleet.tasks.<model>`), and it ends when the
 response's last byte is sent. The same middleware records http.server.request.duration and
-http.server.active_requests on the gateway's meter provider. Health checks and metric scrapes
-are left out of both: they would be a trace each, every few seconds.
+http.server.active_requests on the gateway's meter provider. Health checks, metric scrapes and
+the dashboard's static files are left out of both: they would be a trace each, every few
+seconds.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,9 +25,11 @@ from opentelemetry.util.http import ExcludeList
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-UNTRACED_PATHS = frozenset({"/healthz", "/metrics"})
-# The instrumentation matches these against the whole URL (scheme, host, path).
-_UNTRACED_URLS = ExcludeList([r"^[a-z]+://[^/]*/(?:healthz|metrics)$"])
+# Probes, scrapes and the dashboard's static files: no span, and their access lines at debug.
+_UNTRACED = r"/(?:healthz|metrics|ui/static/.*)"
+UNTRACED_PATH = re.compile(_UNTRACED)
+# The instrumentation matches against the whole URL (scheme, host, path).
+UNTRACED_URLS = ExcludeList([rf"^[a-z]+://[^/]*{_UNTRACED}$"])
 # One line per request: `<client> "<METHOD> <path>" <status> <ms> ms task=<id>` (health checks
 # and scrapes at debug). The task id comes from the response's x-fleet-task-id header.
 access_log = logging.getLogger("fleet.gateway.access")
@@ -46,7 +50,7 @@ def http_spans(
 
     return OpenTelemetryMiddleware(
         app,
-        excluded_urls=_UNTRACED_URLS,
+        excluded_urls=UNTRACED_URLS,
         default_span_details=span_details,
         meter_provider=meter_provider,
         # A span per receive and send would be one per streamed token.
@@ -107,7 +111,7 @@ class AccessLog:
         try:
             await self.app(scope, receive, send_noting_status)
         finally:
-            level = logging.DEBUG if scope["path"] in UNTRACED_PATHS else logging.INFO
+            level = logging.DEBUG if UNTRACED_PATH.fullmatch(scope["path"]) else logging.INFO
             if access_log.isEnabledFor(level):
                 access_log.log(level, "%s", access_line(
                     scope, status_code, time.perf_counter() - started, task_id))

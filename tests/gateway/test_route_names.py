@@ -6,7 +6,7 @@ import pytest
 
 from fleet.config import Settings
 from fleet.gateway.app import build_app
-from fleet.gateway.tracing import route_of
+from fleet.gateway.tracing import UNTRACED_URLS, route_of
 
 ROUTES = build_app(Settings(nats_url="nats://127.0.0.1:1")).router.routes
 HASH = "ab" * 32
@@ -27,3 +27,18 @@ HASH = "ab" * 32
 def test_route_of(method: str, path: str, template: str | None) -> None:
     scope = {"type": "http", "method": method, "path": path, "root_path": ""}
     assert route_of(ROUTES, scope) == template
+
+
+@pytest.mark.parametrize(
+    ("url", "untraced"),
+    [
+        ("http://gw:8000/healthz", True),
+        ("http://gw:8000/metrics", True),
+        ("https://gw/ui/static/app.js", True),
+        ("http://gw:8000/v1/models/metrics", False),  # a model may be called that
+        ("http://gw:8000/metrics/x", False),
+        ("http://gw:8000/ui", False),
+    ],
+)
+def test_untraced_urls(url: str, untraced: bool) -> None:
+    assert UNTRACED_URLS.url_disabled(url) is untraced
