@@ -16,6 +16,7 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -101,13 +102,21 @@ def run_bench(args: argparse.Namespace) -> int:
         except BaseException:
             show_logs(workdir)
             raise
-        failures = stream_failures(result["text"])
+        failures = stream_failures(result["text"]) + [
+            f"routing {model} {name}: {error}"
+            for model, info in result.get("routing", {}).items()
+            for name, scenario in info["scenarios"].items() for error in scenario["errors"]
+        ]
         if failures:
             show_logs(workdir)
     result["machine"]["load_average_end"] = load_average()
     result["elapsed_s"] = round(time.perf_counter() - began, 1)
     result["targets"] = targets(result) if result["text"] else []
     print_report(result)
+    if result.get("routing"):
+        from bench.routing_report import print_routing
+
+        print_routing(result["routing"])
     RESULTS_DIR.mkdir(exist_ok=True)
     out = RESULTS_DIR / f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -128,6 +137,22 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
             result["text"][model_id] = uvloop.run(
                 run_model(model_id, path, plan, workdir / model_id, env, custom)
             )
+    if args.only == "routing" or (args.only is None and args.quick):
+        from bench.routing import full_plan, quick_plan, run_routing
+
+        routing_plan = quick_plan() if args.quick else full_plan()
+        if args.conversations:
+            routing_plan = replace(routing_plan, workload=replace(
+                routing_plan.workload, conversations=args.conversations))
+        if args.no_peer:
+            routing_plan = replace(routing_plan, scenarios=tuple(
+                s for s in routing_plan.scenarios if s != "peer"))
+        result["routing"] = {}
+        for model_id in models:
+            path, custom = model_dir(model_id, models_dir)
+            result["routing"][model_id] = uvloop.run(run_routing(
+                model_id, path, custom, routing_plan, workdir / f"routing-{model_id}", env,
+            ))
     if args.only in (None, "weights"):
         from bench.weights import run as run_weights
 

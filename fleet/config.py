@@ -32,6 +32,8 @@ class Settings:
     max_deliver: int = 3
     ack_wait_s: float = 30.0
     auto_place: bool = True  # a task queued for a model nobody serves places an instance
+    prefix_routing: bool = True  # a task goes to the runner holding most of its prompt
+    prefix_index_blocks: int = 4096  # prompt blocks remembered per runner (LRU)
     # How this process proves who it is to NATS ("" = not used); see README "Operating".
     replicas: int = 0  # stream and KV replicas; 0 = from the cluster's size (3 if >= 3 servers)
     nats_creds: str = ""  # a .creds file (JWT + NKey seed)
@@ -92,6 +94,8 @@ _ENV: dict[str, str] = {
     "max_deliver": "FLEET_MAX_DELIVER",
     "ack_wait_s": "FLEET_ACK_WAIT_S",
     "auto_place": "FLEET_AUTO_PLACE",
+    "prefix_routing": "FLEET_PREFIX_ROUTING",
+    "prefix_index_blocks": "FLEET_PREFIX_INDEX_BLOCKS",
     "replicas": "FLEET_REPLICAS",
     "nats_creds": "FLEET_NATS_CREDS",
     "nats_nkey": "FLEET_NATS_NKEY",
@@ -175,6 +179,8 @@ DESCRIPTIONS: dict[str, str] = {
     "max_deliver": "deliveries of a task before it is given up",
     "ack_wait_s": "seconds a worker holds a task before JetStream redelivers it",
     "auto_place": "place a model when tasks wait for one nobody serves",
+    "prefix_routing": "send a task to the runner whose prefix cache holds most of its prompt",
+    "prefix_index_blocks": "prompt blocks remembered per runner for routing (LRU)",
     "replicas": "stream and KV replicas (0: from the cluster's size)",
     "nats_creds": "a .creds file (JWT + NKey seed)",
     "nats_nkey": "an NKey seed file",
@@ -203,7 +209,8 @@ CONNECTION = (
     "nats_tls_ca", "nats_tls_cert", "nats_tls_key",
 )
 WORKER = ("slots", "image_cache_bytes", "input_wait_s", "max_deliver", "ack_wait_s",
-          "auto_place", "replicas", "metrics_host", "metrics_port")
+          "auto_place", "replicas", "prefix_routing", "prefix_index_blocks", "metrics_host",
+          "metrics_port")
 GATEWAY = (
     *(name for name in _ENV if name.startswith("gateway_")), "api_keys", "api_keys_file",
     "replicas",

@@ -24,13 +24,15 @@ REFUSED = "FLEET_REFUSED"
 IMAGES = "OBJ_FLEET_IMAGES"
 WEIGHTS = "OBJ_FLEET_WEIGHTS"
 MODELS = "FLEET_MODELS"
-STATE_BUCKETS = ("FLEET_NODES", "FLEET_INSTANCES", "FLEET_RUNNERS")
+INSTANCES = "FLEET_INSTANCES"
+STATE_BUCKETS = ("FLEET_NODES", INSTANCES, "FLEET_RUNNERS")
 CANCELS = "FLEET_CANCELS"
 CLAIMS = "FLEET_CLAIMS"
 TENANTS = "FLEET_TENANTS"
+PREFIXES = "FLEET_PREFIXES"
 ALL_STREAMS = (
     TASKS, OUT, EVENTS, TRACES, DEAD, ADVISORIES, REFUSED, IMAGES, WEIGHTS,
-    *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS, MODELS)),
+    *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS, MODELS, PREFIXES)),
 )
 
 
@@ -105,6 +107,10 @@ GRANTS: dict[str, Grant] = {
         publish=[
             "fleet.tasks.>", "fleet.cancel.>", f"$KV.{CANCELS}.>", "fleet.traces.>",
             f"$KV.{TENANTS}.>", "$O.FLEET_IMAGES.>", FLOW_CONTROL, _api("INFO"),
+            # The dashboard's operator actions: place and remove an instance (a put or a
+            # delete marker on one key of FLEET_INSTANCES; nodes and runners stay the
+            # workers'), and the dead letters list (reads of FLEET_DEAD, no consumer).
+            f"$KV.{INSTANCES}.>", _api("STREAM", "MSG", "GET", DEAD),
             *_info(*ALL_STREAMS),
             _api("CONSUMER", "INFO", TASKS, "*"), _api("CONSUMER", "LIST", TASKS),
             _api("CONSUMER", "NAMES", TASKS),
@@ -123,7 +129,7 @@ GRANTS: dict[str, Grant] = {
         publish=[
             "fleet.out.>", "fleet.events.>", "fleet.traces.>", "fleet.dead.>", "fleet.refused.>",
             INBOX,  # a refused task's publisher hears why on its reply inbox
-            *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS)),
+            *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS, PREFIXES)),
             "$O.FLEET_IMAGES.>", "$O.FLEET_WEIGHTS.>", FLOW_CONTROL, _api("INFO"),
             f"$JS.ACK.{TASKS}.>", f"$JS.ACK.{ADVISORIES}.>",
             *_info(*ALL_STREAMS),
@@ -137,7 +143,8 @@ GRANTS: dict[str, Grant] = {
             _api("CONSUMER", "CREATE", ADVISORIES, ">"), _api("CONSUMER", "INFO", ADVISORIES, "*"),
             _api("CONSUMER", "MSG", "NEXT", ADVISORIES, "*"),
             _api("STREAM", "MSG", "GET", OUT),
-            *(s for b in (*STATE_BUCKETS, CANCELS, CLAIMS, MODELS) for s in _kv_read(b)),
+            *(s for b in (*STATE_BUCKETS, CANCELS, CLAIMS, MODELS, PREFIXES)
+              for s in _kv_read(b)),
             *_images_read(), *_weights_read(),
         ],
         subscribe=[INBOX, "fleet.tasks.>", "fleet.cancel.*"],
@@ -195,8 +202,12 @@ ACTIONS: tuple[Action, ...] = (
            "the janitor drops tasks of a model that no card names"),
     Action("read_state", "read FLEET_NODES / FLEET_INSTANCES / FLEET_RUNNERS",
            _who("gateway", "worker")),
-    Action("write_state", "write FLEET_NODES / FLEET_INSTANCES / FLEET_RUNNERS",
-           _who("worker")),
+    Action("write_state", "write FLEET_NODES / FLEET_RUNNERS", _who("worker")),
+    Action("write_instances", "place or remove an instance (write FLEET_INSTANCES)",
+           _who("gateway", "worker"),
+           "the gateway only for the dashboard's operator keys (fleet/gateway/tenants.py)"),
+    Action("read_dead_letters", "read the dead letters (STREAM.MSG.GET on FLEET_DEAD)",
+           _who("gateway"), "the dashboard lists them, to operator keys only"),
     Action("put_image", "store an image in FLEET_IMAGES",
            _who("client", "gateway", "worker")),
     Action("get_image", "read an image from FLEET_IMAGES",
@@ -216,6 +227,8 @@ ACTIONS: tuple[Action, ...] = (
     Action("dead_letter", "publish a dead letter on `fleet.dead.<model>`", _who("worker")),
     Action("claim_task_id", "claim a task id (FLEET_CLAIMS) and record a refusal "
            "(`fleet.refused.<model>`)", _who("worker")),
+    Action("advertise_prefixes", "read and write runners' prefix summaries (FLEET_PREFIXES)",
+           _who("worker"), "a worker advertises what its runners' prefix caches hold"),
     Action("tenant_records", "read and write which tenant owns a task or image (FLEET_TENANTS)",
            _who("gateway"), "tenants are the gateway's: NATS users are roles, not tenants"),
 )

@@ -20,6 +20,7 @@ from fleet.commands.core import check_mflux, secured_config, settings_from
 from fleet.config import Settings
 from fleet.models.catalog import get_card
 from fleet.placement import find_instance, place, read_instances, read_nodes, remove
+from fleet.placement_replicas import place_replicas
 from fleet.proc import Exit, guard_child, run_main
 
 if TYPE_CHECKING:
@@ -226,8 +227,11 @@ async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:
     try:
         if args.action == "place":
             card = get_card(args.model, settings.data_dir)
-            instance = await place(js, card, node_id=args.node, slots=args.slots)
-            print(f"placed {instance.instance_id} on {instance.shards[0].node_id}")
+            placed = await place_replicas(
+                js, card, args.replicas, node_id=args.node, slots=args.slots
+            )
+            for instance in placed:
+                print(f"placed {instance.instance_id} on {instance.shards[0].node_id}")
         elif args.action == "remove":
             await remove(js, args.instance_id)
             print(f"removed {args.instance_id}")
@@ -263,6 +267,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     place_p.add_argument("--model", required=True)
     place_p.add_argument("--node", help="node id (default: the live node with most memory)")
     place_p.add_argument("--slots", type=int, default=4)
+    place_p.add_argument("--replicas", type=int, default=1,
+                         help="runners of the model, one instance each, spread over nodes")
     sub.add_parser("list")
     remove_p = sub.add_parser("remove")
     remove_p.add_argument("instance_id")

@@ -1,10 +1,15 @@
 """The dashboard's live feed: ONE reader per gateway process, shared by every browser tab.
 
-It reads the fleet's KV buckets (FLEET_NODES, FLEET_INSTANCES, FLEET_RUNNERS) and the queue
-counts once a second, and follows `fleet.out.>` for the recent-tasks table; each open tab is
-only an asyncio queue here, so a hundred tabs cost NATS nothing more than one. A snapshot is
-read rather than a KV watch kept because a node leaves FLEET_NODES by its key's TTL, and a
-fresh snapshot is the one view that sees that the same way `fleet nodes` does.
+KV watches mirror FLEET_NODES, FLEET_INSTANCES, FLEET_RUNNERS and the task owners of
+FLEET_TENANTS (fleet/dashboard/watch.py); a subscription to `fleet.out.*` folds every task's
+events into the recent-tasks table; the queue counters are read once a second. Each open tab
+is only an asyncio queue here, so a hundred tabs cost NATS nothing more than one.
+
+Updates are coalesced: a change marks the fleet or a task dirty, and at most every
+COALESCE_S one `fleet` snapshot (only if it draws differently) and one `task_rows` batch
+go out. A burst of 1,000 tasks is a handful of messages per tab, not thousands, so a tab's
+bounded queue does not overflow. A tab of a tenant gets only its own tasks; an operator's
+(or any tab of an open gateway) gets all.
 """
 
 from __future__ import annotations
@@ -14,51 +19,74 @@ import contextlib
 import logging
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
 from fleet.aio import Supervisor
-from fleet.bus.kv_read import live_entries
-from fleet.dashboard.model import RecentTasks, changed, snapshot
+from fleet.dashboard.model import RecentTasks, beats, changed, sees, snapshot
+from fleet.dashboard.watch import WAIT_CONNECTED_S, Mirror
 from fleet.errors import FleetError
 from fleet.gateway.backend import Backend
+from fleet.gateway.owners import TENANTS_BUCKET, task_key
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
 
 log = logging.getLogger(__name__)
 
-INTERVAL_S = 1.0
+SAMPLE_S = 1.0  # the queue counters' read interval
+COALESCE_S = 0.25  # the longest a change waits to be sent, with the others it gathered
 HISTORY = 300  # samples of the queue counters: 5 minutes at one a second
-WAIT_CONNECTED_S = 0.5
-
-
-async def _bucket(backend: Backend, name: str) -> list[dict[str, Any]]:
-    values = []
-    for entry in await live_entries(backend.jetstream(), name, budget_s=5.0):
-        with contextlib.suppress(orjson.JSONDecodeError):
-            values.append(orjson.loads(entry.value))
-    return values
-
-
+TAB_QUEUE = 64  # messages a stalled tab may fall behind before it is dropped (it reconnects)
+OWNERS_KEPT = 10_000  # task owners remembered; the table keeps 1,000 tasks
 CLOSE_WAIT_S = 5.0
 
 
+@dataclass(eq=False)
+class Tab:
+    tenant: str | None
+    sees_all: bool
+    queue: asyncio.Queue[bytes] = field(default_factory=lambda: asyncio.Queue(TAB_QUEUE))
+
+
+def message(kind: str, data: Any) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def _decoded(mirror: Mirror) -> list[dict[str, Any]]:
+    values = []
+    for raw in mirror.values.values():
+        with contextlib.suppress(orjson.JSONDecodeError):
+            values.append(orjson.loads(raw))
+    return values
+
+
 class Feed:
-    """Latest fleet snapshot, queue history and recent tasks, pushed to every subscriber."""
+    """Latest fleet snapshot, queue history and recent tasks, pushed to every tab."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.fleet: dict[str, Any] | None = None
+        self.beats: dict[str, dict[str, Any]] = {}
+        self.queues: dict[str, dict[str, int]] = {}
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.tasks = RecentTasks()
-        self.subscribers: set[asyncio.Queue[bytes]] = set()
+        self.tabs: set[Tab] = set()
+        self.sent: dict[str, int] = {}  # messages broadcast by kind (for tests and logs)
+        self._due = asyncio.Event()
+        self._fleet_dirty = False
+        self._dirty_tasks: set[str] = set()
+        self._tokens_this_tick = self._tasks_this_tick = 0
+        self.nodes = Mirror(subjects.NODES_BUCKET, self._fleet_changed)
+        self.instances = Mirror(subjects.INSTANCES_BUCKET, self._fleet_changed)
+        self.runners = Mirror(subjects.RUNNERS_BUCKET, self._fleet_changed)
+        self.owners = Mirror(TENANTS_BUCKET, self._owner_changed, keys=task_key(">"),
+                             limit=OWNERS_KEPT)
         self._supervisor: Supervisor | None = None
         self._owner: asyncio.Task[None] | None = None
-        self._tokens_this_tick = 0
-        self._tasks_this_tick = 0
 
     async def start(self) -> None:
         # The supervisor lives in a task of its own: a TaskGroup is entered and left by the
@@ -71,8 +99,12 @@ class Feed:
     async def _own(self, started: asyncio.Event) -> None:
         async with Supervisor("dashboard-feed") as supervisor:
             self._supervisor = supervisor
-            supervisor.forever("fleet", self._read_fleet)
+            for mirror in (self.nodes, self.instances, self.runners, self.owners):
+                supervisor.forever(f"watch {mirror.bucket}",
+                                   lambda m=mirror: m.run(self.backend))  # type: ignore[misc]
+            supervisor.forever("queues", self._sample_queues)
             supervisor.forever("tasks", self._follow_tasks)
+            supervisor.forever("flush", self._flush_forever)
             started.set()
             await asyncio.Event().wait()  # until close() cancels it
 
@@ -88,29 +120,77 @@ class Feed:
 
     # --- what a tab gets -------------------------------------------------------------------
 
-    def subscribe(self) -> asyncio.Queue[bytes]:
-        queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=64)
-        self.subscribers.add(queue)
+    def subscribe(self, tenant: str | None = None, sees_all: bool = True) -> Tab:
+        tab = Tab(tenant, sees_all)
+        self.tabs.add(tab)
         if self.fleet is not None:
-            queue.put_nowait(self._message("fleet", self.fleet))
-        queue.put_nowait(self._message("history", list(self.history)))
-        queue.put_nowait(self._message("tasks", self.tasks.listing()))
-        return queue
+            tab.queue.put_nowait(message("fleet", self.fleet))
+            tab.queue.put_nowait(message("beats", self.beats))  # fresher than the snapshot
+        tab.queue.put_nowait(message("history", list(self.history)))
+        tab.queue.put_nowait(message("tasks", self.tasks.listing(tenant, sees_all)))
+        return tab
 
-    def unsubscribe(self, queue: asyncio.Queue[bytes]) -> None:
-        self.subscribers.discard(queue)
+    def unsubscribe(self, tab: Tab) -> None:
+        self.tabs.discard(tab)
 
-    @staticmethod
-    def _message(kind: str, data: Any) -> bytes:
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+    def _send(self, tab: Tab, data: bytes) -> None:
+        try:
+            tab.queue.put_nowait(data)
+        except asyncio.QueueFull:  # a stalled tab: it reconnects and starts afresh
+            self.tabs.discard(tab)
 
     def _broadcast(self, kind: str, data: Any) -> None:
-        message = self._message(kind, data)
-        for queue in list(self.subscribers):
-            try:
-                queue.put_nowait(message)
-            except asyncio.QueueFull:  # a stalled tab: it reconnects and starts afresh
-                self.subscribers.discard(queue)
+        self.sent[kind] = self.sent.get(kind, 0) + 1
+        encoded = message(kind, data)
+        for tab in list(self.tabs):
+            self._send(tab, encoded)
+
+    # --- changes, coalesced ----------------------------------------------------------------
+
+    def _fleet_changed(self, key: str | None) -> None:
+        self._fleet_dirty = True
+        self._due.set()
+
+    def _owner_changed(self, key: str | None) -> None:
+        if key is None:  # the owners were read afresh: every row's owner may be known now
+            self._dirty_tasks.update(self._adopt(row_id) for row_id in self.tasks.rows)
+        elif (task_id := key.removeprefix(task_key(""))) in self.tasks.rows:
+            self._dirty_tasks.add(self._adopt(task_id))
+        self._due.set()
+
+    def _adopt(self, task_id: str) -> str:
+        owner = self.owners.values.get(task_key(task_id))
+        self.tasks.rows[task_id].tenant = owner.decode() if owner else None
+        return task_id
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await self._due.wait()
+            await asyncio.sleep(COALESCE_S)  # the coalescing window, not synchronisation
+            self._due.clear()
+            self.flush()
+
+    def flush(self) -> None:
+        if self._fleet_dirty and all(m.ready.is_set() for m in (
+                self.nodes, self.instances, self.runners)):
+            self._fleet_dirty = False
+            current = snapshot(_decoded(self.nodes), _decoded(self.instances),
+                               _decoded(self.runners), self.queues, time.time())
+            if changed(self.fleet, current):
+                self._broadcast("fleet", current)
+            self.fleet = current
+        if self._dirty_tasks:
+            rows = [self.tasks.rows[i] for i in self._dirty_tasks if i in self.tasks.rows]
+            self._dirty_tasks.clear()
+            self.sent["task_rows"] = self.sent.get("task_rows", 0) + 1
+            by_viewer: dict[tuple[str | None, bool], bytes] = {}
+            for tab in list(self.tabs):
+                viewer = (None, True) if tab.sees_all else (tab.tenant, False)
+                if viewer not in by_viewer:
+                    shown = [asdict(r) for r in rows if sees(r.tenant, *viewer)]
+                    by_viewer[viewer] = message("task_rows", shown) if shown else b""
+                if by_viewer[viewer]:
+                    self._send(tab, by_viewer[viewer])
 
     # --- the readers -----------------------------------------------------------------------
 
@@ -118,58 +198,58 @@ class Feed:
         while not self.backend.connected:
             await asyncio.sleep(WAIT_CONNECTED_S)  # the backend retries its connection itself
 
-    async def _read_fleet(self) -> None:
+    async def _sample_queues(self) -> None:
         await self._connected()
         while True:
-            await self._tick()
-            await asyncio.sleep(INTERVAL_S)  # the read interval, not synchronisation
+            await self._sample()
+            await asyncio.sleep(SAMPLE_S)  # the read interval, not synchronisation
 
-    async def _tick(self) -> None:
+    async def _sample(self) -> None:
         try:
-            nodes = await _bucket(self.backend, subjects.NODES_BUCKET)
-            instances = await _bucket(self.backend, subjects.INSTANCES_BUCKET)
-            runners = await _bucket(self.backend, subjects.RUNNERS_BUCKET)
             queues = {m: asdict(q) for m, q in (await self.backend.queue_stats()).items()}
-        except (FleetError, OSError, TimeoutError) as exc:
-            log.warning("dashboard: could not read the fleet: %s", exc)
+        except (FleetError, NatsError, OSError, TimeoutError) as exc:
+            log.warning("dashboard: could not read the queues: %s", exc)
             return
         now = time.time()
-        current = snapshot(nodes, instances, runners, queues, now)
         sample = {"at": now, "queues": queues, "tasks": self._tasks_this_tick,
                   "tokens": self._tokens_this_tick}
         self._tasks_this_tick = self._tokens_this_tick = 0
         self.history.append(sample)
         self._broadcast("sample", sample)
-        if changed(self.fleet, current):
-            self._broadcast("fleet", current)
-        self.fleet = current
+        if queues != self.queues:  # the fleet snapshot lists the queues too
+            self.queues = queues
+            self._fleet_changed(None)
+        if (current := beats(_decoded(self.nodes))) != self.beats:
+            self.beats = current
+            self._broadcast("beats", current)
 
     async def _follow_tasks(self) -> None:
         await self._connected()
         nc = self.backend.nc
         assert nc is not None
-        done = asyncio.Event()
 
         async def on_event(msg: Msg) -> None:
             try:
                 event = decode_event(msg.data)
             except DecodeError:
                 return
-            if event.type == "task_accepted" and event.task_id not in self.tasks.rows:
+            new = event.task_id not in self.tasks.rows
+            if event.type == "task_accepted" and new:
                 self._tasks_this_tick += 1
             if event.type == "token":
                 self._tokens_this_tick += 1
-                if event.task_id in self.tasks.rows:  # a token alone changes one counter
+                if not new:  # a token alone changes one counter: sent with the next change
                     self.tasks.fold(event)
                     return
-            row = self.tasks.fold(event)
-            self._broadcast("task", asdict(row))
+            self.tasks.fold(event)
+            self._dirty_tasks.add(self._adopt(event.task_id) if new else event.task_id)
+            self._due.set()
 
         sub = await nc.subscribe(subjects.out("*"), cb=on_event)
         try:
-            await done.wait()  # until cancelled with the feed
+            await asyncio.Event().wait()  # until cancelled with the feed
         finally:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(NatsError):
                 await sub.unsubscribe()
 
 

@@ -31,6 +31,13 @@ class TaskRow:
     duration_s: float | None = None
     started_at: float = 0.0
     updated_at: float = 0.0
+    tenant: str | None = None  # from FLEET_TENANTS; None: not sent through a gateway
+
+
+def sees(row_tenant: str | None, tenant: str | None, sees_all: bool) -> bool:
+    """Whether a tab may see a task: an operator (or an open gateway) sees every task, a
+    tenant only its own; a task with no known owner is the operators' alone."""
+    return sees_all or (row_tenant is not None and row_tenant == tenant)
 
 
 @dataclass
@@ -65,8 +72,10 @@ class RecentTasks:
                 row.tokens = event.usage.completion_tokens or row.tokens
         return row
 
-    def listing(self) -> list[dict[str, Any]]:
-        return [asdict(row) for row in reversed(self.rows.values())]
+    def listing(self, tenant: str | None = None, sees_all: bool = True) -> list[dict[str, Any]]:
+        """The rows this viewer may see, newest first."""
+        return [asdict(row) for row in reversed(self.rows.values())
+                if sees(row.tenant, tenant, sees_all)]
 
 
 def node_view(node: dict[str, Any], now: float) -> dict[str, Any]:
@@ -89,6 +98,14 @@ def snapshot(
         "queues": dict(sorted(queues.items())),
         "runner_states": list(RUNNER_STATES),
     }
+
+
+def beats(nodes: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """What each heartbeat changes and `changed` leaves out of a snapshot: the beat's time and
+    the free memory, sent on their own (small) between fleet snapshots."""
+    return {n["node_id"]: {"at": n.get("at", 0.0),
+                           "memory_available_bytes": n.get("memory_available_bytes", 0)}
+            for n in nodes}
 
 
 def changed(previous: dict[str, Any] | None, current: dict[str, Any]) -> bool:

@@ -7,15 +7,11 @@ could make the browser send on the operator's behalf."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from nats.errors import Error as NatsError
-from nats.js.errors import NotFoundError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -23,21 +19,13 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fleet.dashboard import actions, task_routes
+from fleet.dashboard.access import is_operator
 from fleet.dashboard.feed import Feed
-from fleet.errors import FleetError, ModelNotFound
 from fleet.gateway.guards import tenant_of
-from fleet.gateway.service import gateway_of
-from fleet.models.catalog import get_card
-from fleet.placement import place, remove
-from fleet.trace.cli import linked_spans, spans_of_trace, trace_id_of_task
-from fleet.trace.render import label, tree_rows
-from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_task
 
 STATIC = Path(__file__).parent / "static"
-TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 KEEPALIVE_S = 15.0
-DEAD_SHOWN = 50
 
 
 def feed_of(request: Request) -> Feed:
@@ -50,120 +38,37 @@ async def index(request: Request) -> Response:
 
 async def whoami(request: Request) -> Response:
     """200 when the key is good (ApiKeys already refused a bad one with 401)."""
-    return JSONResponse({"tenant": tenant_of(request)})
+    return JSONResponse({"tenant": tenant_of(request), "operator": is_operator(request)})
 
 
 async def feed(request: Request) -> Response:
     hub = feed_of(request)
-    queue = hub.subscribe()
+    tab = hub.subscribe(tenant_of(request), is_operator(request))
 
     async def lines() -> AsyncIterator[bytes]:
         try:
-            while queue in hub.subscribers:
+            while tab in hub.tabs:
                 try:
-                    yield await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                    yield await asyncio.wait_for(tab.queue.get(), KEEPALIVE_S)
                 except TimeoutError:
                     yield b": keep-alive\n\n"
         finally:
-            hub.unsubscribe(queue)
+            hub.unsubscribe(tab)
 
     return StreamingResponse(lines(), media_type="text/event-stream",
                              headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
 
-async def trace(request: Request) -> Response:
-    """The task's spans (and those of linked traces it overlapped), as `fleet trace` finds
-    them; the page draws the waterfall."""
-    task_id = request.path_params["task_id"]
-    if not TASK_ID.match(task_id):
-        return JSONResponse({"error": "bad task id"}, status_code=400)
-    backend = gateway_of(request).backend
-    if not await backend.owners.owns_task(task_id, tenant_of(request)):
-        return JSONResponse({"error": "unknown task"}, status_code=404)
-    try:
-        js = backend.jetstream()
-        trace_id = await trace_id_of_task(js, task_id)
-        spans: list[Any] = await spans_of_trace(js, trace_id) if trace_id else []
-        if spans:
-            spans += await linked_spans(js, spans, min(s["start_ns"] for s in spans))
-    except (NatsError, OSError, TimeoutError) as exc:
-        return JSONResponse({"error": f"NATS: {exc!r}"}, status_code=503)
-    rows = [{**row.span, "prefix": row.prefix, "label": label(row.span)}
-            for row in tree_rows(spans)]
-    return JSONResponse({"trace_id": trace_id, "spans": rows})
-
-
-def readable_task_id(data: bytes) -> str | None:
-    try:
-        return decode_task(data).task_id
-    except DecodeError as exc:
-        return exc.task_id
-
-
-async def dead_letters(request: Request) -> Response:
-    """The newest dead letters (FLEET_DEAD), with the reason the janitor gave each. Under NATS
-    roles the gateway may not read stored messages of FLEET_DEAD: then the error says so."""
-    js = gateway_of(request).backend.jetstream()
-    found: list[dict[str, Any]] = []
-    try:
-        info = await js.stream_info(subjects.DEAD_LETTERS_STREAM)
-        seq = info.state.last_seq
-        while seq >= max(1, info.state.first_seq) and len(found) < DEAD_SHOWN:
-            with contextlib.suppress(NotFoundError):
-                msg = await js.get_msg(subjects.DEAD_LETTERS_STREAM, seq)
-                headers = msg.headers or {}
-                found.append({
-                    "seq": seq, "model": subjects.model_of_dead_letter(msg.subject or ""),
-                    "task_id": readable_task_id(msg.data or b""),
-                    "reason": headers.get("Fleet-Reason"),
-                    "deliveries": headers.get("Fleet-Deliveries"),
-                })
-            seq -= 1
-    except (NatsError, OSError, TimeoutError) as exc:
-        return JSONResponse({"error": f"could not read FLEET_DEAD: {exc!r}"}, status_code=503)
-    return JSONResponse({"dead_letters": found})
-
-
-def _refused(exc: Exception, cli: str) -> Response:
-    """The gateway's NATS role may not write FLEET_INSTANCES (fleet/bus/roles.py): under
-    roles the action is refused, and the page shows the operator's command instead."""
-    return JSONResponse({"error": f"the gateway could not do this: {exc}", "cli": cli},
-                        status_code=403)
-
-
-async def remove_instance(request: Request) -> Response:
-    instance_id = request.path_params["instance_id"]
-    cli = f"fleet instances remove {instance_id}"
-    try:
-        await remove(gateway_of(request).backend.jetstream(), instance_id)
-    except (FleetError, NatsError, OSError, TimeoutError) as exc:
-        return _refused(exc, cli)
-    return JSONResponse({"removed": instance_id})
-
-
-async def place_instance(request: Request) -> Response:
-    body = await request.json()
-    model, node = str(body.get("model", "")), body.get("node") or None
-    cli = f"fleet instances place --model {model}" + (f" --node {node}" if node else "")
-    gateway = gateway_of(request)
-    try:
-        card = get_card(model, gateway.settings.data_dir)
-    except (ModelNotFound, FleetError) as exc:
-        return JSONResponse({"error": str(exc)}, status_code=404)
-    try:
-        instance = await place(gateway.backend.jetstream(), card, node_id=node)
-    except (FleetError, NatsError, OSError, TimeoutError) as exc:
-        return _refused(exc, cli)
-    return JSONResponse({"placed": instance.instance_id, "node": instance.shards[0].node_id})
-
-
 API_ROUTES = [
     Route("/ui/api/whoami", whoami, methods=["GET"]),
     Route("/ui/api/feed", feed, methods=["GET"]),
-    Route("/ui/api/tasks/{task_id}/trace", trace, methods=["GET"]),
-    Route("/ui/api/dead", dead_letters, methods=["GET"]),
-    Route("/ui/api/instances", place_instance, methods=["POST"]),
-    Route("/ui/api/instances/{instance_id}", remove_instance, methods=["DELETE"]),
+    Route("/ui/api/tasks/{task_id}/events", task_routes.events, methods=["GET"]),
+    Route("/ui/api/tasks/{task_id}/trace", task_routes.trace, methods=["GET"]),
+    Route("/ui/api/tasks/{task_id}/cancel", task_routes.cancel, methods=["POST"]),
+    Route("/ui/api/images/{sha256}", task_routes.image, methods=["GET"]),
+    Route("/ui/api/dead", actions.dead_letters, methods=["GET"]),
+    Route("/ui/api/instances", actions.place_instance, methods=["POST"]),
+    Route("/ui/api/instances/{instance_id}", actions.remove_instance, methods=["DELETE"]),
 ]
 
 

@@ -91,6 +91,7 @@ def build_app(settings: Settings) -> Starlette:
         lifespan=lifespan,
     )
     app.state.gateway = gateway
+    app.state.key_ring = ring  # the dashboard asks it who is an operator
     mount_dashboard(app)  # /ui: fleet/dashboard
     # Outermost, in this order: the access log sees every request; the HTTP span is current
     # for everything below it. Added last so that they know every route, /ui's too.

@@ -118,6 +118,8 @@ def register(subparsers: Any) -> None:
         "add", help="make a key for a tenant, print it once, append its hash to the keys file"
     )
     add.add_argument("--tenant", required=True, help="1-64 letters, digits, - or _")
+    add.add_argument("--operator", action="store_true",
+                     help="the tenant may change the fleet from the dashboard and sees all tasks")
     add.add_argument(
         "--file", help="the keys file (default: FLEET_API_KEYS_FILE, else DATA_DIR/api_keys.jsonl)"
     )
@@ -127,8 +129,9 @@ def register(subparsers: Any) -> None:
 def cmd_keys_add(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     path = Path(args.file or settings.api_keys_file or settings.data_dir / "api_keys.jsonl")
-    key = add_key(path.expanduser(), args.tenant)
-    print(f"tenant {args.tenant}: key added to {path} (only its sha256 is stored)")
+    key = add_key(path.expanduser(), args.tenant, args.operator)
+    role = " (operator)" if args.operator else ""
+    print(f"tenant {args.tenant}{role}: key added to {path} (only its sha256 is stored)")
     print(f"  export FLEET_API_KEYS_FILE={path}   # for the gateway")
     print(f"  Authorization: Bearer {key}")
     print("This is the only time the key is shown.")

@@ -49,7 +49,7 @@ from fleet.wire.runners import (
     RunnerStatus,
     RunnerWarmingUp,
 )
-from fleet.wire.tasks import CancelTask
+from fleet.wire.tasks import CancelTask, Task, TextGeneration
 
 log = logging.getLogger(__name__)
 
@@ -193,6 +193,7 @@ class RunnerMachine:
                 delivery=command.delivery,
                 continued_from=len(command.generated),
                 attempt=command.attempt,
+                seed=sampling_seed(task),
             )
         )
         admission = Admission(
@@ -249,3 +250,10 @@ class RunnerMachine:
     def _become(self, status: RunnerStatus) -> None:
         self.state = status
         self._emit(RunnerStatusReport(status=status))
+
+
+def sampling_seed(task: Task) -> int | None:
+    """The seed a sampled text task draws its tokens with (recorded in its task_accepted)."""
+    if isinstance(task, TextGeneration) and task.temperature > 0.0:
+        return task.seed
+    return None

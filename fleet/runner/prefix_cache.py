@@ -5,6 +5,11 @@ stored the moment their prefill passes the end of the system turn, so a task tha
 while another with the same system prompt is still running reuses it. mlx-lm's LRU trie finds
 the nearest entry and hands out a copy, trimmed to the shared prefix; the batch generator
 takes such a cache per sequence and prefills only the rest.
+
+The bound is memory: `max_bytes` of KV caches per runner, least recently used entries evicted
+first (`max_entries` only guards the trie). The worker's routing index (fleet/worker/routing.py)
+models what this holds by prompt blocks; it cannot see this cache's evictions, so a routed
+task whose entry was evicted pays one prefill, nothing else.
 """
 
 from __future__ import annotations

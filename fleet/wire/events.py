@@ -50,6 +50,12 @@ class TaskAccepted(_Event):
     attempt: int = Field(
         default=0, ge=0, description="0 for the first run; k for the task's k-th continuation"
     )
+    seed: int | None = Field(
+        default=None, ge=-(2**63), le=2**64 - 1,
+        description="a sampled text task: the seed it samples with; the request's, or one the "
+        "worker fixed at the first attempt, which every continuation reuses (so an unseeded "
+        "task also continues exactly)",
+    )
 
 
 class TopLogprob(Part):

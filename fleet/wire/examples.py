@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from pydantic import BaseModel
 
 from fleet.runner import protocol as pipe
-from fleet.wire import cluster, events, runners, tasks
+from fleet.wire import cluster, events, prefixes, runners, tasks
 
 _AT = 1764495000.0
 _WHEN = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -92,6 +92,10 @@ def examples() -> dict[str, BaseModel]:
         "runner_record": cluster.RunnerRecord(
             runner_id="run-1", instance_id="inst-tiny-llm-1", node_id="node-a1",
             model="tiny-llm", status=runners.RunnerReady(), slots=4, at=_AT,
+        ),
+        "prefix_summary": prefixes.PrefixSummary(
+            runner_id="run-1", node_id="node-a1", model="tiny-llm", block_chars=256,
+            blocks=["9f86d081884c7d65", "2feaa0c55ad015a3"], in_flight=1, at=_AT,
         ),
         "runner_status_changed": cluster.RunnerStatusChanged(
             runner_id="run-1", instance_id="inst-tiny-llm-1", node_id="node-a1",

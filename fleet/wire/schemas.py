@@ -9,7 +9,7 @@ import orjson
 from pydantic import TypeAdapter
 
 from fleet.runner import protocol as pipe
-from fleet.wire import cluster, codec, events, tasks
+from fleet.wire import cluster, codec, events, prefixes, tasks
 from fleet.wire.examples import examples
 
 FAMILIES: dict[str, TypeAdapter[Any]] = {
@@ -26,6 +26,7 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "runner-report": pipe.REPORT,
     "runner-spec": TypeAdapter(pipe.RunnerSpec),
     "task-refused": TypeAdapter(events.TaskRefused),
+    "prefix-summary": TypeAdapter(prefixes.PrefixSummary),
 }
 
 _SUBJECTS = {
@@ -36,6 +37,7 @@ _SUBJECTS = {
     "node-info": "KV FLEET_NODES, key = node id",
     "instance": "KV FLEET_INSTANCES, key = instance id",
     "runner-record": "KV FLEET_RUNNERS, key = runner id",
+    "prefix-summary": "KV FLEET_PREFIXES, key = runner id",
     "task-refused": "fleet.refused.<model> (stream FLEET_REFUSED) and the task's "
     "Fleet-Reply-To inbox",
 }

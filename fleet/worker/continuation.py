@@ -10,12 +10,19 @@ Only the contiguous run of tokens from index 0 counts as generated: a client rea
 FLEET_OUT sees the stream in order, so what it has seen is exactly that run, and the next
 attempt's first token takes the next index (the Msg-Id of every token is its index, so a token
 the dead attempt published late is stored once, never twice).
+
+A sampled task draws token i from a key that is a pure function of (seed, i)
+(fleet.runner.sampling), so it continues exactly only with the seed its first attempt used: a
+task sent without one gets one fixed by the worker at its first dispatch (`with_seed`), the
+runner records it in the attempt's `task_accepted`, and `decide` hands it to every
+continuation.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 from dataclasses import dataclass
 
 from nats.aio.client import Client
@@ -47,6 +54,7 @@ class Continue:
     generated: tuple[int, ...]  # token ids of indexes 0..k-1; the next attempt emits index k
     attempt: int  # 1 for the first continuation
     delivered_images: frozenset[str] = frozenset()  # an image task: "<i>.<preview>", "<i>.final"
+    seed: int | None = None  # the seed the first attempt sampled with (recorded in its accept)
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,25 @@ def decide(task: Task, events: list[OutputEvent]) -> Continue | GiveUp | None:
         # An image task restarts from step 0 with the same seeds (the same bytes) and skips
         # what was delivered.
         return Continue((), continuations + 1, frozenset(map(image_key, images)))
-    return Continue(generated=generated_tokens(events), attempt=continuations + 1)
+    return Continue(
+        generated=generated_tokens(events), attempt=continuations + 1, seed=recorded_seed(events)
+    )
+
+
+def recorded_seed(events: list[OutputEvent]) -> int | None:
+    """The seed an earlier attempt recorded in its task_accepted (the first one that did)."""
+    return next((e.seed for e in events if isinstance(e, TaskAccepted) and e.seed is not None),
+                None)
+
+
+def with_seed(task: Task, recorded: int | None) -> Task:
+    """The task as dispatched: a sampled text task without a seed samples with the one its
+    first attempt recorded, or, on a first attempt, with a fresh one fixed here (the runner
+    records it), so that a continuation can draw the same tokens."""
+    if not isinstance(task, TextGeneration) or task.seed is not None or task.temperature == 0.0:
+        return task
+    seed = recorded if recorded is not None else secrets.randbits(63)
+    return task.model_copy(update={"seed": seed})
 
 
 def image_key(event: ImageChunk) -> str:
@@ -106,8 +132,8 @@ NOT_CONTINUED = Continue((), 0)
 
 class ContinuationBook:
     """The worker's notes for continuing tasks: what a continued task's next dispatch must
-    carry, and each running text task (its message is held here), so that a runner crash can
-    put it back in the queue instead of ending it."""
+    carry, and each running task (its message is held here), so that a runner crash can put
+    it back in the queue instead of ending it."""
 
     def __init__(self) -> None:
         self.queued: dict[str, Continue] = {}
@@ -117,8 +143,7 @@ class ContinuationBook:
         """What the SubmitTask of a task being dispatched now carries of its earlier attempts
         (nothing, attempt 0, for a first run)."""
         task_id = pending.task.task_id
-        if isinstance(pending.task, TextGeneration):
-            self.running[task_id] = pending
+        self.running[task_id] = pending
         return self.queued.pop(task_id, None) or NOT_CONTINUED
 
     def released(self, task_id: str) -> None:

@@ -20,6 +20,7 @@ from fleet.aio import Supervisor
 from fleet.wire.events import ErrorReason, ImageChunk, TaskFinished, failed
 from fleet.wire.tasks import CancelTask
 from fleet.worker.cluster import ClusterLink
+from fleet.worker.continuation import image_key
 from fleet.worker.inbox import ImageUploaded, Inbox, RunnerReported
 from fleet.worker.spans import TaskSpans
 
@@ -93,6 +94,14 @@ class ImageOutputs:
             if not isinstance(item.report, ImageChunk):
                 ready.append(item)
         return ready
+
+    def on_the_way(self, task_id: str) -> frozenset[str]:
+        """The images of a task made but not yet announced (uploading, or waiting to), as
+        continuation keys ('<image>.<preview>', '<image>.final')."""
+        return frozenset(
+            image_key(item.report) for item in self._waiting.get(task_id, ())
+            if isinstance(item.report, ImageChunk)
+        )
 
     def final(self, report: TaskFinished, runner_id: str) -> TaskFinished:
         """The runner's terminal report, or a failure in its place if an image was lost."""

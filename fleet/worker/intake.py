@@ -35,6 +35,7 @@ from fleet.worker.continuation import (
     stored_events,
 )
 from fleet.worker.outputs import TaskOutput
+from fleet.worker.prefix_blocks import prompt_blocks
 from fleet.worker.state import PendingTask
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class Intake:
             )
         return Queued(PendingTask(
             task=task, received_at=time.time(), delivery=delivery,
-            inputs=None if hashes else {},
+            inputs=None if hashes else {}, blocks=prompt_blocks(task),
         ))
 
     async def _claims(self) -> Claims:

@@ -36,6 +36,7 @@ from fleet.worker import state as ev
 from fleet.worker.acks import AckPolicy, Stage, held_stages
 from fleet.worker.children import Feeds
 from fleet.worker.cluster import ClusterLink
+from fleet.worker.continuation import with_seed
 from fleet.worker.endings import Endings, intake_stage
 from fleet.worker.image_outputs import ImageOutputs
 from fleet.worker.inbox import (
@@ -53,8 +54,10 @@ from fleet.worker.inbox import (
 )
 from fleet.worker.intake import Intake, Queued
 from fleet.worker.outputs import TaskOutput
+from fleet.worker.prefix_adverts import PrefixAdverts
 from fleet.worker.pulls import TaskPuller
 from fleet.worker.reports import RunnerReports
+from fleet.worker.routing import Weights
 from fleet.worker.runners import RunnerPool
 from fleet.worker.spans import TaskSpans
 from fleet.worker.state import WorkerState, apply
@@ -96,7 +99,11 @@ class Worker(RunnerReports, Stopping):
             self.cluster = ClusterLink(settings, self.nc, self.js, self.inbox)
             await self.cluster.start(owner)
             node = self.cluster.node_id
-            self.state = WorkerState(node_id=node, cards=self.cluster.cards)
+            self.state = WorkerState(
+                node_id=node, cards=self.cluster.cards,
+                routing=Weights(prefix=settings.prefix_routing),
+                prefix_capacity=settings.prefix_index_blocks,
+            )
             self.intake = Intake(self.js, self.output, self.cluster)
             self.endings = Endings(self.output, self.acks, self.spans, owner, node)
             self.runners = RunnerPool(settings, node, self.inbox, owner, self.cluster)
@@ -110,6 +117,7 @@ class Worker(RunnerReports, Stopping):
             await self.feeds.subscribe_cancels()
             owner.forever("cancel listener", self.feeds.follow_cancels)
             owner.forever("tick", self.feeds.tick_forever)
+            owner.forever("prefix adverts", PrefixAdverts(self.js, lambda: self.state).forever)
             log.info("worker %s serving on %s", node, redact_urls(settings.urls))
             self.ready.set()
             try:
@@ -241,7 +249,8 @@ class Worker(RunnerReports, Stopping):
         # died) its RunnerExited, which always follows, ends this task runner_crashed.
         self._apply(ev.TaskDispatched(task_id, runner_id))
         sent = await self.runners.send(runner_id, pipe.SubmitTask(
-            task=pending.task, inputs=pending.inputs or {}, delivery=pending.delivery,
+            task=with_seed(pending.task, earlier.seed), inputs=pending.inputs or {},
+            delivery=pending.delivery,
             generated=list(earlier.generated), attempt=earlier.attempt,
             delivered_images=sorted(earlier.delivered_images),
             queue_wait_s=max(0.0, time.time() - pending.received_at),

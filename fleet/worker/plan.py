@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from fleet.wire.cluster import Instance
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import is_past
+from fleet.worker.routing import Candidate, choose_runner
 from fleet.worker.state import WorkerState
 from fleet.worker.supervisor import compute_backoff
 
@@ -149,12 +150,12 @@ def dispatch(state: WorkerState, now: float) -> Action | None:
         if pending.inputs is None:
             continue
         candidates = [
-            r for r in state.runners.values()
+            Candidate(r.runner_id, r.free_slots, len(r.in_flight), r.held)
+            for r in state.runners.values()
             if r.model == pending.task.model and r.free_slots > 0 and not r.shutting_down
         ]
-        if candidates:
-            best = max(candidates, key=lambda r: r.free_slots)
-            return Dispatch(task_id, best.runner_id)
+        if (runner_id := choose_runner(pending.blocks, candidates, state.routing)) is not None:
+            return Dispatch(task_id, runner_id)
     return None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fleet import telemetry
@@ -77,15 +78,21 @@ class RunnerReports:
                         type(exc).__name__, exc)
 
     async def _continue_after_crash(self: Worker, task_id: str) -> bool:
-        """A text task whose output began goes back in this node's queue, to continue from
-        its next token on the restarted runner or another (fleet.worker.continuation); its
-        message stays held. False: it ends runner_crashed as before (no output yet, an image,
-        or its continuations used up)."""
+        """A task whose output began goes back in this node's queue, its message still held:
+        a text task continues from its next token, an image task restarts from step 0 with
+        the same seed, on the restarted runner or another (fleet.worker.continuation). False:
+        it ends runner_crashed as before (no output yet, or its continuations used up)."""
         pending = self.intake.book.running.pop(task_id, None)
         if pending is None or not output_began(await self.output.last_event(task_id)):
             return False
-        if not isinstance(await self.intake.continuation(pending.task), Continue):
+        decided = await self.intake.continuation(pending.task)
+        if not isinstance(decided, Continue):
             return False
+        if uploading := self.images.on_the_way(task_id):
+            # Not stored yet but already made: the restart must not announce them again.
+            self.intake.book.queued[task_id] = replace(
+                decided, delivered_images=decided.delivered_images | uploading
+            )
         self._apply(ev.TaskEnded(task_id))  # off the dead runner...
         self._apply(ev.TaskQueued(pending))  # ...and waiting for a slot again
         return True

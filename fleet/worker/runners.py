@@ -24,6 +24,7 @@ from fleet.runner.protocol import RunnerCommand, RunnerSpec
 from fleet.wire.cluster import Instance, ModelCard
 from fleet.wire.runners import RunnerDownloading
 from fleet.worker.inbox import Inbox, RunnerExited
+from fleet.worker.runner_env import runner_env
 from fleet.worker.state import RunnerSpawned, RunnerStartFailed, RunnerView
 from fleet.worker.supervisor import RunnerNotRunning, RunnerProcess
 
@@ -34,8 +35,6 @@ log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 0.5  # how often a fetch's progress is written to FLEET_RUNNERS
 
-# mflux draws a tqdm progress bar per generation: carriage-return noise in the runner's log.
-RUNNER_ENV = {"TQDM_DISABLE": "1"}
 
 
 class RunnerPool:
@@ -75,7 +74,8 @@ class RunnerPool:
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             process = RunnerProcess(
-                spec, self.inbox, env=RUNNER_ENV, log_path=logs / f"{runner_id}.log"
+                spec, self.inbox, env=runner_env(self._runners_here(instance)),
+                log_path=logs / f"{runner_id}.log",
             )
             await process.start(self.owner)
         except Exception as exc:
@@ -88,6 +88,14 @@ class RunnerPool:
             slots=slots,
         )
         self.inbox.put_nowait(RunnerSpawned(view))
+
+    def _runners_here(self, instance: Instance) -> int:
+        """How many runners this node hosts once `instance`'s runs (its BLAS share)."""
+        if self.cluster is None:
+            return 1
+        here = {i.instance_id for i in self.cluster.placed.values()
+                if any(s.node_id == self.node_id for s in i.shards)}
+        return len(here | {instance.instance_id})
 
     async def _prepare(self, instance: Instance, card: ModelCard) -> Path:
         models_dir = self.settings.models_dir

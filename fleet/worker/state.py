@@ -11,6 +11,7 @@ from functools import singledispatch
 from fleet.wire.cluster import Instance, ModelCard
 from fleet.wire.runners import ACCEPTS_TASKS, RunnerIdle, RunnerStatus
 from fleet.wire.tasks import Task
+from fleet.worker.routing import PrefixHeld, Weights
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class RunnerView:
     slots: int = 1
     in_flight: frozenset[str] = frozenset()
     command_sent: str | None = None  # the last lifecycle command, so it is sent once
+    held: PrefixHeld = field(default_factory=PrefixHeld)  # blocks sent here: its cache
 
     @property
     def shutting_down(self) -> bool:
@@ -43,6 +45,7 @@ class PendingTask:
     delivery: int = 1
     inputs: dict[str, str] | None = None  # None until every input image is on local disk
     fetching: bool = False
+    blocks: tuple[int, ...] = ()  # the prompt's block hashes (prefix_blocks), for routing
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,8 @@ class WorkerState:
     pulling: frozenset[str] = frozenset()  # models with a fetch outstanding
     starting: frozenset[str] = frozenset()  # instances whose runner is being prepared
     stopping: bool = False
+    routing: Weights = field(default_factory=Weights)
+    prefix_capacity: int = 4096  # blocks remembered per runner
 
     def hosted_instances(self) -> list[Instance]:
         return [
@@ -276,9 +281,13 @@ def _(event: InputsReady, state: WorkerState) -> WorkerState:
 @_apply.register
 def _(event: TaskDispatched, state: WorkerState) -> WorkerState:
     runner = state.runners[event.runner_id]
+    task = state.pending.get(event.task_id)
+    held = runner.held.served(task.blocks, state.prefix_capacity) if task else runner.held
     pending = {k: v for k, v in state.pending.items() if k != event.task_id}
     state = replace(state, pending=pending)
-    return _with_runner(state, event.runner_id, in_flight=runner.in_flight | {event.task_id})
+    return _with_runner(
+        state, event.runner_id, in_flight=runner.in_flight | {event.task_id}, held=held
+    )
 
 
 @_apply.register

@@ -1,7 +1,9 @@
 """The worker's metrics: the task timings the gateway records too (fleet/meters.py
 TaskTimings), here as the runner measured them, from each task's terminal event; and the
 worker's own /metrics (`--metrics-port`) so Prometheus can scrape a fleet without a collector.
-They also go out over OTLP when an endpoint is configured.
+They also go out over OTLP when an endpoint is configured. The prefix cache's hit ratio per
+model (cached / prompt tokens, from each terminal's usage) is a gauge over this worker's
+totals, with the two counters beside it for a fleet-wide sum.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from prometheus_client import start_http_server
 
 from fleet.errors import InvalidSetting
-from fleet.meters import Meters, TaskTimings
+from fleet.meters import MODEL, Meters, TaskTimings
 from fleet.wire.events import TaskFinished
 
 log = logging.getLogger(__name__)
@@ -34,9 +36,37 @@ class TaskMetrics:
             "fleet.worker.tasks", [observe_held], unit="{task}",
             description="Tasks this worker has taken and not yet acked, nakked or termed",
         )
+        self._prompt_tokens = meter.create_counter(
+            "fleet.prefix_cache.prompt_tokens", unit="{token}",
+            description="Prompt tokens of finished text tasks",
+        )
+        self._cached_tokens = meter.create_counter(
+            "fleet.prefix_cache.cached_tokens", unit="{token}",
+            description="Prompt tokens whose prefill a runner's prefix cache saved",
+        )
+        self.prompt_totals: dict[str, tuple[int, int]] = {}  # model -> (cached, prompt)
+        meter.create_observable_gauge(
+            "fleet.prefix_cache.hit_ratio", callbacks=[self._hit_ratios], unit="1",
+            description="Cached / prompt tokens of the text tasks this worker finished",
+        )
+
+    def _hit_ratios(self, options: CallbackOptions) -> Iterable[Observation]:
+        for model, (cached, prompt) in self.prompt_totals.items():
+            if prompt:
+                yield Observation(cached / prompt, {MODEL: model})
+
+    def hit_ratio(self, model: str) -> float | None:
+        cached, prompt = self.prompt_totals.get(model, (0, 0))
+        return cached / prompt if prompt else None
 
     def finished(self, attributes: dict[str, str], event: TaskFinished) -> None:
         """`attributes`: the task's (meters.task_attributes)."""
+        if (usage := event.usage) is not None and usage.prompt_tokens:
+            model = attributes[MODEL]
+            self._prompt_tokens.add(usage.prompt_tokens, {MODEL: model})
+            self._cached_tokens.add(usage.cached_tokens, {MODEL: model})
+            cached, prompt = self.prompt_totals.get(model, (0, 0))
+            self.prompt_totals[model] = (cached + usage.cached_tokens, prompt + usage.prompt_tokens)
         stats = event.stats
         if stats is not None:
             if stats.time_to_first_token_s is not None:

@@ -132,8 +132,22 @@ async def _read_state(p: Probe) -> None:
 
 
 async def _write_state(p: Probe) -> None:
-    for bucket in ("FLEET_NODES", "FLEET_INSTANCES", "FLEET_RUNNERS"):
+    for bucket in ("FLEET_NODES", "FLEET_RUNNERS"):
         await p.js.publish(f"$KV.{bucket}.written-by-{p.role}", b"{}")
+
+
+async def _advertise_prefixes(p: Probe) -> None:
+    await p.js.publish(f"$KV.FLEET_PREFIXES.written-by-{p.role}", b"{}")
+    kv = await p.js.key_value("FLEET_PREFIXES")
+    with contextlib.suppress(KeyNotFoundError):
+        await kv.get("probe")
+
+
+async def _write_instances(p: Probe) -> None:
+    """As fleet.placement does it: a create (compare-and-set) and a delete marker."""
+    kv = await p.js.key_value("FLEET_INSTANCES")
+    await kv.create(f"placed-by-{p.role}", b"{}")
+    await kv.delete(f"placed-by-{p.role}")
 
 
 async def _put_image(p: Probe) -> None:
@@ -201,6 +215,9 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "purge_model_tasks": _purge_model_tasks,
     "read_state": _read_state,
     "write_state": _write_state,
+    "advertise_prefixes": _advertise_prefixes,
+    "write_instances": _write_instances,
+    "read_dead_letters": lambda p: p.js.get_msg("FLEET_DEAD", seq=1),
     "put_image": _put_image,
     "get_image": _get_image,
     "read_models": _read_models,
@@ -229,6 +246,7 @@ async def prepare(admin: Client) -> None:
     await js.publish(f"fleet.tasks.{MODEL}", b"{}")
     await js.publish(f"fleet.out.{TASK_ID}", b"{}")
     await js.publish("fleet.traces.probe", b"{}")
+    await js.publish(f"fleet.dead.{MODEL}", b"{}")
     for bucket in ("FLEET_NODES", "FLEET_INSTANCES", "FLEET_RUNNERS"):
         await js.publish(f"$KV.{bucket}.probe", b"{}")
     await ObjectBucket(admin).put_by_hash(IMAGE_BYTES)

@@ -106,6 +106,17 @@ def test_settle_verdict(seqs: list[int | None], refused: str | None, verdict: st
     assert _problem(seq) == verdict
 
 
+@pytest.mark.parametrize(("sends", "verdict"), [
+    (1, None),  # stored first by an earlier attempt (a continued task): not a reordering
+    (2, "messages were stored out of order"),  # our own re-send: its first copy came late
+])
+def test_a_duplicate_stored_before_the_sequence(sends: int, verdict: str | None) -> None:
+    seq = _Sequence("t")
+    seq.messages = [_Message("s", b"", {}, seq=n) for n in (10, 8, 11)]
+    seq.messages[1].duplicate, seq.messages[1].sends = True, sends
+    assert _problem(seq) == verdict
+
+
 # ---- a real server --------------------------------------------------------------------------
 
 async def test_tokens_are_stored_in_order_then_the_terminal(server: EmbeddedNats) -> None:

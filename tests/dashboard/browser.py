@@ -41,11 +41,13 @@ def browser() -> Any:
 
 def wait(driver: Any, condition: Callable[[Any], Any], timeout: float, what: str) -> Any:
     """Until `condition(driver)` is truthy (WebDriverWait's bounded poll of the page)."""
-    from selenium.common.exceptions import TimeoutException
+    from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.2).until(condition)
+    try:  # the page redraws as the feed updates: an element gone stale is asked again
+        return WebDriverWait(driver, timeout, poll_frequency=0.2,
+                             ignored_exceptions=(StaleElementReferenceException,)
+                             ).until(condition)
     except TimeoutException:
         raise AssertionError(f"{what} not seen within {timeout} s; page text:\n"
                              f"{driver.find_element('tag name', 'body').text[:3000]}") from None

@@ -1,23 +1,31 @@
-"""The dashboard in a real browser against a real `fleet up` (tiny-llm and tiny-flux2, API
-keys on): the key prompt, the fleet page with its node and a ready runner, a playground chat
-streaming into its task page with tokens and a waterfall of the runner's spans, an image from
-the playground, removing an instance, and a second node that is SIGKILLed leaving the page
-within its heartbeat TTL. Each page's screenshot goes to docs/screenshots/ (the README's)."""
+"""The dashboard in a real browser against a real `fleet up` (tiny-llm and tiny-flux2, a keys
+file with an operator and a tenant): the key prompt, the fleet page with its node and a ready
+runner, a playground chat streaming into its task page with tokens and a waterfall of the
+runner's spans, an image from the playground, a second node that is SIGKILLed leaving the page
+within its heartbeat TTL, removing an instance, a tenant key that sees neither the actions nor
+the operator's tasks, and 50 nodes with 1,000 tasks drawn within a bounded wait. Each page's
+screenshot goes to docs/screenshots/ (the README's)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from nats.aio.client import Client as Nats
 
+from fleet.gateway.tenants import add_key
+from fleet.wire import subjects
+from fleet.wire.cluster import NodeInfo
+from fleet.wire.codec import encode
 from tests.commands.test_exits import Command, free_port
 from tests.dashboard.browser import browser, screenshot, wait
+from tests.dashboard.test_dashboard_feed import accepted, finished
 from tests.integration.harness import WorkerProcess, seed_models
 
-KEY = "fk-dashboard-test-key"
 NODE_TTL_S = 15.0  # fleet/worker/heartbeat.py NODE_TTL_S, the FLEET_NODES max age
 FEED_TICK_S = 1.0
 pytestmark = pytest.mark.timeout(400)
@@ -30,11 +38,13 @@ def stack(
     root = tmp_path_factory.mktemp("dashboard")
     seed_models(root / "data", {"tiny-llm": tiny_llm_dir, "tiny-flux2": tiny_flux2_dir})
     http_port, nats_port = free_port(), free_port()
+    keys = root / "keys.jsonl"
+    operator, tenant = add_key(keys, "ops", operator=True), add_key(keys, "team-a")
     up = Command(root, "up", "--models", "tiny-llm,tiny-flux2", "--port", str(http_port),
-                 "--nats-port", str(nats_port), FLEET_API_KEYS=KEY)
+                 "--nats-port", str(nats_port), FLEET_API_KEYS_FILE=str(keys))
     try:
         up.wait_for_line("fleet up: NATS", timeout=180)
-        yield {"base": f"http://127.0.0.1:{http_port}",
+        yield {"base": f"http://127.0.0.1:{http_port}", "key": operator, "tenant_key": tenant,
                "nats": f"nats://127.0.0.1:{nats_port}", "root": root, "up": up}
     finally:
         up.kill()
@@ -68,12 +78,13 @@ def test_without_a_key_the_page_asks_for_one_then_shows_the_fleet(
     dialog = wait(page, lambda d: (css(d, "#key-dialog[open]") or [None])[0], 20, "key prompt")
     assert "API key needed" in dialog.text
     screenshot(page, "dashboard-key")
-    page.find_element("id", "key-input").send_keys(KEY)
+    page.find_element("id", "key-input").send_keys(stack["key"])
     page.find_element("css selector", "#key-form button").click()
     wait(page, lambda d: css(d, "#nodes .node"), 30, "a node")
     wait(page, lambda d: css(d, '.runner[data-state="ready"] .states li.lit'), 120,
          "a ready runner with its state lit")
-    lit = {e.text for e in css(page, ".runner .states li.lit")}
+    lit = set(page.execute_script(  # one read: a fleet update redraws the cards
+        "return [...document.querySelectorAll('.runner .states li.lit')].map(e => e.textContent)"))
     assert "ready" in lit, lit
     assert css(page, '.runner[data-state="ready"]')
     screenshot(page, "dashboard-fleet")
@@ -147,11 +158,114 @@ def test_a_node_that_stops_leaves_the_page_within_its_heartbeat_ttl(
 
 def test_removing_an_instance_is_reflected(page: Any, stack: dict[str, Any]) -> None:
     go(page, stack, "fleet")
-    card = wait(page, lambda d: [c for c in css(d, ".instance")
-                                 if "tiny-flux2" in c.text], 30, "the image instance")[0]
-    instance_id = card.get_attribute("data-instance")
-    card.find_element("css selector", "button.danger").click()
+    instance_id = wait(page, lambda d: d.execute_script(
+        "return [...document.querySelectorAll('.instance')].filter(c => "
+        "c.textContent.includes('tiny-flux2')).map(c => c.dataset.instance)[0]"),
+        30, "the image instance")
+    page.find_element("css selector",
+                      f'[data-instance="{instance_id}"] button.danger').click()
     page.switch_to.alert.accept()
     wait(page, lambda d: not css(d, f'[data-instance="{instance_id}"]'), 30,
          "the instance gone")
     screenshot(page, "dashboard-fleet-removed")
+
+
+def listed_tasks(driver: Any) -> list[str]:
+    """The task ids in the table, read in one script (the table is redrawn as rows change)."""
+    return list(driver.execute_script(
+        "return [...document.querySelectorAll('tr[data-task]')].map(r => r.dataset.task)"))
+
+
+def use_key(driver: Any, stack: dict[str, Any], key: str, where: str) -> None:
+    go(driver, stack, where)
+    driver.execute_script("localStorage.setItem('fleet.apiKey', arguments[0])", key)
+    driver.refresh()
+
+
+def chat(driver: Any, stack: dict[str, Any]) -> str:
+    """A chat from the playground; its task id."""
+    go(driver, stack, "playground")
+    wait(driver, lambda d: (css(d, '#pg-model option[value="tiny-llm"]') or [None])[0], 20,
+         "the model list").click()
+    driver.find_element("id", "pg-send").click()
+    link = wait(driver, lambda d: (css(d, "#pg-task-link") or [None])[0], 60, "the task link")
+    wait(driver, lambda d: d.find_element("id", "pg-note").text == "done", 60, "the answer")
+    return str(link.text)
+
+
+def test_a_tenant_key_sees_only_its_own_tasks_and_no_fleet_actions(
+    page: Any, stack: dict[str, Any]
+) -> None:
+    try:
+        use_key(page, stack, stack["tenant_key"], "playground")
+        task_id = chat(page, stack)
+        go(page, stack, "tasks")
+        wait(page, lambda d: css(d, f'tr[data-task="{task_id}"]'), 20, "the tenant's task")
+        assert set(listed_tasks(page)) == {task_id}  # not the operator's chat and image
+        go(page, stack, "fleet")
+        wait(page, lambda d: css(d, ".instance"), 20, "an instance")
+        assert not page.execute_script(  # drawn hidden (offsetParent is null when hidden)
+            "return [...document.querySelectorAll('.instance button.danger')]"
+            ".some(b => b.offsetParent !== null)")
+        assert not page.find_element("css selector", "form.operator-only").is_displayed()
+        screenshot(page, "dashboard-tenant")
+    finally:
+        use_key(page, stack, stack["key"], "fleet")
+
+
+async def crowd(url: str, nodes: int, tasks: int) -> list[str]:
+    """Heartbeats of `nodes` stand-in nodes (too small to place on) and `tasks` finished
+    tasks, as workers would publish them; the stand-in node ids."""
+    nc = Nats()
+    await nc.connect(url)
+    try:
+        kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+        now = time.time()
+        ids = [f"crowd-{n:02}" for n in range(nodes)]
+        for node_id in ids:
+            info = NodeInfo(node_id=node_id, hostname=f"host-{node_id}", memory_total_bytes=1,
+                            memory_available_bytes=0, cpu_count=1, started_at=now, at=now)
+            await kv.put(node_id, encode(info))
+        for n in range(tasks):
+            task_id = f"crowd-task-{n:04}"
+            await nc.publish(subjects.out(task_id), encode(accepted(task_id)))
+            await nc.publish(subjects.out(task_id), encode(finished(task_id)))
+        await nc.flush()
+        return ids
+    finally:
+        await nc.close()
+
+
+async def uncrowd(url: str, ids: list[str]) -> None:
+    nc = Nats()
+    await nc.connect(url)
+    try:
+        kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+        for node_id in ids:
+            await kv.delete(node_id)
+    finally:
+        await nc.close()
+
+
+BOUNDED_WAIT_S = 20.0  # generous: the box is shared; the number measured is printed
+
+
+def test_fifty_nodes_and_a_thousand_tasks_are_drawn_within_a_bounded_wait(
+    page: Any, stack: dict[str, Any]
+) -> None:
+    go(page, stack, "fleet")
+    wait(page, lambda d: css(d, "#nodes .node"), 30, "the fleet")
+    started = time.monotonic()
+    ids = asyncio.run(crowd(stack["nats"], 50, 1000))
+    try:
+        wait(page, lambda d: len(css(d, "#nodes .node")) >= 51, BOUNDED_WAIT_S, "50 more nodes")
+        print(f"51 nodes drawn {time.monotonic() - started:.1f} s after the first heartbeat")
+        screenshot(page, "dashboard-fleet-50-nodes")
+        go(page, stack, "tasks")
+        count = wait(page, lambda d: [t for t in d.execute_script(
+            "return [...document.querySelectorAll('#view p[role=status]')].map(e => e.textContent)")
+            if t.endswith("of 1000 recent tasks")], BOUNDED_WAIT_S, "1,000 recent tasks")[0]
+        print(f"tasks page: {count!r}, {time.monotonic() - started:.1f} s after publishing")
+        assert len(listed_tasks(page)) == 200  # drawn at most 200 at a time
+    finally:
+        asyncio.run(uncrowd(stack["nats"], ids))

@@ -1,6 +1,8 @@
 """The dashboard without a browser: the pure pieces (the recent-tasks table, when a snapshot
-counts as changed) as table tests, the routes' key checks in-process, and the feed against a
-real provisioned nats-server: one reader for any number of tabs, a node in FLEET_NODES seen."""
+counts as changed, a watched KV entry folded into a mirror, who sees a task) as table tests,
+the routes' key checks in-process, and the feed against a real provisioned nats-server: one
+set of watches for any number of tabs, a node joining and leaving, tasks split by tenant, and
+1,000 tasks with 50 nodes arriving as a bounded number of coalesced messages."""
 
 from __future__ import annotations
 
@@ -16,8 +18,11 @@ import pytest
 from nats.aio.client import Client
 from starlette.applications import Starlette
 
+from fleet.bus.embedded import EmbeddedNats
 from fleet.config import Settings, load_settings
-from fleet.dashboard.model import RecentTasks, changed, snapshot
+from fleet.dashboard.feed import Feed, Tab
+from fleet.dashboard.model import RecentTasks, beats, changed, sees, snapshot
+from fleet.dashboard.watch import apply_entry
 from fleet.gateway.app import build_app
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo
@@ -65,6 +70,48 @@ def test_the_recent_tasks_table_keeps_the_newest_and_lists_them_first() -> None:
     assert [row["id"] for row in table.listing()] == ["t4", "t3", "t2"]
 
 
+@pytest.mark.parametrize(("before", "entry", "after", "is_change"), [
+    ({}, ("a", None, b"1"), {"a": b"1"}, True),
+    ({"a": b"1"}, ("a", None, b"1"), {"a": b"1"}, False),  # the same value again
+    ({"a": b"1"}, ("a", None, b"2"), {"a": b"2"}, True),
+    ({"a": b"1"}, ("a", "DEL", b""), {}, True),
+    ({"a": b"1"}, ("a", "PURGE", b""), {}, True),  # a TTL marker, as nats-py reads it
+    ({"a": b"1"}, ("a", None, b""), {}, True),  # an entry without a value is absent
+    ({}, ("a", "DEL", b""), {}, False),
+])
+def test_a_watched_entry_folds_into_the_mirror(before, entry, after, is_change) -> None:
+    values = dict(before)
+    assert apply_entry(values, *entry) is is_change
+    assert values == after
+
+
+def test_a_bounded_mirror_forgets_its_oldest_key_first() -> None:
+    values: dict[str, bytes] = {}
+    for key in "abcd":
+        apply_entry(values, key, None, b"v", limit=3)
+    assert list(values) == ["b", "c", "d"]
+
+
+@pytest.mark.parametrize(("owner", "tenant", "sees_all", "expected"), [
+    ("team-a", "team-a", False, True),
+    ("team-b", "team-a", False, False),
+    (None, "team-a", False, False),  # no known owner: the operators' alone
+    (None, None, False, False),
+    ("team-b", "ops", True, True),
+    (None, None, True, True),  # an open gateway
+])
+def test_who_sees_a_task(owner, tenant, sees_all, expected) -> None:
+    assert sees(owner, tenant, sees_all) is expected
+
+
+def test_the_listing_holds_only_what_the_viewer_may_see() -> None:
+    table = RecentTasks()
+    for task_id, owner in (("t1", "a"), ("t2", "b"), ("t3", None)):
+        table.fold(accepted(task_id)).tenant = owner
+    assert [r["id"] for r in table.listing("a", sees_all=False)] == ["t1"]
+    assert [r["id"] for r in table.listing("ops", sees_all=True)] == ["t3", "t2", "t1"]
+
+
 def node(node_id: str, at: float, available: int = 1) -> dict:
     return {"node_id": node_id, "at": at, "memory_available_bytes": available}
 
@@ -78,6 +125,10 @@ def node(node_id: str, at: float, available: int = 1) -> dict:
 ])
 def test_only_what_the_page_draws_differently_is_a_change(before, after, expected) -> None:
     assert changed(before, after) is expected
+
+
+def test_what_a_heartbeat_changes_goes_in_the_beats() -> None:
+    assert beats([node("a", 5.0, 7)]) == {"a": {"at": 5.0, "memory_available_bytes": 7}}
 
 
 @pytest.fixture
@@ -106,12 +157,18 @@ async def test_the_page_is_open_and_its_api_needs_the_key(app: Starlette) -> Non
         assert (await http.get("/v1/models")).status_code == 401  # the API is unchanged
 
 
-async def next_fleet(queue: asyncio.Queue[bytes], timeout: float = 10.0) -> dict:
+async def next_of(tab: Tab, kind: bytes, timeout: float = 10.0) -> dict | list:
     async with asyncio.timeout(timeout):
         while True:
-            head, _, data = (await queue.get()).partition(b"\ndata: ")
-            if head == b"event: fleet":
+            head, _, data = (await tab.queue.get()).partition(b"\ndata: ")
+            if head == b"event: " + kind:
                 return orjson.loads(data)
+
+
+async def next_fleet(tab: Tab, timeout: float = 10.0) -> dict:
+    found = await next_of(tab, b"fleet", timeout)
+    assert isinstance(found, dict)
+    return found
 
 
 async def test_every_tab_shares_one_reader_and_sees_a_node_join(
@@ -121,7 +178,9 @@ async def test_every_tab_shares_one_reader_and_sees_a_node_join(
     tabs = [feed.subscribe() for _ in range(5)]
     first = [await next_fleet(tab) for tab in tabs]
     assert all(f["nodes"] == [] for f in first)
-    assert feed._supervisor.children == 2  # the fleet reader and the task follower, not 5x
+    # three state watches, the owners' watch, the queue sampler, the task follower and the
+    # flusher: the same seven for five tabs as for one
+    assert feed._supervisor.children == 7
     kv = await provisioned_nc.jetstream().key_value(subjects.NODES_BUCKET)
     info = NodeInfo(node_id="n-dash", hostname="h", memory_total_bytes=8, memory_available_bytes=4,
                     cpu_count=2, started_at=time.time(), at=time.time())
@@ -129,6 +188,108 @@ async def test_every_tab_shares_one_reader_and_sees_a_node_join(
     for tab in tabs:
         seen = await next_fleet(tab)
         assert [n["node_id"] for n in seen["nodes"]] == ["n-dash"]
+    await kv.delete("n-dash")  # a node's TTL marker reads the same to the watch (a purge)
+    for tab in tabs:
+        assert (await next_fleet(tab))["nodes"] == []
     for tab in tabs:
         feed.unsubscribe(tab)
-    assert not feed.subscribers
+    assert not feed.tabs
+
+
+async def own(nc: Client, task_id: str, tenant: str) -> None:
+    """The record a gateway writes before it publishes a task (fleet/gateway/owners.py)."""
+    await nc.jetstream().publish(f"$KV.FLEET_TENANTS.task.{task_id}", tenant.encode(),
+                                 headers={"Nats-TTL": "3600s"})
+
+
+async def rows_until(tab: Tab, wanted: set[str], timeout: float = 20.0) -> tuple[set[str], int]:
+    """Task ids the tab was sent until it has `wanted`, and how many task_rows messages."""
+    seen: set[str] = set()
+    messages = 0
+    async with asyncio.timeout(timeout):
+        while not wanted <= seen:
+            rows = await next_of(tab, b"task_rows", timeout)
+            messages += 1
+            seen |= {row["id"] for row in rows if row["status"] != "running"}
+    return seen, messages
+
+
+async def test_a_tenant_tab_gets_its_own_tasks_and_an_operator_tab_gets_all(
+    app: Starlette, provisioned_nc: Client
+) -> None:
+    feed: Feed = app.state.dashboard_feed
+    await feed.owners.ready.wait()
+    mine, theirs = feed.subscribe("team-a", sees_all=False), feed.subscribe("ops", sees_all=True)
+    for task_id, tenant in (("t-a", "team-a"), ("t-b", "team-b")):
+        await own(provisioned_nc, task_id, tenant)
+        await provisioned_nc.publish(subjects.out(task_id), encode(accepted(task_id)))
+        await provisioned_nc.publish(subjects.out(task_id), encode(finished(task_id)))
+    await provisioned_nc.publish(subjects.out("t-x"), encode(finished("t-x")))  # no owner
+    seen, _ = await rows_until(theirs, {"t-a", "t-b", "t-x"})
+    assert seen == {"t-a", "t-b", "t-x"}
+    seen, _ = await rows_until(mine, {"t-a"})
+    assert seen == {"t-a"}
+    later = feed.subscribe("team-a", sees_all=False)  # a tab opened afterwards
+    assert [row["id"] for row in await next_of(later, b"tasks")] == ["t-a"]
+
+
+async def test_fifty_nodes_and_a_thousand_tasks_arrive_coalesced(
+    app: Starlette, provisioned_nc: Client
+) -> None:
+    feed: Feed = app.state.dashboard_feed
+    tab = feed.subscribe()
+    await next_fleet(tab)
+    kv = await provisioned_nc.jetstream().key_value(subjects.NODES_BUCKET)
+    now = time.time()
+    for n in range(50):
+        info = NodeInfo(node_id=f"n{n:02}", hostname=f"h{n}", memory_total_bytes=8,
+                        memory_available_bytes=4, cpu_count=2, started_at=now, at=now)
+        await kv.put(info.node_id, encode(info))
+    ids = {f"task-{n:04}" for n in range(1000)}
+    for task_id in sorted(ids):
+        await provisioned_nc.publish(subjects.out(task_id), encode(accepted(task_id)))
+        await provisioned_nc.publish(subjects.out(task_id), encode(token(task_id)))
+        await provisioned_nc.publish(subjects.out(task_id), encode(finished(task_id)))
+    await provisioned_nc.flush()
+    seen, messages = await rows_until(tab, ids, timeout=30)
+    assert seen == ids
+    async with asyncio.timeout(10):
+        while len((feed.fleet or {}).get("nodes", [])) < 50:
+            await next_fleet(tab)
+    # 3,000 events and 50 puts, a few coalesced messages (one per window, each bounded by
+    # the table's 1,000 rows), and the tab was never dropped for falling behind
+    print(f"task_rows messages for 1,000 tasks: {messages}; sent: {feed.sent}")
+    assert messages <= 40 and feed.sent["fleet"] <= 40
+    assert tab in feed.tabs
+    listing = feed.tasks.listing()
+    assert len(listing) == 1000 and len(orjson.dumps(listing)) < 400_000
+
+
+async def fleet_until(tab: Tab, node_ids: list[str], timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        while [n["node_id"] for n in (await next_fleet(tab, timeout))["nodes"]] != node_ids:
+            pass
+
+
+async def test_the_watches_start_afresh_after_the_server_restarts(
+    app: Starlette, provisioned_nc: Client, nats_server: EmbeddedNats
+) -> None:
+    feed: Feed = app.state.dashboard_feed
+    tab = feed.subscribe()
+    kv = await provisioned_nc.jetstream().key_value(subjects.NODES_BUCKET)
+    now = time.time()
+
+    def info(node_id: str) -> bytes:
+        return encode(NodeInfo(node_id=node_id, hostname="h", memory_total_bytes=8,
+                               memory_available_bytes=4, cpu_count=2, started_at=now, at=now))
+
+    await kv.put("n-before", info("n-before"))
+    await fleet_until(tab, ["n-before"], 10)
+    nats_server.stop()
+    await asyncio.to_thread(nats_server.start)  # the same port and store
+    async with asyncio.timeout(30):
+        while not (provisioned_nc.is_connected and feed.backend.connected):
+            await asyncio.sleep(0.1)  # nats-py reconnects on its own timer
+    await kv.put("n-after", info("n-after"))
+    await kv.delete("n-before")
+    await fleet_until(tab, ["n-after"], 30)

@@ -51,11 +51,27 @@ def test_keys_file_lines(text: str, expected: dict[str, str]) -> None:
         '{"tenant": "a b", "sha256": "' + "0" * 64 + '"}',
         '{"tenant": "a", "sha256": "abc"}',
         '["a", "b"]',
+        '{"tenant": "a", "sha256": "' + "0" * 64 + '", "operator": "yes"}',
+        '{"tenant": "h", "sha256": "' + "1" * 64 + '", "operator": false}',  # h: operator on 1
     ],
 )
 def test_a_bad_keys_file_line_is_an_error_naming_it(line: str) -> None:
     with pytest.raises(InvalidRequest, match=r"keys file:2:"):
-        parse_keys_file("# header\n" + line)
+        parse_keys_file('{"tenant": "h", "sha256": "' + "f" * 64 + '", "operator": true}\n'
+                        + line)
+
+
+def test_operators_are_named_in_the_keys_file_and_an_open_gateway_trusts_everyone(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "keys.jsonl"
+    ops, team = add_key(path, "ops", operator=True), add_key(path, "team-a")
+    ring = KeyRing.load(("sk-plain",), str(path))
+    assert ring.tenant_of(ops.encode()) == "ops" and ring.is_operator("ops")
+    assert not ring.is_operator(ring.tenant_of(team.encode()))
+    assert not ring.is_operator(ring.tenant_of(b"sk-plain"))  # a plain key is a tenant only
+    assert not ring.is_operator(None)
+    assert KeyRing.load(()).is_operator(None)
 
 
 def test_plain_keys_are_tenants_of_their_own_named_by_hash(tmp_path: Path) -> None:

@@ -4,10 +4,9 @@ token, and the stream equals, token for token, the same request run without a ki
 Real processes: nats-server, two `fleet worker`s with their runner subprocesses, mlx-lm on
 tiny-llm. The kill takes the worker's whole process group (worker and runner), as a power
 loss would. The seam (kill -> first token of the continuation, seen by a live subscriber) is
-printed; AckWait is 2 s here, so it is about AckWait + one prefill.
-
-FLEET_CONTINUATION_CHAOS=1 runs the chaos version: more, longer tasks and a kill every few
-seconds, alternating between the workers (see docs/faults.md).
+printed; AckWait is 2 s here, so it is about AckWait + one prefill. The chaos run (a kill
+every ~10 s) is in test_continuation_chaos.py; more kinds of output in
+test_continuation_kinds.py.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import asyncio
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -28,23 +26,29 @@ from typing import Any
 import openai
 import pytest
 from nats.aio.client import Client
-from nats.aio.msg import Msg
 
 from fleet.models.catalog import get_card
-from fleet.placement import place
-from fleet.wire import subjects
-from fleet.wire.cluster import ModelCard, RunnerRecord
-from fleet.wire.codec import decode_event, decode_model
 from fleet.wire.events import (
     ErrorReason,
     ImageChunk,
     OutputEvent,
     TaskAccepted,
-    TaskFinished,
     TokenChunk,
 )
 from fleet.wire.tasks import ChatMessage, ImageGeneration, TextGeneration
 from tests.integration.conftest import WorkerFactory
+from tests.integration.continuing import (
+    ENV,
+    NO_EOS,
+    Live,
+    assert_one_clean_stream,
+    dedup,
+    finished_of,
+    first_after,
+    place_on,
+    run_whole,
+    runner_pid,
+)
 from tests.integration.harness import (
     REPO,
     WorkerProcess,
@@ -54,10 +58,6 @@ from tests.integration.harness import (
     submit,
     wait_node,
 )
-
-ENV = {"FLEET_ACK_WAIT_S": "2", "OPENBLAS_NUM_THREADS": "1"}
-NO_EOS = {2: -100.0}  # tiny-llm's <|im_end|>: random weights would otherwise stop early
-CHAOS = os.environ.get("FLEET_CONTINUATION_CHAOS") == "1"
 
 SAMPLERS: dict[str, dict[str, Any]] = {
     "greedy": {},
@@ -77,140 +77,43 @@ def request(task_id: str, sampler: str, max_tokens: int) -> TextGeneration:
     )
 
 
-async def place_on(
-    nc: Client, card: ModelCard, node: str, timeout: float = 120.0
-) -> RunnerRecord:
-    """Place `card` on `node` and wait for that node's runner to be ready."""
-    kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
-    watcher = await kv.watchall()
-    await place(nc.jetstream(), card, node_id=node, slots=8)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            try:
-                entry = await watcher.updates(timeout=max(0.05, deadline - time.monotonic()))
-            except TimeoutError:
-                continue
-            if entry is None or not entry.value:
-                continue
-            record = decode_model(RunnerRecord, entry.value)
-            if record.node_id == node and record.status.state == "ready":
-                return record
-    finally:
-        await watcher.stop()
-    raise TimeoutError(f"no ready runner on {node}")
-
-
-class Live:
-    """Every task's events as a live subscriber sees them, with arrival times."""
-
-    def __init__(self) -> None:
-        self.events: dict[str, list[tuple[float, OutputEvent]]] = {}
-        self.changed = asyncio.Event()
-
-    async def on_msg(self, msg: Msg) -> None:
-        event = decode_event(msg.data)
-        self.events.setdefault(event.task_id, []).append((time.monotonic(), event))
-        self.changed.set()
-
-    async def until(self, check: Callable[[], Any], timeout: float) -> Any:
-        deadline = time.monotonic() + timeout
-        while not (found := check()):
-            self.changed.clear()
-            await asyncio.wait_for(self.changed.wait(), max(0.01, deadline - time.monotonic()))
-        return found
-
-    def tokens(self, task_id: str) -> int:
-        return sum(isinstance(e, TokenChunk) for _, e in self.events.get(task_id, []))
-
-    def node_running(self, task_id: str) -> str | None:
-        accepted = [e for _, e in self.events.get(task_id, []) if isinstance(e, TaskAccepted)]
-        return accepted[-1].node_id if accepted else None
-
-    def done(self, task_id: str) -> bool:
-        return any(isinstance(e, TaskFinished) for _, e in self.events.get(task_id, []))
-
-
-def assert_one_clean_stream(events: list[OutputEvent], reference: list[OutputEvent]) -> None:
-    tokens = [e for e in events if isinstance(e, TokenChunk)]
-    expected = [e for e in reference if isinstance(e, TokenChunk)]
-    assert [t.index for t in tokens] == list(range(len(tokens))), "a repeated or missing index"
-    assert [t.token_id for t in tokens] == [t.token_id for t in expected]
-    assert "".join(t.text for t in tokens) == "".join(t.text for t in expected)
-    # Logprobs continue; batches of other shapes move them by float rounding only.
-    assert [t.logprob for t in tokens] == pytest.approx([t.logprob for t in expected], abs=1e-3)
-    terminals = [e for e in events if isinstance(e, TaskFinished)]
-    assert len(terminals) == 1 and events[-1] is terminals[0]
-    [want] = [e for e in reference if isinstance(e, TaskFinished)]
-    assert terminals[0].status == "completed", terminals[0]
-    assert terminals[0].finish_reason == want.finish_reason
-    assert terminals[0].usage is not None and want.usage is not None
-    assert terminals[0].usage.completion_tokens == len(tokens) == want.usage.completion_tokens
-
-
-@pytest.mark.timeout(3600 if CHAOS else 300)
 async def test_a_worker_killed_mid_answer_is_continued_token_for_token(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
-    rounds = int(os.environ.get("FLEET_CONTINUATION_ROUNDS", "10")) if CHAOS else 1
-    max_tokens = 400 if CHAOS else 240
-    workers = {"a": start_worker("a", **ENV), "b": start_worker("b", **ENV)}
+    workers = [start_worker("a", **ENV), start_worker("b", **ENV)]
     nc = await client(nats_url)
     nodes: dict[str, WorkerProcess] = {}
-    card = get_card("tiny-llm")
-    for worker in workers.values():
+    for worker in workers:
         node = await wait_node(nc, worker.data_dir)
         nodes[node] = worker
-        await place_on(nc, card, node)
-
+        await place_on(nc, get_card("tiny-llm"), node)
+    # The same requests, uninterrupted, first: the reference each continued stream must equal.
+    references = await asyncio.gather(*(
+        run_whole(nc, request(f"ref-{name}", name, 240)) for name in SAMPLERS
+    ))
     live = Live()
     await nc.subscribe("fleet.out.>", cb=live.on_msg)
-    seams: list[float] = []
-    kills = continued = 0
-    for round_no in range(rounds):
-        names = [f"r{round_no}-{name}" for name in SAMPLERS]
-        # The same requests, uninterrupted, first: the reference each continued stream must equal.
-        references = await asyncio.gather(*(
-            _run(nc, request(f"ref-{name}", name.split("-", 1)[1], max_tokens))
-            for name in names
-        ))
-        for name in names:
-            await submit(nc, request(f"cont-{name}", name.split("-", 1)[1], max_tokens))
-        # Kill the worker running the first task once it is well into its answer.
-        first = f"cont-{names[0]}"
-        await live.until(lambda t=first: live.tokens(t) >= 40 or live.done(t), 120)
-        victim_node = live.node_running(first)
-        if live.done(first) or victim_node is None:
-            pytest.fail("the task ended before the kill: make it longer")
-        victim = nodes[victim_node]
-        killed_at = time.monotonic()
-        victim.kill()
-        kills += 1
-        # The seam: the first token after the kill, from the continuing attempt.
-        resumed = await live.until(lambda t=first: _first_after(live, t), 120)
-        seams.append(resumed - killed_at)
-        if CHAOS:
-            print(f"round {round_no}: seam {seams[-1]:.2f} s", flush=True)
-        for name, reference in zip(names, references, strict=True):
-            stored = await events_of(nc, f"cont-{name}")  # replayed from FLEET_OUT
-            assert_one_clean_stream(stored, reference)
-            continued += any(isinstance(e, TaskAccepted) and e.attempt for e in stored)
-            live_events = [e for _, e in live.events[f"cont-{name}"]]
-            assert_one_clean_stream(_dedup(live_events), reference)
-        accepted = [e for e in await events_of(nc, first) if isinstance(e, TaskAccepted)]
-        assert len(accepted) == 2 and accepted[1].continued_from > 0
-        assert accepted[1].node_id != victim_node
-        # A fresh worker (a new node) takes the victim's place for the next round (chaos).
-        name = next(k for k, w in workers.items() if w is victim)
-        if round_no + 1 < rounds:
-            workers[name] = fresh = start_worker(f"{name}{round_no}", **ENV)
-            node = await wait_node(nc, fresh.data_dir)
-            nodes[node] = fresh
-            await place_on(nc, card, node)
-    print(f"\ncontinuation: {rounds * len(SAMPLERS)} tasks of {max_tokens} tokens, {kills} "
-          f"worker SIGKILLs, {continued} tasks continued mid-answer, 0 lost, 0 duplicated, "
-          f"0 worker_lost, every stream equal to its uninterrupted run; seam (kill -> next "
-          f"token) p50 {statistics.median(seams):.2f} s, max {max(seams):.2f} s (AckWait 2 s)")
+    for name in SAMPLERS:
+        await submit(nc, request(f"cont-{name}", name, 240))
+    # Kill the worker running the first task once it is well into its answer.
+    first = "cont-greedy"
+    await live.until(lambda: live.tokens(first) >= 40 or live.done(first), 120)
+    victim_node = live.node_running(first)
+    if live.done(first) or victim_node is None:
+        pytest.fail("the task ended before the kill: make it longer")
+    killed_at = time.monotonic()
+    nodes[victim_node].kill()
+    # The seam: the first token after the kill, from the continuing attempt.
+    resumed = await live.until(lambda: first_after(live, first), 120)
+    print(f"\nworker kill seam (SIGKILL -> next token): {resumed - killed_at:.2f} s "
+          "(AckWait 2 s)")
+    for name, reference in zip(SAMPLERS, references, strict=True):
+        stored = await events_of(nc, f"cont-{name}")  # replayed from FLEET_OUT
+        assert_one_clean_stream(stored, reference)
+        assert_one_clean_stream(dedup([e for _, e in live.events[f"cont-{name}"]]), reference)
+    accepted = [e for e in await events_of(nc, first) if isinstance(e, TaskAccepted)]
+    assert len(accepted) == 2 and accepted[1].continued_from > 0
+    assert accepted[1].node_id != victim_node
     await nc.close()
 
 
@@ -222,21 +125,21 @@ async def test_a_runner_killed_mid_answer_is_continued_on_its_restart_token_for_
     record = await place_on(nc, get_card("tiny-llm"), await wait_node(nc, worker.data_dir))
     live = Live()
     await nc.subscribe("fleet.out.>", cb=live.on_msg)
-    references = {name: await _run(nc, request(f"ref-{name}", name, 240)) for name in SAMPLERS}
+    references = {name: await run_whole(nc, request(f"ref-{name}", name, 240)) for name in SAMPLERS}
     for name in SAMPLERS:
         await submit(nc, request(f"cont-{name}", name, 240))
     first = "cont-greedy"
     await live.until(lambda: live.tokens(first) >= 40 or live.done(first), 120)
     assert not live.done(first), "the task ended before the kill: make it longer"
     killed_at = time.monotonic()
-    os.kill(_runner_pid(record.runner_id), signal.SIGKILL)
-    resumed = await live.until(lambda: _first_after(live, first), 120)
+    os.kill(runner_pid(record.runner_id), signal.SIGKILL)
+    resumed = await live.until(lambda: first_after(live, first), 120)
     print(f"\nrunner crash seam (SIGKILL -> next token): {resumed - killed_at:.2f} s "
           "(runner restart and model load included)")
     for name, reference in references.items():
         stored = await events_of(nc, f"cont-{name}")
         assert_one_clean_stream(stored, reference)
-        assert_one_clean_stream(_dedup([e for _, e in live.events[f"cont-{name}"]]), reference)
+        assert_one_clean_stream(dedup([e for _, e in live.events[f"cont-{name}"]]), reference)
     accepted = [e for e in await events_of(nc, first) if isinstance(e, TaskAccepted)]
     assert [e.attempt for e in accepted] == [0, 1] and accepted[1].continued_from >= 40
     assert accepted[0].delivery == accepted[1].delivery  # the same message, held throughout
@@ -257,7 +160,7 @@ async def test_an_image_task_whose_worker_dies_between_steps_ends_with_the_same_
             seed=7, partial_images=4,
         )
 
-    reference = await _run(nc, draw("ref-image"))
+    reference = await run_whole(nc, draw("ref-image"))
     live = Live()
     await nc.subscribe("fleet.out.>", cb=live.on_msg)
     await submit(nc, draw("restarted-image"))
@@ -281,60 +184,6 @@ async def test_an_image_task_whose_worker_dies_between_steps_ends_with_the_same_
     accepted = [e for e in events if isinstance(e, TaskAccepted)]
     assert [e.attempt for e in accepted] == [0, 1]
     await nc.close()
-
-
-def finished_of(events: list[OutputEvent]) -> TaskFinished:
-    [terminal] = [e for e in events if isinstance(e, TaskFinished)]
-    return terminal
-
-
-def _runner_pid(runner_id: str) -> int:
-    """The runner subprocess's pid, found by its id on its command line."""
-    found = [
-        int(entry.name) for entry in Path("/proc").iterdir()
-        if entry.name.isdigit() and b"fleet.runner.main" in (line := _cmdline(entry))
-        and runner_id.encode() in line
-    ]
-    assert len(found) == 1, found
-    return found[0]
-
-
-def _cmdline(entry: Path) -> bytes:
-    try:
-        return (entry / "cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _first_after(live: Live, task_id: str) -> float | None:
-    """Arrival time of the first token of the next attempt (a later task_accepted)."""
-    attempts = 0
-    for at, event in live.events.get(task_id, []):
-        if isinstance(event, TaskAccepted):
-            attempts += 1
-        elif isinstance(event, TokenChunk) and attempts >= 2:
-            return at
-    return None
-
-
-def _dedup(events: list[OutputEvent]) -> list[OutputEvent]:
-    """A live core subscriber may also see a token the dead worker published twice (its
-    retry): JetStream stores it once (Msg-Id); the live view keeps the first by index."""
-    seen: set[int] = set()
-    kept: list[OutputEvent] = []
-    for event in events:
-        if isinstance(event, TokenChunk):
-            if event.index in seen:
-                continue
-            seen.add(event.index)
-        kept.append(event)
-    return kept
-
-
-async def _run(nc: Client, task: TextGeneration) -> list[OutputEvent]:
-    collector = asyncio.create_task(events_of(nc, task.task_id))
-    await submit(nc, task)
-    return await collector
 
 
 class Gateway:
@@ -436,8 +285,10 @@ def _is_attempt(attempt: int) -> Callable[[OutputEvent], bool]:
     return lambda e: isinstance(e, TaskAccepted) and e.attempt == attempt
 
 
-async def _fault_worker(nc: Client, start_worker: WorkerFactory, name: str) -> WorkerProcess:
-    worker = start_worker(name, **ENV)
+async def _fault_worker(
+    nc: Client, start_worker: WorkerFactory, name: str, **env: str
+) -> WorkerProcess:
+    worker = start_worker(name, **ENV, **env)
     card = add_fault_card(worker.data_dir)
     await place_on(nc, card, await wait_node(nc, worker.data_dir))
     return worker
@@ -474,25 +325,32 @@ async def test_a_kill_during_the_continuations_prefill_is_continued_again(
     await nc.close()
 
 
-async def test_kills_past_max_continuations_end_the_task_worker_lost(
+async def test_three_kills_in_a_row_exhaust_max_continuations_and_end_worker_lost(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
     nc = await client(nats_url)
     live = Live()
     await nc.subscribe("fleet.out.>", cb=live.on_msg)
-    first = await _fault_worker(nc, start_worker, "a")
-    await submit(nc, _fault_task("doomed", max_continuations=1))
+    # Each worker death uses a delivery: three kills and the continuation that gives up need
+    # four (the default FLEET_MAX_DELIVER, 3, would end the task max_deliveries first).
+    four = {"FLEET_MAX_DELIVER": "4"}
+    worker = await _fault_worker(nc, start_worker, "a", **four)
+    await submit(nc, _fault_task("doomed", max_continuations=2))
     await _until_event(live, "doomed", lambda e: isinstance(e, TokenChunk))
-    first.kill()
-    second = await _fault_worker(nc, start_worker, "b")
-    await _until_event(live, "doomed", _is_attempt(1))
-    await live.until(lambda: live.tokens("doomed") >= 2 + _tokens_at_attempt(live, "doomed"), 60)
-    second.kill()
-    await _fault_worker(nc, start_worker, "c")
+    for attempt in (1, 2):  # each continuation killed two tokens into its own output
+        worker.kill()
+        worker = await _fault_worker(nc, start_worker, f"w{attempt}", **four)
+        await _until_event(live, "doomed", _is_attempt(attempt))
+        await live.until(
+            lambda: live.tokens("doomed") >= 2 + _tokens_at_attempt(live, "doomed"), 60
+        )
+    worker.kill()  # the third kill: both continuations are used up
+    await _fault_worker(nc, start_worker, "last", **four)
     events = await events_of(nc, "doomed")
     result = finished_of(events)
     assert (result.status, result.reason) == ("failed", ErrorReason.WORKER_LOST)
-    assert "max_continuations 1" in (result.message or "")
+    assert "max_continuations 2" in (result.message or "")
+    assert [e.attempt for e in events if isinstance(e, TaskAccepted)] == [0, 1, 2]
     tokens = [e.index for e in events if isinstance(e, TokenChunk)]
     assert tokens == list(range(len(tokens)))  # what was streamed stays one clean stream
     await nc.close()

@@ -19,16 +19,17 @@ from fleet.worker.continuation import (
     GiveUp,
     decide,
     generated_tokens,
+    with_seed,
 )
 from fleet.worker.state import PendingTask
 
 T = "t1"
 
 
-def accepted(delivery: int = 1, attempt: int = 0) -> TaskAccepted:
+def accepted(delivery: int = 1, attempt: int = 0, seed: int | None = None) -> TaskAccepted:
     return TaskAccepted(
         task_id=T, at=1.0, model="m", node_id="n", runner_id="r", delivery=delivery,
-        attempt=attempt,
+        attempt=attempt, seed=seed,
     )
 
 
@@ -58,6 +59,10 @@ IMAGE = ImageGeneration(task_id=T, model="m", prompt="p")
     (IMAGE, [accepted(), image(0, 0), image(0, None), image(1, 0)],
      Continue((), 1, frozenset({"0.0", "0.final", "1.0"}))),
     (text(), [accepted(), image(0, 0)], GiveUp),
+    # The seed the first attempt sampled with goes to every continuation.
+    (text(), [accepted(seed=42), token(0)], Continue((100,), 1, seed=42)),
+    (text(), [accepted(seed=42), token(0), accepted(2, 1, seed=42), token(1)],
+     Continue((100, 101), 2, seed=42)),
 ])
 def test_decide(task: object, events: list[OutputEvent], expected: object) -> None:
     got = decide(task, events)  # type: ignore[arg-type]
@@ -89,3 +94,22 @@ def test_the_book_hands_a_continuation_to_its_next_dispatch_once() -> None:
     assert book.dispatched(pending) == Continue((), 0)
     book.released(T)
     assert T not in book.running and T not in book.queued
+
+
+SAMPLED = TextGeneration(task_id=T, model="m", prompt="p", temperature=0.8)
+
+
+@pytest.mark.parametrize(("task", "recorded", "expected_seed"), [
+    (SAMPLED, 42, 42),  # a continuation samples with the recorded seed
+    (SAMPLED.model_copy(update={"seed": 7}), 42, 7),  # the request's own seed stays
+    (SAMPLED.model_copy(update={"temperature": 0.0}), 42, None),  # greedy needs none
+    (IMAGE, 42, None),  # an image task derives its seed from its id (fleet.runner.image)
+])
+def test_with_seed(task: object, recorded: int | None, expected_seed: int | None) -> None:
+    assert with_seed(task, recorded).seed == expected_seed  # type: ignore[arg-type]
+
+
+def test_a_first_attempt_without_a_seed_gets_a_fresh_one_fixed() -> None:
+    seeds = {with_seed(SAMPLED, None).seed for _ in range(20)}
+    assert None not in seeds and len(seeds) == 20
+    assert SAMPLED.seed is None  # the held task is not changed

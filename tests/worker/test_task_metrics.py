@@ -66,3 +66,27 @@ def test_a_cancelled_task_has_its_error_type() -> None:
     scrape = Scrape.of(metrics.meters.exposition().decode())
     duration = "gen_ai_server_request_duration_seconds_count"
     assert scrape.value(duration, **TINY, error_type="cancelled") == 1
+
+
+def _prompt(prompt: int, cached: int) -> TaskFinished:
+    usage = Usage(
+        prompt_tokens=prompt, completion_tokens=4, total_tokens=prompt + 4, cached_tokens=cached
+    )
+    return TaskFinished(task_id="t", status="completed", at=0.0, usage=usage)
+
+
+def test_prefix_cache_hit_ratio_per_model() -> None:
+    metrics = TaskMetrics()
+    tiny = {"gen_ai.request.model": "tiny-llm", "gen_ai.operation.name": "chat"}
+    smol = {"gen_ai.request.model": "smollm2-135m", "gen_ai.operation.name": "chat"}
+    metrics.finished(tiny, _prompt(prompt=100, cached=0))
+    metrics.finished(tiny, _prompt(prompt=300, cached=280))
+    metrics.finished(smol, _prompt(prompt=50, cached=25))
+    scrape = Scrape.of(metrics.meters.exposition().decode())
+    ratio = "fleet_prefix_cache_hit_ratio"
+    assert scrape.value(ratio, gen_ai_request_model="tiny-llm") == 0.7
+    assert scrape.value(ratio, gen_ai_request_model="smollm2-135m") == 0.5
+    cached = "fleet_prefix_cache_cached_tokens_total"
+    assert scrape.value(cached, gen_ai_request_model="tiny-llm") == 280
+    assert metrics.hit_ratio("tiny-llm") == 0.7
+    assert metrics.hit_ratio("nobody") is None

@@ -7,8 +7,9 @@ import * as taskPage from "./task.js";
 import * as playgroundPage from "./playground.js";
 
 const HISTORY = 300;
+const RECENT = 1000;
 export const store = {
-  fleet: null, history: [], tasks: new Map(), listeners: new Set(),
+  operator: false, fleet: null, history: [], tasks: new Map(), listeners: new Set(),
   emit(kind) { for (const listener of this.listeners) listener(kind); },
 };
 
@@ -48,9 +49,11 @@ function fold(message) {
     if (store.history.length > HISTORY) store.history.shift();
   } else if (message.event === "tasks") {
     store.tasks = new Map(data.reverse().map((row) => [row.id, row]));
-  } else if (message.event === "task") {
-    store.tasks.delete(data.id);
-    store.tasks.set(data.id, data);
+  } else if (message.event === "task_rows") {  // the tasks that changed, coalesced
+    for (const row of data) { store.tasks.delete(row.id); store.tasks.set(row.id, row); }
+    while (store.tasks.size > RECENT) store.tasks.delete(store.tasks.keys().next().value);
+  } else if (message.event === "beats" && store.fleet) {
+    for (const node of store.fleet.nodes) Object.assign(node, data[node.node_id] || {});
   }
   store.emit(message.event);
 }
@@ -79,7 +82,10 @@ function askKey(why = "") {
 
 async function start() {
   try {
-    await call("/ui/api/whoami");
+    const me = await call("/ui/api/whoami");
+    store.operator = Boolean(me.operator);
+    document.body.classList.toggle("operator", store.operator);
+    store.emit("whoami");
   } catch (error) {
     if (error instanceof Unauthorized) return askKey(key.get() ? "That key was refused." : "");
     live("gateway unreachable", false);

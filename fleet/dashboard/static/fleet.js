@@ -52,7 +52,7 @@ async function removeInstance(id, button, note) {
 }
 
 function instanceCard(instance, runners, states, note) {
-  const remove = h("button", { class: "danger", type: "button",
+  const remove = h("button", { class: "danger operator-only", type: "button",
     "aria-label": `remove instance ${instance.instance_id}` }, "Remove");
   remove.addEventListener("click", () => removeInstance(instance.instance_id, remove, note));
   return h("article", { class: "card instance", "data-instance": instance.instance_id },
@@ -69,7 +69,7 @@ export function mount(view, store) {
   const note = h("p", { role: "status", "aria-live": "polite", class: "muted" });
   const model = h("select", { id: "place-model" });
   const node = h("select", { id: "place-node" }, h("option", { value: "" }, "any node"));
-  const place = h("form", { class: "row", "aria-label": "place an instance" },
+  const place = h("form", { class: "row operator-only", "aria-label": "place an instance" },
     h("div", {}, h("label", { for: "place-model" }, "Model"), model),
     h("div", {}, h("label", { for: "place-node" }, "Node"), node),
     h("button", { type: "submit" }, "Place"));
@@ -89,13 +89,16 @@ export function mount(view, store) {
   view.append(h("h1", {}, "Fleet"),
     h("h2", {}, "Nodes"), nodes,
     h("h2", {}, "Instances and runners"), instances, note,
-    h("h2", {}, "Place an instance"), place);
+    h("h2", { class: "operator-only" }, "Place an instance"), place);
 
+  function drawNodes() {
+    nodes.replaceChildren(...(store.fleet.nodes.length ? store.fleet.nodes.map(nodeCard)
+      : [h("p", { class: "muted" }, "no live node")]));
+  }
   function draw() {
     const fleet = store.fleet;
     if (!fleet) { nodes.replaceChildren(h("p", { class: "muted" }, "waiting for the fleet…")); return; }
-    nodes.replaceChildren(...(fleet.nodes.length ? fleet.nodes.map(nodeCard)
-      : [h("p", { class: "muted" }, "no live node")]));
+    drawNodes();
     instances.replaceChildren(...(fleet.instances.length
       ? fleet.instances.map((i) => instanceCard(i, fleet.runners, fleet.runner_states, note))
       : [h("p", { class: "muted" }, "no instance placed")]));
@@ -110,5 +113,7 @@ export function mount(view, store) {
       el.textContent = `heartbeat ${Math.max(0, Date.now() / 1000 - el.dataset.at).toFixed(0)} s ago`;
     }
   }, 1000);
-  return { update: (kind) => { if (kind === "fleet") draw(); }, stop: () => clearInterval(ticker) };
+  // A `beats` message (heartbeat times, free memory) redraws the node cards alone.
+  return { update: (kind) => { if (kind === "fleet") draw(); else if (kind === "beats" && store.fleet) drawNodes(); },
+    stop: () => clearInterval(ticker) };
 }

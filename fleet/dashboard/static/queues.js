@@ -57,6 +57,7 @@ export function mount(view, store) {
         spark(samples.map((s) => s.queues?.[model]?.[field] ?? 0), `${model} ${field}`))))));
   }
   async function loadDead() {
+    if (!store.operator) { deadNote.textContent = "dead letters are shown to operator keys"; return; }
     try {
       const found = await call("/ui/api/dead");
       deadNote.textContent = found.dead_letters.length ? "" : "no dead letters";
@@ -71,6 +72,7 @@ export function mount(view, store) {
   let lastDead = -1;
   return { update: (kind) => {
     if (kind === "sample" || kind === "fleet") draw();
+    if (kind === "whoami") loadDead();
     const total = Object.values(store.fleet?.queues || {}).reduce((n, q) => n + (q.dead_lettered || 0), 0);
     if (kind === "fleet" && total !== lastDead) { lastDead = total; loadDead(); }
   } };

@@ -3,7 +3,7 @@
 import { call, fmt, h, key, sse } from "./api.js";
 
 export async function imageUrl(sha256) {
-  const response = await fetch(`/v1/images/${sha256}`,
+  const response = await fetch(`/ui/api/images/${sha256}`,
     { headers: key.get() ? { Authorization: `Bearer ${key.get()}` } : {} });
   return URL.createObjectURL(await response.blob());
 }
@@ -42,7 +42,7 @@ export function mount(view, store, taskId) {
   const trace = h("div", { id: "task-trace" }, h("p", { class: "muted" }, "the trace appears when the task ends"));
   const cancel = h("button", { class: "danger", type: "button" }, "Cancel task");
   cancel.addEventListener("click", async () => {
-    try { await call(`/v1/tasks/${encodeURIComponent(taskId)}/cancel`, { method: "POST" }); }
+    try { await call(`/ui/api/tasks/${encodeURIComponent(taskId)}/cancel`, { method: "POST" }); }
     catch (error) { status.textContent = error.message; }
   });
   view.append(h("h1", {}, "Task ", h("code", {}, taskId)), status, cancel,
@@ -68,7 +68,7 @@ export function mount(view, store, taskId) {
   (async () => {
     let count = 0;
     try {
-      for await (const message of sse(`/v1/tasks/${encodeURIComponent(taskId)}/events`, { signal: controller.signal })) {
+      for await (const message of sse(`/ui/api/tasks/${encodeURIComponent(taskId)}/events`, { signal: controller.signal })) {
         const event = JSON.parse(message.data);
         count += 1;
         let detail = "";

@@ -43,5 +43,5 @@ export function mount(view, store) {
   model.addEventListener("change", draw);
   status.addEventListener("change", draw);
   draw();
-  return { update: (kind) => { if (kind === "task" || kind === "tasks") draw(); } };
+  return { update: (kind) => { if (kind === "task_rows" || kind === "tasks") draw(); } };
 }

@@ -1,0 +1,75 @@
+"""The routing table (Markdown) and the issue-16 targets, from `fleet bench --only routing`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+LABELS = {"one_runner": "(a) one runner", "shared_queue": "(b) 2 runners, shared queue",
+          "prefix_routing": "(c) 2 runners, prefix routing", "peer": "(d) mlx_lm.server"}
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def routing_table(info: dict[str, Any]) -> list[str]:
+    w = info["plan"]["workload"]
+    lines = [
+        f"**{info['model']}**: {w['conversations']} conversations x {w['turns']} turns over "
+        f"{w['system_prompts']} system prompts of ~{min(info['system_prompt_tokens'])} tokens, "
+        f"{w['max_tokens']} new tokens a turn, think time ~{w['think_s']} s; "
+        f"{info['plan']['slots']} slots a runner",
+        "",
+        "| setup | TTFT p50 ms | TTFT p99 ms | cached fraction | aggregate tok/s | mean prompt "
+        "tokens | turns (errors) | turns per runner |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in info["scenarios"].items():
+        spread = "/".join(str(n) for n in sorted(s["runners"].values(), reverse=True)) or "-"
+        lines.append(
+            f"| {LABELS.get(name, name)} | {_ms(s['ttft_p50_s'])} | {_ms(s['ttft_p99_s'])} | "
+            f"{_num(s['cached_fraction'], 2)} | {_num(s['aggregate_tok_s'])} | "
+            f"{_num(s['prompt_tokens_mean'], 0)} | {s['turns']} ({len(s['errors'])}) | {spread} |"
+        )
+    cost = info["routing_cost"]
+    lines += ["", f"routing cost per task (hash blocks + choose + record): p50 "
+              f"{cost['p50_ms']:.3f} ms, p99 {cost['p99_ms']:.3f} ms over {cost['tasks']} tasks"]
+    return lines
+
+
+def routing_targets(info: dict[str, Any]) -> list[str]:
+    s = info["scenarios"]
+    c = s.get("prefix_routing", {})
+    checks = [
+        ("(c) TTFT p50 <= 0.5x (b)", _ratio(c.get("ttft_p50_s"),
+                                              s.get("shared_queue", {}).get("ttft_p50_s")), 0.5,
+         "<="),
+        ("(c) TTFT p50 <= 0.5x peer", _ratio(c.get("ttft_p50_s"),
+                                               s.get("peer", {}).get("ttft_p50_s")), 0.5, "<="),
+        ("(c) cached fraction >= 0.8", c.get("cached_fraction"), 0.8, ">="),
+        ("(c) aggregate >= 1.7x (a)", _ratio(c.get("aggregate_tok_s"),
+                                               s.get("one_runner", {}).get("aggregate_tok_s")),
+         1.7, ">="),
+        ("routing cost p50 <= 2 ms", info["routing_cost"]["p50_ms"], 2.0, "<="),
+    ]
+    lines = ["| target | measured | met |", "|---|---|---|"]
+    for label, value, bound, op in checks:
+        met = "-" if value is None else ("yes" if (value <= bound if op == "<=" else
+                                                    value >= bound) else "no")
+        lines.append(f"| {label} | {_num(value, 3)} | {met} |")
+    return lines
+
+
+def print_routing(routing: dict[str, Any]) -> None:
+    for info in routing.values():
+        print(f"### routing: {info['model']}\n")
+        print("\n".join(routing_table(info)) + "\n")
+        print("\n".join(routing_targets(info)) + "\n")

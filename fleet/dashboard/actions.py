@@ -1,0 +1,104 @@
+"""The operator's actions on the dashboard: place an instance on a node, remove one, and the
+dead letters list. Operator keys only: the gateway's NATS role may write FLEET_INSTANCES and
+read FLEET_DEAD's stored messages (fleet/bus/roles.py), so the check that a tenant key may
+not is this one, made before any NATS call."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from fleet.dashboard.access import is_operator, operators_only
+from fleet.errors import FleetError
+from fleet.gateway.service import gateway_of
+from fleet.models.catalog import get_card
+from fleet.placement import place, remove
+from fleet.wire import subjects
+from fleet.wire.codec import DecodeError, decode_task
+
+DEAD_SHOWN = 50
+
+
+def readable_task_id(data: bytes) -> str | None:
+    try:
+        return decode_task(data).task_id
+    except DecodeError as exc:
+        return exc.task_id
+
+
+async def dead_letters(request: Request) -> Response:
+    """The newest dead letters (FLEET_DEAD), with the reason the janitor gave each; to
+    operators only, as they are every tenant's. The gateway's NATS role may read FLEET_DEAD's
+    stored messages and nothing more of it (fleet/bus/roles.py)."""
+    if not is_operator(request):
+        return operators_only()
+    js = gateway_of(request).backend.jetstream()
+    found: list[dict[str, Any]] = []
+    try:
+        info = await js.stream_info(subjects.DEAD_LETTERS_STREAM)
+        seq = info.state.last_seq
+        while seq >= max(1, info.state.first_seq) and len(found) < DEAD_SHOWN:
+            with contextlib.suppress(NotFoundError):
+                msg = await js.get_msg(subjects.DEAD_LETTERS_STREAM, seq)
+                headers = msg.headers or {}
+                found.append({
+                    "seq": seq, "model": subjects.model_of_dead_letter(msg.subject or ""),
+                    "task_id": readable_task_id(msg.data or b""),
+                    "reason": headers.get("Fleet-Reason"),
+                    "deliveries": headers.get("Fleet-Deliveries"),
+                })
+            seq -= 1
+    except (NatsError, OSError, TimeoutError) as exc:
+        return JSONResponse({"error": f"could not read FLEET_DEAD: {exc!r}"}, status_code=503)
+    return JSONResponse({"dead_letters": found})
+
+
+def _refused(exc: Exception, cli: str) -> Response:
+    """NATS refused or failed the write (the gateway's role may write FLEET_INSTANCES, but a
+    server with an older auth.conf may not let it): the page shows the CLI command instead."""
+    return JSONResponse({"error": f"the gateway could not do this: {exc}", "cli": cli},
+                        status_code=503)
+
+
+async def remove_instance(request: Request) -> Response:
+    if not is_operator(request):
+        return operators_only()
+    instance_id = request.path_params["instance_id"]
+    cli = f"fleet instances remove {instance_id}"
+    try:
+        await remove(gateway_of(request).backend.jetstream(), instance_id)
+    except FleetError as exc:
+        return JSONResponse({"error": str(exc), "cli": cli}, status_code=exc.http_status)
+    except (NatsError, OSError, TimeoutError) as exc:
+        return _refused(exc, cli)
+    return JSONResponse({"removed": instance_id})
+
+
+async def place_instance(request: Request) -> Response:
+    if not is_operator(request):
+        return operators_only()
+    try:
+        body = await request.json()
+    except ValueError:
+        return JSONResponse({"error": "the body is not JSON"}, status_code=400)
+    if not isinstance(body, dict):
+        return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
+    model, node = str(body.get("model", "")), body.get("node") or None
+    cli = f"fleet instances place --model {model}" + (f" --node {node}" if node else "")
+    gateway = gateway_of(request)
+    try:
+        card = get_card(model, gateway.settings.data_dir)
+    except FleetError as exc:
+        return JSONResponse({"error": str(exc)}, status_code=404)
+    try:
+        instance = await place(gateway.backend.jetstream(), card, node_id=node)
+    except FleetError as exc:  # no node can hold it, the node is not alive, ...
+        return JSONResponse({"error": str(exc), "cli": cli}, status_code=exc.http_status)
+    except (NatsError, OSError, TimeoutError) as exc:
+        return _refused(exc, cli)
+    return JSONResponse({"placed": instance.instance_id, "node": instance.shards[0].node_id})

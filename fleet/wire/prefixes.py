@@ -1,0 +1,26 @@
+"""What a runner's prefix cache holds, as its worker advertises it (KV FLEET_PREFIXES)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from fleet.wire.base import ModelId, NodeId, RunnerId, Wire
+
+
+class PrefixSummary(Wire):
+    """A runner's prompt blocks, most recently used last, under its runner id; the bucket's
+    TTL drops a runner whose worker stopped refreshing it."""
+
+    type: Literal["prefix_summary"] = "prefix_summary"
+    runner_id: RunnerId
+    node_id: NodeId
+    model: ModelId
+    block_chars: int = Field(description="bytes of the canonical prompt rendering per block")
+    blocks: list[str] = Field(
+        default_factory=list,
+        description="chained 64-bit block hashes (16 hex digits), oldest first",
+    )
+    in_flight: int = 0
+    at: float

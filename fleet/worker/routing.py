@@ -1,0 +1,74 @@
+"""Prefix-aware choice of a runner: pure, `choose_runner(blocks, candidates, weights)`.
+
+Cost of sending a task to a runner, in blocks: the prompt blocks it would have to prefill
+(those past the longest prefix it holds) plus `load_blocks` per task already in flight there
+(a busy runner's batch slows every sequence in it). The cheapest runner with a free slot
+wins, so a returning conversation goes home while home has room, and a hot prefix spills to
+the next runner once home is loaded by more than the prefill it saves; a task never waits
+for a busy runner while another has a free slot (the plan dispatches only to free slots).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefixHeld:
+    """What a runner's prefix cache holds, as the worker last sent it: block hashes, oldest
+    first, at most `capacity` (LRU by blocks, like the cache's own byte budget)."""
+
+    order: tuple[int, ...] = ()
+    known: frozenset[int] = frozenset()
+
+    def matched(self, blocks: Sequence[int]) -> int:
+        """How many leading blocks of `blocks` this runner holds."""
+        count = 0
+        for block in blocks:
+            if block not in self.known:
+                break
+            count += 1
+        return count
+
+    def served(self, blocks: Sequence[int], capacity: int) -> PrefixHeld:
+        """After a task with `blocks` ran here: those blocks are the most recent, the leading
+        one most of all, so eviction cuts a prompt from its end (a block is worth nothing
+        once the one before it is gone)."""
+        if not blocks:
+            return self
+        fresh = set(blocks)
+        newest = tuple(reversed(dict.fromkeys(blocks)))
+        order = tuple(b for b in self.order if b not in fresh) + newest
+        order = order[-capacity:] if capacity > 0 else ()
+        return PrefixHeld(order, frozenset(order))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    runner_id: str
+    free_slots: int
+    in_flight: int
+    held: PrefixHeld = PrefixHeld()
+
+
+@dataclass(frozen=True)
+class Weights:
+    load_blocks: float = 4.0  # one task in flight costs like prefilling this many blocks
+    prefix: bool = True  # False: today's rule, the runner with most free slots
+
+
+def choose_runner(
+    blocks: Sequence[int], candidates: Sequence[Candidate], weights: Weights = Weights(),
+) -> str | None:
+    free = [c for c in candidates if c.free_slots > 0]
+    if not free:
+        return None
+    if not weights.prefix:
+        return max(free, key=lambda c: (c.free_slots, c.runner_id)).runner_id
+
+    def cost(c: Candidate) -> tuple[float, int, str]:
+        uncached = len(blocks) - c.held.matched(blocks)
+        return (uncached + weights.load_blocks * c.in_flight, -c.free_slots, c.runner_id)
+
+    return min(free, key=cost).runner_id

@@ -1,0 +1,150 @@
+"""Helpers of the continuation tests: placing a model on one node, a live view of every
+task's events, and the check that a continued stream equals its uninterrupted run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from fleet.placement import place
+from fleet.wire import subjects
+from fleet.wire.cluster import ModelCard, RunnerRecord
+from fleet.wire.codec import decode_event, decode_model
+from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
+from fleet.wire.tasks import Task
+from tests.integration.harness import events_of, submit
+
+ENV = {"FLEET_ACK_WAIT_S": "2", "OPENBLAS_NUM_THREADS": "1"}
+NO_EOS = {2: -100.0}  # tiny-llm's <|im_end|>: random weights would otherwise stop early
+
+
+async def place_on(
+    nc: Client, card: ModelCard, node: str, timeout: float = 120.0
+) -> RunnerRecord:
+    """Place `card` on `node` and wait for that node's runner to be ready."""
+    kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
+    watcher = await kv.watchall()
+    await place(nc.jetstream(), card, node_id=node, slots=8)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                entry = await watcher.updates(timeout=max(0.05, deadline - time.monotonic()))
+            except TimeoutError:
+                continue
+            if entry is None or not entry.value:
+                continue
+            record = decode_model(RunnerRecord, entry.value)
+            if record.node_id == node and record.status.state == "ready":
+                return record
+    finally:
+        await watcher.stop()
+    raise TimeoutError(f"no ready runner on {node}")
+
+
+class Live:
+    """Every task's events as a live subscriber sees them, with arrival times."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[tuple[float, OutputEvent]]] = {}
+        self.changed = asyncio.Event()
+
+    async def on_msg(self, msg: Msg) -> None:
+        event = decode_event(msg.data)
+        self.events.setdefault(event.task_id, []).append((time.monotonic(), event))
+        self.changed.set()
+
+    async def until(self, check: Callable[[], Any], timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while not (found := check()):
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), max(0.01, deadline - time.monotonic()))
+        return found
+
+    def tokens(self, task_id: str) -> int:
+        return sum(isinstance(e, TokenChunk) for _, e in self.events.get(task_id, []))
+
+    def node_running(self, task_id: str) -> str | None:
+        accepted = [e for _, e in self.events.get(task_id, []) if isinstance(e, TaskAccepted)]
+        return accepted[-1].node_id if accepted else None
+
+    def done(self, task_id: str) -> bool:
+        return any(isinstance(e, TaskFinished) for _, e in self.events.get(task_id, []))
+
+
+def assert_one_clean_stream(events: list[OutputEvent], reference: list[OutputEvent]) -> None:
+    tokens = [e for e in events if isinstance(e, TokenChunk)]
+    expected = [e for e in reference if isinstance(e, TokenChunk)]
+    assert [t.index for t in tokens] == list(range(len(tokens))), "a repeated or missing index"
+    assert [t.token_id for t in tokens] == [t.token_id for t in expected]
+    assert "".join(t.text for t in tokens) == "".join(t.text for t in expected)
+    # Logprobs continue; batches of other shapes move them by float rounding only.
+    assert [t.logprob for t in tokens] == pytest.approx([t.logprob for t in expected], abs=1e-3)
+    terminals = [e for e in events if isinstance(e, TaskFinished)]
+    assert len(terminals) == 1 and events[-1] is terminals[0]
+    [want] = [e for e in reference if isinstance(e, TaskFinished)]
+    assert terminals[0].status == "completed", terminals[0]
+    assert terminals[0].finish_reason == want.finish_reason
+    assert terminals[0].usage is not None and want.usage is not None
+    assert terminals[0].usage.completion_tokens == len(tokens) == want.usage.completion_tokens
+
+
+def finished_of(events: list[OutputEvent]) -> TaskFinished:
+    [terminal] = [e for e in events if isinstance(e, TaskFinished)]
+    return terminal
+
+
+def runner_pid(runner_id: str) -> int:
+    """The runner subprocess's pid, found by its id on its command line."""
+    found = [
+        int(entry.name) for entry in Path("/proc").iterdir()
+        if entry.name.isdigit() and b"fleet.runner.main" in (line := cmdline(entry))
+        and runner_id.encode() in line
+    ]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def first_after(live: Live, task_id: str) -> float | None:
+    """Arrival time of the first token of the next attempt (a later task_accepted)."""
+    attempts = 0
+    for at, event in live.events.get(task_id, []):
+        if isinstance(event, TaskAccepted):
+            attempts += 1
+        elif isinstance(event, TokenChunk) and attempts >= 2:
+            return at
+    return None
+
+
+def dedup(events: list[OutputEvent]) -> list[OutputEvent]:
+    """A live core subscriber may also see a token the dead worker published twice (its
+    retry): JetStream stores it once (Msg-Id); the live view keeps the first by index."""
+    seen: set[int] = set()
+    kept: list[OutputEvent] = []
+    for event in events:
+        if isinstance(event, TokenChunk):
+            if event.index in seen:
+                continue
+            seen.add(event.index)
+        kept.append(event)
+    return kept
+
+
+async def run_whole(nc: Client, task: Task) -> list[OutputEvent]:
+    collector = asyncio.create_task(events_of(nc, task.task_id))
+    await submit(nc, task)
+    return await collector

@@ -1,0 +1,131 @@
+"""Prefix-aware routing: block hashes of prompts, and the pure choice of a runner (tables)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet.wire.cluster import Instance, ShardAssignment
+from fleet.wire.runners import RunnerReady
+from fleet.wire.tasks import ChatMessage, TextGeneration
+from fleet.worker.plan import Dispatch, plan
+from fleet.worker.prefix_blocks import BLOCK_CHARS, block_hashes, prompt_blocks
+from fleet.worker.routing import Candidate, PrefixHeld, Weights, choose_runner
+from fleet.worker.state import PendingTask, RunnerView, TaskDispatched, TaskQueued, WorkerState
+from fleet.worker.state import apply as step
+
+SYSTEM = "You are a careful assistant. " * 40  # ~1,100 characters: four blocks
+
+
+def chat(*turns: tuple[str, str], task_id: str = "t") -> TextGeneration:
+    messages = [ChatMessage(role=role, content=text) for role, text in turns]  # type: ignore[arg-type]
+    return TextGeneration(task_id=task_id, model="tiny-llm", messages=messages)
+
+
+def test_a_next_turn_extends_the_previous_turns_blocks() -> None:
+    first = prompt_blocks(chat(("system", SYSTEM), ("user", "hello " * 60)))
+    second = prompt_blocks(chat(
+        ("system", SYSTEM), ("user", "hello " * 60), ("assistant", "hi " * 50),
+        ("user", "and then? " * 30),
+    ))
+    assert len(first) >= 4 and len(second) > len(first)
+    assert second[:len(first)] == first  # every whole block of the earlier prompt
+
+
+def test_equal_blocks_after_a_difference_do_not_match() -> None:
+    """Hashes are chained: the same text after a different prefix is a different block."""
+    a = block_hashes(b"x" * BLOCK_CHARS + b"y" * BLOCK_CHARS)
+    b = block_hashes(b"z" * BLOCK_CHARS + b"y" * BLOCK_CHARS)
+    assert a[0] != b[0] and a[1] != b[1]
+    assert block_hashes(b"short") == ()
+
+
+def test_other_system_prompts_share_no_blocks() -> None:
+    one = prompt_blocks(chat(("system", SYSTEM), ("user", "q")))
+    other = prompt_blocks(chat(("system", SYSTEM.upper()), ("user", "q")))
+    assert not set(one) & set(other)
+
+
+def held(*blocks: int) -> PrefixHeld:
+    return PrefixHeld().served(blocks, capacity=100)
+
+
+PROMPT = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "candidates", "chosen"),
+    [
+        # nothing cached anywhere: the least loaded, then most free slots, then the id
+        (PROMPT, [Candidate("a", 4, 0), Candidate("b", 4, 0)], "a"),
+        (PROMPT, [Candidate("a", 3, 1), Candidate("b", 4, 0)], "b"),
+        # a returning conversation goes home
+        (PROMPT, [Candidate("a", 4, 0), Candidate("b", 4, 0, held(1, 2, 3, 4, 5, 6))], "b"),
+        # the longest prefix wins, not the most blocks in common
+        (PROMPT, [Candidate("a", 4, 0, held(1, 2, 3)),
+                  Candidate("b", 4, 0, held(1, 2, 4, 5, 6, 7, 8))], "a"),
+        # home is busier, but the prefill it saves (9 blocks) beats 1 task in flight (4)
+        (PROMPT, [Candidate("a", 4, 0), Candidate("b", 3, 1, held(*PROMPT[:9]))], "b"),
+        # home is loaded past what it saves: the hot prefix spills over
+        (PROMPT, [Candidate("a", 4, 0), Candidate("b", 1, 3, held(*PROMPT[:9]))], "a"),
+        # home has no free slot: never wait for it while another runner is free
+        (PROMPT, [Candidate("a", 4, 0), Candidate("b", 0, 4, held(*PROMPT))], "a"),
+        # no free slot anywhere: nothing is dispatched
+        (PROMPT, [Candidate("a", 0, 4), Candidate("b", 0, 4, held(*PROMPT))], None),
+        # a prompt shorter than a block routes by load alone
+        ((), [Candidate("a", 2, 2, held(1)), Candidate("b", 4, 0)], "b"),
+        ((), [], None),
+    ],
+)
+def test_choose_runner(
+    blocks: tuple[int, ...], candidates: list[Candidate], chosen: str | None,
+) -> None:
+    assert choose_runner(blocks, candidates) == chosen
+
+
+def test_without_prefix_routing_the_most_free_slots_win() -> None:
+    candidates = [Candidate("a", 3, 1, held(*PROMPT)), Candidate("b", 4, 0)]
+    assert choose_runner(PROMPT, candidates, Weights(prefix=False)) == "b"
+    assert choose_runner(PROMPT, candidates) == "a"
+
+
+def test_held_blocks_are_lru_by_blocks() -> None:
+    h = PrefixHeld().served((1, 2, 3), capacity=4)
+    assert h.order == (3, 2, 1)  # a prompt's end is evicted before its start
+    h = h.served((4, 5), capacity=4)
+    assert h.order == (2, 1, 5, 4) and h.matched((1, 2, 3)) == 2
+    h = h.served((1, 2), capacity=4)  # used again: most recent now
+    assert h.order == (5, 4, 2, 1)
+    assert h.served((6, 7), capacity=4).matched((1, 2)) == 2  # 4 and 5 went first
+
+
+def test_the_plan_sends_a_returning_conversation_home() -> None:
+    """Through WorkerState: a dispatch records the prompt's blocks on its runner, and the
+    next turn of that conversation is dispatched to the same runner."""
+    def queued(state: WorkerState, task: TextGeneration) -> WorkerState:
+        return step(state, TaskQueued(PendingTask(
+            task=task, received_at=0.0, inputs={}, blocks=prompt_blocks(task),
+        )))
+
+    runners = {
+        rid: RunnerView(rid, f"i-{rid}", "tiny-llm", status=RunnerReady(), slots=4)
+        for rid in ("run-a", "run-b")
+    }
+    instances = {
+        f"i-{rid}": Instance(
+            instance_id=f"i-{rid}", model="tiny-llm", slots=4, created_at=0.0,
+            shards=[ShardAssignment(node_id="n", runner_id=rid)],
+        )
+        for rid in runners
+    }
+    state = WorkerState(node_id="n", runners=runners, instances=instances)
+    turns = [("system", SYSTEM), ("user", "tell me about ships " * 20)]
+    state = queued(state, chat(*turns, task_id="turn-1"))
+    action = plan(state, 0.0)
+    assert isinstance(action, Dispatch)
+    home = action.runner_id
+    state = step(state, TaskDispatched("turn-1", home))
+    assert state.runners[home].held.known  # the index learnt what it sent there
+    # Home now has a task in flight, the other runner none: the next turn still goes home.
+    turns += [("assistant", "ships float " * 20), ("user", "and boats? " * 20)]
+    state = queued(state, chat(*turns, task_id="turn-2"))
+    assert plan(state, 0.0) == Dispatch("turn-2", home)
