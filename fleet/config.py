@@ -57,6 +57,8 @@ class Settings:
     gateway_header_timeout_s: float = 10.0  # to send a request's headers
     gateway_body_timeout_s: float = 60.0  # to send a request's whole body (then 408)
     gateway_keep_alive_s: float = 15.0  # an idle keep-alive connection is closed after this
+    metrics_host: str = "127.0.0.1"  # where a worker serves its /metrics
+    metrics_port: int = 0  # a worker's /metrics port; 0 = not served
 
     @property
     def models_dir(self) -> Path:
@@ -116,6 +118,8 @@ _ENV: dict[str, str] = {
     "gateway_header_timeout_s": "FLEET_GATEWAY_HEADER_TIMEOUT_S",
     "gateway_body_timeout_s": "FLEET_GATEWAY_BODY_TIMEOUT_S",
     "gateway_keep_alive_s": "FLEET_GATEWAY_KEEP_ALIVE_S",
+    "metrics_host": "FLEET_METRICS_HOST",
+    "metrics_port": "FLEET_METRICS_PORT",
 }
 
 _TRUE = ("1", "true", "yes", "on")
@@ -201,6 +205,8 @@ DESCRIPTIONS: dict[str, str] = {
     "gateway_header_timeout_s": "seconds to send a request's headers",
     "gateway_body_timeout_s": "seconds to send a request's whole body (then 408)",
     "gateway_keep_alive_s": "an idle keep-alive connection is closed after this",
+    "metrics_host": "address a worker serves /metrics on",
+    "metrics_port": "port a worker serves Prometheus /metrics on (0: not served)",
 }
 
 # Which settings a kind of command reads: `fleet.cli` offers exactly these on each command.
@@ -210,7 +216,8 @@ CONNECTION = (
     "nats_tls_ca", "nats_tls_cert", "nats_tls_key",
 )
 WORKER = ("slots", "image_cache_bytes", "models_disk_limit", "input_wait_s", "max_deliver",
-          "ack_wait_s", "auto_place", "replicas", "prefix_routing", "prefix_index_blocks")
+          "ack_wait_s", "auto_place", "replicas", "prefix_routing", "prefix_index_blocks",
+          "metrics_host", "metrics_port")
 GATEWAY = (
     *(name for name in _ENV if name.startswith("gateway_")), "api_keys", "api_keys_file",
     "replicas",

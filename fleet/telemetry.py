@@ -3,9 +3,9 @@ NATS headers and runner frames.
 
 Where finished spans go:
 - OTLP over HTTP/protobuf when OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT
-  is set; the exporter reads the other OTEL_EXPORTER_OTLP_* variables itself. Metrics the
-  same way (…_METRICS_ENDPOINT); without OTLP the meters are the API's no-ops, and /metrics
-  on the gateway is the place to look.
+  is set; the exporter reads the other OTEL_EXPORTER_OTLP_* variables itself. Metrics are
+  not set up here: each component (gateway, worker) has a meter provider of its own that
+  serves /metrics and pushes over OTLP the same way (fleet/meters.py).
 - `fleet.traces.<trace_id>` on NATS once a process that holds a connection calls
   `export_to_nats`, so `fleet trace` needs no collector.
 - A runner adds its pipe instead: it has no NATS, and its worker re-exports its spans.
@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import context as otel_context
-from opentelemetry import metrics, propagate, trace
+from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind
 
 from fleet.trace.records import SpanRecord, readable_of
+from fleet.wire.tasks import ImageEdits, Task, TextGeneration
 
 if TYPE_CHECKING:  # the runner imports this module and has no NATS
     from nats.aio.client import Client
@@ -93,32 +94,21 @@ def setup(
     described = Resource.create({"service.name": service_name, **(resource or {})})
     provider = TracerProvider(resource=described)
     otlp_processor = None
-    if otlp and _configured("TRACES"):
+    if otlp and otlp_configured("TRACES"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         otlp_processor = BatchSpanProcessor(OTLPSpanExporter())
         provider.add_span_processor(otlp_processor)
         log.info("exporting spans over OTLP/HTTP")
-    if otlp and _configured("METRICS"):
-        _export_metrics(described)
     trace.set_tracer_provider(provider)
     _installed = Telemetry(provider, otlp_processor)
     return _installed
 
 
-def _configured(signal: str) -> bool:
+def otlp_configured(signal: str) -> bool:
     """An OTLP endpoint is set for all signals, or for this one (TRACES, METRICS)."""
     specific = f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT"
     return bool(os.environ.get(OTLP_ENDPOINT) or os.environ.get(specific))
-
-
-def _export_metrics(resource: Resource) -> None:
-    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
-
-    reader = PeriodicExportingMetricReader(OTLPMetricExporter())  # OTEL_METRIC_EXPORT_INTERVAL
-    metrics.set_meter_provider(MeterProvider(metric_readers=[reader], resource=resource))
 
 
 def export_to_nats(client: Callable[[], Client | None]) -> None:
@@ -175,6 +165,17 @@ def carried(span: Span) -> tuple[str | None, str | None]:
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=trace.set_span_in_context(span))
     return carrier.get("traceparent"), carrier.get("tracestate")
+
+
+# ---- GenAI names -----------------------------------------------------------------------------
+
+
+def operation_of(task: Task) -> str:
+    """The GenAI operation name (custom ones for images, which the conventions lack), for the
+    runner's spans and everyone's metrics."""
+    if isinstance(task, TextGeneration):
+        return "chat" if task.messages is not None else "text_completion"
+    return "image_edit" if isinstance(task, ImageEdits) else "image_generation"
 
 
 # ---- the producer span of a published message ------------------------------------------

@@ -12,6 +12,7 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
+from fleet import telemetry
 from fleet.config import Settings
 from fleet.dashboard import mount as mount_dashboard
 from fleet.errors import FleetError
@@ -21,7 +22,6 @@ from fleet.gateway.guards import (
     ApiKeys,
     BodyLimit,
     BodyTimeout,
-    RequestMetrics,
     on_client_disconnect,
     on_fleet_error,
     on_http_error,
@@ -29,7 +29,7 @@ from fleet.gateway.guards import (
 )
 from fleet.gateway.service import Gateway
 from fleet.gateway.tenants import KeyRing
-from fleet.gateway.tracing import HttpSpans
+from fleet.gateway.tracing import AccessLog, http_spans
 
 
 class Sha256Convertor(Convertor[str]):
@@ -75,12 +75,11 @@ def build_app(settings: Settings) -> Starlette:
         finally:
             await gateway.catalogue.close()
             await gateway.backend.close()
+            gateway.metrics.meters.shutdown()
 
     app = Starlette(
         routes=ROUTES,
         middleware=[
-            Middleware(HttpSpans, nats=lambda: gateway.backend.nc),
-            Middleware(RequestMetrics, metrics=gateway.metrics),
             Middleware(ApiKeys, ring=ring, protect_metrics=settings.gateway_protect_metrics),
             Middleware(BodyTimeout, seconds=settings.gateway_body_timeout_s),
             Middleware(BodyLimit, max_bytes=settings.gateway_max_body_bytes),
@@ -96,4 +95,10 @@ def build_app(settings: Settings) -> Starlette:
     app.state.gateway = gateway
     app.state.key_ring = ring  # the dashboard asks it who is an operator
     mount_dashboard(app)  # /ui: fleet/dashboard
+    # Outermost, in this order: the access log sees every request; the HTTP span is current
+    # for everything below it. Added last so that they know every route, /ui's too.
+    meter_provider = gateway.metrics.meters.provider
+    app.add_middleware(http_spans, routes=app.router.routes, meter_provider=meter_provider)
+    app.add_middleware(AccessLog)
+    telemetry.export_to_nats(lambda: gateway.backend.nc)
     return app

@@ -86,13 +86,13 @@ async def _relay(
             if isinstance(item.event, ErrorChunk):
                 last_error = item.event
             if isinstance(item.event, TaskFinished) and (failed := failure(item.event, last_error)):
-                observers.metrics.errors.inc(reason=failed.reason.value)
+                observers.metrics.error(failed.reason.value)
                 yield sse_error(failed)
                 return
             for line in await renderer.lines(item):
                 yield line
     except FleetError as exc:  # deadline, NATS gone: the headers are out, so say it in-band
-        observers.metrics.errors.inc(reason=exc.reason.value)
+        observers.metrics.error(exc.reason.value)
         yield sse_error(exc)
         return
     for line in renderer.closing():
@@ -186,7 +186,7 @@ async def _run_task(
 ) -> Response:
     loop = asyncio.get_running_loop()
     started = loop.time()
-    observers = Observers(metrics, tasks[0].model, started)
+    observers = Observers(metrics, tasks[0], started)
     claim = claimer(backend, tenant)
     for task in tasks:
         backend.check_size(task)  # 413 before anything is published
@@ -252,9 +252,10 @@ async def _open_events(backend: Backend, tasks: Sequence[Task], deadline: float)
 class Observers:
     """A TaskObserver per task, so each choice's timings are its own."""
 
-    def __init__(self, metrics: GatewayMetrics, model: str, started: float) -> None:
+    def __init__(self, metrics: GatewayMetrics, task: Task, started: float) -> None:
+        """`task`: the request's first (its choices differ only in their ids)."""
         self.metrics = metrics
-        self.model = model
+        self.task = task
         self.started = started
         self.by_task: dict[str, TaskObserver] = {}
 
@@ -262,7 +263,7 @@ class Observers:
         observer = self.by_task.get(event.task_id)
         if observer is None:
             observer = self.by_task[event.task_id] = TaskObserver(
-                self.metrics, self.model, self.started
+                self.metrics, self.task, self.started
             )
         observer.see(event, now)
 

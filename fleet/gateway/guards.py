@@ -1,5 +1,5 @@
 """What stands between a request and a route: the body cap and read timeout, API keys and
-their tenants, request metrics, JSON parsing, and the translation of every failure into
+their tenants, JSON parsing, and the translation of every failure into
 OpenAI's error shape.
 
 The middlewares are plain ASGI so that a body over the cap is refused while it streams in,
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any, TypeVar
 
 import orjson
@@ -63,7 +62,7 @@ class HttpError(FleetError):
 async def on_fleet_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, FleetError)
     metrics: GatewayMetrics = request.app.state.gateway.metrics
-    metrics.errors.inc(reason=error_body(exc)["error"]["code"] or str(exc.http_status))
+    metrics.error(error_body(exc)["error"]["code"] or str(exc.http_status))
     return error_response(exc)
 
 
@@ -209,30 +208,3 @@ class ApiKeys:
             return await _refuse(refusal)(scope, receive, send)
         await self.app(scope, receive, send)
 
-
-class RequestMetrics:
-    """Counts requests by route template and status, and times them to their last byte."""
-
-    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started = time.monotonic()
-        status = 500
-
-        async def watched(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watched)
-        finally:
-            route = scope.get("route")
-            path = getattr(route, "path", "unmatched")
-            self.metrics.requests.inc(route=path, method=scope["method"], status=str(status))
-            self.metrics.duration.observe(time.monotonic() - started, route=path)

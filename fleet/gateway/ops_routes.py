@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 
 from fleet.errors import FleetError, ModelNotFound
 from fleet.gateway.guards import authenticated, tenant_of
@@ -14,10 +14,10 @@ from fleet.gateway.openai_base import InvalidParameter
 from fleet.gateway.openapi import openapi_document
 from fleet.gateway.resume import not_found, resume
 from fleet.gateway.service import gateway_of
+from fleet.meters import PROMETHEUS_TEXT
 
 TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 COUNT = re.compile(r"^[0-9]{1,9}$")
-PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _task_id(request: Request) -> str:
@@ -91,7 +91,7 @@ async def metrics(request: Request) -> Response:
         queues = await gateway.backend.queue_stats()
     except FleetError:
         queues = {}  # the scrape still reports what the gateway itself saw
-    return PlainTextResponse(
+    return Response(
         gateway.metrics.render(queues, gateway.capacity.waiting), media_type=PROMETHEUS_TEXT
     )
 

@@ -1,29 +1,76 @@
-"""HTTP server spans: ASGI middleware making `<METHOD> <route>` (SERVER) for every request.
+"""HTTP server spans and metrics from OpenTelemetry's ASGI instrumentation, and the one
+access-log line per request.
 
-The span is the root of the request's trace unless the client sent a `traceparent`, whose
-trace it then joins. It is current while the app runs, so the task the request publishes is
-its child (`send fleet.tasks.<model>`), and it ends when the response's last byte is sent.
-Health checks and metric scrapes are left out: they would be a trace each, every few seconds.
+The span (`<METHOD> <route>`, SERVER) is the root of the request's trace unless the client
+sent a `traceparent`, whose trace it then joins. It is current while the app runs, so the task
+the request publishes is its child (`send fleet.tasks.<model>`), and it ends when the
+response's last byte is sent. The same middleware records http.server.request.duration and
+http.server.active_requests on the gateway's meter provider. Health checks, metric scrapes and
+the dashboard's static files are left out of both: they would be a trace each, every few
+seconds.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
 
-from nats.aio.client import Client
-from opentelemetry import trace
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.util.http import ExcludeList
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fleet import telemetry
-
-UNTRACED_PATHS = frozenset({"/healthz", "/metrics"})
+# Probes, scrapes and the dashboard's static files: no span, and their access lines at debug.
+_UNTRACED = r"/(?:healthz|metrics|ui/static/.*)"
+UNTRACED_PATH = re.compile(_UNTRACED)
+# The instrumentation matches against the whole URL (scheme, host, path).
+UNTRACED_URLS = ExcludeList([rf"^[a-z]+://[^/]*{_UNTRACED}$"])
 # One line per request: `<client> "<METHOD> <path>" <status> <ms> ms task=<id>` (health checks
 # and scrapes at debug). The task id comes from the response's x-fleet-task-id header.
 access_log = logging.getLogger("fleet.gateway.access")
+
+
+def http_spans(
+    app: ASGIApp, routes: Sequence[BaseRoute], meter_provider: MeterProvider
+) -> ASGIApp:
+    """`app` inside the ASGI instrumentation, with spans named by route template."""
+    # The instrumentation writes the stable HTTP conventions (http.request.method,
+    # http.response.status_code, seconds) only when opted in; it reads this once.
+    os.environ.setdefault("OTEL_SEMCONV_STABILITY_OPT_IN", "http")
+
+    def span_details(scope: Scope) -> tuple[str, dict[str, Any]]:
+        method = scope.get("method", "HTTP")
+        route = route_of(routes, scope)
+        return (f"{method} {route}", {"http.route": route}) if route else (method, {})
+
+    return OpenTelemetryMiddleware(
+        app,
+        excluded_urls=UNTRACED_URLS,
+        default_span_details=span_details,
+        meter_provider=meter_provider,
+        # A span per receive and send would be one per streamed token.
+        exclude_spans=["receive", "send"],
+    )
+
+
+def route_of(routes: Sequence[BaseRoute], scope: Scope) -> str | None:
+    """The template of the route that will serve `scope`, matched as Starlette's router
+    matches (the first full match, else the first that matches all but the method: its 405),
+    so the span is named, and its duration recorded, by template from the start: a path with
+    a task id or an image hash in it would be a metric series of its own."""
+    partial = None
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            return getattr(route, "path_format", None)
+        if match is Match.PARTIAL and partial is None:
+            partial = getattr(route, "path_format", None)
+    return partial
 
 
 def access_line(scope: Scope, status: int, elapsed_s: float, task_id: str) -> str:
@@ -40,39 +87,11 @@ def header_of(message: Message, name: bytes) -> str:
     return ""
 
 
-def request_attributes(scope: Scope) -> dict[str, Any]:
-    attributes: dict[str, Any] = {
-        "http.request.method": scope["method"],
-        "url.path": scope["path"],
-        "url.scheme": scope.get("scheme", "http"),
-        "network.protocol.version": scope.get("http_version", "1.1"),
-    }
-    if scope.get("query_string"):
-        attributes["url.query"] = scope["query_string"].decode("latin-1")
-    if server := scope.get("server"):
-        attributes["server.address"], attributes["server.port"] = server[0], server[1]
-    if client := scope.get("client"):
-        attributes["client.address"] = client[0]
-    for name, value in scope.get("headers", ()):
-        if name == b"user-agent":
-            attributes["user_agent.original"] = value.decode("latin-1")
-    return attributes
+class AccessLog:
+    """The access-log line of each request, written when the app is done with it."""
 
-
-def trace_headers(scope: Scope) -> dict[str, str]:
-    return {
-        name.decode("latin-1"): value.decode("latin-1")
-        for name, value in scope.get("headers", ())
-        if name in (b"traceparent", b"tracestate")
-    }
-
-
-class HttpSpans:
-    def __init__(self, app: ASGIApp, nats: Callable[[], Client | None]) -> None:
-        """`nats()`: the gateway's connection (None until it is up), for the span exporter."""
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.tracer = trace.get_tracer("fleet.gateway")
-        telemetry.export_to_nats(nats)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -90,35 +109,9 @@ class HttpSpans:
             await send(message)
 
         try:
-            if scope["path"] in UNTRACED_PATHS:
-                await self.app(scope, receive, send_noting_status)
-            else:
-                await self._traced(scope, receive, send_noting_status, lambda: status_code)
+            await self.app(scope, receive, send_noting_status)
         finally:
-            level = logging.DEBUG if scope["path"] in UNTRACED_PATHS else logging.INFO
+            level = logging.DEBUG if UNTRACED_PATH.fullmatch(scope["path"]) else logging.INFO
             if access_log.isEnabledFor(level):
                 access_log.log(level, "%s", access_line(
                     scope, status_code, time.perf_counter() - started, task_id))
-
-    async def _traced(
-        self, scope: Scope, receive: Receive, send: Send, status: Callable[[], int]
-    ) -> None:
-
-        with self.tracer.start_as_current_span(
-            scope["method"],
-            context=telemetry.extract_context(trace_headers(scope)),
-            kind=SpanKind.SERVER,
-            attributes=request_attributes(scope),
-        ) as span:
-            try:
-                await self.app(scope, receive, send)
-            finally:
-                status_code = status()
-                # The router wrote the matched route into this scope on the way down.
-                if route := getattr(scope.get("route"), "path", None):
-                    span.update_name(f"{scope['method']} {route}")
-                    span.set_attribute("http.route", route)
-                if status_code:
-                    span.set_attribute("http.response.status_code", status_code)
-                    if status_code >= 500:
-                        span.set_status(Status(StatusCode.ERROR))

@@ -35,7 +35,7 @@ from fleet.runner.protocol import (
     SpanBatch,
     SubmitTask,
 )
-from fleet.telemetry import context_of
+from fleet.telemetry import context_of, operation_of
 from fleet.trace.records import SpanRecord, record_of
 from fleet.wire.events import ImageChunk, TaskFinished, TokenChunk
 from fleet.wire.runners import RunnerFailed, RunnerLoading, RunnerStatus
@@ -44,13 +44,6 @@ from fleet.wire.tasks import ImageEdits, ImageGeneration, Task, TextGeneration
 
 def _ns(unix_seconds: float) -> int:
     return int(unix_seconds * 1e9)
-
-
-def operation_of(task: Task) -> str:
-    """The GenAI operation name (custom ones for images, which the conventions lack)."""
-    if isinstance(task, TextGeneration):
-        return "chat" if task.messages is not None else "text_completion"
-    return "image_edit" if isinstance(task, ImageEdits) else "image_generation"
 
 
 def request_attributes(task: Task) -> dict[str, Any]:

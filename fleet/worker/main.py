@@ -78,6 +78,16 @@ class Worker(RunnerReports, Stopping):
         self.unsent_chunks = 0  # task events the broker would not take (logged each time)
 
     async def run(self) -> None:
+        """Serve until stopped; /metrics (when a port is set) from before the connection to
+        after the drain, and the metrics' last OTLP export at the end."""
+        metrics = self.spans.metrics
+        try:
+            with metrics.served(self.settings.metrics_host, self.settings.metrics_port):
+                await self._run()
+        finally:
+            metrics.meters.shutdown()
+
+    async def _run(self) -> None:
         settings = self.settings
         self.nc = await connect_with(settings, "fleet-worker")
         self.js = self.nc.jetstream()
@@ -190,7 +200,7 @@ class Worker(RunnerReports, Stopping):
         if isinstance(outcome, Queued):
             task = outcome.pending.task
             self.acks.hold(task.task_id, msg, time.monotonic())
-            self.spans.queued(task.task_id, task.model, span)
+            self.spans.queued(task, span)
             self._apply(ev.TaskQueued(outcome.pending))
         else:
             self.spans.settled(outcome.task_id, outcome.verb, span, outcome.reason)

@@ -5,7 +5,7 @@ While the loop works on a task its process span is current (`active`), so whatev
 publishes for the task carries it in `traceparent`, and the runner's spans hang under it
 (`dispatched` gives the context for SubmitTask). `child` wraps the worker's own effects for a
 task: fetching its input images, putting its output images. A task's terminal event also
-feeds its metrics (TaskMetrics), which need the model its process span knows.
+feeds its metrics (TaskMetrics), split by the task's model and operation.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from fleet.bus.connect import MSG_ID
+from fleet.meters import task_attributes
 from fleet.telemetry import carried, extract_context
 from fleet.wire import subjects
 from fleet.wire.events import TaskFinished
+from fleet.wire.tasks import Task
 from fleet.worker.task_metrics import TaskMetrics
 
 
@@ -48,8 +50,8 @@ class TaskSpans:
         self._tracer = trace.get_tracer("fleet.worker")
         self._open: dict[str, Span] = {}  # task id -> its process span, until settled
         self._contexts: dict[str, Context] = {}  # task id -> a context with that span current
-        self._models: dict[str, str] = {}
-        self._metrics = TaskMetrics()
+        self._attributes: dict[str, dict[str, str]] = {}  # task id -> its metrics' attributes
+        self.metrics = TaskMetrics(held=lambda: len(self._open))
 
     def received(self, msg: Msg) -> Span:
         """Start the process span of a message just fetched (before it is even decoded)."""
@@ -73,11 +75,12 @@ class TaskSpans:
             attributes=attributes,
         )
 
-    def queued(self, task_id: str, model: str, span: Span) -> None:
+    def queued(self, task: Task, span: Span) -> None:
+        task_id = task.task_id
         span.set_attribute("messaging.message.id", task_id)
         self._open[task_id] = span
         self._contexts[task_id] = trace.set_span_in_context(span)
-        self._models[task_id] = model
+        self._attributes[task_id] = task_attributes(task)
 
     def dispatched(self, task_id: str, runner_id: str) -> tuple[str | None, str | None]:
         """(traceparent, tracestate) for SubmitTask: the runner's spans join under ours."""
@@ -106,8 +109,8 @@ class TaskSpans:
 
     def finished(self, event: TaskFinished) -> None:
         """The task's outcome, as the worker publishes it (the runner's or its own)."""
-        if model := self._models.get(event.task_id):
-            self._metrics.finished(model, event)
+        if attributes := self._attributes.get(event.task_id):
+            self.metrics.finished(attributes, event)
         if span := self._open.get(event.task_id):
             span.set_attribute("fleet.task.status", event.status)
             if event.status in ("failed", "expired"):
@@ -123,7 +126,7 @@ class TaskSpans:
         if task_id and span is None:
             span = self._open.pop(task_id, None)
             self._contexts.pop(task_id, None)
-            self._models.pop(task_id, None)
+            self._attributes.pop(task_id, None)
         if span is None:
             return
         if task_id:

@@ -1,43 +1,40 @@
-"""Per-task metrics through the OpenTelemetry SDK, recorded by the worker from each task's
-terminal event, with the GenAI conventions' names where they have one.
-
-They leave only over OTLP (telemetry.setup installs a meter provider when an endpoint is
-configured); otherwise the meters are the API's no-ops. The gateway's /metrics (Prometheus)
-keeps its own view, timed from the client's side: these are the runner's times. The prefix
-cache's hit ratio per model (cached / prompt tokens, from each terminal's usage) is a gauge
-over this worker's totals, with the two counters beside it for a fleet-wide sum.
+"""The worker's metrics: the task timings the gateway records too (fleet/meters.py
+TaskTimings), here as the runner measured them, from each task's terminal event; and the
+worker's own /metrics (`--metrics-port`) so Prometheus can scrape a fleet without a collector.
+They also go out over OTLP when an endpoint is configured. The prefix cache's hit ratio per
+model (cached / prompt tokens, from each terminal's usage) is a gauge over this worker's
+totals, with the two counters beside it for a fleet-wide sum.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
-from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
+from prometheus_client import start_http_server
 
+from fleet.errors import InvalidSetting
+from fleet.meters import MODEL, Meters, TaskTimings
 from fleet.wire.events import TaskFinished
 
-# The conventions' advice for these histograms: from 1 ms to a minute.
-LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60]
+log = logging.getLogger(__name__)
 
 
 class TaskMetrics:
-    def __init__(self, provider: metrics.MeterProvider | None = None) -> None:
-        meter = metrics.get_meter("fleet.worker", meter_provider=provider)
-        self._time_to_first_token = meter.create_histogram(
-            "gen_ai.server.time_to_first_token", unit="s",
-            description="From the runner taking a task to its first token",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
-        )
-        self._time_per_output_token = meter.create_histogram(
-            "gen_ai.server.time_per_output_token", unit="s",
-            description="Mean time between output tokens after the first",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
-        )
-        self._queue_wait = meter.create_histogram(
-            "fleet.task.queue_wait", unit="s",
-            description="From the worker fetching a task to handing it to a runner",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS,
+    def __init__(self, held: Callable[[], int] = lambda: 0) -> None:
+        """`held()`: how many tasks the worker has taken and not yet settled."""
+        self.meters = Meters("fleet-worker")
+        meter = self.meters.meter("fleet.worker")
+        self.timings = TaskTimings(meter)
+
+        def observe_held(options: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(held())
+
+        meter.create_observable_gauge(
+            "fleet.worker.tasks", [observe_held], unit="{task}",
+            description="Tasks this worker has taken and not yet acked, nakked or termed",
         )
         self._prompt_tokens = meter.create_counter(
             "fleet.prefix_cache.prompt_tokens", unit="{token}",
@@ -56,26 +53,46 @@ class TaskMetrics:
     def _hit_ratios(self, options: CallbackOptions) -> Iterable[Observation]:
         for model, (cached, prompt) in self.prompt_totals.items():
             if prompt:
-                yield Observation(cached / prompt, {"gen_ai.request.model": model})
+                yield Observation(cached / prompt, {MODEL: model})
 
     def hit_ratio(self, model: str) -> float | None:
         cached, prompt = self.prompt_totals.get(model, (0, 0))
         return cached / prompt if prompt else None
 
-    def finished(self, model: str, event: TaskFinished) -> None:
+    def finished(self, attributes: dict[str, str], event: TaskFinished) -> None:
+        """`attributes`: the task's (meters.task_attributes)."""
         if (usage := event.usage) is not None and usage.prompt_tokens:
-            labels = {"gen_ai.request.model": model}
-            self._prompt_tokens.add(usage.prompt_tokens, labels)
-            self._cached_tokens.add(usage.cached_tokens, labels)
+            model = attributes[MODEL]
+            self._prompt_tokens.add(usage.prompt_tokens, {MODEL: model})
+            self._cached_tokens.add(usage.cached_tokens, {MODEL: model})
             cached, prompt = self.prompt_totals.get(model, (0, 0))
             self.prompt_totals[model] = (cached + usage.cached_tokens, prompt + usage.prompt_tokens)
         stats = event.stats
-        if stats is None:
+        if stats is not None:
+            if stats.time_to_first_token_s is not None:
+                self.timings.time_to_first_token.record(stats.time_to_first_token_s, attributes)
+            if stats.tokens_per_s:
+                self.timings.time_per_output_token.record(1.0 / stats.tokens_per_s, attributes)
+            if stats.queue_wait_s is not None:
+                self.timings.queue_wait.record(stats.queue_wait_s, attributes)
+        self.timings.finished(attributes, stats.total_s if stats else None, event)
+
+    @contextmanager
+    def served(self, host: str, port: int) -> Iterator[int | None]:
+        """GET /metrics on host:port while inside (port 0: not served); yields the port.
+        prometheus_client's own server runs it in a thread: a scrape reads only what the
+        SDK holds (no NATS), and the SDK's instruments are thread-safe."""
+        if not port:
+            yield None
             return
-        labels = {"gen_ai.request.model": model, "fleet.task.status": event.status}
-        if stats.time_to_first_token_s is not None:
-            self._time_to_first_token.record(stats.time_to_first_token_s, labels)
-        if stats.tokens_per_s:
-            self._time_per_output_token.record(1.0 / stats.tokens_per_s, labels)
-        if stats.queue_wait_s is not None:
-            self._queue_wait.record(stats.queue_wait_s, labels)
+        try:
+            server, thread = start_http_server(port, host, registry=self.meters.registry)
+        except OSError as exc:
+            raise InvalidSetting(f"--metrics-port {port}: cannot listen on {host}: {exc}") from None
+        log.info("worker metrics on http://%s:%d/metrics", host, port)
+        try:
+            yield port
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join(5.0)

@@ -14,6 +14,7 @@ from nats.aio.client import Client
 
 from fleet.bus.embedded import ops_dir
 from fleet.bus.provision import provision
+from tests.prometheus_text import Scrape
 
 QUEUE_LIMIT = 2
 CHAT = {"model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}], "timeout": 0.2}
@@ -48,6 +49,6 @@ async def test_a_full_queue_is_429_and_other_models_still_queue(
     other = await client.post("/v1/chat/completions", json={**CHAT, "model": "smollm2-135m"})
     assert other.status_code == 504  # queued, then timed out: a different subject's limit
 
-    metrics = (await client.get("/metrics")).text
-    assert 'fleet_queue_depth{model="tiny-llm"} 2' in metrics
-    assert 'fleet_gateway_errors_total{reason="queue_full"} 1' in metrics
+    scrape = Scrape.of((await client.get("/metrics")).text)
+    assert scrape.value("fleet_queue_depth", gen_ai_request_model="tiny-llm") == 2
+    assert scrape.value("fleet_gateway_errors_total", error_type="queue_full") == 1

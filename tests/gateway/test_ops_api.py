@@ -13,6 +13,7 @@ from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord, ShardAssignment
 from fleet.wire.codec import encode
 from fleet.wire.runners import RunnerLoading, RunnerReady
+from tests.prometheus_text import SHARED_HISTOGRAMS, Scrape
 
 
 async def place(nc: Client, model: str, runner_id: str, ready: bool) -> None:
@@ -65,18 +66,22 @@ async def test_metrics_count_requests_tokens_and_latency(
         client.post("/v1/chat/completions", json=chat), worker.answer(tokens_script("a", "b"))
     )
     await client.post("/v1/chat/completions", json={**chat, "model": "nope"})
-    text = (await client.get("/metrics")).text
-    assert (
-        'fleet_gateway_requests_total{method="POST",route="/v1/chat/completions",status="200"} 1'
-        in text
-    )
-    assert 'status="404"} 1' in text
-    assert 'fleet_gateway_errors_total{reason="model_not_found"} 1' in text
-    assert 'fleet_gateway_tokens_total{kind="completion",model="tiny-llm"} 2' in text
-    assert 'fleet_gateway_time_to_first_token_seconds_count{model="tiny-llm"} 1' in text
-    assert 'fleet_gateway_time_per_output_token_seconds_count{model="tiny-llm"} 1' in text
-    assert "# TYPE fleet_queue_depth gauge" in text
-
+    scraped = await client.get("/metrics")
+    assert scraped.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+    scrape = Scrape.of(scraped.text)
+    requests = "http_server_request_duration_seconds_count"
+    chat_route = {"http_route": "/v1/chat/completions", "http_request_method": "POST"}
+    assert scrape.value(requests, **chat_route, http_response_status_code="200") == 1
+    assert scrape.value(requests, **chat_route, http_response_status_code="404") == 1
+    assert scrape.value("fleet_gateway_errors_total", error_type="model_not_found") == 1
+    tiny = {"gen_ai_request_model": "tiny-llm"}
+    tokens = "gen_ai_client_token_usage_sum"
+    assert scrape.value(tokens, **tiny, gen_ai_token_type="output") == 2
+    assert scrape.histograms() >= SHARED_HISTOGRAMS
+    assert scrape.value("gen_ai_server_time_to_first_token_seconds_count", **tiny) == 1
+    assert scrape.value("gen_ai_server_time_per_output_token_seconds_count", **tiny) == 1
+    assert scrape.value("gen_ai_server_request_duration_seconds_count", **tiny) == 1
+    assert scrape.types["fleet_queue_depth"] == "gauge"
 
 async def test_metrics_count_tasks_in_flight_redelivered_and_dead_lettered(
     client: httpx.AsyncClient, nc: Client
@@ -98,8 +103,9 @@ async def test_metrics_count_tasks_in_flight_redelivered_and_dead_lettered(
     await queue(2)  # waits: nobody fetches it
     await js.publish(subjects.dead_letter("tiny-llm"), b"{}")
 
-    text = (await client.get("/metrics")).text
-    assert 'fleet_queue_depth{model="tiny-llm"} 2' in text
-    assert 'fleet_tasks_in_flight{model="tiny-llm"} 1' in text
-    assert 'fleet_tasks_redelivered{model="tiny-llm"} 1' in text
-    assert 'fleet_tasks_dead_lettered{model="tiny-llm"} 1' in text
+    scrape = Scrape.of((await client.get("/metrics")).text)
+    tiny = {"gen_ai_request_model": "tiny-llm"}
+    assert scrape.value("fleet_queue_depth", **tiny) == 2
+    assert scrape.value("fleet_tasks_in_flight", **tiny) == 1
+    assert scrape.value("fleet_tasks_redelivered", **tiny) == 1
+    assert scrape.value("fleet_tasks_dead_lettered", **tiny) == 1

@@ -24,6 +24,7 @@ from fleet.gateway.limits import AtCapacity, Capacity, refusal
 from fleet.gateway.owners import STREAM
 from fleet.gateway.tenants import KeyRing, add_key, key_hash, parse_keys_file, plain_key_tenant
 from fleet.wire import subjects
+from tests.prometheus_text import Scrape
 
 CHAT = {"model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -216,7 +217,7 @@ async def test_metrics_can_need_a_key(
         async with as_key(app, keys["b"]) as b:
             scraped = await b.get("/metrics")
             assert scraped.status_code == 200
-            assert "\nfleet_gateway_waiting_requests 0\n" in scraped.text
+            assert Scrape.of(scraped.text).value("fleet_gateway_waiting_requests") == 0
             assert "team-" not in scraped.text  # no tenant named to whoever scrapes
 
 
