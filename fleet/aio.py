@@ -131,3 +131,46 @@ class TaskSet:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+CLOSE_WAIT_S = 5.0
+
+
+class DetachedSupervisor:
+    """A Supervisor in a task of its own, for a component that one task starts and another
+    stops (an ASGI lifespan may run its start and its end in different tasks, and a TaskGroup
+    must be entered and left by the same one). `setup` adds the children; the owner's end by
+    anything but `close` is logged, and `close` is bounded: a child inside a nats-py call can
+    swallow its cancel (seen hanging a gateway's shutdown with no NATS), and the app must
+    still stop."""
+
+    def __init__(self, name: str, setup: Callable[[Supervisor], None]) -> None:
+        self.name = name
+        self._setup = setup
+        self._owner: asyncio.Task[None] | None = None
+        self.supervisor: Supervisor | None = None  # while it runs: its children, for tests
+
+    async def start(self) -> None:
+        started = asyncio.Event()
+        self._owner = asyncio.create_task(self._own(started), name=self.name)
+        self._owner.add_done_callback(self._ended)
+        await started.wait()
+
+    async def _own(self, started: asyncio.Event) -> None:
+        async with Supervisor(self.name) as supervisor:
+            self.supervisor = supervisor
+            self._setup(supervisor)
+            started.set()
+            await asyncio.Event().wait()  # until close() cancels it
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("%s stopped", self.name, exc_info=exc)
+
+    async def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        if self._owner is None:
+            return
+        self._owner.cancel()
+        done, _ = await asyncio.wait({self._owner}, timeout=wait_s)
+        if not done:
+            log.warning("%s did not stop within %.0f s; left behind", self.name, wait_s)

@@ -26,7 +26,7 @@ import orjson
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from fleet.aio import Supervisor
+from fleet.aio import DetachedSupervisor, Supervisor
 from fleet.dashboard.model import RecentTasks, beats, changed, sees, snapshot
 from fleet.dashboard.watch import WAIT_CONNECTED_S, Mirror
 from fleet.errors import FleetError
@@ -42,7 +42,6 @@ COALESCE_S = 0.25  # the longest a change waits to be sent, with the others it g
 HISTORY = 300  # samples of the queue counters: 5 minutes at one a second
 TAB_QUEUE = 64  # messages a stalled tab may fall behind before it is dropped (it reconnects)
 OWNERS_KEPT = 10_000  # task owners remembered; the table keeps 1,000 tasks
-CLOSE_WAIT_S = 5.0
 
 
 @dataclass(eq=False)
@@ -85,38 +84,21 @@ class Feed:
         self.runners = Mirror(subjects.RUNNERS_BUCKET, self._fleet_changed)
         self.owners = Mirror(TENANTS_BUCKET, self._owner_changed, keys=task_key(">"),
                              limit=OWNERS_KEPT)
-        self._supervisor: Supervisor | None = None
-        self._owner: asyncio.Task[None] | None = None
+        self._children = DetachedSupervisor("dashboard feed", self._add_children)
 
     async def start(self) -> None:
-        # The supervisor lives in a task of its own: a TaskGroup is entered and left by the
-        # same task, and the app's lifespan may run its start and its end in different ones.
-        started = asyncio.Event()
-        self._owner = asyncio.create_task(self._own(started), name="dashboard-feed")
-        self._owner.add_done_callback(_log_failure)
-        await started.wait()
+        await self._children.start()
 
-    async def _own(self, started: asyncio.Event) -> None:
-        async with Supervisor("dashboard-feed") as supervisor:
-            self._supervisor = supervisor
-            for mirror in (self.nodes, self.instances, self.runners, self.owners):
-                supervisor.forever(f"watch {mirror.bucket}",
-                                   lambda m=mirror: m.run(self.backend))  # type: ignore[misc]
-            supervisor.forever("queues", self._sample_queues)
-            supervisor.forever("tasks", self._follow_tasks)
-            supervisor.forever("flush", self._flush_forever)
-            started.set()
-            await asyncio.Event().wait()  # until close() cancels it
+    def _add_children(self, supervisor: Supervisor) -> None:
+        for mirror in (self.nodes, self.instances, self.runners, self.owners):
+            supervisor.forever(f"watch {mirror.bucket}",
+                               lambda m=mirror: m.run(self.backend))  # type: ignore[misc]
+        supervisor.forever("queues", self._sample_queues)
+        supervisor.forever("tasks", self._follow_tasks)
+        supervisor.forever("flush", self._flush_forever)
 
     async def close(self) -> None:
-        if self._owner is not None:
-            self._owner.cancel()
-            # Bounded: a child inside a nats-py call can swallow the cancel (seen hanging a
-            # gateway's shutdown with no NATS); the app must still stop.
-            done, _ = await asyncio.wait({self._owner}, timeout=CLOSE_WAIT_S)
-            if not done:
-                log.warning("dashboard feed did not stop within %.0f s; left behind",
-                            CLOSE_WAIT_S)
+        await self._children.close()
 
     # --- what a tab gets -------------------------------------------------------------------
 
@@ -252,8 +234,3 @@ class Feed:
             with contextlib.suppress(NatsError):
                 await sub.unsubscribe()
 
-
-def _log_failure(task: asyncio.Task[None]) -> None:
-    """The feed's owner ends only by close(); any other end is a failure someone must hear."""
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("dashboard feed stopped", exc_info=exc)

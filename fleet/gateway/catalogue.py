@@ -23,7 +23,7 @@ from typing import TypeVar
 from nats.aio.client import Client
 from pydantic import BaseModel
 
-from fleet.aio import Supervisor
+from fleet.aio import DetachedSupervisor, Supervisor
 from fleet.bus.weights import MODELS_BUCKET
 from fleet.errors import FleetError
 from fleet.gateway.models_view import unavailable_reason
@@ -50,7 +50,7 @@ class Catalogue:
         self.nodes_loaded = False  # the nodes watch has delivered every current heartbeat
         self.cards_loaded = False
         self._changed = asyncio.Condition()
-        self._owner: asyncio.Task[None] | None = None
+        self._children = DetachedSupervisor("gateway catalogue", self._add_children)
 
     # ---- reading (from memory) -----------------------------------------------------------
 
@@ -87,7 +87,7 @@ class Catalogue:
     async def start(self, wait_s: float) -> None:
         """Start the watches; wait up to `wait_s` for their first load, so that a healthy
         start knows the fleet's models before its first request."""
-        self._owner = asyncio.create_task(self._own(), name="catalogue")
+        await self._children.start()
         with contextlib.suppress(TimeoutError):
             await self.until(lambda: self.cards_loaded and self.nodes_loaded, wait_s)
 
@@ -101,15 +101,12 @@ class Catalogue:
             self._changed.notify_all()
 
     async def close(self) -> None:
-        if self._owner is not None:
-            self._owner.cancel()
-            await asyncio.gather(self._owner, return_exceptions=True)
+        await self._children.close()
 
-    async def _own(self) -> None:
-        async with Supervisor("catalogue") as supervisor:
-            supervisor.forever("model cards watch", self._watch_cards)
-            supervisor.forever("nodes watch", self._watch_nodes)
-            supervisor.forever("instances watch", self._watch_instances)
+    def _add_children(self, supervisor: Supervisor) -> None:
+        supervisor.forever("model cards watch", self._watch_cards)
+        supervisor.forever("nodes watch", self._watch_nodes)
+        supervisor.forever("instances watch", self._watch_instances)
 
     async def _watch_cards(self) -> None:
         try:
@@ -159,8 +156,10 @@ class Catalogue:
                 if loaded:
                     yield dict(values)
         finally:
-            with contextlib.suppress(Exception):
+            try:
                 await watcher.stop()
+            except Exception as exc:  # the connection may be gone already: nothing to stop
+                log.debug("stopping the %s watch: %r", bucket, exc)
 
     async def _connected(self) -> Client:
         while (nc := self.client()) is None or not nc.is_connected:

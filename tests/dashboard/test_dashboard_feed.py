@@ -180,7 +180,7 @@ async def test_every_tab_shares_one_reader_and_sees_a_node_join(
     assert all(f["nodes"] == [] for f in first)
     # three state watches, the owners' watch, the queue sampler, the task follower and the
     # flusher: the same seven for five tabs as for one
-    assert feed._supervisor.children == 7
+    assert feed._children.supervisor.children == 7
     kv = await provisioned_nc.jetstream().key_value(subjects.NODES_BUCKET)
     info = NodeInfo(node_id="n-dash", hostname="h", memory_total_bytes=8, memory_available_bytes=4,
                     cpu_count=2, started_at=time.time(), at=time.time())
