@@ -85,6 +85,20 @@ def unprovided(card: ModelCard, nodes: list[NodeInfo]) -> str:
     )
 
 
+def candidates(nodes: list[NodeInfo], card: ModelCard, node_id: str | None) -> list[NodeInfo]:
+    """The nodes a placement may choose from: the one asked for, else those that can provide
+    the model (have, build or fetch its files). Pure."""
+    if node_id:
+        chosen = [n for n in nodes if n.node_id == node_id]
+        if not chosen:
+            raise InvalidRequest(f"node {node_id!r} is not alive")
+        return chosen
+    able = [n for n in nodes if card.id in n.models_available]
+    if nodes and not able:
+        raise PlacementError(unprovided(card, nodes))
+    return able
+
+
 async def read_nodes(js: JetStreamContext) -> list[NodeInfo]:
     return await live_values(js, subjects.NODES_BUCKET, NodeInfo)
 
@@ -105,17 +119,8 @@ async def place(
     """Write a placement; `if_absent` keeps an existing instance of the model instead."""
     if if_absent and (existing := await find_instance(js, card.id)):
         return existing
-    nodes = await read_nodes(js)
+    nodes = candidates(await read_nodes(js), card, node_id)
     now = time.time()
-    if node_id:
-        nodes = [n for n in nodes if n.node_id == node_id]
-        if not nodes:
-            raise InvalidRequest(f"node {node_id!r} is not alive")
-    else:
-        able = [n for n in nodes if card.id in n.models_available]
-        if nodes and not able:
-            raise PlacementError(unprovided(card, nodes))
-        nodes = able
     instance = new_instance(card, choose_node(nodes, card, now), slots, now)
     kv = await js.key_value(subjects.INSTANCES_BUCKET)
     if await kv_create(kv, instance.instance_id, encode(instance)) is None:  # CAS: a new key

@@ -16,11 +16,11 @@ from fleet.bus.kv_calls import kv_create
 from fleet.errors import InvalidRequest
 from fleet.placement import (
     PlacementError,
+    candidates,
     choose_node,
     new_instance,
     read_nodes,
     refusal,
-    unprovided,
 )
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
@@ -59,16 +59,7 @@ async def place_replicas(
     slots: int = 4,
 ) -> list[Instance]:
     """Write `replicas` new instances of `card` (create-only keys), on `node_id` if given."""
-    nodes = await read_nodes(js)
-    if node_id:
-        nodes = [n for n in nodes if n.node_id == node_id]
-        if not nodes:
-            raise InvalidRequest(f"node {node_id!r} is not alive")
-    else:
-        able = [n for n in nodes if card.id in n.models_available]
-        if nodes and not able:
-            raise PlacementError(unprovided(card, nodes))
-        nodes = able
+    nodes = candidates(await read_nodes(js), card, node_id)
     now = time.time()
     kv = await js.key_value(subjects.INSTANCES_BUCKET)
     placed = []
