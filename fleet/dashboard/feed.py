@@ -1,7 +1,7 @@
 """The dashboard's live feed: ONE reader per gateway process, shared by every browser tab.
 
 KV watches mirror FLEET_NODES, FLEET_INSTANCES, FLEET_RUNNERS and the task owners of
-FLEET_TENANTS (fleet/dashboard/watch.py); a subscription to `fleet.out.*` folds every task's
+FLEET_TENANTS (fleet/bus/kv_mirror.py); a subscription to `fleet.out.*` folds every task's
 events into the recent-tasks table; the queue counters are read once a second. Each open tab
 is only an asyncio queue here, so a hundred tabs cost NATS nothing more than one.
 
@@ -27,8 +27,8 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from fleet.aio import DetachedSupervisor, Supervisor
+from fleet.bus.kv_mirror import WAIT_CONNECTED_S, Mirror
 from fleet.dashboard.model import RecentTasks, beats, changed, sees, snapshot
-from fleet.dashboard.watch import WAIT_CONNECTED_S, Mirror
 from fleet.errors import FleetError
 from fleet.gateway.backend import Backend
 from fleet.gateway.owners import TENANTS_BUCKET, task_key

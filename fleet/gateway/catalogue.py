@@ -6,8 +6,9 @@ start, and again only when a request names a model no card knows). The nodes' he
 (FLEET_NODES) say which models some node can provide, FLEET_INSTANCES which are placed (and so
 served, or about to be). Requests read all three from memory: no disk or KV read per request.
 
-The watches are children of a Supervisor that lives in a task of its own (a TaskGroup is
-entered and left by one task): a watch that fails is logged and restarted with backoff.
+Each bucket is a `Mirror` (fleet/bus/kv_mirror.py: a fresh watch after every reconnect, since
+nats-py's own stopped delivering after a server restart), a child of a DetachedSupervisor: a
+watch that fails is logged and restarted with backoff.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from nats.aio.client import Client
 from pydantic import BaseModel
 
 from fleet.aio import DetachedSupervisor, Supervisor
+from fleet.bus.kv_mirror import Connection, Mirror
 from fleet.bus.weights import MODELS_BUCKET
 from fleet.errors import FleetError
 from fleet.gateway.models_view import unavailable_reason
@@ -36,20 +37,22 @@ from fleet.wire.codec import DecodeError, decode_model
 log = logging.getLogger(__name__)
 
 Model = TypeVar("Model", bound=BaseModel)
-CONNECT_POLL_S = 0.2  # how often a watch looks for the backend's first connection
 
 
 class Catalogue:
-    def __init__(self, data_dir: Path, client: Callable[[], Client | None]) -> None:
+    def __init__(self, data_dir: Path, connection: Connection) -> None:
         self.data_dir = data_dir
-        self.client = client  # the backend's connection; None until it is up
+        self.connection = connection  # the backend's; it connects in the background
         self.local = {**builtin_cards(), **_custom_cards(data_dir)}
         self.fleet: dict[str, ModelCard] = {}
         self.nodes: dict[str, NodeInfo] = {}
         self.placed: set[str] = set()  # models with an instance in FLEET_INSTANCES
         self.nodes_loaded = False  # the nodes watch has delivered every current heartbeat
         self.cards_loaded = False
-        self._changed = asyncio.Condition()
+        self._changed = asyncio.Event()  # set at a change, then replaced by a fresh one
+        self._cards = Mirror(MODELS_BUCKET, self._cards_changed)
+        self._nodes = Mirror(subjects.NODES_BUCKET, self._nodes_changed)
+        self._instances = Mirror(subjects.INSTANCES_BUCKET, self._instances_changed)
         self._children = DetachedSupervisor("gateway catalogue", self._add_children)
 
     # ---- reading (from memory) -----------------------------------------------------------
@@ -93,79 +96,45 @@ class Catalogue:
 
     async def until(self, done: Callable[[], bool], timeout: float) -> None:
         """Wait until `done()` holds after some change (TimeoutError after `timeout`)."""
-        async with asyncio.timeout(timeout), self._changed:
-            await self._changed.wait_for(done)
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        async with asyncio.timeout(timeout):
+            while not done():
+                await self._changed.wait()
 
     async def close(self) -> None:
         await self._children.close()
 
     def _add_children(self, supervisor: Supervisor) -> None:
-        supervisor.forever("model cards watch", self._watch_cards)
-        supervisor.forever("nodes watch", self._watch_nodes)
-        supervisor.forever("instances watch", self._watch_instances)
+        for mirror in (self._cards, self._nodes, self._instances):
+            supervisor.forever(f"watch {mirror.bucket}",
+                               lambda m=mirror: m.run(self.connection))  # type: ignore[misc]
 
-    async def _watch_cards(self) -> None:
+    def _cards_changed(self, key: str | None) -> None:
+        self.fleet = {card.id: card for card in _decoded(self._cards, ModelCard).values()}
+        self.cards_loaded = True
+        self._wake()
+
+    def _nodes_changed(self, key: str | None) -> None:
+        self.nodes = _decoded(self._nodes, NodeInfo)
+        self.nodes_loaded = True
+        self._wake()
+
+    def _instances_changed(self, key: str | None) -> None:
+        self.placed = {i.model for i in _decoded(self._instances, Instance).values()}
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()  # the next waiters wait for the next change
+
+
+def _decoded(mirror: Mirror, model: type[Model]) -> dict[str, Model]:
+    values: dict[str, Model] = {}
+    for key, raw in mirror.values.items():
         try:
-            async for cards in self._watch(MODELS_BUCKET, ModelCard):
-                self.fleet = {card.id: card for card in cards.values()}
-                self.cards_loaded = True
-                await self._notify()
-        finally:
-            self.cards_loaded = False
-
-    async def _watch_nodes(self) -> None:
-        try:
-            async for nodes in self._watch(subjects.NODES_BUCKET, NodeInfo):
-                self.nodes = nodes
-                self.nodes_loaded = True
-                await self._notify()
-        finally:
-            self.nodes_loaded = False  # stale until the restarted watch has loaded again
-
-    async def _watch_instances(self) -> None:
-        try:
-            async for instances in self._watch(subjects.INSTANCES_BUCKET, Instance):
-                self.placed = {instance.model for instance in instances.values()}
-                await self._notify()
-        finally:
-            self.placed = set()
-
-    async def _watch(self, bucket: str, model: type[Model]) -> AsyncIterator[dict[str, Model]]:
-        """Yield the bucket's decoded values by key: once loaded, then after every change."""
-        nc = await self._connected()
-        kv = await nc.jetstream().key_value(bucket)
-        watcher = await kv.watchall()
-        values: dict[str, Model] = {}
-        loaded = False
-        try:
-            async for entry in watcher:
-                if entry is None:
-                    loaded = True
-                elif entry.operation in ("DEL", "PURGE") or not entry.value:
-                    values.pop(entry.key, None)
-                else:
-                    try:
-                        values[entry.key] = decode_model(model, entry.value)
-                    except DecodeError as exc:
-                        log.warning("ignoring %s in %s: %s", entry.key, bucket, exc)
-                        continue
-                if loaded:
-                    yield dict(values)
-        finally:
-            try:
-                await watcher.stop()
-            except Exception as exc:  # the connection may be gone already: nothing to stop
-                log.debug("stopping the %s watch: %r", bucket, exc)
-
-    async def _connected(self) -> Client:
-        while (nc := self.client()) is None or not nc.is_connected:
-            await asyncio.sleep(CONNECT_POLL_S)  # the backend connects in the background
-        return nc
-
+            values[key] = decode_model(model, raw)
+        except DecodeError as exc:
+            log.warning("ignoring %s in %s: %s", key, mirror.bucket, exc)
+    return values
 
 def _custom_cards(data_dir: Path) -> dict[str, ModelCard]:
     try:

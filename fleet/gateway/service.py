@@ -49,7 +49,7 @@ class Gateway:
         self.capacity = Capacity(
             self.settings.gateway_max_waiting, self.settings.gateway_streams_per_key
         )
-        self.catalogue = Catalogue(self.settings.data_dir, lambda: self.backend.nc)
+        self.catalogue = Catalogue(self.settings.data_dir, self.backend)
 
     def cards(self) -> dict[str, ModelCard]:
         return self.catalogue.cards()

@@ -19,10 +19,10 @@ from nats.aio.client import Client
 from starlette.applications import Starlette
 
 from fleet.bus.embedded import EmbeddedNats
+from fleet.bus.kv_mirror import apply_entry
 from fleet.config import Settings, load_settings
 from fleet.dashboard.feed import Feed, Tab
 from fleet.dashboard.model import RecentTasks, beats, changed, sees, snapshot
-from fleet.dashboard.watch import apply_entry
 from fleet.gateway.app import build_app
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo

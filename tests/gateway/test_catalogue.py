@@ -15,6 +15,7 @@ from gateway_helpers import StandInWorker, tokens_script
 from nats.aio.client import Client
 from starlette.applications import Starlette
 
+from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.weights import FleetModels
 from fleet.config import Settings
 from fleet.gateway.app import build_app
@@ -140,3 +141,20 @@ async def test_a_model_no_live_node_can_serve_fails_at_once_with_the_reason(
         StandInWorker(provisioned_nc, "far-model").answer(tokens_script("served")),
     )
     assert reply.status_code == 200
+
+
+async def test_the_catalogue_keeps_watching_after_the_server_restarts(
+    started: tuple[Starlette, httpx.AsyncClient], provisioned_nc: Client,
+    nats_server: EmbeddedNats,
+) -> None:
+    app, _ = started
+    catalogue: Catalogue = app.state.gateway.catalogue
+    await _heartbeat(provisioned_nc, node("n-before", ("far-model",), at=time.time()))
+    await catalogue.until(lambda: "n-before" in catalogue.nodes, 10)
+    nats_server.stop()
+    await asyncio.to_thread(nats_server.start)  # the same port and store
+    async with asyncio.timeout(30):
+        while not (provisioned_nc.is_connected and app.state.gateway.backend.connected):
+            await asyncio.sleep(0.1)  # nats-py reconnects on its own timer
+    await _heartbeat(provisioned_nc, node("n-after", ("far-model",), at=time.time()))
+    await catalogue.until(lambda: "n-after" in catalogue.nodes, 30)

@@ -1,5 +1,6 @@
-"""A KV bucket mirrored in memory by a watch: the dashboard's view of FLEET_NODES,
-FLEET_INSTANCES, FLEET_RUNNERS and the task owners in FLEET_TENANTS, with no read per tick.
+"""A KV bucket mirrored in memory by a watch, with no read per request or tick: the gateway's
+catalogue (FLEET_MODELS, FLEET_NODES, FLEET_INSTANCES) and the dashboard's feed (FLEET_NODES,
+FLEET_INSTANCES, FLEET_RUNNERS, the task owners in FLEET_TENANTS) both keep theirs this way.
 
 A node leaves FLEET_NODES by its key's max age; the bucket has `limit_marker_ttl`, so the
 server then writes a purge marker that a watcher sees (nats-py reads its Nats-Marker-Reason
@@ -15,17 +16,27 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
+from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.errors import TimeoutError as NatsTimeout
-
-from fleet.gateway.backend import Backend
 
 log = logging.getLogger(__name__)
 
 REMOVED = {"DEL", "PURGE"}
 RECONNECT_CHECK_S = 2.0  # how often a quiet watch checks that its connection is the same
 WAIT_CONNECTED_S = 0.5
+
+
+class Connection(Protocol):
+    """What a mirror needs of its owner's connection (the gateway's Backend is one)."""
+
+    @property
+    def nc(self) -> Client | None: ...
+
+    @property
+    def connected(self) -> bool: ...
 
 
 def apply_entry(
@@ -58,15 +69,15 @@ class Mirror:
         self.values: dict[str, bytes] = {}
         self.ready = asyncio.Event()
 
-    async def run(self, backend: Backend) -> None:
+    async def run(self, backend: Connection) -> None:
         """Until cancelled (a Supervisor child): one watch per connection."""
         while True:
             while not backend.connected:
                 await asyncio.sleep(WAIT_CONNECTED_S)  # the backend reconnects by itself
             await self._watch_once(backend)
-            log.info("dashboard: NATS reconnected; watching %s afresh", self.bucket)
+            log.info("NATS reconnected; watching %s afresh", self.bucket)
 
-    async def _watch_once(self, backend: Backend) -> None:
+    async def _watch_once(self, backend: Connection) -> None:
         nc = backend.nc
         assert nc is not None
         reconnects = nc.stats["reconnects"]
