@@ -129,6 +129,7 @@ GRANTS: dict[str, Grant] = {
         publish=[
             "fleet.out.>", "fleet.events.>", "fleet.traces.>", "fleet.dead.>", "fleet.refused.>",
             INBOX,  # a refused task's publisher hears why on its reply inbox
+            "fleet.handoff.*",  # a held task message passed to the node that should run it
             *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS, PREFIXES)),
             "$O.FLEET_IMAGES.>", "$O.FLEET_WEIGHTS.>", FLOW_CONTROL, _api("INFO"),
             f"$JS.ACK.{TASKS}.>", f"$JS.ACK.{ADVISORIES}.>",
@@ -147,7 +148,7 @@ GRANTS: dict[str, Grant] = {
               for s in _kv_read(b)),
             *_images_read(), *_weights_read(),
         ],
-        subscribe=[INBOX, "fleet.tasks.>", "fleet.cancel.*"],
+        subscribe=[INBOX, "fleet.tasks.>", "fleet.cancel.*", "fleet.handoff.*"],
     ),
     # Provisions streams, buckets and consumers, and repairs: everything.
     "operator": _grant(publish=[">"], subscribe=[">"]),
@@ -229,6 +230,9 @@ ACTIONS: tuple[Action, ...] = (
            "(`fleet.refused.<model>`)", _who("worker")),
     Action("advertise_prefixes", "read and write runners' prefix summaries (FLEET_PREFIXES)",
            _who("worker"), "a worker advertises what its runners' prefix caches hold"),
+    Action("hand_off_task", "pass a held task message to another node (`fleet.handoff.<node>`)",
+           _who("worker"), "it carries the message's ack subject: only workers may send or "
+           "receive one"),
     Action("tenant_records", "read and write which tenant owns a task or image (FLEET_TENANTS)",
            _who("gateway"), "tenants are the gateway's: NATS users are roles, not tenants"),
 )
