@@ -62,6 +62,7 @@ class Settings:
     gateway_keep_alive_s: float = 15.0  # an idle keep-alive connection is closed after this
     metrics_host: str = "127.0.0.1"  # where a worker serves its /metrics
     metrics_port: int = 0  # a worker's /metrics port; 0 = not served
+    ask_timeout_s: float = 300.0  # a `fleet.ask.<model>` request is answered `timeout` after
 
     @property
     def models_dir(self) -> Path:
@@ -126,6 +127,7 @@ _ENV: dict[str, str] = {
     "gateway_keep_alive_s": "FLEET_GATEWAY_KEEP_ALIVE_S",
     "metrics_host": "FLEET_METRICS_HOST",
     "metrics_port": "FLEET_METRICS_PORT",
+    "ask_timeout_s": "FLEET_ASK_TIMEOUT_S",
 }
 
 _TRUE = ("1", "true", "yes", "on")
@@ -217,6 +219,8 @@ DESCRIPTIONS: dict[str, str] = {
     "gateway_keep_alive_s": "an idle keep-alive connection is closed after this",
     "metrics_host": "address a worker serves /metrics on",
     "metrics_port": "port a worker serves Prometheus /metrics on (0: not served)",
+    "ask_timeout_s": "seconds a worker waits for the end of a task asked on fleet.ask.<model> "
+    "(then it answers `timeout`)",
 }
 
 # Which settings a kind of command reads: `fleet.cli` offers exactly these on each command.
@@ -228,7 +232,7 @@ CONNECTION = (
 WORKER = ("slots", "image_cache_bytes", "models_disk_limit", "memory_limit", "ring_host",
           "ring_port", "input_wait_s", "max_deliver",
           "ack_wait_s", "auto_place", "replicas", "prefix_routing", "prefix_index_blocks",
-          "metrics_host", "metrics_port")
+          "metrics_host", "metrics_port", "ask_timeout_s")
 GATEWAY = (
     *(name for name in _ENV if name.startswith("gateway_")), "api_keys", "api_keys_file",
     "replicas",

@@ -27,6 +27,7 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "runner-spec": TypeAdapter(pipe.RunnerSpec),
     "task-refused": TypeAdapter(events.TaskRefused),
     "prefix-summary": TypeAdapter(prefixes.PrefixSummary),
+    "ask-reply": codec.ASK_REPLY,
 }
 
 _SUBJECTS = {
@@ -40,6 +41,7 @@ _SUBJECTS = {
     "prefix-summary": "KV FLEET_PREFIXES, key = runner id",
     "task-refused": "fleet.refused.<model> (stream FLEET_REFUSED) and the task's "
     "Fleet-Reply-To inbox",
+    "ask-reply": "the reply to a request on fleet.ask.<model> (whose body is a task)",
 }
 
 
