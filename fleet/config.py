@@ -29,6 +29,9 @@ class Settings:
     api_keys: tuple[str, ...] = ()
     image_cache_bytes: int = 2 * 1024**3
     models_disk_limit: int = 0  # bytes of model files a node keeps; 0 = no budget
+    memory_limit: int = 0  # bytes of model memory this node offers placement; 0 = what is free
+    ring_host: str = "127.0.0.1"  # the address peers reach this node's shard runner on
+    ring_port: int = 0  # its ring port; 0 = a free port chosen at start
     input_wait_s: float = 10.0  # how long a task waits for a missing input image
     # One delivery more than the first plus max_continuations (3): a task whose worker dies
     # three times mid-answer still ends worker_lost, not max_deliveries; one spare for a
@@ -59,6 +62,7 @@ class Settings:
     gateway_keep_alive_s: float = 15.0  # an idle keep-alive connection is closed after this
     metrics_host: str = "127.0.0.1"  # where a worker serves its /metrics
     metrics_port: int = 0  # a worker's /metrics port; 0 = not served
+    ask_timeout_s: float = 300.0  # a `fleet.ask.<model>` request is answered `timeout` after
 
     @property
     def models_dir(self) -> Path:
@@ -95,6 +99,9 @@ _ENV: dict[str, str] = {
     "api_keys": "FLEET_API_KEYS",
     "image_cache_bytes": "FLEET_IMAGE_CACHE_BYTES",
     "models_disk_limit": "FLEET_MODELS_DISK_LIMIT",
+    "memory_limit": "FLEET_MEMORY_LIMIT",
+    "ring_host": "FLEET_RING_HOST",
+    "ring_port": "FLEET_RING_PORT",
     "input_wait_s": "FLEET_INPUT_WAIT_S",
     "max_deliver": "FLEET_MAX_DELIVER",
     "ack_wait_s": "FLEET_ACK_WAIT_S",
@@ -120,6 +127,7 @@ _ENV: dict[str, str] = {
     "gateway_keep_alive_s": "FLEET_GATEWAY_KEEP_ALIVE_S",
     "metrics_host": "FLEET_METRICS_HOST",
     "metrics_port": "FLEET_METRICS_PORT",
+    "ask_timeout_s": "FLEET_ASK_TIMEOUT_S",
 }
 
 _TRUE = ("1", "true", "yes", "on")
@@ -182,6 +190,10 @@ DESCRIPTIONS: dict[str, str] = {
     "image_cache_bytes": "bytes of images the worker keeps on disk",
     "models_disk_limit": "bytes of model files the worker keeps on disk (0: no limit); "
     "least recently used models not placed here are evicted to make room",
+    "memory_limit": "bytes of memory this node offers models (0: the free memory); a model "
+    "no node can hold is split over several (sharded instances)",
+    "ring_host": "address other nodes reach this node's shard runner on (mx.distributed ring)",
+    "ring_port": "TCP port of this node's shard runner in a ring (0: a free one at start)",
     "input_wait_s": "seconds a task waits for a missing input image",
     "max_deliver": "deliveries of a task before it is given up",
     "ack_wait_s": "seconds a worker holds a task before JetStream redelivers it",
@@ -207,6 +219,8 @@ DESCRIPTIONS: dict[str, str] = {
     "gateway_keep_alive_s": "an idle keep-alive connection is closed after this",
     "metrics_host": "address a worker serves /metrics on",
     "metrics_port": "port a worker serves Prometheus /metrics on (0: not served)",
+    "ask_timeout_s": "seconds a worker waits for the end of a task asked on fleet.ask.<model> "
+    "(then it answers `timeout`)",
 }
 
 # Which settings a kind of command reads: `fleet.cli` offers exactly these on each command.
@@ -215,9 +229,10 @@ CONNECTION = (
     "nats_url", "nats_creds", "nats_nkey", "nats_user", "nats_password",
     "nats_tls_ca", "nats_tls_cert", "nats_tls_key",
 )
-WORKER = ("slots", "image_cache_bytes", "models_disk_limit", "input_wait_s", "max_deliver",
+WORKER = ("slots", "image_cache_bytes", "models_disk_limit", "memory_limit", "ring_host",
+          "ring_port", "input_wait_s", "max_deliver",
           "ack_wait_s", "auto_place", "replicas", "prefix_routing", "prefix_index_blocks",
-          "metrics_host", "metrics_port")
+          "metrics_host", "metrics_port", "ask_timeout_s")
 GATEWAY = (
     *(name for name in _ENV if name.startswith("gateway_")), "api_keys", "api_keys_file",
     "replicas",

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 
 from nats.js import JetStreamContext
 
 from fleet.bus.kv_calls import kv_create, kv_delete
 from fleet.bus.kv_read import live_values
 from fleet.errors import FleetError, InvalidRequest
+from fleet.placement_shards import ShardingError, choose_shards
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo, ShardAssignment
 from fleet.wire.codec import encode
@@ -112,16 +114,50 @@ async def find_instance(js: JetStreamContext, model: str) -> Instance | None:
     return next((i for i in await read_instances(js) if i.model == model), None)
 
 
+def in_groups(instances: Iterable[Instance]) -> set[str]:
+    """Nodes already running a shard of a sharded instance (one ring address each)."""
+    return {s.node_id for i in instances if i.sharded for s in i.shards}
+
+
+def able_to_shard(nodes: list[NodeInfo], card: ModelCard, now: float) -> list[NodeInfo]:
+    """The nodes that could run a shard: alive, with disk room for the files (memory is
+    the split's to weigh). Pure."""
+    whole_memory = card.model_copy(update={"size_bytes": 0})
+    return [n for n in nodes if refusal(n, whole_memory, now) is None]
+
+
+def sharded_instance(
+    card: ModelCard, shards: list[ShardAssignment], slots: int, now: float,
+    instance_id: str | None = None,
+) -> Instance:
+    return Instance(
+        instance_id=instance_id or f"{card.id}-{uuid.uuid4().hex[:6]}",
+        model=card.id, slots=slots, created_at=now, shards=shards,
+    )
+
+
 async def place(
     js: JetStreamContext, card: ModelCard, *, node_id: str | None = None, slots: int = 4,
-    if_absent: bool = False,
+    if_absent: bool = False, shards: int = 1,
 ) -> Instance:
-    """Write a placement; `if_absent` keeps an existing instance of the model instead."""
+    """Write a placement; `if_absent` keeps an existing instance of the model instead;
+    `shards` > 1 splits the model's layers over that many nodes (a pipeline)."""
     if if_absent and (existing := await find_instance(js, card.id)):
         return existing
-    nodes = candidates(await read_nodes(js), card, node_id)
     now = time.time()
-    instance = new_instance(card, choose_node(nodes, card, now), slots, now)
+    if shards > 1:
+        if node_id:
+            raise InvalidRequest("a sharded instance spans nodes: --node does not apply")
+        able = able_to_shard(candidates(await read_nodes(js), card, None), card, now)
+        busy = in_groups(await read_instances(js))
+        try:
+            assignments = choose_shards(able, card, shards, busy)
+        except ShardingError as exc:
+            raise PlacementError(str(exc)) from exc
+        instance = sharded_instance(card, assignments, slots, now)
+    else:
+        nodes = candidates(await read_nodes(js), card, node_id)
+        instance = new_instance(card, choose_node(nodes, card, now), slots, now)
     kv = await js.key_value(subjects.INSTANCES_BUCKET)
     if await kv_create(kv, instance.instance_id, encode(instance)) is None:  # CAS: a new key
         raise PlacementError(f"instance {instance.instance_id} exists already")

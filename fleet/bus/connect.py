@@ -271,6 +271,7 @@ async def js_publish(
     msg_id: str | None = None,
     timeout: float = 5.0,
     budget_s: float | None = None,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> PubAck:
     """JetStream publish awaiting the stream's ack (tasks, terminal events), inside a `send`
     span: the message's traceparent names that span as the parent of its consumers' spans.
@@ -284,7 +285,8 @@ async def js_publish(
         return await js.publish(subject, body, headers=headers, timeout=timeout)
 
     with send_span(subject, msg_id, len(body)):
-        headers = headers_for(msg_id)  # inside the span: its consumers' parent is this send
+        # inside the span: its consumers' parent is this send
+        headers = headers_for(msg_id, extra_headers)
         if budget_s is None:
             return await with_retry(once, what=f"publish to {subject}")
         return await with_retry(once, what=f"publish to {subject}", budget_s=budget_s)

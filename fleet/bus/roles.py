@@ -88,8 +88,8 @@ GRANTS: dict[str, Grant] = {
     # Submits tasks and follows them; can never see the queue itself nor change the fleet.
     "client": _grant(
         publish=[
-            "fleet.tasks.>", "fleet.cancel.>", f"$KV.{CANCELS}.>", "fleet.traces.>",
-            "$O.FLEET_IMAGES.>", FLOW_CONTROL,
+            "fleet.tasks.>", "fleet.ask.>", "fleet.cancel.>", f"$KV.{CANCELS}.>",
+            "fleet.traces.>", "$O.FLEET_IMAGES.>", FLOW_CONTROL,
             # Replay of one task: an ephemeral (ordered) consumer, or a named one on one
             # task's subject. No DELETE: an abandoned one goes by its inactive threshold.
             _api("CONSUMER", "CREATE", OUT), _api("CONSUMER", "CREATE", OUT, "*", "fleet.out.*"),
@@ -129,6 +129,7 @@ GRANTS: dict[str, Grant] = {
         publish=[
             "fleet.out.>", "fleet.events.>", "fleet.traces.>", "fleet.dead.>", "fleet.refused.>",
             INBOX,  # a refused task's publisher hears why on its reply inbox
+            "fleet.tasks.>",  # an ask on fleet.ask.<model> is published as a task
             "fleet.handoff.*",  # a held task message passed to the node that should run it
             *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS, PREFIXES)),
             "$O.FLEET_IMAGES.>", "$O.FLEET_WEIGHTS.>", FLOW_CONTROL, _api("INFO"),
@@ -148,7 +149,10 @@ GRANTS: dict[str, Grant] = {
               for s in _kv_read(b)),
             *_images_read(), *_weights_read(),
         ],
-        subscribe=[INBOX, "fleet.tasks.>", "fleet.cancel.*", "fleet.handoff.*"],
+        # fleet.ask.*: the asks a worker answers (queue group fleet-ask); fleet.out.>: the
+        # asked task's terminal, watched live; fleet.handoff.*: tasks other nodes pass here
+        subscribe=[INBOX, "fleet.tasks.>", "fleet.cancel.*", "fleet.ask.*", "fleet.out.>",
+                   "fleet.handoff.*"],
     ),
     # Provisions streams, buckets and consumers, and repairs: everything.
     "operator": _grant(publish=[">"], subscribe=[">"]),
@@ -171,12 +175,18 @@ def _who(*roles: str) -> frozenset[str]:
 
 ACTIONS: tuple[Action, ...] = (
     Action("publish_task", "publish a task on `fleet.tasks.<model>`",
-           _who("client", "gateway")),
+           _who("client", "gateway", "worker"),
+           "a worker publishes the task of an ask it answers (`fleet.ask.<model>`)"),
+    Action("ask", "ask on `fleet.ask.<model>` (request-reply: the task's final answer)",
+           _who("client")),
+    Action("answer_asks", "answer asks: subscribe to `fleet.ask.*` (queue group fleet-ask)",
+           _who("worker")),
     Action("cancel_task", "cancel a task (`fleet.cancel.<id>` and its FLEET_CANCELS record)",
            _who("client", "gateway")),
     Action("follow_output", "subscribe to a task's output `fleet.out.<id>`",
-           _who("client", "gateway"),
-           "subjects cannot be limited per task id: any client reads any task's output"),
+           _who("client", "gateway", "worker"),
+           "subjects cannot be limited per task id: any client reads any task's output; a "
+           "worker watches for the end of a task it was asked for"),
     Action("replay_output", "replay a task's output (an ordered consumer on FLEET_OUT)",
            _who("client", "gateway")),
     Action("publish_output", "publish on `fleet.out.<id>` (a task's events)", _who("worker")),

@@ -20,12 +20,13 @@ from fleet.bus.weights import FleetModels
 from fleet.commands.announce import announce_runners, status_text
 from fleet.commands.core import check_mflux, secured_config, settings_from
 from fleet.config import Settings
+from fleet.errors import InvalidRequest
 from fleet.models.catalog import get_card
 from fleet.placement import find_instance, place, read_instances, read_nodes, remove
 from fleet.placement_replicas import place_replicas
 from fleet.proc import Exit, guard_child, run_main
 from fleet.wire import subjects
-from fleet.wire.cluster import ModelCard, RunnerRecord
+from fleet.wire.cluster import Instance, ModelCard, RunnerRecord, ShardAssignment
 
 if TYPE_CHECKING:
     from nats.aio.client import Client
@@ -236,27 +237,52 @@ async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:
     try:
         if args.action == "place":
             card = await card_of(nc, args.model, settings)
-            placed = await place_replicas(
-                js, card, args.replicas, node_id=args.node, slots=args.slots
-            )
+            if getattr(args, "shards", 1) > 1:
+                if args.replicas != 1:
+                    raise InvalidRequest("--shards and --replicas do not combine (yet)")
+                placed = [await place(js, card, slots=args.slots, shards=args.shards)]
+            else:
+                placed = await place_replicas(
+                    js, card, args.replicas, node_id=args.node, slots=args.slots
+                )
             for instance in placed:
-                print(f"placed {instance.instance_id} on {instance.shards[0].node_id}")
+                print(f"placed {instance.instance_id} on "
+                      f"{', '.join(shard_text(s) for s in instance.shards)}")
         elif args.action == "remove":
             await remove(js, args.instance_id)
             print(f"removed {args.instance_id}")
         else:
             runners = await live_values(js, subjects.RUNNERS_BUCKET, RunnerRecord)
             for inst in await read_instances(js):
-                nodes = ",".join(s.node_id for s in inst.shards)
-                # A runner record per shard once placed; a download record before that.
-                states = "; ".join(
-                    status_text(r.status) for r in runners if r.instance_id == inst.instance_id
-                ) or "pending"
-                print(f"{inst.instance_id:32} {inst.model:20} slots={inst.slots} nodes={nodes} "
-                      f"{states}")
+                print(instance_lines(inst, runners))
     finally:
         await nc.close()
     return 0
+
+
+def shard_text(shard: ShardAssignment) -> str:
+    if shard.world_size == 1:
+        return shard.node_id
+    return f"{shard.node_id} (rank {shard.rank}, layers {shard.start_layer}-{shard.end_layer})"
+
+
+def instance_lines(inst: Instance, runners: list[RunnerRecord]) -> str:
+    """One line per instance; a sharded one adds a line per shard: node, layers, state."""
+    mine = [r for r in runners if r.instance_id == inst.instance_id]
+    nodes = ",".join(s.node_id for s in inst.shards)
+    if not inst.sharded:
+        # A runner record once placed; a download record before that.
+        states = "; ".join(status_text(r.status) for r in mine) or "pending"
+        return f"{inst.instance_id:32} {inst.model:20} slots={inst.slots} nodes={nodes} {states}"
+    lines = [f"{inst.instance_id:32} {inst.model:20} slots={inst.slots} "
+             f"shards={len(inst.shards)} nodes={nodes}"]
+    for shard in inst.shards:
+        states = "; ".join(
+            status_text(r.status) for r in mine if r.node_id == shard.node_id
+        ) or "pending"
+        lines.append(f"  rank {shard.rank}  {shard.node_id:24} layers {shard.start_layer}-"
+                     f"{shard.end_layer}  {states}")
+    return "\n".join(lines)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -284,6 +310,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     place_p.add_argument("--slots", type=int, default=4)
     place_p.add_argument("--replicas", type=int, default=1,
                          help="runners of the model, one instance each, spread over nodes")
+    place_p.add_argument("--shards", type=int, default=1,
+                         help="split the model's layers over this many nodes (one instance, a "
+                         "pipeline over mx.distributed)")
     sub.add_parser("list")
     remove_p = sub.add_parser("remove")
     remove_p.add_argument("instance_id")

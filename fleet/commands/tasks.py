@@ -49,14 +49,23 @@ def render(event: OutputEvent, raw: bool) -> str | None:
     return None
 
 
-async def follow_task(settings: Settings, task_id: str, raw: bool, timeout: float) -> int:
+async def follow_task(
+    settings: Settings, task_id: str, raw: bool, timeout: float, wait: bool = False
+) -> int:
+    """Print a task's events to its end (exit 0 when it completed). A task with no stored
+    events is unknown, expired or still queued: exit 1 at once, unless `wait`."""
     from fleet.gateway.streams import TaskEvents
 
     nc = await connect_with(settings, "fleet-cli")
     try:
         if await stored_events(nc.jetstream(), task_id) == 0:
-            print(f"fleet follow: no events are stored for task {task_id}: unknown, expired, "
-                  f"or still queued; waiting up to {timeout:.0f} s", file=sys.stderr, flush=True)
+            if not wait:
+                print(f"fleet follow: no events are stored for task {task_id}: unknown, "
+                      "expired, or still queued (--wait waits for a queued task)",
+                      file=sys.stderr, flush=True)
+                return 1
+            print(f"fleet follow: no events are stored for task {task_id} yet: waiting up to "
+                  f"{timeout:.0f} s", file=sys.stderr, flush=True)
         deadline = asyncio.get_running_loop().time() + timeout
         async with TaskEvents(nc.jetstream(), task_id, deadline) as events:
             async for item in events:
@@ -120,7 +129,7 @@ async def submit_task(settings: Settings, args: argparse.Namespace) -> int:
     print(f"task {task.task_id} on {subjects.tasks(task.model)}", file=sys.stderr)
     if args.no_follow:
         return 0
-    return await follow_task(settings, task.task_id, args.json, args.timeout)
+    return await follow_task(settings, task.task_id, args.json, args.timeout, wait=True)
 
 
 async def cancel_task(settings: Settings, task_id: str) -> int:
@@ -158,9 +167,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("task_id")
     p.add_argument("--json", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0)
-    p.set_defaults(
-        func=lambda a: asyncio.run(follow_task(settings_from(a), a.task_id, a.json, a.timeout))
-    )
+    p.add_argument("--wait", action="store_true",
+                   help="wait for a task that has no events yet (still queued)")
+    p.set_defaults(func=lambda a: asyncio.run(
+        follow_task(settings_from(a), a.task_id, a.json, a.timeout, wait=a.wait)
+    ))
 
     p = subparsers.add_parser("cancel", help="cancel a task (queued or running)")
     p.add_argument("task_id")

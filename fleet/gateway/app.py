@@ -49,6 +49,7 @@ register_url_convertor("sha256", Sha256Convertor())
 ROUTES = [
     Route("/v1/chat/completions", text_routes.chat_completions, methods=["POST"]),
     Route("/v1/completions", text_routes.completions, methods=["POST"]),
+    Route("/v1/responses", text_routes.responses, methods=["POST"]),
     Route("/v1/images/generations", image_routes.image_generations, methods=["POST"]),
     Route("/v1/images/edits", image_routes.image_edits, methods=["POST"]),
     Route("/v1/images/{sha256:sha256}", image_routes.get_image, methods=["GET"]),

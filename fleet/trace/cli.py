@@ -1,4 +1,5 @@
 """`fleet trace <task_id> [--chrome FILE]`: a task's trace as a waterfall, from JetStream alone.
+The id of a gateway request with n > 1 choices works too: its choices share its trace.
 
 A task's trace id is in its `task_accepted` on `fleet.out.<task_id>`; a task that ended before
 any runner accepted it still names its trace in the `traceparent` of its events. The spans
@@ -73,6 +74,12 @@ async def trace_id_of_task(js: JetStreamContext, task_id: str) -> str | None:
     return from_headers
 
 
+async def trace_id_of_request(js: JetStreamContext, task_id: str) -> str | None:
+    """The trace of a task, or of a gateway request with n > 1 choices: its id names no task,
+    its choices are the tasks `<id>-0` … `<id>-<n-1>`, all in the request's one trace."""
+    return await trace_id_of_task(js, task_id) or await trace_id_of_task(js, f"{task_id}-0")
+
+
 async def spans_of_trace(js: JetStreamContext, trace_id: str) -> list[SpanRecord]:
     """The trace's spans, each once (by span id), in the order they were stored."""
     found: dict[str, SpanRecord] = {}
@@ -110,7 +117,7 @@ async def load_trace(settings: Settings, task_or_trace: str) -> tuple[str, list[
     try:
         js = nc.jetstream()
         trace_id = task_or_trace if is_trace_id(task_or_trace) else None
-        trace_id = trace_id or await trace_id_of_task(js, task_or_trace)
+        trace_id = trace_id or await trace_id_of_request(js, task_or_trace)
         if trace_id is None:
             raise FleetError(f"no trace found for task {task_or_trace}: unknown, or expired")
         spans = await spans_of_trace(js, trace_id)

@@ -87,18 +87,28 @@ class NodeInfo(Wire):
         "evicting every model not placed on it; null: no budget",
     )
     runners: list[RunnerId] = Field(default_factory=list)
+    ring_address: str | None = Field(
+        default=None,
+        description="host:port where this node's shard of a sharded instance joins its ring "
+        "(mx.distributed); null: this node takes no shards",
+    )
     blas: str | None = None
     started_at: float
     at: float
 
 
 class ShardAssignment(Part):
+    """One rank of an instance: which node runs which layers [start_layer, end_layer)."""
+
     node_id: NodeId
     runner_id: RunnerId
-    rank: int = 0
-    world_size: int = 1
-    start_layer: int = 0
-    end_layer: int = 0
+    rank: int = Field(default=0, ge=0)
+    world_size: int = Field(default=1, ge=1)
+    start_layer: int = Field(default=0, ge=0)
+    end_layer: int = Field(default=0, ge=0)
+    ring_address: str | None = Field(
+        default=None, description="host:port of this rank in the group's ring (world_size > 1)"
+    )
 
 
 class Instance(Wire):
@@ -110,6 +120,13 @@ class Instance(Wire):
     shards: list[ShardAssignment] = Field(min_length=1)
     slots: int = Field(default=4, ge=1, le=256)
     created_at: float
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.shards) > 1
+
+    def shard_on(self, node_id: str) -> ShardAssignment | None:
+        return next((s for s in self.shards if s.node_id == node_id), None)
 
 
 class RunnerRecord(Wire):
@@ -123,6 +140,7 @@ class RunnerRecord(Wire):
     status: RunnerStatus
     slots: int = 1
     active_tasks: int = 0
+    rank: int = Field(default=0, ge=0, description="its shard's rank in a sharded instance")
     at: float
 
 

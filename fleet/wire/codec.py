@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from fleet.wire.ask import AskReply
 from fleet.wire.cluster import ClusterEvent
 from fleet.wire.events import OutputEvent
 from fleet.wire.runners import RunnerStatus
@@ -18,6 +19,7 @@ TASK = TypeAdapter(Task)
 OUTPUT_EVENT = TypeAdapter(OutputEvent)
 CLUSTER_EVENT = TypeAdapter(ClusterEvent)
 RUNNER_STATUS = TypeAdapter(RunnerStatus)
+ASK_REPLY = TypeAdapter(AskReply)
 
 
 class DecodeError(ValueError):

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from pydantic import BaseModel
 
 from fleet.runner import protocol as pipe
-from fleet.wire import cluster, events, handoff, prefixes, runners, tasks
+from fleet.wire import ask, cluster, events, handoff, prefixes, runners, tasks
 
 _AT = 1764495000.0
 _WHEN = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -81,6 +81,15 @@ def examples() -> dict[str, BaseModel]:
         "task_refused": events.TaskRefused(
             task_id="chat-1", model="smollm2-135m", reason="task_id_taken",
             message="task id 'chat-1' belongs to another task message", at=_AT, stream_seq=42,
+        ),
+        "ask_answer": ask.AskAnswer(
+            task_id="hello-1", model="smollm2-135m", status="completed", finish_reason="stop",
+            text="The capital of France is Paris.",
+            usage=events.Usage(prompt_tokens=36, completion_tokens=8, total_tokens=44),
+        ),
+        "ask_error": ask.AskError(
+            task_id="hello-1", reason="task_id_taken",
+            message="task id 'hello-1' belongs to another task message",
         ),
         "model_card": _CARD,
         "node_info": cluster.NodeInfo(

@@ -29,6 +29,7 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "prefix-summary": TypeAdapter(prefixes.PrefixSummary),
     "task-hand-off": TypeAdapter(handoff.TaskHandOff),
     "hand-off-answer": TypeAdapter(handoff.HandOffAnswer),
+    "ask-reply": codec.ASK_REPLY,
 }
 
 _SUBJECTS = {
@@ -44,6 +45,7 @@ _SUBJECTS = {
     "hand-off-answer": "the reply to a task-hand-off request",
     "task-refused": "fleet.refused.<model> (stream FLEET_REFUSED) and the task's "
     "Fleet-Reply-To inbox",
+    "ask-reply": "the reply to a request on fleet.ask.<model> (whose body is a task)",
 }
 
 

@@ -24,6 +24,10 @@ REPLY_HEADER = "Fleet-Reply-To"
 TASKS_ALL = "fleet.tasks.>"
 DEAD_LETTERS_ALL = "fleet.dead.>"
 REFUSED_ALL = "fleet.refused.>"
+# Request-reply asks (`nats req fleet.ask.<model> ...`): every worker listens in one queue
+# group, so each ask is answered once.
+ASK_ALL = "fleet.ask.*"
+ASK_QUEUE = "fleet-ask"
 
 
 def tasks(model: str) -> str:
@@ -32,6 +36,14 @@ def tasks(model: str) -> str:
 
 def model_of_task_subject(subject: str) -> str:
     return subject.removeprefix("fleet.tasks.")
+
+
+def ask(model: str) -> str:
+    return f"fleet.ask.{model}"
+
+
+def model_of_ask_subject(subject: str) -> str:
+    return subject.removeprefix("fleet.ask.")
 
 
 def out(task_id: str) -> str:

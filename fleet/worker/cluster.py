@@ -42,7 +42,7 @@ from fleet.worker.failover import Failover
 from fleet.worker.heartbeat import Heartbeat
 from fleet.worker.inputs import ImageCache
 from fleet.worker.janitor import Janitor
-from fleet.worker.node import node_id, node_info
+from fleet.worker.node import free_port, node_id, node_info
 from fleet.worker.state import InstancesChanged, RunnerView
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,8 @@ class ClusterLink:
         # Runners load it; the worker itself does no maths and should start no BLAS threads.
         self.blas = openblas_available()
         self.started_at = time.time()
+        port = settings.ring_port or free_port(settings.ring_host)
+        self.ring_address = f"{settings.ring_host}:{port}"
         self.records: dict[str, RunnerRecord] = {}
         self.placed: dict[str, Instance] = {}  # the instance table as last watched
         self._status_writes: asyncio.Queue[tuple[str, RunnerRecord | None]] = asyncio.Queue()
@@ -168,8 +170,24 @@ class ClusterLink:
         room = room_for_models(self.held, self.models_placed_here(), limit)
         return node_info(
             self.node_id, self.started_at, sorted(self.on_disk), sorted(self.records), self.blas,
-            available, room,
+            available, room, memory_limit=self.settings.memory_limit,
+            memory_placed=self.memory_placed_here(), ring_address=self.ring_address,
         )
+
+    def memory_placed_here(self) -> int:
+        """What the shards placed on this node take: each its share of its model's layers."""
+        total = 0
+        for instance in self.placed.values():
+            shard = instance.shard_on(self.node_id)
+            card = self.cards.get(instance.model)
+            if shard is None or card is None:
+                continue
+            if instance.sharded and card.n_layers:
+                layers = shard.end_layer - shard.start_layer
+                total += card.size_bytes * layers // card.n_layers
+            else:
+                total += card.size_bytes
+        return total
 
     def models_placed_here(self) -> set[str]:
         here = self.node_id

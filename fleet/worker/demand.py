@@ -19,7 +19,15 @@ from nats.js.kv import KeyValue
 
 from fleet.bus.kv_calls import kv_create
 from fleet.bus.retry import with_retry
-from fleet.placement import PlacementError, choose_node, new_instance
+from fleet.placement import (
+    PlacementError,
+    able_to_shard,
+    choose_node,
+    in_groups,
+    new_instance,
+    sharded_instance,
+)
+from fleet.placement_shards import ShardingError, fewest_shards
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
 from fleet.wire.codec import encode
@@ -65,18 +73,32 @@ class Demand:
             return None
         able = [node for node in self.live_nodes() if model in node.models_available]
         try:
-            node = choose_node(able, card, time.time())
+            instance = self._choose(able, card, time.time())
         except PlacementError as exc:
             if model not in self._unplaceable:
                 log.warning("tasks wait for %s, which no live node can provide: %s", model, exc)
                 self._unplaceable.add(model)
             return None
         self._unplaceable.discard(model)
-        instance = new_instance(card, node, self.slots, time.time(), auto_instance_id(model))
         if await kv_create(self.instances, instance.instance_id, encode(instance)) is None:
             return None  # another worker answered the same demand first
-        log.info("tasks wait for %s: placed %s on %s", model, instance.instance_id, node.node_id)
+        log.info("tasks wait for %s: placed %s on %s", model, instance.instance_id,
+                 ",".join(s.node_id for s in instance.shards))
         return instance
+
+    def _choose(self, able: list[NodeInfo], card: ModelCard, now: float) -> Instance:
+        """One node when one can hold the model; else the fewest nodes that hold it split."""
+        instance_id = auto_instance_id(card.id)
+        try:
+            return new_instance(card, choose_node(able, card, now), self.slots, now, instance_id)
+        except PlacementError as single:
+            try:
+                shards = fewest_shards(
+                    able_to_shard(able, card, now), card, in_groups(self.placed())
+                )
+            except ShardingError as split:
+                raise PlacementError(f"{single}; split over nodes: {split}") from split
+            return sharded_instance(card, shards, self.slots, now, instance_id)
 
     async def queued_models(self) -> list[str]:
         info = await with_retry(

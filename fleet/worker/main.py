@@ -38,6 +38,7 @@ from fleet.wire.tasks import CancelTask
 from fleet.worker import plan as rules
 from fleet.worker import state as ev
 from fleet.worker.acks import AckPolicy, Stage, held_stages
+from fleet.worker.asks import AskResponder
 from fleet.worker.children import Feeds
 from fleet.worker.cluster import ClusterLink
 from fleet.worker.continuation import with_seed
@@ -133,6 +134,8 @@ class Worker(RunnerReports, Stopping):
                 owner.forever("prefix mirror", lambda: mirror.run(_Link(self)))
             owner.forever("tick", self.feeds.tick_forever)
             owner.forever("prefix adverts", PrefixAdverts(self.js, lambda: self.state).forever)
+            self.asks = AskResponder(self.nc, self.js, settings.ask_timeout_s, owner)
+            await self.asks.start()
             log.info("worker %s serving on %s", node, redact_urls(settings.urls))
             self.ready.set()
             try:

@@ -48,20 +48,36 @@ def node_info(
     blas: str | None,
     available: list[str] | None = None,
     disk_room: int | None = None,
+    memory_limit: int = 0,
+    memory_placed: int = 0,
+    ring_address: str | None = None,
 ) -> NodeInfo:
+    """`memory_limit` (bytes, 0: none) caps what the node offers: the limit less
+    `memory_placed`, what the models placed here take, when that is less than what is free."""
     memory = psutil.virtual_memory()
+    free = memory.available
+    if memory_limit > 0:
+        free = min(free, max(0, memory_limit - memory_placed))
     return NodeInfo(
         node_id=node,
         hostname=socket.gethostname(),
-        memory_total_bytes=memory.total,
-        memory_available_bytes=memory.available,
+        memory_total_bytes=min(memory.total, memory_limit) if memory_limit else memory.total,
+        memory_available_bytes=free,
         cpu_count=os.cpu_count() or 1,
         devices=devices(),
         models_on_disk=models,
         models_available=sorted(set(models) | set(available or [])),
         models_disk_room_bytes=disk_room,
         runners=runners,
+        ring_address=ring_address,
         blas=blas,
         started_at=started_at,
         at=time.time(),
     )
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (the ring's listener binds it later)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])

@@ -29,6 +29,7 @@ class Stopping:
     async def _shutdown(self: Worker) -> None:
         log.info("worker %s stopping", self.state.node_id)
         self._apply(ev.Stopping())
+        await self.asks.close()  # new asks go to the other workers
         await self._end_pulls()
         for task_id, pending in list(self.state.pending.items()):  # not started here
             self._release(task_id)

@@ -187,6 +187,11 @@ async def _claim_task_id(p: Probe) -> None:
     await p.js.publish(f"fleet.refused.{MODEL}", b"{}")
 
 
+async def _answer_asks(p: Probe) -> None:
+    await p.nc.subscribe("fleet.ask.*", queue="fleet-ask")
+    await p.nc.flush(timeout=TIMEOUT)
+
+
 async def _tenant_records(p: Probe) -> None:
     kv = await p.js.key_value("FLEET_TENANTS")
     await kv.put(f"task.owned-by-{p.role}", b"tenant")
@@ -201,6 +206,8 @@ async def _hand_off_task(p: Probe) -> None:
 PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "publish_task": _publish_task,
     "cancel_task": _cancel_task,
+    "ask": lambda p: p.sent(f"fleet.ask.{MODEL}"),
+    "answer_asks": _answer_asks,
     "follow_output": lambda p: p.subscribed(f"fleet.out.{TASK_ID}"),
     "replay_output": _replay_output,
     "publish_output": lambda p: p.sent(f"fleet.out.{TASK_ID}"),

@@ -124,10 +124,23 @@ def test_a_bad_setting_is_a_usage_error_naming_the_flag() -> None:
     assert "--slots: 'many'" in result.stderr
 
 
-async def test_follow_of_an_unknown_task_says_so(provisioned_nc: object, nats_url: str) -> None:
+async def test_follow_of_an_unknown_task_says_so_at_once(
+    provisioned_nc: object, nats_url: str
+) -> None:
+    # The default --timeout is 300 s: within the 60 s here only by not waiting at all.
+    result = subprocess.run([str(FLEET), "follow", "no-such-task", "--nats-url", nats_url],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1
+    assert "no events are stored for task no-such-task: unknown, expired" in result.stderr
+    assert "--wait" in result.stderr
+
+
+async def test_follow_wait_waits_for_a_task_with_no_events_then_gives_up(
+    provisioned_nc: object, nats_url: str
+) -> None:
     result = subprocess.run(
-        [str(FLEET), "follow", "no-such-task", "--timeout", "1", "--nats-url", nats_url],
-        capture_output=True, text=True, timeout=60, check=False,
+        [str(FLEET), "follow", "no-such-task", "--wait", "--timeout", "1", "--nats-url",
+         nats_url], capture_output=True, text=True, timeout=60, check=False,
     )
     assert result.returncode == 1
-    assert "no events are stored for task no-such-task" in result.stderr
+    assert "no events are stored for task no-such-task yet: waiting up to 1 s" in result.stderr

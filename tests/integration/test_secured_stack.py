@@ -15,6 +15,8 @@ import pytest
 from nats.aio.client import Client
 
 from fleet.bus.auth_gen import generate, read_env
+from fleet.wire.ask import AskAnswer
+from fleet.wire.codec import ASK_REPLY, decode_with
 from fleet.wire.events import TaskFinished
 from tests.commands.test_exits import Command, assert_clean, free_port
 from tests.integration.harness import hello, run_task, seed_models
@@ -71,6 +73,10 @@ async def test_fleet_up_serves_chat_and_images_with_each_role_as_itself(
             events = await run_task(client, hello("secured-client-task"), timeout=120)
             assert isinstance(events[-1], TaskFinished)
             assert events[-1].status == "completed"
+            # An ask: the client role may ask, the worker role may answer it.
+            asked = await client.request("fleet.ask.tiny-llm", b"hi", timeout=120)
+            answer = decode_with(ASK_REPLY, asked.data)
+            assert isinstance(answer, AskAnswer) and answer.status == "completed", answer
         finally:
             await client.close()
         assert_clean(up, *up.terminate_and_time())

@@ -17,6 +17,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from fleet.runner import protocol as pipe
 from fleet.wire import cluster, codec, events, runners, tasks
+from fleet.wire.ask import AskReply
 from fleet.wire.codec import DecodeError, decode_model, decode_with, encode
 from fleet.wire.examples import NATS_CLI_TASK, examples
 from fleet.wire.handoff import HandOffAnswer, TaskHandOff
@@ -35,6 +36,7 @@ UNION_DECODERS: list[tuple[Any, TypeAdapter[Any]]] = [
     (events.OutputEvent, codec.OUTPUT_EVENT),
     (cluster.ClusterEvent, codec.CLUSTER_EVENT),
     (runners.RunnerStatus, codec.RUNNER_STATUS),
+    (AskReply, codec.ASK_REPLY),
     (pipe.RunnerCommand, pipe.COMMAND),
     (pipe.RunnerReport, pipe.REPORT),
 ]

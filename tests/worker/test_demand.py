@@ -68,3 +68,24 @@ async def test_the_sweep_finds_models_with_queued_tasks(nc: Client) -> None:
     await js.publish(subjects.tasks("tiny-llm"), b"{}")
     await js.publish(subjects.tasks("flux1-dev"), b"{}")
     assert await (await demand(nc, [])).queued_models() == ["flux1-dev", "tiny-llm"]
+
+
+async def test_a_model_no_node_can_hold_is_split_over_the_fewest_nodes(nc: Client) -> None:
+    def ringed(node_id: str, free_mb: int) -> NodeInfo:
+        info = node(node_id, 0, "smollm2-135m")
+        return info.model_copy(update={
+            "memory_available_bytes": free_mb * 1_000_000, "ring_address": f"h:{free_mb}",
+        })
+
+    nodes = [ringed("a", 300), ringed("b", 350), ringed("c", 100)]
+    js = nc.jetstream()
+    cards = {"smollm2-135m": get_card("smollm2-135m")}
+    worker = Demand(
+        js, await js.key_value(subjects.INSTANCES_BUCKET), cards,
+        placed=lambda: (), live_nodes=lambda: nodes, slots=2,
+    )
+    placed = await worker.want("smollm2-135m")
+    assert placed is not None and placed.instance_id == "smollm2-135m-auto"
+    assert [(s.node_id, s.rank, s.start_layer, s.end_layer, s.ring_address)
+            for s in placed.shards] == [("b", 0, 0, 16, "h:350"), ("a", 1, 16, 30, "h:300")]
+    assert await read_instances(js) == [placed]

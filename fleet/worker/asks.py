@@ -1,0 +1,262 @@
+"""Request-reply on `fleet.ask.<model>`: `nats req fleet.ask.<model> '<task json>'` gets the
+task's final answer instead of a PubAck.
+
+Every worker answers in one queue group, so an ask is taken by one worker (any: the task
+itself still goes through the model's queue, its claim, placement and continuations like any
+other). The taker publishes the task on `fleet.tasks.<model>` with a `Fleet-Reply-To` inbox
+(where a worker's claim refusal arrives), waits for its terminal on `fleet.out.<task_id>`, then
+reads the task's stored events and replies with one AskAnswer, or an AskError (refused, queue
+full, timeout, this worker stopping). The wait costs a core subscription, no consumer: the
+terminal is watched live, and the stored last event is looked at every few seconds in case
+a reconnect lost the live copy; the answer is always built from FLEET_OUT, which holds every
+event whole and in order once the terminal is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from datetime import UTC, datetime
+from functools import partial
+from typing import Any, Protocol
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError
+
+from fleet.bus.connect import js_publish
+from fleet.bus.retry import STORE_FULL_ERR_CODES, with_retry
+from fleet.errors import FleetError
+from fleet.wire import subjects
+from fleet.wire.ask import AskAnswer, AskError, AskErrorReason
+from fleet.wire.codec import DecodeError, decode_event, decode_model, encode
+from fleet.wire.events import OutputEvent, TaskFinished, TaskRefused
+from fleet.wire.tasks import Task
+from fleet.worker.ask_answer import answer_of, ask_task, new_ask_id
+
+log = logging.getLogger(__name__)
+
+STORED_CHECK_S = 5.0  # how often the stored last event is looked at while waiting
+MAX_OPEN_ASKS = 1024  # asks one worker waits on at once; more are answered `busy`
+BROKER_BUDGET_S = 10.0  # an ask is answered within its timeout: broker retries stay short
+# NATS services' convention for an error reply (the `nats` CLI prints these headers).
+ERROR_HEADER = "Nats-Service-Error"
+ERROR_CODE_HEADER = "Nats-Service-Error-Code"
+ERROR_CODES: dict[AskErrorReason, int] = {
+    "invalid_task": 400, "invalid_task_id": 400, "task_id_taken": 409, "task_id_used": 409,
+    "queue_full": 429, "busy": 429, "unavailable": 503, "stopped": 503, "timeout": 504,
+}
+
+
+class Owner(Protocol):
+    def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]: ...
+
+
+class AskFailed(Exception):
+    """An ask that gets an AskError instead of an answer."""
+
+    def __init__(self, reply: AskError) -> None:
+        super().__init__(reply.message)
+        self.reply = reply
+
+
+def _failed(reason: AskErrorReason, message: str, task_id: str | None = None) -> AskFailed:
+    return AskFailed(AskError(task_id=task_id, reason=reason, message=message))
+
+
+class AskResponder:
+    """One worker's member of the `fleet-ask` queue group; each ask is a child of `owner`."""
+
+    def __init__(self, nc: Client, js: JetStreamContext, timeout_s: float, owner: Owner) -> None:
+        self.nc = nc
+        self.js = js
+        self.timeout_s = timeout_s
+        self.owner = owner
+        self.open: set[asyncio.Task[Any]] = set()
+        self._subscription: Subscription | None = None
+
+    async def start(self) -> None:
+        self._subscription = await self.nc.subscribe(
+            subjects.ASK_ALL, queue=subjects.ASK_QUEUE, cb=self._take
+        )
+
+    async def close(self) -> None:
+        """Take no new asks (the group's other members do); the open ones are answered
+        `stopped` when the owner cancels them."""
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            try:
+                await subscription.unsubscribe()
+            except (NatsError, OSError) as exc:
+                log.warning("asks: could not leave the queue group: %r", exc)
+
+    async def _take(self, msg: Msg) -> None:
+        if not msg.reply:
+            log.warning("asks: a message on %s without a reply subject: ignored (use "
+                        "`nats req`, or publish on fleet.tasks.<model>)", msg.subject)
+            return
+        if len(self.open) >= MAX_OPEN_ASKS:
+            busy = AskError(reason="busy", message=f"this worker waits on {MAX_OPEN_ASKS} "
+                            "asks already; retry, or publish on fleet.tasks.<model>")
+            await self._reply(msg, busy)
+            return
+        task = self.owner.spawn(f"ask on {msg.subject}", self._answer(msg))
+        self.open.add(task)
+        task.add_done_callback(self.open.discard)
+
+    async def _answer(self, msg: Msg) -> None:
+        model = subjects.model_of_ask_subject(msg.subject)
+        task_id: str | None = None
+        try:
+            task = self._task_of(model, msg.data)
+            task_id = task.task_id
+            reply: AskAnswer | AskError = await self._run(task)
+        except AskFailed as failure:
+            reply = failure.reply
+        except asyncio.CancelledError:
+            await self._reply(msg, AskError(
+                task_id=task_id, reason="stopped",
+                message="the answering worker stopped before the task ended; it goes on: "
+                f"follow fleet.out.{task_id}" if task_id else "the answering worker stopped",
+            ))
+            raise
+        await self._reply(msg, reply)
+
+    def _task_of(self, model: str, body: bytes) -> Task:
+        try:
+            return ask_task(model, body, datetime.now(UTC), self.timeout_s, new_ask_id())
+        except DecodeError as exc:
+            raise _failed("invalid_task", str(exc), exc.task_id) from None
+
+    async def _run(self, task: Task) -> AskAnswer:
+        """Publish the task, wait for its terminal, fold its stored events into the answer."""
+        arrived: asyncio.Queue[bytes | TaskRefused] = asyncio.Queue()
+
+        async def live(msg: Msg) -> None:
+            arrived.put_nowait(msg.data)
+
+        async def refused(msg: Msg) -> None:
+            try:
+                arrived.put_nowait(decode_model(TaskRefused, msg.data))
+            except DecodeError:
+                log.warning("asks: an undecodable refusal for task %s", task.task_id)
+
+        inbox = self.nc.new_inbox()
+        # Both before the publish: the refusal and the first events may come at once.
+        watches = [await self.nc.subscribe(subjects.out(task.task_id), cb=live),
+                   await self.nc.subscribe(inbox, cb=refused)]
+        try:
+            await self._publish(task, inbox)
+            await self._until_finished(task, arrived)
+        finally:
+            for watch in watches:
+                try:
+                    await watch.unsubscribe()
+                except (NatsError, OSError) as exc:
+                    log.debug("asks: unsubscribe failed: %r", exc)
+        answer = answer_of(task, await self._stored(task.task_id))
+        if answer is None:  # the terminal was seen, so it is stored: this is a broker fault
+            raise _failed("unavailable", "the task ended but its stored events could not be "
+                          f"read whole; follow fleet.out.{task.task_id}", task.task_id)
+        return answer
+
+    async def _publish(self, task: Task, inbox: str) -> None:
+        try:
+            published = await js_publish(
+                self.js, subjects.tasks(task.model), task, msg_id=task.task_id,
+                extra_headers={subjects.REPLY_HEADER: inbox}, budget_s=BROKER_BUDGET_S,
+            )
+        except APIError as exc:
+            if exc.err_code in STORE_FULL_ERR_CODES:
+                raise _failed("queue_full", f"the queue of model {task.model} is full; retry "
+                              "later", task.task_id) from None
+            raise _failed("unavailable", f"JetStream refused the task: {exc.description}",
+                          task.task_id) from None
+        except (FleetError, NatsError, OSError, TimeoutError) as exc:
+            raise _failed("unavailable", f"could not publish the task: {exc}",
+                          task.task_id) from None
+        if published.duplicate:  # JetStream dropped it: the id's task message came before
+            raise _failed("task_id_taken", f"task id {task.task_id!r} was published "
+                          "already; a new task needs a new id", task.task_id)
+
+    async def _until_finished(
+        self, task: Task, arrived: asyncio.Queue[bytes | TaskRefused]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.timeout_s
+        while (left := give_up - loop.time()) > 0:
+            try:
+                item = await asyncio.wait_for(arrived.get(), min(left, STORED_CHECK_S))
+            except TimeoutError:
+                if await self._finished_stored(task.task_id):
+                    return
+                continue
+            if isinstance(item, TaskRefused):
+                raise _failed(item.reason, item.message, task.task_id)
+            if _is_terminal(item):
+                return
+        raise _failed(
+            "timeout", f"task {task.task_id} did not end within {self.timeout_s:g} s; it may "
+            f"still run: follow fleet.out.{task.task_id}", task.task_id,
+        )
+
+    async def _finished_stored(self, task_id: str) -> bool:
+        try:
+            last = await with_retry(
+                lambda: self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id)),
+                what=f"read the last event of task {task_id}", budget_s=BROKER_BUDGET_S,
+            )
+        except NotFoundError:
+            return False
+        except (FleetError, NatsError, OSError, TimeoutError) as exc:
+            log.warning("asks: %s; still waiting for task %s", exc, task_id)
+            return False
+        return _is_terminal(last.data or b"")
+
+    async def _stored(self, task_id: str) -> list[OutputEvent]:
+        """Every event FLEET_OUT holds for the task, in order (by sequence, no consumer)."""
+        subject = subjects.out(task_id)
+        events: list[OutputEvent] = []
+        cursor = 1
+        while True:
+            try:
+                stored = await with_retry(
+                    partial(self.js.get_msg, subjects.OUT_STREAM, seq=cursor, subject=subject,
+                            next=True),
+                    what=f"read the events of task {task_id}", budget_s=BROKER_BUDGET_S,
+                )
+            except NotFoundError:
+                return events
+            except (FleetError, NatsError, OSError, TimeoutError) as exc:
+                raise _failed("unavailable", f"could not read the events of task {task_id}: "
+                              f"{exc}", task_id) from None
+            try:
+                events.append(decode_event(stored.data or b""))
+            except DecodeError:
+                log.warning("asks: an undecodable stored event of task %s", task_id)
+            cursor = (stored.seq or cursor) + 1
+
+    async def _reply(self, msg: Msg, reply: AskAnswer | AskError) -> None:
+        headers = None
+        if isinstance(reply, AskError):
+            headers = {ERROR_CODE_HEADER: str(ERROR_CODES[reply.reason]),
+                       ERROR_HEADER: " ".join(reply.message.split())}
+        try:
+            # A core publish: the asker waits on its inbox; a retry cannot reach a requester
+            # that has gone, and one that waits hears a broker outage as its own timeout.
+            await self.nc.publish(msg.reply, encode(reply), headers=headers)
+        except (NatsError, OSError) as exc:
+            log.warning("asks: could not answer on %s: %r", msg.reply, exc)
+
+
+def _is_terminal(data: bytes) -> bool:
+    if b"task_finished" not in data:  # most events are tokens: no decode for them
+        return False
+    try:
+        return isinstance(decode_event(data), TaskFinished)
+    except DecodeError:
+        return False

@@ -1,0 +1,81 @@
+"""Sharded placement: layers split by free memory over nodes that can join a ring (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet.errors import InvalidRequest
+from fleet.models.catalog import get_card
+from fleet.placement_shards import ShardingError, choose_shards, fewest_shards, split_layers
+from fleet.wire.cluster import NodeInfo
+
+MB = 1_000_000
+
+
+@pytest.mark.parametrize(
+    ("n_layers", "free", "per_layer", "counts"),
+    [
+        (30, [100, 100], 1, [15, 15]),
+        (30, [200, 100], 1, [20, 10]),
+        (31, [100, 100], 1, [16, 15]),  # the rounding goes to the bigger share, then rank 0
+        (2, [1000, 1], 1, [1, 1]),  # every node at least one layer
+        (30, [300, 50], 10, [26, 4]),
+        (10, [50, 60], 10, [5, 5]),  # 4.5 and 5.5 layers: each within what it holds
+        (10, [100, 100, 100], 1, [4, 3, 3]),
+        (4, [10, 30], 10, [1, 3]),  # exactly full
+    ],
+)
+def test_split_layers(n_layers: int, free: list[int], per_layer: int, counts: list[int]) -> None:
+    assert split_layers(n_layers, free, per_layer) == counts
+    assert sum(counts) == n_layers
+
+
+@pytest.mark.parametrize(
+    ("n_layers", "free", "per_layer", "error"),
+    [
+        (30, [100, 100], 10, "hold 20 of the 30 layers"),
+        (1, [100, 100], 1, "cannot be split over 2"),
+    ],
+)
+def test_split_layers_refuses(n_layers: int, free: list[int], per_layer: int, error: str) -> None:
+    with pytest.raises(ShardingError, match=error):
+        split_layers(n_layers, free, per_layer)
+
+
+def _node(node_id: str, free_mb: int, ring: bool = True) -> NodeInfo:
+    return NodeInfo(
+        node_id=node_id, hostname=node_id, memory_total_bytes=64_000 * MB,
+        memory_available_bytes=free_mb * MB, cpu_count=2, started_at=0.0, at=0.0,
+        ring_address=f"127.0.0.1:{5000 + ord(node_id[0])}" if ring else None,
+    )
+
+
+def test_choose_shards_gives_rank_0_the_first_layers_on_the_roomiest_node() -> None:
+    card = get_card("smollm2-135m")  # 30 layers, 538 MB
+    shards = choose_shards([_node("a", 300), _node("b", 600), _node("c", 100)], card, 2)
+    assert [(s.node_id, s.rank, s.world_size, s.start_layer, s.end_layer) for s in shards] == [
+        ("b", 0, 2, 0, 20), ("a", 1, 2, 20, 30),
+    ]
+    assert shards[0].ring_address == "127.0.0.1:5098" and shards[1].ring_address.endswith("5097")
+
+
+def test_choose_shards_skips_nodes_without_a_ring_or_in_a_group() -> None:
+    card = get_card("tiny-llm")
+    nodes = [_node("a", 10), _node("b", 10, ring=False), _node("c", 10)]
+    assert [s.node_id for s in choose_shards(nodes, card, 2)] == ["a", "c"]
+    with pytest.raises(ShardingError, match=r"need 2 live nodes.*1 can \(b, c"):
+        choose_shards(nodes, card, 2, busy={"c"})
+    with pytest.raises(ShardingError, match="2 layer"):
+        choose_shards(nodes, card, 3)
+    with pytest.raises(InvalidRequest):
+        choose_shards(nodes, card, 1)
+
+
+def test_fewest_shards_splits_a_model_no_node_holds() -> None:
+    card = get_card("smollm2-135m")  # ~18 MB per layer
+    two = fewest_shards([_node("a", 300), _node("b", 300), _node("c", 300)], card)
+    assert [(s.node_id, s.start_layer, s.end_layer) for s in two] == [("a", 0, 15), ("b", 15, 30)]
+    three = fewest_shards([_node("a", 200), _node("b", 200), _node("c", 200)], card)
+    assert [s.end_layer - s.start_layer for s in three] == [10, 10, 10]
+    with pytest.raises(ShardingError, match="hold"):
+        fewest_shards([_node("a", 100), _node("b", 100)], card)
