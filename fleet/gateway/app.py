@@ -16,7 +16,7 @@ from fleet import telemetry
 from fleet.config import Settings
 from fleet.dashboard import mount as mount_dashboard
 from fleet.errors import FleetError
-from fleet.gateway import image_routes, ops_routes, text_routes
+from fleet.gateway import docs, image_routes, ops_routes, text_routes
 from fleet.gateway.backend import Backend
 from fleet.gateway.guards import (
     ApiKeys,
@@ -58,6 +58,7 @@ ROUTES = [
     Route("/v1/tasks/{task_id}/cancel", ops_routes.cancel_task, methods=["POST"]),
     Route("/v1/tasks/{task_id}/events", ops_routes.task_events, methods=["GET"]),
     Route("/healthz", ops_routes.healthz, methods=["GET"]),
+    Route("/health", ops_routes.healthz, methods=["GET"]),  # the name many probes expect
     Route("/metrics", ops_routes.metrics, methods=["GET"]),
     Route("/openapi.json", ops_routes.openapi, methods=["GET"]),
 ]
@@ -79,7 +80,7 @@ def build_app(settings: Settings) -> Starlette:
             gateway.metrics.meters.shutdown()
 
     app = Starlette(
-        routes=ROUTES,
+        routes=[*ROUTES, *docs.routes()],
         middleware=[
             Middleware(ApiKeys, ring=ring, protect_metrics=settings.gateway_protect_metrics),
             Middleware(BodyTimeout, seconds=settings.gateway_body_timeout_s),
