@@ -211,6 +211,12 @@ def summarise(turns: list[Turn], wall_s: float,
         "model_cpu_s": cpu.get("model"), "all_cpu_s": cpu.get("all"),
         "model_cpu_ms_per_token": (cpu["model"] * 1000 / tokens
                                    if cpu.get("model") and tokens else None),
+        "per_turn": [  # for the analysis: which turns missed the cache, and where they ran
+            {"conversation": t.conversation, "turn": t.turn, "start_s": round(t.start_s, 3),
+             "ttft_s": None if t.ttft_s is None else round(t.ttft_s, 3),
+             "prompt": t.prompt_tokens, "cached": t.cached_tokens, "runner": t.runner_id}
+            for t in turns
+        ],
     }
 
 
