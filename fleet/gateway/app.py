@@ -44,7 +44,7 @@ from fleet.bus.connect import redact_urls
 from fleet.config import Settings, settings_of
 from fleet.dashboard import mount as mount_dashboard
 from fleet.errors import FleetError
-from fleet.gateway import image_api, ops_api, text_api
+from fleet.gateway import docs, image_api, ops_api, text_api
 from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import BodyLimit, BodyTimeout
 from fleet.gateway.errors import (
@@ -87,6 +87,7 @@ ROUTES = [
     Route("/v1/tasks/{task_id}/cancel", ops_api.cancel_task, methods=["POST"]),
     Route("/v1/tasks/{task_id}/events", ops_api.task_events, methods=["GET"]),
     Route("/healthz", ops_api.healthz, methods=["GET"]),
+    Route("/health", ops_api.healthz, methods=["GET"]),  # the name many probes expect
     Route("/metrics", ops_api.metrics, methods=["GET"]),
     Route("/openapi.json", ops_api.openapi, methods=["GET"]),
 ]
@@ -108,7 +109,7 @@ def build_app(settings: Settings) -> Starlette:
             gateway.metrics.meters.shutdown()
 
     app = Starlette(
-        routes=ROUTES,
+        routes=[*ROUTES, *docs.routes()],
         middleware=[
             Middleware(ApiKeys, ring=ring, protect_metrics=settings.gateway_protect_metrics),
             Middleware(BodyTimeout, seconds=settings.gateway_body_timeout_s),

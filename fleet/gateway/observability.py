@@ -132,7 +132,7 @@ class TaskObserver:
 
 
 # Probes, scrapes and the dashboard's static files: no span, and their access lines at debug.
-_UNTRACED = r"/(?:healthz|metrics|ui/static/.*)"
+_UNTRACED = r"/(?:healthz|health|metrics|ui/static/.*|docs/static/.*)"
 
 
 UNTRACED_PATH = re.compile(_UNTRACED)

@@ -350,6 +350,14 @@ def openapi_document() -> dict[str, Any]:
             " also NATS, streams, models and permission errors",
             "health", "Healthy", _JSON, "503",
         ),
+        "/health": _get(
+            "The same as /healthz, under the name many probes expect", "healthAlias",
+            "Healthy", _JSON, "503",
+        ),
+        "/docs": _get(
+            "This document in Swagger UI (served by the gateway: no CDN)", "docs",
+            "An HTML page", {"text/html": {"schema": {"type": "string"}}},
+        ),
         "/metrics": _get(
             "Prometheus metrics",
             "metrics",

@@ -63,6 +63,7 @@ from fleet.errors import (
     QueueFull,
     Unauthorized,
 )
+from fleet.gateway import docs
 from fleet.gateway.bodies import refuse_with
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ def add_key(keys_file: Path, tenant: str, operator: bool = False) -> str:
 
 
 # Open to anyone: /healthz then answers only up or not; a key shows its details.
-PROBE_PATHS = frozenset({"/healthz", "/openapi.json"})
+PROBE_PATHS = frozenset({"/healthz", "/health", "/openapi.json"})
 
 
 def tenant_of(request: Request) -> str | None:
@@ -217,7 +218,8 @@ class ApiKeys:
             return await self.app(scope, receive, send)
         tenant = self._tenant(scope)
         state.update(tenant=tenant, authenticated=tenant is not None)
-        if tenant is None and scope["path"] not in self.open_paths:
+        path = scope["path"]
+        if tenant is None and path not in self.open_paths and not docs.is_open(path):
             refusal = Unauthorized("a valid API key is required: Authorization: Bearer KEY")
             return await refuse_with(refusal)(scope, receive, send)
         await self.app(scope, receive, send)

@@ -1,9 +1,11 @@
 """Advertising what each runner's prefix cache holds: FLEET_PREFIXES, a key per runner.
 
 The worker's own dispatch reads its state directly; the bucket is what the rest of the fleet
-sees (operators, dashboards, a router across nodes). A runner's summary is written when its
-blocks or its load changed, at most once per `every_s`, and at least once per REFRESH_S so
-the bucket's TTL keeps only runners whose worker is alive; a runner that left is deleted.
+sees (operators, dashboards, and other workers, which hand tasks over to a runner here when
+it holds more of the prompt: fleet.worker.handoff). A runner's summary is written when its
+blocks or its load changed, at most once per `every_s` (a quarter second: other workers weigh
+its load by it), and at least once per REFRESH_S so the bucket's TTL keeps only runners whose
+worker is alive; a runner that left is deleted.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ def summary(runner: RunnerView, node_id: str, now: float) -> PrefixSummary:
     return PrefixSummary(
         runner_id=runner.runner_id, node_id=node_id, model=runner.model,
         block_chars=BLOCK_CHARS, blocks=[f"{b:016x}" for b in runner.held.order],
-        in_flight=len(runner.in_flight), at=now,
+        in_flight=len(runner.in_flight), slots=runner.slots, at=now,
     )
 
 
 class PrefixAdverts:
     def __init__(self, js: JetStreamContext, state: Callable[[], WorkerState],
-                 every_s: float = 1.0) -> None:
+                 every_s: float = 0.25) -> None:
         self.js = js
         self.state = state
         self.every_s = every_s
