@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TypeVar
 
 import anyio
@@ -25,6 +25,7 @@ from fleet.gateway.renderers import Renderer
 from fleet.gateway.replies import failure, sse_error
 from fleet.gateway.streams import Indexed, TaskEvents
 from fleet.wire.events import ErrorChunk, ImageChunk, OutputEvent, TaskFinished
+from fleet.wire.records import TaskRecord
 from fleet.wire.tasks import Task
 
 R = TypeVar("R")
@@ -142,10 +143,12 @@ async def run_task(
     stream: bool,
     resumable: bool,
     timeout_s: float,
+    records: Mapping[str, TaskRecord],
     tenant: str | None = None,
     capacity: Capacity | None = None,
 ) -> Response:
-    """One request: one task, or one per choice (their events merged).
+    """One request: one task, or one per choice (their events merged). `records` (task id →
+    TaskRecord) are written before anything is published.
 
     It holds a place in `capacity` (429 when there is none) until its response ends."""
     capacity = capacity or Capacity(2**31, 2**31)
@@ -161,7 +164,7 @@ async def run_task(
     try:
         response = await _run_task(
             backend, metrics, tasks, renderer, receive, stream=stream, resumable=resumable,
-            timeout_s=timeout_s, tenant=tenant, release=release,
+            timeout_s=timeout_s, records=records, tenant=tenant, release=release,
         )
     except BaseException:
         release()
@@ -181,6 +184,7 @@ async def _run_task(
     stream: bool,
     resumable: bool,
     timeout_s: float,
+    records: Mapping[str, TaskRecord],
     tenant: str | None,
     release: Callable[[], None],
 ) -> Response:
@@ -190,8 +194,7 @@ async def _run_task(
     claim = claimer(backend, tenant)
     for task in tasks:
         backend.check_size(task)  # 413 before anything is published
-        if tenant is not None:
-            await backend.owners.own_task(task.task_id, tenant)
+    await asyncio.gather(*(backend.owners.record_task(i, r) for i, r in records.items()))
     # Listening before publishing: nothing is stored for a fresh id, so no replay is needed,
     # and a NATS that is down fails the request before a task is queued for nobody.
     events = await _open_events(backend, tasks, deadline=started + timeout_s)

@@ -159,6 +159,14 @@ def openapi_document() -> dict[str, Any]:
         "schema": {"type": "integer", "minimum": 0, "maximum": 999_999_999, "default": 0},
         "description": "How many of the task's events the client has already seen",
     }
+    response_format = {
+        "name": "format",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "string", "enum": ["openai", "native"], "default": "openai"},
+        "description": "openai: the format of the request that made the task; native: "
+        "Fleet's events",
+    }
     image = {
         "content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}},
         "description": "The image",
@@ -220,7 +228,8 @@ def openapi_document() -> dict[str, Any]:
         ),
         "/v1/tasks/{task_id}/cancel": {
             "post": {
-                "summary": "Cancel a task (of this API key's tenant)",
+                "summary": "Cancel a task (of this API key's tenant), or every choice of an "
+                "n > 1 request by the request's id; an unknown id is 404",
                 "operationId": "cancelTask",
                 "parameters": [task_id],
                 "responses": _responses(
@@ -229,15 +238,18 @@ def openapi_document() -> dict[str, Any]:
             }
         },
         "/v1/tasks/{task_id}/events": _get(
-            "A task's Fleet events as SSE, resumable after N events (this API key's tasks only);"
-            " a stream with no event for FLEET_GATEWAY_EVENTS_IDLE_S ends with an `idle` error",
+            "A task's events as SSE, resumable after N events (this API key's tasks only), in "
+            "the format of the request that made it (chat.completion.chunk, text_completion, "
+            "Responses or image events), or Fleet's own events with format=native (always for "
+            "a task published on NATS); a stream with no event for FLEET_GATEWAY_EVENTS_IDLE_S"
+            " ends with an `idle` error",
             "taskEvents",
-            "SSE of raw Fleet events; `id:` is the event's index",
+            "SSE; `id:` is the event's index",
             _SSE,
             "404",
             "429",
             "503",
-            parameters=[task_id, after],
+            parameters=[task_id, after, response_format],
         ),
         "/healthz": _get(
             "Up or not: {\"status\": \"ok\"}; with an API key (or without keys configured)"

@@ -12,8 +12,8 @@ from fleet.gateway.guards import authenticated, tenant_of
 from fleet.gateway.models_view import model_list, model_object
 from fleet.gateway.openai_base import InvalidParameter
 from fleet.gateway.openapi import openapi_document
-from fleet.gateway.resume import not_found, resume
-from fleet.gateway.service import gateway_of
+from fleet.gateway.resume import known_record, resume
+from fleet.gateway.service import gateway_of, image_url_for
 from fleet.meters import PROMETHEUS_TEXT
 
 TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -28,13 +28,16 @@ def _task_id(request: Request) -> str:
 
 
 async def cancel_task(request: Request) -> Response:
-    """Cancel a task of the caller's tenant; another tenant's task reads as unknown (404)."""
+    """Cancel a task of the caller's tenant, or every choice of an n > 1 request; an unknown
+    id, or another tenant's, is 404."""
     task_id = _task_id(request)
     backend = gateway_of(request).backend
-    if not await backend.owners.owns_task(task_id, tenant_of(request)):
-        raise not_found(task_id)
-    await backend.cancel(task_id, "cancelled through the gateway")
-    return JSONResponse({"id": task_id, "object": "task.cancel", "cancelled": True})
+    record = await known_record(backend, task_id, tenant_of(request))
+    cancelled = record.choices if record is not None and record.choices else [task_id]
+    for each in cancelled:
+        await backend.cancel(each, "cancelled through the gateway")
+    return JSONResponse({"id": task_id, "object": "task.cancel", "cancelled": True,
+                         "task_ids": cancelled})
 
 
 def _events_seen(request: Request) -> int:
@@ -46,6 +49,14 @@ def _events_seen(request: Request) -> int:
     return max(int(after), int(last_id) if COUNT.match(last_id) else 0)
 
 
+def _native(request: Request) -> bool:
+    wanted = request.query_params.get("format", "openai")
+    if wanted not in ("openai", "native"):
+        raise InvalidParameter("format: openai (the request's own format) or native (Fleet's "
+                               "events)", "format")
+    return wanted == "native"
+
+
 async def task_events(request: Request) -> Response:
     task_id = _task_id(request)
     seen = _events_seen(request)
@@ -54,7 +65,7 @@ async def task_events(request: Request) -> Response:
     return await resume(
         gateway.backend, task_id, seen, settings.gateway_timeout_s,
         idle_s=settings.gateway_events_idle_s, tenant=tenant_of(request),
-        capacity=gateway.capacity,
+        capacity=gateway.capacity, native=_native(request), url_of=image_url_for(request),
     )
 
 

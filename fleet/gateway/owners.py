@@ -1,7 +1,8 @@
 """Which tenant owns a task id or an image, kept in the KV bucket FLEET_TENANTS.
 
-The gateway writes `task.<task_id>` = tenant before it publishes a task (kept 1 h, as long as
-FLEET_OUT keeps the task's events) and `image.<sha256>.<tenant>` for every image a tenant's
+The gateway writes `task.<task_id>` = a TaskRecord (tenant, the API asked, an n > 1
+request's choices) before it publishes a task, open gateway or not (kept 1 h, as long as
+FLEET_OUT keeps the task's events), and `image.<sha256>.<tenant>` for every image a tenant's
 tasks produced or that it sent (kept 7 d, as long as FLEET_IMAGES keeps images). Per-message
 TTLs (`Nats-TTL`) let one bucket keep both for their own time.
 
@@ -11,6 +12,7 @@ Another tenant's task or image reads exactly like one that does not exist (404):
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from nats.aio.client import Client
@@ -19,6 +21,10 @@ from nats.js.errors import NotFoundError
 
 from fleet.bus.retry import with_retry
 from fleet.errors import FleetError, NatsUnavailable
+from fleet.wire.codec import DecodeError, decode_model, encode
+from fleet.wire.records import TaskRecord
+
+log = logging.getLogger(__name__)
 
 TENANTS_BUCKET = "FLEET_TENANTS"
 STREAM = f"KV_{TENANTS_BUCKET}"
@@ -32,6 +38,15 @@ def task_key(task_id: str) -> str:
 
 def image_key(sha256: str, tenant: str) -> str:
     return f"image.{sha256}.{tenant}"
+
+
+def record_of(value: bytes, task_id: str) -> TaskRecord | None:
+    """The record stored for a task; one that cannot be read owns nothing (logged)."""
+    try:
+        return decode_model(TaskRecord, value)
+    except DecodeError as exc:
+        log.warning("the record of task %s in %s is unreadable: %s", task_id, TENANTS_BUCKET, exc)
+        return None
 
 
 def subject_of(key: str) -> str:
@@ -77,15 +92,18 @@ class Owners:
             raise NatsUnavailable(f"could not read the owner of {key}: {exc!r}") from None
         return stored.data or None  # a delete or TTL marker has no value: absent
 
-    async def own_task(self, task_id: str, tenant: str) -> None:
-        await self._put(task_key(task_id), tenant.encode(), TASK_TTL_S)
+    async def record_task(self, task_id: str, record: TaskRecord) -> None:
+        await self._put(task_key(task_id), encode(record), TASK_TTL_S)
 
-    async def task_owner(self, task_id: str) -> str | None:
+    async def task_record(self, task_id: str) -> TaskRecord | None:
         value = await self._get(task_key(task_id))
-        return value.decode() if value else None
+        return record_of(value, task_id) if value else None
 
     async def owns_task(self, task_id: str, tenant: str | None) -> bool:
-        return tenant is None or await self.task_owner(task_id) == tenant
+        if tenant is None:
+            return True
+        record = await self.task_record(task_id)
+        return record is not None and record.tenant == tenant
 
     async def own_image(self, sha256: str, tenant: str | None) -> None:
         if tenant is not None:

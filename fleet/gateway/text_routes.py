@@ -23,12 +23,13 @@ from fleet.gateway.openai_responses import ResponsesRenderer, ResponsesRequest, 
 from fleet.gateway.renderers import ChatRenderer, CompletionRenderer, Renderer
 from fleet.gateway.replies import Reply
 from fleet.gateway.service import gateway_of, new_task_id, now_utc
+from fleet.wire.records import TaskApi
 from fleet.wire.tasks import TextGeneration
 
 
 async def chat_completions(request: Request) -> Response:
     chat = parse(ChatCompletionRequest, await read_json(request))
-    return await _chat(request, chat, "chatcmpl", ChatRenderer)
+    return await _chat(request, chat, "chatcmpl", ChatRenderer, "chat.completions")
 
 
 async def responses(request: Request) -> Response:
@@ -39,12 +40,12 @@ async def responses(request: Request) -> Response:
     def renderer(reply: Reply) -> ResponsesRenderer:
         return ResponsesRenderer(shape_of(asked, reply.task_id, created))
 
-    return await _chat(request, as_chat(asked), "resp", renderer)
+    return await _chat(request, as_chat(asked), "resp", renderer, "responses")
 
 
 async def _chat(
     request: Request, chat: ChatCompletionRequest, prefix: str,
-    renderer_of: Callable[[Reply], Renderer],
+    renderer_of: Callable[[Reply], Renderer], api: TaskApi,
 ) -> Response:
     gateway = gateway_of(request)
     card = gateway.card_for(chat.model, "text_generation")
@@ -65,6 +66,9 @@ async def _chat(
         stream=chat.stream,
         resumable=chat.resumable,
         timeout_s=timeout_s,
+        api=api,
+        logprobs=chat.logprobs,
+        include_usage=chat.include_usage,
     )
 
 
@@ -91,6 +95,9 @@ async def completions(request: Request) -> Response:
         stream=completion.stream,
         resumable=completion.resumable,
         timeout_s=timeout_s,
+        api="completions",
+        logprobs=completion.logprobs is not None,
+        include_usage=completion.include_usage,
     )
 
 

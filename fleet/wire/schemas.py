@@ -9,7 +9,7 @@ import orjson
 from pydantic import TypeAdapter
 
 from fleet.runner import protocol as pipe
-from fleet.wire import cluster, codec, events, prefixes, tasks
+from fleet.wire import cluster, codec, events, prefixes, records, tasks
 from fleet.wire.examples import examples
 
 FAMILIES: dict[str, TypeAdapter[Any]] = {
@@ -28,6 +28,7 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "task-refused": TypeAdapter(events.TaskRefused),
     "prefix-summary": TypeAdapter(prefixes.PrefixSummary),
     "ask-reply": codec.ASK_REPLY,
+    "task-record": TypeAdapter(records.TaskRecord),
 }
 
 _SUBJECTS = {
@@ -42,6 +43,7 @@ _SUBJECTS = {
     "task-refused": "fleet.refused.<model> (stream FLEET_REFUSED) and the task's "
     "Fleet-Reply-To inbox",
     "ask-reply": "the reply to a request on fleet.ask.<model> (whose body is a task)",
+    "task-record": "KV FLEET_TENANTS, key = task.<task_id>",
 }
 
 

@@ -21,6 +21,7 @@ from fleet.wire.ask import AskReply
 from fleet.wire.codec import DecodeError, decode_model, decode_with, encode
 from fleet.wire.examples import NATS_CLI_TASK, examples
 from fleet.wire.prefixes import PrefixSummary
+from fleet.wire.records import TaskRecord
 
 FAST = settings(max_examples=100, deadline=None)
 
@@ -61,7 +62,7 @@ def test_every_example_round_trips_through_each_union_that_holds_it(stem: str) -
         assert decode_with(adapter, encode(message)) == message
     standalone = type(message) in {
         tasks.CancelTask, cluster.ModelCard, cluster.NodeInfo, cluster.Instance,
-        cluster.RunnerRecord, pipe.RunnerSpec, events.TaskRefused, PrefixSummary,
+        cluster.RunnerRecord, pipe.RunnerSpec, events.TaskRefused, PrefixSummary, TaskRecord,
     }
     assert unions or standalone, f"{stem}: no union and no standalone family decodes it"
 
