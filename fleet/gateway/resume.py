@@ -3,7 +3,7 @@ request that made it (chat.completion.chunk, text_completion, the Responses even
 events), or as raw Fleet events with `?format=native` (and always for a task published
 straight on NATS, which no request shaped).
 
-The format comes from the task's TaskRecord (fleet/gateway/owners.py), which every gateway
+The format comes from the task's TaskRecord (fleet/gateway/tenants.py), which every gateway
 writes before publishing, so any gateway can resume any task. An id with neither a record nor
 stored events is unknown: 404, and so is another tenant's task (the same words: nothing
 confirms an id). The stream holds a place in the gateway's capacity (429 when full) and ends
@@ -19,21 +19,15 @@ from starlette.responses import Response
 
 from fleet.errors import FleetError
 from fleet.gateway.backend import Backend
-from fleet.gateway.flow import EventStream, claimer
-from fleet.gateway.guards import HttpError
-from fleet.gateway.limits import Capacity
-from fleet.gateway.openai_base import InvalidParameter
-from fleet.gateway.openai_responses import ResponseShape, ResponsesRenderer
-from fleet.gateway.renderers import ChatRenderer, CompletionRenderer, ImageRenderer, Renderer
-from fleet.gateway.replies import Reply, failure, sse_error
-from fleet.gateway.streams import Indexed
+from fleet.gateway.errors import InvalidParameter, failure, not_found
+from fleet.gateway.image_api import ImageRenderer
+from fleet.gateway.relay import EventStream, Renderer, claimer, sse_error
+from fleet.gateway.responses_api import ResponseShape, ResponsesRenderer
+from fleet.gateway.task_events import Indexed
+from fleet.gateway.tenants import Capacity
+from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
 from fleet.wire.events import ErrorChunk, TaskFinished
 from fleet.wire.records import TaskRecord
-
-
-def not_found(task_id: str) -> HttpError:
-    # The same words for another tenant's task and a missing one: nothing confirms an id.
-    return HttpError(404, f"no task {task_id} is known here: unknown or expired")
 
 
 async def known_record(backend: Backend, task_id: str, tenant: str | None) -> TaskRecord | None:

@@ -23,4 +23,9 @@ class PrefixSummary(Wire):
         description="chained 64-bit block hashes (16 hex digits), oldest first",
     )
     in_flight: int = 0
+    slots: int = Field(default=0, description="tasks it runs at once (0: not said)")
+    prefilling: int = Field(default=0, description="tasks in flight with no output yet")
+    prefill_blocks: int = Field(
+        default=0, description="prompt blocks those tasks had to prefill (not cached there)"
+    )
     at: float

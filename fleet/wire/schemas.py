@@ -9,7 +9,7 @@ import orjson
 from pydantic import TypeAdapter
 
 from fleet.runner import protocol as pipe
-from fleet.wire import cluster, codec, events, prefixes, records, tasks
+from fleet.wire import cluster, codec, events, handoff, prefixes, records, tasks
 from fleet.wire.examples import examples
 
 FAMILIES: dict[str, TypeAdapter[Any]] = {
@@ -27,6 +27,8 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "runner-spec": TypeAdapter(pipe.RunnerSpec),
     "task-refused": TypeAdapter(events.TaskRefused),
     "prefix-summary": TypeAdapter(prefixes.PrefixSummary),
+    "task-hand-off": TypeAdapter(handoff.TaskHandOff),
+    "hand-off-answer": TypeAdapter(handoff.HandOffAnswer),
     "ask-reply": codec.ASK_REPLY,
     "task-record": TypeAdapter(records.TaskRecord),
 }
@@ -40,6 +42,8 @@ _SUBJECTS = {
     "instance": "KV FLEET_INSTANCES, key = instance id",
     "runner-record": "KV FLEET_RUNNERS, key = runner id",
     "prefix-summary": "KV FLEET_PREFIXES, key = runner id",
+    "task-hand-off": "fleet.handoff.<node_id> (a core request between workers)",
+    "hand-off-answer": "the reply to a task-hand-off request",
     "task-refused": "fleet.refused.<model> (stream FLEET_REFUSED) and the task's "
     "Fleet-Reply-To inbox",
     "ask-reply": "the reply to a request on fleet.ask.<model> (whose body is a task)",

@@ -5,6 +5,7 @@ Per-token traffic never comes through here; only lifecycle events do, so copying
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import singledispatch
 
@@ -24,6 +25,12 @@ class RunnerView:
     in_flight: frozenset[str] = frozenset()
     command_sent: str | None = None  # the last lifecycle command, so it is sent once
     held: PrefixHeld = field(default_factory=PrefixHeld)  # blocks sent here: its cache
+    # task -> blocks it had to prefill here (uncached when dispatched), until its first output
+    prefill: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def prefill_blocks(self) -> int:
+        return sum(self.prefill.values())
 
     @property
     def shutting_down(self) -> bool:
@@ -37,6 +44,21 @@ class RunnerView:
 
 
 @dataclass(frozen=True)
+class RemoteRunner:
+    """A runner on another node, as its worker last advertised it (FLEET_PREFIXES)."""
+
+    runner_id: str
+    node_id: str
+    model: str
+    slots: int
+    in_flight: int
+    held: PrefixHeld
+    at: float  # when its worker wrote the summary (unix seconds)
+    prefill_blocks: int = 0
+    prefilling: int = 0
+
+
+@dataclass(frozen=True)
 class PendingTask:
     """A fetched, decoded task waiting for its inputs and a free runner slot."""
 
@@ -46,6 +68,8 @@ class PendingTask:
     inputs: dict[str, str] | None = None  # None until every input image is on local disk
     fetching: bool = False
     blocks: tuple[int, ...] = ()  # the prompt's block hashes (prefix_blocks), for routing
+    handing_off: str | None = None  # the node it is being passed to, until it answers
+    local_only: bool = False  # handed in from another node, or declined there: run it here
 
 
 @dataclass(frozen=True)
@@ -67,6 +91,10 @@ class WorkerState:
     stopping: bool = False
     routing: Weights = field(default_factory=Weights)
     prefix_capacity: int = 4096  # blocks remembered per runner
+    remote: dict[str, RemoteRunner] = field(default_factory=dict)  # other nodes' runners
+    # node -> when a hand-off to it went unanswered: its runners are no candidates until it
+    # advertises again after that (a dead node's summaries outlive it by up to the TTL)
+    silent: dict[str, float] = field(default_factory=dict)
 
     def hosted_instances(self) -> list[Instance]:
         return [
@@ -153,6 +181,14 @@ class TaskDispatched:
 
 
 @dataclass(frozen=True)
+class FirstOutput:
+    """A task's first token (or tool call, or image) came: its prefill is done."""
+
+    task_id: str
+    runner_id: str
+
+
+@dataclass(frozen=True)
 class TaskEnded:
     """Terminal: the task left this node (finished, failed before dispatch, or handed back)."""
 
@@ -164,10 +200,36 @@ class Stopping:
     pass
 
 
+@dataclass(frozen=True)
+class RemoteRunnersSeen:
+    """Other nodes' runners, as FLEET_PREFIXES says now (this node's own are left out)."""
+
+    runners: dict[str, RemoteRunner]
+
+
+@dataclass(frozen=True)
+class HandOffStarted:
+    task_id: str
+    node_id: str
+
+
+@dataclass(frozen=True)
+class HandOffEnded:
+    """The receiving node answered: `taken` True (it holds the message now), False
+    (declined: run it here), None (no answer: the message is left to AckWait)."""
+
+    task_id: str
+    node_id: str
+    runner_id: str
+    taken: bool | None
+    at: float  # when the answer came, or the wait for it ended (unix seconds)
+
+
 StateEvent = (
     InstancesChanged | RunnerStarting | RunnerSpawned | RunnerStartFailed | CommandSent
     | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | TaskQueued | InputsFetching
-    | InputsReady | TaskDispatched | TaskEnded | Stopping
+    | InputsReady | TaskDispatched | TaskEnded | Stopping | RemoteRunnersSeen | HandOffStarted
+    | HandOffEnded | FirstOutput
 )
 
 
@@ -283,19 +345,31 @@ def _(event: TaskDispatched, state: WorkerState) -> WorkerState:
     runner = state.runners[event.runner_id]
     task = state.pending.get(event.task_id)
     held = runner.held.served(task.blocks, state.prefix_capacity) if task else runner.held
+    uncached = len(task.blocks) - runner.held.matched(task.blocks) if task else 0
     pending = {k: v for k, v in state.pending.items() if k != event.task_id}
     state = replace(state, pending=pending)
     return _with_runner(
-        state, event.runner_id, in_flight=runner.in_flight | {event.task_id}, held=held
+        state, event.runner_id, in_flight=runner.in_flight | {event.task_id}, held=held,
+        prefill={**runner.prefill, event.task_id: uncached},
     )
+
+
+@_apply.register
+def _(event: FirstOutput, state: WorkerState) -> WorkerState:
+    runner = state.runners.get(event.runner_id)
+    if runner is None or event.task_id not in runner.prefill:
+        return state
+    prefill = {k: v for k, v in runner.prefill.items() if k != event.task_id}
+    return _with_runner(state, event.runner_id, prefill=prefill)
 
 
 @_apply.register
 def _(event: TaskEnded, state: WorkerState) -> WorkerState:
     pending = {k: v for k, v in state.pending.items() if k != event.task_id}
     runners = {
-        rid: replace(r, in_flight=r.in_flight - {event.task_id}) if event.task_id in r.in_flight
-        else r
+        rid: replace(r, in_flight=r.in_flight - {event.task_id},
+                     prefill={k: v for k, v in r.prefill.items() if k != event.task_id})
+        if event.task_id in r.in_flight else r
         for rid, r in state.runners.items()
     }
     return replace(state, pending=pending, runners=runners)
@@ -304,3 +378,40 @@ def _(event: TaskEnded, state: WorkerState) -> WorkerState:
 @_apply.register
 def _(event: Stopping, state: WorkerState) -> WorkerState:
     return replace(state, stopping=True)
+
+
+@_apply.register
+def _(event: RemoteRunnersSeen, state: WorkerState) -> WorkerState:
+    mine = state.node_id
+    return replace(state, remote={k: r for k, r in event.runners.items() if r.node_id != mine})
+
+
+@_apply.register
+def _(event: HandOffStarted, state: WorkerState) -> WorkerState:
+    pending = state.pending.get(event.task_id)
+    if pending is None:
+        return state
+    passing = replace(pending, handing_off=event.node_id)
+    return replace(state, pending={**state.pending, event.task_id: passing})
+
+
+@_apply.register
+def _(event: HandOffEnded, state: WorkerState) -> WorkerState:
+    pending = state.pending.get(event.task_id)
+    if pending is None:
+        return state
+    if event.taken is False:
+        kept = replace(pending, handing_off=None, local_only=True)
+        return replace(state, pending={**state.pending, event.task_id: kept})
+    rest = {k: v for k, v in state.pending.items() if k != event.task_id}
+    if event.taken is None:
+        silent = {**state.silent, event.node_id: event.at}
+        return replace(state, pending=rest, silent=silent)
+    remote = state.remote
+    if (there := remote.get(event.runner_id)) is not None:
+        # Until its worker's next summary: that runner holds this prompt too. Its load is
+        # not guessed (a guess outlives the task when no summary follows): the receiver
+        # declines when it has no free slot, which is exact.
+        there = replace(there, held=there.held.served(pending.blocks, state.prefix_capacity))
+        remote = {**remote, event.runner_id: there}
+    return replace(state, pending=rest, remote=remote)

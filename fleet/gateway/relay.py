@@ -1,8 +1,14 @@
 """One request's life: subscribe to the task's events, publish the task, then answer with one
-JSON body or an SSE stream, and cancel the task when nobody will read its output.
+JSON body or an SSE stream, cancel the task when nobody will read its output; and the resume
+of a task's raw events.
 
 A failure that is known before the first token becomes an HTTP error with the right status;
 once a stream has started it becomes an SSE `error` event.
+
+Resume (GET /v1/tasks/{id}/events): a task's raw Fleet events, resumable by index. Only the
+tenant that made a task may read it (another tenant gets the same 404 as an unknown
+id); the stream holds a place in the gateway's capacity (429 when full) and ends after its
+idle time with an in-band `error` event whose code is `idle`.
 """
 
 from __future__ import annotations
@@ -10,27 +16,63 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
+import orjson
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from fleet.errors import FleetError
 from fleet.gateway.backend import Backend
-from fleet.gateway.fanout import ChoiceEvents
-from fleet.gateway.limits import Capacity
-from fleet.gateway.metrics import GatewayMetrics, TaskObserver
-from fleet.gateway.renderers import Renderer
-from fleet.gateway.replies import failure, sse_error
-from fleet.gateway.streams import Indexed, TaskEvents
-from fleet.wire.events import ErrorChunk, ImageChunk, OutputEvent, TaskFinished
+from fleet.gateway.errors import error_body, failure
+from fleet.gateway.observability import GatewayMetrics, TaskObserver
+from fleet.gateway.task_events import ChoiceEvents, Indexed, TaskEvents
+from fleet.gateway.tenants import Capacity
+from fleet.wire.events import (
+    ErrorChunk,
+    ImageChunk,
+    OutputEvent,
+    TaskFinished,
+)
 from fleet.wire.records import TaskRecord
 from fleet.wire.tasks import Task
 
+
+class Renderer(Protocol):
+    async def body(self, events: list[OutputEvent]) -> dict[str, Any]: ...
+
+    def opening(self) -> list[bytes]: ...
+
+    async def lines(self, item: Indexed) -> list[bytes]: ...
+
+    def closing(self) -> list[bytes]: ...
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: Any, event: str | None = None, event_id: int | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    if event_id is not None:
+        head += f"id: {event_id}\n"
+    return head.encode() + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def sse_error(exc: FleetError) -> bytes:
+    """Mid-stream failure: OpenAI's SDKs raise on an `error` event whose data has `error`."""
+    return sse(error_body(exc), event="error")
+
+
 R = TypeVar("R")
+
+
 Events = TaskEvents | ChoiceEvents
+
+
 Claim = Callable[[Indexed], Awaitable[None]]
+
+
 CLIENT_CLOSED_REQUEST = 499  # nobody reads it; /metrics counts it
 
 
