@@ -130,6 +130,7 @@ GRANTS: dict[str, Grant] = {
             "fleet.out.>", "fleet.events.>", "fleet.traces.>", "fleet.dead.>", "fleet.refused.>",
             INBOX,  # a refused task's publisher hears why on its reply inbox
             "fleet.tasks.>",  # an ask on fleet.ask.<model> is published as a task
+            "fleet.handoff.*",  # a held task message passed to the node that should run it
             *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS, PREFIXES)),
             "$O.FLEET_IMAGES.>", "$O.FLEET_WEIGHTS.>", FLOW_CONTROL, _api("INFO"),
             f"$JS.ACK.{TASKS}.>", f"$JS.ACK.{ADVISORIES}.>",
@@ -149,8 +150,9 @@ GRANTS: dict[str, Grant] = {
             *_images_read(), *_weights_read(),
         ],
         # fleet.ask.*: the asks a worker answers (queue group fleet-ask); fleet.out.>: the
-        # asked task's terminal, watched live
-        subscribe=[INBOX, "fleet.tasks.>", "fleet.cancel.*", "fleet.ask.*", "fleet.out.>"],
+        # asked task's terminal, watched live; fleet.handoff.*: tasks other nodes pass here
+        subscribe=[INBOX, "fleet.tasks.>", "fleet.cancel.*", "fleet.ask.*", "fleet.out.>",
+                   "fleet.handoff.*"],
     ),
     # Provisions streams, buckets and consumers, and repairs: everything.
     "operator": _grant(publish=[">"], subscribe=[">"]),
@@ -238,6 +240,9 @@ ACTIONS: tuple[Action, ...] = (
            "(`fleet.refused.<model>`)", _who("worker")),
     Action("advertise_prefixes", "read and write runners' prefix summaries (FLEET_PREFIXES)",
            _who("worker"), "a worker advertises what its runners' prefix caches hold"),
+    Action("hand_off_task", "pass a held task message to another node (`fleet.handoff.<node>`)",
+           _who("worker"), "it carries the message's ack subject: only workers may send or "
+           "receive one"),
     Action("tenant_records", "read and write which tenant owns a task or image (FLEET_TENANTS)",
            _who("gateway"), "tenants are the gateway's: NATS users are roles, not tenants"),
 )

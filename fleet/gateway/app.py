@@ -16,7 +16,7 @@ from fleet import telemetry
 from fleet.config import Settings
 from fleet.dashboard import mount as mount_dashboard
 from fleet.errors import FleetError
-from fleet.gateway import image_routes, ops_routes, text_routes
+from fleet.gateway import docs, image_routes, ops_routes, text_routes
 from fleet.gateway.backend import Backend
 from fleet.gateway.guards import (
     ApiKeys,
@@ -49,6 +49,7 @@ register_url_convertor("sha256", Sha256Convertor())
 ROUTES = [
     Route("/v1/chat/completions", text_routes.chat_completions, methods=["POST"]),
     Route("/v1/completions", text_routes.completions, methods=["POST"]),
+    Route("/v1/responses", text_routes.responses, methods=["POST"]),
     Route("/v1/images/generations", image_routes.image_generations, methods=["POST"]),
     Route("/v1/images/edits", image_routes.image_edits, methods=["POST"]),
     Route("/v1/images/{sha256:sha256}", image_routes.get_image, methods=["GET"]),
@@ -57,6 +58,7 @@ ROUTES = [
     Route("/v1/tasks/{task_id}/cancel", ops_routes.cancel_task, methods=["POST"]),
     Route("/v1/tasks/{task_id}/events", ops_routes.task_events, methods=["GET"]),
     Route("/healthz", ops_routes.healthz, methods=["GET"]),
+    Route("/health", ops_routes.healthz, methods=["GET"]),  # the name many probes expect
     Route("/metrics", ops_routes.metrics, methods=["GET"]),
     Route("/openapi.json", ops_routes.openapi, methods=["GET"]),
 ]
@@ -78,7 +80,7 @@ def build_app(settings: Settings) -> Starlette:
             gateway.metrics.meters.shutdown()
 
     app = Starlette(
-        routes=ROUTES,
+        routes=[*ROUTES, *docs.routes()],
         middleware=[
             Middleware(ApiKeys, ring=ring, protect_metrics=settings.gateway_protect_metrics),
             Middleware(BodyTimeout, seconds=settings.gateway_body_timeout_s),

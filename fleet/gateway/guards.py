@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleet.errors import FleetError, InvalidRequest, PayloadTooLarge, Unauthorized
+from fleet.gateway import docs
 from fleet.gateway.metrics import GatewayMetrics
 from fleet.gateway.openai import invalid_from
 from fleet.gateway.replies import error_body
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
 
 # Open to anyone: /healthz then answers only up or not; a key shows its details.
-PROBE_PATHS = frozenset({"/healthz", "/openapi.json"})
+PROBE_PATHS = frozenset({"/healthz", "/health", "/openapi.json"})
 CLIENT_CLOSED_REQUEST = 499
 
 
@@ -203,7 +204,8 @@ class ApiKeys:
             return await self.app(scope, receive, send)
         tenant = self._tenant(scope)
         state.update(tenant=tenant, authenticated=tenant is not None)
-        if tenant is None and scope["path"] not in self.open_paths:
+        path = scope["path"]
+        if tenant is None and path not in self.open_paths and not docs.is_open(path):
             refusal = Unauthorized("a valid API key is required: Authorization: Bearer KEY")
             return await _refuse(refusal)(scope, receive, send)
         await self.app(scope, receive, send)

@@ -11,6 +11,7 @@ from pydantic.json_schema import models_json_schema
 
 from fleet.gateway.images import ImageEditRequest, ImageGenerationRequest
 from fleet.gateway.openai import ChatCompletionRequest, CompletionRequest
+from fleet.gateway.openai_responses import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 
@@ -142,6 +143,7 @@ def openapi_document() -> dict[str, Any]:
     models = [
         ChatCompletionRequest,
         CompletionRequest,
+        ResponsesRequest,
         ImageGenerationRequest,
         ImageEditRequest,
         ErrorBody,
@@ -167,6 +169,10 @@ def openapi_document() -> dict[str, Any]:
         ),
         "/v1/completions": _task_operation(
             "Text completion", "createCompletion", CompletionRequest
+        ),
+        "/v1/responses": _task_operation(
+            "Responses API (text): a `response` object, or its SSE events when `stream` is "
+            "true", "createResponse", ResponsesRequest,
         ),
         "/v1/images/generations": _task_operation(
             "Generate images", "createImage", ImageGenerationRequest
@@ -237,6 +243,14 @@ def openapi_document() -> dict[str, Any]:
             "Up or not: {\"status\": \"ok\"}; with an API key (or without keys configured)"
             " also NATS, streams, models and permission errors",
             "health", "Healthy", _JSON, "503",
+        ),
+        "/health": _get(
+            "The same as /healthz, under the name many probes expect", "healthAlias",
+            "Healthy", _JSON, "503",
+        ),
+        "/docs": _get(
+            "This document in Swagger UI (served by the gateway: no CDN)", "docs",
+            "An HTML page", {"text/html": {"schema": {"type": "string"}}},
         ),
         "/metrics": _get(
             "Prometheus metrics",

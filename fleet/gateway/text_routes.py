@@ -1,8 +1,9 @@
-"""POST /v1/chat/completions and POST /v1/completions."""
+"""POST /v1/chat/completions, POST /v1/completions and POST /v1/responses."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -18,15 +19,34 @@ from fleet.gateway.openai import (
     completion_task,
     image_urls,
 )
-from fleet.gateway.renderers import ChatRenderer, CompletionRenderer
+from fleet.gateway.openai_responses import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
+from fleet.gateway.renderers import ChatRenderer, CompletionRenderer, Renderer
 from fleet.gateway.replies import Reply
 from fleet.gateway.service import gateway_of, new_task_id, now_utc
 from fleet.wire.tasks import TextGeneration
 
 
 async def chat_completions(request: Request) -> Response:
-    gateway = gateway_of(request)
     chat = parse(ChatCompletionRequest, await read_json(request))
+    return await _chat(request, chat, "chatcmpl", ChatRenderer)
+
+
+async def responses(request: Request) -> Response:
+    """OpenAI's Responses API: a chat task, answered as a `response` object or its events."""
+    asked = parse(ResponsesRequest, await read_json(request))
+    created = int(time.time())
+
+    def renderer(reply: Reply) -> ResponsesRenderer:
+        return ResponsesRenderer(shape_of(asked, reply.task_id, created))
+
+    return await _chat(request, as_chat(asked), "resp", renderer)
+
+
+async def _chat(
+    request: Request, chat: ChatCompletionRequest, prefix: str,
+    renderer_of: Callable[[Reply], Renderer],
+) -> Response:
+    gateway = gateway_of(request)
     card = gateway.card_for(chat.model, "text_generation")
     urls = image_urls(chat)
     if urls and (why := refuses_images(card)):
@@ -34,14 +54,14 @@ async def chat_completions(request: Request) -> Response:
     hashes = {url: await gateway.image_hash(url, tenant_of(request)) for url in urls}
     timeout_s = gateway.timeout_for(chat.timeout)
     refuse_resumable_choices(chat.n, chat.resumable)
-    task = chat_task(chat, new_task_id("chatcmpl"), hashes, now_utc(), timeout_s)
+    task = chat_task(chat, new_task_id(prefix), hashes, now_utc(), timeout_s)
     tasks = choice_tasks(task, chat.n)
     reply = Reply(task.task_id, chat.model, int(time.time()), chat.logprobs, chat.include_usage,
                   _choice_ids(tasks))
     return await gateway.run(
         request,
         tasks,
-        ChatRenderer(reply),
+        renderer_of(reply),
         stream=chat.stream,
         resumable=chat.resumable,
         timeout_s=timeout_s,

@@ -26,7 +26,7 @@ from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 # Probes, scrapes and the dashboard's static files: no span, and their access lines at debug.
-_UNTRACED = r"/(?:healthz|metrics|ui/static/.*)"
+_UNTRACED = r"/(?:healthz|health|metrics|ui/static/.*|docs/static/.*)"
 UNTRACED_PATH = re.compile(_UNTRACED)
 # The instrumentation matches against the whole URL (scheme, host, path).
 UNTRACED_URLS = ExcludeList([rf"^[a-z]+://[^/]*{_UNTRACED}$"])

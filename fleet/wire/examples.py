@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from pydantic import BaseModel
 
 from fleet.runner import protocol as pipe
-from fleet.wire import ask, cluster, events, prefixes, runners, tasks
+from fleet.wire import ask, cluster, events, handoff, prefixes, runners, tasks
 
 _AT = 1764495000.0
 _WHEN = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -104,8 +104,16 @@ def examples() -> dict[str, BaseModel]:
         ),
         "prefix_summary": prefixes.PrefixSummary(
             runner_id="run-1", node_id="node-a1", model="tiny-llm", block_chars=256,
-            blocks=["9f86d081884c7d65", "2feaa0c55ad015a3"], in_flight=1, at=_AT,
+            blocks=["9f86d081884c7d65", "2feaa0c55ad015a3"], in_flight=1, slots=4, at=_AT,
         ),
+        "task_hand_off": handoff.TaskHandOff(
+            from_node="node-a1", runner_id="run-2", subject="fleet.tasks.tiny-llm",
+            ack_subject="$JS.ACK.FLEET_TASKS.tasks-tiny-llm.1.42.42.1764000000000000000.0",
+            headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+            data='{"type":"text_generation","task_id":"hello-1","model":"tiny-llm",'
+            '"messages":[{"role":"user","content":"hello"}]}',
+        ),
+        "hand_off_answer": handoff.HandOffAnswer(taken=True),
         "runner_status_changed": cluster.RunnerStatusChanged(
             runner_id="run-1", instance_id="inst-tiny-llm-1", node_id="node-a1",
             model="tiny-llm", status=runners.RunnerLoading(layers_done=1, layers_total=2), at=_AT,

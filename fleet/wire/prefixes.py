@@ -23,4 +23,5 @@ class PrefixSummary(Wire):
         description="chained 64-bit block hashes (16 hex digits), oldest first",
     )
     in_flight: int = 0
+    slots: int = Field(default=0, description="tasks it runs at once (0: not said)")
     at: float

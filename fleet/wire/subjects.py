@@ -54,6 +54,11 @@ def cancel(task_id: str) -> str:
     return f"fleet.cancel.{task_id}"
 
 
+def handoff(node_id: str) -> str:
+    """Where a worker passes a pulled task message to the node whose runner should run it."""
+    return f"fleet.handoff.{node_id}"
+
+
 def runner_event(node_id: str, runner_id: str) -> str:
     return f"fleet.events.runner.{node_id}.{runner_id}"
 

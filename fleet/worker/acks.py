@@ -142,6 +142,11 @@ class AckPolicy:
     def held(self) -> list[str]:
         return list(self._held)
 
+    def message(self, task_id: str) -> Msg | None:
+        """The message held for `task_id` (it stays held)."""
+        held = self._held.get(task_id)
+        return held.msg if held else None
+
     def redelivered_while_held(self, msg: Msg) -> str | None:
         """The task id when `msg` is a redelivery of a message held here (its AckWait ran out
         while an in_progress was lost, e.g. in a leader election): still ours, not new work."""

@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 
 from fleet.runner.protocol import RunnerReport
 from fleet.wire.events import ErrorReason, ImageChunk
+from fleet.wire.handoff import TaskHandOff
 from fleet.worker.state import StateEvent
 
 
@@ -76,13 +77,22 @@ class ImageUploaded:
 
 
 @dataclass(frozen=True)
+class HandedIn:
+    """Another node's worker offers this node a task message it holds; answer on `reply`."""
+
+    hand_off: TaskHandOff
+    reply: str
+    received_at: float  # monotonic: an offer the loop reaches too late is declined
+
+
+@dataclass(frozen=True)
 class Stop:
     """End the loop and shut down cleanly."""
 
 
 InboxItem = (
     Fetched | Tick | InputsFetched | InputsFailed | CancelSeen | RunnerReported | RunnerExited
-    | ImageUploaded | Stop | StateEvent
+    | ImageUploaded | HandedIn | Stop | StateEvent
 )
 
 Inbox = asyncio.Queue[InboxItem]

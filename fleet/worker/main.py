@@ -13,16 +13,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import replace
 from pathlib import Path
 
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from fleet import telemetry
 from fleet.aio import Supervisor
 from fleet.bus.connect import connect_with, redact_urls
+from fleet.bus.kv_mirror import Mirror
 from fleet.bus.provision import provision
 from fleet.config import Settings
 from fleet.runner import protocol as pipe
+from fleet.wire import subjects
 from fleet.wire.events import (
     ErrorReason,
     TaskAccepted,
@@ -39,10 +43,12 @@ from fleet.worker.children import Feeds
 from fleet.worker.cluster import ClusterLink
 from fleet.worker.continuation import with_seed
 from fleet.worker.endings import Endings, intake_stage
+from fleet.worker.handoff import TAKE_WITHIN_S, HandOffs, RemoteRunners, rebuilt
 from fleet.worker.image_outputs import ImageOutputs
 from fleet.worker.inbox import (
     CancelSeen,
     Fetched,
+    HandedIn,
     ImageUploaded,
     Inbox,
     InboxItem,
@@ -77,6 +83,7 @@ class Worker(RunnerReports, Stopping):
         self.handler_failures = 0  # inbox items whose handling raised (logged each time)
         self.cancels_sent: set[str] = set()  # tasks a user cancelled while they ran here
         self.unsent_chunks = 0  # task events the broker would not take (logged each time)
+        self.cancelled_while_offered: set[str] = set()  # cancels heard during a hand-off
 
     async def run(self) -> None:
         """Serve until stopped; /metrics (when a port is set) from before the connection to
@@ -117,6 +124,14 @@ class Worker(RunnerReports, Stopping):
             )
             await self.feeds.subscribe_cancels()
             owner.forever("cancel listener", self.feeds.follow_cancels)
+            self.handoffs = HandOffs(self.nc, node, self.inbox)
+            if settings.prefix_routing:  # across nodes: other workers' adverts, hand-offs
+                await self.handoffs.subscribe()
+                owner.forever("hand-off listener", self.handoffs.listen)
+                remote = RemoteRunners(node, self.inbox)
+                mirror = Mirror(subjects.PREFIXES_BUCKET,
+                                lambda key: remote.changed(mirror.values, key))
+                owner.forever("prefix mirror", lambda: mirror.run(_Link(self)))
             owner.forever("tick", self.feeds.tick_forever)
             owner.forever("prefix adverts", PrefixAdverts(self.js, lambda: self.state).forever)
             self.asks = AskResponder(self.nc, self.js, settings.ask_timeout_s, owner)
@@ -175,6 +190,10 @@ class Worker(RunnerReports, Stopping):
                     self._end(task_id, reason, message)
             case CancelSeen(task_id=task_id):
                 await self._cancel(task_id)
+            case HandedIn() as offer:
+                await self._handed_in(offer)
+            case ev.HandOffEnded() as ended:
+                self._hand_off_ended(ended)
             case Tick():
                 stages = held_stages(self.state, self.acks.held())
                 await self.acks.heartbeat(stages, time.monotonic())
@@ -183,7 +202,7 @@ class Worker(RunnerReports, Stopping):
             case _:
                 self._apply(item)
 
-    async def _take(self, msg: Msg) -> None:
+    async def _take(self, msg: Msg, *, handed_in: bool = False) -> None:
         if (task_id := self.acks.redelivered_while_held(msg)) is not None:
             # Never run twice, never judged "lost" by our own intake: keep it, renewed.
             log.warning("task %s redelivered while it is held here: kept, not run twice",
@@ -202,9 +221,13 @@ class Worker(RunnerReports, Stopping):
             return
         if isinstance(outcome, Queued):
             task = outcome.pending.task
-            self.acks.hold(task.task_id, msg, time.monotonic())
+            if handed_in:  # tell JetStream at once: its sender's last word may be old
+                await self.acks.renew(task.task_id, msg, time.monotonic())
+            else:
+                self.acks.hold(task.task_id, msg, time.monotonic())
             self.spans.queued(task, span)
-            self._apply(ev.TaskQueued(outcome.pending))
+            pending = replace(outcome.pending, local_only=True) if handed_in else outcome.pending
+            self._apply(ev.TaskQueued(pending))
         else:
             self.spans.settled(outcome.task_id, outcome.verb, span, outcome.reason)
             self.endings.settle(outcome.task_id, msg, intake_stage(outcome))
@@ -229,6 +252,14 @@ class Worker(RunnerReports, Stopping):
                 )
             case rules.Dispatch(task_id=task_id, runner_id=runner_id):
                 await self._dispatch(task_id, runner_id)
+            case rules.HandOff(task_id=task_id, node_id=node_id, runner_id=runner_id):
+                msg = self.acks.message(task_id)
+                if msg is None:  # not held (cannot happen for a pending task): run it here
+                    self._apply(ev.HandOffEnded(task_id, node_id, runner_id, False, time.time()))
+                    return
+                self._apply(ev.HandOffStarted(task_id, node_id))
+                self.owner.spawn(f"hand off {task_id}",
+                                 self.handoffs.send(task_id, node_id, runner_id, msg))
             case rules.HandBack(task_id=task_id):
                 self._hand_back(task_id)
             case rules.Pull(model=model, batch=batch):
@@ -262,6 +293,38 @@ class Worker(RunnerReports, Stopping):
         if not sent:
             self.runners.abandon(runner_id)
 
+    async def _handed_in(self, offer: HandedIn) -> None:
+        """Another node offers a task it holds: take it only into a free slot, and only while
+        its sender still waits; once the answer says taken, the message is this worker's
+        (fleet.worker.handoff)."""
+        hand_off, reply = offer.hand_off, offer.reply
+        model = subjects.model_of_task_subject(hand_off.subject)
+        reason = rules.declines_hand_off(self.state, model)
+        if reason is None and time.monotonic() - offer.received_at > TAKE_WITHIN_S:
+            reason = "reached too late"
+        if reason is not None:
+            await self.handoffs.answer(reply, False, reason)
+            return
+        await self.handoffs.answer(reply, True)
+        log.info("task message from node %s taken in (for runner %s)",
+                 hand_off.from_node, hand_off.runner_id)
+        await self._take(rebuilt(self.nc, hand_off), handed_in=True)
+
+    def _hand_off_ended(self, ended: ev.HandOffEnded) -> None:
+        task_id = ended.task_id
+        cancelled = task_id in self.cancelled_while_offered
+        self.cancelled_while_offered.discard(task_id)
+        if ended.taken is False:  # still ours: run it here
+            self._apply(ended)
+            if cancelled:
+                self._end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
+            return
+        # Taken, or perhaps taken: the message is not ours to verb any more.
+        self._release(task_id)
+        self._apply(ended)
+        self.acks.release(task_id)
+        self.spans.settled(task_id, "handed_off" if ended.taken else "hand_off_unanswered")
+
     def _hand_back(self, task_id: str, stage: Stage = Stage.HANDED_BACK) -> None:
         """Give a task back to JetStream (nak): no terminal is written for it here."""
         log.info("task %s given back (%s)", task_id, stage)
@@ -290,6 +353,11 @@ class Worker(RunnerReports, Stopping):
             self.cluster.release_inputs(pinned)
 
     async def _cancel(self, task_id: str) -> None:
+        if (pending := self.state.pending.get(task_id)) and pending.handing_off is not None:
+            # Offered to another node: whoever holds it after the answer ends it (the other
+            # node heard this cancel too, or reads it from FLEET_CANCELS at its intake).
+            self.cancelled_while_offered.add(task_id)
+            return
         if task_id in self.state.pending:
             self._end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
             return
@@ -301,6 +369,21 @@ class Worker(RunnerReports, Stopping):
         # Not taken in yet (a fetch still on its way here, or not fetched at all): remembered,
         # so the intake ends the task cancelled as soon as it arrives.
         self.cluster.remember_cancel(task_id)
+
+
+class _Link:
+    """The worker's connection as a KV mirror wants it (fleet.bus.kv_mirror.Connection)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    @property
+    def nc(self) -> Client | None:
+        return self.worker.nc
+
+    @property
+    def connected(self) -> bool:
+        return self.worker.nc.is_connected
 
 
 def _streams_only(item: InboxItem) -> bool:

@@ -11,12 +11,13 @@ from datetime import UTC, datetime
 from fleet.wire.cluster import Instance
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import is_past
-from fleet.worker.routing import Candidate, choose_runner
-from fleet.worker.state import WorkerState, group_layout
+from fleet.worker.routing import Candidate, choose
+from fleet.worker.state import PendingTask, WorkerState, group_layout
 from fleet.worker.supervisor import compute_backoff
 
 RESTART_BASE_S = 1.0
 RESTART_CAP_S = 60.0
+ADVERT_STALE_S = 45.0  # a runner summary older than this is ignored (refreshed every 20 s)
 LIFECYCLE = {"idle": "connect_to_group", "connected": "load_model", "loaded": "warm_up"}
 
 
@@ -57,6 +58,15 @@ class Dispatch:
 
 
 @dataclass(frozen=True)
+class HandOff:
+    """Pass a waiting task to another node, whose runner `runner_id` should run it."""
+
+    task_id: str
+    node_id: str
+    runner_id: str
+
+
+@dataclass(frozen=True)
 class HandBack:
     """A waiting task whose model this node no longer serves: give it back to JetStream."""
 
@@ -70,8 +80,8 @@ class Pull:
 
 
 Action = (
-    StopRunner | SpawnRunner | AdvanceRunner | FinishPending | FetchInputs | Dispatch | HandBack
-    | Pull
+    StopRunner | SpawnRunner | AdvanceRunner | FinishPending | FetchInputs | Dispatch | HandOff
+    | HandBack | Pull
 )
 
 
@@ -122,7 +132,7 @@ def advance_runner(state: WorkerState, now: float) -> Action | None:
 def expire_pending(state: WorkerState, now: float) -> Action | None:
     moment = datetime.fromtimestamp(now, UTC)
     for task_id, pending in state.pending.items():
-        if is_past(pending.task.deadline, moment):
+        if pending.handing_off is None and is_past(pending.task.deadline, moment):
             return FinishPending(task_id, ErrorReason.DEADLINE, "the task's deadline passed")
     return None
 
@@ -141,22 +151,58 @@ def hand_back(state: WorkerState, now: float) -> Action | None:
         return None  # the shutdown gives every waiting task back at once
     served = {inst.model for inst in state.hosted_instances()}
     for task_id, pending in state.pending.items():
-        if pending.task.model not in served and not pending.fetching:
+        if pending.task.model not in served and not (pending.fetching or pending.handing_off):
             return HandBack(task_id)
     return None
 
 
 def dispatch(state: WorkerState, now: float) -> Action | None:
+    """The oldest waiting task goes to the cheapest runner (fleet.worker.routing): one of this
+    node's, or another node's, which gets it by a hand-off."""
     for task_id, pending in sorted(state.pending.items(), key=lambda kv: kv[1].received_at):
-        if pending.inputs is None:
+        if pending.inputs is None or pending.handing_off is not None:
             continue
         candidates = [
             Candidate(r.runner_id, r.free_slots, len(r.in_flight), r.held)
             for r in state.runners.values()
             if r.model == pending.task.model and r.free_slots > 0 and not r.shutting_down
-        ]
-        if (runner_id := choose_runner(pending.blocks, candidates, state.routing)) is not None:
-            return Dispatch(task_id, runner_id)
+        ] + remote_candidates(state, pending, now)
+        chosen = choose(pending.blocks, candidates, state.routing)
+        if chosen is None:
+            continue
+        if chosen.node_id is None:
+            return Dispatch(task_id, chosen.runner_id)
+        return HandOff(task_id, chosen.node_id, chosen.runner_id)
+    return None
+
+
+def remote_candidates(state: WorkerState, pending: PendingTask, now: float) -> list[Candidate]:
+    """Other nodes' runners of the task's model with room, by their fresh summaries. None for
+    a task that must stay (handed in, or declined once), carries input images (fetched here
+    already), has no whole prompt block to route by, or while this node is stopping."""
+    if (pending.local_only or pending.inputs or not pending.blocks or state.stopping
+            or not state.routing.prefix):
+        return []
+    return [
+        Candidate(r.runner_id, r.slots - r.in_flight, r.in_flight, r.held, r.node_id)
+        for r in state.remote.values()
+        if r.model == pending.task.model and r.in_flight < r.slots
+        and now - r.at <= ADVERT_STALE_S and r.at > state.silent.get(r.node_id, 0.0)
+    ]
+
+
+def declines_hand_off(state: WorkerState, model: str) -> str | None:
+    """Why this node will not take a task handed to it for `model` now, or None to take it:
+    it takes one only into a free slot (its waiting tasks count as taken slots), so a task
+    never queues behind a node whose summary looked better than it is."""
+    if state.stopping:
+        return "stopping"
+    free = sum(
+        r.free_slots for r in state.runners.values() if r.model == model and not r.shutting_down
+    )
+    waiting = sum(1 for p in state.pending.values() if p.task.model == model)
+    if free - waiting <= 0:
+        return "no free slot"
     return None
 
 

@@ -1,9 +1,11 @@
 """Advertising what each runner's prefix cache holds: FLEET_PREFIXES, a key per runner.
 
 The worker's own dispatch reads its state directly; the bucket is what the rest of the fleet
-sees (operators, dashboards, a router across nodes). A runner's summary is written when its
-blocks or its load changed, at most once per `every_s`, and at least once per REFRESH_S so
-the bucket's TTL keeps only runners whose worker is alive; a runner that left is deleted.
+sees (operators, dashboards, and other workers, which hand tasks over to a runner here when
+it holds more of the prompt: fleet.worker.handoff). A runner's summary is written when its
+blocks or its load changed, at most once per `every_s` (a quarter second: other workers weigh
+its load by it), and at least once per REFRESH_S so the bucket's TTL keeps only runners whose
+worker is alive; a runner that left is deleted.
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ def summary(runner: RunnerView, node_id: str, now: float) -> PrefixSummary:
     return PrefixSummary(
         runner_id=runner.runner_id, node_id=node_id, model=runner.model,
         block_chars=BLOCK_CHARS, blocks=[f"{b:016x}" for b in runner.held.order],
-        in_flight=len(runner.in_flight), at=now,
+        in_flight=len(runner.in_flight), slots=runner.slots, at=now,
     )
 
 
 class PrefixAdverts:
     def __init__(self, js: JetStreamContext, state: Callable[[], WorkerState],
-                 every_s: float = 1.0) -> None:
+                 every_s: float = 0.25) -> None:
         self.js = js
         self.state = state
         self.every_s = every_s
@@ -53,13 +55,14 @@ class PrefixAdverts:
 
     async def write_changes(self, kv: KeyValue) -> None:
         state, now = self.state(), time.time()
-        for runner in state.runners.values():
+        # A rank > 0 of a sharded instance takes no tasks: nothing to advertise.
+        for runner in (r for r in state.runners.values() if r.rank == 0):
             mark = (hash(runner.held.order), len(runner.in_flight))
             last = self._written.get(runner.runner_id)
             if last is not None and last[:2] == mark and now - last[2] < REFRESH_S:
                 continue
             await kv_put(kv, runner.runner_id, encode(summary(runner, state.node_id, now)))
             self._written[runner.runner_id] = (*mark, now)
-        for gone in set(self._written) - set(state.runners):
+        for gone in set(self._written) - {r for r, v in state.runners.items() if v.rank == 0}:
             await kv_delete(kv, gone)
             del self._written[gone]

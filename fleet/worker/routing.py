@@ -6,6 +6,11 @@ Cost of sending a task to a runner, in blocks: the prompt blocks it would have t
 wins, so a returning conversation goes home while home has room, and a hot prefix spills to
 the next runner once home is loaded by more than the prefill it saves; a task never waits
 for a busy runner while another has a free slot (the plan dispatches only to free slots).
+
+Runners on other nodes are candidates too, as their workers advertise them (FLEET_PREFIXES):
+choosing one costs `hand_off_blocks` more (the hop is ~1 ms, but the view of it is up to a
+second old), so a remote runner wins only when it saves more than a block of prefill; the
+task then travels there whole (fleet.worker.handoff).
 """
 
 from __future__ import annotations
@@ -50,25 +55,37 @@ class Candidate:
     free_slots: int
     in_flight: int
     held: PrefixHeld = PrefixHeld()
+    node_id: str | None = None  # None: on this node; else the node a hand-off goes to
 
 
 @dataclass(frozen=True)
 class Weights:
     load_blocks: float = 4.0  # one task in flight costs like prefilling this many blocks
     prefix: bool = True  # False: today's rule, the runner with most free slots
+    hand_off_blocks: float = 1.0  # passing a task to another node: a tie-breaker for here
 
 
 def choose_runner(
     blocks: Sequence[int], candidates: Sequence[Candidate], weights: Weights = Weights(),
 ) -> str | None:
+    chosen = choose(blocks, candidates, weights)
+    return chosen.runner_id if chosen else None
+
+
+def choose(
+    blocks: Sequence[int], candidates: Sequence[Candidate], weights: Weights = Weights(),
+) -> Candidate | None:
+    """The cheapest candidate with a free slot (ties: this node, more free slots, the id)."""
     free = [c for c in candidates if c.free_slots > 0]
-    if not free:
-        return None
     if not weights.prefix:
-        return max(free, key=lambda c: (c.free_slots, c.runner_id)).runner_id
+        free = [c for c in free if c.node_id is None]  # today's rule: this node only
+        return max(free, key=lambda c: (c.free_slots, c.runner_id), default=None)
 
-    def cost(c: Candidate) -> tuple[float, int, str]:
+    def cost(c: Candidate) -> tuple[float, bool, int, str]:
         uncached = len(blocks) - c.held.matched(blocks)
-        return (uncached + weights.load_blocks * c.in_flight, -c.free_slots, c.runner_id)
+        remote = c.node_id is not None
+        total = uncached + weights.load_blocks * c.in_flight
+        return (total + (weights.hand_off_blocks if remote else 0.0), remote, -c.free_slots,
+                c.runner_id)
 
-    return min(free, key=cost).runner_id
+    return min(free, key=cost, default=None)

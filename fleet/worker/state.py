@@ -39,6 +39,19 @@ class RunnerView:
 
 
 @dataclass(frozen=True)
+class RemoteRunner:
+    """A runner on another node, as its worker last advertised it (FLEET_PREFIXES)."""
+
+    runner_id: str
+    node_id: str
+    model: str
+    slots: int
+    in_flight: int
+    held: PrefixHeld
+    at: float  # when its worker wrote the summary (unix seconds)
+
+
+@dataclass(frozen=True)
 class PendingTask:
     """A fetched, decoded task waiting for its inputs and a free runner slot."""
 
@@ -48,6 +61,8 @@ class PendingTask:
     inputs: dict[str, str] | None = None  # None until every input image is on local disk
     fetching: bool = False
     blocks: tuple[int, ...] = ()  # the prompt's block hashes (prefix_blocks), for routing
+    handing_off: str | None = None  # the node it is being passed to, until it answers
+    local_only: bool = False  # handed in from another node, or declined there: run it here
 
 
 @dataclass(frozen=True)
@@ -69,6 +84,10 @@ class WorkerState:
     stopping: bool = False
     routing: Weights = field(default_factory=Weights)
     prefix_capacity: int = 4096  # blocks remembered per runner
+    remote: dict[str, RemoteRunner] = field(default_factory=dict)  # other nodes' runners
+    # node -> when a hand-off to it went unanswered: its runners are no candidates until it
+    # advertises again after that (a dead node's summaries outlive it by up to the TTL)
+    silent: dict[str, float] = field(default_factory=dict)
 
     def hosted_instances(self) -> list[Instance]:
         return [
@@ -177,10 +196,36 @@ class Stopping:
     pass
 
 
+@dataclass(frozen=True)
+class RemoteRunnersSeen:
+    """Other nodes' runners, as FLEET_PREFIXES says now (this node's own are left out)."""
+
+    runners: dict[str, RemoteRunner]
+
+
+@dataclass(frozen=True)
+class HandOffStarted:
+    task_id: str
+    node_id: str
+
+
+@dataclass(frozen=True)
+class HandOffEnded:
+    """The receiving node answered: `taken` True (it holds the message now), False
+    (declined: run it here), None (no answer: the message is left to AckWait)."""
+
+    task_id: str
+    node_id: str
+    runner_id: str
+    taken: bool | None
+    at: float  # when the answer came, or the wait for it ended (unix seconds)
+
+
 StateEvent = (
     InstancesChanged | RunnerStarting | RunnerSpawned | RunnerStartFailed | CommandSent
     | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | TaskQueued | InputsFetching
-    | InputsReady | TaskDispatched | TaskEnded | Stopping
+    | InputsReady | TaskDispatched | TaskEnded | Stopping | RemoteRunnersSeen | HandOffStarted
+    | HandOffEnded
 )
 
 
@@ -317,3 +362,40 @@ def _(event: TaskEnded, state: WorkerState) -> WorkerState:
 @_apply.register
 def _(event: Stopping, state: WorkerState) -> WorkerState:
     return replace(state, stopping=True)
+
+
+@_apply.register
+def _(event: RemoteRunnersSeen, state: WorkerState) -> WorkerState:
+    mine = state.node_id
+    return replace(state, remote={k: r for k, r in event.runners.items() if r.node_id != mine})
+
+
+@_apply.register
+def _(event: HandOffStarted, state: WorkerState) -> WorkerState:
+    pending = state.pending.get(event.task_id)
+    if pending is None:
+        return state
+    passing = replace(pending, handing_off=event.node_id)
+    return replace(state, pending={**state.pending, event.task_id: passing})
+
+
+@_apply.register
+def _(event: HandOffEnded, state: WorkerState) -> WorkerState:
+    pending = state.pending.get(event.task_id)
+    if pending is None:
+        return state
+    if event.taken is False:
+        kept = replace(pending, handing_off=None, local_only=True)
+        return replace(state, pending={**state.pending, event.task_id: kept})
+    rest = {k: v for k, v in state.pending.items() if k != event.task_id}
+    if event.taken is None:
+        silent = {**state.silent, event.node_id: event.at}
+        return replace(state, pending=rest, silent=silent)
+    remote = state.remote
+    if (there := remote.get(event.runner_id)) is not None:
+        # Until its worker's next summary: that runner holds this prompt too. Its load is
+        # not guessed (a guess outlives the task when no summary follows): the receiver
+        # declines when it has no free slot, which is exact.
+        there = replace(there, held=there.held.served(pending.blocks, state.prefix_capacity))
+        remote = {**remote, event.runner_id: there}
+    return replace(state, pending=rest, remote=remote)

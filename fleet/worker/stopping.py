@@ -31,11 +31,15 @@ class Stopping:
         self._apply(ev.Stopping())
         await self.asks.close()  # new asks go to the other workers
         await self._end_pulls()
-        for task_id in list(self.state.pending):  # not started here: another worker, now
+        for task_id, pending in list(self.state.pending.items()):  # not started here
             self._release(task_id)
             self._apply(ev.TaskEnded(task_id))
-            self.spans.settled(task_id, "nak")
-            if (msg := self.acks.release(task_id)) is not None:
+            msg = self.acks.release(task_id)
+            if pending.handing_off is not None:  # another node may hold it: no verb here
+                self.spans.settled(task_id, "hand_off_unanswered")
+                continue
+            self.spans.settled(task_id, "nak")  # another worker takes it now
+            if msg is not None:
                 self.endings.settle(task_id, msg, Stage.STOPPING_NOT_STARTED)
         await self.runners.stop_all(timeout=10.0)
         await self._drain_runner_reports()

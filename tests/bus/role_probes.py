@@ -198,6 +198,11 @@ async def _tenant_records(p: Probe) -> None:
     await kv.get(f"task.owned-by-{p.role}")
 
 
+async def _hand_off_task(p: Probe) -> None:
+    await p.subscribed("fleet.handoff.probe")
+    await p.sent("fleet.handoff.probe")
+
+
 PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "publish_task": _publish_task,
     "cancel_task": _cancel_task,
@@ -237,6 +242,7 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "dead_letter": lambda p: p.sent(f"fleet.dead.{MODEL}"),
     "claim_task_id": _claim_task_id,
     "tenant_records": _tenant_records,
+    "hand_off_task": _hand_off_task,
 }
 # Rows whose bucket another change provisions: skipped where ops/jetstream lacks it.
 NEEDS = {"claim_task_id": "KV_FLEET_CLAIMS.json", "tenant_records": "KV_FLEET_TENANTS.json"}

@@ -301,3 +301,35 @@ def test_n_choices_whole_and_streamed(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as bad:  # the runner refuses both choices
         stack.openai.chat.completions.create(**request, logit_bias={"999999": 5})
     assert "vocabulary" in str(bad.value)
+
+
+def test_responses_api_whole_and_streamed(stack: Stack) -> None:
+    ask = {"model": MODEL, "input": "What is the capital of France?", "temperature": 0,
+           "max_output_tokens": 24, "instructions": "Answer in one short sentence."}
+    whole = stack.openai.responses.create(**ask)
+    assert whole.object == "response" and whole.status in ("completed", "incomplete")
+    assert "Paris" in whole.output_text
+    assert whole.usage and whole.usage.output_tokens > 0
+
+    events = list(stack.openai.responses.create(**ask, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-1] == f"response.{whole.status}"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == whole.output_text  # greedy: the same answer both ways
+    assert events[-1].response.output_text == whole.output_text  # type: ignore[union-attr]
+
+    # A message list: the same question as an input item with a text part.
+    listed = stack.openai.responses.create(
+        model=MODEL, temperature=0, max_output_tokens=24,
+        instructions="Answer in one short sentence.",
+        input=[{"role": "user", "content": [
+            {"type": "input_text", "text": "What is the capital of France?"}]}],
+    )
+    assert listed.output_text == whole.output_text
+
+    with pytest.raises(openai.BadRequestError) as bad:
+        stack.openai.responses.create(model=MODEL, input="hi", previous_response_id="resp-x")
+    assert bad.value.body and bad.value.body["param"] == "previous_response_id"  # type: ignore[index]

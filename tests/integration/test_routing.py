@@ -13,8 +13,9 @@ from fleet.models.catalog import get_card
 from fleet.placement_replicas import place_replicas
 from fleet.wire import subjects
 from fleet.wire.cluster import RunnerRecord
-from fleet.wire.codec import decode_event, decode_model
-from fleet.wire.events import TaskAccepted
+from fleet.wire.codec import decode_event, decode_model, decode_task
+from fleet.wire.events import OutputEvent, TaskAccepted, TokenChunk
+from fleet.wire.handoff import HandOffAnswer, TaskHandOff
 from fleet.wire.prefixes import PrefixSummary
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from fleet.worker.prefix_blocks import prompt_blocks
@@ -31,11 +32,14 @@ from tests.integration.harness import (
 SYSTEMS = [f"You are assistant number {i}. Answer briefly and kindly. " * 12 for i in range(4)]
 
 
-async def ready_runners(nc: Client, node_id: str, count: int, timeout: float = 120.0) -> set[str]:
+async def ready_runners(
+    nc: Client, node_id: str, count: int, timeout: float = 120.0, slots: int = 2,
+) -> set[str]:
     """Place `count` tiny-llm replicas on `node_id`; their runner ids once all are ready."""
     kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
     watcher = await kv.watchall()
-    await place_replicas(nc.jetstream(), get_card("tiny-llm"), count, node_id=node_id, slots=2)
+    await place_replicas(nc.jetstream(), get_card("tiny-llm"), count, node_id=node_id,
+                         slots=slots)
     ready: set[str] = set()
     deadline = time.monotonic() + timeout
     try:
@@ -43,7 +47,8 @@ async def ready_runners(nc: Client, node_id: str, count: int, timeout: float = 1
             entry = await watcher.updates(timeout=max(0.05, deadline - time.monotonic()))
             if entry is not None and entry.value:
                 record = decode_model(RunnerRecord, entry.value)
-                if record.model == "tiny-llm" and record.status.state == "ready":
+                if (record.model == "tiny-llm" and record.node_id == node_id
+                        and record.status.state == "ready"):
                     ready.add(record.runner_id)
     finally:
         await watcher.stop()
@@ -172,3 +177,196 @@ async def test_tasks_held_by_a_killed_worker_complete_elsewhere_once(
         moved += any(isinstance(e, TaskAccepted) and e.node_id == doomed_node for e in events)
     assert moved >= 1
     await nc.close()
+
+
+# ---- across nodes: two workers, one runner each, tasks passed by hand-off ---------------------
+
+class HandOffs:
+    """The hand-offs between workers as the bus carries them: every request on
+    `fleet.handoff.<node>` and its answer (a test client sees both), by task id."""
+
+    def __init__(self) -> None:
+        self.asked: dict[str, tuple[str, str]] = {}  # reply subject -> (node, task id)
+        self.taken: dict[str, str] = {}  # task id -> node it was taken by
+        self.changed = asyncio.Event()
+
+    async def watch(self, nc: Client) -> None:
+        await nc.subscribe("fleet.handoff.*", cb=self._asked)
+        await nc.subscribe("_INBOX.>", cb=self._answered)
+        await nc.flush()
+
+    async def _asked(self, msg: Msg) -> None:
+        offer = decode_model(TaskHandOff, msg.data)
+        task_id = decode_task(offer.data.encode()).task_id
+        self.asked[msg.reply] = (msg.subject.rsplit(".", 1)[-1], task_id)
+
+    async def _answered(self, msg: Msg) -> None:
+        if (asked := self.asked.get(msg.subject)) is None:
+            return
+        if decode_model(HandOffAnswer, msg.data).taken:
+            node, task_id = asked
+            self.taken[task_id] = node
+            self.changed.set()
+
+
+async def two_nodes(
+    nats_url: str, start_worker: WorkerFactory, slots: int = 2, **env: str,
+) -> tuple[Client, list[str], list[str]]:
+    """Two workers (two nodes), one tiny-llm runner each: (client, node ids, runner ids)."""
+    workers = [start_worker(name, OPENBLAS_NUM_THREADS="1", **env) for name in ("w1", "w2")]
+    nc = await client(nats_url)
+    nodes = [await wait_node(nc, w.data_dir) for w in workers]
+    runners = [(await ready_runners(nc, node, 1, slots=slots)).pop() for node in nodes]
+    return nc, nodes, runners
+
+
+async def advertising(nc: Client, prompts: list[tuple[int, ...]], timeout: float = 15.0) -> None:
+    """Until FLEET_PREFIXES, all runners together, holds every block of every prompt, and
+    says every runner is idle (a summary follows its runner's load within a second)."""
+    kv = await nc.jetstream().key_value(subjects.PREFIXES_BUCKET)
+    watcher = await kv.watchall()
+    wanted = {f"{b:016x}" for blocks in prompts for b in blocks}
+    seen: dict[str, PrefixSummary] = {}
+
+    def done() -> bool:
+        held = {b for summary in seen.values() for b in summary.blocks}
+        return wanted <= held and all(s.in_flight == 0 for s in seen.values())
+
+    current = False  # the watch's current values are all in (its None marker came)
+    try:
+        async with asyncio.timeout(timeout):
+            while not (current and done()):
+                entry = await watcher.updates(timeout=timeout)
+                if entry is None:
+                    current = True
+                elif entry.value:
+                    summary = decode_model(PrefixSummary, entry.value)
+                    seen[summary.runner_id] = summary
+    finally:
+        await watcher.stop()
+
+
+async def test_a_returning_conversation_finds_its_runner_on_another_node(
+    nats_url: str, start_worker: WorkerFactory,
+) -> None:
+    """Whichever worker pulls a next turn, it reaches the runner that served the first one:
+    half the time that runner is on the other node, and the task is handed over."""
+    nc, _, runners = await two_nodes(nats_url, start_worker)
+    hand_offs = HandOffs()
+    await hand_offs.watch(nc)
+    chats = [  # twelve system prompts: nothing in common between conversations
+        [ChatMessage(role="system", content=f"You are assistant number {i}. Be brief. " * 16),
+         ChatMessage(role="user", content="hi " * 40)]
+        for i in range(12)
+    ]
+    firsts = await asyncio.gather(*(run_task(nc, turn(i, c, 1)) for i, c in enumerate(chats)))
+    home = {i: finished(events).runner_id for i, events in enumerate(firsts)}
+    assert set(home.values()) == set(runners)
+    await advertising(nc, [prompt_blocks(turn(i, c, 1)) for i, c in enumerate(chats)])
+    for i, messages in enumerate(chats):  # one at a time: every runner idle, prefix decides
+        messages += [
+            ChatMessage(role="assistant", content="hello"),
+            ChatMessage(role="user", content="tell me more " * 10),
+        ]
+        await advertising(nc, [])  # the last turn's runner says it is idle again
+        result = finished(await run_task(nc, turn(i, messages, 2)))
+        assert result.status == "completed"
+        assert result.runner_id == home[i], f"conversation {i} left its runner"
+        assert result.usage is not None and result.usage.cached_tokens > 0
+    # The pulls are shared, so about half the next turns were pulled on the other node.
+    assert {t for t in hand_offs.taken if t.endswith("-turn2")}, "no next turn was handed over"
+    await nc.close()
+
+
+async def test_one_hot_prefix_spreads_over_runners_on_two_nodes(
+    nats_url: str, start_worker: WorkerFactory,
+) -> None:
+    nc, _, runners = await two_nodes(nats_url, start_worker, slots=4)
+    tasks = [
+        turn(i, [ChatMessage(role="system", content=SYSTEMS[0] * 2),
+                 ChatMessage(role="user", content=f"question {i}")], 1)
+        for i in range(32)
+    ]
+    results = [finished(e) for e in await asyncio.gather(*(run_task(nc, t) for t in tasks))]
+    assert all(r.status == "completed" for r in results)
+    spread = Counter(r.runner_id for r in results)
+    assert set(spread) == set(runners) and min(spread.values()) >= 8, spread
+    await nc.close()
+
+
+async def test_tasks_handed_to_a_killed_worker_complete_elsewhere_once(
+    nats_url: str, start_worker: WorkerFactory,
+) -> None:
+    """A task handed over is held by the receiver alone: when it is SIGKILLed, AckWait hands
+    the message to the survivor, which continues it, once."""
+    env = {"FLEET_ACK_WAIT_S": "2", "OPENBLAS_NUM_THREADS": "1"}
+    doomed = start_worker("doomed", **env)
+    nc = await client(nats_url)
+    doomed_node = await wait_node(nc, doomed.data_dir)
+    home = (await ready_runners(nc, doomed_node, 1, slots=4)).pop()
+    hot = SYSTEMS[0] * 3  # ~7 blocks: worth a hand-off while the home runner is idle
+
+    def hot_task(task_id: str, max_tokens: int) -> TextGeneration:
+        return TextGeneration(
+            task_id=task_id, model="tiny-llm", max_tokens=max_tokens, temperature=0.0,
+            logit_bias={t: -100.0 for t in range(3)},  # no early end-of-sequence
+            messages=[ChatMessage(role="system", content=hot),
+                      ChatMessage(role="user", content=f"go on {task_id}")],
+        )
+
+    warm = finished(await run_task(nc, hot_task("warm", 2)))
+    assert warm.runner_id == home
+    survivor = start_worker("survivor", **env)
+    survivor_node = await wait_node(nc, survivor.data_dir)
+    await ready_runners(nc, survivor_node, 1, slots=4)
+    await advertising(nc, [prompt_blocks(hot_task("warm", 2))])
+    hand_offs = HandOffs()
+    await hand_offs.watch(nc)
+    # One at a time until the survivor pulls one and hands it to the doomed node (each pull
+    # is either worker's, so about every second task); each runs to its end first.
+    collectors: dict[str, asyncio.Task[list[OutputEvent]]] = {}
+    handed: str | None = None
+    for i in range(16):
+        task = hot_task(f"hot-{i}", 300)
+        collectors[task.task_id] = asyncio.create_task(events_of(nc, task.task_id, 180))
+        accepted = asyncio.create_task(first_accepted(nc, task.task_id))
+        await submit(nc, task)
+        where = (await asyncio.wait_for(accepted, 60)).node_id
+        # Its offer is on the bus well before the task starts, so it has been seen by now.
+        if where == doomed_node and (doomed_node, task.task_id) in hand_offs.asked.values():
+            handed = task.task_id
+            break
+        await collectors[task.task_id]
+    assert handed is not None, "the survivor never handed a task over"
+    more = [hot_task(f"more-{i}", 300) for i in range(4)]  # more on their way meanwhile
+    for task in more:
+        collectors[task.task_id] = asyncio.create_task(events_of(nc, task.task_id, 180))
+        await submit(nc, task)
+    doomed.kill()
+    for task_id, collector in collectors.items():
+        events = await collector
+        result = finished(events)  # exactly one terminal each
+        assert result.status == "completed", (task_id, result)
+        assert result.usage is not None and result.usage.completion_tokens == 300
+        indexes = [e.index for e in events if isinstance(e, TokenChunk)]
+        assert len(indexes) == len(set(indexes)), f"{task_id}: a token index twice"
+    assert finished(await collectors[handed]).node_id == survivor_node
+    await nc.close()
+
+
+async def first_accepted(nc: Client, task_id: str) -> TaskAccepted:
+    """The task's first task_accepted, from FLEET_OUT."""
+    found: asyncio.Future[TaskAccepted] = asyncio.get_running_loop().create_future()
+
+    async def on_event(msg: Msg) -> None:
+        event = decode_event(msg.data)
+        if isinstance(event, TaskAccepted) and not found.done():
+            found.set_result(event)
+
+    sub = await nc.jetstream().subscribe(
+        subjects.out(task_id), stream=subjects.OUT_STREAM, ordered_consumer=True, cb=on_event
+    )
+    try:
+        return await found
+    finally:
+        await sub.unsubscribe()

@@ -1,0 +1,160 @@
+"""Routing across nodes: a pulled task message passed to the node whose runner should run it,
+and other nodes' runners as their workers advertise them.
+
+Why a hand-off of the held message rather than a per-runner queue: the message never leaves
+FLEET_TASKS. The sender forwards its subject, headers, body and JetStream ack subject
+(`TaskHandOff`, a core request on `fleet.handoff.<node>`); the receiver rebuilds the message
+and takes it in through its ordinary intake, then heartbeats and acks it as its own. So the
+task keeps its stream sequence (its task-id claim), its delivery count (continuation,
+MaxDeliver, dead letters) and its AckWait: if the receiver dies, JetStream redelivers it to
+whoever pulls next, as for any worker. Exactly one worker holds it at any moment:
+
+    answer            the sender
+    taken             forgets the message (no verb): the receiver holds it now
+    declined          keeps it and runs it here (never offered again)
+    no responders     keeps it and runs it here (nobody received it)
+    no answer in time forgets it (no verb): the receiver may hold it; if it does not,
+                      AckWait redelivers it (rare: a lost reply costs one AckWait)
+
+The receiver answers before its intake runs and takes a task only into a free slot
+(`plan.declines_hand_off`), never passes a handed-in task on, and a sender never offers a
+task that carries input images (they are fetched here already).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from fleet.wire import subjects
+from fleet.wire.codec import DecodeError, decode_model, encode
+from fleet.wire.handoff import HandOffAnswer, TaskHandOff
+from fleet.wire.prefixes import PrefixSummary
+from fleet.worker.inbox import HandedIn, Inbox
+from fleet.worker.routing import PrefixHeld
+from fleet.worker.state import HandOffEnded, RemoteRunner, RemoteRunnersSeen
+
+log = logging.getLogger(__name__)
+
+ANSWER_TIMEOUT_S = 2.0  # the receiver answers from its loop, before its intake's I/O
+# The receiver takes an offer only this soon after it arrived, so a sender still waits when
+# "taken" is sent: an offer its sender gave up on is declined, never run beside a redelivery.
+TAKE_WITHIN_S = ANSWER_TIMEOUT_S / 2
+
+
+def hand_off_of(msg: Msg, from_node: str, runner_id: str) -> TaskHandOff:
+    return TaskHandOff(
+        from_node=from_node, runner_id=runner_id, subject=msg.subject, ack_subject=msg.reply,
+        headers=dict(msg.headers or {}), data=msg.data.decode(),
+    )
+
+
+def rebuilt(nc: Client, hand_off: TaskHandOff) -> Msg:
+    """The handed-over message as the receiver holds it: its verbs go to the same delivery."""
+    return Msg(
+        _client=nc, subject=hand_off.subject, reply=hand_off.ack_subject,
+        data=hand_off.data.encode(), headers=dict(hand_off.headers) or None,
+    )
+
+
+class HandOffs:
+    def __init__(self, nc: Client, node_id: str, inbox: Inbox) -> None:
+        self.nc = nc
+        self.node_id = node_id
+        self.inbox = inbox
+        self._first_sub: Subscription | None = None
+
+    async def subscribe(self) -> None:
+        """Before the worker says it is ready: a sender's request finds us from then on."""
+        self._first_sub = await self.nc.subscribe(subjects.handoff(self.node_id))
+
+    async def listen(self) -> None:
+        """Hand-offs to this node, to the loop; a restart after a failure subscribes again."""
+        sub = self._first_sub or await self.nc.subscribe(subjects.handoff(self.node_id))
+        self._first_sub = None
+        try:
+            async for msg in sub.messages:
+                try:
+                    hand_off = decode_model(TaskHandOff, msg.data)
+                except DecodeError as exc:
+                    log.warning("a hand-off that is not one was declined: %s", exc)
+                    await self.answer(msg.reply, False, "invalid hand-off")
+                    continue
+                self.inbox.put_nowait(HandedIn(hand_off, msg.reply, time.monotonic()))
+        finally:
+            await sub.unsubscribe()
+
+    async def answer(self, reply: str, taken: bool, reason: str = "") -> None:
+        """A core reply; a lost one leaves the sender to its timeout (see the table above)."""
+        try:
+            await self.nc.publish(reply, encode(HandOffAnswer(taken=taken, reason=reason)))
+        except Exception as exc:
+            log.warning("hand-off answer (taken=%s) not sent: %s: %s",
+                        taken, type(exc).__name__, exc)
+
+    async def send(self, task_id: str, node_id: str, runner_id: str, msg: Msg) -> None:
+        """Offer a held message to `node_id`; the outcome goes to the loop as HandOffEnded."""
+        taken: bool | None = None
+        try:
+            reply = await self.nc.request(
+                subjects.handoff(node_id), encode(hand_off_of(msg, self.node_id, runner_id)),
+                timeout=ANSWER_TIMEOUT_S,
+            )
+            answer = decode_model(HandOffAnswer, reply.data)
+            taken = answer.taken
+            if not taken:
+                log.info("task %s: node %s declined it (%s); run here", task_id, node_id,
+                         answer.reason)
+        except NoRespondersError:
+            taken = False  # nobody listens there: nobody received it
+            log.info("task %s: node %s is not there; run here", task_id, node_id)
+        except (NatsTimeout, TimeoutError):
+            log.warning("task %s: node %s did not answer its hand-off; left to it or to "
+                        "AckWait", task_id, node_id)
+        except Exception as exc:  # not known to be received: the safe side is AckWait
+            log.warning("task %s: hand-off to %s failed (%s: %s); left to AckWait",
+                        task_id, node_id, type(exc).__name__, exc)
+        finally:
+            self.inbox.put_nowait(HandOffEnded(task_id, node_id, runner_id, taken, time.time()))
+
+
+def remote_runner(summary: PrefixSummary) -> RemoteRunner:
+    order = tuple(int(block, 16) for block in summary.blocks)
+    return RemoteRunner(
+        runner_id=summary.runner_id, node_id=summary.node_id, model=summary.model,
+        slots=summary.slots, in_flight=summary.in_flight,
+        held=PrefixHeld(order, frozenset(order)), at=summary.at,
+    )
+
+
+class RemoteRunners:
+    """FLEET_PREFIXES, mirrored (fleet.bus.kv_mirror), parsed once per changed key and sent
+    to the loop whole after each change."""
+
+    def __init__(self, node_id: str, inbox: Inbox) -> None:
+        self.node_id = node_id
+        self.inbox = inbox
+        self.runners: dict[str, RemoteRunner] = {}
+
+    def changed(self, values: dict[str, bytes], key: str | None) -> None:
+        keys = list(values) if key is None else [key]
+        if key is None:
+            self.runners = {}
+        for name in keys:
+            self.runners.pop(name, None)
+            if (value := values.get(name)) is None:
+                continue
+            try:
+                summary = decode_model(PrefixSummary, value)
+            except DecodeError as exc:
+                log.warning("prefix summary %s ignored: %s", name, exc)
+                continue
+            if summary.node_id != self.node_id:
+                self.runners[name] = remote_runner(summary)
+        self.inbox.put_nowait(RemoteRunnersSeen(dict(self.runners)))
