@@ -9,11 +9,7 @@ import orjson
 from pydantic import TypeAdapter
 
 from fleet.runner import protocol as pipe
-<<<<<<< HEAD
-from fleet.wire import cluster, codec, events, prefixes, ring, tasks
-=======
-from fleet.wire import cluster, codec, events, handoff, prefixes, tasks
->>>>>>> main
+from fleet.wire import cluster, codec, events, handoff, prefixes, ring, tasks
 from fleet.wire.examples import examples
 
 FAMILIES: dict[str, TypeAdapter[Any]] = {
@@ -31,12 +27,9 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "runner-spec": TypeAdapter(pipe.RunnerSpec),
     "task-refused": TypeAdapter(events.TaskRefused),
     "prefix-summary": TypeAdapter(prefixes.PrefixSummary),
-<<<<<<< HEAD
     "step-plan": TypeAdapter(ring.StepPlan),
-=======
     "task-hand-off": TypeAdapter(handoff.TaskHandOff),
     "hand-off-answer": TypeAdapter(handoff.HandOffAnswer),
->>>>>>> main
     "ask-reply": codec.ASK_REPLY,
 }
 
@@ -49,12 +42,9 @@ _SUBJECTS = {
     "instance": "KV FLEET_INSTANCES, key = instance id",
     "runner-record": "KV FLEET_RUNNERS, key = runner id",
     "prefix-summary": "KV FLEET_PREFIXES, key = runner id",
-<<<<<<< HEAD
     "step-plan": "rank 0 to the other ranks of a sharded instance, over its mx.distributed ring",
-=======
     "task-hand-off": "fleet.handoff.<node_id> (a core request between workers)",
     "hand-off-answer": "the reply to a task-hand-off request",
->>>>>>> main
     "task-refused": "fleet.refused.<model> (stream FLEET_REFUSED) and the task's "
     "Fleet-Reply-To inbox",
     "ask-reply": "the reply to a request on fleet.ask.<model> (whose body is a task)",
