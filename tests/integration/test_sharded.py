@@ -3,7 +3,7 @@ one real nats-server; the instance's two shards form a ring over mx.distributed.
 
 from __future__ import annotations
 
-import time
+import asyncio
 from pathlib import Path
 
 from nats.aio.client import Client
@@ -12,6 +12,7 @@ from fleet.models.catalog import get_card
 from fleet.placement import place, remove
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord
+from fleet.wire.codec import decode_model
 from fleet.wire.events import TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
@@ -21,7 +22,6 @@ from tests.integration.harness import (
     run_task,
     text_of,
     wait_node,
-    wait_runner,
 )
 
 
@@ -33,17 +33,21 @@ def paris(task_id: str) -> TextGeneration:
 
 
 async def ready_ranks(nc: Client, instance: Instance, timeout: float = 240.0) -> None:
-    """Until every rank's runner of `instance` has reported ready."""
+    """Until every rank's runner of `instance` has reported ready (one KV watch)."""
     kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
+    watcher = await kv.watchall()
     ranks: set[int] = set()
-    deadline = time.monotonic() + timeout
-    while ranks != set(range(len(instance.shards))):
-        watcher = await kv.watchall()
-        record: RunnerRecord = await wait_runner(
-            watcher, instance.model, ("ready",), deadline - time.monotonic()
-        )
-        if record.instance_id == instance.instance_id:
-            ranks.add(record.rank)
+    try:
+        async with asyncio.timeout(timeout):
+            while ranks != set(range(len(instance.shards))):
+                entry = await watcher.updates(timeout=timeout)
+                if entry is None or not entry.value:
+                    continue
+                record = decode_model(RunnerRecord, entry.value)
+                if record.instance_id == instance.instance_id and record.status.state == "ready":
+                    ranks.add(record.rank)
+    finally:
+        await watcher.stop()
 
 
 async def test_smollm2_over_two_nodes_answers_with_the_unsharded_tokens(
