@@ -22,8 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleet import telemetry
 from fleet.gateway.backend import ModelQueue
-from fleet.gateway.metrics import GatewayMetrics
-from fleet.gateway.tracing import AccessLog, http_spans
+from fleet.gateway.observability import AccessLog, GatewayMetrics, http_spans
 
 CHUNK = {"type": "http.response.body", "body": b'data: {"choices":[]}\n\n', "more_body": True}
 

@@ -26,7 +26,7 @@ COMMAND_MODULES = (
     "fleet.commands.demo",
     "fleet.models.cli",
     "fleet.bus.images_cli",
-    "fleet.gateway.cli",
+    "fleet.gateway.app",
     "fleet.commands.bench",
     "fleet.trace.cli",
 )

@@ -103,7 +103,7 @@ async def stack(
     """An embedded nats-server (unless a URL is given), a worker, the gateway; `models`
     placed on this node. Yields the settings the roles use. With `exit_`, a stop requested
     while the stack still starts raises StopRequested after the same clean-up."""
-    from fleet.gateway.cli import serve
+    from fleet.gateway.app import serve
     from fleet.worker.main import Worker
 
     quiet_builders()

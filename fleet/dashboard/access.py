@@ -7,8 +7,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from fleet.gateway.guards import tenant_of
-from fleet.gateway.tenants import KeyRing
+from fleet.gateway.tenants import KeyRing, tenant_of
 
 
 def is_operator(request: Request) -> bool:

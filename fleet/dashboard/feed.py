@@ -31,7 +31,7 @@ from fleet.bus.kv_mirror import WAIT_CONNECTED_S, Mirror
 from fleet.dashboard.model import RecentTasks, beats, changed, sees, snapshot
 from fleet.errors import FleetError
 from fleet.gateway.backend import Backend
-from fleet.gateway.owners import TENANTS_BUCKET, task_key
+from fleet.gateway.tenants import TENANTS_BUCKET, task_key
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
 

@@ -1,9 +1,35 @@
-"""The gateway's ASGI app: the route table, the middleware stack and the error handlers."""
+"""The gateway's process: the ASGI app (route table, middleware stack, error handlers),
+uvicorn's server with the limits it lacks, and the `fleet gateway` command.
+
+uvicorn's httptools protocol has two limits added here:
+
+- A header timeout: uvicorn times out idle keep-alive connections, but a connection that
+  never finishes its request headers (a slow client, or one sending a byte a minute) is held
+  forever. Here the headers must be complete `header_timeout_s` after the connection opens,
+  or after a keep-alive request's first byte; then the connection is closed.
+- A header size limit (64 KiB, then 431): httptools has none.
+- A connection limit that answers 429: uvicorn's `limit_concurrency` answers 503, which
+  reads as "the fleet is down". Over `max_connections` a new connection gets a 429 with
+  Retry-After and is closed before anything of it is read.
+
+The body's own timeout is the BodyTimeout middleware (fleet.gateway.bodies). The server is
+uvicorn with uvloop and httptools.
+
+`serve` is also what `fleet up` runs inside its own event loop, so it owns no signals: whoever
+runs the loop stops the gateway by cancelling it, and the gateway then shuts down gracefully.
+"""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import argparse
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.convertors import Convertor, register_url_convertor
@@ -11,25 +37,27 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from fleet import telemetry
-from fleet.config import Settings
+from fleet.bus.connect import redact_urls
+from fleet.config import Settings, settings_of
 from fleet.dashboard import mount as mount_dashboard
 from fleet.errors import FleetError
-from fleet.gateway import docs, image_routes, ops_routes, text_routes
+from fleet.gateway import docs, image_api, ops_api, text_api
 from fleet.gateway.backend import Backend
-from fleet.gateway.guards import (
-    ApiKeys,
-    BodyLimit,
-    BodyTimeout,
+from fleet.gateway.bodies import BodyLimit, BodyTimeout
+from fleet.gateway.errors import (
     on_client_disconnect,
     on_fleet_error,
     on_http_error,
     on_unexpected_error,
 )
+from fleet.gateway.observability import AccessLog, http_spans
 from fleet.gateway.service import Gateway
-from fleet.gateway.tenants import KeyRing
-from fleet.gateway.tracing import AccessLog, http_spans
+from fleet.gateway.tenants import ApiKeys, KeyRing, add_key
+
+log = logging.getLogger(__name__)
 
 
 class Sha256Convertor(Convertor[str]):
@@ -46,21 +74,22 @@ class Sha256Convertor(Convertor[str]):
 
 register_url_convertor("sha256", Sha256Convertor())
 
+
 ROUTES = [
-    Route("/v1/chat/completions", text_routes.chat_completions, methods=["POST"]),
-    Route("/v1/completions", text_routes.completions, methods=["POST"]),
-    Route("/v1/responses", text_routes.responses, methods=["POST"]),
-    Route("/v1/images/generations", image_routes.image_generations, methods=["POST"]),
-    Route("/v1/images/edits", image_routes.image_edits, methods=["POST"]),
-    Route("/v1/images/{sha256:sha256}", image_routes.get_image, methods=["GET"]),
-    Route("/v1/models", ops_routes.list_models, methods=["GET"]),
-    Route("/v1/models/{model:path}", ops_routes.get_model, methods=["GET"]),
-    Route("/v1/tasks/{task_id}/cancel", ops_routes.cancel_task, methods=["POST"]),
-    Route("/v1/tasks/{task_id}/events", ops_routes.task_events, methods=["GET"]),
-    Route("/healthz", ops_routes.healthz, methods=["GET"]),
-    Route("/health", ops_routes.healthz, methods=["GET"]),  # the name many probes expect
-    Route("/metrics", ops_routes.metrics, methods=["GET"]),
-    Route("/openapi.json", ops_routes.openapi, methods=["GET"]),
+    Route("/v1/chat/completions", text_api.chat_completions, methods=["POST"]),
+    Route("/v1/completions", text_api.completions, methods=["POST"]),
+    Route("/v1/responses", text_api.responses, methods=["POST"]),
+    Route("/v1/images/generations", image_api.image_generations, methods=["POST"]),
+    Route("/v1/images/edits", image_api.image_edits, methods=["POST"]),
+    Route("/v1/images/{sha256:sha256}", image_api.get_image, methods=["GET"]),
+    Route("/v1/models", ops_api.list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", ops_api.get_model, methods=["GET"]),
+    Route("/v1/tasks/{task_id}/cancel", ops_api.cancel_task, methods=["POST"]),
+    Route("/v1/tasks/{task_id}/events", ops_api.task_events, methods=["GET"]),
+    Route("/healthz", ops_api.healthz, methods=["GET"]),
+    Route("/health", ops_api.healthz, methods=["GET"]),  # the name many probes expect
+    Route("/metrics", ops_api.metrics, methods=["GET"]),
+    Route("/openapi.json", ops_api.openapi, methods=["GET"]),
 ]
 
 
@@ -104,3 +133,208 @@ def build_app(settings: Settings) -> Starlette:
     app.add_middleware(AccessLog)
     telemetry.export_to_nats(lambda: gateway.backend.nc)
     return app
+
+
+BUSY_BODY = b'{"error":{"message":"the gateway has too many open connections; retry later",' \
+    b'"type":"rate_limit_error","param":null,"code":"too_many_connections"}}'
+
+
+BUSY = (
+    b"HTTP/1.1 429 Too Many Requests\r\nretry-after: 1\r\nconnection: close\r\n"
+    b"content-type: application/json\r\ncontent-length: " + str(len(BUSY_BODY)).encode()
+    + b"\r\n\r\n" + BUSY_BODY
+)
+
+
+MAX_HEADER_BYTES = 64 * 1024
+
+
+TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\nconnection: close\r\n"
+    b"content-length: 0\r\n\r\n"
+)
+
+
+def protocol_class(header_timeout_s: float, max_connections: int) -> type[HttpToolsProtocol]:
+    class GatewayProtocol(HttpToolsProtocol):
+        _header_timer: asyncio.TimerHandle | None = None
+        _header_bytes = 0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            if len(self.connections) >= max_connections:
+                transport.write(BUSY)
+                transport.close()
+                self.transport = transport
+                return
+            super().connection_made(transport)
+            self._arm()
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout_s, self._too_slow)
+
+        def _disarm(self) -> None:
+            self._header_bytes = 0
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _too_slow(self) -> None:
+            self._header_timer = None
+            if not self.transport.is_closing():
+                # debug: under a slowloris this would be a line per connection
+                log.debug("closed a connection that sent no complete headers in %g s",
+                          header_timeout_s)
+                self.transport.close()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def data_received(self, data: bytes) -> None:
+            if self not in self.connections:
+                return  # refused at connection_made
+            super().data_received(data)
+            if self._header_timer is not None and not self.transport.is_closing():
+                # Still inside a request's headers: httptools itself sets no size limit.
+                self._header_bytes += len(data)
+                if self._header_bytes > MAX_HEADER_BYTES:
+                    self.transport.write(TOO_LARGE)
+                    self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            if self not in self.connections:
+                return
+            super().connection_lost(exc)
+
+    return GatewayProtocol
+
+
+def server_options(settings: Any) -> dict[str, Any]:
+    """uvicorn.Config keywords for the gateway's limits (settings: fleet.config.Settings)."""
+    return {
+        "http": protocol_class(settings.gateway_header_timeout_s, settings.gateway_max_connections),
+        "timeout_keep_alive": settings.gateway_keep_alive_s,
+        # Past our own 429 limit, uvicorn's hard wall (it would answer 503): never reached first.
+        "limit_concurrency": None,
+    }
+
+
+# Open streams get this long to finish when the gateway stops; then they are cut.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    """The gateway's flags (see fleet.cli: --host, --port, --timeout and every gateway_*
+    setting) over FLEET_* over defaults."""
+    return settings_of(args)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """Bound and listening before uvicorn starts: from here on connections queue, not fail."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise FleetError(
+            f"the gateway cannot listen on {host}:{port}: {exc.strerror}; pass --port N "
+            "or set FLEET_GATEWAY_PORT"
+        ) from None
+    sock.listen(2048)
+    return sock
+
+
+async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
+    import uvicorn
+
+    from fleet.gateway.app import build_app
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield  # the loop's owner handles signals and cancels us
+
+    sock = listening_socket(settings.gateway_host, settings.gateway_port)
+    host, port = sock.getsockname()[:2]
+    log.info(
+        "gateway listening on http://%s:%d/v1 (NATS %s)", host, port, redact_urls(settings.urls)
+    )
+    config = uvicorn.Config(
+        build_app(settings),
+        log_level=settings.log_level.lower(),
+        # The AccessLog middleware (fleet/gateway/observability.py) writes the one line per request.
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        **server_options(settings),
+    )
+    server = Server(config)
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    if ready is not None:
+        ready.set()
+    try:
+        await asyncio.shield(serving)
+    except asyncio.CancelledError:
+        server.should_exit = True
+        # Streams get their grace; a lifespan stuck on a broker that is down gets no more.
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(serving, GRACEFUL_SHUTDOWN_S + 1)
+        raise
+    finally:
+        sock.close()
+
+
+async def run_gateway(settings: Settings) -> None:
+    from fleet.proc import Exit
+
+    serving = asyncio.ensure_future(serve(settings))
+    # The first SIGINT/SIGTERM stops it gracefully; a second one, or the deadline, ends it.
+    Exit().install().on_stop(serving.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await serving
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    import uvloop
+
+    uvloop.run(run_gateway(settings_from(args)))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "gateway", help="the OpenAI-compatible HTTP gateway over the task subjects"
+    )
+    parser.set_defaults(func=cmd_gateway)
+    keys = parser.add_subparsers(dest="gateway_command").add_parser(
+        "keys", help="API keys and their tenants (the keys file)"
+    )
+    add = keys.add_subparsers(dest="keys_command", required=True).add_parser(
+        "add", help="make a key for a tenant, print it once, append its hash to the keys file"
+    )
+    add.add_argument("--tenant", required=True, help="1-64 letters, digits, - or _")
+    add.add_argument("--operator", action="store_true",
+                     help="the tenant may change the fleet from the dashboard and sees all tasks")
+    add.add_argument(
+        "--file", help="the keys file (default: FLEET_API_KEYS_FILE, else DATA_DIR/api_keys.jsonl)"
+    )
+    add.set_defaults(func=cmd_keys_add)
+
+
+def cmd_keys_add(args: argparse.Namespace) -> int:
+    settings = settings_from(args)
+    path = Path(args.file or settings.api_keys_file or settings.data_dir / "api_keys.jsonl")
+    key = add_key(path.expanduser(), args.tenant, args.operator)
+    role = " (operator)" if args.operator else ""
+    print(f"tenant {args.tenant}{role}: key added to {path} (only its sha256 is stored)")
+    print(f"  export FLEET_API_KEYS_FILE={path}   # for the gateway")
+    print(f"  Authorization: Bearer {key}")
+    print("This is the only time the key is shown.")
+    return 0

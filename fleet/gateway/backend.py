@@ -29,9 +29,8 @@ from fleet.bus.objects import ObjectBucket, ObjectCorrupt, ObjectError, ObjectMi
 from fleet.bus.provision import provision
 from fleet.config import Settings
 from fleet.errors import FleetError, NatsUnavailable, PayloadTooLarge, QueueFull
-from fleet.gateway.hub import EventHub
-from fleet.gateway.owners import Owners
-from fleet.gateway.streams import TaskEvents
+from fleet.gateway.task_events import EventHub, TaskEvents
+from fleet.gateway.tenants import Owners
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord
 from fleet.wire.codec import encode
@@ -48,17 +47,32 @@ class ModelQueue:
     in_flight: int = 0  # handed to a worker, not acknowledged yet
     redelivered: int = 0  # of those, handed out more than once (a worker died or stalled)
     dead_lettered: int = 0  # in FLEET_DEAD after their last delivery
+
+
 Model = TypeVar("Model", bound=BaseModel)
+
 
 # JetStream answers a publish over a stream's message limits with this code; FLEET_TASKS has
 # DiscardNew and a per-subject limit, so it means the model's queue is full.
 MAXIMUM_MESSAGES_EXCEEDED = 10077
+
+
 MAXIMUM_BYTES_EXCEEDED = 10078
+
+
 RECONNECT_WAIT_S = 1.0
+
+
 CLOSE_WAIT_S = 5.0
+
+
 # Room for the headers a task is published with (Nats-Msg-Id, traceparent, tracestate).
 HEADER_ALLOWANCE = 1024
+
+
 STREAMS = (subjects.TASKS_STREAM, subjects.OUT_STREAM)
+
+
 BUCKETS = (
     subjects.INSTANCES_BUCKET,
     subjects.RUNNERS_BUCKET,

@@ -1,5 +1,6 @@
 """The gateway's shared parts, made once per app: settings, the NATS backend, metrics, and the
-small lookups every route makes (model cards, images named in requests, task ids)."""
+small lookups every route makes (model cards, images named in requests, task ids).
+"""
 
 from __future__ import annotations
 
@@ -16,14 +17,11 @@ from fleet.bus.connect import permission_errors
 from fleet.config import Settings
 from fleet.errors import FleetError, InvalidRequest, ModelNotFound, ModelUnavailable
 from fleet.gateway.backend import Backend
-from fleet.gateway.catalogue import Catalogue
-from fleet.gateway.flow import run_task
-from fleet.gateway.guards import tenant_of
-from fleet.gateway.image_bytes import image_reference
-from fleet.gateway.limits import Capacity
-from fleet.gateway.metrics import GatewayMetrics
-from fleet.gateway.models_view import ModelState, Unavailable, model_states, refuses_task
-from fleet.gateway.renderers import Renderer
+from fleet.gateway.bodies import image_reference
+from fleet.gateway.catalogue import Catalogue, ModelState, Unavailable, model_states, refuses_task
+from fleet.gateway.observability import GatewayMetrics
+from fleet.gateway.relay import Renderer, run_task
+from fleet.gateway.tenants import Capacity, tenant_of
 from fleet.wire.cluster import ModelCard
 from fleet.wire.tasks import Task
 
@@ -145,6 +143,8 @@ class Gateway:
 
 
 TASK_ID_HEADER = "x-fleet-task-id"
+
+
 CHOICE_IDS_HEADER = "x-fleet-choice-task-ids"
 
 

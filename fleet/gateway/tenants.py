@@ -1,4 +1,5 @@
-"""API keys and the tenants they belong to.
+"""Tenants: API keys, who owns which task and image, and how many requests each may have
+waiting.
 
 A keys file (`FLEET_API_KEYS_FILE`) holds one JSON object a line, `#` lines are comments:
 
@@ -19,23 +20,61 @@ by hand must be as random as generated ones; that is their responsibility.
 
 `FLEET_API_KEYS` (comma-separated plain keys) stays for the simple case: each key is its
 own tenant, named `key-<first 12 hex of its sha256>` (never the key itself).
+
+Which tenant owns a task id or an image is kept in the KV bucket FLEET_TENANTS. The gateway
+writes `task.<task_id>` = tenant before it publishes a task (kept 1 h, as long as
+FLEET_OUT keeps the task's events) and `image.<sha256>.<tenant>` for every image a tenant's
+tasks produced or that it sent (kept 7 d, as long as FLEET_IMAGES keeps images). Per-message
+TTLs (`Nats-TTL`) let one bucket keep both for their own time.
+
+Another tenant's task or image reads exactly like one that does not exist (404): answering
+403 would confirm the id. An open gateway (no API keys) has no tenants and checks nothing.
+
+How many requests may wait on task events at once is capped per tenant and in all: a waiting
+request costs the gateway a listener and a little memory, never a broker resource,
+but an unbounded number of them is still a way to exhaust it. Over a limit the answer is 429
+with Retry-After, so clients back off; 503 is kept for a broker that is really unreachable.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 import secrets
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from fleet.errors import InvalidRequest
+from fleet.bus.retry import with_retry
+from fleet.errors import (
+    FleetError,
+    InvalidRequest,
+    NatsUnavailable,
+    QueueFull,
+    Unauthorized,
+)
+from fleet.gateway import docs
+from fleet.gateway.bodies import refuse_with
+
+log = logging.getLogger(__name__)
+
 
 TENANT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
 KEY_PREFIX = "fk-"
 
 
@@ -138,3 +177,182 @@ def add_key(keys_file: Path, tenant: str, operator: bool = False) -> str:
         file.write(line + "\n")
     keys_file.chmod(0o600)
     return key
+
+
+# Open to anyone: /healthz then answers only up or not; a key shows its details.
+PROBE_PATHS = frozenset({"/healthz", "/health", "/openapi.json"})
+
+
+def tenant_of(request: Request) -> str | None:
+    """The tenant of the request's key; None on an open gateway (no keys configured)."""
+    return request.scope.get("state", {}).get("tenant")
+
+
+def authenticated(request: Request) -> bool:
+    """A valid key was sent, or no keys are configured (then everyone is trusted)."""
+    return bool(request.scope.get("state", {}).get("authenticated"))
+
+
+class ApiKeys:
+    """Bearer keys on every route but the probes when keys are configured; each key's
+    tenant goes into the request's state for the routes to scope what they answer."""
+
+    def __init__(self, app: ASGIApp, ring: KeyRing, protect_metrics: bool = False) -> None:
+        self.app = app
+        self.ring = ring
+        self.open_paths = PROBE_PATHS if protect_metrics else PROBE_PATHS | {"/metrics"}
+
+    def _tenant(self, scope: Scope) -> str | None:
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer":
+            return None
+        return self.ring.tenant_of(token)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
+        if self.ring.open:
+            state.update(tenant=None, authenticated=True)
+            return await self.app(scope, receive, send)
+        tenant = self._tenant(scope)
+        state.update(tenant=tenant, authenticated=tenant is not None)
+        path = scope["path"]
+        if tenant is None and path not in self.open_paths and not docs.is_open(path):
+            refusal = Unauthorized("a valid API key is required: Authorization: Bearer KEY")
+            return await refuse_with(refusal)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+TENANTS_BUCKET = "FLEET_TENANTS"
+
+
+STREAM = f"KV_{TENANTS_BUCKET}"
+
+
+TASK_TTL_S = 3600
+
+
+IMAGE_TTL_S = 7 * 24 * 3600
+
+
+def task_key(task_id: str) -> str:
+    return f"task.{task_id}"
+
+
+def image_key(sha256: str, tenant: str) -> str:
+    return f"image.{sha256}.{tenant}"
+
+
+def subject_of(key: str) -> str:
+    return f"$KV.{TENANTS_BUCKET}.{key}"
+
+
+class Owners:
+    """Ownership records over one NATS connection (`client()` raises while it is down)."""
+
+    def __init__(self, client: Callable[[], Client]) -> None:
+        self._client = client
+
+    def _nc(self) -> Client:
+        return self._client()
+
+    async def _put(self, key: str, value: bytes, ttl_s: int) -> None:
+        js = self._nc().jetstream()
+        headers = {"Nats-TTL": f"{ttl_s}s"}
+        try:
+            await with_retry(
+                lambda: js.publish(subject_of(key), value, headers=headers),
+                what=f"record the owner of {key}",
+                budget_s=5.0,
+            )
+        except FleetError:
+            raise
+        except (NatsError, OSError, TimeoutError) as exc:
+            raise NatsUnavailable(f"could not record the owner of {key}: {exc!r}") from None
+
+    async def _get(self, key: str) -> bytes | None:
+        js = self._nc().jetstream()
+        try:
+            stored = await with_retry(
+                lambda: js.get_msg(STREAM, subject=subject_of(key), direct=True),
+                what=f"read the owner of {key}",
+                budget_s=5.0,
+            )
+        except NotFoundError:
+            return None
+        except FleetError:
+            raise
+        except (NatsError, OSError, TimeoutError) as exc:
+            raise NatsUnavailable(f"could not read the owner of {key}: {exc!r}") from None
+        return stored.data or None  # a delete or TTL marker has no value: absent
+
+    async def own_task(self, task_id: str, tenant: str) -> None:
+        await self._put(task_key(task_id), tenant.encode(), TASK_TTL_S)
+
+    async def task_owner(self, task_id: str) -> str | None:
+        value = await self._get(task_key(task_id))
+        return value.decode() if value else None
+
+    async def owns_task(self, task_id: str, tenant: str | None) -> bool:
+        return tenant is None or await self.task_owner(task_id) == tenant
+
+    async def own_image(self, sha256: str, tenant: str | None) -> None:
+        if tenant is not None:
+            await self._put(image_key(sha256, tenant), b"1", IMAGE_TTL_S)
+
+    async def owns_image(self, sha256: str, tenant: str | None) -> bool:
+        return tenant is None or await self._get(image_key(sha256, tenant)) is not None
+
+
+RETRY_AFTER_S = 1
+
+
+class AtCapacity(QueueFull):
+    """429: too many requests are waiting (for this key, or in all); retry after a moment."""
+
+    retry_after_s = RETRY_AFTER_S
+
+
+def refusal(waiting: int, mine: int, max_waiting: int, per_key: int) -> str | None:
+    """Why one more waiting request is refused, or None (pure: table-tested)."""
+    if mine >= per_key:
+        return f"this API key already has {mine} requests waiting on task events (the limit)"
+    if waiting >= max_waiting:
+        return f"the gateway has {waiting} requests waiting on task events (its limit)"
+    return None
+
+
+class Capacity:
+    def __init__(self, max_waiting: int, per_key: int) -> None:
+        self.max_waiting = max_waiting
+        self.per_key = per_key
+        self.by_tenant: Counter[str] = Counter()
+
+    @property
+    def waiting(self) -> int:
+        return self.by_tenant.total()
+
+    def take(self, tenant: str | None) -> str:
+        """Count one more waiting request of `tenant`. On an open gateway (tenant None) there
+        are no keys to tell clients apart: only the limit in all applies."""
+        who = tenant or ""
+        mine = self.by_tenant[who] if tenant is not None else 0
+        if why := refusal(self.waiting, mine, self.max_waiting, self.per_key):
+            raise AtCapacity(why + "; retry later")
+        self.by_tenant[who] += 1
+        return who
+
+    def give_back(self, who: str) -> None:
+        self.by_tenant[who] -= 1
+        if self.by_tenant[who] <= 0:
+            del self.by_tenant[who]
+
+    @contextmanager
+    def slot(self, tenant: str | None) -> Iterator[None]:
+        who = self.take(tenant)
+        try:
+            yield
+        finally:
+            self.give_back(who)

@@ -163,7 +163,8 @@ def dispatch(state: WorkerState, now: float) -> Action | None:
         if pending.inputs is None or pending.handing_off is not None:
             continue
         candidates = [
-            Candidate(r.runner_id, r.free_slots, len(r.in_flight), r.held)
+            Candidate(r.runner_id, r.free_slots, len(r.in_flight), r.held, None,
+                      r.prefill_blocks, len(r.prefill))
             for r in state.runners.values()
             if r.model == pending.task.model and r.free_slots > 0 and not r.shutting_down
         ] + remote_candidates(state, pending, now)
@@ -184,7 +185,8 @@ def remote_candidates(state: WorkerState, pending: PendingTask, now: float) -> l
             or not state.routing.prefix):
         return []
     return [
-        Candidate(r.runner_id, r.slots - r.in_flight, r.in_flight, r.held, r.node_id)
+        Candidate(r.runner_id, r.slots - r.in_flight, r.in_flight, r.held, r.node_id,
+                  r.prefill_blocks, r.prefilling)
         for r in state.remote.values()
         if r.model == pending.task.model and r.in_flight < r.slots
         and now - r.at <= ADVERT_STALE_S and r.at > state.silent.get(r.node_id, 0.0)

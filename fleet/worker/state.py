@@ -5,6 +5,7 @@ Per-token traffic never comes through here; only lifecycle events do, so copying
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import singledispatch
 
@@ -26,6 +27,12 @@ class RunnerView:
     held: PrefixHeld = field(default_factory=PrefixHeld)  # blocks sent here: its cache
     rank: int = 0  # its shard's rank; only rank 0 of a sharded instance takes tasks
     layout: tuple[object, ...] = ()  # the group it joined (`group_layout`); () for one node
+    # task -> blocks it had to prefill here (uncached when dispatched), until its first output
+    prefill: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def prefill_blocks(self) -> int:
+        return sum(self.prefill.values())
 
     @property
     def shutting_down(self) -> bool:
@@ -49,6 +56,8 @@ class RemoteRunner:
     in_flight: int
     held: PrefixHeld
     at: float  # when its worker wrote the summary (unix seconds)
+    prefill_blocks: int = 0
+    prefilling: int = 0
 
 
 @dataclass(frozen=True)
@@ -185,6 +194,14 @@ class TaskDispatched:
 
 
 @dataclass(frozen=True)
+class FirstOutput:
+    """A task's first token (or tool call, or image) came: its prefill is done."""
+
+    task_id: str
+    runner_id: str
+
+
+@dataclass(frozen=True)
 class TaskEnded:
     """Terminal: the task left this node (finished, failed before dispatch, or handed back)."""
 
@@ -225,7 +242,7 @@ StateEvent = (
     InstancesChanged | RunnerStarting | RunnerSpawned | RunnerStartFailed | CommandSent
     | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | TaskQueued | InputsFetching
     | InputsReady | TaskDispatched | TaskEnded | Stopping | RemoteRunnersSeen | HandOffStarted
-    | HandOffEnded
+    | HandOffEnded | FirstOutput
 )
 
 
@@ -341,19 +358,31 @@ def _(event: TaskDispatched, state: WorkerState) -> WorkerState:
     runner = state.runners[event.runner_id]
     task = state.pending.get(event.task_id)
     held = runner.held.served(task.blocks, state.prefix_capacity) if task else runner.held
+    uncached = len(task.blocks) - runner.held.matched(task.blocks) if task else 0
     pending = {k: v for k, v in state.pending.items() if k != event.task_id}
     state = replace(state, pending=pending)
     return _with_runner(
-        state, event.runner_id, in_flight=runner.in_flight | {event.task_id}, held=held
+        state, event.runner_id, in_flight=runner.in_flight | {event.task_id}, held=held,
+        prefill={**runner.prefill, event.task_id: uncached},
     )
+
+
+@_apply.register
+def _(event: FirstOutput, state: WorkerState) -> WorkerState:
+    runner = state.runners.get(event.runner_id)
+    if runner is None or event.task_id not in runner.prefill:
+        return state
+    prefill = {k: v for k, v in runner.prefill.items() if k != event.task_id}
+    return _with_runner(state, event.runner_id, prefill=prefill)
 
 
 @_apply.register
 def _(event: TaskEnded, state: WorkerState) -> WorkerState:
     pending = {k: v for k, v in state.pending.items() if k != event.task_id}
     runners = {
-        rid: replace(r, in_flight=r.in_flight - {event.task_id}) if event.task_id in r.in_flight
-        else r
+        rid: replace(r, in_flight=r.in_flight - {event.task_id},
+                     prefill={k: v for k, v in r.prefill.items() if k != event.task_id})
+        if event.task_id in r.in_flight else r
         for rid, r in state.runners.items()
     }
     return replace(state, pending=pending, runners=runners)

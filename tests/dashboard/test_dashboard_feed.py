@@ -197,7 +197,7 @@ async def test_every_tab_shares_one_reader_and_sees_a_node_join(
 
 
 async def own(nc: Client, task_id: str, tenant: str) -> None:
-    """The record a gateway writes before it publishes a task (fleet/gateway/owners.py)."""
+    """The record a gateway writes before it publishes a task (fleet/gateway/tenants.py)."""
     await nc.jetstream().publish(f"$KV.FLEET_TENANTS.task.{task_id}", tenant.encode(),
                                  headers={"Nats-TTL": "3600s"})
 

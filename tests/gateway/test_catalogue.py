@@ -19,8 +19,7 @@ from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.weights import FleetModels
 from fleet.config import Settings
 from fleet.gateway.app import build_app
-from fleet.gateway.catalogue import Catalogue
-from fleet.gateway.models_view import unavailable_reason
+from fleet.gateway.catalogue import Catalogue, unavailable_reason
 from fleet.models.catalog import describe_model_dir, get_card
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, NodeInfo, ShardAssignment

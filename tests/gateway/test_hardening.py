@@ -22,8 +22,7 @@ from test_images_api import png
 
 from fleet.bus.connect import js_publish
 from fleet.config import Settings
-from fleet.gateway.app import build_app
-from fleet.gateway.http_server import server_options
+from fleet.gateway.app import build_app, server_options
 from fleet.wire import subjects
 from fleet.wire.events import TaskAccepted, TaskFinished, TokenChunk
 
@@ -194,7 +193,7 @@ async def test_an_idle_event_stream_ends_after_its_idle_time(hardened: str) -> N
 
 async def test_a_lone_reader_without_the_gateway_reads_a_task_from_its_start(nc: Client) -> None:
     """`fleet follow` reads one task with TaskEvents and no hub: its own subscription."""
-    from fleet.gateway.streams import TaskEvents
+    from fleet.gateway.task_events import TaskEvents
 
     js = nc.jetstream()
     task_id = "lone-1"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fleet.gateway.backend import ModelQueue
-from fleet.gateway.metrics import GatewayMetrics, TaskObserver
+from fleet.gateway.observability import GatewayMetrics, TaskObserver
 from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, TokenChunk, Usage
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.prometheus_text import SHARED_HISTOGRAMS, Scrape

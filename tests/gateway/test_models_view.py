@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.gateway.models_view import ModelState, model_states, refuses_images, refuses_task
+from fleet.gateway.catalogue import ModelState, model_states, refuses_images, refuses_task
 from fleet.models.catalog import builtin_cards
 from fleet.wire.cluster import Instance, RunnerRecord, ShardAssignment
 from fleet.wire.runners import RunnerFailed, RunnerLoading, RunnerReady, RunnerRunning

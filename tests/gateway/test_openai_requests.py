@@ -8,24 +8,24 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from fleet.errors import InvalidRequest
-from fleet.gateway.fanout import choice_tasks
-from fleet.gateway.image_bytes import image_format, image_reference
-from fleet.gateway.images import (
+from fleet.gateway.bodies import image_format, image_reference
+from fleet.gateway.errors import InvalidParameter
+from fleet.gateway.image_api import (
     ImageEditRequest,
     ImageGenerationRequest,
     edit_form_fields,
     image_edits_task,
     image_generation_task,
 )
-from fleet.gateway.openai import (
+from fleet.gateway.service import task_id_headers
+from fleet.gateway.text_requests import (
     ChatCompletionRequest,
     CompletionRequest,
-    InvalidParameter,
     chat_task,
+    choice_tasks,
     completion_task,
     image_urls,
 )
-from fleet.gateway.service import task_id_headers
 from fleet.wire.tasks import ImagePart, NamedFunction, TextPart
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)

@@ -6,11 +6,11 @@ import orjson
 import pytest
 
 from fleet.errors import DeadlineExceeded, ModelNotFound, QueueFull, Unauthorized
-from fleet.gateway.images import images_response, stream_event
-from fleet.gateway.openai_base import InvalidParameter
-from fleet.gateway.renderers import ChatRenderer, CompletionRenderer
-from fleet.gateway.replies import Reply, error_body, failure, sse, sse_error
-from fleet.gateway.streams import Indexed
+from fleet.gateway.errors import InvalidParameter, error_body, failure
+from fleet.gateway.image_api import images_response, stream_event
+from fleet.gateway.relay import sse, sse_error
+from fleet.gateway.task_events import Indexed
+from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
 from fleet.wire.events import (
     ErrorChunk,
     ErrorReason,

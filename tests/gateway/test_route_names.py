@@ -1,4 +1,4 @@
-"""HTTP spans and metrics are named by route template (gateway/tracing.py route_of)."""
+"""HTTP spans and metrics are named by route template (gateway/observability.py route_of)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from fleet.config import Settings
 from fleet.gateway.app import build_app
-from fleet.gateway.tracing import UNTRACED_URLS, route_of
+from fleet.gateway.observability import UNTRACED_URLS, route_of
 
 ROUTES = build_app(Settings(nats_url="nats://127.0.0.1:1")).router.routes
 HASH = "ab" * 32

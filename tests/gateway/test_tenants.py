@@ -20,9 +20,17 @@ from test_images_api import image_script, png, stored
 from fleet.config import Settings
 from fleet.errors import InvalidRequest
 from fleet.gateway.app import build_app
-from fleet.gateway.limits import AtCapacity, Capacity, refusal
-from fleet.gateway.owners import STREAM
-from fleet.gateway.tenants import KeyRing, add_key, key_hash, parse_keys_file, plain_key_tenant
+from fleet.gateway.tenants import (
+    STREAM,
+    AtCapacity,
+    Capacity,
+    KeyRing,
+    add_key,
+    key_hash,
+    parse_keys_file,
+    plain_key_tenant,
+    refusal,
+)
 from fleet.wire import subjects
 from tests.prometheus_text import Scrape
 

@@ -1,5 +1,9 @@
-"""Fleet events in, OpenAI text responses out: chat.completion, text_completion, their chunks,
-and the SSE lines that carry them. Pure functions of the events; no I/O, no clock."""
+"""Fleet events in, OpenAI text responses out: chat.completion, text_completion, their
+chunks, and the renderers that stream them. Pure functions of the events; no I/O, no clock.
+
+Streamed lines carry the event's index as the SSE `id:`: a client that loses the connection
+resumes from /v1/tasks/{id}/events?after=<last id> (OpenAI clients ignore the field).
+"""
 
 from __future__ import annotations
 
@@ -7,76 +11,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from fleet.errors import (
-    FleetError,
-    NatsUnavailable,
-    PayloadTooLarge,
-    TaskFailed,
-    Unauthorized,
-)
+from fleet.gateway.relay import SSE_DONE, sse
+from fleet.gateway.task_events import Indexed
 from fleet.wire.events import (
     ErrorChunk,
-    ErrorReason,
     OutputEvent,
     TaskFinished,
     TokenChunk,
     ToolCallChunk,
     Usage,
 )
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def sse(data: Any, event: str | None = None, event_id: int | None = None) -> bytes:
-    head = f"event: {event}\n" if event else ""
-    if event_id is not None:
-        head += f"id: {event_id}\n"
-    return head.encode() + b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-# Errors without a wire reason of their own still get a code a client can branch on.
-_CODE_BY_TYPE = {
-    Unauthorized: "invalid_api_key",
-    PayloadTooLarge: "payload_too_large",
-    NatsUnavailable: "nats_unavailable",
-}
-# A worker's failure has only a reason; the status it maps to picks OpenAI's error type.
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    404: "invalid_request_error",
-    429: "rate_limit_error",
-    499: "cancelled",
-    504: "timeout",
-}
-
-
-def error_body(exc: FleetError) -> dict[str, Any]:
-    """OpenAI's error shape; `code` is Fleet's wire reason where the error has one."""
-    code = getattr(exc, "code", None) or _CODE_BY_TYPE.get(type(exc))
-    if code is None and (isinstance(exc, TaskFailed) or exc.reason is not ErrorReason.INTERNAL):
-        code = exc.reason.value
-    kind = exc.openai_type
-    if isinstance(exc, TaskFailed):
-        kind = _TYPE_BY_STATUS.get(exc.http_status, "server_error")
-    error = {"message": exc.message, "type": kind, "param": getattr(exc, "param", None)}
-    return {"error": {**error, "code": code}}
-
-
-def sse_error(exc: FleetError) -> bytes:
-    """Mid-stream failure: OpenAI's SDKs raise on an `error` event whose data has `error`."""
-    return sse(error_body(exc), event="error")
-
-
-def failure(finished: TaskFinished, last_error: ErrorChunk | None = None) -> TaskFailed | None:
-    """The error a terminal event stands for, or None when the task completed."""
-    if finished.status == "completed":
-        return None
-    default = {"cancelled": ErrorReason.CANCELLED, "expired": ErrorReason.DEADLINE}
-    reason = finished.reason or default.get(finished.status, ErrorReason.INTERNAL)
-    message = finished.message or (last_error.message if last_error else None)
-    return TaskFailed(reason, message or f"task {finished.status}: {reason.value}")
 
 
 @dataclass
@@ -287,3 +231,78 @@ class Reply:
                 reason = finish_reason(event, False)
                 return [self._completion_chunk("", index, finish_reason=reason)]
         return []
+
+
+class _TextRenderer:
+    """What chat and completion streams share: one reply, per-choice progress, and the usage
+    chunk once the last choice has finished. With several choices the SSE lines carry no
+    `id:`: event indexes are per task, and a resumable stream has one choice."""
+
+    kind = ""
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.usages: dict[str, Usage | None] = {}
+
+    def _event_id(self, item: Indexed) -> int | None:
+        return item.index if self.reply.choices == 1 else None
+
+    def _finished(self, item: Indexed, event: TaskFinished) -> list[bytes]:
+        self.usages[event.task_id] = event.usage
+        if not self.reply.include_usage or len(self.usages) < self.reply.choices:
+            return []
+        usages = [self.usages.get(task_id) for task_id in self.reply.choice_ids or self.usages]
+        return [sse(self.reply.usage_chunk(self.kind, usages), event_id=self._event_id(item))]
+
+    def closing(self) -> list[bytes]:
+        return [SSE_DONE]
+
+
+class ChatRenderer(_TextRenderer):
+    kind = "chat.completion.chunk"
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(reply)
+        self.tool_calls_seen: dict[int, int] = {}
+
+    async def body(self, events: list[OutputEvent]) -> dict[str, Any]:
+        return self.reply.chat_completion(self.reply.by_choice(events))
+
+    def opening(self) -> list[bytes]:
+        return [sse(chunk) for chunk in self.reply.chat_opening()]
+
+    async def lines(self, item: Indexed) -> list[bytes]:
+        choice = self.reply.choice_of(item.event.task_id)
+        seen = self.tool_calls_seen.get(choice, 0)
+        chunks = self.reply.chat_chunks(item.event, seen)
+        if isinstance(item.event, ToolCallChunk):
+            self.tool_calls_seen[choice] = seen + 1
+        lines = [sse(chunk, event_id=self._event_id(item)) for chunk in chunks]
+        if isinstance(item.event, TaskFinished):
+            lines += self._finished(item, item.event)
+        return lines
+
+
+class CompletionRenderer(_TextRenderer):
+    kind = "text_completion"
+
+    def __init__(self, reply: Reply) -> None:
+        super().__init__(reply)
+        self.text_offsets: dict[int, int] = {}
+
+    async def body(self, events: list[OutputEvent]) -> dict[str, Any]:
+        return self.reply.text_completion(self.reply.by_choice(events))
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    async def lines(self, item: Indexed) -> list[bytes]:
+        choice = self.reply.choice_of(item.event.task_id)
+        offset = self.text_offsets.get(choice, 0)
+        chunks = self.reply.completion_chunks(item.event, offset)
+        if isinstance(item.event, TokenChunk):
+            self.text_offsets[choice] = offset + len(item.event.text)
+        lines = [sse(chunk, event_id=self._event_id(item)) for chunk in chunks]
+        if isinstance(item.event, TaskFinished):
+            lines += self._finished(item, item.event)
+        return lines

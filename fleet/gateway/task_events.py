@@ -1,4 +1,16 @@
-"""One request's view of `fleet.out.<task_id>`: the stored events, then the live ones from the
+"""A task's events on `fleet.out.<task_id>`: one shared FLEET_OUT subscription for the whole
+gateway, one request's view of it, and the events of several tasks (`n` choices) as one.
+
+A JetStream stream has a consumer limit (1,000 on FLEET_OUT), so one consumer per waiting
+HTTP request let 1,000 idle requests stop every other chat. Instead the gateway holds ONE
+ordered push consumer on `fleet.out.>` (new messages only) and demultiplexes by subject: a
+waiting request costs a dict entry and a queue, not a consumer.
+
+Each delivered message carries its stream sequence (in its `$JS.ACK` reply subject), so a
+reader that also replays what was stored before it started listening (`TaskEvents`)
+can stitch the two exactly: replay first, then live messages with a higher sequence.
+
+One request's view (`TaskEvents`): the stored events, then the live ones from the
 gateway's shared subscription, from the task's first event or after the N events a client has
 already seen, bounded by a deadline (and, for resumed streams, an idle limit).
 
@@ -8,21 +20,135 @@ Events are numbered 1, 2, 3… within their task, so `after=N` means "I have see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+import anyio
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
+from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
 from fleet.errors import DeadlineExceeded, NatsUnavailable
-from fleet.gateway.hub import Delivered, EventHub, Listener
+from fleet.gateway.errors import failure
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
 from fleet.wire.events import ImageChunk, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
 
 log = logging.getLogger(__name__)
+
+
+OUT_PREFIX = "fleet.out."
+
+
+IDLE_HEARTBEAT_S = 5.0  # lets the ordered consumer notice it was lost and recreate itself
+
+
+CLEANUP_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True)
+class Delivered:
+    seq: int  # stream sequence in FLEET_OUT
+    data: bytes
+
+
+@dataclass(eq=False)
+class Listener:
+    task_id: str
+    queue: asyncio.Queue[Delivered] = field(default_factory=asyncio.Queue)
+    first_seq: int | None = None  # the first live message's sequence: replay stops there
+
+
+def task_of(subject: str) -> str | None:
+    return subject[len(OUT_PREFIX) :] if subject.startswith(OUT_PREFIX) else None
+
+
+def stream_seq(message: Msg) -> int:
+    """The stream sequence of a message delivered by a JetStream push consumer."""
+    return message.metadata.sequence.stream
+
+
+class EventHub:
+    """One subscription for all readers; `listen` before reading anything stored."""
+
+    def __init__(
+        self, client: Callable[[], Client], subject: str = f"{OUT_PREFIX}>",
+        from_start: bool = False,
+    ) -> None:
+        """`subject`: what the one subscription covers; a lone reader of one task gives its
+        subject and `from_start` (the stored events too, so it needs no replay)."""
+        self._client = client
+        self.subject = subject
+        self.deliver = DeliverPolicy.ALL if from_start else DeliverPolicy.NEW
+        self._listeners: dict[str, set[Listener]] = {}
+        self._subscription: JetStreamContext.PushSubscription | None = None
+        self._starting = asyncio.Lock()
+
+    @property
+    def listening(self) -> int:
+        return sum(len(group) for group in self._listeners.values())
+
+    async def ready(self) -> None:
+        """Start the shared subscription once (again after a failure); raise if it cannot."""
+        if self._subscription is not None:
+            return
+        async with self._starting:
+            if self._subscription is not None:
+                return
+            try:
+                self._subscription = await self._client().jetstream().subscribe(
+                    self.subject,
+                    stream=subjects.OUT_STREAM,
+                    ordered_consumer=True,
+                    deliver_policy=self.deliver,
+                    idle_heartbeat=IDLE_HEARTBEAT_S,
+                    cb=self._deliver,
+                )
+            except (NatsError, OSError, TimeoutError) as exc:
+                raise NatsUnavailable(f"cannot read {subjects.OUT_STREAM}: {exc!r}") from None
+            log.debug("reading task events through one subscription on %s", self.subject)
+
+    async def _deliver(self, message: Msg) -> None:
+        task_id = task_of(message.subject)
+        group = self._listeners.get(task_id) if task_id else None
+        if not group:
+            return  # nobody is waiting for this task here
+        delivered = Delivered(stream_seq(message), message.data)
+        for listener in group:
+            if listener.first_seq is None:
+                listener.first_seq = delivered.seq
+            listener.queue.put_nowait(delivered)
+
+    def listen(self, task_id: str) -> Listener:
+        listener = Listener(task_id)
+        self._listeners.setdefault(task_id, set()).add(listener)
+        return listener
+
+    def drop(self, listener: Listener) -> None:
+        group = self._listeners.get(listener.task_id)
+        if group is None:
+            return
+        group.discard(listener)
+        if not group:
+            del self._listeners[listener.task_id]
+
+    async def close(self) -> None:
+        """Unsubscribe, even while the caller is being cancelled (a client hung up)."""
+        subscription, self._subscription = self._subscription, None
+        if subscription is None:
+            return
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(CLEANUP_TIMEOUT_S),
+            contextlib.suppress(NatsError, OSError, TimeoutError),
+        ):
+            await subscription.unsubscribe()
 
 
 @dataclass(frozen=True)
@@ -203,3 +329,51 @@ class TaskEvents(EventReader):
                     f"after={self.index}"
                 ) from None
             raise DeadlineExceeded(f"task {self.task_id} did not finish in time") from None
+
+
+class ChoiceEvents(EventReader):
+    """The events of several tasks as one iterator, like TaskEvents for one.
+
+    It ends when every task has finished, or just after a task that failed (one failed choice
+    fails the request; the caller cancels the rest, listed by `unfinished`). `finished` is that
+    failure, or the last terminal event once all completed; None before.
+    """
+
+    def __init__(self, parts: Sequence[TaskEvents]) -> None:
+        """`parts`: opened, one per choice, in choice order."""
+        self.parts = list(parts)
+        self.finished: TaskFinished | None = None
+        self._done: set[str] = set()
+        self._arrived: asyncio.Queue[Indexed | BaseException] = asyncio.Queue()
+        self._pumps = [asyncio.create_task(self._pump(part)) for part in self.parts]
+
+    async def _pump(self, part: TaskEvents) -> None:
+        try:
+            async for item in part:
+                self._arrived.put_nowait(item)
+        except Exception as exc:  # a deadline or a lost connection ends the whole request
+            self._arrived.put_nowait(exc)
+
+    def unfinished(self) -> list[str]:
+        return [part.task_id for part in self.parts if part.task_id not in self._done]
+
+    async def close(self) -> None:
+        for pump in self._pumps:
+            pump.cancel()
+        for pump in self._pumps:
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+        for part in self.parts:
+            await part.close()
+
+    async def __anext__(self) -> Indexed:
+        if self.finished is not None:
+            raise StopAsyncIteration
+        item = await self._arrived.get()
+        if isinstance(item, BaseException):
+            raise item
+        if isinstance(item.event, TaskFinished):
+            self._done.add(item.event.task_id)
+            if failure(item.event) is not None or len(self._done) == len(self.parts):
+                self.finished = item.event
+        return item

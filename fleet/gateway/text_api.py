@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions, POST /v1/completions and POST /v1/responses."""
+"""The text API: POST /v1/chat/completions, POST /v1/completions and POST /v1/responses."""
 
 from __future__ import annotations
 
@@ -8,21 +8,23 @@ from collections.abc import Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from fleet.gateway.fanout import choice_tasks, refuse_resumable_choices
-from fleet.gateway.guards import parse, read_json, tenant_of
-from fleet.gateway.models_view import refuses_images
-from fleet.gateway.openai import (
+from fleet.gateway.bodies import parse, read_json
+from fleet.gateway.catalogue import refuses_images
+from fleet.gateway.errors import InvalidParameter
+from fleet.gateway.relay import Renderer
+from fleet.gateway.responses_api import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
+from fleet.gateway.service import gateway_of, new_task_id, now_utc
+from fleet.gateway.tenants import tenant_of
+from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
+from fleet.gateway.text_requests import (
     ChatCompletionRequest,
     CompletionRequest,
-    InvalidParameter,
     chat_task,
+    choice_tasks,
     completion_task,
     image_urls,
+    refuse_resumable_choices,
 )
-from fleet.gateway.openai_responses import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
-from fleet.gateway.renderers import ChatRenderer, CompletionRenderer, Renderer
-from fleet.gateway.replies import Reply
-from fleet.gateway.service import gateway_of, new_task_id, now_utc
 from fleet.wire.tasks import TextGeneration
 
 

@@ -1,17 +1,117 @@
-"""The OpenAPI 3.1 document of the gateway, built from the same pydantic models that parse the
-requests, so the document cannot drift from what the routes accept."""
+"""The routes around the APIs: tasks (cancel, resume), models, health, metrics, and the
+OpenAPI document.
+
+The OpenAPI 3.1 document of the gateway, built from the same pydantic models that parse the
+requests, so the document cannot drift from what the routes accept.
+"""
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
-from fleet.gateway.images import ImageEditRequest, ImageGenerationRequest
-from fleet.gateway.openai import ChatCompletionRequest, CompletionRequest
-from fleet.gateway.openai_responses import ResponsesRequest
+from fleet.errors import FleetError, ModelNotFound
+from fleet.gateway.catalogue import model_list, model_object
+from fleet.gateway.errors import InvalidParameter, not_found
+from fleet.gateway.image_api import ImageEditRequest, ImageGenerationRequest
+from fleet.gateway.relay import resume
+from fleet.gateway.responses_api import ResponsesRequest
+from fleet.gateway.service import gateway_of
+from fleet.gateway.tenants import authenticated, tenant_of
+from fleet.gateway.text_requests import ChatCompletionRequest, CompletionRequest
+from fleet.meters import PROMETHEUS_TEXT
+
+TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+COUNT = re.compile(r"^[0-9]{1,9}$")
+
+
+def _task_id(request: Request) -> str:
+    task_id = request.path_params["task_id"]
+    if not TASK_ID.match(task_id):
+        raise InvalidParameter("a task id has 1 to 128 letters, digits, '-' or '_'", "task_id")
+    return task_id
+
+
+async def cancel_task(request: Request) -> Response:
+    """Cancel a task of the caller's tenant; another tenant's task reads as unknown (404)."""
+    task_id = _task_id(request)
+    backend = gateway_of(request).backend
+    if not await backend.owners.owns_task(task_id, tenant_of(request)):
+        raise not_found(task_id)
+    await backend.cancel(task_id, "cancelled through the gateway")
+    return JSONResponse({"id": task_id, "object": "task.cancel", "cancelled": True})
+
+
+def _events_seen(request: Request) -> int:
+    after = request.query_params.get("after", "0")
+    if not COUNT.match(after):
+        raise InvalidParameter("after: the number of events already seen, 0 or more", "after")
+    # EventSource clients reconnect with the last `id:` they saw in this header.
+    last_id = request.headers.get("last-event-id", "")
+    return max(int(after), int(last_id) if COUNT.match(last_id) else 0)
+
+
+async def task_events(request: Request) -> Response:
+    task_id = _task_id(request)
+    seen = _events_seen(request)
+    gateway = gateway_of(request)
+    settings = gateway.settings
+    return await resume(
+        gateway.backend, task_id, seen, settings.gateway_timeout_s,
+        idle_s=settings.gateway_events_idle_s, tenant=tenant_of(request),
+        capacity=gateway.capacity,
+    )
+
+
+async def list_models(request: Request) -> Response:
+    gateway = gateway_of(request)
+    states = await gateway.model_states()
+    return JSONResponse(model_list(gateway.cards(), states, gateway.availability()))
+
+
+async def get_model(request: Request) -> Response:
+    gateway = gateway_of(request)
+    model = request.path_params["model"]
+    card = gateway.catalogue.card(model)
+    if card is None:
+        raise ModelNotFound(f"the model {model!r} does not exist")
+    states = await gateway.model_states()
+    return JSONResponse(model_object(
+        card, states.get(model) if states else None, unavailable=gateway.availability()
+    ))
+
+
+async def healthz(request: Request) -> Response:
+    """Without a key only {"status": ...}: whether the gateway can serve. With a key (or on a
+    gateway without keys) also NATS (its URL without password), streams and models."""
+    healthy, report = await gateway_of(request).health()
+    status = {"status": "ok" if healthy else "unavailable"}
+    body = {**report, **status} if authenticated(request) else status
+    return JSONResponse(body, status_code=200 if healthy else 503)
+
+
+async def metrics(request: Request) -> Response:
+    gateway = gateway_of(request)
+    try:
+        queues = await gateway.backend.queue_stats()
+    except FleetError:
+        queues = {}  # the scrape still reports what the gateway itself saw
+    return Response(
+        gateway.metrics.render(queues, gateway.capacity.waiting), media_type=PROMETHEUS_TEXT
+    )
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(openapi_document())
+
 
 REF = "#/components/schemas/{model}"
 
@@ -40,6 +140,8 @@ _ERRORS = {
     "503": "NATS unreachable",
     "504": "No terminal event before the deadline",
 }
+
+
 # One server-sent event; `data` is JSON (or `[DONE]` at the end of a chat stream).
 _SSE_EVENT = {
     "type": "object",
@@ -50,7 +152,11 @@ _SSE_EVENT = {
     },
     "required": ["data"],
 }
+
+
 _SSE = {"text/event-stream": {"schema": _SSE_EVENT}}
+
+
 _JSON = {"application/json": {"schema": {"type": "object"}}}
 
 

@@ -1,8 +1,14 @@
 """One request's life: subscribe to the task's events, publish the task, then answer with one
-JSON body or an SSE stream, and cancel the task when nobody will read its output.
+JSON body or an SSE stream, cancel the task when nobody will read its output; and the resume
+of a task's raw events.
 
 A failure that is known before the first token becomes an HTTP error with the right status;
 once a stream has started it becomes an SSE `error` event.
+
+Resume (GET /v1/tasks/{id}/events): a task's raw Fleet events, resumable by index. Only the
+tenant that made a task may read it (another tenant gets the same 404 as an unknown
+id); the stream holds a place in the gateway's capacity (429 when full) and ends after its
+idle time with an in-band `error` event whose code is `idle`.
 """
 
 from __future__ import annotations
@@ -10,26 +16,62 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 import anyio
+import orjson
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from fleet.errors import FleetError
 from fleet.gateway.backend import Backend
-from fleet.gateway.fanout import ChoiceEvents
-from fleet.gateway.limits import Capacity
-from fleet.gateway.metrics import GatewayMetrics, TaskObserver
-from fleet.gateway.renderers import Renderer
-from fleet.gateway.replies import failure, sse_error
-from fleet.gateway.streams import Indexed, TaskEvents
-from fleet.wire.events import ErrorChunk, ImageChunk, OutputEvent, TaskFinished
+from fleet.gateway.errors import error_body, failure, not_found
+from fleet.gateway.observability import GatewayMetrics, TaskObserver
+from fleet.gateway.task_events import ChoiceEvents, Indexed, TaskEvents
+from fleet.gateway.tenants import Capacity
+from fleet.wire.events import (
+    ErrorChunk,
+    ImageChunk,
+    OutputEvent,
+    TaskFinished,
+)
 from fleet.wire.tasks import Task
 
+
+class Renderer(Protocol):
+    async def body(self, events: list[OutputEvent]) -> dict[str, Any]: ...
+
+    def opening(self) -> list[bytes]: ...
+
+    async def lines(self, item: Indexed) -> list[bytes]: ...
+
+    def closing(self) -> list[bytes]: ...
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(data: Any, event: str | None = None, event_id: int | None = None) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    if event_id is not None:
+        head += f"id: {event_id}\n"
+    return head.encode() + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def sse_error(exc: FleetError) -> bytes:
+    """Mid-stream failure: OpenAI's SDKs raise on an `error` event whose data has `error`."""
+    return sse(error_body(exc), event="error")
+
+
 R = TypeVar("R")
+
+
 Events = TaskEvents | ChoiceEvents
+
+
 Claim = Callable[[Indexed], Awaitable[None]]
+
+
 CLIENT_CLOSED_REQUEST = 499  # nobody reads it; /metrics counts it
 
 
@@ -271,3 +313,53 @@ class Observers:
 def _last_error(items: list[Indexed]) -> ErrorChunk | None:
     errors = [item.event for item in items if isinstance(item.event, ErrorChunk)]
     return errors[-1] if errors else None
+
+
+async def resume(
+    backend: Backend,
+    task_id: str,
+    after: int,
+    timeout_s: float,
+    *,
+    idle_s: float | None = None,
+    tenant: str | None = None,
+    capacity: Capacity | None = None,
+) -> Response:
+    """A task's raw Fleet events after the first `after`, as SSE with `id:` = event index.
+
+    The stream opens at once, since a queued task has no events yet; running out of time, or
+    `idle_s` without an event, is an in-band error event. A client that has seen events of a
+    task no longer stored gets 404, and so does another tenant's task.
+    """
+    if not await backend.owners.owns_task(task_id, tenant):
+        raise not_found(task_id)
+    if after > 0 and await backend.stored_events(task_id) == 0:
+        raise not_found(task_id)
+    capacity = capacity or Capacity(2**31, 2**31)
+    who = capacity.take(tenant)
+    try:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        events = await backend.events(task_id, deadline=deadline, after=after, idle_s=idle_s)
+    except BaseException:
+        capacity.give_back(who)
+        raise
+    claim = claimer(backend, tenant)
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            async for item in events:
+                await claim(item)
+                yield _raw_sse(item)
+        except FleetError as exc:
+            yield sse_error(exc)
+
+    async def on_close(hung_up: bool) -> None:
+        capacity.give_back(who)
+        await events.close()  # a reader leaving never cancels: others may still be reading
+
+    return EventStream(lines(), on_close)
+
+
+def _raw_sse(item: Indexed) -> bytes:
+    head = f"event: {item.event.type}\nid: {item.index}\ndata: ".encode()
+    return head + item.raw + b"\n\n"

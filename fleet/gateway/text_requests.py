@@ -1,28 +1,27 @@
-"""OpenAI text requests in, Fleet tasks out: the request models and pure conversions.
+"""OpenAI text requests in, Fleet tasks out: the request models and pure conversions,
+the shape a reply must take, and the `n` choices of one request.
 
 The request models ignore fields Fleet has no use for (`user`, `store`, `metadata`…) because
 every OpenAI client sends some, but they check the type and range of every field they read.
+
+The shape a chat reply must take, as OpenAI asks for it: `response_format` (JSON mode, a
+JSON Schema) and `tool_choice` (a call required, or of one named function). Both become a
+grammar the runner enforces token by token; one a runner could not compile is a 400 here,
+before anything is queued.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from collections.abc import Sequence
+from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    Field,
-    ValidationError,
-    WithJsonSchema,
-)
+from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
-from fleet.gateway.openai_base import InvalidParameter, OpenAIRequest
-from fleet.gateway.reply_shape import (
-    ResponseFormatIn,
-    ToolChoiceIn,
-    response_format_of,
-    tool_choice_of,
-)
-from fleet.wire.tasks import TextGeneration
+from fleet.gateway.bodies import OpenAIRequest, Seed, Timeout, deadline_after
+from fleet.gateway.errors import InvalidParameter, invalid_from
+from fleet.grammar import grammar_for
+from fleet.wire.tasks import ResponseFormat, TextGeneration
 
 
 class ImageURL(OpenAIRequest):
@@ -78,6 +77,8 @@ class StreamOptions(OpenAIRequest):
 
 
 Stop = str | Annotated[list[str], Field(max_length=8)] | None
+
+
 # JSON object keys are strings: token ids arrive as "42" and are checked as integers.
 LogitBias = Annotated[
     dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-100, le=100)]],
@@ -89,8 +90,6 @@ LogitBias = Annotated[
         }
     ),
 ]
-Timeout = Annotated[float, Field(gt=0, le=3600, description="Fleet: seconds before a 504")]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class _SamplingRequest(OpenAIRequest):
@@ -145,27 +144,6 @@ class CompletionRequest(_SamplingRequest):
     suffix: None = None
 
 
-# pydantic puts the union member it tried into an error's location ("stop.str"); a client
-# wants the parameter, so the path stops where those tags begin.
-_UNION_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "dict", "list", "none"})
-
-
-def _param(location: tuple[int | str, ...]) -> str | None:
-    kept: list[str] = []
-    for part in location:
-        if isinstance(part, str) and (not part.isidentifier() or part in _UNION_TAGS):
-            break
-        kept.append(str(part))
-    return ".".join(kept) or None
-
-
-def invalid_from(error: ValidationError) -> InvalidParameter:
-    """The first problem of a validation error, in words, naming the parameter."""
-    item = error.errors()[0]
-    param = _param(item["loc"])
-    return InvalidParameter(f"{param}: {item['msg']}" if param else item["msg"], param)
-
-
 def image_urls(request: ChatCompletionRequest) -> list[str]:
     return [
         item.image_url.url
@@ -197,10 +175,6 @@ def _message(message: MessageIn, hashes: dict[str, str]) -> dict[str, Any]:
         "tool_call_id": message.tool_call_id,
     }
     return {name: value for name, value in fields.items() if value is not None}
-
-
-def deadline_after(now: datetime, timeout_s: float) -> datetime:
-    return now.astimezone(UTC) + timedelta(seconds=timeout_s)
 
 
 def _sampling(request: _SamplingRequest) -> dict[str, Any]:
@@ -275,3 +249,106 @@ def completion_task(
         )
     except ValidationError as exc:
         raise invalid_from(exc) from None
+
+
+class JsonSchemaIn(OpenAIRequest):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormatIn(OpenAIRequest):
+    # One model rather than a tagged union: a union's tag would show up in the `param` of
+    # every error inside it. The document still says that json_schema goes with its type.
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"type": {"const": "json_schema"}}},
+        "then": {"required": ["json_schema"], "properties": {"json_schema": {"type": "object"}}},
+    })
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaIn | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormatIn:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs a json_schema object")
+        return self
+
+
+class FunctionNameIn(OpenAIRequest):
+    name: str
+
+
+class ToolChoiceFunctionIn(OpenAIRequest):
+    type: Literal["function"]
+    function: FunctionNameIn
+
+
+ToolChoiceIn = Literal["none", "auto", "required"] | ToolChoiceFunctionIn
+
+
+def response_format_of(requested: ResponseFormatIn) -> ResponseFormat:
+    """The task's response format, refused here (400) when its schema cannot be compiled,
+    rather than by a runner after the request was queued."""
+    schema = requested.json_schema.schema_ if requested.json_schema else None
+    response_format = ResponseFormat(type=requested.type, json_schema=schema)
+    try:
+        grammar_for(response_format)
+    except ValueError as exc:
+        raise InvalidParameter(str(exc), "response_format") from None
+    return response_format
+
+
+def tool_choice_of(
+    choice: ToolChoiceIn | None,
+    tool_names: Sequence[str],
+    response_format: ResponseFormatIn | None,
+) -> str | dict[str, str] | None:
+    """The task's tool choice (None: auto); a choice the tools cannot satisfy is a 400."""
+    if choice in (None, "auto", "none"):
+        return None
+    names = list(tool_names)
+    if not names:
+        raise InvalidParameter("tool_choice: there are no tools to choose from", "tool_choice")
+    if response_format and response_format.type != "text":
+        raise InvalidParameter(
+            "tool_choice: a forced tool call and a response_format cannot both shape the reply",
+            "tool_choice",
+        )
+    if isinstance(choice, ToolChoiceFunctionIn):
+        if choice.function.name not in names:
+            raise InvalidParameter(
+                f"tool_choice: {choice.function.name!r} is not one of the tools", "tool_choice"
+            )
+        return {"type": "function", "name": choice.function.name}
+    return "required"
+
+
+SEED_MAX = 2**63 - 1  # the gateway's own bound for a seed
+
+
+def choice_tasks(task: TextGeneration, n: int) -> list[TextGeneration]:
+    """The task itself for n = 1, else one task per choice; choice 0 keeps the seed, so it
+    draws what the same request with n = 1 draws."""
+    if n == 1:
+        return [task]
+    return [
+        task.model_copy(update={"task_id": f"{task.task_id}-{index}",
+                                "seed": _choice_seed(task.seed, index)})
+        for index in range(n)
+    ]
+
+
+def _choice_seed(seed: int | None, index: int) -> int | None:
+    if seed is None:
+        return None
+    return seed + index if seed + index <= SEED_MAX else seed - index
+
+
+def refuse_resumable_choices(n: int, resumable: bool) -> None:
+    if n > 1 and resumable:
+        raise InvalidParameter(
+            "n: a resumable stream carries one choice (ask with n = 1, or without resumable "
+            "and resume each choice's task from /v1/tasks/<id>-<index>/events)", "n",
+        )

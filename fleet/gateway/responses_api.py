@@ -21,19 +21,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema
 
-from fleet.gateway.openai import (
+from fleet.gateway.bodies import OpenAIRequest, Timeout
+from fleet.gateway.errors import InvalidParameter, invalid_from
+from fleet.gateway.relay import sse
+from fleet.gateway.task_events import Indexed
+from fleet.gateway.text_replies import TextResult
+from fleet.gateway.text_requests import (
     ChatCompletionRequest,
     ImageContent,
     ImageURL,
+    JsonSchemaIn,
     MessageIn,
+    ResponseFormatIn,
     TextContent,
-    Timeout,
-    invalid_from,
 )
-from fleet.gateway.openai_base import InvalidParameter, OpenAIRequest
-from fleet.gateway.replies import TextResult, sse
-from fleet.gateway.reply_shape import JsonSchemaIn, ResponseFormatIn
-from fleet.gateway.streams import Indexed
 from fleet.wire.events import OutputEvent, TaskFinished, TokenChunk, Usage
 
 
@@ -221,7 +222,7 @@ def shape_of(request: ResponsesRequest, response_id: str, created_at: int) -> Re
 
 
 class ResponsesRenderer:
-    """A task's events as the Responses API's body or SSE events (fleet.gateway.renderers'
+    """A task's events as the Responses API's body or SSE events (fleet.gateway.text_replies'
     Renderer): every event is numbered by `sequence_number`, its SSE `event:` is its type."""
 
     def __init__(self, shape: ResponseShape) -> None:
