@@ -13,7 +13,7 @@ from fleet.gateway.catalogue import refuses_images
 from fleet.gateway.errors import InvalidParameter
 from fleet.gateway.relay import Renderer
 from fleet.gateway.responses_api import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
-from fleet.gateway.service import gateway_of, new_task_id, now_utc
+from fleet.gateway.service import gateway_of, new_task_id, now_utc, request_id
 from fleet.gateway.tenants import tenant_of
 from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
 from fleet.gateway.text_requests import (
@@ -21,16 +21,17 @@ from fleet.gateway.text_requests import (
     CompletionRequest,
     chat_task,
     choice_tasks,
-    completion_task,
+    completion_tasks,
     image_urls,
     refuse_resumable_choices,
 )
+from fleet.wire.records import TaskApi
 from fleet.wire.tasks import TextGeneration
 
 
 async def chat_completions(request: Request) -> Response:
     chat = parse(ChatCompletionRequest, await read_json(request))
-    return await _chat(request, chat, "chatcmpl", ChatRenderer)
+    return await _chat(request, chat, "chatcmpl", ChatRenderer, "chat.completions")
 
 
 async def responses(request: Request) -> Response:
@@ -41,12 +42,12 @@ async def responses(request: Request) -> Response:
     def renderer(reply: Reply) -> ResponsesRenderer:
         return ResponsesRenderer(shape_of(asked, reply.task_id, created))
 
-    return await _chat(request, as_chat(asked), "resp", renderer)
+    return await _chat(request, as_chat(asked), "resp", renderer, "responses")
 
 
 async def _chat(
     request: Request, chat: ChatCompletionRequest, prefix: str,
-    renderer_of: Callable[[Reply], Renderer],
+    renderer_of: Callable[[Reply], Renderer], api: TaskApi,
 ) -> Response:
     gateway = gateway_of(request)
     card = gateway.card_for(chat.model, "text_generation")
@@ -67,6 +68,9 @@ async def _chat(
         stream=chat.stream,
         resumable=chat.resumable,
         timeout_s=timeout_s,
+        api=api,
+        logprobs=chat.logprobs,
+        include_usage=chat.include_usage,
     )
 
 
@@ -75,16 +79,17 @@ async def completions(request: Request) -> Response:
     completion = parse(CompletionRequest, await read_json(request))
     gateway.card_for(completion.model, "text_generation")
     timeout_s = gateway.timeout_for(completion.timeout)
-    refuse_resumable_choices(completion.n, completion.resumable)
-    task = completion_task(completion, new_task_id("cmpl"), now_utc(), timeout_s)
-    tasks = choice_tasks(task, completion.n)
+    tasks = completion_tasks(completion, new_task_id("cmpl"), now_utc(), timeout_s)
+    prompts = completion.prompts
     reply = Reply(
-        task.task_id,
+        request_id([task.task_id for task in tasks]),
         completion.model,
         int(time.time()),
         completion.logprobs is not None,
         completion.include_usage,
         _choice_ids(tasks),
+        per_prompt=completion.n if len(prompts) > 1 else None,
+        echo=tuple(task.prompt or "" for task in tasks) if completion.echo else (),
     )
     return await gateway.run(
         request,
@@ -93,6 +98,9 @@ async def completions(request: Request) -> Response:
         stream=completion.stream,
         resumable=completion.resumable,
         timeout_s=timeout_s,
+        api="completions",
+        logprobs=completion.logprobs is not None,
+        include_usage=completion.include_usage,
     )
 
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from pydantic import BaseModel
 
 from fleet.runner import protocol as pipe
-from fleet.wire import ask, cluster, events, handoff, prefixes, runners, tasks
+from fleet.wire import ask, cluster, events, handoff, prefixes, records, ring, runners, tasks
 
 _AT = 1764495000.0
 _WHEN = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -91,6 +91,10 @@ def examples() -> dict[str, BaseModel]:
             task_id="hello-1", reason="task_id_taken",
             message="task id 'hello-1' belongs to another task message",
         ),
+        "task_record": records.TaskRecord(
+            tenant="team-a", api="chat.completions", model="smollm2-135m", created=1764495000,
+            choices=["chatcmpl-x-0", "chatcmpl-x-1"], include_usage=True,
+        ),
         "model_card": _CARD,
         "node_info": cluster.NodeInfo(
             node_id="node-a1", hostname="box", memory_total_bytes=24 << 30,
@@ -114,6 +118,10 @@ def examples() -> dict[str, BaseModel]:
             '"messages":[{"role":"user","content":"hello"}]}',
         ),
         "hand_off_answer": handoff.HandOffAnswer(taken=True),
+        "step_plan": ring.StepPlan(
+            admit=[ring.PlannedAdmission(task=chat.model_copy(update={"model": "tiny-llm"}))],
+            cancel=["hello-1"],
+        ),
         "runner_status_changed": cluster.RunnerStatusChanged(
             runner_id="run-1", instance_id="inst-tiny-llm-1", node_id="node-a1",
             model="tiny-llm", status=runners.RunnerLoading(layers_done=1, layers_total=2), at=_AT,
@@ -123,6 +131,8 @@ def examples() -> dict[str, BaseModel]:
         "runner_spec": pipe.RunnerSpec(
             runner_id="run-1", instance_id="inst-tiny-llm-1", node_id="node-a1", card=_CARD,
             model_path="/data/models/tiny-llm", images_dir="/data/images",
+            group=ring.GroupSpec(rank=1, start_layer=1, end_layer=2,
+                                 ring=["10.0.0.1:52001", "10.0.0.2:52001"]),
         ),
         "submit_task": pipe.SubmitTask(task=NATS_CLI_TASK, traceparent=None),
         "runner_status": pipe.RunnerStatusReport(

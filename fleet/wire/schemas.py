@@ -9,7 +9,7 @@ import orjson
 from pydantic import TypeAdapter
 
 from fleet.runner import protocol as pipe
-from fleet.wire import cluster, codec, events, handoff, prefixes, tasks
+from fleet.wire import cluster, codec, events, handoff, prefixes, records, ring, tasks
 from fleet.wire.examples import examples
 
 FAMILIES: dict[str, TypeAdapter[Any]] = {
@@ -27,9 +27,11 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "runner-spec": TypeAdapter(pipe.RunnerSpec),
     "task-refused": TypeAdapter(events.TaskRefused),
     "prefix-summary": TypeAdapter(prefixes.PrefixSummary),
+    "step-plan": TypeAdapter(ring.StepPlan),
     "task-hand-off": TypeAdapter(handoff.TaskHandOff),
     "hand-off-answer": TypeAdapter(handoff.HandOffAnswer),
     "ask-reply": codec.ASK_REPLY,
+    "task-record": TypeAdapter(records.TaskRecord),
 }
 
 _SUBJECTS = {
@@ -41,11 +43,13 @@ _SUBJECTS = {
     "instance": "KV FLEET_INSTANCES, key = instance id",
     "runner-record": "KV FLEET_RUNNERS, key = runner id",
     "prefix-summary": "KV FLEET_PREFIXES, key = runner id",
+    "step-plan": "rank 0 to the other ranks of a sharded instance, over its mx.distributed ring",
     "task-hand-off": "fleet.handoff.<node_id> (a core request between workers)",
     "hand-off-answer": "the reply to a task-hand-off request",
     "task-refused": "fleet.refused.<model> (stream FLEET_REFUSED) and the task's "
     "Fleet-Reply-To inbox",
     "ask-reply": "the reply to a request on fleet.ask.<model> (whose body is a task)",
+    "task-record": "KV FLEET_TENANTS, key = task.<task_id>",
 }
 
 

@@ -12,7 +12,7 @@ from fleet.wire.cluster import Instance
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import is_past
 from fleet.worker.routing import Candidate, Wait, choose
-from fleet.worker.state import PendingTask, WorkerState
+from fleet.worker.state import PendingTask, WorkerState, group_layout
 from fleet.worker.supervisor import compute_backoff
 
 RESTART_BASE_S = 1.0
@@ -86,11 +86,12 @@ Action = (
 
 
 def _orphaned(state: WorkerState) -> set[str]:
-    """Runners to stop: their instance is no longer hosted here, or the worker is stopping."""
-    wanted = {inst.instance_id for inst in state.hosted_instances()}
+    """Runners to stop: their instance is no longer hosted here, its group changed (a shard
+    moved: every rank restarts into the new ring), or the worker is stopping."""
+    wanted = {inst.instance_id: group_layout(inst) for inst in state.hosted_instances()}
     return {
         r.runner_id for r in state.runners.values()
-        if state.stopping or r.instance_id not in wanted
+        if state.stopping or r.instance_id not in wanted or wanted[r.instance_id] != r.layout
     }
 
 

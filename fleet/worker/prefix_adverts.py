@@ -34,7 +34,9 @@ def summary(runner: RunnerView, node_id: str, now: float) -> PrefixSummary:
     return PrefixSummary(
         runner_id=runner.runner_id, node_id=node_id, model=runner.model,
         block_chars=BLOCK_CHARS, blocks=[f"{b:016x}" for b in runner.held.order],
-        in_flight=len(runner.in_flight), slots=runner.slots, prefilling=len(runner.prefill),
+        # A rank > 0 of a sharded instance takes no tasks: no slots for other nodes to see.
+        in_flight=len(runner.in_flight), slots=runner.slots if runner.rank == 0 else 0,
+        prefilling=len(runner.prefill),
         prefill_blocks=runner.prefill_blocks, at=now,
     )
 
@@ -57,13 +59,14 @@ class PrefixAdverts:
 
     async def write_changes(self, kv: KeyValue) -> None:
         state, now = self.state(), time.time()
-        for runner in state.runners.values():
+        # A rank > 0 of a sharded instance takes no tasks: nothing to advertise.
+        for runner in (r for r in state.runners.values() if r.rank == 0):
             mark = (hash(runner.held.order), len(runner.in_flight), runner.prefill_blocks)
             last = self._written.get(runner.runner_id)
             if last is not None and last[:3] == mark and now - last[3] < REFRESH_S:
                 continue
             await kv_put(kv, runner.runner_id, encode(summary(runner, state.node_id, now)))
             self._written[runner.runner_id] = (*mark, now)
-        for gone in set(self._written) - set(state.runners):
+        for gone in set(self._written) - {r for r, v in state.runners.items() if v.rank == 0}:
             await kv_delete(kv, gone)
             del self._written[gone]

@@ -25,6 +25,8 @@ class RunnerView:
     in_flight: frozenset[str] = frozenset()
     command_sent: str | None = None  # the last lifecycle command, so it is sent once
     held: PrefixHeld = field(default_factory=PrefixHeld)  # blocks sent here: its cache
+    rank: int = 0  # its shard's rank; only rank 0 of a sharded instance takes tasks
+    layout: tuple[object, ...] = ()  # the group it joined (`group_layout`); () for one node
     # task -> blocks it had to prefill here (uncached when dispatched), until its first output
     prefill: Mapping[str, int] = field(default_factory=dict)
     # task -> blocks it brought here that were new (not yet cached), until its first output
@@ -44,7 +46,7 @@ class RunnerView:
 
     @property
     def free_slots(self) -> int:
-        if self.status.state not in ACCEPTS_TASKS:
+        if self.status.state not in ACCEPTS_TASKS or self.rank > 0:
             return 0
         return max(0, self.slots - len(self.in_flight))
 
@@ -110,6 +112,17 @@ class WorkerState:
 
     def runner_for(self, instance_id: str) -> RunnerView | None:
         return next((r for r in self.runners.values() if r.instance_id == instance_id), None)
+
+
+def group_layout(instance: Instance) -> tuple[object, ...]:
+    """What a sharded instance's runners are joined by: each rank's node, layers and ring
+    address. A runner started for another layout (a shard moved) must be restarted. Pure."""
+    if not instance.sharded:
+        return ()
+    return tuple(
+        (s.rank, s.node_id, s.start_layer, s.end_layer, s.ring_address)
+        for s in sorted(instance.shards, key=lambda shard: shard.rank)
+    )
 
 
 # ---- events -----------------------------------------------------------------------------

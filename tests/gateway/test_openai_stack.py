@@ -124,7 +124,8 @@ def stack(
 
 def task_events(stack: Stack, task_id: str, after: int = 0) -> list[dict]:
     """A task's raw Fleet events after the first `after`, read until its terminal event."""
-    response = httpx.get(f"{stack.url}/v1/tasks/{task_id}/events?after={after}", timeout=120)
+    response = httpx.get(f"{stack.url}/v1/tasks/{task_id}/events?after={after}&format=native",
+                         timeout=120)
     assert response.status_code == 200
     return [orjson.loads(block["data"]) for block in sse_blocks(response.text)]
 
@@ -192,6 +193,12 @@ def test_a_dropped_stream_resumes_without_losing_a_token(stack: Stack) -> None:
     assert rest[-1]["type"] == "task_finished" and rest[-1]["status"] == "completed"
     resumed = "".join(event["text"] for event in rest if event["type"] == "token")
     assert seen_text + resumed == reference
+    # By default the resume speaks the request's own format: chat.completion.chunk.
+    as_chat = httpx.get(f"{stack.url}/v1/tasks/{task_id}/events?after={last_id}", timeout=120)
+    chunks = [orjson.loads(b["data"]) for b in sse_blocks(as_chat.text) if b["data"] != "[DONE]"]
+    assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
+    assert seen_text + "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == (
+        reference)
 
 
 def sse_blocks_of(lines: Iterator[str]) -> Iterator[dict[str, str]]:
@@ -333,3 +340,23 @@ def test_responses_api_whole_and_streamed(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         stack.openai.responses.create(model=MODEL, input="hi", previous_response_id="resp-x")
     assert bad.value.body and bad.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+def test_completions_with_a_prompt_list_and_echo(stack: Stack) -> None:
+    prompts = ["The capital of France is", "The capital of Italy is"]
+    ask = {"model": MODEL, "prompt": prompts, "max_tokens": 6, "temperature": 0, "echo": True}
+    listed = stack.openai.completions.create(**ask)
+    assert [choice.index for choice in listed.choices] == [0, 1]
+    alone = [stack.openai.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+             for p in prompts]
+    # one choice per prompt, each the prompt itself followed by what it alone gets (greedy)
+    assert [c.text for c in listed.choices] == [
+        p + a.choices[0].text for p, a in zip(prompts, alone, strict=True)]
+    assert listed.usage and listed.usage.prompt_tokens == sum(
+        a.usage.prompt_tokens for a in alone if a.usage)
+
+    streamed = ["", ""]
+    for chunk in stack.openai.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in listed.choices]
