@@ -9,7 +9,7 @@ import orjson
 from pydantic import TypeAdapter
 
 from fleet.runner import protocol as pipe
-from fleet.wire import cluster, codec, events, handoff, prefixes, ring, tasks
+from fleet.wire import cluster, codec, events, handoff, prefixes, records, ring, tasks
 from fleet.wire.examples import examples
 
 FAMILIES: dict[str, TypeAdapter[Any]] = {
@@ -31,6 +31,7 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "task-hand-off": TypeAdapter(handoff.TaskHandOff),
     "hand-off-answer": TypeAdapter(handoff.HandOffAnswer),
     "ask-reply": codec.ASK_REPLY,
+    "task-record": TypeAdapter(records.TaskRecord),
 }
 
 _SUBJECTS = {
@@ -48,6 +49,7 @@ _SUBJECTS = {
     "task-refused": "fleet.refused.<model> (stream FLEET_REFUSED) and the task's "
     "Fleet-Reply-To inbox",
     "ask-reply": "the reply to a request on fleet.ask.<model> (whose body is a task)",
+    "task-record": "KV FLEET_TENANTS, key = task.<task_id>",
 }
 
 
