@@ -25,7 +25,7 @@ from starlette.types import Receive, Scope, Send
 
 from fleet.errors import FleetError
 from fleet.gateway.backend import Backend
-from fleet.gateway.errors import error_body, failure
+from fleet.gateway.errors import counted_error_response, error_body, failure
 from fleet.gateway.observability import GatewayMetrics, TaskObserver
 from fleet.gateway.task_events import ChoiceEvents, Indexed, TaskEvents
 from fleet.gateway.tenants import Capacity
@@ -262,6 +262,12 @@ async def _run_task(
         if events.finished and (failed := failure(events.finished, _last_error(head))):
             raise failed
         handed_over = True
+    except FleetError as exc:
+        if not published:
+            raise
+        # Answered, not raised: the tasks exist, so this answer names them like any other
+        # (the caller adds the task id headers), for `fleet trace` and the task's events.
+        return counted_error_response(metrics, exc)
     finally:
         if not handed_over:
             await events.close()

@@ -120,3 +120,9 @@ class RunnerReports:
                 await self._report(item)
         self._apply(ev.RunnerGone(runner_id, crashed=crashed, at=time.time()))
         self.cluster.runner_removed(runner_id)
+        if crashed and view is not None and view.layout:
+            # The other ranks wait on a ring this rank left: restart the whole group.
+            self.runners.owner.spawn(
+                f"restart group {view.instance_id}",
+                self.cluster.restart_group(view.instance_id, view.layout),
+            )

@@ -115,14 +115,15 @@ class WorkerState:
 
 
 def group_layout(instance: Instance) -> tuple[object, ...]:
-    """What a sharded instance's runners are joined by: each rank's node, layers and ring
-    address. A runner started for another layout (a shard moved) must be restarted. Pure."""
+    """What a sharded instance's runners are joined by: its generation and each rank's node,
+    layers and ring address. A runner started for another layout (a shard moved, a rank's
+    runner died) must be restarted. Pure."""
     if not instance.sharded:
         return ()
-    return tuple(
+    return (instance.generation, *(
         (s.rank, s.node_id, s.start_layer, s.end_layer, s.ring_address)
         for s in sorted(instance.shards, key=lambda shard: shard.rank)
-    )
+    ))
 
 
 # ---- events -----------------------------------------------------------------------------

@@ -102,17 +102,19 @@ def _fails_with(reason: ErrorReason, message: str):
 async def test_a_failed_task_is_an_error_with_its_status(
     client: httpx.AsyncClient, worker: StandInWorker
 ) -> None:
-    response, _ = await asyncio.gather(
+    response, task = await asyncio.gather(
         client.post("/v1/chat/completions", json={**CHAT, "stream": True}),
         worker.answer(_fails_with(ErrorReason.CONTEXT_LENGTH, "prompt too long")),
     )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "context_length"
     assert response.json()["error"]["message"] == "prompt too long"
+    assert response.headers["x-fleet-task-id"] == task.task_id  # an error names its task too
 
-    response, _ = await asyncio.gather(
+    response, task = await asyncio.gather(
         client.post("/v1/chat/completions", json=CHAT),
         worker.answer(_fails_with(ErrorReason.RUNNER_CRASHED, "runner exited with -9")),
     )
     assert response.status_code == 502
     assert response.json()["error"]["type"] == "server_error"
+    assert response.headers["x-fleet-task-id"] == task.task_id
