@@ -48,6 +48,11 @@ class Renderer(Protocol):
 
     def closing(self) -> list[bytes]: ...
 
+    def failed(self, exc: FleetError) -> list[bytes]:
+        """The lines that end a stream that failed after it began (an `error` event, unless
+        the API has a way of its own)."""
+        ...
+
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -130,13 +135,15 @@ async def _relay(
                 last_error = item.event
             if isinstance(item.event, TaskFinished) and (failed := failure(item.event, last_error)):
                 observers.metrics.error(failed.reason.value)
-                yield sse_error(failed)
+                for line in renderer.failed(failed):
+                    yield line
                 return
             for line in await renderer.lines(item):
                 yield line
     except FleetError as exc:  # deadline, NATS gone: the headers are out, so say it in-band
         observers.metrics.error(exc.reason.value)
-        yield sse_error(exc)
+        for line in renderer.failed(exc):
+            yield line
         return
     for line in renderer.closing():
         yield line
