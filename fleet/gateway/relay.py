@@ -243,7 +243,8 @@ async def _run_task(
     claim = claimer(backend, tenant)
     for task in tasks:
         backend.check_size(task)  # 413 before anything is published
-    await asyncio.gather(*(backend.owners.record_task(i, r) for i, r in records.items()))
+    for task_id, record in records.items():  # one by one: a failure is the request's, whole
+        await backend.owners.record_task(task_id, record)
     # Listening before publishing: nothing is stored for a fresh id, so no replay is needed,
     # and a NATS that is down fails the request before a task is queued for nobody.
     events = await _open_events(backend, tasks, deadline=started + timeout_s)
