@@ -174,6 +174,12 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
         result["weights"] = run_weights(
             args.quick, getattr(args, "weights_mb", 540), worker=not args.quick
         )["results"]
+    if args.only in (None, "ask"):
+        from bench.ask import print_summary, run_ask
+
+        # Request-reply on fleet.ask.<model> against publish-and-watch, on the fault engine.
+        result["ask"] = uvloop.run(run_ask(20 if args.quick else 200, 8, workdir / "ask"))
+        print_summary(result["ask"])
     if args.only in (None, "plumbing"):
         from bench.plumbing import run_plumbing
 

@@ -48,6 +48,11 @@ class Renderer(Protocol):
 
     def closing(self) -> list[bytes]: ...
 
+    def failed(self, exc: FleetError) -> list[bytes]:
+        """The lines that end a stream that failed after it began (an `error` event, unless
+        the API has a way of its own)."""
+        ...
+
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -130,13 +135,15 @@ async def _relay(
                 last_error = item.event
             if isinstance(item.event, TaskFinished) and (failed := failure(item.event, last_error)):
                 observers.metrics.error(failed.reason.value)
-                yield sse_error(failed)
+                for line in renderer.failed(failed):
+                    yield line
                 return
             for line in await renderer.lines(item):
                 yield line
     except FleetError as exc:  # deadline, NATS gone: the headers are out, so say it in-band
         observers.metrics.error(exc.reason.value)
-        yield sse_error(exc)
+        for line in renderer.failed(exc):
+            yield line
         return
     for line in renderer.closing():
         yield line
@@ -236,7 +243,8 @@ async def _run_task(
     claim = claimer(backend, tenant)
     for task in tasks:
         backend.check_size(task)  # 413 before anything is published
-    await asyncio.gather(*(backend.owners.record_task(i, r) for i, r in records.items()))
+    for task_id, record in records.items():  # one by one: a failure is the request's, whole
+        await backend.owners.record_task(task_id, record)
     # Listening before publishing: nothing is stored for a fresh id, so no replay is needed,
     # and a NATS that is down fails the request before a task is queued for nobody.
     events = await _open_events(backend, tasks, deadline=started + timeout_s)

@@ -84,6 +84,7 @@ class Worker(RunnerReports, Stopping):
         self.cancels_sent: set[str] = set()  # tasks a user cancelled while they ran here
         self.unsent_chunks = 0  # task events the broker would not take (logged each time)
         self.cancelled_while_offered: set[str] = set()  # cancels heard during a hand-off
+        self.plan_due = False  # a streamed report changed what the planner reads
 
     async def run(self) -> None:
         """Serve until stopped; /metrics (when a port is set) from before the connection to
@@ -156,7 +157,7 @@ class Worker(RunnerReports, Stopping):
         while not isinstance(item := await self.inbox.get(), Stop):
             try:
                 await self._handle(item)
-                if not _streams_only(item):
+                if self.plan_due or not _streams_only(item):
                     await self._drive()
             except Exception:  # one item's trouble must not end the node's work
                 self.handler_failures += 1
@@ -166,6 +167,7 @@ class Worker(RunnerReports, Stopping):
         self.state = apply(self.state, event)
 
     async def _drive(self) -> None:
+        self.plan_due = False
         while (action := rules.plan(self.state, time.time())) is not None:
             await self._act(action)
 

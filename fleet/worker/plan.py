@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from fleet.wire.cluster import Instance
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import is_past
-from fleet.worker.routing import Candidate, choose
+from fleet.worker.routing import Candidate, Wait, choose
 from fleet.worker.state import PendingTask, WorkerState, group_layout
 from fleet.worker.supervisor import compute_backoff
 
@@ -164,12 +164,12 @@ def dispatch(state: WorkerState, now: float) -> Action | None:
             continue
         candidates = [
             Candidate(r.runner_id, r.free_slots, len(r.in_flight), r.held, None,
-                      r.prefill_blocks, len(r.prefill))
+                      r.prefill_blocks, len(r.prefill), r.warming_blocks)
             for r in state.runners.values()
             if r.model == pending.task.model and r.free_slots > 0 and not r.shutting_down
         ] + remote_candidates(state, pending, now)
         chosen = choose(pending.blocks, candidates, state.routing)
-        if chosen is None:
+        if chosen is None or isinstance(chosen, Wait):  # a prefill of its prefix is on
             continue
         if chosen.node_id is None:
             return Dispatch(task_id, chosen.runner_id)

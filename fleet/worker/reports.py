@@ -67,6 +67,7 @@ class RunnerReports:
             case _:
                 if report.type != "task_accepted" and report.task_id in self._prefilling(runner_id):
                     self._apply(ev.FirstOutput(report.task_id, runner_id))  # once a task
+                    self.plan_due = True  # a task may wait for this prefill
                 await self._chunk(report)
 
     def _prefilling(self: Worker, runner_id: str) -> Mapping[str, int]:
