@@ -10,9 +10,12 @@ import signal
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
+import httpx
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from fleet.config import load_settings
+from fleet.gateway.app import build_app
 from fleet.models.catalog import get_card
 from fleet.placement import place, remove
 from fleet.wire import subjects
@@ -65,7 +68,7 @@ async def ready_ranks(
 
 
 async def test_smollm2_over_two_nodes_answers_with_the_unsharded_tokens(
-    nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path,
+    nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path, tmp_path: Path,
 ) -> None:
     models = {"smollm2-135m": smollm2_dir}
     first = start_worker("w1", models=models)
@@ -91,6 +94,19 @@ async def test_smollm2_over_two_nodes_answers_with_the_unsharded_tokens(
     assert tokens == [e.token_id for e in unsharded if isinstance(e, TokenChunk)]
     accepted = [e for e in events if e.type == "task_accepted"]
     assert [e.node_id for e in accepted] == [sharded.shards[0].node_id]  # rank 0's worker
+
+    # The same question through the gateway, a stateless sidecar on the same subjects.
+    settings = load_settings({"nats_url": nats_url, "data_dir": tmp_path / "gw"}, env={})
+    app = build_app(settings)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=120,
+    ) as http:
+        reply = await http.post("/v1/chat/completions", json={
+            "model": "smollm2-135m", "max_tokens": 12, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        })
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == text_of(unsharded)
     await nc.close()
 
 
