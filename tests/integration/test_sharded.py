@@ -18,6 +18,7 @@ from fleet.config import load_settings
 from fleet.gateway.app import build_app
 from fleet.models.catalog import get_card
 from fleet.placement import place, remove
+from fleet.trace.cli import spans_of_trace
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord
 from fleet.wire.codec import decode_event, decode_model
@@ -94,6 +95,17 @@ async def test_smollm2_over_two_nodes_answers_with_the_unsharded_tokens(
     assert tokens == [e.token_id for e in unsharded if isinstance(e, TokenChunk)]
     accepted = [e for e in events if e.type == "task_accepted"]
     assert [e.node_id for e in accepted] == [sharded.shards[0].node_id]  # rank 0's worker
+    # Each rank traced its share of the task: a generation span with its rank, and its phases.
+    trace_id = accepted[0].trace_id
+    assert trace_id is not None
+    async with asyncio.timeout(60):
+        while True:
+            spans = await spans_of_trace(js, trace_id)
+            ranks = {s["attributes"].get("fleet.rank") for s in spans if "attributes" in s}
+            if {0, 1} <= ranks:
+                break
+            await asyncio.sleep(0.2)  # the workers export finished spans in batches; bounded
+    assert sum(1 for s in spans if s["name"] == "decode") == 2
 
     # The same question through the gateway, a stateless sidecar on the same subjects.
     settings = load_settings({"nats_url": nats_url, "data_dir": tmp_path / "gw"}, env={})
