@@ -236,9 +236,9 @@ class Worker(RunnerReports, Stopping):
 
     async def _act(self, action: rules.Action) -> None:
         match action:
-            case rules.StopRunner(runner_id=runner_id):
+            case rules.StopRunner(runner_id=runner_id, now=now):
                 self._apply(ev.CommandSent(runner_id, "shutdown"))
-                self.runners.stop(runner_id)
+                self.runners.stop(runner_id, kill=now)
             case rules.SpawnRunner(instance=instance):
                 self._apply(ev.RunnerStarting(instance.instance_id))
                 self.runners.spawn(instance, self.state.cards.get(instance.model))
