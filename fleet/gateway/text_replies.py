@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleet.bus.task_events import Indexed
 from fleet.gateway.relay import SSE_DONE, sse
-from fleet.gateway.task_events import Indexed
 from fleet.wire.events import (
     ErrorChunk,
     OutputEvent,

@@ -26,19 +26,19 @@ from typing import BinaryIO
 
 from fleet.runner.engine import Engine, EngineConfig
 from fleet.runner.fault_engine import FAULT_FAMILY, FaultEngine
-from fleet.runner.framing import FrameError, FrameReader, FrameWriter, decode_command
 from fleet.runner.image_steps import StepHook
 from fleet.runner.machine import RunnerMachine
-from fleet.runner.protocol import (
+from fleet.runner.spans import RunnerSpans, SpanBuffer
+from fleet.telemetry import setup
+from fleet.wire.codec import DecodeError, decode_model
+from fleet.wire.framing import FrameError, FrameReader, FrameWriter, decode_command
+from fleet.wire.pipe import (
     RunnerCommand,
     RunnerReport,
     RunnerSpec,
     RunnerStatusReport,
     Shutdown,
 )
-from fleet.runner.spans import RunnerSpans, SpanBuffer
-from fleet.telemetry import setup
-from fleet.wire.codec import DecodeError, decode_model
 from fleet.wire.runners import RunnerFailed
 from fleet.wire.tasks import CancelTask
 
