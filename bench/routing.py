@@ -6,6 +6,12 @@ prefix-aware dispatch; (d) `peer`: mlx_lm.server, one process with its own promp
 Each setup starts fresh (empty caches), is warmed up with two short unrelated requests, then
 runs the same seeded workload (bench/routing_workload.py). The routing cost is measured in
 process on the same prompts: block hashing plus the choice, the code the worker runs.
+
+The machine is shared, so wall-clock figures carry the neighbours' load: every setup records
+the load average before and after, and the CPU seconds its model processes (the runners, or
+the peer) and its whole process tree spent on the workload, which the neighbours do not
+change much: CPU ms per completion token and per turn compare the setups' work, and the
+prefilled (uncached) prompt tokens say where the work went.
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 from nats.aio.client import Client
 
 from bench.fleet_stack import FleetStack, seed_data_dir
+from bench.machine import load_average
 from bench.peer import PeerServer
 from bench.routing_workload import Turn, Workload, drive, fleet_sender, http_sender, system_prompts
 from bench.workload import EOS_BIAS, percentile
@@ -72,19 +80,22 @@ async def run_routing(model_id: str, model_dir: Path, custom_card: bool, plan: R
         log.info("routing: %s %s", model_id, scenario)
         where = workdir / scenario
         where.mkdir(parents=True, exist_ok=True)
+        load_before = load_average()
         if scenario == "peer":
-            turns, wall = await _peer(model_dir, env, where, plan, systems, bias)
+            turns, wall, cpu = await _peer(model_dir, env, where, plan, systems, bias)
         else:
-            turns, wall = await _fleet(model_id, model_dir, custom_card, scenario, plan,
-                                       where, env, systems, bias)
-        info["scenarios"][scenario] = summarise(turns, wall)
+            turns, wall, cpu = await _fleet(model_id, model_dir, custom_card, scenario, plan,
+                                            where, env, systems, bias)
+        info["scenarios"][scenario] = {
+            **summarise(turns, wall, cpu), "load_before": load_before, "load_after": load_average(),
+        }
     info["routing_cost"] = routing_cost(systems, plan.workload)
     return info
 
 
 async def _fleet(model_id: str, model_dir: Path, custom_card: bool, scenario: str,
                  plan: RoutingPlan, where: Path, env: dict[str, str], systems: list[str],
-                 bias: dict[int, float]) -> tuple[list[Turn], float]:
+                 bias: dict[int, float]) -> tuple[list[Turn], float, dict[str, float]]:
     data_dir = where / "fleet-data"
     seed_data_dir(data_dir, {} if custom_card else {model_id: model_dir},
                   {model_id: model_dir} if custom_card else {})
@@ -95,10 +106,13 @@ async def _fleet(model_id: str, model_dir: Path, custom_card: bool, scenario: st
         if scenario != "one_runner":
             await _second_runner(nc, model_id, data_dir, plan.slots)
         await _warm_up(fleet_sender(nc, model_id, plan.workload, bias, time.perf_counter()))
+        assert stack.process is not None
+        before = cpu_seconds(stack.process.pid)
         t0 = time.perf_counter()
         turns = await drive(plan.workload, systems,
                             fleet_sender(nc, model_id, plan.workload, bias, t0))
-        return turns, time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        return turns, wall, _spent(before, cpu_seconds(stack.process.pid))
     finally:
         await stack.stop()
 
@@ -128,17 +142,21 @@ async def _second_runner(nc: Client, model_id: str, data_dir: Path, slots: int) 
 
 
 async def _peer(model_dir: Path, env: dict[str, str], where: Path, plan: RoutingPlan,
-                systems: list[str], bias: dict[int, float]) -> tuple[list[Turn], float]:
+                systems: list[str], bias: dict[int, float],
+                ) -> tuple[list[Turn], float, dict[str, float]]:
     peer = PeerServer(model_dir, env, where)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0)) as client:
         try:
             await peer.start()
             await _warm_up(http_sender(client, peer.base_url, plan.workload, bias,
                                        time.perf_counter()))
+            assert peer.process is not None
+            before = cpu_seconds(peer.process.pid, model_marker="")
             t0 = time.perf_counter()
             turns = await drive(plan.workload, systems,
                                 http_sender(client, peer.base_url, plan.workload, bias, t0))
-            return turns, time.perf_counter() - t0
+            wall = time.perf_counter() - t0
+            return turns, wall, _spent(before, cpu_seconds(peer.process.pid, model_marker=""))
         finally:
             await asyncio.to_thread(peer.stop)
 
@@ -148,13 +166,37 @@ async def _warm_up(send: Any) -> None:
                            for i in range(2)))
 
 
-def summarise(turns: list[Turn], wall_s: float) -> dict[str, Any]:
+def cpu_seconds(root_pid: int, model_marker: str = "fleet.runner.main") -> dict[str, float]:
+    """User + system CPU seconds so far of a process tree (`all`) and of its processes whose
+    command line holds `model_marker` (`model`: the runners; "" for the peer: all of it)."""
+    spent = {"all": 0.0, "model": 0.0}
+    root = psutil.Process(root_pid)
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            times = process.cpu_times()
+            is_model = model_marker in " ".join(process.cmdline())
+        except psutil.Error:
+            continue
+        spent["all"] += times.user + times.system
+        if is_model:
+            spent["model"] += times.user + times.system
+    return spent
+
+
+def _spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {key: after[key] - before[key] for key in after}
+
+
+def summarise(turns: list[Turn], wall_s: float,
+              cpu: dict[str, float] | None = None) -> dict[str, Any]:
     ok = [t for t in turns if t.error is None]
     ttfts = [t.ttft_s for t in ok if t.ttft_s is not None]
     reported = [t for t in ok if t.cached_tokens is not None]
     prompt = sum(t.prompt_tokens for t in reported)
     ends = [t.end_s for t in ok if t.end_s is not None]
     span = (max(ends) - min(t.start_s for t in ok)) if ends else None
+    tokens = sum(t.tokens for t in ok)
+    cpu = cpu or {}
     return {
         "turns": len(turns), "errors": [t.error for t in turns if t.error][:5],
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
@@ -164,6 +206,17 @@ def summarise(turns: list[Turn], wall_s: float) -> dict[str, Any]:
         "aggregate_tok_s": sum(t.tokens for t in ok) / span if span else None,
         "wall_s": wall_s,
         "runners": dict(Counter(t.runner_id for t in ok if t.runner_id)),
+        "prefilled_tokens": (sum(t.prompt_tokens - (t.cached_tokens or 0) for t in reported)
+                             if reported else None),
+        "model_cpu_s": cpu.get("model"), "all_cpu_s": cpu.get("all"),
+        "model_cpu_ms_per_token": (cpu["model"] * 1000 / tokens
+                                   if cpu.get("model") and tokens else None),
+        "per_turn": [  # for the analysis: which turns missed the cache, and where they ran
+            {"conversation": t.conversation, "turn": t.turn, "start_s": round(t.start_s, 3),
+             "ttft_s": None if t.ttft_s is None else round(t.ttft_s, 3),
+             "prompt": t.prompt_tokens, "cached": t.cached_tokens, "runner": t.runner_id}
+            for t in turns
+        ],
     }
 
 

@@ -28,16 +28,22 @@ def routing_table(info: dict[str, Any]) -> list[str]:
         f"{w['max_tokens']} new tokens a turn, think time ~{w['think_s']} s; "
         f"{info['plan']['slots']} slots a runner",
         "",
-        "| setup | TTFT p50 ms | TTFT p99 ms | cached fraction | aggregate tok/s | mean prompt "
-        "tokens | turns (errors) | turns per runner |",
-        "|---|---|---|---|---|---|---|---|",
+        "| setup | TTFT p50 ms | TTFT p99 ms | cached fraction | prefilled tokens | aggregate "
+        "tok/s | model CPU s (ms/token) | mean prompt tokens | turns (errors) | turns per "
+        "runner | load before/after |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in info["scenarios"].items():
         spread = "/".join(str(n) for n in sorted(s["runners"].values(), reverse=True)) or "-"
+        load = "/".join(f"{s[k][0]:.1f}" if s.get(k) else "-"
+                        for k in ("load_before", "load_after"))
         lines.append(
             f"| {LABELS.get(name, name)} | {_ms(s['ttft_p50_s'])} | {_ms(s['ttft_p99_s'])} | "
-            f"{_num(s['cached_fraction'], 2)} | {_num(s['aggregate_tok_s'])} | "
-            f"{_num(s['prompt_tokens_mean'], 0)} | {s['turns']} ({len(s['errors'])}) | {spread} |"
+            f"{_num(s['cached_fraction'], 2)} | {_num(s.get('prefilled_tokens'), 0)} | "
+            f"{_num(s['aggregate_tok_s'])} | {_num(s.get('model_cpu_s'))} "
+            f"({_num(s.get('model_cpu_ms_per_token'), 0)}) | "
+            f"{_num(s['prompt_tokens_mean'], 0)} | {s['turns']} ({len(s['errors'])}) | {spread} "
+            f"| {load} |"
         )
     cost = info["routing_cost"]
     lines += ["", f"routing cost per task (hash blocks + choose + record): p50 "

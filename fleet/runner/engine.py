@@ -30,6 +30,11 @@ class TaskRejected(Exception):
         self.message = message
 
 
+class GroupLost(Exception):
+    """A sharded instance's group broke (a peer left the ring): the runner exits as crashed,
+    and its worker ends or continues the tasks in flight as after any runner crash."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     card: ModelCard

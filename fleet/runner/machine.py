@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fleet.runner.engine import Admission, Engine, TaskRejected
+from fleet.runner.engine import Admission, Engine, GroupLost, TaskRejected
 from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, failed
 from fleet.wire.pipe import (
     ConnectToGroup,
@@ -76,8 +76,11 @@ class RunnerMachine:
         engine: Engine,
         emit: Emit,
         clock: Callable[[], float] = time.time,
+        connect: Callable[[], None] = lambda: None,
     ) -> None:
+        """`connect` joins the runner's group (a sharded instance); one node has none."""
         self._spec = spec
+        self._connect = connect
         self._engine = engine
         self._emit = emit
         self._clock = clock
@@ -113,7 +116,8 @@ class RunnerMachine:
         match command, self.state:
             case ConnectToGroup(), RunnerIdle():
                 self._become(RunnerConnecting())
-                self._become(RunnerConnected())  # a single node has no group to join
+                self._connect()
+                self._become(RunnerConnected())
             case LoadModel(), RunnerConnected():
                 self._become(RunnerLoading(layers_total=self._spec.card.n_layers))
                 self._engine.load(self._loading)
@@ -153,6 +157,8 @@ class RunnerMachine:
         """Advance every task one engine step and emit what it produced."""
         try:
             events = self._engine.step()
+        except GroupLost:
+            raise  # the process exits as crashed: the worker ends or continues its tasks
         except Exception as exc:
             log.exception("engine step failed")
             self.fail(f"engine step failed: {type(exc).__name__}: {exc}")

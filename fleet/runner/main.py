@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from fleet.runner.engine import Engine, EngineConfig
+from fleet.runner.engine import Engine, EngineConfig, GroupLost
 from fleet.runner.fault_engine import FAULT_FAMILY, FaultEngine
 from fleet.runner.image_steps import StepHook
 from fleet.runner.machine import RunnerMachine
@@ -39,10 +39,12 @@ from fleet.wire.pipe import (
     RunnerStatusReport,
     Shutdown,
 )
-from fleet.wire.runners import RunnerFailed
+from fleet.wire.runners import RunnerFailed, RunnerReady
 from fleet.wire.tasks import CancelTask
 
 log = logging.getLogger("fleet.runner")
+
+RING_LOST_EXIT = 3  # a rank whose group broke exits with this: its worker sees a crash
 
 
 @dataclass(frozen=True)
@@ -66,12 +68,23 @@ def engine_config(spec: RunnerSpec) -> EngineConfig:
     )
 
 
-def make_engine(spec: RunnerSpec, on_step: StepHook | None = None) -> Engine:
-    """The engine for the card; imported lazily so the fault engine never imports mlx."""
+def make_engine(
+    spec: RunnerSpec, on_step: StepHook | None = None,
+    last_words: Callable[[str], None] = lambda reason: None,
+) -> Engine:
+    """The engine for the card; imported lazily so the fault engine never imports mlx.
+    `last_words(reason)` is a sharded runner's Failed report when its ring never forms."""
     config = engine_config(spec)
     if spec.card.family == FAULT_FAMILY:
         return FaultEngine(config)
     _use_openblas()
+    if spec.group is not None:
+        if spec.card.is_image:
+            raise ValueError("image models are not sharded")
+        from fleet.runner.lockstep import LockstepEngine
+        from fleet.runner.text import TextEngine
+
+        return LockstepEngine(TextEngine(config), spec.group, last_words)
     if spec.card.is_image:
         from fleet.runner.image import ImageEngine
 
@@ -145,6 +158,29 @@ def serve(
     return machine.exit_code
 
 
+def serve_follower(
+    machine: RunnerMachine,
+    inbox: Inbox,
+    follow: Callable[[], None],
+    observe: Callable[[RunnerCommand], None] = lambda command: None,
+) -> int:
+    """A rank > 0 of a sharded instance: its worker takes it to ready, then it follows rank 0
+    over the ring (`follow`) until rank 0 stops the group, and shuts down."""
+    while not machine.done:
+        for item in _next_batch(inbox, wait=True):
+            if isinstance(item, PipeBroken):
+                machine.fail(item.error)
+            else:
+                observe(item)
+                machine.handle(item)
+            if machine.done:
+                break
+        if isinstance(machine.state, RunnerReady):
+            follow()
+            machine.handle(Shutdown())
+    return machine.exit_code
+
+
 class _Reporter:
     """Writes reports as frames; once the worker stops reading, later reports are dropped."""
 
@@ -164,7 +200,11 @@ class _Reporter:
 
 def _traced(spec: RunnerSpec) -> RunnerSpans:
     """Spans go to the worker over the pipe; the worker exports them (OTLP, NATS)."""
-    resource = {"service.instance.id": spec.runner_id, "fleet.node.id": spec.node_id}
+    resource: dict[str, str | int] = {
+        "service.instance.id": spec.runner_id, "fleet.node.id": spec.node_id,
+    }
+    if spec.group is not None:
+        resource["fleet.rank"] = spec.group.rank
     buffer = SpanBuffer()
     if telemetry := setup("fleet-runner", resource=resource, otlp=False):
         telemetry.add_processor(buffer)
@@ -189,14 +229,21 @@ def run_runner(spec_json: str) -> int:
         force=True,  # the runner's lines share the worker's stderr: they must say whose they are
     )
     spans = _traced(spec)
-    report = spans.observing(_Reporter(FrameWriter(frames)))
+    writer = FrameWriter(frames)
+    report = spans.observing(_Reporter(writer))
+
+    def last_words(reason: str) -> None:
+        # From the ring's watchdog (a forked child): straight to the pipe, nothing else.
+        writer.write(RunnerStatusReport(status=RunnerFailed(error=reason)))
+
     try:
-        engine = make_engine(spec, on_step=spans.on_step)
+        engine = make_engine(spec, on_step=spans.on_step, last_words=last_words)
     except Exception as exc:
         log.exception("no engine for %s", spec.card.id)
         report(RunnerStatusReport(status=RunnerFailed(error=f"no engine: {exc}")))
         return 1
-    machine = RunnerMachine(spec, engine, emit=report)
+    connect = getattr(engine, "connect", lambda: None)
+    machine = RunnerMachine(spec, engine, emit=report, connect=connect)
     inbox: Inbox = queue.Queue()
     # Unbuffered: a buffered stdin holds a lock that a reader thread still blocked in read()
     # would own at interpreter exit, and Python aborts on that.
@@ -207,7 +254,16 @@ def run_runner(spec_json: str) -> int:
             name="pipe-reader",
             daemon=True,
         ).start()
-        code = serve(machine, inbox, observe=spans.on_command)
+        try:
+            if spec.group is not None and spec.group.rank > 0:
+                code = serve_follower(machine, inbox, engine.follow, observe=spans.on_command)
+            else:
+                code = serve(machine, inbox, observe=spans.on_command)
+        except GroupLost as exc:
+            # No terminal for the tasks in flight: the worker sees a crash and ends or
+            # continues them, and restarts the group.
+            log.error("%s: exiting as crashed", exc)
+            return RING_LOST_EXIT
     log.info("exiting with %d (%s)", code, machine.state.state)
     return code
 

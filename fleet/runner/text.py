@@ -22,6 +22,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load as load_mlx_lm
 
 from fleet.runner.engine import Admission, EngineConfig, Progress, TaskRejected
+from fleet.runner.pipeline import PipelineRank
 from fleet.runner.prefix_cache import PrefixCache
 from fleet.runner.solo import SequenceSpec, SoloSequence
 from fleet.runner.structured import StructuredOutput
@@ -58,6 +59,11 @@ class TextEngine:
         self._prefix_cache = self._new_prefix_cache()
         self._cancel_lock = threading.Lock()
         self._cancel_requests: set[str] = set()
+        self._pipeline: tuple[Any, int, int] | None = None  # (ring, start, end) of a shard
+
+    def use_ring(self, ring: Any, start_layer: int, end_layer: int) -> None:
+        """Load only layers [start, end) and run them as one rank of a pipeline."""
+        self._pipeline = (ring, start_layer, end_layer)
 
     def _new_prefix_cache(self) -> PrefixCache | None:
         entries = int(self.config.extra.get("prefix_cache_entries", PREFIX_CACHE_ENTRIES))
@@ -73,6 +79,8 @@ class TextEngine:
             raise FileNotFoundError(f"no mlx-lm model directory at {path}")
         # Lazy, then layer by layer: the weights are read as each layer is evaluated.
         model, tokenizer, model_config = load_mlx_lm(str(path), lazy=True, return_config=True)
+        if self._pipeline is not None:
+            model = PipelineRank(model, *self._pipeline)  # before any weight is read
         layers = list(getattr(model, "layers", []))
         total = max(len(layers), 1)
         progress(0, total)
@@ -119,6 +127,7 @@ class TextEngine:
                     stop=["\n\n"],
                     logprobs=True,
                     top_logprobs=2,
+                    seed=index,  # the ranks of a pipeline must draw the same tokens
                 )
                 self.admit(Admission(task=warm_task))
             while self._tasks:

@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel
 
-from fleet.wire import ask, cluster, events, handoff, pipe, prefixes, runners, tasks
+from fleet.wire import ask, cluster, events, handoff, pipe, prefixes, ring, runners, tasks
 
 _AT = 1764495000.0
 _WHEN = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -113,6 +113,10 @@ def examples() -> dict[str, BaseModel]:
             '"messages":[{"role":"user","content":"hello"}]}',
         ),
         "hand_off_answer": handoff.HandOffAnswer(taken=True),
+        "step_plan": ring.StepPlan(
+            admit=[ring.PlannedAdmission(task=chat.model_copy(update={"model": "tiny-llm"}))],
+            cancel=["hello-1"],
+        ),
         "runner_status_changed": cluster.RunnerStatusChanged(
             runner_id="run-1", instance_id="inst-tiny-llm-1", node_id="node-a1",
             model="tiny-llm", status=runners.RunnerLoading(layers_done=1, layers_total=2), at=_AT,
@@ -122,6 +126,8 @@ def examples() -> dict[str, BaseModel]:
         "runner_spec": pipe.RunnerSpec(
             runner_id="run-1", instance_id="inst-tiny-llm-1", node_id="node-a1", card=_CARD,
             model_path="/data/models/tiny-llm", images_dir="/data/images",
+            group=ring.GroupSpec(rank=1, start_layer=1, end_layer=2,
+                                 ring=["10.0.0.1:52001", "10.0.0.2:52001"]),
         ),
         "submit_task": pipe.SubmitTask(task=NATS_CLI_TASK, traceparent=None),
         "runner_status": pipe.RunnerStatusReport(

@@ -20,6 +20,7 @@ from fleet.wire.events import (
     TokenChunk,
     ToolCallChunk,
 )
+from fleet.wire.ring import GroupSpec
 from fleet.wire.runners import RunnerStatus
 from fleet.wire.tasks import CancelTask, Task
 
@@ -35,6 +36,9 @@ class RunnerSpec(Wire):
     model_path: str
     images_dir: str
     slots: int = 4
+    group: GroupSpec | None = Field(
+        default=None, description="a shard of a sharded instance: its rank, layers and ring"
+    )
 
 
 class ConnectToGroup(Wire):

@@ -24,4 +24,8 @@ class PrefixSummary(Wire):
     )
     in_flight: int = 0
     slots: int = Field(default=0, description="tasks it runs at once (0: not said)")
+    prefilling: int = Field(default=0, description="tasks in flight with no output yet")
+    prefill_blocks: int = Field(
+        default=0, description="prompt blocks those tasks had to prefill (not cached there)"
+    )
     at: float

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from pydantic import TypeAdapter
 
-from fleet.wire import cluster, codec, events, handoff, pipe, prefixes, tasks
+from fleet.wire import cluster, codec, events, handoff, pipe, prefixes, ring, tasks
 from fleet.wire.examples import examples
 
 FAMILIES: dict[str, TypeAdapter[Any]] = {
@@ -26,6 +26,7 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "runner-spec": TypeAdapter(pipe.RunnerSpec),
     "task-refused": TypeAdapter(events.TaskRefused),
     "prefix-summary": TypeAdapter(prefixes.PrefixSummary),
+    "step-plan": TypeAdapter(ring.StepPlan),
     "task-hand-off": TypeAdapter(handoff.TaskHandOff),
     "hand-off-answer": TypeAdapter(handoff.HandOffAnswer),
     "ask-reply": codec.ASK_REPLY,
@@ -40,6 +41,7 @@ _SUBJECTS = {
     "instance": "KV FLEET_INSTANCES, key = instance id",
     "runner-record": "KV FLEET_RUNNERS, key = runner id",
     "prefix-summary": "KV FLEET_PREFIXES, key = runner id",
+    "step-plan": "rank 0 to the other ranks of a sharded instance, over its mx.distributed ring",
     "task-hand-off": "fleet.handoff.<node_id> (a core request between workers)",
     "hand-off-answer": "the reply to a task-hand-off request",
     "task-refused": "fleet.refused.<model> (stream FLEET_REFUSED) and the task's "

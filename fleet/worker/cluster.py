@@ -259,7 +259,7 @@ class ClusterLink:
         record = RunnerRecord(
             runner_id=view.runner_id, instance_id=view.instance_id, node_id=self.node_id,
             model=view.model, status=status, slots=view.slots,
-            active_tasks=len(view.in_flight), at=now,
+            active_tasks=len(view.in_flight), rank=view.rank, at=now,
         )
         self.records[view.runner_id] = record
         self._status_writes.put_nowait((view.runner_id, record))

@@ -130,6 +130,7 @@ def remote_runner(summary: PrefixSummary) -> RemoteRunner:
         runner_id=summary.runner_id, node_id=summary.node_id, model=summary.model,
         slots=summary.slots, in_flight=summary.in_flight,
         held=PrefixHeld(order, frozenset(order)), at=summary.at,
+        prefill_blocks=summary.prefill_blocks, prefilling=summary.prefilling,
     )
 
 

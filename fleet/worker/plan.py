@@ -12,7 +12,7 @@ from fleet.wire.cluster import Instance
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import is_past
 from fleet.worker.routing import Candidate, choose
-from fleet.worker.state import PendingTask, WorkerState
+from fleet.worker.state import PendingTask, WorkerState, group_layout
 from fleet.worker.supervisor import compute_backoff
 
 RESTART_BASE_S = 1.0
@@ -86,11 +86,12 @@ Action = (
 
 
 def _orphaned(state: WorkerState) -> set[str]:
-    """Runners to stop: their instance is no longer hosted here, or the worker is stopping."""
-    wanted = {inst.instance_id for inst in state.hosted_instances()}
+    """Runners to stop: their instance is no longer hosted here, its group changed (a shard
+    moved: every rank restarts into the new ring), or the worker is stopping."""
+    wanted = {inst.instance_id: group_layout(inst) for inst in state.hosted_instances()}
     return {
         r.runner_id for r in state.runners.values()
-        if state.stopping or r.instance_id not in wanted
+        if state.stopping or r.instance_id not in wanted or wanted[r.instance_id] != r.layout
     }
 
 
@@ -162,7 +163,8 @@ def dispatch(state: WorkerState, now: float) -> Action | None:
         if pending.inputs is None or pending.handing_off is not None:
             continue
         candidates = [
-            Candidate(r.runner_id, r.free_slots, len(r.in_flight), r.held)
+            Candidate(r.runner_id, r.free_slots, len(r.in_flight), r.held, None,
+                      r.prefill_blocks, len(r.prefill))
             for r in state.runners.values()
             if r.model == pending.task.model and r.free_slots > 0 and not r.shutting_down
         ] + remote_candidates(state, pending, now)
@@ -183,7 +185,8 @@ def remote_candidates(state: WorkerState, pending: PendingTask, now: float) -> l
             or not state.routing.prefix):
         return []
     return [
-        Candidate(r.runner_id, r.slots - r.in_flight, r.in_flight, r.held, r.node_id)
+        Candidate(r.runner_id, r.slots - r.in_flight, r.in_flight, r.held, r.node_id,
+                  r.prefill_blocks, r.prefilling)
         for r in state.remote.values()
         if r.model == pending.task.model and r.in_flight < r.slots
         and now - r.at <= ADVERT_STALE_S and r.at > state.silent.get(r.node_id, 0.0)

@@ -34,7 +34,8 @@ def summary(runner: RunnerView, node_id: str, now: float) -> PrefixSummary:
     return PrefixSummary(
         runner_id=runner.runner_id, node_id=node_id, model=runner.model,
         block_chars=BLOCK_CHARS, blocks=[f"{b:016x}" for b in runner.held.order],
-        in_flight=len(runner.in_flight), slots=runner.slots, at=now,
+        in_flight=len(runner.in_flight), slots=runner.slots, prefilling=len(runner.prefill),
+        prefill_blocks=runner.prefill_blocks, at=now,
     )
 
 
@@ -44,7 +45,8 @@ class PrefixAdverts:
         self.js = js
         self.state = state
         self.every_s = every_s
-        self._written: dict[str, tuple[int, int, float]] = {}  # runner -> (blocks id, load, at)
+        # runner -> (blocks id, tasks, prefill blocks, at)
+        self._written: dict[str, tuple[int, int, int, float]] = {}
         self._kv: KeyValue | None = None
 
     async def forever(self) -> None:
@@ -55,13 +57,14 @@ class PrefixAdverts:
 
     async def write_changes(self, kv: KeyValue) -> None:
         state, now = self.state(), time.time()
-        for runner in state.runners.values():
-            mark = (hash(runner.held.order), len(runner.in_flight))
+        # A rank > 0 of a sharded instance takes no tasks: nothing to advertise.
+        for runner in (r for r in state.runners.values() if r.rank == 0):
+            mark = (hash(runner.held.order), len(runner.in_flight), runner.prefill_blocks)
             last = self._written.get(runner.runner_id)
-            if last is not None and last[:2] == mark and now - last[2] < REFRESH_S:
+            if last is not None and last[:3] == mark and now - last[3] < REFRESH_S:
                 continue
             await kv_put(kv, runner.runner_id, encode(summary(runner, state.node_id, now)))
             self._written[runner.runner_id] = (*mark, now)
-        for gone in set(self._written) - set(state.runners):
+        for gone in set(self._written) - {r for r, v in state.runners.items() if v.rank == 0}:
             await kv_delete(kv, gone)
             del self._written[gone]

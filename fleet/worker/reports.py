@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -64,7 +65,13 @@ class RunnerReports:
             case pipe.TaskRunning():
                 pass
             case _:
+                if report.type != "task_accepted" and report.task_id in self._prefilling(runner_id):
+                    self._apply(ev.FirstOutput(report.task_id, runner_id))  # once a task
                 await self._chunk(report)
+
+    def _prefilling(self: Worker, runner_id: str) -> Mapping[str, int]:
+        runner = self.state.runners.get(runner_id)
+        return runner.prefill if runner is not None else {}
 
     async def _chunk(self: Worker, event: OutputEvent) -> None:
         """A task's event, in order behind its earlier ones. One that cannot be sent is

@@ -1,11 +1,17 @@
 """Prefix-aware choice of a runner: pure, `choose_runner(blocks, candidates, weights)`.
 
-Cost of sending a task to a runner, in blocks: the prompt blocks it would have to prefill
-(those past the longest prefix it holds) plus `load_blocks` per task already in flight there
-(a busy runner's batch slows every sequence in it). The cheapest runner with a free slot
-wins, so a returning conversation goes home while home has room, and a hot prefix spills to
-the next runner once home is loaded by more than the prefill it saves; a task never waits
-for a busy runner while another has a free slot (the plan dispatches only to free slots).
+Cost of sending a task to a runner, in blocks of prefill, i.e. roughly its time to first
+token there: the prompt blocks it would have to prefill (those past the longest prefix it
+holds), plus the prefill blocks still queued there (tasks sent there that have not produced
+a first token: their prefill runs before or beside ours), plus `decode_blocks` per task
+there that is already decoding (one more sequence in each batched step slows ours a little).
+A decoding task weighs little: sending a returning conversation away from a runner that is
+merely decoding costs its whole history's prefill elsewhere, which is what the first version
+(4 blocks per task in flight, whatever it did) got wrong in `fleet bench --only routing`.
+The cheapest runner with a free slot wins, so a returning conversation goes home while home
+has room and no prefill queued to outweigh what it saves, and a hot prefix spills to the next
+runner as soon as home has its prefill queued; a task never waits for a busy runner while
+another has a free slot (the plan dispatches only to free slots).
 
 Runners on other nodes are candidates too, as their workers advertise them (FLEET_PREFIXES):
 choosing one costs `hand_off_blocks` more (the hop is ~1 ms, but the view of it is up to a
@@ -53,14 +59,16 @@ class PrefixHeld:
 class Candidate:
     runner_id: str
     free_slots: int
-    in_flight: int
+    in_flight: int  # tasks there, prefilling or decoding
     held: PrefixHeld = PrefixHeld()
     node_id: str | None = None  # None: on this node; else the node a hand-off goes to
+    prefill_blocks: int = 0  # prefill queued there: blocks of its tasks with no token yet
+    prefilling: int = 0  # how many of its tasks in flight have no token yet
 
 
 @dataclass(frozen=True)
 class Weights:
-    load_blocks: float = 4.0  # one task in flight costs like prefilling this many blocks
+    decode_blocks: float = 0.5  # one decoding task there costs like this many blocks
     prefix: bool = True  # False: today's rule, the runner with most free slots
     hand_off_blocks: float = 1.0  # passing a task to another node: a tie-breaker for here
 
@@ -84,7 +92,8 @@ def choose(
     def cost(c: Candidate) -> tuple[float, bool, int, str]:
         uncached = len(blocks) - c.held.matched(blocks)
         remote = c.node_id is not None
-        total = uncached + weights.load_blocks * c.in_flight
+        decoding = max(0, c.in_flight - c.prefilling)
+        total = uncached + c.prefill_blocks + weights.decode_blocks * decoding
         return (total + (weights.hand_off_blocks if remote else 0.0), remote, -c.free_slots,
                 c.runner_id)
 

@@ -22,10 +22,11 @@ from fleet.models.disk import make_room, touch
 from fleet.models.store import BUILDERS, ensure_model, fleet_fetching, local_model_dir
 from fleet.wire.cluster import Instance, ModelCard
 from fleet.wire.pipe import RunnerCommand, RunnerSpec
+from fleet.wire.ring import GroupSpec
 from fleet.wire.runners import RunnerDownloading
 from fleet.worker.inbox import Inbox, RunnerExited
 from fleet.worker.runner_env import runner_env
-from fleet.worker.state import RunnerSpawned, RunnerStartFailed, RunnerView
+from fleet.worker.state import RunnerSpawned, RunnerStartFailed, RunnerView, group_layout
 from fleet.worker.supervisor import RunnerNotRunning, RunnerProcess
 
 if TYPE_CHECKING:
@@ -34,7 +35,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 0.5  # how often a fetch's progress is written to FLEET_RUNNERS
+RING_CONNECT_S = 120.0  # a shard's peers may be fetching or building the model meanwhile
 
+
+
+def group_spec(instance: Instance, node_id: str) -> GroupSpec | None:
+    """This node's place in a sharded instance's ring; None for a one-node instance. Pure."""
+    if not instance.sharded:
+        return None
+    shard = instance.shard_on(node_id)
+    if shard is None:
+        raise LookupError(f"{instance.instance_id} has no shard on {node_id}")
+    ranks = sorted(instance.shards, key=lambda s: s.rank)
+    ring = [s.ring_address for s in ranks]
+    if [s.rank for s in ranks] != list(range(len(ranks))) or None in ring:
+        raise ValueError(f"{instance.instance_id}: its shards do not form a ring: "
+                         f"{[(s.rank, s.ring_address) for s in ranks]}")
+    return GroupSpec(
+        rank=shard.rank, start_layer=shard.start_layer, end_layer=shard.end_layer,
+        ring=[address for address in ring if address], connect_timeout_s=RING_CONNECT_S,
+    )
 
 
 class RunnerPool:
@@ -62,13 +82,14 @@ class RunnerPool:
         try:
             if card is None:
                 raise LookupError(f"no model card {instance.model!r} on this node")
+            group = group_spec(instance, self.node_id)
             path = await self._prepare(instance, card)
             runner_id = f"run-{uuid.uuid4().hex[:10]}"
             slots = 1 if card.is_image else instance.slots
             spec = RunnerSpec(
                 runner_id=runner_id, instance_id=instance.instance_id, node_id=self.node_id,
                 card=card, model_path=str(path), images_dir=str(self.settings.images_dir),
-                slots=slots,
+                slots=slots, group=group,
             )
             self.settings.images_dir.mkdir(parents=True, exist_ok=True)
             logs = self.settings.data_dir / "logs"
@@ -85,7 +106,7 @@ class RunnerPool:
         self.processes[runner_id] = process
         view = RunnerView(
             runner_id=runner_id, instance_id=instance.instance_id, model=instance.model,
-            slots=slots,
+            slots=slots, rank=group.rank if group else 0, layout=group_layout(instance),
         )
         self.inbox.put_nowait(RunnerSpawned(view))
 

@@ -5,6 +5,7 @@ Per-token traffic never comes through here; only lifecycle events do, so copying
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import singledispatch
 
@@ -24,6 +25,14 @@ class RunnerView:
     in_flight: frozenset[str] = frozenset()
     command_sent: str | None = None  # the last lifecycle command, so it is sent once
     held: PrefixHeld = field(default_factory=PrefixHeld)  # blocks sent here: its cache
+    rank: int = 0  # its shard's rank; only rank 0 of a sharded instance takes tasks
+    layout: tuple[object, ...] = ()  # the group it joined (`group_layout`); () for one node
+    # task -> blocks it had to prefill here (uncached when dispatched), until its first output
+    prefill: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def prefill_blocks(self) -> int:
+        return sum(self.prefill.values())
 
     @property
     def shutting_down(self) -> bool:
@@ -31,7 +40,7 @@ class RunnerView:
 
     @property
     def free_slots(self) -> int:
-        if self.status.state not in ACCEPTS_TASKS:
+        if self.status.state not in ACCEPTS_TASKS or self.rank > 0:
             return 0
         return max(0, self.slots - len(self.in_flight))
 
@@ -47,6 +56,8 @@ class RemoteRunner:
     in_flight: int
     held: PrefixHeld
     at: float  # when its worker wrote the summary (unix seconds)
+    prefill_blocks: int = 0
+    prefilling: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,17 @@ class WorkerState:
 
     def runner_for(self, instance_id: str) -> RunnerView | None:
         return next((r for r in self.runners.values() if r.instance_id == instance_id), None)
+
+
+def group_layout(instance: Instance) -> tuple[object, ...]:
+    """What a sharded instance's runners are joined by: each rank's node, layers and ring
+    address. A runner started for another layout (a shard moved) must be restarted. Pure."""
+    if not instance.sharded:
+        return ()
+    return tuple(
+        (s.rank, s.node_id, s.start_layer, s.end_layer, s.ring_address)
+        for s in sorted(instance.shards, key=lambda shard: shard.rank)
+    )
 
 
 # ---- events -----------------------------------------------------------------------------
@@ -172,6 +194,14 @@ class TaskDispatched:
 
 
 @dataclass(frozen=True)
+class FirstOutput:
+    """A task's first token (or tool call, or image) came: its prefill is done."""
+
+    task_id: str
+    runner_id: str
+
+
+@dataclass(frozen=True)
 class TaskEnded:
     """Terminal: the task left this node (finished, failed before dispatch, or handed back)."""
 
@@ -212,7 +242,7 @@ StateEvent = (
     InstancesChanged | RunnerStarting | RunnerSpawned | RunnerStartFailed | CommandSent
     | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | TaskQueued | InputsFetching
     | InputsReady | TaskDispatched | TaskEnded | Stopping | RemoteRunnersSeen | HandOffStarted
-    | HandOffEnded
+    | HandOffEnded | FirstOutput
 )
 
 
@@ -328,19 +358,31 @@ def _(event: TaskDispatched, state: WorkerState) -> WorkerState:
     runner = state.runners[event.runner_id]
     task = state.pending.get(event.task_id)
     held = runner.held.served(task.blocks, state.prefix_capacity) if task else runner.held
+    uncached = len(task.blocks) - runner.held.matched(task.blocks) if task else 0
     pending = {k: v for k, v in state.pending.items() if k != event.task_id}
     state = replace(state, pending=pending)
     return _with_runner(
-        state, event.runner_id, in_flight=runner.in_flight | {event.task_id}, held=held
+        state, event.runner_id, in_flight=runner.in_flight | {event.task_id}, held=held,
+        prefill={**runner.prefill, event.task_id: uncached},
     )
+
+
+@_apply.register
+def _(event: FirstOutput, state: WorkerState) -> WorkerState:
+    runner = state.runners.get(event.runner_id)
+    if runner is None or event.task_id not in runner.prefill:
+        return state
+    prefill = {k: v for k, v in runner.prefill.items() if k != event.task_id}
+    return _with_runner(state, event.runner_id, prefill=prefill)
 
 
 @_apply.register
 def _(event: TaskEnded, state: WorkerState) -> WorkerState:
     pending = {k: v for k, v in state.pending.items() if k != event.task_id}
     runners = {
-        rid: replace(r, in_flight=r.in_flight - {event.task_id}) if event.task_id in r.in_flight
-        else r
+        rid: replace(r, in_flight=r.in_flight - {event.task_id},
+                     prefill={k: v for k, v in r.prefill.items() if k != event.task_id})
+        if event.task_id in r.in_flight else r
         for rid, r in state.runners.items()
     }
     return replace(state, pending=pending, runners=runners)

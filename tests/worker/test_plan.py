@@ -372,3 +372,30 @@ HAND_BACK_ROWS = [
 @pytest.mark.parametrize(("state", "expected"), HAND_BACK_ROWS)
 def test_hand_back(state: WorkerState, expected: Action | None) -> None:
     assert plan(state, T0) == expected
+
+
+def sharded(ring_b: str = "10.0.0.2:7000") -> Instance:
+    shards = [
+        ShardAssignment(node_id=THERE, runner_id="p", rank=0, world_size=2, start_layer=0,
+                        end_layer=1, ring_address="10.0.0.1:7000"),
+        ShardAssignment(node_id=HERE, runner_id="p", rank=1, world_size=2, start_layer=1,
+                        end_layer=2, ring_address=ring_b),
+    ]
+    return Instance(instance_id="inst-1", model=TINY, shards=shards, created_at=0.0)
+
+
+def test_rank_1_of_a_sharded_instance_takes_no_tasks_and_restarts_when_its_group_moves() -> None:
+    from dataclasses import replace
+
+    from fleet.worker.runners import group_spec
+    from fleet.worker.state import group_layout
+
+    inst = sharded()
+    assert group_spec(inst, HERE).rank == 1 and group_spec(inst, HERE).ring[1] == "10.0.0.2:7000"
+    assert group_spec(instance(), HERE) is None
+    follower = replace(runner(), rank=1, layout=group_layout(inst))
+    state = world([inst], [follower], [pending()])
+    assert follower.free_slots == 0
+    assert plan(state, T0) is None  # no dispatch to rank 1, no pull for it
+    moved = sharded(ring_b="10.0.0.3:7000")  # rank 1 re-placed: a new ring
+    assert plan(world([moved], [follower]), T0) == StopRunner("run-1", "instance removed")

@@ -10,7 +10,14 @@ from fleet.wire.tasks import ChatMessage, TextGeneration
 from fleet.worker.plan import Dispatch, plan
 from fleet.worker.prefix_blocks import BLOCK_CHARS, block_hashes, prompt_blocks
 from fleet.worker.routing import Candidate, PrefixHeld, Weights, choose_runner
-from fleet.worker.state import PendingTask, RunnerView, TaskDispatched, TaskQueued, WorkerState
+from fleet.worker.state import (
+    FirstOutput,
+    PendingTask,
+    RunnerView,
+    TaskDispatched,
+    TaskQueued,
+    WorkerState,
+)
 from fleet.worker.state import apply as step
 
 SYSTEM = "You are a careful assistant. " * 40  # ~1,100 characters: four blocks
@@ -63,10 +70,18 @@ PROMPT = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
         # the longest prefix wins, not the most blocks in common
         (PROMPT, [Candidate("a", 4, 0, held(1, 2, 3)),
                   Candidate("b", 4, 0, held(1, 2, 4, 5, 6, 7, 8))], "a"),
-        # home is busier, but the prefill it saves (9 blocks) beats 1 task in flight (4)
+        # home is busier, but the prefill it saves (9 blocks) beats 1 task decoding (0.5)
         (PROMPT, [Candidate("a", 4, 0), Candidate("b", 3, 1, held(*PROMPT[:9]))], "b"),
-        # home is loaded past what it saves: the hot prefix spills over
-        (PROMPT, [Candidate("a", 4, 0), Candidate("b", 1, 3, held(*PROMPT[:9]))], "a"),
+        # home decodes three tasks: a returning conversation still goes home (1 + 1.5 < 10)
+        (PROMPT, [Candidate("a", 4, 0), Candidate("b", 1, 3, held(*PROMPT[:9]))], "b"),
+        # home has more prefill queued (12 blocks) than it saves: the hot prefix spills over
+        (PROMPT, [Candidate("a", 4, 0),
+                  Candidate("b", 1, 3, held(*PROMPT[:9]), prefill_blocks=12, prefilling=3)],
+         "a"),
+        # queued prefill counts whoever it belongs to: the emptier queue wins
+        (PROMPT, [Candidate("a", 3, 1, prefill_blocks=3, prefilling=1),
+                  Candidate("b", 3, 1, held(*PROMPT[:5]), prefill_blocks=9, prefilling=1)],
+         "a"),
         # home has no free slot: never wait for it while another runner is free
         (PROMPT, [Candidate("a", 4, 0), Candidate("b", 0, 4, held(*PROMPT))], "a"),
         # no free slot anywhere: nothing is dispatched
@@ -125,6 +140,9 @@ def test_the_plan_sends_a_returning_conversation_home() -> None:
     home = action.runner_id
     state = step(state, TaskDispatched("turn-1", home))
     assert state.runners[home].held.known  # the index learnt what it sent there
+    assert state.runners[home].prefill_blocks == len(prompt_blocks(chat(*turns)))
+    state = step(state, FirstOutput("turn-1", home))  # prefilled: it decodes now
+    assert state.runners[home].prefill_blocks == 0
     # Home now has a task in flight, the other runner none: the next turn still goes home.
     turns += [("assistant", "ships float " * 20), ("user", "and boats? " * 20)]
     state = queued(state, chat(*turns, task_id="turn-2"))

@@ -56,8 +56,11 @@ def held(*blocks: int) -> PrefixHeld:
         ([Candidate("a", 4, 0), Candidate("b", 4, 0, held(1, 2), THERE)], "b"),
         # both hold it: no hop
         ([Candidate("a", 4, 0, held(*PROMPT)), Candidate("b", 4, 0, held(*PROMPT), THERE)], "a"),
-        # the remote home is loaded past what it saves (3 tasks = 12 blocks)
-        ([Candidate("a", 4, 0), Candidate("b", 1, 3, held(*PROMPT), THERE)], "a"),
+        # the remote home has more prefill queued than it saves
+        ([Candidate("a", 4, 0),
+          Candidate("b", 1, 3, held(*PROMPT), THERE, prefill_blocks=12, prefilling=3)], "a"),
+        # ... but merely decoding there is no reason to stay
+        ([Candidate("a", 4, 0), Candidate("b", 1, 3, held(*PROMPT), THERE)], "b"),
         # no free slot here: a free remote runner takes it rather than let it wait
         ([Candidate("a", 0, 4), Candidate("b", 4, 0, node_id=THERE)], "b"),
         # no free slot anywhere
