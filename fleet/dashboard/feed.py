@@ -31,7 +31,7 @@ from fleet.bus.kv_mirror import WAIT_CONNECTED_S, Mirror
 from fleet.dashboard.model import RecentTasks, beats, changed, sees, snapshot
 from fleet.errors import FleetError
 from fleet.gateway.backend import Backend
-from fleet.gateway.tenants import TENANTS_BUCKET, task_key
+from fleet.gateway.tenants import TENANTS_BUCKET, record_of, task_key
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
 
@@ -141,8 +141,9 @@ class Feed:
         self._due.set()
 
     def _adopt(self, task_id: str) -> str:
-        owner = self.owners.values.get(task_key(task_id))
-        self.tasks.rows[task_id].tenant = owner.decode() if owner else None
+        value = self.owners.values.get(task_key(task_id))
+        record = record_of(value, task_id) if value else None
+        self.tasks.rows[task_id].tenant = record.tenant if record else None
         return task_id
 
     async def _flush_forever(self) -> None:

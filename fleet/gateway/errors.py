@@ -143,4 +143,4 @@ def invalid_from(error: ValidationError) -> InvalidParameter:
 
 def not_found(task_id: str) -> HttpError:
     # The same words for another tenant's task and a missing one: nothing confirms an id.
-    return HttpError(404, f"no events are stored for task {task_id}: unknown or expired")
+    return HttpError(404, f"no task {task_id} is known here: unknown or expired")

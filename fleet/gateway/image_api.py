@@ -65,7 +65,8 @@ async def image_generations(request: Request) -> Response:
         gateway.backend, "image_generation", int(time.time()), ask.wants_url, image_url_for(request)
     )
     return await gateway.run(
-        request, [task], renderer, stream=ask.stream, resumable=False, timeout_s=timeout_s
+        request, [task], renderer, stream=ask.stream, resumable=False, timeout_s=timeout_s,
+        api="images.generations",
     )
 
 
@@ -100,7 +101,8 @@ async def image_edits(request: Request) -> Response:
         gateway.backend, "image_edit", int(time.time()), ask.wants_url, image_url_for(request)
     )
     return await gateway.run(
-        request, [task], renderer, stream=ask.stream, resumable=False, timeout_s=timeout_s
+        request, [task], renderer, stream=ask.stream, resumable=False, timeout_s=timeout_s,
+        api="images.edits",
     )
 
 

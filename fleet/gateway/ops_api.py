@@ -18,11 +18,11 @@ from starlette.responses import JSONResponse, Response
 
 from fleet.errors import FleetError, ModelNotFound
 from fleet.gateway.catalogue import model_list, model_object
-from fleet.gateway.errors import InvalidParameter, not_found
+from fleet.gateway.errors import InvalidParameter
 from fleet.gateway.image_api import ImageEditRequest, ImageGenerationRequest
-from fleet.gateway.relay import resume
 from fleet.gateway.responses_api import ResponsesRequest
-from fleet.gateway.service import gateway_of
+from fleet.gateway.resume import known_record, resume
+from fleet.gateway.service import gateway_of, image_url_for
 from fleet.gateway.tenants import authenticated, tenant_of
 from fleet.gateway.text_requests import ChatCompletionRequest, CompletionRequest
 from fleet.meters import PROMETHEUS_TEXT
@@ -41,13 +41,16 @@ def _task_id(request: Request) -> str:
 
 
 async def cancel_task(request: Request) -> Response:
-    """Cancel a task of the caller's tenant; another tenant's task reads as unknown (404)."""
+    """Cancel a task of the caller's tenant, or every choice of an n > 1 request; an unknown
+    id, or another tenant's, is 404."""
     task_id = _task_id(request)
     backend = gateway_of(request).backend
-    if not await backend.owners.owns_task(task_id, tenant_of(request)):
-        raise not_found(task_id)
-    await backend.cancel(task_id, "cancelled through the gateway")
-    return JSONResponse({"id": task_id, "object": "task.cancel", "cancelled": True})
+    record = await known_record(backend, task_id, tenant_of(request))
+    cancelled = record.choices if record is not None and record.choices else [task_id]
+    for each in cancelled:
+        await backend.cancel(each, "cancelled through the gateway")
+    return JSONResponse({"id": task_id, "object": "task.cancel", "cancelled": True,
+                         "task_ids": cancelled})
 
 
 def _events_seen(request: Request) -> int:
@@ -59,6 +62,14 @@ def _events_seen(request: Request) -> int:
     return max(int(after), int(last_id) if COUNT.match(last_id) else 0)
 
 
+def _native(request: Request) -> bool:
+    wanted = request.query_params.get("format", "openai")
+    if wanted not in ("openai", "native"):
+        raise InvalidParameter("format: openai (the request's own format) or native (Fleet's "
+                               "events)", "format")
+    return wanted == "native"
+
+
 async def task_events(request: Request) -> Response:
     task_id = _task_id(request)
     seen = _events_seen(request)
@@ -67,7 +78,7 @@ async def task_events(request: Request) -> Response:
     return await resume(
         gateway.backend, task_id, seen, settings.gateway_timeout_s,
         idle_s=settings.gateway_events_idle_s, tenant=tenant_of(request),
-        capacity=gateway.capacity,
+        capacity=gateway.capacity, native=_native(request), url_of=image_url_for(request),
     )
 
 
@@ -265,6 +276,14 @@ def openapi_document() -> dict[str, Any]:
         "schema": {"type": "integer", "minimum": 0, "maximum": 999_999_999, "default": 0},
         "description": "How many of the task's events the client has already seen",
     }
+    response_format = {
+        "name": "format",
+        "in": "query",
+        "required": False,
+        "schema": {"type": "string", "enum": ["openai", "native"], "default": "openai"},
+        "description": "openai: the format of the request that made the task; native: "
+        "Fleet's events",
+    }
     image = {
         "content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}},
         "description": "The image",
@@ -326,7 +345,8 @@ def openapi_document() -> dict[str, Any]:
         ),
         "/v1/tasks/{task_id}/cancel": {
             "post": {
-                "summary": "Cancel a task (of this API key's tenant)",
+                "summary": "Cancel a task (of this API key's tenant), or every choice of an "
+                "n > 1 request by the request's id; an unknown id is 404",
                 "operationId": "cancelTask",
                 "parameters": [task_id],
                 "responses": _responses(
@@ -335,15 +355,18 @@ def openapi_document() -> dict[str, Any]:
             }
         },
         "/v1/tasks/{task_id}/events": _get(
-            "A task's Fleet events as SSE, resumable after N events (this API key's tasks only);"
-            " a stream with no event for FLEET_GATEWAY_EVENTS_IDLE_S ends with an `idle` error",
+            "A task's events as SSE, resumable after N events (this API key's tasks only), in "
+            "the format of the request that made it (chat.completion.chunk, text_completion, "
+            "Responses or image events), or Fleet's own events with format=native (always for "
+            "a task published on NATS); a stream with no event for FLEET_GATEWAY_EVENTS_IDLE_S"
+            " ends with an `idle` error",
             "taskEvents",
-            "SSE of raw Fleet events; `id:` is the event's index",
+            "SSE; `id:` is the event's index",
             _SSE,
             "404",
             "429",
             "503",
-            parameters=[task_id, after],
+            parameters=[task_id, after, response_format],
         ),
         "/healthz": _get(
             "Up or not: {\"status\": \"ok\"}; with an API key (or without keys configured)"

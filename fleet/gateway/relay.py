@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 from fleet.bus.task_events import ChoiceEvents, Indexed, TaskEvents
 from fleet.errors import FleetError, failure_of
 from fleet.gateway.backend import Backend
-from fleet.gateway.errors import error_body, not_found
+from fleet.gateway.errors import error_body
 from fleet.gateway.observability import GatewayMetrics, TaskObserver
 from fleet.gateway.tenants import Capacity
 from fleet.wire.events import (
@@ -35,6 +35,7 @@ from fleet.wire.events import (
     OutputEvent,
     TaskFinished,
 )
+from fleet.wire.records import TaskRecord
 from fleet.wire.tasks import Task
 
 
@@ -127,9 +128,8 @@ async def _relay(
             await claim(item)
             if isinstance(item.event, ErrorChunk):
                 last_error = item.event
-            failed = failure_of(item.event, last_error) \
-                if isinstance(item.event, TaskFinished) else None
-            if failed:
+            finished = item.event if isinstance(item.event, TaskFinished) else None
+            if finished and (failed := failure_of(finished, last_error)):
                 observers.metrics.error(failed.reason.value)
                 yield sse_error(failed)
                 return
@@ -186,10 +186,12 @@ async def run_task(
     stream: bool,
     resumable: bool,
     timeout_s: float,
+    records: Mapping[str, TaskRecord],
     tenant: str | None = None,
     capacity: Capacity | None = None,
 ) -> Response:
-    """One request: one task, or one per choice (their events merged).
+    """One request: one task, or one per choice (their events merged). `records` (task id →
+    TaskRecord) are written before anything is published.
 
     It holds a place in `capacity` (429 when there is none) until its response ends."""
     capacity = capacity or Capacity(2**31, 2**31)
@@ -205,7 +207,7 @@ async def run_task(
     try:
         response = await _run_task(
             backend, metrics, tasks, renderer, receive, stream=stream, resumable=resumable,
-            timeout_s=timeout_s, tenant=tenant, release=release,
+            timeout_s=timeout_s, records=records, tenant=tenant, release=release,
         )
     except BaseException:
         release()
@@ -225,6 +227,7 @@ async def _run_task(
     stream: bool,
     resumable: bool,
     timeout_s: float,
+    records: Mapping[str, TaskRecord],
     tenant: str | None,
     release: Callable[[], None],
 ) -> Response:
@@ -234,8 +237,7 @@ async def _run_task(
     claim = claimer(backend, tenant)
     for task in tasks:
         backend.check_size(task)  # 413 before anything is published
-        if tenant is not None:
-            await backend.owners.own_task(task.task_id, tenant)
+    await asyncio.gather(*(backend.owners.record_task(i, r) for i, r in records.items()))
     # Listening before publishing: nothing is stored for a fresh id, so no replay is needed,
     # and a NATS that is down fails the request before a task is queued for nobody.
     events = await _open_events(backend, tasks, deadline=started + timeout_s)
@@ -315,53 +317,3 @@ class Observers:
 def _last_error(items: list[Indexed]) -> ErrorChunk | None:
     errors = [item.event for item in items if isinstance(item.event, ErrorChunk)]
     return errors[-1] if errors else None
-
-
-async def resume(
-    backend: Backend,
-    task_id: str,
-    after: int,
-    timeout_s: float,
-    *,
-    idle_s: float | None = None,
-    tenant: str | None = None,
-    capacity: Capacity | None = None,
-) -> Response:
-    """A task's raw Fleet events after the first `after`, as SSE with `id:` = event index.
-
-    The stream opens at once, since a queued task has no events yet; running out of time, or
-    `idle_s` without an event, is an in-band error event. A client that has seen events of a
-    task no longer stored gets 404, and so does another tenant's task.
-    """
-    if not await backend.owners.owns_task(task_id, tenant):
-        raise not_found(task_id)
-    if after > 0 and await backend.stored_events(task_id) == 0:
-        raise not_found(task_id)
-    capacity = capacity or Capacity(2**31, 2**31)
-    who = capacity.take(tenant)
-    try:
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        events = await backend.events(task_id, deadline=deadline, after=after, idle_s=idle_s)
-    except BaseException:
-        capacity.give_back(who)
-        raise
-    claim = claimer(backend, tenant)
-
-    async def lines() -> AsyncIterator[bytes]:
-        try:
-            async for item in events:
-                await claim(item)
-                yield _raw_sse(item)
-        except FleetError as exc:
-            yield sse_error(exc)
-
-    async def on_close(hung_up: bool) -> None:
-        capacity.give_back(who)
-        await events.close()  # a reader leaving never cancels: others may still be reading
-
-    return EventStream(lines(), on_close)
-
-
-def _raw_sse(item: Indexed) -> bytes:
-    head = f"event: {item.event.type}\nid: {item.index}\ndata: ".encode()
-    return head + item.raw + b"\n\n"

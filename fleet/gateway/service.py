@@ -5,6 +5,7 @@ small lookups every route makes (model cards, images named in requests, task ids
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -23,6 +24,7 @@ from fleet.gateway.observability import GatewayMetrics
 from fleet.gateway.relay import Renderer, run_task
 from fleet.gateway.tenants import Capacity, tenant_of
 from fleet.wire.cluster import ModelCard
+from fleet.wire.records import TaskApi, TaskRecord
 from fleet.wire.tasks import Task
 
 
@@ -125,7 +127,15 @@ class Gateway:
         stream: bool,
         resumable: bool,
         timeout_s: float,
+        api: TaskApi,
+        logprobs: bool = False,
+        include_usage: bool = False,
     ) -> Response:
+        """Run the request's tasks and answer; every response carries the request's task id
+        (TASK_ID_HEADER), and each task gets its TaskRecord first."""
+        asked = TaskRecord(tenant=tenant_of(request), api=api, model=tasks[0].model,
+                           created=int(time.time()), logprobs=logprobs,
+                           include_usage=include_usage)
         response = await run_task(
             self.backend,
             self.metrics,
@@ -135,6 +145,7 @@ class Gateway:
             stream=stream,
             resumable=resumable,
             timeout_s=timeout_s,
+            records=task_records(asked, [task.task_id for task in tasks]),
             tenant=tenant_of(request),
             capacity=self.capacity,
         )
@@ -148,12 +159,26 @@ TASK_ID_HEADER = "x-fleet-task-id"
 CHOICE_IDS_HEADER = "x-fleet-choice-task-ids"
 
 
+def request_id(task_ids: Sequence[str]) -> str:
+    """A request's id: its task's, or with n > 1 the `<id>` of its choices `<id>-<index>`."""
+    return task_ids[0] if len(task_ids) == 1 else task_ids[0].removesuffix("-0")
+
+
 def task_id_headers(task_ids: Sequence[str]) -> dict[str, str]:
     """The request's task id on every response it gets, streamed or not; with n > 1 the
     request's id (each choice is `<id>-<index>`) and the choices' ids, comma-separated."""
     if len(task_ids) == 1:
         return {TASK_ID_HEADER: task_ids[0]}
-    return {TASK_ID_HEADER: task_ids[0].removesuffix("-0"), CHOICE_IDS_HEADER: ",".join(task_ids)}
+    return {TASK_ID_HEADER: request_id(task_ids), CHOICE_IDS_HEADER: ",".join(task_ids)}
+
+
+def task_records(asked: TaskRecord, task_ids: Sequence[str]) -> dict[str, TaskRecord]:
+    """The record of each task, and with n > 1 one more under the request's id that lists
+    its choices (so it can be resumed, cancelled and traced as a whole)."""
+    records = dict.fromkeys(task_ids, asked)
+    if len(task_ids) > 1:
+        records[request_id(task_ids)] = asked.model_copy(update={"choices": list(task_ids)})
+    return records
 
 
 def gateway_of(request: Request) -> Gateway:

@@ -22,8 +22,9 @@ by hand must be as random as generated ones; that is their responsibility.
 own tenant, named `key-<first 12 hex of its sha256>` (never the key itself).
 
 Which tenant owns a task id or an image is kept in the KV bucket FLEET_TENANTS. The gateway
-writes `task.<task_id>` = tenant before it publishes a task (kept 1 h, as long as
-FLEET_OUT keeps the task's events) and `image.<sha256>.<tenant>` for every image a tenant's
+writes `task.<task_id>` = a TaskRecord (tenant, the API asked, an n > 1 request's choices)
+before it publishes a task, open gateway or not (kept 1 h, as long as FLEET_OUT keeps the
+task's events) and `image.<sha256>.<tenant>` for every image a tenant's
 tasks produced or that it sent (kept 7 d, as long as FLEET_IMAGES keeps images). Per-message
 TTLs (`Nats-TTL`) let one bucket keep both for their own time.
 
@@ -65,6 +66,8 @@ from fleet.errors import (
 )
 from fleet.gateway import docs
 from fleet.gateway.bodies import refuse_with
+from fleet.wire.codec import DecodeError, decode_model, encode
+from fleet.wire.records import TaskRecord
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +252,15 @@ def subject_of(key: str) -> str:
     return f"$KV.{TENANTS_BUCKET}.{key}"
 
 
+def record_of(value: bytes, task_id: str) -> TaskRecord | None:
+    """The record stored for a task; one that cannot be read owns nothing (logged)."""
+    try:
+        return decode_model(TaskRecord, value)
+    except DecodeError as exc:
+        log.warning("the record of task %s in %s is unreadable: %s", task_id, TENANTS_BUCKET, exc)
+        return None
+
+
 class Owners:
     """Ownership records over one NATS connection (`client()` raises while it is down)."""
 
@@ -288,15 +300,18 @@ class Owners:
             raise NatsUnavailable(f"could not read the owner of {key}: {exc!r}") from None
         return stored.data or None  # a delete or TTL marker has no value: absent
 
-    async def own_task(self, task_id: str, tenant: str) -> None:
-        await self._put(task_key(task_id), tenant.encode(), TASK_TTL_S)
+    async def record_task(self, task_id: str, record: TaskRecord) -> None:
+        await self._put(task_key(task_id), encode(record), TASK_TTL_S)
 
-    async def task_owner(self, task_id: str) -> str | None:
+    async def task_record(self, task_id: str) -> TaskRecord | None:
         value = await self._get(task_key(task_id))
-        return value.decode() if value else None
+        return record_of(value, task_id) if value else None
 
     async def owns_task(self, task_id: str, tenant: str | None) -> bool:
-        return tenant is None or await self.task_owner(task_id) == tenant
+        if tenant is None:
+            return True
+        record = await self.task_record(task_id)
+        return record is not None and record.tenant == tenant
 
     async def own_image(self, sha256: str, tenant: str | None) -> None:
         if tenant is not None:

@@ -25,12 +25,13 @@ from fleet.gateway.text_requests import (
     image_urls,
     refuse_resumable_choices,
 )
+from fleet.wire.records import TaskApi
 from fleet.wire.tasks import TextGeneration
 
 
 async def chat_completions(request: Request) -> Response:
     chat = parse(ChatCompletionRequest, await read_json(request))
-    return await _chat(request, chat, "chatcmpl", ChatRenderer)
+    return await _chat(request, chat, "chatcmpl", ChatRenderer, "chat.completions")
 
 
 async def responses(request: Request) -> Response:
@@ -41,12 +42,12 @@ async def responses(request: Request) -> Response:
     def renderer(reply: Reply) -> ResponsesRenderer:
         return ResponsesRenderer(shape_of(asked, reply.task_id, created))
 
-    return await _chat(request, as_chat(asked), "resp", renderer)
+    return await _chat(request, as_chat(asked), "resp", renderer, "responses")
 
 
 async def _chat(
     request: Request, chat: ChatCompletionRequest, prefix: str,
-    renderer_of: Callable[[Reply], Renderer],
+    renderer_of: Callable[[Reply], Renderer], api: TaskApi,
 ) -> Response:
     gateway = gateway_of(request)
     card = gateway.card_for(chat.model, "text_generation")
@@ -67,6 +68,9 @@ async def _chat(
         stream=chat.stream,
         resumable=chat.resumable,
         timeout_s=timeout_s,
+        api=api,
+        logprobs=chat.logprobs,
+        include_usage=chat.include_usage,
     )
 
 
@@ -93,6 +97,9 @@ async def completions(request: Request) -> Response:
         stream=completion.stream,
         resumable=completion.resumable,
         timeout_s=timeout_s,
+        api="completions",
+        logprobs=completion.logprobs is not None,
+        include_usage=completion.include_usage,
     )
 
 

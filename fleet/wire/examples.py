@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel
 
-from fleet.wire import ask, cluster, events, handoff, pipe, prefixes, ring, runners, tasks
+from fleet.wire import ask, cluster, events, handoff, pipe, prefixes, records, ring, runners, tasks
 
 _AT = 1764495000.0
 _WHEN = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -89,6 +89,10 @@ def examples() -> dict[str, BaseModel]:
         "ask_error": ask.AskError(
             task_id="hello-1", reason="task_id_taken",
             message="task id 'hello-1' belongs to another task message",
+        ),
+        "task_record": records.TaskRecord(
+            tenant="team-a", api="chat.completions", model="smollm2-135m", created=1764495000,
+            choices=["chatcmpl-x-0", "chatcmpl-x-1"], include_usage=True,
         ),
         "model_card": _CARD,
         "node_info": cluster.NodeInfo(

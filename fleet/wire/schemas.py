@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from pydantic import TypeAdapter
 
-from fleet.wire import cluster, codec, events, handoff, pipe, prefixes, ring, tasks
+from fleet.wire import cluster, codec, events, handoff, pipe, prefixes, records, ring, tasks
 from fleet.wire.examples import examples
 
 FAMILIES: dict[str, TypeAdapter[Any]] = {
@@ -30,6 +30,7 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "task-hand-off": TypeAdapter(handoff.TaskHandOff),
     "hand-off-answer": TypeAdapter(handoff.HandOffAnswer),
     "ask-reply": codec.ASK_REPLY,
+    "task-record": TypeAdapter(records.TaskRecord),
 }
 
 _SUBJECTS = {
@@ -47,6 +48,7 @@ _SUBJECTS = {
     "task-refused": "fleet.refused.<model> (stream FLEET_REFUSED) and the task's "
     "Fleet-Reply-To inbox",
     "ask-reply": "the reply to a request on fleet.ask.<model> (whose body is a task)",
+    "task-record": "KV FLEET_TENANTS, key = task.<task_id>",
 }
 
 

@@ -28,6 +28,7 @@ from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import encode
 from fleet.wire.events import TaskAccepted, TaskFinished, TaskStats, TokenChunk, Usage
+from fleet.wire.records import TaskRecord
 
 KEY = "fk-feed-test"
 
@@ -198,7 +199,8 @@ async def test_every_tab_shares_one_reader_and_sees_a_node_join(
 
 async def own(nc: Client, task_id: str, tenant: str) -> None:
     """The record a gateway writes before it publishes a task (fleet/gateway/tenants.py)."""
-    await nc.jetstream().publish(f"$KV.FLEET_TENANTS.task.{task_id}", tenant.encode(),
+    record = TaskRecord(tenant=tenant, api="chat.completions", model="tiny-llm", created=0)
+    await nc.jetstream().publish(f"$KV.FLEET_TENANTS.task.{task_id}", encode(record),
                                  headers={"Nats-TTL": "3600s"})
 
 

@@ -183,11 +183,14 @@ async def test_resume_stitches_stored_and_live_events_exactly_once(
     assert len(await js.consumers_info(subjects.OUT_STREAM)) == 1
 
 
-async def test_an_idle_event_stream_ends_after_its_idle_time(hardened: str) -> None:
+async def test_an_idle_event_stream_ends_after_its_idle_time(hardened: str, nc: Client) -> None:
+    await js_publish(nc.jetstream(), subjects.out("quiet-1"), TaskAccepted(
+        task_id="quiet-1", at=1.0, model="m", node_id="n", runner_id="r"))  # then nothing
     async with httpx.AsyncClient(base_url=f"http://{hardened}") as http, asyncio.timeout(10):
-        response = await http.get("/v1/tasks/nobody-publishes-this/events")
+        response = await http.get("/v1/tasks/quiet-1/events")
     assert response.status_code == 200
-    [block] = sse_blocks(response.text)
+    accepted, block = sse_blocks(response.text)
+    assert accepted["event"] == "task_accepted"
     assert block["event"] == "error" and orjson.loads(block["data"])["error"]["code"] == "idle"
 
 

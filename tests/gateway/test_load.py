@@ -18,7 +18,10 @@ import orjson
 import pytest
 from load_helpers import GatewayProcess, connect, open_stream, request_bytes, statuses
 
+from fleet.gateway.tenants import TENANTS_BUCKET, task_key
 from fleet.wire import subjects
+from fleet.wire.codec import encode
+from fleet.wire.records import TaskRecord
 from tests.integration.harness import WorkerProcess, add_fault_card, serving
 
 MODEL = "fault-llm"
@@ -94,6 +97,21 @@ async def out_consumers(nats_url: str) -> int:
         await nc.close()
 
 
+async def record_tasks(nats_url: str, task_ids: list[str]) -> None:
+    """What a gateway writes for each task it makes: the ids are known (not 404), and quiet."""
+    from fleet.bus.connect import connect as nats_connect
+
+    nc = await nats_connect(nats_url, "test-records")
+    try:
+        js = nc.jetstream()
+        record = encode(TaskRecord(api="chat.completions", model="fault-llm", created=0))
+        for task_id in task_ids:
+            await js.publish_async(f"$KV.{TENANTS_BUCKET}.{task_key(task_id)}", record)
+        await js.publish_async_completed()
+    finally:
+        await nc.close()
+
+
 @pytest.mark.parametrize("idle", [pytest.param(2000, id="2000-idle")])
 async def test_idle_event_streams_do_not_stop_chats(
     start_gateway: Start, fault_worker: None, nats_url: str, idle: int
@@ -102,6 +120,7 @@ async def test_idle_event_streams_do_not_stop_chats(
         FLEET_GATEWAY_EVENTS_IDLE_S="120", FLEET_GATEWAY_MAX_WAITING="10000",
         FLEET_GATEWAY_MAX_CONNECTIONS="10000",
     )
+    await record_tasks(nats_url, [f"idle-{index}" for index in range(idle)])
     held = []
     for start in range(0, idle, 250):  # connect in waves: the listen backlog is finite
         held += await asyncio.gather(*(

@@ -124,7 +124,8 @@ def stack(
 
 def task_events(stack: Stack, task_id: str, after: int = 0) -> list[dict]:
     """A task's raw Fleet events after the first `after`, read until its terminal event."""
-    response = httpx.get(f"{stack.url}/v1/tasks/{task_id}/events?after={after}", timeout=120)
+    response = httpx.get(f"{stack.url}/v1/tasks/{task_id}/events?after={after}&format=native",
+                         timeout=120)
     assert response.status_code == 200
     return [orjson.loads(block["data"]) for block in sse_blocks(response.text)]
 
@@ -192,6 +193,12 @@ def test_a_dropped_stream_resumes_without_losing_a_token(stack: Stack) -> None:
     assert rest[-1]["type"] == "task_finished" and rest[-1]["status"] == "completed"
     resumed = "".join(event["text"] for event in rest if event["type"] == "token")
     assert seen_text + resumed == reference
+    # By default the resume speaks the request's own format: chat.completion.chunk.
+    as_chat = httpx.get(f"{stack.url}/v1/tasks/{task_id}/events?after={last_id}", timeout=120)
+    chunks = [orjson.loads(b["data"]) for b in sse_blocks(as_chat.text) if b["data"] != "[DONE]"]
+    assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
+    assert seen_text + "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == (
+        reference)
 
 
 def sse_blocks_of(lines: Iterator[str]) -> Iterator[dict[str, str]]:

@@ -61,10 +61,12 @@ async def test_last_event_id_resumes_like_after(client: httpx.AsyncClient, nc: C
 
 
 async def test_cancel_is_recorded_and_announced(client: httpx.AsyncClient, nc: Client) -> None:
+    await publish_events(nc, "task-c", story("task-c", ["a"])[:1])  # a task on NATS, running
     announcements = await nc.subscribe(subjects.cancel("task-c"))
     response = await client.post("/v1/tasks/task-c/cancel")
     assert response.status_code == 200
-    assert response.json() == {"id": "task-c", "object": "task.cancel", "cancelled": True}
+    assert response.json() == {"id": "task-c", "object": "task.cancel", "cancelled": True,
+                               "task_ids": ["task-c"]}
     announced = decode_model(CancelTask, (await announcements.next_msg(timeout=5)).data)
     kv = await nc.jetstream().key_value(subjects.CANCELS_BUCKET)
     recorded = decode_model(CancelTask, (await kv.get("task-c")).value)
@@ -109,7 +111,7 @@ async def test_a_resumable_stream_survives_its_client(
         nc, task.task_id, [TaskFinished(task_id=task.task_id, at=9, status="completed")]
     )
     # The client saw TaskAccepted and "Par": it resumes after those two events.
-    response = await client.get(f"/v1/tasks/{task.task_id}/events?after=2")
+    response = await client.get(f"/v1/tasks/{task.task_id}/events?after=2&format=native")
     events = sse_events(response.text)
     assert [(event, data.get("text")) for event, _, data in events] == [
         ("token", "is"),

@@ -137,7 +137,7 @@ async def test_another_tenant_cannot_read_resume_or_cancel_a_task(
         )
         assert response.status_code == 200, response.text
         task_id = task.task_id
-        owned = await a.get(f"/v1/tasks/{task_id}/events")
+        owned = await a.get(f"/v1/tasks/{task_id}/events?format=native")
         assert owned.status_code == 200 and "task_finished" in owned.text
 
         for attempt in (

@@ -79,7 +79,7 @@ async def test_the_gateway_serves_under_its_role_and_health_reports_refusals(
                 worker.answer(tokens_script("a", "b")),
             )
             assert response.status_code == 200, response.text
-            replay = await http.get(f"/v1/tasks/{task.task_id}/events")
+            replay = await http.get(f"/v1/tasks/{task.task_id}/events?format=native")
             assert replay.status_code == 200 and "task_finished" in replay.text
             health = await http.get("/healthz")
             assert health.status_code == 200, health.text

@@ -21,6 +21,7 @@ from fleet.wire.codec import DecodeError, decode_model, decode_with, encode
 from fleet.wire.examples import NATS_CLI_TASK, examples
 from fleet.wire.handoff import HandOffAnswer, TaskHandOff
 from fleet.wire.prefixes import PrefixSummary
+from fleet.wire.records import TaskRecord
 from fleet.wire.ring import StepPlan
 
 FAST = settings(max_examples=100, deadline=None)
@@ -63,7 +64,7 @@ def test_every_example_round_trips_through_each_union_that_holds_it(stem: str) -
     standalone = type(message) in {
         tasks.CancelTask, cluster.ModelCard, cluster.NodeInfo, cluster.Instance,
         cluster.RunnerRecord, pipe.RunnerSpec, events.TaskRefused, PrefixSummary,
-        TaskHandOff, HandOffAnswer, StepPlan,
+        TaskHandOff, HandOffAnswer, StepPlan, TaskRecord,
     }
     assert unions or standalone, f"{stem}: no union and no standalone family decodes it"
 
