@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from fleet.errors import InvalidRequest
-from fleet.wire.cluster import ModelCard, NodeInfo, ShardAssignment
+from fleet.wire.cluster import Instance, ModelCard, NodeInfo, ShardAssignment
 
 
 class ShardingError(Exception):
@@ -95,3 +95,38 @@ def fewest_shards(
         except ShardingError as exc:
             last = exc
     raise ShardingError(str(last) if last else f"no nodes to split {card.id} over")
+
+
+def replace_lost_shards(
+    instance: Instance, gone: Collection[str], nodes: list[NodeInfo], card: ModelCard,
+    busy: Collection[str] = (),
+) -> Instance:
+    """The instance with each shard of a dead node (`gone`) on a live node that is in no group
+    (not this one, not `busy`), has a ring address and the memory for the shard's layers:
+    the roomiest first. Ranks and layers stay; every rank then restarts into the new ring.
+    `nodes` are the live ones able to serve the model. Pure."""
+    members = {s.node_id for s in instance.shards}
+    free = {
+        n.node_id: n for n in nodes
+        if n.ring_address and n.node_id not in members and n.node_id not in busy
+    }
+    shards = []
+    for shard in instance.shards:
+        if shard.node_id not in gone:
+            shards.append(shard)
+            continue
+        need = layer_bytes(card) * (shard.end_layer - shard.start_layer)
+        able = [n for n in free.values() if n.memory_available_bytes >= need]
+        if not able:
+            raise ShardingError(
+                f"no live node can take rank {shard.rank} of {instance.instance_id} (layers "
+                f"{shard.start_layer}-{shard.end_layer}, {need / 1e6:.0f} MB): every other "
+                "node is in a group, has no ring address or too little memory"
+            )
+        target = max(able, key=lambda n: (n.memory_available_bytes, n.node_id))
+        del free[target.node_id]
+        shards.append(shard.model_copy(update={
+            "node_id": target.node_id, "runner_id": "pending",
+            "ring_address": target.ring_address,
+        }))
+    return instance.model_copy(update={"shards": shards})

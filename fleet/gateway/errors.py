@@ -87,11 +87,15 @@ class HttpError(FleetError):
         self.code = {404: "not_found", 405: "method_not_allowed"}.get(status)
 
 
-async def on_fleet_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, FleetError)
-    metrics: GatewayMetrics = request.app.state.gateway.metrics
+def counted_error_response(metrics: GatewayMetrics, exc: FleetError) -> JSONResponse:
+    """The error's response, counted in /metrics by its code."""
     metrics.error(error_body(exc)["error"]["code"] or str(exc.http_status))
     return error_response(exc)
+
+
+async def on_fleet_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, FleetError)
+    return counted_error_response(request.app.state.gateway.metrics, exc)
 
 
 async def on_http_error(request: Request, exc: Exception) -> Response:

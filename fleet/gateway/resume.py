@@ -122,8 +122,8 @@ async def resume(
                     last_error = item.event
                 if isinstance(item.event, TaskFinished) and (
                         failed := failure_of(item.event, last_error)):
-                    if not seen:
-                        yield sse_error(failed)
+                    for line in [] if seen else renderer.failed(failed):
+                        yield line
                     return
                 lines = await renderer.lines(item)
                 if seen:
@@ -132,7 +132,8 @@ async def resume(
                 for line in lines:
                     yield line
         except FleetError as exc:
-            yield sse_error(exc)
+            for line in renderer.failed(exc):
+                yield line
             return
         for line in renderer.closing():
             yield line

@@ -13,7 +13,7 @@ from fleet.gateway.catalogue import refuses_images
 from fleet.gateway.errors import InvalidParameter
 from fleet.gateway.relay import Renderer
 from fleet.gateway.responses_api import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
-from fleet.gateway.service import gateway_of, new_task_id, now_utc
+from fleet.gateway.service import gateway_of, new_task_id, now_utc, request_id
 from fleet.gateway.tenants import tenant_of
 from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
 from fleet.gateway.text_requests import (
@@ -21,7 +21,7 @@ from fleet.gateway.text_requests import (
     CompletionRequest,
     chat_task,
     choice_tasks,
-    completion_task,
+    completion_tasks,
     image_urls,
     refuse_resumable_choices,
 )
@@ -79,16 +79,17 @@ async def completions(request: Request) -> Response:
     completion = parse(CompletionRequest, await read_json(request))
     gateway.card_for(completion.model, "text_generation")
     timeout_s = gateway.timeout_for(completion.timeout)
-    refuse_resumable_choices(completion.n, completion.resumable)
-    task = completion_task(completion, new_task_id("cmpl"), now_utc(), timeout_s)
-    tasks = choice_tasks(task, completion.n)
+    tasks = completion_tasks(completion, new_task_id("cmpl"), now_utc(), timeout_s)
+    prompts = completion.prompts
     reply = Reply(
-        task.task_id,
+        request_id([task.task_id for task in tasks]),
         completion.model,
         int(time.time()),
         completion.logprobs is not None,
         completion.include_usage,
         _choice_ids(tasks),
+        per_prompt=completion.n if len(prompts) > 1 else None,
+        echo=tuple(task.prompt or "" for task in tasks) if completion.echo else (),
     )
     return await gateway.run(
         request,

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.bus.task_events import Indexed
-from fleet.gateway.relay import SSE_DONE, sse
+from fleet.errors import FleetError
+from fleet.gateway.relay import SSE_DONE, sse, sse_error
 from fleet.wire.events import (
     ErrorChunk,
     OutputEvent,
@@ -100,11 +101,14 @@ def tool_call_json(call: ToolCallChunk) -> dict[str, Any]:
     }
 
 
-def merged_usage(usages: Iterable[Usage | None]) -> Usage:
-    """The usage of n choices of one prompt: the prompt counted once (as OpenAI does), the
+def merged_usage(usages: Iterable[Usage | None], per_prompt: int | None = None) -> Usage:
+    """The usage of the choices of one request: each prompt counted once (as OpenAI does; the
+    choices come in runs of `per_prompt` per prompt, None: all of one prompt), the
     completions summed."""
     present = [usage or Usage() for usage in usages]
-    prompt, cached = present[0].prompt_tokens, present[0].cached_tokens
+    firsts = present[::per_prompt] if per_prompt else present[:1]
+    prompt = sum(usage.prompt_tokens for usage in firsts)
+    cached = sum(usage.cached_tokens for usage in firsts)
     completion = sum(usage.completion_tokens for usage in present)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion, cached_tokens=cached)
@@ -121,6 +125,8 @@ class Reply:
     logprobs: bool = False
     include_usage: bool = False
     choice_ids: tuple[str, ...] = ()
+    per_prompt: int | None = None  # choices per prompt, for a completion with prompts
+    echo: tuple[str, ...] = ()  # each choice's prompt, when its text starts with it
 
     @property
     def choices(self) -> int:
@@ -139,7 +145,11 @@ class Reply:
         return {"id": self.task_id, "object": kind, "created": self.created, "model": self.model}
 
     def _usage(self, results: list[TextResult]) -> dict[str, Any]:
-        return usage_json(merged_usage(r.finished.usage if r.finished else None for r in results))
+        usages = [r.finished.usage if r.finished else None for r in results]
+        return usage_json(merged_usage(usages, self.per_prompt))
+
+    def echoed(self, index: int) -> str:
+        return self.echo[index] if self.echo else ""
 
     def chat_completion(self, results: list[TextResult]) -> dict[str, Any]:
         choices = []
@@ -166,7 +176,7 @@ class Reply:
             assert result.finished is not None
             choices.append({
                 "index": index,
-                "text": result.text,
+                "text": self.echoed(index) + result.text,
                 "logprobs": completion_logprobs(result.tokens) if self.logprobs else None,
                 "finish_reason": finish_reason(result.finished, False),
             })
@@ -206,7 +216,8 @@ class Reply:
 
     def usage_chunk(self, kind: str, usages: Iterable[Usage | None]) -> dict[str, Any]:
         """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
-        return {**self._envelope(kind), "choices": [], "usage": usage_json(merged_usage(usages))}
+        merged = merged_usage(usages, self.per_prompt)
+        return {**self._envelope(kind), "choices": [], "usage": usage_json(merged)}
 
     def _completion_chunk(self, text: str, index: int = 0, **choice: Any) -> dict[str, Any]:
         chunk = {
@@ -219,6 +230,9 @@ class Reply:
         if self.include_usage:
             chunk["usage"] = None
         return chunk
+
+    def completion_echo(self, index: int) -> dict[str, Any]:
+        return self._completion_chunk(self.echo[index], index)
 
     def completion_chunks(self, event: OutputEvent, text_offset: int) -> list[dict[str, Any]]:
         """The chunks one event becomes (`text_offset`: of the event's choice so far)."""
@@ -257,6 +271,9 @@ class _TextRenderer:
     def closing(self) -> list[bytes]:
         return [SSE_DONE]
 
+    def failed(self, exc: FleetError) -> list[bytes]:
+        return [sse_error(exc)]
+
 
 class ChatRenderer(_TextRenderer):
     kind = "chat.completion.chunk"
@@ -294,7 +311,8 @@ class CompletionRenderer(_TextRenderer):
         return self.reply.text_completion(self.reply.by_choice(events))
 
     def opening(self) -> list[bytes]:
-        return []
+        """With echo, each choice's prompt comes first, as a chunk of its own."""
+        return [sse(self.reply.completion_echo(index)) for index in range(len(self.reply.echo))]
 
     async def lines(self, item: Indexed) -> list[bytes]:
         choice = self.reply.choice_of(item.event.task_id)

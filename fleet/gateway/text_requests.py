@@ -136,12 +136,21 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: ResponseFormatIn | None = None
 
 
+MAX_CHOICES = 16  # prompts × n of one completion request: each is a task
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] = Field(
+        description="One prompt, or a list: one choice per prompt (× n), in prompt order"
+    )
     max_tokens: int | None = Field(default=16, ge=1, le=131072)
     logprobs: int | None = Field(default=None, ge=0, le=20)
-    echo: Literal[False] = False
+    echo: bool = Field(default=False, description="The text starts with its prompt")
     suffix: None = None
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
 
 def image_urls(request: ChatCompletionRequest) -> list[str]:
@@ -229,10 +238,40 @@ def chat_task(
         raise invalid_from(exc) from None
 
 
-def completion_task(
+def completion_tasks(
     request: CompletionRequest, task_id: str, now: datetime, timeout_s: float
+) -> list[TextGeneration]:
+    """One task per choice: `n` for each prompt, choice i·n + j being prompt i's j-th (as
+    OpenAI orders them), `<id>-<index>` when there is more than one."""
+    prompts = request.prompts
+    if len(prompts) * request.n > MAX_CHOICES:
+        raise InvalidParameter(
+            f"n: {len(prompts)} prompts × n = {request.n} asks for more than {MAX_CHOICES} "
+            "choices", "n",
+        )
+    if request.echo and request.logprobs is not None:
+        raise InvalidParameter("echo: not with logprobs (the prompt's own logprobs are not "
+                               "computed)", "echo")
+    refuse_resumable_choices(len(prompts) * request.n, request.resumable)
+    if len(prompts) == 1:
+        return choice_tasks(completion_task(request, task_id, now, timeout_s), request.n)
+    tasks = []
+    for index, prompt in enumerate(prompts):
+        first = completion_task(request, f"{task_id}-{index * request.n}", now, timeout_s,
+                                prompt)
+        tasks += [first] if request.n == 1 else [
+            choice.model_copy(update={"task_id": f"{task_id}-{index * request.n + j}"})
+            for j, choice in enumerate(choice_tasks(first, request.n))
+        ]
+    return tasks
+
+
+def completion_task(
+    request: CompletionRequest, task_id: str, now: datetime, timeout_s: float,
+    prompt: str | None = None,
 ) -> TextGeneration:
-    prompt = request.prompt if isinstance(request.prompt, str) else request.prompt[0]
+    """The task of one prompt (the request's first, unless `prompt` names another)."""
+    prompt = request.prompts[0] if prompt is None else prompt
     fields = _sampling(request)
     if request.max_tokens:
         fields["max_tokens"] = request.max_tokens

@@ -120,6 +120,11 @@ class Instance(Wire):
     shards: list[ShardAssignment] = Field(min_length=1)
     slots: int = Field(default=4, ge=1, le=256)
     created_at: float
+    generation: int = Field(
+        default=0, ge=0,
+        description="a sharded instance's group restarts: bumped when a rank's runner dies, "
+        "so every rank restarts into a fresh ring",
+    )
 
     @property
     def sharded(self) -> bool:

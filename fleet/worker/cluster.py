@@ -16,7 +16,7 @@ from nats.js.kv import KeyValue
 
 from fleet.aio import Supervisor
 from fleet.bus.connect import publish
-from fleet.bus.kv_calls import kv_delete, kv_get, kv_put
+from fleet.bus.kv_calls import kv_delete, kv_get, kv_put, kv_update
 from fleet.bus.objects import ObjectBucket, ObjectCorrupt
 from fleet.bus.retry import with_retry
 from fleet.bus.weights import MODELS_BUCKET, FleetModels
@@ -43,7 +43,7 @@ from fleet.worker.heartbeat import Heartbeat
 from fleet.worker.inputs import ImageCache
 from fleet.worker.janitor import Janitor
 from fleet.worker.node import free_port, node_id, node_info
-from fleet.worker.state import InstancesChanged, RunnerView
+from fleet.worker.state import InstancesChanged, RunnerView, group_layout
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,21 @@ class ClusterLink:
             available, room, memory_limit=self.settings.memory_limit,
             memory_placed=self.memory_placed_here(), ring_address=self.ring_address,
         )
+
+    async def restart_group(self, instance_id: str, layout: tuple[object, ...]) -> None:
+        """A rank of this sharded instance died: bump its generation (a compare-and-set), so
+        every rank's worker restarts its runner into a fresh ring. A moved or already bumped
+        instance is left alone: its runners restart anyway."""
+        entry = await kv_get(self.instances, instance_id)
+        if entry is None or entry.value is None:
+            return
+        instance = decode_model(Instance, entry.value)
+        if group_layout(instance) != layout:
+            return
+        bumped = instance.model_copy(update={"generation": instance.generation + 1})
+        if await kv_update(self.instances, instance_id, encode(bumped), last=entry.revision):
+            log.warning("a rank of %s died: its group restarts (generation %d)", instance_id,
+                        bumped.generation)
 
     def memory_placed_here(self) -> int:
         """What the shards placed on this node take: each its share of its model's layers."""

@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from fleet.errors import FleetError
-from fleet.placement import choose_node, moved
+from fleet.placement import able_to_shard, choose_node, in_groups, moved
+from fleet.placement_shards import ShardingError, replace_lost_shards
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
 
 # A heartbeat is "fresh" when the last good one is at most this many periods old.
@@ -104,6 +105,7 @@ def plan_moves(
     move). `nodes` are the live heartbeats as just read; `now` is wall time for their `at`."""
     live = {node.node_id: node for node in nodes}
     out: list[Move | Stranded] = []
+    placed = list(placed)
     for item in placed:
         instance = item.instance
         shard_nodes = [shard.node_id for shard in instance.shards]
@@ -115,6 +117,9 @@ def plan_moves(
             node for node in live.values()
             if node.node_id not in gone and instance.model in node.models_available
         ]
+        if instance.sharded:
+            out.append(_move_shards(item, gone, candidates, card, placed, now))
+            continue
         try:
             target = choose_node(candidates, card, now)
         except FleetError as exc:
@@ -125,6 +130,23 @@ def plan_moves(
             moved_instance = moved(moved_instance, node, target.node_id)
         out.append(Move(instance.instance_id, item.revision, gone, target.node_id, moved_instance))
     return out
+
+
+def _move_shards(
+    item: Placed, gone: tuple[str, ...], candidates: list[NodeInfo], card: ModelCard,
+    placed: list[Placed], now: float,
+) -> Move | Stranded:
+    """A sharded instance's lost ranks go to live nodes in no group; the others stay."""
+    instance = item.instance
+    busy = in_groups(p.instance for p in placed if p.instance.instance_id != instance.instance_id)
+    try:
+        moved_instance = replace_lost_shards(
+            instance, gone, able_to_shard(candidates, card, now), card, busy
+        )
+    except ShardingError as exc:
+        return Stranded(instance.instance_id, gone, str(exc))
+    targets = ",".join(s.node_id for s in moved_instance.shards if s not in instance.shards)
+    return Move(instance.instance_id, item.revision, gone, targets, moved_instance)
 
 
 def unknown_card(model: str) -> ModelCard:

@@ -83,6 +83,7 @@ class Worker(RunnerReports, Stopping):
         self.cancels_sent: set[str] = set()  # tasks a user cancelled while they ran here
         self.unsent_chunks = 0  # task events the broker would not take (logged each time)
         self.cancelled_while_offered: set[str] = set()  # cancels heard during a hand-off
+        self.plan_due = False  # a streamed report changed what the planner reads
 
     async def run(self) -> None:
         """Serve until stopped; /metrics (when a port is set) from before the connection to
@@ -155,7 +156,7 @@ class Worker(RunnerReports, Stopping):
         while not isinstance(item := await self.inbox.get(), Stop):
             try:
                 await self._handle(item)
-                if not _streams_only(item):
+                if self.plan_due or not _streams_only(item):
                     await self._drive()
             except Exception:  # one item's trouble must not end the node's work
                 self.handler_failures += 1
@@ -165,6 +166,7 @@ class Worker(RunnerReports, Stopping):
         self.state = apply(self.state, event)
 
     async def _drive(self) -> None:
+        self.plan_due = False
         while (action := rules.plan(self.state, time.time())) is not None:
             await self._act(action)
 
@@ -233,9 +235,9 @@ class Worker(RunnerReports, Stopping):
 
     async def _act(self, action: rules.Action) -> None:
         match action:
-            case rules.StopRunner(runner_id=runner_id):
+            case rules.StopRunner(runner_id=runner_id, now=now):
                 self._apply(ev.CommandSent(runner_id, "shutdown"))
-                self.runners.stop(runner_id)
+                self.runners.stop(runner_id, kill=now)
             case rules.SpawnRunner(instance=instance):
                 self._apply(ev.RunnerStarting(instance.instance_id))
                 self.runners.spawn(instance, self.state.cards.get(instance.model))

@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from fleet.wire.cluster import Instance
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import is_past
-from fleet.worker.routing import Candidate, choose
+from fleet.worker.routing import Candidate, Wait, choose
 from fleet.worker.state import PendingTask, WorkerState, group_layout
 from fleet.worker.supervisor import compute_backoff
 
@@ -25,6 +25,9 @@ LIFECYCLE = {"idle": "connect_to_group", "connected": "load_model", "loaded": "w
 class StopRunner:
     runner_id: str
     reason: str
+    # Kill at once: a shard whose group changed is usually stuck in a ring receive from a
+    # peer that left, and cannot read a Shutdown.
+    now: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,14 @@ def _orphaned(state: WorkerState) -> set[str]:
 
 
 def stop_orphan_runner(state: WorkerState, now: float) -> Action | None:
+    hosted = {inst.instance_id for inst in state.hosted_instances()}
     for runner_id in sorted(_orphaned(state)):
-        if not state.runners[runner_id].shutting_down:
-            return StopRunner(runner_id, "instance removed")
+        runner = state.runners[runner_id]
+        if runner.shutting_down:
+            continue
+        if runner.instance_id in hosted and not state.stopping:
+            return StopRunner(runner_id, "its group changed", now=True)
+        return StopRunner(runner_id, "instance removed")
     return None
 
 
@@ -164,12 +172,12 @@ def dispatch(state: WorkerState, now: float) -> Action | None:
             continue
         candidates = [
             Candidate(r.runner_id, r.free_slots, len(r.in_flight), r.held, None,
-                      r.prefill_blocks, len(r.prefill))
+                      r.prefill_blocks, len(r.prefill), r.warming_blocks)
             for r in state.runners.values()
             if r.model == pending.task.model and r.free_slots > 0 and not r.shutting_down
         ] + remote_candidates(state, pending, now)
         chosen = choose(pending.blocks, candidates, state.routing)
-        if chosen is None:
+        if chosen is None or isinstance(chosen, Wait):  # a prefill of its prefix is on
             continue
         if chosen.node_id is None:
             return Dispatch(task_id, chosen.runner_id)

@@ -34,7 +34,9 @@ def summary(runner: RunnerView, node_id: str, now: float) -> PrefixSummary:
     return PrefixSummary(
         runner_id=runner.runner_id, node_id=node_id, model=runner.model,
         block_chars=BLOCK_CHARS, blocks=[f"{b:016x}" for b in runner.held.order],
-        in_flight=len(runner.in_flight), slots=runner.slots, prefilling=len(runner.prefill),
+        # A rank > 0 of a sharded instance takes no tasks: no slots for other nodes to see.
+        in_flight=len(runner.in_flight), slots=runner.slots if runner.rank == 0 else 0,
+        prefilling=len(runner.prefill),
         prefill_blocks=runner.prefill_blocks, at=now,
     )
 

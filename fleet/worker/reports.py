@@ -67,6 +67,7 @@ class RunnerReports:
             case _:
                 if report.type != "task_accepted" and report.task_id in self._prefilling(runner_id):
                     self._apply(ev.FirstOutput(report.task_id, runner_id))  # once a task
+                    self.plan_due = True  # a task may wait for this prefill
                 await self._chunk(report)
 
     def _prefilling(self: Worker, runner_id: str) -> Mapping[str, int]:
@@ -119,3 +120,9 @@ class RunnerReports:
                 await self._report(item)
         self._apply(ev.RunnerGone(runner_id, crashed=crashed, at=time.time()))
         self.cluster.runner_removed(runner_id)
+        if crashed and view is not None and view.layout:
+            # The other ranks wait on a ring this rank left: restart the whole group.
+            self.runners.owner.spawn(
+                f"restart group {view.instance_id}",
+                self.cluster.restart_group(view.instance_id, view.layout),
+            )

@@ -13,6 +13,16 @@ has room and no prefill queued to outweigh what it saves, and a hot prefix spill
 runner as soon as home has its prefill queued; a task never waits for a busy runner while
 another has a free slot (the plan dispatches only to free slots).
 
+Blocks a runner is prefilling right now (new to it, sent with a task that has no output
+yet) are not in its cache yet: a task needing them would prefill them a second time. So a
+runner is weighed twice: now (those blocks count as uncached, and blocks being prefilled on
+another runner count once more, as the duplicate work they are), and after that prefill
+(they count as cached; its queued prefill is already in the cost). When waiting is strictly
+cheaper the answer is `Wait`: the task stays queued until the runner's first output, and
+then goes there. In `fleet bench --only routing` two runners did 12 full system-prompt
+prefills for 16 first turns where one runner did 4, because conversations sharing a system
+prompt arrived while it was still being prefilled.
+
 Runners on other nodes are candidates too, as their workers advertise them (FLEET_PREFIXES):
 choosing one costs `hand_off_blocks` more (the hop is ~1 ms, but the view of it is up to a
 second old), so a remote runner wins only when it saves more than a block of prefill; the
@@ -33,11 +43,11 @@ class PrefixHeld:
     order: tuple[int, ...] = ()
     known: frozenset[int] = frozenset()
 
-    def matched(self, blocks: Sequence[int]) -> int:
-        """How many leading blocks of `blocks` this runner holds."""
+    def matched(self, blocks: Sequence[int], warming: frozenset[int] = frozenset()) -> int:
+        """How many leading blocks of `blocks` this runner holds (not counting `warming`)."""
         count = 0
         for block in blocks:
-            if block not in self.known:
+            if block not in self.known or block in warming:
                 break
             count += 1
         return count
@@ -64,6 +74,14 @@ class Candidate:
     node_id: str | None = None  # None: on this node; else the node a hand-off goes to
     prefill_blocks: int = 0  # prefill queued there: blocks of its tasks with no token yet
     prefilling: int = 0  # how many of its tasks in flight have no token yet
+    warming: frozenset[int] = frozenset()  # blocks new to it that it is prefilling now
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Dispatch nothing yet: `runner_id` is prefilling this prompt's prefix; go there after."""
+
+    runner_id: str
 
 
 @dataclass(frozen=True)
@@ -77,24 +95,32 @@ def choose_runner(
     blocks: Sequence[int], candidates: Sequence[Candidate], weights: Weights = Weights(),
 ) -> str | None:
     chosen = choose(blocks, candidates, weights)
-    return chosen.runner_id if chosen else None
+    return chosen.runner_id if isinstance(chosen, Candidate) else None
 
 
 def choose(
     blocks: Sequence[int], candidates: Sequence[Candidate], weights: Weights = Weights(),
-) -> Candidate | None:
-    """The cheapest candidate with a free slot (ties: this node, more free slots, the id)."""
+) -> Candidate | Wait | None:
+    """The cheapest candidate with a free slot (ties: acting now, this node, more free
+    slots, the id), or Wait when waiting for a prefill in progress is strictly cheaper."""
     free = [c for c in candidates if c.free_slots > 0]
     if not weights.prefix:
         free = [c for c in free if c.node_id is None]  # today's rule: this node only
         return max(free, key=lambda c: (c.free_slots, c.runner_id), default=None)
-
-    def cost(c: Candidate) -> tuple[float, bool, int, str]:
-        uncached = len(blocks) - c.held.matched(blocks)
+    options: list[tuple[tuple[float, bool, bool, int, str], Candidate | Wait]] = []
+    for c in free:
         remote = c.node_id is not None
         decoding = max(0, c.in_flight - c.prefilling)
-        total = uncached + c.prefill_blocks + weights.decode_blocks * decoding
-        return (total + (weights.hand_off_blocks if remote else 0.0), remote, -c.free_slots,
-                c.runner_id)
-
-    return min(free, key=cost, default=None)
+        load = c.prefill_blocks + weights.decode_blocks * decoding
+        load += weights.hand_off_blocks if remote else 0.0
+        ready = c.held.matched(blocks, c.warming)
+        elsewhere = frozenset().union(*(o.warming for o in free if o is not c))
+        duplicate = sum(1 for block in blocks[ready:] if block in elsewhere)
+        now = len(blocks) - ready + duplicate + load
+        options.append(((now, False, remote, -c.free_slots, c.runner_id), c))
+        after = c.held.matched(blocks)
+        if after > ready:  # its prefill in progress holds more of this prompt
+            later = len(blocks) - after + load
+            options.append(((later, True, remote, -c.free_slots, c.runner_id),
+                            Wait(c.runner_id)))
+    return min(options, key=lambda option: option[0], default=(None, None))[1]

@@ -196,10 +196,13 @@ class RunnerPool:
             return False
         return True
 
-    def stop(self, runner_id: str) -> None:
+    def stop(self, runner_id: str, kill: bool = False) -> None:
+        """Ask the runner to shut down (killed after 10 s), or `kill` it at once; either way
+        a deliberate stop, not a crash."""
         if (process := self.processes.get(runner_id)) and runner_id not in self.stopping:
             self.stopping.add(runner_id)
-            self.owner.spawn(f"stop runner {runner_id}", process.stop(timeout=10.0))
+            ending = process.kill() if kill else process.stop(timeout=10.0)
+            self.owner.spawn(f"stop runner {runner_id}", ending)
 
     def abandon(self, runner_id: str) -> None:
         """A runner that refused a task (its pipe is closed) is dying or dead: make sure it is

@@ -29,10 +29,16 @@ class RunnerView:
     layout: tuple[object, ...] = ()  # the group it joined (`group_layout`); () for one node
     # task -> blocks it had to prefill here (uncached when dispatched), until its first output
     prefill: Mapping[str, int] = field(default_factory=dict)
+    # task -> blocks it brought here that were new (not yet cached), until its first output
+    warming: Mapping[str, frozenset[int]] = field(default_factory=dict)
 
     @property
     def prefill_blocks(self) -> int:
         return sum(self.prefill.values())
+
+    @property
+    def warming_blocks(self) -> frozenset[int]:
+        return frozenset().union(*self.warming.values())
 
     @property
     def shutting_down(self) -> bool:
@@ -109,14 +115,15 @@ class WorkerState:
 
 
 def group_layout(instance: Instance) -> tuple[object, ...]:
-    """What a sharded instance's runners are joined by: each rank's node, layers and ring
-    address. A runner started for another layout (a shard moved) must be restarted. Pure."""
+    """What a sharded instance's runners are joined by: its generation and each rank's node,
+    layers and ring address. A runner started for another layout (a shard moved, a rank's
+    runner died) must be restarted. Pure."""
     if not instance.sharded:
         return ()
-    return tuple(
+    return (instance.generation, *(
         (s.rank, s.node_id, s.start_layer, s.end_layer, s.ring_address)
         for s in sorted(instance.shards, key=lambda shard: shard.rank)
-    )
+    ))
 
 
 # ---- events -----------------------------------------------------------------------------
@@ -358,12 +365,15 @@ def _(event: TaskDispatched, state: WorkerState) -> WorkerState:
     runner = state.runners[event.runner_id]
     task = state.pending.get(event.task_id)
     held = runner.held.served(task.blocks, state.prefix_capacity) if task else runner.held
-    uncached = len(task.blocks) - runner.held.matched(task.blocks) if task else 0
+    blocks = task.blocks if task else ()
+    uncached = len(blocks) - runner.held.matched(blocks, runner.warming_blocks)
+    new = frozenset(b for b in blocks if b not in runner.held.known)
     pending = {k: v for k, v in state.pending.items() if k != event.task_id}
     state = replace(state, pending=pending)
+    warming = {**runner.warming, event.task_id: new} if new else runner.warming
     return _with_runner(
         state, event.runner_id, in_flight=runner.in_flight | {event.task_id}, held=held,
-        prefill={**runner.prefill, event.task_id: uncached},
+        prefill={**runner.prefill, event.task_id: uncached}, warming=warming,
     )
 
 
@@ -373,7 +383,8 @@ def _(event: FirstOutput, state: WorkerState) -> WorkerState:
     if runner is None or event.task_id not in runner.prefill:
         return state
     prefill = {k: v for k, v in runner.prefill.items() if k != event.task_id}
-    return _with_runner(state, event.runner_id, prefill=prefill)
+    warming = {k: v for k, v in runner.warming.items() if k != event.task_id}
+    return _with_runner(state, event.runner_id, prefill=prefill, warming=warming)
 
 
 @_apply.register
@@ -381,7 +392,8 @@ def _(event: TaskEnded, state: WorkerState) -> WorkerState:
     pending = {k: v for k, v in state.pending.items() if k != event.task_id}
     runners = {
         rid: replace(r, in_flight=r.in_flight - {event.task_id},
-                     prefill={k: v for k, v in r.prefill.items() if k != event.task_id})
+                     prefill={k: v for k, v in r.prefill.items() if k != event.task_id},
+                     warming={k: v for k, v in r.warming.items() if k != event.task_id})
         if event.task_id in r.in_flight else r
         for rid, r in state.runners.items()
     }

@@ -157,6 +157,7 @@ async def test_a_deadline_is_504_and_cancels_the_task(
     assert_error(response, 504, "deadline")
     message = await cancels.next_msg(timeout=5)
     cancel = decode_model(CancelTask, message.data)
+    assert response.headers["x-fleet-task-id"] == cancel.task_id
     kv = await nc.jetstream().key_value(subjects.CANCELS_BUCKET)
     assert (await kv.get(cancel.task_id)).value
 

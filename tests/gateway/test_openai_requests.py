@@ -24,6 +24,7 @@ from fleet.gateway.text_requests import (
     chat_task,
     choice_tasks,
     completion_task,
+    completion_tasks,
     image_urls,
 )
 from fleet.wire.tasks import ImagePart, NamedFunction, TextPart
@@ -121,6 +122,31 @@ def test_what_only_the_task_rejects_is_still_a_400_naming_the_param() -> None:
     with pytest.raises(InvalidParameter) as caught:
         chat_task(chat(tools=tools), "chatcmpl-1", {}, NOW, 1.0)
     assert caught.value.param == "tools.0.function.name"
+
+
+def completions(**fields: object) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "tiny-llm", "prompt": "x", **fields})
+
+
+def test_a_prompt_list_is_one_choice_per_prompt_times_n_in_prompt_order() -> None:
+    tasks = completion_tasks(completions(prompt=["a", "b"], n=2, seed=7), "cmpl-1", NOW, 5.0)
+    assert [(t.task_id, t.prompt, t.seed) for t in tasks] == [
+        ("cmpl-1-0", "a", 7), ("cmpl-1-1", "a", 8), ("cmpl-1-2", "b", 7), ("cmpl-1-3", "b", 8)]
+    [one] = completion_tasks(completions(prompt=["only"]), "cmpl-2", NOW, 5.0)
+    assert (one.task_id, one.prompt) == ("cmpl-2", "only")
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"prompt": ["p"] * 9, "n": 2}, "n"),
+    ({"echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": ["a", "b"], "stream": True, "resumable": True}, "n"),
+])
+def test_completions_that_cannot_be_served_name_the_parameter(
+    fields: dict[str, object], param: str
+) -> None:
+    with pytest.raises(InvalidParameter) as caught:
+        completion_tasks(completions(**fields), "cmpl-1", NOW, 5.0)
+    assert caught.value.param == param
 
 
 def test_completion_task_defaults_like_openai() -> None:

@@ -340,3 +340,23 @@ def test_responses_api_whole_and_streamed(stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError) as bad:
         stack.openai.responses.create(model=MODEL, input="hi", previous_response_id="resp-x")
     assert bad.value.body and bad.value.body["param"] == "previous_response_id"  # type: ignore[index]
+
+
+def test_completions_with_a_prompt_list_and_echo(stack: Stack) -> None:
+    prompts = ["The capital of France is", "The capital of Italy is"]
+    ask = {"model": MODEL, "prompt": prompts, "max_tokens": 6, "temperature": 0, "echo": True}
+    listed = stack.openai.completions.create(**ask)
+    assert [choice.index for choice in listed.choices] == [0, 1]
+    alone = [stack.openai.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+             for p in prompts]
+    # one choice per prompt, each the prompt itself followed by what it alone gets (greedy)
+    assert [c.text for c in listed.choices] == [
+        p + a.choices[0].text for p, a in zip(prompts, alone, strict=True)]
+    assert listed.usage and listed.usage.prompt_tokens == sum(
+        a.usage.prompt_tokens for a in alone if a.usage)
+
+    streamed = ["", ""]
+    for chunk in stack.openai.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == [c.text for c in listed.choices]

@@ -266,3 +266,21 @@ def test_images_response_orders_finals_and_picks_the_format() -> None:
     assert (as_b64["created"], as_b64["size"], as_b64["output_format"]) == (9, "64x32", "png")
     as_urls = images_response(finals, 9, True, {}, urls)
     assert as_urls["data"] == [{"url": urls["a" * 64]}, {"url": urls["b" * 64]}]
+
+
+def test_prompts_are_each_counted_once_and_echo_leads_each_text() -> None:
+    reply = Reply("cmpl-9", "m", 1, choice_ids=CHOICES, per_prompt=1, echo=("Once", "Twice"))
+    events = [_of(0, token(0, " upon")), _of(1, token(0, " more")), _of(0, done()),
+              _of(1, done())]
+    body = reply.text_completion(reply.by_choice(events))
+    assert [c["text"] for c in body["choices"]] == ["Once upon", "Twice more"]
+    # two prompts of 3 tokens each, however many choices each has
+    assert body["usage"]["prompt_tokens"] == 6 and body["usage"]["completion_tokens"] == 5
+
+
+async def test_a_streamed_echo_opens_with_each_prompt() -> None:
+    reply = Reply("cmpl-9", "m", 1, choice_ids=CHOICES, echo=("Once", "Once"))
+    renderer = CompletionRenderer(reply)
+    opening = [_data(line)["choices"][0] for line in renderer.opening()]
+    assert [(c["index"], c["text"]) for c in opening] == [(0, "Once"), (1, "Once")]
+    assert CompletionRenderer(Reply("cmpl-8", "m", 1)).opening() == []

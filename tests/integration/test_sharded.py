@@ -4,22 +4,31 @@ one real nats-server; the instance's two shards form a ring over mx.distributed.
 from __future__ import annotations
 
 import asyncio
+import os
+import re
+import signal
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
+import httpx
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
+from fleet.config import load_settings
+from fleet.gateway.app import build_app
 from fleet.models.catalog import get_card
 from fleet.placement import place, remove
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord
-from fleet.wire.codec import decode_model
-from fleet.wire.events import TokenChunk
+from fleet.wire.codec import decode_event, decode_model
+from fleet.wire.events import TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
     client,
     finished,
     run_task,
+    submit,
     text_of,
     wait_node,
 )
@@ -32,26 +41,34 @@ def paris(task_id: str) -> TextGeneration:
     )
 
 
-async def ready_ranks(nc: Client, instance: Instance, timeout: float = 240.0) -> None:
-    """Until every rank's runner of `instance` has reported ready (one KV watch)."""
+async def ready_ranks(
+    nc: Client, instance: Instance, timeout: float = 240.0, before: Iterable[str] = (),
+) -> dict[int, str]:
+    """Until every rank's runner of `instance` (as it is now; none of the runners `before`)
+    has reported ready (one KV watch); their runner ids by rank."""
+    old = set(before)
     kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
     watcher = await kv.watchall()
-    ranks: set[int] = set()
+    nodes = {s.rank: s.node_id for s in instance.shards}
+    ranks: dict[int, str] = {}
     try:
         async with asyncio.timeout(timeout):
-            while ranks != set(range(len(instance.shards))):
+            while set(ranks) != set(nodes):
                 entry = await watcher.updates(timeout=timeout)
                 if entry is None or not entry.value:
                     continue
                 record = decode_model(RunnerRecord, entry.value)
-                if record.instance_id == instance.instance_id and record.status.state == "ready":
-                    ranks.add(record.rank)
+                if (record.instance_id == instance.instance_id and record.status.state == "ready"
+                        and nodes.get(record.rank) == record.node_id
+                        and record.runner_id not in old):
+                    ranks[record.rank] = record.runner_id
     finally:
         await watcher.stop()
+    return ranks
 
 
 async def test_smollm2_over_two_nodes_answers_with_the_unsharded_tokens(
-    nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path,
+    nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path, tmp_path: Path,
 ) -> None:
     models = {"smollm2-135m": smollm2_dir}
     first = start_worker("w1", models=models)
@@ -77,4 +94,132 @@ async def test_smollm2_over_two_nodes_answers_with_the_unsharded_tokens(
     assert tokens == [e.token_id for e in unsharded if isinstance(e, TokenChunk)]
     accepted = [e for e in events if e.type == "task_accepted"]
     assert [e.node_id for e in accepted] == [sharded.shards[0].node_id]  # rank 0's worker
+
+    # The same question through the gateway, a stateless sidecar on the same subjects.
+    settings = load_settings({"nats_url": nats_url, "data_dir": tmp_path / "gw"}, env={})
+    app = build_app(settings)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=120,
+    ) as http:
+        reply = await http.post("/v1/chat/completions", json={
+            "model": "smollm2-135m", "max_tokens": 12, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        })
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == text_of(unsharded)
     await nc.close()
+
+
+async def test_a_rank_whose_worker_is_killed_mid_task_is_re_placed_and_the_group_serves_again(
+    nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path,
+) -> None:
+    models = {"smollm2-135m": smollm2_dir}
+    workers = [start_worker(f"w{i}", models=models) for i in range(3)]
+    nc = await client(nats_url)
+    by_node = {await wait_node(nc, w.data_dir): w for w in workers}
+    js = nc.jetstream()
+    sharded = await place(js, get_card("smollm2-135m"), slots=2, shards=2)
+    before = await ready_ranks(nc, sharded)
+    follower = by_node[sharded.shards[1].node_id]
+
+    async def heal() -> Instance:
+        healed = await moved_away(nc, sharded.instance_id, follower.node_id)
+        assert [s.rank for s in healed.shards] == [0, 1]
+        assert healed.shards[0].node_id == sharded.shards[0].node_id
+        return healed
+
+    # rank 1's worker and its runner, as a power loss would
+    await kill_mid_task(nc, "killed-1", follower.kill, heal, before.values())
+    await nc.close()
+
+
+async def test_a_rank_whose_runner_dies_mid_task_restarts_the_whole_group(
+    nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path,
+) -> None:
+    models = {"smollm2-135m": smollm2_dir}
+    workers = [start_worker(f"w{i}", models=models) for i in range(2)]
+    nc = await client(nats_url)
+    for worker in workers:
+        await wait_node(nc, worker.data_dir)
+    sharded = await place(nc.jetstream(), get_card("smollm2-135m"), slots=2, shards=2)
+    runners = await ready_ranks(nc, sharded)
+
+    def kill_rank_1_runner() -> None:
+        logs = "".join(worker.log() for worker in workers)
+        pid = re.search(rf"runner {runners[1]} started, pid (\d+)", logs)
+        assert pid is not None
+        os.kill(int(pid.group(1)), signal.SIGKILL)
+
+    async def regrouped() -> Instance:
+        instance = await next_generation(nc, sharded.instance_id)
+        assert instance.shards == sharded.shards and instance.generation == 1
+        return instance
+
+    await kill_mid_task(nc, "crashed-1", kill_rank_1_runner, regrouped, runners.values())
+    await nc.close()
+
+
+async def kill_mid_task(
+    nc: Client, task_id: str, kill: Callable[[], None],
+    regrouped: Callable[[], Awaitable[Instance]], before: Iterable[str],
+) -> None:
+    """Start a task, `kill` once its first token is out, then: exactly one terminal (the
+    task continued, or ended runner_crashed), the group ready again, the next task served."""
+    task = paris(task_id).model_copy(update={"max_tokens": 64})
+    first_token = asyncio.Event()
+    got: list[object] = []
+
+    async def on_event(msg: Msg) -> None:
+        event = decode_event(msg.data)
+        got.append(event)
+        if isinstance(event, TokenChunk):
+            first_token.set()
+
+    sub = await nc.jetstream().subscribe(
+        subjects.out(task.task_id), stream=subjects.OUT_STREAM, ordered_consumer=True,
+        cb=on_event,
+    )
+    await submit(nc, task)
+    await asyncio.wait_for(first_token.wait(), 120)
+    kill()
+    await ready_ranks(nc, await regrouped(), before=before)
+    async with asyncio.timeout(240):
+        while not any(isinstance(e, TaskFinished) for e in got):
+            await asyncio.sleep(0.1)  # polling what the subscription collected, bounded
+    await sub.unsubscribe()
+    terminal = finished(got)  # exactly one
+    assert terminal.status == "completed" or terminal.reason == "runner_crashed"
+    after = await run_task(nc, paris(f"after-{task_id}"), timeout=240)
+    assert finished(after).status == "completed" and "Paris" in text_of(after)
+
+
+async def next_generation(nc: Client, instance_id: str, timeout: float = 120) -> Instance:
+    kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
+    watcher = await kv.watch(instance_id)
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                entry = await watcher.updates(timeout=timeout)
+                if entry is not None and entry.value:
+                    instance = decode_model(Instance, entry.value)
+                    if instance.generation > 0:
+                        return instance
+    finally:
+        await watcher.stop()
+
+
+async def moved_away(nc: Client, instance_id: str, gone: str, timeout: float = 120) -> Instance:
+    """The instance once failover has moved its shard off the node `gone`."""
+    kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
+    watcher = await kv.watch(instance_id)
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                entry = await watcher.updates(timeout=timeout)
+                if entry is None or not entry.value:
+                    continue
+                instance = decode_model(Instance, entry.value)
+                if all(s.node_id != gone for s in instance.shards):
+                    return instance
+    finally:
+        await watcher.stop()

@@ -9,7 +9,7 @@ from fleet.wire.runners import RunnerReady
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from fleet.worker.plan import Dispatch, plan
 from fleet.worker.prefix_blocks import BLOCK_CHARS, block_hashes, prompt_blocks
-from fleet.worker.routing import Candidate, PrefixHeld, Weights, choose_runner
+from fleet.worker.routing import Candidate, PrefixHeld, Wait, Weights, choose, choose_runner
 from fleet.worker.state import (
     FirstOutput,
     PendingTask,
@@ -147,3 +147,67 @@ def test_the_plan_sends_a_returning_conversation_home() -> None:
     turns += [("assistant", "ships float " * 20), ("user", "and boats? " * 20)]
     state = queued(state, chat(*turns, task_id="turn-2"))
     assert plan(state, 0.0) == Dispatch("turn-2", home)
+
+
+SYSTEM_BLOCKS = (1, 2, 3, 4, 5, 6, 7)
+NEXT = (*SYSTEM_BLOCKS, 8)  # the same system prompt, another question
+
+
+def prefilling(runner_id: str, queued: int = 7, free: int = 3) -> Candidate:
+    """A runner that has just been sent SYSTEM_BLOCKS and has not answered yet."""
+    return Candidate(runner_id, free, 1, held(*SYSTEM_BLOCKS), prefill_blocks=queued,
+                     prefilling=1, warming=frozenset(SYSTEM_BLOCKS))
+
+
+@pytest.mark.parametrize(
+    ("candidates", "chosen"),
+    [
+        # its prefix is being prefilled on b: wait for it (1 + 7) rather than prefill it
+        # again on idle a (8 + 7 for the duplicate work)
+        ([Candidate("a", 4, 0), prefilling("b")], Wait("b")),
+        # one runner: still better to wait than to prefill the same blocks beside it
+        ([prefilling("b")], Wait("b")),
+        # b has far more queued than the duplicate costs: go to a now
+        ([Candidate("a", 4, 0), prefilling("b", queued=30)], "a"),
+        # b holds the prefix for real (no prefill on): go there now
+        ([Candidate("a", 4, 0), Candidate("b", 3, 1, held(*SYSTEM_BLOCKS))], "b"),
+        # b has no free slot: nothing to wait for there; a now
+        ([Candidate("a", 4, 0), prefilling("b", free=0)], "a"),
+    ],
+)
+def test_a_prefix_being_prefilled_is_waited_for(
+    candidates: list[Candidate], chosen: object,
+) -> None:
+    best = choose(NEXT, candidates)
+    assert (best.runner_id if isinstance(best, Candidate) else best) == chosen
+
+
+def test_the_plan_holds_a_task_until_its_prefix_is_prefilled() -> None:
+    """Through WorkerState: the second conversation on a system prompt waits while the first
+    one's prefill runs, then goes to that runner and finds it cached."""
+    runners = {
+        rid: RunnerView(rid, f"i-{rid}", "tiny-llm", status=RunnerReady(), slots=4)
+        for rid in ("run-a", "run-b")
+    }
+    instances = {
+        f"i-{rid}": Instance(
+            instance_id=f"i-{rid}", model="tiny-llm", slots=4, created_at=0.0,
+            shards=[ShardAssignment(node_id="n", runner_id=rid)],
+        )
+        for rid in runners
+    }
+    state = WorkerState(node_id="n", runners=runners, instances=instances)
+
+    def queued(state: WorkerState, task: TextGeneration) -> WorkerState:
+        return step(state, TaskQueued(PendingTask(
+            task=task, received_at=0.0, inputs={}, blocks=prompt_blocks(task),
+        )))
+
+    state = queued(state, chat(("system", SYSTEM), ("user", "first " * 30), task_id="c1"))
+    first = plan(state, 0.0)
+    assert isinstance(first, Dispatch)
+    state = step(state, TaskDispatched("c1", first.runner_id))
+    state = queued(state, chat(("system", SYSTEM), ("user", "second " * 30), task_id="c2"))
+    assert not isinstance(plan(state, 0.0), Dispatch)  # it waits (a pull may be planned)
+    state = step(state, FirstOutput("c1", first.runner_id))
+    assert plan(state, 0.0) == Dispatch("c2", first.runner_id)

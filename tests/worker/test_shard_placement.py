@@ -79,3 +79,20 @@ def test_fewest_shards_splits_a_model_no_node_holds() -> None:
     assert [s.end_layer - s.start_layer for s in three] == [10, 10, 10]
     with pytest.raises(ShardingError, match="hold"):
         fewest_shards([_node("a", 100), _node("b", 100)], card)
+
+
+def test_a_lost_rank_moves_to_the_roomiest_free_node_and_keeps_its_layers() -> None:
+    from fleet.placement import sharded_instance
+    from fleet.placement_shards import replace_lost_shards
+
+    card = get_card("smollm2-135m")
+    shards = choose_shards([_node("a", 600), _node("b", 500)], card, 2)
+    instance = sharded_instance(card, shards, 2, 0.0)
+    live = [_node("a", 600), _node("c", 200), _node("d", 400), _node("e", 900, ring=False)]
+    healed = replace_lost_shards(instance, {"b"}, live, card)
+    assert [(s.node_id, s.rank, s.start_layer, s.end_layer, s.ring_address)
+            for s in healed.shards] == [
+        ("a", 0, 0, 16, "127.0.0.1:5097"), ("d", 1, 16, 30, "127.0.0.1:5100"),
+    ]
+    with pytest.raises(ShardingError, match="no live node can take rank 1"):
+        replace_lost_shards(instance, {"b"}, live, card, busy={"d"})  # c is too small
