@@ -208,6 +208,8 @@ class RunnerMachine:
             queue_wait_s=command.queue_wait_s,
             generated=tuple(command.generated),
             delivered_images=frozenset(command.delivered_images),
+            traceparent=command.traceparent,
+            tracestate=command.tracestate,
         )
         try:
             self._engine.admit(admission)

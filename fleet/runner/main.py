@@ -38,6 +38,7 @@ from fleet.wire.pipe import (
     RunnerSpec,
     RunnerStatusReport,
     Shutdown,
+    SpanBatch,
 )
 from fleet.wire.runners import RunnerFailed, RunnerReady
 from fleet.wire.tasks import CancelTask
@@ -256,7 +257,15 @@ def run_runner(spec_json: str) -> int:
         ).start()
         try:
             if spec.group is not None and spec.group.rank > 0:
-                code = serve_follower(machine, inbox, engine.follow, observe=spans.on_command)
+                # This rank's events are rank 0's: only the spans they make go to the worker.
+                traced = spans.observing(
+                    lambda item: report(item) if isinstance(item, SpanBatch) else None
+                )
+
+                def follow() -> None:
+                    engine.follow(spans.on_command, traced)
+
+                code = serve_follower(machine, inbox, follow, observe=spans.on_command)
             else:
                 code = serve(machine, inbox, observe=spans.on_command)
         except GroupLost as exc:

@@ -104,6 +104,7 @@ class RunnerSpans:
         self._tracer = trace.get_tracer("fleet.runner", tracer_provider=provider)
         self._buffer = buffer
         self._model = spec.card.id
+        self._rank = spec.group.rank if spec.group is not None else None  # a sharded instance
         self._startup: Span | None = self._tracer.start_span(
             f"start runner {self._model}",
             context=Context(),  # a root: no task is waiting on this runner yet
@@ -189,6 +190,8 @@ class RunnerSpans:
             links=[self._startup_link],
             start_time=times.submitted_ns,
         )
+        if self._rank is not None:
+            generation.set_attribute("fleet.rank", self._rank)
         if times.first_token_ns is not None:  # as the prefill span shows it
             ttft_s = max(0, times.first_token_ns - times.submitted_ns) / 1e9
             generation.set_attribute("gen_ai.server.time_to_first_token", ttft_s)
