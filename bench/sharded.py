@@ -22,11 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fleet.runner.protocol import ConnectToGroup, LoadModel, RunnerSpec, SubmitTask, WarmUp
-
 from bench.machine import load_average
 from fleet.models.catalog import get_card
 from fleet.wire.events import TaskFinished
+from fleet.wire.pipe import ConnectToGroup, LoadModel, RunnerSpec, SubmitTask, WarmUp
 from fleet.wire.ring import GroupSpec
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from fleet.worker.inbox import RunnerExited, RunnerReported
