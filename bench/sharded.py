@@ -24,8 +24,8 @@ from typing import Any
 
 from bench.machine import load_average
 from fleet.models.catalog import get_card
-from fleet.runner.protocol import ConnectToGroup, LoadModel, RunnerSpec, SubmitTask, WarmUp
 from fleet.wire.events import TaskFinished
+from fleet.wire.pipe import ConnectToGroup, LoadModel, RunnerSpec, SubmitTask, WarmUp
 from fleet.wire.ring import GroupSpec
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from fleet.worker.inbox import RunnerExited, RunnerReported

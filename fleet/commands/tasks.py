@@ -54,7 +54,7 @@ async def follow_task(
 ) -> int:
     """Print a task's events to its end (exit 0 when it completed). A task with no stored
     events is unknown, expired or still queued: exit 1 at once, unless `wait`."""
-    from fleet.gateway.task_events import TaskEvents
+    from fleet.bus.task_events import TaskEvents
 
     nc = await connect_with(settings, "fleet-cli")
     try:

@@ -20,6 +20,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
+from fleet.bus.task_events import Indexed
 from fleet.errors import FleetError, InvalidRequest, NatsUnavailable
 from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import (
@@ -34,7 +35,6 @@ from fleet.gateway.bodies import (
 from fleet.gateway.errors import HttpError, InvalidParameter, invalid_from
 from fleet.gateway.relay import sse, sse_error
 from fleet.gateway.service import gateway_of, image_url_for, new_task_id, now_utc
-from fleet.gateway.task_events import Indexed
 from fleet.gateway.tenants import tenant_of
 from fleet.wire.cluster import ModelCard
 from fleet.wire.events import (

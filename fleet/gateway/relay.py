@@ -23,11 +23,11 @@ import orjson
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from fleet.errors import FleetError
+from fleet.bus.task_events import ChoiceEvents, Indexed, TaskEvents
+from fleet.errors import FleetError, failure_of
 from fleet.gateway.backend import Backend
-from fleet.gateway.errors import counted_error_response, error_body, failure
+from fleet.gateway.errors import counted_error_response, error_body
 from fleet.gateway.observability import GatewayMetrics, TaskObserver
-from fleet.gateway.task_events import ChoiceEvents, Indexed, TaskEvents
 from fleet.gateway.tenants import Capacity
 from fleet.wire.events import (
     ErrorChunk,
@@ -133,7 +133,8 @@ async def _relay(
             await claim(item)
             if isinstance(item.event, ErrorChunk):
                 last_error = item.event
-            if isinstance(item.event, TaskFinished) and (failed := failure(item.event, last_error)):
+            finished = item.event if isinstance(item.event, TaskFinished) else None
+            if finished and (failed := failure_of(finished, last_error)):
                 observers.metrics.error(failed.reason.value)
                 for line in renderer.failed(failed):
                     yield line
@@ -261,13 +262,13 @@ async def _run_task(
             for item in items:
                 observers.see(item.event, loop.time())
                 await claim(item)
-            if events.finished and (failed := failure(events.finished, _last_error(items))):
+            if events.finished and (failed := failure_of(events.finished, _last_error(items))):
                 raise failed
             return JSONResponse(await renderer.body([item.event for item in items]))
         head = await _unless_hung_up(receive, events.until_committed())
         if head is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if events.finished and (failed := failure(events.finished, _last_error(head))):
+        if events.finished and (failed := failure_of(events.finished, _last_error(head))):
             raise failed
         handed_over = True
     except FleetError as exc:

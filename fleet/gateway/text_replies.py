@@ -11,9 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fleet.bus.task_events import Indexed
 from fleet.errors import FleetError
 from fleet.gateway.relay import SSE_DONE, sse, sse_error
-from fleet.gateway.task_events import Indexed
 from fleet.wire.events import (
     ErrorChunk,
     OutputEvent,

@@ -21,10 +21,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from fleet.runner.engine import Admission, GroupLost, Progress, TaskRejected
-from fleet.runner.protocol import SubmitTask
 from fleet.runner.ring import PlanChannel, join_ring, lost
 from fleet.runner.text import TextEngine
 from fleet.wire.events import OutputEvent
+from fleet.wire.pipe import SubmitTask
 from fleet.wire.ring import GroupSpec, PlannedAdmission, StepPlan
 from fleet.wire.tasks import TextGeneration
 

@@ -26,10 +26,13 @@ from typing import BinaryIO
 
 from fleet.runner.engine import Engine, EngineConfig, GroupLost
 from fleet.runner.fault_engine import FAULT_FAMILY, FaultEngine
-from fleet.runner.framing import FrameError, FrameReader, FrameWriter, decode_command
 from fleet.runner.image_steps import StepHook
 from fleet.runner.machine import RunnerMachine
-from fleet.runner.protocol import (
+from fleet.runner.spans import RunnerSpans, SpanBuffer
+from fleet.telemetry import setup
+from fleet.wire.codec import DecodeError, decode_model
+from fleet.wire.framing import FrameError, FrameReader, FrameWriter, decode_command
+from fleet.wire.pipe import (
     RunnerCommand,
     RunnerReport,
     RunnerSpec,
@@ -37,9 +40,6 @@ from fleet.runner.protocol import (
     Shutdown,
     SpanBatch,
 )
-from fleet.runner.spans import RunnerSpans, SpanBuffer
-from fleet.telemetry import setup
-from fleet.wire.codec import DecodeError, decode_model
 from fleet.wire.runners import RunnerFailed, RunnerReady
 from fleet.wire.tasks import CancelTask
 

@@ -27,7 +27,10 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.trace import Link, Span, Status, StatusCode, TracerProvider
 
 from fleet.runner.image_steps import StepTiming
-from fleet.runner.protocol import (
+from fleet.telemetry import context_of, operation_of
+from fleet.trace.records import SpanRecord, record_of
+from fleet.wire.events import ImageChunk, TaskFinished, TokenChunk
+from fleet.wire.pipe import (
     RunnerCommand,
     RunnerReport,
     RunnerSpec,
@@ -35,9 +38,6 @@ from fleet.runner.protocol import (
     SpanBatch,
     SubmitTask,
 )
-from fleet.telemetry import context_of, operation_of
-from fleet.trace.records import SpanRecord, record_of
-from fleet.wire.events import ImageChunk, TaskFinished, TokenChunk
 from fleet.wire.runners import RunnerFailed, RunnerLoading, RunnerStatus
 from fleet.wire.tasks import ImageEdits, ImageGeneration, Task, TextGeneration
 

@@ -25,8 +25,7 @@ from fleet.bus.connect import connect_with, redact_urls
 from fleet.bus.kv_mirror import Mirror
 from fleet.bus.provision import provision
 from fleet.config import Settings
-from fleet.runner import protocol as pipe
-from fleet.wire import subjects
+from fleet.wire import pipe, subjects
 from fleet.wire.events import (
     ErrorReason,
     TaskAccepted,

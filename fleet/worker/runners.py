@@ -20,8 +20,8 @@ from fleet.aio import Supervisor
 from fleet.config import Settings
 from fleet.models.disk import make_room, touch
 from fleet.models.store import BUILDERS, ensure_model, fleet_fetching, local_model_dir
-from fleet.runner.protocol import RunnerCommand, RunnerSpec
 from fleet.wire.cluster import Instance, ModelCard
+from fleet.wire.pipe import RunnerCommand, RunnerSpec
 from fleet.wire.ring import GroupSpec
 from fleet.wire.runners import RunnerDownloading
 from fleet.worker.inbox import Inbox, RunnerExited

@@ -8,10 +8,10 @@ import asyncio
 import orjson
 import pytest
 
+from fleet.bus.task_events import Indexed
 from fleet.errors import TaskFailed
 from fleet.gateway.errors import InvalidParameter
 from fleet.gateway.responses_api import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
-from fleet.gateway.task_events import Indexed
 from fleet.wire.events import (
     ErrorReason,
     OutputEvent,
