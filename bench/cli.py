@@ -117,6 +117,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from bench.routing_report import print_routing
 
         print_routing(result["routing"])
+    for sharded in result.get("sharded", {}).values():
+        from bench.sharded import print_sharded
+
+        print_sharded(sharded)
     RESULTS_DIR.mkdir(exist_ok=True)
     out = RESULTS_DIR / f"{args.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -153,6 +157,16 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
             result["routing"][model_id] = uvloop.run(run_routing(
                 model_id, path, custom, routing_plan, workdir / f"routing-{model_id}", env,
             ))
+    if args.only == "sharded":
+        from bench.sharded import run as run_sharded
+
+        result["sharded"] = {}
+        for model_id in models if args.models else (["tiny-llm"] if args.quick
+                                                    else ["smollm2-135m"]):
+            path, _ = model_dir(model_id, models_dir)
+            result["sharded"][model_id] = run_sharded(
+                model_id, path, args.quick, env, workdir / f"sharded-{model_id}"
+            )
     if args.only in (None, "weights"):
         from bench.weights import run as run_weights
 
@@ -160,6 +174,12 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
         result["weights"] = run_weights(
             args.quick, getattr(args, "weights_mb", 540), worker=not args.quick
         )["results"]
+    if args.only in (None, "ask"):
+        from bench.ask import print_summary, run_ask
+
+        # Request-reply on fleet.ask.<model> against publish-and-watch, on the fault engine.
+        result["ask"] = uvloop.run(run_ask(20 if args.quick else 200, 8, workdir / "ask"))
+        print_summary(result["ask"])
     if args.only in (None, "plumbing"):
         from bench.plumbing import run_plumbing
 

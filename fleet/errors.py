@@ -17,7 +17,7 @@
 
 from __future__ import annotations
 
-from fleet.wire.events import ErrorReason
+from fleet.wire.events import ErrorChunk, ErrorReason, TaskFinished
 
 
 class FleetError(Exception):
@@ -119,3 +119,13 @@ class TaskFailed(FleetError):
         super().__init__(message)
         self.reason = reason
         self.http_status = HTTP_STATUS_BY_REASON.get(reason, 500)
+
+
+def failure_of(finished: TaskFinished, last_error: ErrorChunk | None = None) -> TaskFailed | None:
+    """The error a terminal event stands for, or None when the task completed."""
+    if finished.status == "completed":
+        return None
+    default = {"cancelled": ErrorReason.CANCELLED, "expired": ErrorReason.DEADLINE}
+    reason = finished.reason or default.get(finished.status, ErrorReason.INTERNAL)
+    message = finished.message or (last_error.message if last_error else None)
+    return TaskFailed(reason, message or f"task {finished.status}: {reason.value}")

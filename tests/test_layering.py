@@ -1,19 +1,27 @@
-"""The import graph: the gateway never imports the engine package (one mlx import there would
-load mlx into the HTTP process), and the wire types import no role package. Read from the
-source with `ast`, so a lazy import inside a function counts too."""
+"""The import graph, rule by rule. Read from the source with `ast`, so a lazy import inside a
+function counts too; one rule is checked in a fresh interpreter, for what an import pulls in
+transitively.
+
+The layers: the wire types (`fleet.wire`) at the bottom; the libraries every process shares
+(`fleet.bus`, `fleet.models`, `fleet.trace` and the top-level modules such as `fleet.errors`);
+the roles, one per process kind (the HTTP side: gateway and the dashboard mounted on it; the
+worker; the runner); and the composition roots that start roles (`fleet.commands`, `fleet.cli`).
+"""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 FLEET = Path(__file__).resolve().parents[1] / "fleet"
-ROLES = ("fleet.gateway", "fleet.worker", "fleet.runner", "fleet.commands", "fleet.trace",
-         "fleet.models", "fleet.cli")
-# Still to move: the runner pipe protocol belongs with the wire types (issue 17 "The house");
-# until it does, wire/schemas.py and wire/examples.py read it to write schemas/.
-KNOWN = {("fleet.wire.schemas", "fleet.runner.protocol"),
-         ("fleet.wire.examples", "fleet.runner.protocol")}
+HTTP_SIDE = ("fleet.gateway", "fleet.dashboard")
+ROLES = {"http": HTTP_SIDE, "worker": ("fleet.worker",), "runner": ("fleet.runner",)}
+ROOTS = ("fleet.commands", "fleet.cli")
+ENGINES = ("mlx", "mlx_lm", "mflux", "torch")
 
 
 def imports_of(path: Path) -> set[str]:
@@ -32,27 +40,60 @@ def module_name(path: Path) -> str:
         ".__init__")
 
 
-def edges(package: str) -> set[tuple[str, str]]:
-    folder = FLEET / package
-    return {
-        (module_name(path), imported)
-        for path in folder.rglob("*.py")
-        for imported in imports_of(path)
-    }
-
-
 def within(name: str, packages: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in packages)
 
 
-def test_the_gateway_imports_nothing_from_the_runner_or_mlx() -> None:
-    bad = {(a, b) for a, b in edges("gateway") if within(b, ("fleet.runner", "mlx", "mlx_lm"))}
+def all_edges() -> set[tuple[str, str]]:
+    return {
+        (module_name(path), imported)
+        for path in FLEET.rglob("*.py")
+        for imported in imports_of(path)
+    }
+
+
+EDGES = all_edges()
+
+
+def edges_from(packages: tuple[str, ...]) -> set[tuple[str, str]]:
+    return {(a, b) for a, b in EDGES if within(a, packages)}
+
+
+def test_the_gateway_imports_nothing_from_the_runner_the_worker_or_an_engine() -> None:
+    bad = {(a, b) for a, b in edges_from(HTTP_SIDE)
+           if within(b, ("fleet.runner", "fleet.worker", *ENGINES))}
     assert bad == set()
 
 
-def test_the_wire_imports_no_role_package() -> None:
-    bad = {
-        (a, b) for a, b in edges("wire")
-        if within(b, ROLES) and not any(a == k[0] and k[1].startswith(b) for k in KNOWN)
-    }
+def test_importing_the_gateway_loads_no_engine_and_no_other_role() -> None:
+    """Transitively: one mlx import anywhere below the gateway would load mlx into the HTTP
+    process."""
+    probe = (
+        "import sys, fleet.gateway.app\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        f"{ENGINES!r} or m.startswith(('fleet.runner', 'fleet.worker', 'fleet.commands'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_wire_imports_nothing_but_the_wire() -> None:
+    bad = {(a, b) for a, b in edges_from(("fleet.wire",))
+           if within(b, ("fleet",)) and not within(b, ("fleet.wire",))}
+    assert bad == set()
+
+
+def test_the_shared_libraries_import_no_role_and_no_command() -> None:
+    roles = tuple(p for packages in ROLES.values() for p in packages) + ROOTS
+    shared = {(a, b) for a, b in EDGES if not within(a, roles)}
+    bad = {(a, b) for a, b in shared if within(b, roles)}
+    assert bad == set()
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_a_role_imports_no_other_role_and_no_command(role: str) -> None:
+    """Roles meet only through the wire and the bus; commands start them, never the reverse."""
+    others = tuple(p for name, packages in ROLES.items() if name != role for p in packages)
+    bad = {(a, b) for a, b in edges_from(ROLES[role]) if within(b, (*others, *ROOTS))}
     assert bad == set()

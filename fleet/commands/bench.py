@@ -28,8 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reps", type=int, help="interleaved repetitions (default 2; quick 1)")
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 64)")
     p.add_argument("--no-peer", action="store_true", help="leave mlx_lm.server out")
-    p.add_argument("--only", choices=("text", "plumbing", "weights", "routing"),
-                   help="run one part only (routing: the multi-turn prefix-routing workload)")
+    p.add_argument("--only", choices=("text", "plumbing", "weights", "routing", "ask",
+                                      "sharded"),
+                   help="run one part only (routing: the multi-turn prefix-routing workload; "
+                   "sharded: a 2-shard pipeline against the unsharded model)")
     p.add_argument("--conversations", type=int,
                    help="routing: conversations of the multi-turn workload (default 16)")
     p.add_argument("--weights-mb", type=int, default=540,

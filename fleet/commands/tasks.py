@@ -54,7 +54,7 @@ async def follow_task(
 ) -> int:
     """Print a task's events to its end (exit 0 when it completed). A task with no stored
     events is unknown, expired or still queued: exit 1 at once, unless `wait`."""
-    from fleet.gateway.task_events import TaskEvents
+    from fleet.bus.task_events import TaskEvents
 
     nc = await connect_with(settings, "fleet-cli")
     try:
@@ -137,12 +137,18 @@ async def cancel_task(settings: Settings, task_id: str) -> int:
     try:
         cancel = CancelTask(task_id=task_id, reason="fleet cancel")
         kv = await nc.jetstream().key_value(subjects.CANCELS_BUCKET)
-        await kv.put(task_id, encode(cancel))  # honoured even if the task is still queued
+        # Recorded as well as announced: honoured even if the task is still queued.
+        await with_retry(lambda: kv.put(task_id, encode(cancel)),
+                         what=f"record the cancel of {task_id}", budget_s=5.0)
         await publish(nc, subjects.cancel(task_id), cancel)
         await nc.flush()
+        started = await stored_events(nc.jetstream(), task_id) > 0
     finally:
         await nc.close()
     print(f"cancel sent for {task_id}")
+    if not started:
+        print(f"fleet cancel: task {task_id} has no events: it is still queued (the cancel "
+              "ends it when a worker takes it), or unknown or expired", file=sys.stderr)
     return 0
 
 

@@ -22,9 +22,7 @@ from fleet.errors import (
 )
 from fleet.gateway.observability import GatewayMetrics
 from fleet.wire.events import (
-    ErrorChunk,
     ErrorReason,
-    TaskFinished,
 )
 
 log = logging.getLogger(__name__)
@@ -58,16 +56,6 @@ def error_body(exc: FleetError) -> dict[str, Any]:
         kind = _TYPE_BY_STATUS.get(exc.http_status, "server_error")
     error = {"message": exc.message, "type": kind, "param": getattr(exc, "param", None)}
     return {"error": {**error, "code": code}}
-
-
-def failure(finished: TaskFinished, last_error: ErrorChunk | None = None) -> TaskFailed | None:
-    """The error a terminal event stands for, or None when the task completed."""
-    if finished.status == "completed":
-        return None
-    default = {"cancelled": ErrorReason.CANCELLED, "expired": ErrorReason.DEADLINE}
-    reason = finished.reason or default.get(finished.status, ErrorReason.INTERNAL)
-    message = finished.message or (last_error.message if last_error else None)
-    return TaskFailed(reason, message or f"task {finished.status}: {reason.value}")
 
 
 CLIENT_CLOSED_REQUEST = 499

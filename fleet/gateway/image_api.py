@@ -20,7 +20,8 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
-from fleet.errors import InvalidRequest, NatsUnavailable
+from fleet.bus.task_events import Indexed
+from fleet.errors import FleetError, InvalidRequest, NatsUnavailable
 from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import (
     OpenAIRequest,
@@ -32,9 +33,8 @@ from fleet.gateway.bodies import (
     read_json,
 )
 from fleet.gateway.errors import HttpError, InvalidParameter, invalid_from
-from fleet.gateway.relay import sse
+from fleet.gateway.relay import sse, sse_error
 from fleet.gateway.service import gateway_of, image_url_for, new_task_id, now_utc
-from fleet.gateway.task_events import Indexed
 from fleet.gateway.tenants import tenant_of
 from fleet.wire.cluster import ModelCard
 from fleet.wire.events import (
@@ -320,3 +320,6 @@ class ImageRenderer:
 
     def closing(self) -> list[bytes]:
         return []
+
+    def failed(self, exc: FleetError) -> list[bytes]:
+        return [sse_error(exc)]

@@ -23,11 +23,11 @@ import orjson
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from fleet.errors import FleetError
+from fleet.bus.task_events import ChoiceEvents, Indexed, TaskEvents
+from fleet.errors import FleetError, failure_of
 from fleet.gateway.backend import Backend
-from fleet.gateway.errors import counted_error_response, error_body, failure
+from fleet.gateway.errors import counted_error_response, error_body
 from fleet.gateway.observability import GatewayMetrics, TaskObserver
-from fleet.gateway.task_events import ChoiceEvents, Indexed, TaskEvents
 from fleet.gateway.tenants import Capacity
 from fleet.wire.events import (
     ErrorChunk,
@@ -47,6 +47,11 @@ class Renderer(Protocol):
     async def lines(self, item: Indexed) -> list[bytes]: ...
 
     def closing(self) -> list[bytes]: ...
+
+    def failed(self, exc: FleetError) -> list[bytes]:
+        """The lines that end a stream that failed after it began (an `error` event, unless
+        the API has a way of its own)."""
+        ...
 
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -128,15 +133,18 @@ async def _relay(
             await claim(item)
             if isinstance(item.event, ErrorChunk):
                 last_error = item.event
-            if isinstance(item.event, TaskFinished) and (failed := failure(item.event, last_error)):
+            finished = item.event if isinstance(item.event, TaskFinished) else None
+            if finished and (failed := failure_of(finished, last_error)):
                 observers.metrics.error(failed.reason.value)
-                yield sse_error(failed)
+                for line in renderer.failed(failed):
+                    yield line
                 return
             for line in await renderer.lines(item):
                 yield line
     except FleetError as exc:  # deadline, NATS gone: the headers are out, so say it in-band
         observers.metrics.error(exc.reason.value)
-        yield sse_error(exc)
+        for line in renderer.failed(exc):
+            yield line
         return
     for line in renderer.closing():
         yield line
@@ -236,7 +244,8 @@ async def _run_task(
     claim = claimer(backend, tenant)
     for task in tasks:
         backend.check_size(task)  # 413 before anything is published
-    await asyncio.gather(*(backend.owners.record_task(i, r) for i, r in records.items()))
+    for task_id, record in records.items():  # one by one: a failure is the request's, whole
+        await backend.owners.record_task(task_id, record)
     # Listening before publishing: nothing is stored for a fresh id, so no replay is needed,
     # and a NATS that is down fails the request before a task is queued for nobody.
     events = await _open_events(backend, tasks, deadline=started + timeout_s)
@@ -253,13 +262,13 @@ async def _run_task(
             for item in items:
                 observers.see(item.event, loop.time())
                 await claim(item)
-            if events.finished and (failed := failure(events.finished, _last_error(items))):
+            if events.finished and (failed := failure_of(events.finished, _last_error(items))):
                 raise failed
             return JSONResponse(await renderer.body([item.event for item in items]))
         head = await _unless_hung_up(receive, events.until_committed())
         if head is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if events.finished and (failed := failure(events.finished, _last_error(head))):
+        if events.finished and (failed := failure_of(events.finished, _last_error(head))):
             raise failed
         handed_over = True
     except FleetError as exc:

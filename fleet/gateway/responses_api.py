@@ -10,7 +10,8 @@ retrieval) is refused, as are tools; a response is one task, its id the response
 The stream: response.created, response.in_progress, response.output_item.added,
 response.content_part.added, one response.output_text.delta per token,
 response.output_text.done, response.content_part.done, response.output_item.done, then
-response.completed (or response.incomplete when max_output_tokens cut it), each with its
+response.completed (or response.incomplete when max_output_tokens cut it; response.failed,
+with the error and the text so far, when the task failed mid-stream), each with its
 `sequence_number`; no `[DONE]`.
 """
 
@@ -21,10 +22,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema
 
+from fleet.bus.task_events import Indexed
+from fleet.errors import FleetError
 from fleet.gateway.bodies import OpenAIRequest, Timeout
-from fleet.gateway.errors import InvalidParameter, invalid_from
+from fleet.gateway.errors import InvalidParameter, error_body, invalid_from
 from fleet.gateway.relay import sse
-from fleet.gateway.task_events import Indexed
 from fleet.gateway.text_replies import TextResult
 from fleet.gateway.text_requests import (
     ChatCompletionRequest,
@@ -181,11 +183,11 @@ class ResponseShape:
 
     def response(
         self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
-        incomplete: str | None = None,
+        incomplete: str | None = None, error: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         return {
             "id": self.response_id, "object": "response", "created_at": self.created_at,
-            "status": status, "error": None,
+            "status": status, "error": error,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
             "model": self.model, "output": output, "parallel_tool_calls": False,
@@ -278,3 +280,12 @@ class ResponsesRenderer:
 
     def closing(self) -> list[bytes]:
         return []
+
+    def failed(self, exc: FleetError) -> list[bytes]:
+        """response.failed, as the Responses API ends a stream whose response failed: the
+        response with status failed, its error, and the text made so far."""
+        error = error_body(exc)["error"]
+        output = [self.shape.message("incomplete", [self.shape.part(self.text)])]
+        whole = self.shape.response("failed", output if self.text else [], error={
+            "code": error["code"] or "server_error", "message": error["message"]})
+        return [self._event("response.failed", response=whole)]

@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import Response
 
-from fleet.errors import FleetError
+from fleet.bus.task_events import Indexed
+from fleet.errors import FleetError, failure_of
 from fleet.gateway.backend import Backend
-from fleet.gateway.errors import InvalidParameter, failure, not_found
+from fleet.gateway.errors import InvalidParameter, not_found
 from fleet.gateway.image_api import ImageRenderer
 from fleet.gateway.relay import EventStream, Renderer, claimer, sse_error
 from fleet.gateway.responses_api import ResponseShape, ResponsesRenderer
-from fleet.gateway.task_events import Indexed
 from fleet.gateway.tenants import Capacity
 from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
 from fleet.wire.events import ErrorChunk, TaskFinished
@@ -121,9 +121,9 @@ async def resume(
                 if isinstance(item.event, ErrorChunk):
                     last_error = item.event
                 if isinstance(item.event, TaskFinished) and (
-                        failed := failure(item.event, last_error)):
-                    if not seen:
-                        yield sse_error(failed)
+                        failed := failure_of(item.event, last_error)):
+                    for line in [] if seen else renderer.failed(failed):
+                        yield line
                     return
                 lines = await renderer.lines(item)
                 if seen:
@@ -132,7 +132,8 @@ async def resume(
                 for line in lines:
                     yield line
         except FleetError as exc:
-            yield sse_error(exc)
+            for line in renderer.failed(exc):
+                yield line
             return
         for line in renderer.closing():
             yield line

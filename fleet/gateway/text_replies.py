@@ -11,8 +11,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleet.gateway.relay import SSE_DONE, sse
-from fleet.gateway.task_events import Indexed
+from fleet.bus.task_events import Indexed
+from fleet.errors import FleetError
+from fleet.gateway.relay import SSE_DONE, sse, sse_error
 from fleet.wire.events import (
     ErrorChunk,
     OutputEvent,
@@ -269,6 +270,9 @@ class _TextRenderer:
 
     def closing(self) -> list[bytes]:
         return [SSE_DONE]
+
+    def failed(self, exc: FleetError) -> list[bytes]:
+        return [sse_error(exc)]
 
 
 class ChatRenderer(_TextRenderer):

@@ -58,6 +58,9 @@ class Admission:
     # A restarted image task: the images and previews its earlier attempts delivered, as
     # "<image>.<preview>" / "<image>.final"; they are not announced again.
     delivered_images: frozenset[str] = frozenset()
+    # The task's trace context, for a sharded instance's other ranks to trace their share.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 class Engine(Protocol):

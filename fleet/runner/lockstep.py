@@ -8,7 +8,8 @@ them, as a `StepPlan`, before each step; the other ranks apply the plan, then st
 need no message: each rank reaches them itself from the same tokens. A sampled task without a
 seed gets one here, so that every rank draws the same tokens.
 
-Only rank 0 reports events; the others' are the same and are dropped.
+Only rank 0 reports events; the others' are the same and only make that rank's spans (its
+prefill and decode in the task's trace, with `fleet.rank`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fleet.runner.engine import Admission, GroupLost, Progress, TaskRejected
 from fleet.runner.ring import PlanChannel, join_ring, lost
 from fleet.runner.text import TextEngine
 from fleet.wire.events import OutputEvent
+from fleet.wire.pipe import SubmitTask
 from fleet.wire.ring import GroupSpec, PlannedAdmission, StepPlan
 from fleet.wire.tasks import TextGeneration
 
@@ -67,7 +69,8 @@ class LockstepEngine:
         assert isinstance(admission.task, TextGeneration)
         self._admitted.append(PlannedAdmission(
             task=admission.task, generated=list(admission.generated),
-            queue_wait_s=admission.queue_wait_s,
+            queue_wait_s=admission.queue_wait_s, traceparent=admission.traceparent,
+            tracestate=admission.tracestate,
         ))
 
     def cancel(self, task_id: str) -> None:
@@ -90,12 +93,20 @@ class LockstepEngine:
                 raise GroupLost(f"rank 0 lost its group: {exc}") from exc
             raise
 
-    def follow(self) -> None:
-        """A rank > 0: apply rank 0's plans and step, until rank 0 stops the group."""
+    def follow(
+        self, admitted: Callable[[SubmitTask], None], emit: Callable[[OutputEvent], None],
+    ) -> None:
+        """A rank > 0: apply rank 0's plans and step, until rank 0 stops the group. Each
+        admission and event also goes to `admitted` and `emit` (this rank's spans)."""
         channel = self._require_channel()
         try:
             while not (plan := channel.receive()).stop:
                 for planned in plan.admit:
+                    admitted(SubmitTask(
+                        task=planned.task, generated=planned.generated,
+                        queue_wait_s=planned.queue_wait_s, traceparent=planned.traceparent,
+                        tracestate=planned.tracestate,
+                    ))
                     try:
                         self.inner.admit(Admission(
                             task=planned.task, generated=tuple(planned.generated),
@@ -106,7 +117,8 @@ class LockstepEngine:
                                         f"{planned.task.task_id} as rank 0 did: {exc}") from exc
                 for task_id in plan.cancel:
                     self.inner.cancel(task_id)
-                self.inner.step()
+                for event in self.inner.step():
+                    emit(event)
         except RuntimeError as exc:
             if lost(exc):
                 raise GroupLost(f"rank {self.group.rank} lost its group: {exc}") from exc

@@ -22,7 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fleet.runner.engine import Admission, Engine, GroupLost, TaskRejected
-from fleet.runner.protocol import (
+from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, failed
+from fleet.wire.pipe import (
     ConnectToGroup,
     LoadModel,
     RunnerCommand,
@@ -34,7 +35,6 @@ from fleet.runner.protocol import (
     TaskRunning,
     WarmUp,
 )
-from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, failed
 from fleet.wire.runners import (
     RunnerConnected,
     RunnerConnecting,
@@ -208,6 +208,8 @@ class RunnerMachine:
             queue_wait_s=command.queue_wait_s,
             generated=tuple(command.generated),
             delivered_images=frozenset(command.delivered_images),
+            traceparent=command.traceparent,
+            tracestate=command.tracestate,
         )
         try:
             self._engine.admit(admission)

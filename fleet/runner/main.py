@@ -26,19 +26,20 @@ from typing import BinaryIO
 
 from fleet.runner.engine import Engine, EngineConfig, GroupLost
 from fleet.runner.fault_engine import FAULT_FAMILY, FaultEngine
-from fleet.runner.framing import FrameError, FrameReader, FrameWriter, decode_command
 from fleet.runner.image_steps import StepHook
 from fleet.runner.machine import RunnerMachine
-from fleet.runner.protocol import (
+from fleet.runner.spans import RunnerSpans, SpanBuffer
+from fleet.telemetry import setup
+from fleet.wire.codec import DecodeError, decode_model
+from fleet.wire.framing import FrameError, FrameReader, FrameWriter, decode_command
+from fleet.wire.pipe import (
     RunnerCommand,
     RunnerReport,
     RunnerSpec,
     RunnerStatusReport,
     Shutdown,
+    SpanBatch,
 )
-from fleet.runner.spans import RunnerSpans, SpanBuffer
-from fleet.telemetry import setup
-from fleet.wire.codec import DecodeError, decode_model
 from fleet.wire.runners import RunnerFailed, RunnerReady
 from fleet.wire.tasks import CancelTask
 
@@ -256,7 +257,15 @@ def run_runner(spec_json: str) -> int:
         ).start()
         try:
             if spec.group is not None and spec.group.rank > 0:
-                code = serve_follower(machine, inbox, engine.follow, observe=spans.on_command)
+                # This rank's events are rank 0's: only the spans they make go to the worker.
+                traced = spans.observing(
+                    lambda item: report(item) if isinstance(item, SpanBatch) else None
+                )
+
+                def follow() -> None:
+                    engine.follow(spans.on_command, traced)
+
+                code = serve_follower(machine, inbox, follow, observe=spans.on_command)
             else:
                 code = serve(machine, inbox, observe=spans.on_command)
         except GroupLost as exc:

@@ -27,7 +27,10 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.trace import Link, Span, Status, StatusCode, TracerProvider
 
 from fleet.runner.image_steps import StepTiming
-from fleet.runner.protocol import (
+from fleet.telemetry import context_of, operation_of
+from fleet.trace.records import SpanRecord, record_of
+from fleet.wire.events import ImageChunk, TaskFinished, TokenChunk
+from fleet.wire.pipe import (
     RunnerCommand,
     RunnerReport,
     RunnerSpec,
@@ -35,9 +38,6 @@ from fleet.runner.protocol import (
     SpanBatch,
     SubmitTask,
 )
-from fleet.telemetry import context_of, operation_of
-from fleet.trace.records import SpanRecord, record_of
-from fleet.wire.events import ImageChunk, TaskFinished, TokenChunk
 from fleet.wire.runners import RunnerFailed, RunnerLoading, RunnerStatus
 from fleet.wire.tasks import ImageEdits, ImageGeneration, Task, TextGeneration
 
@@ -104,6 +104,7 @@ class RunnerSpans:
         self._tracer = trace.get_tracer("fleet.runner", tracer_provider=provider)
         self._buffer = buffer
         self._model = spec.card.id
+        self._rank = spec.group.rank if spec.group is not None else None  # a sharded instance
         self._startup: Span | None = self._tracer.start_span(
             f"start runner {self._model}",
             context=Context(),  # a root: no task is waiting on this runner yet
@@ -189,6 +190,8 @@ class RunnerSpans:
             links=[self._startup_link],
             start_time=times.submitted_ns,
         )
+        if self._rank is not None:
+            generation.set_attribute("fleet.rank", self._rank)
         if times.first_token_ns is not None:  # as the prefill span shows it
             ttft_s = max(0, times.first_token_ns - times.submitted_ns) / 1e9
             generation.set_attribute("gen_ai.server.time_to_first_token", ttft_s)

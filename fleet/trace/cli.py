@@ -21,8 +21,7 @@ from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 
 from fleet.bus.connect import connect_with
-from fleet.commands.core import settings_from
-from fleet.config import Settings
+from fleet.config import Settings, settings_of
 from fleet.errors import FleetError
 from fleet.trace.records import SpanRecord
 from fleet.trace.render import chrome_trace, waterfall
@@ -129,7 +128,7 @@ async def load_trace(settings: Settings, task_or_trace: str) -> tuple[str, list[
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    settings = settings_from(args)
+    settings = settings_of(args)
     trace_id, spans = asyncio.run(load_trace(settings, args.task_id))
     if not spans:
         raise FleetError(f"trace {trace_id} has no spans in FLEET_TRACES (expired, or disabled)")

@@ -6,8 +6,7 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel
 
-from fleet.runner import protocol as pipe
-from fleet.wire import ask, cluster, events, handoff, prefixes, records, ring, runners, tasks
+from fleet.wire import ask, cluster, events, handoff, pipe, prefixes, records, ring, runners, tasks
 
 _AT = 1764495000.0
 _WHEN = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)

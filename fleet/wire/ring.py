@@ -34,6 +34,8 @@ class PlannedAdmission(Part):
     task: TextGeneration
     generated: list[int] = Field(default_factory=list)
     queue_wait_s: float = 0.0
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 class StepPlan(Wire):

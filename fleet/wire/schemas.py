@@ -8,8 +8,7 @@ from typing import Any
 import orjson
 from pydantic import TypeAdapter
 
-from fleet.runner import protocol as pipe
-from fleet.wire import cluster, codec, events, handoff, prefixes, records, ring, tasks
+from fleet.wire import cluster, codec, events, handoff, pipe, prefixes, records, ring, tasks
 from fleet.wire.examples import examples
 
 FAMILIES: dict[str, TypeAdapter[Any]] = {

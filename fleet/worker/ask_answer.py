@@ -19,6 +19,7 @@ from fleet.wire.ask import AskAnswer, AskedImage
 from fleet.wire.codec import DecodeError, decode_task
 from fleet.wire.events import ImageChunk, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
 from fleet.wire.tasks import FunctionCall, Task, TextGeneration, ToolCall
+from fleet.worker.outputs import event_msg_id
 
 
 def new_ask_id() -> str:
@@ -46,6 +47,14 @@ def ask_task(model: str, body: bytes, now: datetime, timeout_s: float, task_id: 
     sent.setdefault("task_id", task_id)
     sent.setdefault("deadline", (now + timedelta(seconds=timeout_s)).isoformat())
     return decode_task(orjson.dumps(sent))
+
+
+def seen_whole(live: list[OutputEvent], stored: int) -> bool:
+    """Whether the events seen live are the task's whole stream: a terminal among them, and as
+    many distinct events (by the Nats-Msg-Id each is stored under: a continuation's re-sent
+    event counts once) as FLEET_OUT holds. A live copy lost to a reconnect makes it fewer."""
+    keys = {event_msg_id(event) for event in live}
+    return any(isinstance(event, TaskFinished) for event in live) and len(keys) == stored
 
 
 def answer_of(task: Task, events: Iterable[OutputEvent]) -> AskAnswer | None:

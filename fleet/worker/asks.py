@@ -4,12 +4,13 @@ task's final answer instead of a PubAck.
 Every worker answers in one queue group, so an ask is taken by one worker (any: the task
 itself still goes through the model's queue, its claim, placement and continuations like any
 other). The taker publishes the task on `fleet.tasks.<model>` with a `Fleet-Reply-To` inbox
-(where a worker's claim refusal arrives), waits for its terminal on `fleet.out.<task_id>`, then
-reads the task's stored events and replies with one AskAnswer, or an AskError (refused, queue
-full, timeout, this worker stopping). The wait costs a core subscription, no consumer: the
-terminal is watched live, and the stored last event is looked at every few seconds in case
-a reconnect lost the live copy; the answer is always built from FLEET_OUT, which holds every
-event whole and in order once the terminal is stored.
+(where a worker's claim refusal arrives), waits for its terminal on `fleet.out.<task_id>`, and
+replies with one AskAnswer, or an AskError (refused, queue full, timeout, this worker
+stopping). The wait costs a core subscription, no consumer: the events are watched live, and
+the stored last event is looked at every few seconds in case a reconnect lost the live
+terminal. Once FLEET_OUT holds the terminal (and so every event before it), the answer is
+folded from the live events when they are provably whole (as many distinct events as
+FLEET_OUT stored: one stream-info call), otherwise from the events read back from FLEET_OUT.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ from fleet.wire.ask import AskAnswer, AskError, AskErrorReason
 from fleet.wire.codec import DecodeError, decode_event, decode_model, encode
 from fleet.wire.events import OutputEvent, TaskFinished, TaskRefused
 from fleet.wire.tasks import Task
-from fleet.worker.ask_answer import answer_of, ask_task, new_ask_id
+from fleet.worker.ask_answer import answer_of, ask_task, new_ask_id, seen_whole
 
 log = logging.getLogger(__name__)
 
 STORED_CHECK_S = 5.0  # how often the stored last event is looked at while waiting
+SETTLE_S = 5.0  # how long a terminal seen live may take to be stored
+SETTLE_FIRST_PAUSE_S = 0.005
 MAX_OPEN_ASKS = 1024  # asks one worker waits on at once; more are answered `busy`
 BROKER_BUDGET_S = 10.0  # an ask is answered within its timeout: broker retries stay short
 # NATS services' convention for an error reply (the `nats` CLI prints these headers).
@@ -133,11 +136,15 @@ class AskResponder:
             raise _failed("invalid_task", str(exc), exc.task_id) from None
 
     async def _run(self, task: Task) -> AskAnswer:
-        """Publish the task, wait for its terminal, fold its stored events into the answer."""
-        arrived: asyncio.Queue[bytes | TaskRefused] = asyncio.Queue()
+        """Publish the task, wait for its terminal, fold its events into the answer: those
+        seen live when they are the whole stored stream, else those read back."""
+        arrived: asyncio.Queue[OutputEvent | TaskRefused] = asyncio.Queue()
 
         async def live(msg: Msg) -> None:
-            arrived.put_nowait(msg.data)
+            try:
+                arrived.put_nowait(decode_event(msg.data))
+            except DecodeError:
+                log.warning("asks: an undecodable event of task %s", task.task_id)
 
         async def refused(msg: Msg) -> None:
             try:
@@ -151,14 +158,16 @@ class AskResponder:
                    await self.nc.subscribe(inbox, cb=refused)]
         try:
             await self._publish(task, inbox)
-            await self._until_finished(task, arrived)
+            seen = await self._until_finished(task, arrived)
         finally:
             for watch in watches:
                 try:
                     await watch.unsubscribe()
                 except (NatsError, OSError) as exc:
                     log.debug("asks: unsubscribe failed: %r", exc)
-        answer = answer_of(task, await self._stored(task.task_id))
+        await self._until_terminal_stored(task.task_id)
+        whole = seen_whole(seen, await self.stored_count(task.task_id))
+        answer = answer_of(task, seen if whole else await self.stored_events(task.task_id))
         if answer is None:  # the terminal was seen, so it is stored: this is a broker fault
             raise _failed("unavailable", "the task ended but its stored events could not be "
                           f"read whole; follow fleet.out.{task.task_id}", task.task_id)
@@ -184,25 +193,39 @@ class AskResponder:
                           "already; a new task needs a new id", task.task_id)
 
     async def _until_finished(
-        self, task: Task, arrived: asyncio.Queue[bytes | TaskRefused]
-    ) -> None:
+        self, task: Task, arrived: asyncio.Queue[OutputEvent | TaskRefused]
+    ) -> list[OutputEvent]:
+        """The events seen live, once the task's terminal is seen or found stored."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.timeout_s
+        seen: list[OutputEvent] = []
         while (left := give_up - loop.time()) > 0:
             try:
                 item = await asyncio.wait_for(arrived.get(), min(left, STORED_CHECK_S))
             except TimeoutError:
                 if await self._finished_stored(task.task_id):
-                    return
+                    return seen
                 continue
             if isinstance(item, TaskRefused):
                 raise _failed(item.reason, item.message, task.task_id)
-            if _is_terminal(item):
-                return
+            seen.append(item)
+            if isinstance(item, TaskFinished):
+                return seen
         raise _failed(
             "timeout", f"task {task.task_id} did not end within {self.timeout_s:g} s; it may "
             f"still run: follow fleet.out.{task.task_id}", task.task_id,
         )
+
+    async def _until_terminal_stored(self, task_id: str) -> None:
+        """Until FLEET_OUT holds the terminal: a core copy can arrive before the stream stored
+        it, and only then does the stored stream hold every event (nothing follows it)."""
+        pause = SETTLE_FIRST_PAUSE_S
+        give_up = asyncio.get_running_loop().time() + SETTLE_S
+        while not await self._finished_stored(task_id):
+            if asyncio.get_running_loop().time() > give_up:
+                return  # the read-back says what is missing
+            await asyncio.sleep(pause)  # polling the broker, bounded by SETTLE_S
+            pause = min(pause * 2, 0.2)
 
     async def _finished_stored(self, task_id: str) -> bool:
         try:
@@ -217,7 +240,20 @@ class AskResponder:
             return False
         return _is_terminal(last.data or b"")
 
-    async def _stored(self, task_id: str) -> list[OutputEvent]:
+    async def stored_count(self, task_id: str) -> int:
+        """How many events FLEET_OUT holds for the task (-1: unknown; then read them all)."""
+        subject = subjects.out(task_id)
+        try:
+            info = await with_retry(
+                lambda: self.js.stream_info(subjects.OUT_STREAM, subjects_filter=subject),
+                what=f"count the events of task {task_id}", budget_s=BROKER_BUDGET_S,
+            )
+        except (FleetError, NatsError, OSError, TimeoutError) as exc:
+            log.warning("asks: %s; reading the events of task %s back", exc, task_id)
+            return -1
+        return int((info.state.subjects or {}).get(subject, 0))
+
+    async def stored_events(self, task_id: str) -> list[OutputEvent]:
         """Every event FLEET_OUT holds for the task, in order (by sequence, no consumer)."""
         subject = subjects.out(task_id)
         events: list[OutputEvent] = []

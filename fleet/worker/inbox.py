@@ -13,9 +13,9 @@ from pathlib import Path
 
 from nats.aio.msg import Msg
 
-from fleet.runner.protocol import RunnerReport
 from fleet.wire.events import ErrorReason, ImageChunk
 from fleet.wire.handoff import TaskHandOff
+from fleet.wire.pipe import RunnerReport
 from fleet.worker.state import StateEvent
 
 

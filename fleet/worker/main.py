@@ -25,8 +25,7 @@ from fleet.bus.connect import connect_with, redact_urls
 from fleet.bus.kv_mirror import Mirror
 from fleet.bus.provision import provision
 from fleet.config import Settings
-from fleet.runner import protocol as pipe
-from fleet.wire import subjects
+from fleet.wire import pipe, subjects
 from fleet.wire.events import (
     ErrorReason,
     TaskAccepted,
@@ -236,9 +235,9 @@ class Worker(RunnerReports, Stopping):
 
     async def _act(self, action: rules.Action) -> None:
         match action:
-            case rules.StopRunner(runner_id=runner_id):
+            case rules.StopRunner(runner_id=runner_id, now=now):
                 self._apply(ev.CommandSent(runner_id, "shutdown"))
-                self.runners.stop(runner_id)
+                self.runners.stop(runner_id, kill=now)
             case rules.SpawnRunner(instance=instance):
                 self._apply(ev.RunnerStarting(instance.instance_id))
                 self.runners.spawn(instance, self.state.cards.get(instance.model))

@@ -25,6 +25,9 @@ LIFECYCLE = {"idle": "connect_to_group", "connected": "load_model", "loaded": "w
 class StopRunner:
     runner_id: str
     reason: str
+    # Kill at once: a shard whose group changed is usually stuck in a ring receive from a
+    # peer that left, and cannot read a Shutdown.
+    now: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,14 @@ def _orphaned(state: WorkerState) -> set[str]:
 
 
 def stop_orphan_runner(state: WorkerState, now: float) -> Action | None:
+    hosted = {inst.instance_id for inst in state.hosted_instances()}
     for runner_id in sorted(_orphaned(state)):
-        if not state.runners[runner_id].shutting_down:
-            return StopRunner(runner_id, "instance removed")
+        runner = state.runners[runner_id]
+        if runner.shutting_down:
+            continue
+        if runner.instance_id in hosted and not state.stopping:
+            return StopRunner(runner_id, "its group changed", now=True)
+        return StopRunner(runner_id, "instance removed")
     return None
 
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fleet import telemetry
-from fleet.runner import protocol as pipe
+from fleet.wire import pipe
 from fleet.wire.events import ErrorChunk, OutputEvent, TaskFinished
 from fleet.worker import state as ev
 from fleet.worker.acks import Stage

@@ -20,8 +20,8 @@ from fleet.aio import Supervisor
 from fleet.config import Settings
 from fleet.models.disk import make_room, touch
 from fleet.models.store import BUILDERS, ensure_model, fleet_fetching, local_model_dir
-from fleet.runner.protocol import RunnerCommand, RunnerSpec
 from fleet.wire.cluster import Instance, ModelCard
+from fleet.wire.pipe import RunnerCommand, RunnerSpec
 from fleet.wire.ring import GroupSpec
 from fleet.wire.runners import RunnerDownloading
 from fleet.worker.inbox import Inbox, RunnerExited
@@ -196,10 +196,13 @@ class RunnerPool:
             return False
         return True
 
-    def stop(self, runner_id: str) -> None:
+    def stop(self, runner_id: str, kill: bool = False) -> None:
+        """Ask the runner to shut down (killed after 10 s), or `kill` it at once; either way
+        a deliberate stop, not a crash."""
         if (process := self.processes.get(runner_id)) and runner_id not in self.stopping:
             self.stopping.add(runner_id)
-            self.owner.spawn(f"stop runner {runner_id}", process.stop(timeout=10.0))
+            ending = process.kill() if kill else process.stop(timeout=10.0)
+            self.owner.spawn(f"stop runner {runner_id}", ending)
 
     def abandon(self, runner_id: str) -> None:
         """A runner that refused a task (its pipe is closed) is dying or dead: make sure it is

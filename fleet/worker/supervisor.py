@@ -23,16 +23,16 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Protocol
 
-from fleet.runner.framing import FrameError, decode_report, read_frame, write_frame
-from fleet.runner.protocol import (
+from fleet.wire.codec import DecodeError, encode
+from fleet.wire.events import ErrorReason, TaskFinished, failed
+from fleet.wire.framing import FrameError, decode_report, read_frame, write_frame
+from fleet.wire.pipe import (
     RunnerCommand,
     RunnerReport,
     RunnerSpec,
     RunnerStatusReport,
     Shutdown,
 )
-from fleet.wire.codec import DecodeError, encode
-from fleet.wire.events import ErrorReason, TaskFinished, failed
 from fleet.wire.runners import RunnerFailed, RunnerShutdown, RunnerStatus
 from fleet.worker.inbox import Inbox, RunnerExited, RunnerReported
 

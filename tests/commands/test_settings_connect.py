@@ -52,7 +52,7 @@ async def test_fleet_up_takes_its_settings_after_the_command_and_serves_with_the
 CONNECTING: list[tuple[list[str], int, str]] = [
     (["instances", "list"], 0, ""),
     (["images", "ls"], 0, ""),
-    (["cancel", "t-unknown"], 0, "cancel sent for t-unknown"),
+    (["cancel", "t-unknown"], 0, "task t-unknown has no events: it is still queued"),
     (["follow", "t-unknown", "--timeout", "1"], 1, "no events are stored for task t-unknown"),
     (["trace", "t-unknown"], 1, "t-unknown"),
     (["submit", "hello", "--model", "tiny-llm", "--no-follow"], 0, "on fleet.tasks.tiny-llm"),

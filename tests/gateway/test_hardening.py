@@ -196,7 +196,7 @@ async def test_an_idle_event_stream_ends_after_its_idle_time(hardened: str, nc: 
 
 async def test_a_lone_reader_without_the_gateway_reads_a_task_from_its_start(nc: Client) -> None:
     """`fleet follow` reads one task with TaskEvents and no hub: its own subscription."""
-    from fleet.gateway.task_events import TaskEvents
+    from fleet.bus.task_events import TaskEvents
 
     js = nc.jetstream()
     task_id = "lone-1"

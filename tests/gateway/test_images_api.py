@@ -190,3 +190,23 @@ async def test_chat_images_are_stored_once_and_travel_by_hash(
     assert isinstance(task, TextGeneration)
     assert task.image_hashes() == [sha, sha]
     assert (await ObjectBucket(nc).info(sha)).size == len(image)
+
+
+async def test_an_image_task_resumes_as_image_events(
+    client: httpx.AsyncClient, nc: Client, image_worker: StandInWorker
+) -> None:
+    final, preview = await stored(nc, png("red"), png("gray"))
+    body = {"model": "tiny-flux2", "prompt": "a red square", "partial_images": 1}
+    response, task = await asyncio.gather(
+        client.post("/v1/images/generations", json=body),
+        image_worker.answer(image_script(final, [preview])),
+    )
+    assert response.status_code == 200, response.text
+    resumed = await client.get(f"/v1/tasks/{task.task_id}/events")
+    blocks = sse_blocks(resumed.text)
+    assert [b["event"] for b in blocks] == [
+        "image_generation.partial_image", "image_generation.completed"]
+    assert base64.b64decode(orjson.loads(blocks[-1]["data"])["b64_json"]) == png("red")
+    # The client saw the preview (accepted is event 1, the preview 2): only the final again.
+    rest = sse_blocks((await client.get(f"/v1/tasks/{task.task_id}/events?after=2")).text)
+    assert [b["event"] for b in rest] == ["image_generation.completed"]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from fleet.errors import DeadlineExceeded, ModelNotFound, QueueFull, Unauthorized
-from fleet.gateway.errors import InvalidParameter, error_body, failure
+from fleet.bus.task_events import Indexed
+from fleet.errors import DeadlineExceeded, ModelNotFound, QueueFull, Unauthorized, failure_of
+from fleet.gateway.errors import InvalidParameter, error_body
 from fleet.gateway.image_api import images_response, stream_event
 from fleet.gateway.relay import sse, sse_error
-from fleet.gateway.task_events import Indexed
 from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
 from fleet.wire.events import (
     ErrorChunk,
@@ -189,7 +189,7 @@ async def test_streamed_choices_carry_their_index_and_one_usage_at_the_end() -> 
     ],
 )
 def test_failures_carry_their_status(finished: TaskFinished, status: int | None, code: str) -> None:
-    error = failure(finished)
+    error = failure_of(finished)
     if status is None:
         assert error is None
         return
@@ -199,7 +199,7 @@ def test_failures_carry_their_status(finished: TaskFinished, status: int | None,
 
 def test_a_failure_without_a_message_borrows_the_error_chunk() -> None:
     chunk = ErrorChunk(task_id=T, at=1, reason=ErrorReason.INPUT_MISSING, message="no image abc")
-    error = failure(TaskFinished(task_id=T, at=2, status="failed", reason=chunk.reason), chunk)
+    error = failure_of(TaskFinished(task_id=T, at=2, status="failed", reason=chunk.reason), chunk)
     assert error is not None and error.message == "no image abc"
 
 

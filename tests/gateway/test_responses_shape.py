@@ -8,10 +8,18 @@ import asyncio
 import orjson
 import pytest
 
+from fleet.bus.task_events import Indexed
+from fleet.errors import TaskFailed
 from fleet.gateway.errors import InvalidParameter
 from fleet.gateway.responses_api import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
-from fleet.gateway.task_events import Indexed
-from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk, Usage
+from fleet.wire.events import (
+    ErrorReason,
+    OutputEvent,
+    TaskAccepted,
+    TaskFinished,
+    TokenChunk,
+    Usage,
+)
 
 
 def request(**fields: object) -> ResponsesRequest:
@@ -120,3 +128,17 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete() -> None:
     assert body["status"] == "incomplete" and body["output"][0]["status"] == "incomplete"
     assert body["output"][0]["content"][0]["text"] == "ab"
     assert body["max_output_tokens"] == 2
+
+
+def test_a_task_that_fails_mid_stream_ends_with_response_failed() -> None:
+    shape = shape_of(request(), "resp-1", 1700000000)
+    renderer = ResponsesRenderer(shape)
+    events = asyncio.run(streamed(renderer, [ACCEPTED, token(0, "Par")]))
+    [line] = renderer.failed(TaskFailed(ErrorReason.RUNNER_CRASHED, "runner exited"))
+    failed = events_of([line])[0]
+    assert failed["type"] == "response.failed"
+    assert failed["sequence_number"] == events[-1]["sequence_number"] + 1
+    response = failed["response"]
+    assert response["status"] == "failed"
+    assert response["error"] == {"code": "runner_crashed", "message": "runner exited"}
+    assert response["output"][0]["content"][0]["text"] == "Par"

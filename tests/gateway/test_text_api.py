@@ -11,7 +11,7 @@ import orjson
 import pytest
 from gateway_helpers import StandInWorker, sse_blocks, tokens_script
 
-from fleet.wire.events import ErrorChunk, ErrorReason, TaskAccepted, failed
+from fleet.wire.events import ErrorChunk, ErrorReason, TaskAccepted, TokenChunk, failed
 from fleet.wire.tasks import Task, TextGeneration
 
 CHAT = {"model": "tiny-llm", "messages": [{"role": "user", "content": "Capital of France?"}]}
@@ -118,3 +118,31 @@ async def test_a_failed_task_is_an_error_with_its_status(
     assert response.status_code == 502
     assert response.json()["error"]["type"] == "server_error"
     assert response.headers["x-fleet-task-id"] == task.task_id
+
+
+def _fails_after_a_token(task: Task) -> list:
+    accepted = TaskAccepted(task_id=task.task_id, at=1.0, model=task.model, node_id="n",
+                            runner_id="r")
+    began = TokenChunk(task_id=task.task_id, at=2.0, index=0, token_id=0, text="Par")
+    return [accepted, began, failed(task.task_id, 3.0, ErrorReason.RUNNER_CRASHED, "died")]
+
+
+async def test_a_failure_mid_stream_ends_each_api_in_its_own_way(
+    client: httpx.AsyncClient, worker: StandInWorker
+) -> None:
+    responses, _ = await asyncio.gather(
+        client.post("/v1/responses", json={"model": "tiny-llm", "input": "hi", "stream": True}),
+        worker.answer(_fails_after_a_token),
+    )
+    assert responses.status_code == 200
+    last = sse_blocks(responses.text)[-1]
+    assert last["event"] == "response.failed"
+    assert orjson.loads(last["data"])["response"]["error"]["code"] == "runner_crashed"
+
+    chat, _ = await asyncio.gather(
+        client.post("/v1/chat/completions", json={**CHAT, "stream": True}),
+        worker.answer(_fails_after_a_token),
+    )
+    last = sse_blocks(chat.text)[-1]
+    assert last["event"] == "error"  # OpenAI's SDKs raise on it
+    assert orjson.loads(last["data"])["error"]["code"] == "runner_crashed"

@@ -7,12 +7,16 @@ import asyncio
 import json
 
 import nats
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from fleet.bus.connect import js_publish
 from fleet.models.catalog import get_card
+from fleet.wire import subjects
 from fleet.wire.ask import AskAnswer, AskError
 from fleet.wire.codec import ASK_REPLY, decode_with
 from fleet.wire.events import TokenChunk
+from fleet.worker.asks import AskResponder
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import add_fault_card, events_of, serving
 
@@ -109,3 +113,18 @@ async def test_a_worker_that_stops_mid_ask_says_so_and_leaves_the_task_to_others
     assert error.task_id == "stay-1" and "fleet.out.stay-1" in error.message
     await asker.close()
     await nc.close()
+
+
+async def test_the_read_back_finds_every_stored_event_in_order(provisioned_nc: Client) -> None:
+    """What an ask falls back to when its live copy has a gap: FLEET_OUT, by sequence."""
+    js = provisioned_nc.jetstream()
+    events = [TokenChunk(task_id="back-1", at=1.0, index=i, token_id=i, text=t)
+              for i, t in enumerate(["a", "b", "c"])]
+    for event in events:
+        await js_publish(js, subjects.out("back-1"), event)
+    await js_publish(js, subjects.out("other-1"), events[0].model_copy(
+        update={"task_id": "other-1"}))
+    responder = AskResponder(provisioned_nc, js, 5.0, owner=None)  # type: ignore[arg-type]
+    assert await responder.stored_count("back-1") == 3
+    assert await responder.stored_events("back-1") == events
+    assert await responder.stored_count("never-1") == 0

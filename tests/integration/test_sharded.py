@@ -10,11 +10,15 @@ import signal
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 
+import httpx
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+from fleet.config import load_settings
+from fleet.gateway.app import build_app
 from fleet.models.catalog import get_card
-from fleet.placement import place, remove
+from fleet.placement import place, read_instances, remove
+from fleet.trace.cli import spans_of_trace
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord
 from fleet.wire.codec import decode_event, decode_model
@@ -65,7 +69,7 @@ async def ready_ranks(
 
 
 async def test_smollm2_over_two_nodes_answers_with_the_unsharded_tokens(
-    nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path,
+    nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path, tmp_path: Path,
 ) -> None:
     models = {"smollm2-135m": smollm2_dir}
     first = start_worker("w1", models=models)
@@ -91,6 +95,30 @@ async def test_smollm2_over_two_nodes_answers_with_the_unsharded_tokens(
     assert tokens == [e.token_id for e in unsharded if isinstance(e, TokenChunk)]
     accepted = [e for e in events if e.type == "task_accepted"]
     assert [e.node_id for e in accepted] == [sharded.shards[0].node_id]  # rank 0's worker
+    # Each rank traced its share of the task: a generation span with its rank, and its phases.
+    trace_id = accepted[0].trace_id
+    assert trace_id is not None
+    async with asyncio.timeout(60):
+        while True:
+            spans = await spans_of_trace(js, trace_id)
+            ranks = {s["attributes"].get("fleet.rank") for s in spans if "attributes" in s}
+            if {0, 1} <= ranks:
+                break
+            await asyncio.sleep(0.2)  # the workers export finished spans in batches; bounded
+    assert sum(1 for s in spans if s["name"] == "decode") == 2
+
+    # The same question through the gateway, a stateless sidecar on the same subjects.
+    settings = load_settings({"nats_url": nats_url, "data_dir": tmp_path / "gw"}, env={})
+    app = build_app(settings)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=120,
+    ) as http:
+        reply = await http.post("/v1/chat/completions", json={
+            "model": "smollm2-135m", "max_tokens": 12, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        })
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == text_of(unsharded)
     await nc.close()
 
 
@@ -207,3 +235,31 @@ async def moved_away(nc: Client, instance_id: str, gone: str, timeout: float = 1
                     return instance
     finally:
         await watcher.stop()
+
+
+async def test_a_task_for_a_model_no_node_can_hold_places_it_split_over_two_nodes(
+    nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path, tmp_path: Path,
+) -> None:
+    # 538 MB of smollm2 against 300 MB a node: no node alone, two nodes with 15 layers each.
+    small = {"FLEET_MEMORY_LIMIT": "300000000", "FLEET_AUTO_PLACE": "1"}
+    workers = [start_worker(f"w{i}", models={"smollm2-135m": smollm2_dir}, **small)
+               for i in range(2)]
+    nc = await client(nats_url)
+    nodes = {await wait_node(nc, w.data_dir) for w in workers}
+    # Through the gateway: it must not refuse a model that only a split can serve.
+    settings = load_settings({"nats_url": nats_url, "data_dir": tmp_path / "gw"}, env={})
+    app = build_app(settings)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=240,
+    ) as http:
+        reply = await http.post("/v1/chat/completions", json={
+            "model": "smollm2-135m", "max_tokens": 12, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        })
+    assert reply.status_code == 200, reply.text
+    assert "Paris" in reply.json()["choices"][0]["message"]["content"]
+    [placed] = await read_instances(nc.jetstream())
+    assert placed.instance_id == "smollm2-135m-auto"
+    assert {s.node_id for s in placed.shards} == nodes
+    assert [(s.start_layer, s.end_layer) for s in placed.shards] == [(0, 15), (15, 30)]
+    await nc.close()

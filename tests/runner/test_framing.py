@@ -7,7 +7,8 @@ import io
 
 import pytest
 
-from fleet.runner.framing import (
+from fleet.wire.codec import DecodeError
+from fleet.wire.framing import (
     FrameReader,
     FrameTooLarge,
     FrameWriter,
@@ -19,8 +20,7 @@ from fleet.runner.framing import (
     encode_message,
     read_frame,
 )
-from fleet.runner.protocol import LoadModel, RunnerStatusReport, SubmitTask
-from fleet.wire.codec import DecodeError
+from fleet.wire.pipe import LoadModel, RunnerStatusReport, SubmitTask
 from fleet.wire.runners import RunnerLoading, RunnerReady
 from fleet.wire.tasks import CancelTask, TextGeneration
 

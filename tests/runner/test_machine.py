@@ -15,7 +15,9 @@ from fleet.runner.engine import EngineConfig
 from fleet.runner.fault_engine import FaultEngine, fault_card, parse_knobs
 from fleet.runner.machine import RunnerMachine, trace_id_of
 from fleet.runner.main import Inbox, PipeBroken, engine_config, serve
-from fleet.runner.protocol import (
+from fleet.wire.cluster import ModelCard
+from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, TokenChunk, Usage
+from fleet.wire.pipe import (
     ConnectToGroup,
     LoadModel,
     RunnerSpec,
@@ -25,8 +27,6 @@ from fleet.runner.protocol import (
     TaskRunning,
     WarmUp,
 )
-from fleet.wire.cluster import ModelCard
-from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, TokenChunk, Usage
 from fleet.wire.runners import (
     RunnerConnected,
     RunnerConnecting,

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from fleet.models.catalog import get_card
-from fleet.runner.protocol import (
+from fleet.wire.events import TaskFinished, TokenChunk
+from fleet.wire.pipe import (
     ConnectToGroup,
     LoadModel,
     RunnerSpec,
@@ -19,7 +20,6 @@ from fleet.runner.protocol import (
     SubmitTask,
     WarmUp,
 )
-from fleet.wire.events import TaskFinished, TokenChunk
 from fleet.wire.ring import GroupSpec
 from fleet.wire.runners import RunnerFailed
 from fleet.wire.tasks import TextGeneration

@@ -15,7 +15,9 @@ from fleet.runner.fault_engine import FaultEngine, fault_card
 from fleet.runner.image_steps import StepTiming
 from fleet.runner.machine import RunnerMachine
 from fleet.runner.main import Inbox, serve
-from fleet.runner.protocol import (
+from fleet.runner.spans import RunnerSpans, SpanBuffer
+from fleet.wire.events import TaskFinished
+from fleet.wire.pipe import (
     ConnectToGroup,
     LoadModel,
     RunnerSpec,
@@ -24,8 +26,6 @@ from fleet.runner.protocol import (
     SubmitTask,
     WarmUp,
 )
-from fleet.runner.spans import RunnerSpans, SpanBuffer
-from fleet.wire.events import TaskFinished
 from fleet.wire.tasks import ChatMessage, ImageGeneration, TextGeneration
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -15,8 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from fleet.runner import protocol as pipe
-from fleet.wire import cluster, codec, events, runners, tasks
+from fleet.wire import cluster, codec, events, pipe, runners, tasks
 from fleet.wire.ask import AskReply
 from fleet.wire.codec import DecodeError, decode_model, decode_with, encode
 from fleet.wire.examples import NATS_CLI_TASK, examples

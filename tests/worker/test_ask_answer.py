@@ -20,7 +20,7 @@ from fleet.wire.events import (
     Usage,
 )
 from fleet.wire.tasks import ImageGeneration, TextGeneration
-from fleet.worker.ask_answer import answer_of, ask_task
+from fleet.worker.ask_answer import answer_of, ask_task, seen_whole
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
 SHA = "ab" * 32
@@ -129,3 +129,16 @@ def test_a_failure_is_an_answer_with_its_reason() -> None:
 
 def test_no_terminal_no_answer() -> None:
     assert answer_of(TEXT, [ACCEPTED, token(0, "a")]) is None
+
+
+@pytest.mark.parametrize(("live", "stored", "whole"), [
+    ([ACCEPTED, token(0, "a"), token(1, "b"), done()], 4, True),
+    ([ACCEPTED, token(0, "a"), token(1, "b"), token(1, "b"), done()], 4, True),  # a re-send
+    ([ACCEPTED, token(1, "b"), done()], 4, False),  # token 0 was lost live
+    ([ACCEPTED, token(0, "a"), token(1, "b")], 3, False),  # no terminal seen
+    ([ACCEPTED, token(0, "a"), token(1, "b"), done()], -1, False),  # the count is unknown
+])
+def test_live_events_stand_for_the_stream_only_when_provably_whole(
+    live: list[OutputEvent], stored: int, whole: bool
+) -> None:
+    assert seen_whole(live, stored) is whole

@@ -398,4 +398,6 @@ def test_rank_1_of_a_sharded_instance_takes_no_tasks_and_restarts_when_its_group
     assert follower.free_slots == 0
     assert plan(state, T0) is None  # no dispatch to rank 1, no pull for it
     moved = sharded(ring_b="10.0.0.3:7000")  # rank 1 re-placed: a new ring
-    assert plan(world([moved], [follower]), T0) == StopRunner("run-1", "instance removed")
+    assert plan(world([moved], [follower]), T0) == StopRunner(
+        "run-1", "its group changed", now=True
+    )

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from fleet.runner.fault_engine import fault_card
-from fleet.runner.protocol import (
+from fleet.wire.cluster import ModelCard
+from fleet.wire.events import ErrorReason, TaskFinished, TokenChunk
+from fleet.wire.pipe import (
     ConnectToGroup,
     LoadModel,
     RunnerSpec,
@@ -21,8 +23,6 @@ from fleet.runner.protocol import (
     SubmitTask,
     WarmUp,
 )
-from fleet.wire.cluster import ModelCard
-from fleet.wire.events import ErrorReason, TaskFinished, TokenChunk
 from fleet.wire.runners import (
     RunnerFailed,
     RunnerReady,

@@ -1,5 +1,7 @@
-"""A task's events on `fleet.out.<task_id>`: one shared FLEET_OUT subscription for the whole
-gateway, one request's view of it, and the events of several tasks (`n` choices) as one.
+"""A task's events on `fleet.out.<task_id>`, read in order: one shared FLEET_OUT subscription
+for a whole process (`EventHub`), one reader's view of one task (`TaskEvents`), and the events
+of several tasks (`n` choices) as one (`ChoiceEvents`). The gateway relays them to HTTP
+clients; `fleet follow` prints them.
 
 A JetStream stream has a consumer limit (1,000 on FLEET_OUT), so one consumer per waiting
 HTTP request let 1,000 idle requests stop every other chat. Instead the gateway holds ONE
@@ -10,9 +12,10 @@ Each delivered message carries its stream sequence (in its `$JS.ACK` reply subje
 reader that also replays what was stored before it started listening (`TaskEvents`)
 can stitch the two exactly: replay first, then live messages with a higher sequence.
 
-One request's view (`TaskEvents`): the stored events, then the live ones from the
-gateway's shared subscription, from the task's first event or after the N events a client has
-already seen, bounded by a deadline (and, for resumed streams, an idle limit).
+One reader's view (`TaskEvents`): the stored events, then the live ones from the shared
+subscription (or a subscription of its own, without a hub), from the task's first event or
+after the N events a client has already seen, bounded by a deadline (and, for resumed
+streams, an idle limit).
 
 Events are numbered 1, 2, 3… within their task, so `after=N` means "I have seen N events".
 """
@@ -34,8 +37,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from fleet.errors import DeadlineExceeded, NatsUnavailable
-from fleet.gateway.errors import failure
+from fleet.errors import DeadlineExceeded, NatsUnavailable, failure_of
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
 from fleet.wire.events import ImageChunk, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
@@ -374,6 +376,6 @@ class ChoiceEvents(EventReader):
             raise item
         if isinstance(item.event, TaskFinished):
             self._done.add(item.event.task_id)
-            if failure(item.event) is not None or len(self._done) == len(self.parts):
+            if failure_of(item.event) is not None or len(self._done) == len(self.parts):
                 self.finished = item.event
         return item

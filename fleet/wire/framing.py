@@ -21,8 +21,8 @@ from typing import BinaryIO
 
 from pydantic import BaseModel
 
-from fleet.runner.protocol import COMMAND, REPORT, RunnerCommand, RunnerReport
 from fleet.wire.codec import decode_with, encode
+from fleet.wire.pipe import COMMAND, REPORT, RunnerCommand, RunnerReport
 
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = 16 * 1024 * 1024
