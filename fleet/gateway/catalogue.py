@@ -36,7 +36,14 @@ from fleet.bus.kv_mirror import Connection, Mirror
 from fleet.bus.weights import MODELS_BUCKET
 from fleet.errors import FleetError
 from fleet.models.catalog import builtin_cards, custom_cards
-from fleet.placement import HEARTBEAT_STALE_S, PlacementError, choose_node, unprovided
+from fleet.placement import (
+    HEARTBEAT_STALE_S,
+    PlacementError,
+    able_to_shard,
+    choose_node,
+    unprovided,
+)
+from fleet.placement_shards import ShardingError, fewest_shards
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo, RunnerRecord
 from fleet.wire.codec import DecodeError, decode_model
@@ -206,7 +213,10 @@ def unavailable_reason(
     try:
         choose_node(able, card, now)
     except PlacementError as exc:
-        return exc.message
+        try:  # placement on demand splits a model no single node holds
+            fewest_shards(able_to_shard(able, card, now), card)
+        except ShardingError as split:
+            return f"{exc.message}; split over nodes: {split}"
     return None
 
 

@@ -51,6 +51,11 @@ def node(
         ([node("a", ("tiny-llm",), memory_available_bytes=10)], False, "node a: 10 bytes of free"),
         ([node("a", ("tiny-llm",), models_disk_room_bytes=0)], False, "disk budget leaves"),
         ([node("a"), node("b", ("tiny-llm",))], False, None),
+        # 431 kB of tiny-llm on two nodes of 300 kB: split, each holds its layer
+        ([node(n, ("tiny-llm",), memory_available_bytes=300_000, ring_address=f"{n}:1")
+          for n in "ab"], False, None),
+        ([node(n, ("tiny-llm",), memory_available_bytes=300_000) for n in "ab"], False,
+         "split over nodes: 2 shards of tiny-llm need 2 live nodes that can join a ring"),
     ],
 )
 def test_unavailable_reason(nodes: list[NodeInfo], placed: bool, why: str | None) -> None:

@@ -238,7 +238,7 @@ async def moved_away(nc: Client, instance_id: str, gone: str, timeout: float = 1
 
 
 async def test_a_task_for_a_model_no_node_can_hold_places_it_split_over_two_nodes(
-    nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path,
+    nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path, tmp_path: Path,
 ) -> None:
     # 538 MB of smollm2 against 300 MB a node: no node alone, two nodes with 15 layers each.
     small = {"FLEET_MEMORY_LIMIT": "300000000", "FLEET_AUTO_PLACE": "1"}
@@ -246,8 +246,18 @@ async def test_a_task_for_a_model_no_node_can_hold_places_it_split_over_two_node
                for i in range(2)]
     nc = await client(nats_url)
     nodes = {await wait_node(nc, w.data_dir) for w in workers}
-    events = await run_task(nc, paris("on-demand-1"), timeout=240)
-    assert finished(events).status == "completed" and "Paris" in text_of(events)
+    # Through the gateway: it must not refuse a model that only a split can serve.
+    settings = load_settings({"nats_url": nats_url, "data_dir": tmp_path / "gw"}, env={})
+    app = build_app(settings)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=240,
+    ) as http:
+        reply = await http.post("/v1/chat/completions", json={
+            "model": "smollm2-135m", "max_tokens": 12, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        })
+    assert reply.status_code == 200, reply.text
+    assert "Paris" in reply.json()["choices"][0]["message"]["content"]
     [placed] = await read_instances(nc.jetstream())
     assert placed.instance_id == "smollm2-135m-auto"
     assert {s.node_id for s in placed.shards} == nodes
