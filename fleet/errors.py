@@ -54,7 +54,7 @@ _DOWN = HttpAnswer(503, "service_unavailable")
 _TIMEOUT = HttpAnswer(504, "timeout")
 
 # The one table. Keys: every ErrorReason value, every AskErrorReason value, and the codes of
-# errors that never travel on the wire (tests/test_errors.py checks each family is covered).
+# errors that never travel on the wire (tests/test_error_table.py checks each family is covered).
 STATUS_BY_CODE: dict[str, HttpAnswer] = {
     # ErrorReason: why a task did not complete
     "invalid_task": _BAD,
