@@ -8,9 +8,9 @@ other). The taker publishes the task on `fleet.tasks.<model>` with a `Fleet-Repl
 replies with one AskAnswer, or an AskError (refused, queue full, timeout, this worker
 stopping). The wait costs a core subscription, no consumer: the events are watched live, and
 the stored last event is looked at every few seconds in case a reconnect lost the live
-terminal. The answer is folded from the live events when they are provably whole (as many
-distinct events as FLEET_OUT stored: one stream-info call); otherwise from the events read
-back from FLEET_OUT, which holds every event whole and in order once the terminal is stored.
+terminal. Once FLEET_OUT holds the terminal (and so every event before it), the answer is
+folded from the live events when they are provably whole (as many distinct events as
+FLEET_OUT stored: one stream-info call), otherwise from the events read back from FLEET_OUT.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ from fleet.worker.ask_answer import answer_of, ask_task, new_ask_id, seen_whole
 log = logging.getLogger(__name__)
 
 STORED_CHECK_S = 5.0  # how often the stored last event is looked at while waiting
+SETTLE_S = 5.0  # how long a terminal seen live may take to be stored
+SETTLE_FIRST_PAUSE_S = 0.005
 MAX_OPEN_ASKS = 1024  # asks one worker waits on at once; more are answered `busy`
 BROKER_BUDGET_S = 10.0  # an ask is answered within its timeout: broker retries stay short
 # NATS services' convention for an error reply (the `nats` CLI prints these headers).
@@ -134,7 +136,8 @@ class AskResponder:
             raise _failed("invalid_task", str(exc), exc.task_id) from None
 
     async def _run(self, task: Task) -> AskAnswer:
-        """Publish the task, wait for its terminal, fold its stored events into the answer."""
+        """Publish the task, wait for its terminal, fold its events into the answer: those
+        seen live when they are the whole stored stream, else those read back."""
         arrived: asyncio.Queue[OutputEvent | TaskRefused] = asyncio.Queue()
 
         async def live(msg: Msg) -> None:
@@ -162,6 +165,7 @@ class AskResponder:
                     await watch.unsubscribe()
                 except (NatsError, OSError) as exc:
                     log.debug("asks: unsubscribe failed: %r", exc)
+        await self._until_terminal_stored(task.task_id)
         whole = seen_whole(seen, await self.stored_count(task.task_id))
         answer = answer_of(task, seen if whole else await self.stored_events(task.task_id))
         if answer is None:  # the terminal was seen, so it is stored: this is a broker fault
@@ -211,6 +215,17 @@ class AskResponder:
             "timeout", f"task {task.task_id} did not end within {self.timeout_s:g} s; it may "
             f"still run: follow fleet.out.{task.task_id}", task.task_id,
         )
+
+    async def _until_terminal_stored(self, task_id: str) -> None:
+        """Until FLEET_OUT holds the terminal: a core copy can arrive before the stream stored
+        it, and only then does the stored stream hold every event (nothing follows it)."""
+        pause = SETTLE_FIRST_PAUSE_S
+        give_up = asyncio.get_running_loop().time() + SETTLE_S
+        while not await self._finished_stored(task_id):
+            if asyncio.get_running_loop().time() > give_up:
+                return  # the read-back says what is missing
+            await asyncio.sleep(pause)  # polling the broker, bounded by SETTLE_S
+            pause = min(pause * 2, 0.2)
 
     async def _finished_stored(self, task_id: str) -> bool:
         try:
