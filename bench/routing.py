@@ -90,7 +90,51 @@ async def run_routing(model_id: str, model_dir: Path, custom_card: bool, plan: R
             **summarise(turns, wall, cpu), "load_before": load_before, "load_after": load_average(),
         }
     info["routing_cost"] = routing_cost(systems, plan.workload)
+    info["hand_off_cost"] = await hand_off_cost(workdir / "hand-off", systems[0])
     return info
+
+
+async def hand_off_cost(where: Path, system: str, requests: int = 500) -> dict[str, Any]:
+    """What routing across nodes adds per task handed over: the TaskHandOff request and its
+    answer, between two connections of a real nats-server on loopback (decode and encode
+    on both sides, as the workers do)."""
+    import nats as nats_client
+
+    from fleet.bus.embedded import EmbeddedNats
+    from fleet.wire.codec import encode
+    from fleet.wire.handoff import HandOffAnswer, TaskHandOff
+
+    server = EmbeddedNats(where / "nats", port=0).start()
+    try:
+        sender, receiver = (await nats_client.connect(server.url),
+                            await nats_client.connect(server.url))
+
+        async def answer(msg: Any) -> None:
+            decode_model(TaskHandOff, msg.data)
+            await receiver.publish(msg.reply, encode(HandOffAnswer(taken=True)))
+
+        await receiver.subscribe(subjects.handoff("node-b"), cb=answer)
+        await receiver.flush()
+        task = TextGeneration(task_id="cost", model="m", messages=[
+            ChatMessage(role="system", content=system), ChatMessage(role="user", content="q")])
+        offer = encode(TaskHandOff(
+            from_node="node-a", runner_id="run-b", subject=subjects.tasks("m"),
+            ack_subject="$JS.ACK.FLEET_TASKS.tasks-m.1.42.42.1764000000000000000.0",
+            data=encode(task).decode(),
+        ))
+        times: list[float] = []
+        for _ in range(requests):
+            began = time.perf_counter()
+            reply = await sender.request(subjects.handoff("node-b"), offer, timeout=5)
+            decode_model(HandOffAnswer, reply.data)
+            times.append(time.perf_counter() - began)
+        await sender.close()
+        await receiver.close()
+    finally:
+        server.stop()
+    return {"requests": requests, "bytes": len(offer),
+            "p50_ms": (percentile(times, 50) or 0) * 1000,
+            "p99_ms": (percentile(times, 99) or 0) * 1000}
 
 
 async def _fleet(model_id: str, model_dir: Path, custom_card: bool, scenario: str,
