@@ -5,7 +5,8 @@ Cards come from KV FLEET_MODELS (so a model added with `fleet models add` on ano
 is known here at once), over the built-in cards and the custom cards of this data dir (read at
 start, and again when a request names a model no card knows, at most once a second). The
 nodes' heartbeats (FLEET_NODES) say which models some node can provide, FLEET_INSTANCES which
-are placed (and so served, or about to be). Requests read all three from memory: no disk or KV read per request.
+are placed (and so served, or about to be). Requests read all three from memory: no disk or
+KV read per request.
 
 Each bucket is a `Mirror` (fleet/bus/kv_mirror.py: a fresh watch after every reconnect, since
 nats-py's own stopped delivering after a server restart), a child of a DetachedSupervisor: a
