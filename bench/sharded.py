@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench.machine import load_average
 from fleet.models.catalog import get_card
 from fleet.wire.events import TaskFinished
@@ -98,6 +100,8 @@ async def run_setup(
     for _, reports in ranks:
         await _ready(reports)
     ready_s = time.perf_counter() - started
+    # What each rank holds once ready: its layers (a share), plus what every rank repeats.
+    rss_mb = [round(psutil.Process(p.pid).memory_info().rss / 1e6) for p, _ in ranks if p.pid]
     leader, reports = ranks[0]
     eos = _eos_ids(path)
     rows = []
@@ -119,7 +123,7 @@ async def run_setup(
     finally:
         await asyncio.gather(*(p.stop(timeout=30) for p, _ in ranks), return_exceptions=True)
     return {
-        "shards": shards, "ready_s": round(ready_s, 2), "requests": rows,
+        "shards": shards, "ready_s": round(ready_s, 2), "rss_mb": rss_mb, "requests": rows,
         "ttft_s_median": _median(r["ttft_s"] for r in rows),
         "tokens_per_s_median": _median(r["tokens_per_s"] for r in rows),
     }
@@ -202,10 +206,10 @@ def print_sharded(result: dict[str, Any]) -> None:
     one, two, ring = result["shards_1"], result["shards_2"], result["ring"]
     print(f"\nsharded ({result['model']}; load {result['load_average_start']} -> "
           f"{result['load_average_end']})")
-    print(f"  {'':12} {'TTFT s':>8} {'decode tok/s':>13} {'ready s':>8}")
+    print(f"  {'':12} {'TTFT s':>8} {'decode tok/s':>13} {'ready s':>8}  RSS MB per rank")
     for name, row in (("unsharded", one), ("2 shards", two)):
         print(f"  {name:12} {row['ttft_s_median']!s:>8} {row['tokens_per_s_median']!s:>13} "
-              f"{row['ready_s']!s:>8}")
+              f"{row['ready_s']!s:>8}  {row['rss_mb']}")
     print(f"  ring per decode step (hidden {ring['hidden']}): median "
           f"{ring['per_step_ms_median']} ms, p90 {ring['per_step_ms_p90']} ms")
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 
 from fleet import config
-from fleet.errors import FleetError, NatsUnavailable
+from fleet.errors import FleetError, InvalidSetting, NatsUnavailable
 from fleet.telemetry import setup
 
 # Each module adds its subcommands with register(subparsers); handlers are set as `func`.
@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     except NatsUnavailable as exc:
         print(f"fleet: {exc.message}\nhint: {NATS_HINT}", file=sys.stderr)
         return 1
+    except InvalidSetting as exc:  # found only once the command ran (a port already taken)
+        print(f"fleet: {exc.message}", file=sys.stderr)
+        return 2
     except FleetError as exc:
         print(f"fleet: {exc.message}", file=sys.stderr)
         return 1

@@ -1,39 +1,126 @@
-"""The error tree. Each error knows its wire reason and its HTTP status.
+"""The error tree, and the one table from an error's code to its HTTP status.
 
-    FleetError
-     ├── InvalidRequest        400  invalid_task
-     ├── InvalidSetting             a flag or FLEET_* variable has a bad value (CLI exit 2)
-     ├── Unauthorized          401
-     ├── ModelNotFound         404  model_not_found
-     ├── PayloadTooLarge       413
-     ├── QueueFull             429  queue_full
-     ├── NatsUnavailable       503
-     ├── ModelUnavailable      503  model_unavailable: no live node can serve the model
-     ├── DeadlineExceeded      504  deadline
-     ├── ProvisioningConflict       an existing stream differs from ops/jetstream
-     ├── EmbeddedServerError        the embedded nats-server could not start
-     └── TaskFailed            by reason: the worker ended the task failed
+Every failure Fleet raises on purpose is a FleetError with a `code`: its wire reason
+(`ErrorReason` on `fleet.out`, `AskErrorReason` on `fleet.ask`) when it travels on the wire, a
+code of its own otherwise. `STATUS_BY_CODE` maps every code to one HTTP status and OpenAI
+error type: the gateway answers with it, the worker's asks send it as Nats-Service-Error-Code.
+An error's `http_status`, `openai_type` and wire `reason` are read from its code, so they
+cannot disagree.
+
+    FleetError                          internal           500
+     ├── InvalidRequest                 invalid_task       400
+     │    └── InvalidParameter          (gateway/errors.py: names the parameter)
+     ├── Unauthorized                   invalid_api_key    401
+     ├── ModelNotFound                  model_not_found    404
+     ├── RequestTimeout                 request_timeout    408  the body did not arrive in time
+     ├── HttpError                      not_found, method_not_allowed: a routing failure
+     ├── PayloadTooLarge                payload_too_large  413
+     ├── QueueFull                      queue_full         429  (AtCapacity, gateway/tenants.py)
+     ├── InputMissing, InputCorrupt     input_missing, input_corrupt  400  a task's input image
+     ├── CorruptImage                   image_corrupt      502  a stored output is not its hash
+     ├── NatsUnavailable                nats_unavailable   503  (BrokerUnavailable, bus/retry.py)
+     ├── ModelUnavailable               model_unavailable  503  no live node can serve the model
+     ├── DeadlineExceeded               deadline           504  (StreamIdle: idle, bus/task_events)
+     ├── TaskFailed                     the reason the worker ended the task with
+     ├── ObjectError …                  (bus/object_info.py), PlacementError (placement.py),
+     │                                  DiskBudgetExceeded (models/disk.py)
+     ├── ProvisioningConflict           an existing stream differs from ops/jetstream
+     ├── ProvisioningDenied             this NATS user may not create what is missing
+     ├── EmbeddedServerError            the embedded nats-server could not start
+     └── InvalidSetting                 a flag or FLEET_* value is bad: the operator's mistake,
+                                        never an HTTP answer (the CLI exits 2)
+
+The wire's own errors (`DecodeError`, `FrameError`) are ValueErrors of `fleet.wire`, which
+imports nothing else of Fleet; the processes turn them into `invalid_task` where a task is
+concerned.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from fleet.wire.events import ErrorChunk, ErrorReason, TaskFinished
 
 
+class HttpAnswer(NamedTuple):
+    status: int
+    openai_type: str
+
+
+_BAD = HttpAnswer(400, "invalid_request_error")
+_TOO_MANY = HttpAnswer(429, "rate_limit_error")
+_LOST = HttpAnswer(502, "server_error")
+_DOWN = HttpAnswer(503, "service_unavailable")
+_TIMEOUT = HttpAnswer(504, "timeout")
+
+# The one table. Keys: every ErrorReason value, every AskErrorReason value, and the codes of
+# errors that never travel on the wire (tests/test_error_table.py checks each family is covered).
+STATUS_BY_CODE: dict[str, HttpAnswer] = {
+    # ErrorReason: why a task did not complete
+    "invalid_task": _BAD,
+    "unsupported": _BAD,
+    "context_length": _BAD,
+    "input_missing": _BAD,
+    "input_corrupt": _BAD,
+    "model_not_found": HttpAnswer(404, "invalid_request_error"),
+    "queue_full": _TOO_MANY,
+    "cancelled": HttpAnswer(499, "cancelled"),
+    "deadline": _TIMEOUT,
+    "runner_crashed": _LOST,
+    "worker_lost": _LOST,
+    "max_deliveries": _LOST,
+    "output_lost": _LOST,
+    "internal": HttpAnswer(500, "server_error"),
+    # AskErrorReason: why an ask on fleet.ask.<model> got no answer
+    "invalid_task_id": _BAD,
+    "task_id_taken": HttpAnswer(409, "invalid_request_error"),
+    "task_id_used": HttpAnswer(409, "invalid_request_error"),
+    "busy": _TOO_MANY,
+    "unavailable": _DOWN,
+    "stopped": _DOWN,
+    "timeout": _TIMEOUT,
+    # Never on the wire
+    "invalid_api_key": HttpAnswer(401, "authentication_error"),
+    "not_found": HttpAnswer(404, "invalid_request_error"),
+    "method_not_allowed": HttpAnswer(405, "invalid_request_error"),
+    "request_timeout": HttpAnswer(408, "invalid_request_error"),
+    "payload_too_large": HttpAnswer(413, "invalid_request_error"),
+    "image_corrupt": _LOST,
+    "nats_unavailable": _DOWN,
+    "model_unavailable": _DOWN,
+    "idle": _TIMEOUT,
+}
+WIRE_REASONS = frozenset(reason.value for reason in ErrorReason)
+
+
+def http_answer(code: str) -> HttpAnswer:
+    """The HTTP status and OpenAI error type of a code (an unknown code is a server error)."""
+    return STATUS_BY_CODE.get(code, STATUS_BY_CODE["internal"])
+
+
 class FleetError(Exception):
-    http_status = 500
-    reason = ErrorReason.INTERNAL
-    openai_type = "server_error"
+    code: str = "internal"
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
 
+    @property
+    def http_status(self) -> int:
+        return http_answer(self.code).status
+
+    @property
+    def openai_type(self) -> str:
+        return http_answer(self.code).openai_type
+
+    @property
+    def reason(self) -> ErrorReason:
+        """The reason a task ends with when this error ends it."""
+        return ErrorReason(self.code) if self.code in WIRE_REASONS else ErrorReason.INTERNAL
+
 
 class InvalidRequest(FleetError):
-    http_status = 400
-    reason = ErrorReason.INVALID_TASK
-    openai_type = "invalid_request_error"
+    code = "invalid_task"
 
 
 class InvalidSetting(FleetError):
@@ -41,44 +128,76 @@ class InvalidSetting(FleetError):
 
 
 class Unauthorized(FleetError):
-    http_status = 401
-    openai_type = "authentication_error"
+    code = "invalid_api_key"
 
 
 class ModelNotFound(FleetError):
-    http_status = 404
-    reason = ErrorReason.MODEL_NOT_FOUND
-    openai_type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class RequestTimeout(FleetError):
+    code = "request_timeout"
+
+
+class HttpError(FleetError):
+    """A routing failure (no such path, wrong method) in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_task")
+
+    @property
+    def http_status(self) -> int:
+        return self.status  # whatever the router said, even a status the table has no code for
 
 
 class PayloadTooLarge(FleetError):
-    http_status = 413
-    openai_type = "invalid_request_error"
+    code = "payload_too_large"
 
 
 class QueueFull(FleetError):
-    http_status = 429
-    reason = ErrorReason.QUEUE_FULL
-    openai_type = "rate_limit_error"
+    code = "queue_full"
+
+
+class InputMissing(FleetError):
+    """A task's input image is not in the store (or could not be read) in time."""
+
+    code = "input_missing"
+
+    def __init__(self, sha: str, message: str) -> None:
+        super().__init__(message)
+        self.sha = sha
+
+
+class InputCorrupt(FleetError):
+    """A task's input image is stored under a name that is not its hash."""
+
+    code = "input_corrupt"
+
+    def __init__(self, sha: str, message: str) -> None:
+        super().__init__(message)
+        self.sha = sha
+
+
+class CorruptImage(FleetError):
+    """The store holds bytes under a name that is not their hash; never served."""
+
+    code = "image_corrupt"
 
 
 class NatsUnavailable(FleetError):
-    http_status = 503
-    openai_type = "service_unavailable"
+    code = "nats_unavailable"
 
 
 class ModelUnavailable(FleetError):
     """Workers are up and none can serve the model (no files, memory or disk room)."""
 
-    http_status = 503
-    openai_type = "service_unavailable"
     code = "model_unavailable"
 
 
 class DeadlineExceeded(FleetError):
-    http_status = 504
-    reason = ErrorReason.DEADLINE
-    openai_type = "timeout"
+    code = "deadline"
 
 
 class ProvisioningConflict(FleetError):
@@ -94,31 +213,12 @@ class EmbeddedServerError(FleetError):
     pass
 
 
-HTTP_STATUS_BY_REASON: dict[ErrorReason, int] = {
-    ErrorReason.INVALID_TASK: 400,
-    ErrorReason.UNSUPPORTED: 400,
-    ErrorReason.CONTEXT_LENGTH: 400,
-    ErrorReason.INPUT_MISSING: 400,
-    ErrorReason.INPUT_CORRUPT: 400,
-    ErrorReason.MODEL_NOT_FOUND: 404,
-    ErrorReason.QUEUE_FULL: 429,
-    ErrorReason.CANCELLED: 499,
-    ErrorReason.DEADLINE: 504,
-    ErrorReason.RUNNER_CRASHED: 502,
-    ErrorReason.WORKER_LOST: 502,
-    ErrorReason.MAX_DELIVERIES: 502,
-    ErrorReason.OUTPUT_LOST: 502,
-    ErrorReason.INTERNAL: 500,
-}
-
-
 class TaskFailed(FleetError):
     """A task that a worker ended failed; raised by clients that wait for one."""
 
     def __init__(self, reason: ErrorReason, message: str) -> None:
         super().__init__(message)
-        self.reason = reason
-        self.http_status = HTTP_STATUS_BY_REASON.get(reason, 500)
+        self.code = reason.value
 
 
 def failure_of(finished: TaskFinished, last_error: ErrorChunk | None = None) -> TaskFailed | None:

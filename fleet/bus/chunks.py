@@ -60,11 +60,14 @@ async def read_in_order(
     *,
     count: int | None = None,
     from_last: bool = False,
+    delete: bool = True,
 ) -> AsyncIterator[bytes]:
     """Yield the messages stored on `subject` in stream order: the first `count` of them, or
     (`from_last`) the last one stored and every later one; None reads until the caller stops.
 
-    Use it inside `contextlib.aclosing` so that its consumer is deleted when the caller stops.
+    Use it inside `contextlib.aclosing` so that its consumer is deleted when the caller stops;
+    with `delete=False` (a role that may create consumers on the stream but not delete them)
+    the server removes it after ABANDONED_CONSUMER_S without interest instead.
     """
     received = 0
     resume_at: int | None = None
@@ -72,7 +75,7 @@ async def read_in_order(
     while count is None or received < count:
         _remaining(deadline)
         policy = _where_to_start(resume_at, from_last)
-        async with _push_consumer(nc, js, stream, subject, policy, resume_at) as sub:
+        async with _push_consumer(nc, js, stream, subject, policy, resume_at, delete) as sub:
             next_delivery = 1
             while count is None or received < count:
                 wait = min(_remaining(deadline), SILENT_CONSUMER_S)
@@ -122,6 +125,7 @@ async def _push_consumer(
     subject: str,
     policy: api.DeliverPolicy,
     start_seq: int | None,
+    delete: bool,
 ) -> AsyncIterator[Subscription]:
     # Subscribe before the consumer exists, or its first deliveries would find no interest.
     sub = await nc.subscribe(nc.new_inbox())
@@ -144,8 +148,9 @@ async def _push_consumer(
         finally:
             # Not awaiting the reply saves a round trip; should the request be lost, the
             # inactive threshold removes the consumer anyway.
-            with contextlib.suppress(Exception):
-                await nc.publish(f"$JS.API.CONSUMER.DELETE.{stream}.{consumer.name}")
+            if delete:
+                with contextlib.suppress(Exception):
+                    await nc.publish(f"$JS.API.CONSUMER.DELETE.{stream}.{consumer.name}")
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

@@ -25,7 +25,6 @@ from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from fleet.bus.chunks import StoreRefused
 from fleet.errors import FleetError
-from fleet.wire.events import ErrorReason
 
 DIGEST_PREFIX = "SHA-256="
 STREAM_NOT_FOUND = 10059
@@ -54,7 +53,7 @@ class ObjectCorrupt(ObjectError):
 class ImageCorrupt(ObjectCorrupt):
     """An object named by a sha256 whose bytes are something else: refused, never served."""
 
-    reason = ErrorReason.INPUT_CORRUPT
+    code = "input_corrupt"
 
 
 class ObjectTimeout(ObjectError):

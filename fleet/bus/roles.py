@@ -144,7 +144,10 @@ GRANTS: dict[str, Grant] = {
             _api("STREAM", "PURGE", TASKS),
             _api("CONSUMER", "CREATE", ADVISORIES, ">"), _api("CONSUMER", "INFO", ADVISORIES, "*"),
             _api("CONSUMER", "MSG", "NEXT", ADVISORIES, "*"),
-            _api("STREAM", "MSG", "GET", OUT),
+            # Continuing a dead worker's task replays what it stored (an ephemeral consumer
+            # on FLEET_OUT). No DELETE: it could remove a gateway's shared consumer; the
+            # replay's consumer goes by its inactive threshold.
+            _api("CONSUMER", "CREATE", OUT), _api("STREAM", "MSG", "GET", OUT),
             *(s for b in (*STATE_BUCKETS, CANCELS, CLAIMS, MODELS, PREFIXES)
               for s in _kv_read(b)),
             *_images_read(), *_weights_read(),
@@ -188,7 +191,8 @@ ACTIONS: tuple[Action, ...] = (
            "subjects cannot be limited per task id: any client reads any task's output; a "
            "worker watches for the end of a task it was asked for"),
     Action("replay_output", "replay a task's output (an ordered consumer on FLEET_OUT)",
-           _who("client", "gateway")),
+           _who("client", "gateway", "worker"),
+           "a worker continuing a dead worker's task reads the events that one stored"),
     Action("publish_output", "publish on `fleet.out.<id>` (a task's events)", _who("worker")),
     Action("read_queued_task", "read a queued task (STREAM.MSG.GET on FLEET_TASKS)",
            _who("worker")),

@@ -29,7 +29,7 @@ from fleet.bus.objects import ObjectBucket, ObjectCorrupt, ObjectError, ObjectMi
 from fleet.bus.provision import provision
 from fleet.bus.task_events import EventHub, TaskEvents
 from fleet.config import Settings
-from fleet.errors import FleetError, NatsUnavailable, PayloadTooLarge, QueueFull
+from fleet.errors import CorruptImage, FleetError, NatsUnavailable, PayloadTooLarge, QueueFull
 from fleet.gateway.tenants import Owners
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord
@@ -89,14 +89,6 @@ def unavailable_on_nats_errors(doing: str) -> Iterator[None]:
         raise
     except (NatsError, OSError, TimeoutError) as exc:
         raise NatsUnavailable(f"NATS could not {doing}: {exc!r}") from None
-
-
-class CorruptImage(FleetError):
-    """502: the store holds bytes under a name that is not their hash; never served."""
-
-    http_status = 502
-    openai_type = "server_error"
-    code = "image_corrupt"
 
 
 def hash_matches(sha256: str, data: bytes) -> bool:

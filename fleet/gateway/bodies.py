@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fleet.errors import FleetError, InvalidRequest, PayloadTooLarge
-from fleet.gateway.errors import RequestTimeout, error_response, invalid_from
+from fleet.errors import FleetError, InvalidRequest, PayloadTooLarge, RequestTimeout
+from fleet.gateway.errors import error_response, invalid_from
 
 log = logging.getLogger(__name__)
 

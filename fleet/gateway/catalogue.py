@@ -3,9 +3,10 @@ placed, ready and available. Kept current by KV watches.
 
 Cards come from KV FLEET_MODELS (so a model added with `fleet models add` on another machine
 is known here at once), over the built-in cards and the custom cards of this data dir (read at
-start, and again only when a request names a model no card knows). The nodes' heartbeats
-(FLEET_NODES) say which models some node can provide, FLEET_INSTANCES which are placed (and so
-served, or about to be). Requests read all three from memory: no disk or KV read per request.
+start, and again when a request names a model no card knows, at most once a second). The
+nodes' heartbeats (FLEET_NODES) say which models some node can provide, FLEET_INSTANCES which
+are placed (and so served, or about to be). Requests read all three from memory: no disk or
+KV read per request.
 
 Each bucket is a `Mirror` (fleet/bus/kv_mirror.py: a fresh watch after every reconnect, since
 nats-py's own stopped delivering after a server restart), a child of a DetachedSupervisor: a
@@ -55,11 +56,21 @@ log = logging.getLogger(__name__)
 Model = TypeVar("Model", bound=BaseModel)
 
 
+# A request for a model no card names re-reads this data dir's cards at most this often, so a
+# stream of requests for made-up names costs no disk read each.
+LOCAL_REREAD_S = 1.0
+
+
 class Catalogue:
-    def __init__(self, data_dir: Path, connection: Connection) -> None:
+    def __init__(
+        self, data_dir: Path, connection: Connection,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.data_dir = data_dir
         self.connection = connection  # the backend's; it connects in the background
         self.local = {**builtin_cards(), **_custom_cards(data_dir)}
+        self._clock = clock
+        self._local_reread_at = -LOCAL_REREAD_S  # the first miss always reads
         self.fleet: dict[str, ModelCard] = {}
         self.nodes: dict[str, NodeInfo] = {}
         self.placed: set[str] = set()  # models with an instance in FLEET_INSTANCES
@@ -79,9 +90,10 @@ class Catalogue:
 
     def card(self, model: str) -> ModelCard | None:
         found = self.fleet.get(model) or self.local.get(model)
-        if found is None:
+        if found is None and (now := self._clock()) - self._local_reread_at >= LOCAL_REREAD_S:
             # A card added to this data dir since (`fleet models add` without NATS): read
             # only for a model no card names, never for the models being served.
+            self._local_reread_at = now
             self.local = {**builtin_cards(), **_custom_cards(self.data_dir)}
             found = self.local.get(model)
         return found

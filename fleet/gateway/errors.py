@@ -1,5 +1,5 @@
-"""Every failure in OpenAI's error shape: the body, the HTTP handlers, the 400 that
-names a parameter, and the error a task's terminal event stands for.
+"""Every failure in OpenAI's error shape: the body, the HTTP handlers, and the 400 that names a
+parameter. Statuses and OpenAI types come from the one table, fleet.errors.STATUS_BY_CODE.
 """
 
 from __future__ import annotations
@@ -12,50 +12,17 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from fleet.errors import (
-    FleetError,
-    InvalidRequest,
-    NatsUnavailable,
-    PayloadTooLarge,
-    TaskFailed,
-    Unauthorized,
-)
+from fleet.errors import FleetError, HttpError, InvalidRequest
 from fleet.gateway.observability import GatewayMetrics
-from fleet.wire.events import (
-    ErrorReason,
-)
 
 log = logging.getLogger(__name__)
 
 
-# Errors without a wire reason of their own still get a code a client can branch on.
-_CODE_BY_TYPE = {
-    Unauthorized: "invalid_api_key",
-    PayloadTooLarge: "payload_too_large",
-    NatsUnavailable: "nats_unavailable",
-}
-
-
-# A worker's failure has only a reason; the status it maps to picks OpenAI's error type.
-_TYPE_BY_STATUS = {
-    400: "invalid_request_error",
-    404: "invalid_request_error",
-    429: "rate_limit_error",
-    499: "cancelled",
-    504: "timeout",
-}
-
-
 def error_body(exc: FleetError) -> dict[str, Any]:
-    """OpenAI's error shape; `code` is Fleet's wire reason where the error has one."""
-    code = getattr(exc, "code", None) or _CODE_BY_TYPE.get(type(exc))
-    if code is None and (isinstance(exc, TaskFailed) or exc.reason is not ErrorReason.INTERNAL):
-        code = exc.reason.value
-    kind = exc.openai_type
-    if isinstance(exc, TaskFailed):
-        kind = _TYPE_BY_STATUS.get(exc.http_status, "server_error")
-    error = {"message": exc.message, "type": kind, "param": getattr(exc, "param", None)}
-    return {"error": {**error, "code": code}}
+    """OpenAI's error shape; `code` is the error's code (its wire reason where it has one),
+    `type` the OpenAI type the one table (fleet.errors.STATUS_BY_CODE) gives that code."""
+    error = {"message": exc.message, "type": exc.openai_type, "param": getattr(exc, "param", None)}
+    return {"error": {**error, "code": exc.code}}
 
 
 CLIENT_CLOSED_REQUEST = 499
@@ -70,26 +37,9 @@ def error_response(exc: FleetError) -> JSONResponse:
     return response
 
 
-class RequestTimeout(FleetError):
-    http_status = 408
-    openai_type = "invalid_request_error"
-    code = "request_timeout"
-
-
-class HttpError(FleetError):
-    """A routing failure (no such path, wrong method) in OpenAI's error shape."""
-
-    openai_type = "invalid_request_error"
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.http_status = status
-        self.code = {404: "not_found", 405: "method_not_allowed"}.get(status)
-
-
 def counted_error_response(metrics: GatewayMetrics, exc: FleetError) -> JSONResponse:
     """The error's response, counted in /metrics by its code."""
-    metrics.error(error_body(exc)["error"]["code"] or str(exc.http_status))
+    metrics.error(exc.code)
     return error_response(exc)
 
 

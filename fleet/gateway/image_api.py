@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fleet.bus.task_events import Indexed
-from fleet.errors import FleetError, InvalidRequest, NatsUnavailable
+from fleet.errors import FleetError, HttpError, InvalidRequest, NatsUnavailable
 from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import (
     OpenAIRequest,
@@ -32,7 +32,7 @@ from fleet.gateway.bodies import (
     parse,
     read_json,
 )
-from fleet.gateway.errors import HttpError, InvalidParameter, invalid_from
+from fleet.gateway.errors import InvalidParameter, invalid_from
 from fleet.gateway.relay import sse, sse_error
 from fleet.gateway.service import gateway_of, image_url_for, new_task_id, now_utc
 from fleet.gateway.tenants import tenant_of
@@ -46,8 +46,10 @@ from fleet.wire.tasks import ImageEdits, ImageGeneration
 MAX_INPUT_IMAGES = 8
 
 
-# Stored images never change: the name is the hash of the bytes.
+# Stored images never change: the name is the hash of the bytes. With API keys an image is its
+# tenant's: a shared cache must not hand it to another tenant, so only the client may keep it.
 IMMUTABLE = {"cache-control": "public, max-age=31536000, immutable"}
+TENANTS_ONLY = {"cache-control": "private, max-age=31536000, immutable"}
 
 
 def _default_size(card: ModelCard) -> str | None:
@@ -112,14 +114,16 @@ async def get_image(request: Request) -> Response:
     sha256 = request.path_params["sha256"]  # the route admits only sha256 hex
     backend = gateway_of(request).backend
     missing = HttpError(404, f"no image {sha256} in this fleet")
-    if not await backend.owners.owns_image(sha256, tenant_of(request)):
+    tenant = tenant_of(request)
+    if not await backend.owners.owns_image(sha256, tenant):
         raise missing
     data = await backend.get_image(sha256)
     if data is None:
         raise missing
     kind = image_format(data)
     media_type = f"image/{kind}" if kind else "application/octet-stream"
-    return Response(data, media_type=media_type, headers=IMMUTABLE)
+    return Response(data, media_type=media_type,
+                    headers=IMMUTABLE if tenant is None else TENANTS_ONLY)
 
 
 ImageSizeIn = Annotated[str, Field(pattern=r"^(auto|[1-9][0-9]{1,4}x[1-9][0-9]{1,4})$")]

@@ -135,14 +135,14 @@ async def _relay(
                 last_error = item.event
             finished = item.event if isinstance(item.event, TaskFinished) else None
             if finished and (failed := failure_of(finished, last_error)):
-                observers.metrics.error(failed.reason.value)
+                observers.metrics.error(failed.code)
                 for line in renderer.failed(failed):
                     yield line
                 return
             for line in await renderer.lines(item):
                 yield line
     except FleetError as exc:  # deadline, NATS gone: the headers are out, so say it in-band
-        observers.metrics.error(exc.reason.value)
+        observers.metrics.error(exc.code)
         for line in renderer.failed(exc):
             yield line
         return

@@ -31,7 +31,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from fleet.bus.connect import js_publish
 from fleet.bus.retry import STORE_FULL_ERR_CODES, with_retry
-from fleet.errors import FleetError
+from fleet.errors import FleetError, http_answer
 from fleet.wire import subjects
 from fleet.wire.ask import AskAnswer, AskError, AskErrorReason
 from fleet.wire.codec import DecodeError, decode_event, decode_model, encode
@@ -49,10 +49,6 @@ BROKER_BUDGET_S = 10.0  # an ask is answered within its timeout: broker retries 
 # NATS services' convention for an error reply (the `nats` CLI prints these headers).
 ERROR_HEADER = "Nats-Service-Error"
 ERROR_CODE_HEADER = "Nats-Service-Error-Code"
-ERROR_CODES: dict[AskErrorReason, int] = {
-    "invalid_task": 400, "invalid_task_id": 400, "task_id_taken": 409, "task_id_used": 409,
-    "queue_full": 429, "busy": 429, "unavailable": 503, "stopped": 503, "timeout": 504,
-}
 
 
 class Owner(Protocol):
@@ -279,7 +275,7 @@ class AskResponder:
     async def _reply(self, msg: Msg, reply: AskAnswer | AskError) -> None:
         headers = None
         if isinstance(reply, AskError):
-            headers = {ERROR_CODE_HEADER: str(ERROR_CODES[reply.reason]),
+            headers = {ERROR_CODE_HEADER: str(http_answer(reply.reason).status),
                        ERROR_HEADER: " ".join(reply.message.split())}
         try:
             # A core publish: the asker waits on its inbox; a retry cannot reach a requester

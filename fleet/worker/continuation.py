@@ -163,7 +163,9 @@ async def stored_events(nc: Client, js: JetStreamContext, task_id: str) -> list[
     events: list[OutputEvent] = []
     if total == 0:
         return events
-    reader = read_in_order(nc, js, subjects.OUT_STREAM, subject, READ_IDLE_S, count=total)
+    # delete=False: the worker role may not delete FLEET_OUT consumers (docs/permissions.md).
+    reader = read_in_order(nc, js, subjects.OUT_STREAM, subject, READ_IDLE_S, count=total,
+                           delete=False)
     async with contextlib.aclosing(reader) as stored:
         async for data in stored:
             try:

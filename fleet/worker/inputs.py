@@ -25,30 +25,11 @@ from fleet.bus.objects import (
     ObjectMissing,
     ObjectTimeout,
 )
-from fleet.errors import FleetError
-from fleet.wire.events import ErrorReason
+from fleet.errors import InputCorrupt, InputMissing
 
 log = logging.getLogger(__name__)
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-class InputMissing(FleetError):
-    http_status = 400
-    reason = ErrorReason.INPUT_MISSING
-
-    def __init__(self, sha: str, message: str) -> None:
-        super().__init__(message)
-        self.sha = sha
-
-
-class InputCorrupt(FleetError):
-    http_status = 400
-    reason = ErrorReason.INPUT_CORRUPT
-
-    def __init__(self, sha: str, message: str) -> None:
-        super().__init__(message)
-        self.sha = sha
 
 
 class ImageCache:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_helpers import StandInWorker, tokens_script
+from gateway_helpers import StandInWorker, tokens_script, vision_card
 from nats.aio.client import Client
 from starlette.applications import Starlette
 
@@ -61,6 +61,18 @@ def node(
 def test_unavailable_reason(nodes: list[NodeInfo], placed: bool, why: str | None) -> None:
     found = unavailable_reason(get_card("tiny-llm"), nodes, placed, NOW)
     assert found == why if why is None else why in (found or "")
+
+
+def test_unknown_models_read_the_data_dir_at_most_once_a_second(tmp_path: Path) -> None:
+    now = [100.0]
+    catalogue = Catalogue(tmp_path, connection=None, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert catalogue.card("tiny-vlm") is None  # read: no such card
+    vision_card(tmp_path)
+    now[0] += 0.5
+    assert catalogue.card("tiny-vlm") is None  # a second miss within the second: not read
+    now[0] += 0.5
+    card = catalogue.card("tiny-vlm")  # the card added since is found
+    assert card is not None and card.id == "tiny-vlm"
 
 
 def _model_dir(root: Path) -> Path:

@@ -131,7 +131,9 @@ async def test_edits_upload_their_images_by_hash_before_publishing(
     assert isinstance(task, ImageEdits)
     assert task.input_images == [hashlib.sha256(upload).hexdigest()]
     assert task.strength == 0.4
-    assert (await client.get(f"/v1/images/{task.input_images[0]}")).content == upload
+    served = await client.get(f"/v1/images/{task.input_images[0]}")
+    assert served.content == upload
+    assert served.headers["cache-control"] == "public, max-age=31536000, immutable"  # no keys
 
 
 @pytest.mark.parametrize(

@@ -180,6 +180,8 @@ async def test_images_answer_only_the_tenant_that_made_or_sent_them(
         assert response.status_code == 200, response.text
         served = await a.get(f"/v1/images/{sha}")
         assert served.status_code == 200 and served.content == made
+        # a shared proxy must not serve A's image to B from its cache
+        assert served.headers["cache-control"].startswith("private")
         refused = await b.get(f"/v1/images/{sha}")
         assert refused.status_code == 404 and refused.content != made
         # nor can B use it as an input by naming its URL

@@ -26,6 +26,7 @@ from fleet.wire.events import TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
+    WorkerProcess,
     client,
     finished,
     run_task,
@@ -119,7 +120,20 @@ async def test_smollm2_over_two_nodes_answers_with_the_unsharded_tokens(
         })
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["message"]["content"] == text_of(unsharded)
+
+    # Removed: rank 0 tells rank 1 to stop, and both runners shut down cleanly.
+    await remove(js, sharded.instance_id)
+    for worker in (first, second):
+        await until_logged(worker, "exited with code 0", count=1 + (worker is first))
+    assert "did not stop" not in first.log() + second.log()
     await nc.close()
+
+
+async def until_logged(worker: WorkerProcess, text: str, count: int, timeout: float = 60) -> None:
+    """Until the worker's log holds `text` `count` times (a bounded poll of its log file)."""
+    async with asyncio.timeout(timeout):
+        while worker.log().count(text) < count:
+            await asyncio.sleep(0.1)
 
 
 async def test_a_rank_whose_worker_is_killed_mid_task_is_re_placed_and_the_group_serves_again(

@@ -137,6 +137,8 @@ async def test_two_shards_of_tiny_llm_batch_eight_tasks_as_each_runs_alone(
     together = await run(ranks, tasks)
     assert all(len(tokens) == 12 for tokens in together.values())
     assert together == solo_tokens
+    # They did run together: the lockstep batch held several tasks at once.
+    assert max((f.stats.batched_with or 0) for f in ranks[0].finished.values() if f.stats) >= 3
     assert ranks[1].finished == {}  # only rank 0 reports task events
     assert await stop(ranks) == [0, 0]
 

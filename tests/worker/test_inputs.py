@@ -16,9 +16,10 @@ import pytest
 from nats.aio.client import Client
 
 from fleet.bus.objects import MAX_CHUNK, ROLLUP, ObjectBucket, ObjectCorrupt
+from fleet.errors import InputCorrupt, InputMissing
 from fleet.wire.events import ErrorReason
 from fleet.wire.subjects import IMAGES_BUCKET
-from fleet.worker.inputs import ImageCache, InputCorrupt, InputMissing
+from fleet.worker.inputs import ImageCache
 
 HANG_GUARD_S = 20.0
 

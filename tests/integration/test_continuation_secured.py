@@ -1,0 +1,102 @@
+"""Continuation under the shipped NATS roles: the worker that continues a dead worker's task
+reads that task's stored events from FLEET_OUT as the `worker` user, not as a superuser.
+
+Real processes: nats-server with ops/nats/auth.conf, two `fleet worker`s each connected as
+the worker role, a client publishing as the client role. The first worker is SIGKILLed
+mid-answer; the second must continue the task from the next token (before the worker role
+could replay FLEET_OUT, the continuation was refused by the server and the task failed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from fleet.bus.auth_gen import env_password
+from fleet.bus.embedded import EmbeddedNats, ops_dir
+from fleet.bus.provision import provision
+from fleet.wire.events import TaskAccepted, TokenChunk
+from fleet.wire.tasks import ChatMessage, TextGeneration
+from tests.integration.continuing import ENV, Live, finished_of, place_on
+from tests.integration.harness import (
+    WorkerProcess,
+    add_fault_card,
+    events_of,
+    seed_models,
+    submit,
+    wait_node,
+)
+
+PASSWORDS = {role: f"cont-{role}-secret" for role in ("client", "gateway", "worker", "operator")}
+TOKENS = 40
+
+
+@pytest.fixture
+def secured_url(tmp_path: Path) -> Iterator[str]:
+    with pytest.MonkeyPatch.context() as env:
+        for role, password in PASSWORDS.items():
+            env.setenv(env_password(role), password)
+        server = EmbeddedNats(tmp_path / "nats", port=0, config=ops_dir() / "nats" / "auth.conf",
+                              log_file=tmp_path / "nats.log")
+        server.start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+async def as_role(url: str, role: str) -> Client:
+    return await nats.connect(url, user=role, password=PASSWORDS[role], connect_timeout=5)
+
+
+@pytest.mark.slow
+async def test_a_task_is_continued_by_a_worker_connected_as_the_worker_role(
+    secured_url: str, tmp_path: Path, tiny_llm_dir: Path
+) -> None:
+    operator = await as_role(secured_url, "operator")
+    await provision(operator)
+    user = await as_role(secured_url, "client")
+    workers: list[WorkerProcess] = []
+
+    async def start(name: str) -> tuple[WorkerProcess, str]:
+        data_dir = tmp_path / name
+        seed_models(data_dir, {"tiny-llm": tiny_llm_dir})
+        card = add_fault_card(data_dir)
+        worker = WorkerProcess(
+            secured_url, data_dir, **ENV,
+            FLEET_NATS_USER="worker", FLEET_NATS_PASSWORD=PASSWORDS["worker"],
+        ).start()
+        workers.append(worker)
+        node = await wait_node(operator, data_dir)
+        await place_on(operator, card, node)
+        return worker, node
+
+    try:
+        live = Live()
+        await user.subscribe("fleet.out.secured-cont", cb=live.on_msg)
+        first, _ = await start("a")
+        await submit(user, TextGeneration(
+            task_id="secured-cont", model="fault-llm", max_tokens=1000,
+            messages=[ChatMessage(role="user", content=f"tokens:{TOKENS} delay_ms:100")],
+        ))
+        await live.until(lambda: live.tokens("secured-cont") >= 3, 60)
+        first.kill()
+        _, second_node = await start("b")
+        events = await events_of(user, "secured-cont")
+        result = finished_of(events)
+        assert result.status == "completed", (result.reason, result.message)
+        tokens = [e for e in events if isinstance(e, TokenChunk)]
+        assert sorted({t.index for t in tokens}) == list(range(TOKENS))
+        accepted = [e for e in events if isinstance(e, TaskAccepted)]
+        assert accepted[-1].node_id == second_node and accepted[-1].continued_from > 0
+        log = workers[1].log()
+        assert "permission denied" not in log, log[-2000:]
+    finally:
+        for worker in workers:
+            worker.kill()
+        await user.close()
+        await operator.close()
