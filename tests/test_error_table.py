@@ -7,15 +7,15 @@ from typing import get_args
 
 import pytest
 
-from fleet.bus.object_info import ImageCorrupt, ObjectMissing
-from fleet.bus.retry import BrokerUnavailable
-from fleet.bus.task_events import StreamIdle
 from fleet.errors import (
     STATUS_BY_CODE,
+    AtCapacity,
+    BrokerUnavailable,
     CorruptImage,
     DeadlineExceeded,
     FleetError,
     HttpError,
+    ImageCorrupt,
     InputCorrupt,
     InputMissing,
     InvalidRequest,
@@ -23,14 +23,15 @@ from fleet.errors import (
     ModelNotFound,
     ModelUnavailable,
     NatsUnavailable,
+    ObjectMissing,
     PayloadTooLarge,
     QueueFull,
     RequestTimeout,
+    StreamIdle,
     TaskFailed,
     Unauthorized,
     http_answer,
 )
-from fleet.gateway.tenants import AtCapacity
 from fleet.wire.ask import AskErrorReason
 from fleet.wire.events import ErrorReason
 
