@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -13,11 +14,11 @@ from fleet.models.catalog import get_card
 from fleet.placement_replicas import place_replicas
 from fleet.wire import subjects
 from fleet.wire.cluster import RunnerRecord
-from fleet.wire.codec import decode_event, decode_model, decode_task
+from fleet.wire.codec import decode_event, decode_model, decode_task, encode
 from fleet.wire.events import OutputEvent, TaskAccepted, TokenChunk
 from fleet.wire.handoff import HandOffAnswer, TaskHandOff
 from fleet.wire.prefixes import PrefixSummary
-from fleet.wire.tasks import ChatMessage, TextGeneration
+from fleet.wire.tasks import CancelTask, ChatMessage, TextGeneration
 from fleet.worker.prefix_blocks import prompt_blocks
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
@@ -26,6 +27,7 @@ from tests.integration.harness import (
     finished,
     run_task,
     submit,
+    until_queue_empty,
     wait_node,
 )
 
@@ -275,6 +277,8 @@ async def test_a_returning_conversation_finds_its_runner_on_another_node(
         assert result.usage is not None and result.usage.cached_tokens > 0
     # The pulls are shared, so about half the next turns were pulled on the other node.
     assert {t for t in hand_offs.taken if t.endswith("-turn2")}, "no next turn was handed over"
+    # The receivers acked the messages handed to them (well inside AckWait, 30 s).
+    await until_queue_empty(nc.jetstream(), timeout=10)
     await nc.close()
 
 
@@ -320,24 +324,7 @@ async def test_tasks_handed_to_a_killed_worker_complete_elsewhere_once(
     survivor_node = await wait_node(nc, survivor.data_dir)
     await ready_runners(nc, survivor_node, 1, slots=4)
     await advertising(nc, [prompt_blocks(hot_task("warm", 2))])
-    hand_offs = HandOffs()
-    await hand_offs.watch(nc)
-    # One at a time until the survivor pulls one and hands it to the doomed node (each pull
-    # is either worker's, so about every second task); each runs to its end first.
-    collectors: dict[str, asyncio.Task[list[OutputEvent]]] = {}
-    handed: str | None = None
-    for i in range(16):
-        task = hot_task(f"hot-{i}", 300)
-        collectors[task.task_id] = asyncio.create_task(events_of(nc, task.task_id, 180))
-        accepted = asyncio.create_task(first_accepted(nc, task.task_id))
-        await submit(nc, task)
-        where = (await asyncio.wait_for(accepted, 60)).node_id
-        # Its offer is on the bus well before the task starts, so it has been seen by now.
-        if where == doomed_node and (doomed_node, task.task_id) in hand_offs.asked.values():
-            handed = task.task_id
-            break
-        await collectors[task.task_id]
-    assert handed is not None, "the survivor never handed a task over"
+    collectors, handed = await hand_one_over(nc, doomed_node, lambda i: hot_task(f"hot-{i}", 300))
     more = [hot_task(f"more-{i}", 300) for i in range(4)]  # more on their way meanwhile
     for task in more:
         collectors[task.task_id] = asyncio.create_task(events_of(nc, task.task_id, 180))
@@ -351,6 +338,59 @@ async def test_tasks_handed_to_a_killed_worker_complete_elsewhere_once(
         indexes = [e.index for e in events if isinstance(e, TokenChunk)]
         assert len(indexes) == len(set(indexes)), f"{task_id}: a token index twice"
     assert finished(await collectors[handed]).node_id == survivor_node
+    await nc.close()
+
+
+async def hand_one_over(
+    nc: Client, home_node: str, make: Callable[[int], TextGeneration],
+) -> tuple[dict[str, asyncio.Task[list[OutputEvent]]], str]:
+    """Publish tasks one at a time until the other worker pulls one and hands it to
+    `home_node` (each pull is either worker's, so about every second task); each earlier one
+    runs to its end first. The collectors of all of them, and the id of the handed one."""
+    hand_offs = HandOffs()
+    await hand_offs.watch(nc)
+    collectors: dict[str, asyncio.Task[list[OutputEvent]]] = {}
+    for i in range(16):
+        task = make(i)
+        collectors[task.task_id] = asyncio.create_task(events_of(nc, task.task_id, 180))
+        accepted = asyncio.create_task(first_accepted(nc, task.task_id))
+        await submit(nc, task)
+        where = (await asyncio.wait_for(accepted, 60)).node_id
+        # Its offer is on the bus well before the task starts, so it has been seen by now.
+        if where == home_node and (home_node, task.task_id) in hand_offs.asked.values():
+            return collectors, task.task_id
+        await collectors[task.task_id]
+    raise AssertionError("no task was handed over")
+
+
+async def test_a_task_handed_over_is_cancelled_there_once(
+    nats_url: str, start_worker: WorkerFactory,
+) -> None:
+    """The receiver holds a handed-over message as its own: a cancel ends it once, and the
+    message is acked (the queue empties well inside AckWait)."""
+    home_worker = start_worker("home", OPENBLAS_NUM_THREADS="1")
+    nc = await client(nats_url)
+    home_node = await wait_node(nc, home_worker.data_dir)
+    home = (await ready_runners(nc, home_node, 1, slots=4)).pop()
+    hot = SYSTEMS[1] * 3
+
+    def hot_task(task_id: str, max_tokens: int) -> TextGeneration:
+        return TextGeneration(
+            task_id=task_id, model="tiny-llm", max_tokens=max_tokens, temperature=0.0,
+            logit_bias={t: -100.0 for t in range(3)},  # no early end-of-sequence
+            messages=[ChatMessage(role="system", content=hot),
+                      ChatMessage(role="user", content=f"go on {task_id}")],
+        )
+
+    assert finished(await run_task(nc, hot_task("warm", 2))).runner_id == home
+    other = start_worker("other", OPENBLAS_NUM_THREADS="1")
+    await ready_runners(nc, await wait_node(nc, other.data_dir), 1, slots=4)
+    await advertising(nc, [prompt_blocks(hot_task("warm", 2))])
+    collectors, handed = await hand_one_over(nc, home_node, lambda i: hot_task(f"c-{i}", 800))
+    await nc.publish(subjects.cancel(handed), encode(CancelTask(task_id=handed)))
+    result = finished(await collectors[handed])
+    assert result.status == "cancelled" and result.node_id == home_node
+    await until_queue_empty(nc.jetstream(), timeout=10)
     await nc.close()
 
 
