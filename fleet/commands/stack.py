@@ -20,7 +20,7 @@ from fleet.bus.weights import FleetModels
 from fleet.commands.announce import announce_runners, status_text
 from fleet.commands.core import check_mflux, secured_config
 from fleet.config import Settings, settings_of
-from fleet.errors import InvalidRequest
+from fleet.errors import InvalidSetting
 from fleet.models.catalog import get_card
 from fleet.placement import find_instance, place, read_instances, read_nodes, remove
 from fleet.placement_replicas import place_replicas
@@ -239,7 +239,7 @@ async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:
             card = await card_of(nc, args.model, settings)
             if getattr(args, "shards", 1) > 1:
                 if args.replicas != 1:
-                    raise InvalidRequest("--shards and --replicas do not combine (yet)")
+                    raise InvalidSetting("--shards and --replicas do not combine (yet)")
                 placed = [await place(js, card, slots=args.slots, shards=args.shards)]
             else:
                 placed = await place_replicas(
