@@ -25,6 +25,7 @@ cannot disagree.
      ├── DeadlineExceeded               deadline           504
      │    └── StreamIdle                idle               504  a resumed stream saw nothing
      ├── TaskFailed                     the reason the worker ended the task with
+     ├── TaskRejected                   the reason a runner's engine refused the task with
      ├── ObjectError                    internal           500  the object store (bus/objects)
      │    ├── BucketMissing, ObjectMissing, ObjectExists, ObjectTimeout
      │    └── ObjectCorrupt
@@ -291,6 +292,14 @@ class PlacementError(FleetError):
 
 class DiskBudgetExceeded(FleetError):
     pass
+
+
+class TaskRejected(FleetError):
+    """A task an engine will not start; the runner ends it failed with this reason."""
+
+    def __init__(self, reason: ErrorReason, message: str) -> None:
+        super().__init__(message)
+        self.code = reason.value
 
 
 def failure_of(finished: TaskFinished, last_error: ErrorChunk | None = None) -> TaskFailed | None:
