@@ -29,6 +29,7 @@ from fleet.errors import (
     RequestTimeout,
     StreamIdle,
     TaskFailed,
+    TaskRejected,
     Unauthorized,
     http_answer,
 )
@@ -103,6 +104,7 @@ def test_an_ask_error_has_the_status_its_nats_reply_carries(code: str, status: i
         (HttpError(404, "x"), 404, "not_found", ErrorReason.INTERNAL),
         (HttpError(405, "x"), 405, "method_not_allowed", ErrorReason.INTERNAL),
         (HttpError(400, "x"), 400, "invalid_task", ErrorReason.INVALID_TASK),
+        (TaskRejected(ErrorReason.UNSUPPORTED, "x"), 400, "unsupported", ErrorReason.UNSUPPORTED),
     ],
 )
 def test_each_error_reads_status_and_reason_from_its_code(
