@@ -24,7 +24,7 @@ import bench
 from bench.machine import load_average, machine_info, wait_for_quiet
 from bench.report import print_report, stream_failures, targets
 from bench.text import TextPlan, run_model
-from fleet.commands.core import settings_from
+from fleet.config import settings_of
 from fleet.models.catalog import get_card
 from fleet.models.store import build_once, ensure_model
 
@@ -74,7 +74,7 @@ def run_bench(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # The bench's own NATS clients: connection chatter while stacks start and stop.
     logging.getLogger("fleet.bus.connect").setLevel(logging.CRITICAL)
-    settings = settings_from(args)
+    settings = settings_of(args)
     env = subprocess_env(args.blas_threads)
     os.environ["MLX_DISABLE_COMPILE"] = "1"
     quiet = wait_for_quiet(args.wait_load, args.wait_max) if args.wait_load > 0 else None

@@ -9,30 +9,39 @@ cannot disagree.
 
     FleetError                          internal           500
      ├── InvalidRequest                 invalid_task       400
-     │    └── InvalidParameter          (gateway/errors.py: names the parameter)
+     │    └── InvalidParameter          names the request parameter, as OpenAI's `param`
      ├── Unauthorized                   invalid_api_key    401
      ├── ModelNotFound                  model_not_found    404
      ├── RequestTimeout                 request_timeout    408  the body did not arrive in time
      ├── HttpError                      not_found, method_not_allowed: a routing failure
      ├── PayloadTooLarge                payload_too_large  413
-     ├── QueueFull                      queue_full         429  (AtCapacity, gateway/tenants.py)
+     ├── QueueFull                      queue_full         429
+     │    └── AtCapacity                too many requests wait at this gateway (Retry-After)
      ├── InputMissing, InputCorrupt     input_missing, input_corrupt  400  a task's input image
      ├── CorruptImage                   image_corrupt      502  a stored output is not its hash
-     ├── NatsUnavailable                nats_unavailable   503  (BrokerUnavailable, bus/retry.py)
+     ├── NatsUnavailable                nats_unavailable   503
+     │    └── BrokerUnavailable         a broker call failed for its whole retry budget
      ├── ModelUnavailable               model_unavailable  503  no live node can serve the model
-     ├── DeadlineExceeded               deadline           504  (StreamIdle: idle, bus/task_events)
+     ├── DeadlineExceeded               deadline           504
+     │    └── StreamIdle                idle               504  a resumed stream saw nothing
      ├── TaskFailed                     the reason the worker ended the task with
-     ├── ObjectError …                  (bus/object_info.py), PlacementError (placement.py),
-     │                                  DiskBudgetExceeded (models/disk.py)
+     ├── TaskRejected                   the reason a runner's engine refused the task with
+     ├── ObjectError                    internal           500  the object store (bus/objects)
+     │    ├── BucketMissing, ObjectMissing, ObjectExists, ObjectTimeout
+     │    └── ObjectCorrupt
+     │         └── ImageCorrupt         input_corrupt      400  bytes that are not their name
+     ├── PlacementError                 no node can take the instance (the reasons, per node)
+     ├── DiskBudgetExceeded             --models-disk-limit leaves no room for the model
      ├── ProvisioningConflict           an existing stream differs from ops/jetstream
      ├── ProvisioningDenied             this NATS user may not create what is missing
      ├── EmbeddedServerError            the embedded nats-server could not start
      └── InvalidSetting                 a flag or FLEET_* value is bad: the operator's mistake,
                                         never an HTTP answer (the CLI exits 2)
 
-The wire's own errors (`DecodeError`, `FrameError`) are ValueErrors of `fleet.wire`, which
+The wire's own errors (`DecodeError`, `FrameError`) are exceptions of `fleet.wire`, which
 imports nothing else of Fleet; the processes turn them into `invalid_task` where a task is
-concerned.
+concerned. Exceptions that only carry control inside one module (a runner's cancelled
+generation, a refused claim, a stop request) stay private to it.
 """
 
 from __future__ import annotations
@@ -215,6 +224,78 @@ class EmbeddedServerError(FleetError):
 
 class TaskFailed(FleetError):
     """A task that a worker ended failed; raised by clients that wait for one."""
+
+    def __init__(self, reason: ErrorReason, message: str) -> None:
+        super().__init__(message)
+        self.code = reason.value
+
+
+class ObjectError(FleetError):
+    pass
+
+
+class BucketMissing(ObjectError):
+    pass
+
+
+class ObjectMissing(ObjectError):
+    pass
+
+
+class ObjectExists(ObjectError):
+    pass
+
+
+class ObjectCorrupt(ObjectError):
+    pass
+
+
+class ImageCorrupt(ObjectCorrupt):
+    """An object named by a sha256 whose bytes are something else: refused, never served."""
+
+    code = "input_corrupt"
+
+
+class ObjectTimeout(ObjectError):
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient  # the broker did not answer (a restart, an election)
+
+
+class BrokerUnavailable(NatsUnavailable):
+    """A broker call kept failing for its whole retry budget."""
+
+
+class StreamIdle(DeadlineExceeded):
+    """An event stream that saw nothing for its idle limit (a resume of a quiet task)."""
+
+    code = "idle"
+
+
+class AtCapacity(QueueFull):
+    """429: too many requests are waiting (for this key, or in all); retry after a moment."""
+
+    retry_after_s = 1  # a waiting place frees as soon as any request ends
+
+
+class InvalidParameter(InvalidRequest):
+    """A 400 that names the offending request parameter, as OpenAI's `param` does."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PlacementError(FleetError):
+    pass
+
+
+class DiskBudgetExceeded(FleetError):
+    pass
+
+
+class TaskRejected(FleetError):
+    """A task an engine will not start; the runner ends it failed with this reason."""
 
     def __init__(self, reason: ErrorReason, message: str) -> None:
         super().__init__(message)

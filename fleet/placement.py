@@ -10,16 +10,11 @@ from nats.js import JetStreamContext
 
 from fleet.bus.kv_calls import kv_create, kv_delete
 from fleet.bus.kv_read import live_values
-from fleet.errors import FleetError, InvalidRequest
+from fleet.errors import InvalidRequest, PlacementError
 from fleet.placement_shards import ShardingError, choose_shards
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo, ShardAssignment
 from fleet.wire.codec import encode
-
-
-class PlacementError(FleetError):
-    pass
-
 
 HEARTBEAT_STALE_S = 30.0
 

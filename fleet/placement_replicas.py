@@ -13,15 +13,8 @@ import time
 from nats.js import JetStreamContext
 
 from fleet.bus.kv_calls import kv_create
-from fleet.errors import InvalidRequest
-from fleet.placement import (
-    PlacementError,
-    candidates,
-    choose_node,
-    new_instance,
-    read_nodes,
-    refusal,
-)
+from fleet.errors import InvalidRequest, PlacementError
+from fleet.placement import candidates, choose_node, new_instance, read_nodes, refusal
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
 from fleet.wire.codec import encode

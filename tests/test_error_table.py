@@ -7,15 +7,15 @@ from typing import get_args
 
 import pytest
 
-from fleet.bus.object_info import ImageCorrupt, ObjectMissing
-from fleet.bus.retry import BrokerUnavailable
-from fleet.bus.task_events import StreamIdle
 from fleet.errors import (
     STATUS_BY_CODE,
+    AtCapacity,
+    BrokerUnavailable,
     CorruptImage,
     DeadlineExceeded,
     FleetError,
     HttpError,
+    ImageCorrupt,
     InputCorrupt,
     InputMissing,
     InvalidRequest,
@@ -23,14 +23,16 @@ from fleet.errors import (
     ModelNotFound,
     ModelUnavailable,
     NatsUnavailable,
+    ObjectMissing,
     PayloadTooLarge,
     QueueFull,
     RequestTimeout,
+    StreamIdle,
     TaskFailed,
+    TaskRejected,
     Unauthorized,
     http_answer,
 )
-from fleet.gateway.tenants import AtCapacity
 from fleet.wire.ask import AskErrorReason
 from fleet.wire.events import ErrorReason
 
@@ -102,6 +104,7 @@ def test_an_ask_error_has_the_status_its_nats_reply_carries(code: str, status: i
         (HttpError(404, "x"), 404, "not_found", ErrorReason.INTERNAL),
         (HttpError(405, "x"), 405, "method_not_allowed", ErrorReason.INTERNAL),
         (HttpError(400, "x"), 400, "invalid_task", ErrorReason.INVALID_TASK),
+        (TaskRejected(ErrorReason.UNSUPPORTED, "x"), 400, "unsupported", ErrorReason.UNSUPPORTED),
     ],
 )
 def test_each_error_reads_status_and_reason_from_its_code(

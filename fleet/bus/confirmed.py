@@ -34,7 +34,8 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import APIError, ServiceUnavailableError
 
-from fleet.bus.retry import BROKER_BUDGET_S, BrokerUnavailable, is_transient, with_retry
+from fleet.bus.retry import BROKER_BUDGET_S, is_transient, with_retry
+from fleet.errors import BrokerUnavailable
 
 log = logging.getLogger(__name__)
 

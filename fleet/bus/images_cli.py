@@ -13,8 +13,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from fleet.bus.connect import connect_with
-from fleet.bus.objects import BucketMissing, ObjectBucket, ObjectCorrupt
+from fleet.bus.objects import ObjectBucket
 from fleet.config import load_settings
+from fleet.errors import BucketMissing, ObjectCorrupt
 from fleet.wire.subjects import IMAGES_BUCKET
 
 

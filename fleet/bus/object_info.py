@@ -24,42 +24,10 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from fleet.bus.chunks import StoreRefused
-from fleet.errors import FleetError
+from fleet.errors import BucketMissing, ObjectCorrupt, ObjectError, ObjectMissing, ObjectTimeout
 
 DIGEST_PREFIX = "SHA-256="
 STREAM_NOT_FOUND = 10059
-
-
-class ObjectError(FleetError):
-    pass
-
-
-class BucketMissing(ObjectError):
-    pass
-
-
-class ObjectMissing(ObjectError):
-    pass
-
-
-class ObjectExists(ObjectError):
-    pass
-
-
-class ObjectCorrupt(ObjectError):
-    pass
-
-
-class ImageCorrupt(ObjectCorrupt):
-    """An object named by a sha256 whose bytes are something else: refused, never served."""
-
-    code = "input_corrupt"
-
-
-class ObjectTimeout(ObjectError):
-    def __init__(self, message: str, *, transient: bool = False) -> None:
-        super().__init__(message)
-        self.transient = transient  # the broker did not answer (a restart, an election)
 
 
 class StalledOnBroker(NatsTimeout):

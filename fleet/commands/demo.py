@@ -16,9 +16,8 @@ import httpx
 import orjson
 
 from fleet.bus.connect import connect_with
-from fleet.commands.core import settings_from
 from fleet.commands.stack import stack
-from fleet.config import Settings
+from fleet.config import Settings, settings_of
 from fleet.errors import FleetError
 from fleet.wire import subjects
 from fleet.wire.cluster import RunnerRecord
@@ -120,5 +119,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="run the embedded stack, chat, make an image, stop")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for runners")
     p.set_defaults(func=lambda a: asyncio.run(run_demo(
-        settings_from(a), a.timeout
+        settings_of(a), a.timeout
     )))

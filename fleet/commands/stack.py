@@ -18,9 +18,9 @@ from fleet.bus.kv_read import live_values
 from fleet.bus.provision import provision
 from fleet.bus.weights import FleetModels
 from fleet.commands.announce import announce_runners, status_text
-from fleet.commands.core import check_mflux, secured_config, settings_from
-from fleet.config import Settings
-from fleet.errors import InvalidRequest
+from fleet.commands.core import check_mflux, secured_config
+from fleet.config import Settings, settings_of
+from fleet.errors import InvalidSetting
 from fleet.models.catalog import get_card
 from fleet.placement import find_instance, place, read_instances, read_nodes, remove
 from fleet.placement_replicas import place_replicas
@@ -239,7 +239,7 @@ async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:
             card = await card_of(nc, args.model, settings)
             if getattr(args, "shards", 1) > 1:
                 if args.replicas != 1:
-                    raise InvalidRequest("--shards and --replicas do not combine (yet)")
+                    raise InvalidSetting("--shards and --replicas do not combine (yet)")
                 placed = [await place(js, card, slots=args.slots, shards=args.shards)]
             else:
                 placed = await place_replicas(
@@ -290,7 +290,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # run_main: signals stop it within its grace in every state, and it exits without
     # native teardown (see fleet.proc).
     p.set_defaults(func=lambda a: run_main(lambda exit_: run_worker(
-        settings_from(a), exit_
+        settings_of(a), exit_
     )))
 
     p = subparsers.add_parser("up", help="embedded NATS + worker + gateway on this machine")
@@ -298,7 +298,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--auth", action="store_true", help="run the embedded server secured: "
                    "generate <data>/auth unless there (once there, `fleet up` uses it anyway)")
     p.set_defaults(func=lambda a: run_main(lambda exit_: run_up(
-        ensure_auth(settings_from(a), a.auth),
+        ensure_auth(settings_of(a), a.auth),
         [m for m in a.models.split(",") if m], exit_,
     )))
 
@@ -316,5 +316,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub.add_parser("list")
     remove_p = sub.add_parser("remove")
     remove_p.add_argument("instance_id")
-    p.set_defaults(func=lambda a: asyncio.run(instances_cmd(settings_from(a), a)))
+    p.set_defaults(func=lambda a: asyncio.run(instances_cmd(settings_of(a), a)))
 

@@ -15,8 +15,7 @@ from nats.js import JetStreamContext
 from fleet import telemetry
 from fleet.bus.connect import connect_with, js_publish, publish
 from fleet.bus.retry import with_retry
-from fleet.commands.core import settings_from
-from fleet.config import Settings
+from fleet.config import Settings, settings_of
 from fleet.errors import InvalidRequest
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_task, encode
@@ -167,7 +166,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print every event as JSON")
     p.add_argument("--no-follow", action="store_true")
     p.add_argument("--timeout", type=float, default=300.0)
-    p.set_defaults(func=lambda a: asyncio.run(submit_task(settings_from(a), a)))
+    p.set_defaults(func=lambda a: asyncio.run(submit_task(settings_of(a), a)))
 
     p = subparsers.add_parser("follow", help="print a task's events (replays from the start)")
     p.add_argument("task_id")
@@ -176,9 +175,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--wait", action="store_true",
                    help="wait for a task that has no events yet (still queued)")
     p.set_defaults(func=lambda a: asyncio.run(
-        follow_task(settings_from(a), a.task_id, a.json, a.timeout, wait=a.wait)
+        follow_task(settings_of(a), a.task_id, a.json, a.timeout, wait=a.wait)
     ))
 
     p = subparsers.add_parser("cancel", help="cancel a task (queued or running)")
     p.add_argument("task_id")
-    p.set_defaults(func=lambda a: asyncio.run(cancel_task(settings_from(a), a.task_id)))
+    p.set_defaults(func=lambda a: asyncio.run(cancel_task(settings_of(a), a.task_id)))

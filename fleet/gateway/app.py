@@ -229,12 +229,6 @@ def server_options(settings: Any) -> dict[str, Any]:
 GRACEFUL_SHUTDOWN_S = 5
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
-    """The gateway's flags (see fleet.cli: --host, --port, --timeout and every gateway_*
-    setting) over FLEET_* over defaults."""
-    return settings_of(args)
-
-
 def listening_socket(host: str, port: int) -> socket.socket:
     """Bound and listening before uvicorn starts: from here on connections queue, not fail."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -304,7 +298,7 @@ async def run_gateway(settings: Settings) -> None:
 def cmd_gateway(args: argparse.Namespace) -> int:
     import uvloop
 
-    uvloop.run(run_gateway(settings_from(args)))
+    uvloop.run(run_gateway(settings_of(args)))
     return 0
 
 
@@ -329,7 +323,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_keys_add(args: argparse.Namespace) -> int:
-    settings = settings_from(args)
+    settings = settings_of(args)
     path = Path(args.file or settings.api_keys_file or settings.data_dir / "api_keys.jsonl")
     key = add_key(path.expanduser(), args.tenant, args.operator)
     role = " (operator)" if args.operator else ""

@@ -25,11 +25,20 @@ from pydantic import BaseModel
 
 from fleet.bus.connect import connect_with, js_publish, publish, redact_urls
 from fleet.bus.kv_read import live_values
-from fleet.bus.objects import ObjectBucket, ObjectCorrupt, ObjectError, ObjectMissing
+from fleet.bus.objects import ObjectBucket
 from fleet.bus.provision import provision
 from fleet.bus.task_events import EventHub, TaskEvents
 from fleet.config import Settings
-from fleet.errors import CorruptImage, FleetError, NatsUnavailable, PayloadTooLarge, QueueFull
+from fleet.errors import (
+    CorruptImage,
+    FleetError,
+    NatsUnavailable,
+    ObjectCorrupt,
+    ObjectError,
+    ObjectMissing,
+    PayloadTooLarge,
+    QueueFull,
+)
 from fleet.gateway.tenants import Owners
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord

@@ -35,15 +35,9 @@ from pydantic import BaseModel
 from fleet.aio import DetachedSupervisor, Supervisor
 from fleet.bus.kv_mirror import Connection, Mirror
 from fleet.bus.weights import MODELS_BUCKET
-from fleet.errors import FleetError
+from fleet.errors import FleetError, PlacementError
 from fleet.models.catalog import builtin_cards, custom_cards
-from fleet.placement import (
-    HEARTBEAT_STALE_S,
-    PlacementError,
-    able_to_shard,
-    choose_node,
-    unprovided,
-)
+from fleet.placement import HEARTBEAT_STALE_S, able_to_shard, choose_node, unprovided
 from fleet.placement_shards import ShardingError, fewest_shards
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo, RunnerRecord

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from fleet.errors import FleetError, HttpError, InvalidRequest
+from fleet.errors import FleetError, HttpError, InvalidParameter
 from fleet.gateway.observability import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -64,14 +64,6 @@ async def on_client_disconnect(request: Request, exc: Exception) -> Response:
 async def on_unexpected_error(request: Request, exc: Exception) -> Response:
     log.exception("unexpected error on %s %s", request.method, request.url.path)
     return error_response(FleetError(f"internal error: {type(exc).__name__}"))
-
-
-class InvalidParameter(InvalidRequest):
-    """A 400 that names the offending request parameter, as OpenAI's `param` does."""
-
-    def __init__(self, message: str, param: str | None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 # pydantic puts the union member it tried into an error's location ("stop.str"); a client

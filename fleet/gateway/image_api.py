@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fleet.bus.task_events import Indexed
-from fleet.errors import FleetError, HttpError, InvalidRequest, NatsUnavailable
+from fleet.errors import FleetError, HttpError, InvalidParameter, InvalidRequest, NatsUnavailable
 from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import (
     OpenAIRequest,
@@ -32,7 +32,7 @@ from fleet.gateway.bodies import (
     parse,
     read_json,
 )
-from fleet.gateway.errors import InvalidParameter, invalid_from
+from fleet.gateway.errors import invalid_from
 from fleet.gateway.relay import sse, sse_error
 from fleet.gateway.service import gateway_of, image_url_for, new_task_id, now_utc
 from fleet.gateway.tenants import tenant_of

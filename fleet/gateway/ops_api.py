@@ -8,9 +8,8 @@ import re
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from fleet.errors import FleetError, ModelNotFound
+from fleet.errors import FleetError, InvalidParameter, ModelNotFound
 from fleet.gateway.catalogue import model_list, model_object
-from fleet.gateway.errors import InvalidParameter
 from fleet.gateway.openapi import openapi_document
 from fleet.gateway.resume import known_record, resume
 from fleet.gateway.service import gateway_of, image_url_for

@@ -23,9 +23,9 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema
 
 from fleet.bus.task_events import Indexed
-from fleet.errors import FleetError
+from fleet.errors import FleetError, InvalidParameter
 from fleet.gateway.bodies import OpenAIRequest, Timeout
-from fleet.gateway.errors import InvalidParameter, error_body, invalid_from
+from fleet.gateway.errors import error_body, invalid_from
 from fleet.gateway.relay import sse
 from fleet.gateway.text_replies import TextResult
 from fleet.gateway.text_requests import (

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response
 
 from fleet.bus.task_events import Indexed
-from fleet.errors import FleetError, failure_of
+from fleet.errors import FleetError, InvalidParameter, failure_of
 from fleet.gateway.backend import Backend
-from fleet.gateway.errors import InvalidParameter, not_found
+from fleet.gateway.errors import not_found
 from fleet.gateway.image_api import ImageRenderer
 from fleet.gateway.relay import EventStream, Renderer, claimer, sse_error
 from fleet.gateway.responses_api import ResponseShape, ResponsesRenderer

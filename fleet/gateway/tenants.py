@@ -58,10 +58,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleet.bus.retry import with_retry
 from fleet.errors import (
+    AtCapacity,
     FleetError,
     InvalidRequest,
     NatsUnavailable,
-    QueueFull,
     Unauthorized,
 )
 from fleet.gateway import docs
@@ -319,15 +319,6 @@ class Owners:
 
     async def owns_image(self, sha256: str, tenant: str | None) -> bool:
         return tenant is None or await self._get(image_key(sha256, tenant)) is not None
-
-
-RETRY_AFTER_S = 1
-
-
-class AtCapacity(QueueFull):
-    """429: too many requests are waiting (for this key, or in all); retry after a moment."""
-
-    retry_after_s = RETRY_AFTER_S
 
 
 def refusal(waiting: int, mine: int, max_waiting: int, per_key: int) -> str | None:

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
+from fleet.errors import InvalidParameter
 from fleet.gateway.bodies import parse, read_json
 from fleet.gateway.catalogue import refuses_images
-from fleet.gateway.errors import InvalidParameter
 from fleet.gateway.relay import Renderer
 from fleet.gateway.responses_api import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
 from fleet.gateway.service import gateway_of, new_task_id, now_utc, request_id

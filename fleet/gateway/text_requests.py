@@ -18,8 +18,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, WithJsonSchema, model_validator
 
+from fleet.errors import InvalidParameter
 from fleet.gateway.bodies import OpenAIRequest, Seed, Timeout, deadline_after
-from fleet.gateway.errors import InvalidParameter, invalid_from
+from fleet.gateway.errors import invalid_from
 from fleet.grammar import grammar_for
 from fleet.wire.tasks import ResponseFormat, TextGeneration
 

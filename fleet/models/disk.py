@@ -17,14 +17,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleet.errors import FleetError
+from fleet.errors import DiskBudgetExceeded
 
 log = logging.getLogger(__name__)
-
-
-
-class DiskBudgetExceeded(FleetError):
-    pass
 
 
 @dataclass(frozen=True)

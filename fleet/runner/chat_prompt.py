@@ -14,7 +14,7 @@ from typing import Any
 from jinja2 import TemplateError
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from fleet.runner.engine import TaskRejected
+from fleet.errors import TaskRejected
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import ChatMessage, ImagePart, TextGeneration
 

@@ -15,19 +15,10 @@ from pathlib import Path
 from typing import Protocol
 
 from fleet.wire.cluster import ModelCard
-from fleet.wire.events import ErrorReason, OutputEvent
+from fleet.wire.events import OutputEvent
 from fleet.wire.tasks import Task
 
 Progress = Callable[[int, int], None]  # (layers_done, layers_total)
-
-
-class TaskRejected(Exception):
-    """A task the engine will not start; the runner ends it failed with this reason."""
-
-    def __init__(self, reason: ErrorReason, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.message = message
 
 
 class GroupLost(Exception):

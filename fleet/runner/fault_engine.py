@@ -24,7 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fleet.runner.engine import Admission, EngineConfig, Progress, TaskRejected
+from fleet.errors import TaskRejected
+from fleet.runner.engine import Admission, EngineConfig, Progress
 from fleet.wire.cluster import ModelCard
 from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TokenChunk, Usage, failed
 from fleet.wire.tasks import TextGeneration

@@ -23,8 +23,9 @@ from typing import Any, Literal
 
 from PIL import Image
 
+from fleet.errors import TaskRejected
 from fleet.models.make_tiny_flux import MODEL_CONFIG_FILE
-from fleet.runner.engine import Admission, TaskRejected
+from fleet.runner.engine import Admission
 from fleet.wire.cluster import ModelCard
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import ImageEdits, ImageGeneration

@@ -20,7 +20,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import replace
 
-from fleet.runner.engine import Admission, GroupLost, Progress, TaskRejected
+from fleet.errors import TaskRejected
+from fleet.runner.engine import Admission, GroupLost, Progress
 from fleet.runner.ring import PlanChannel, join_ring, lost
 from fleet.runner.text import TextEngine
 from fleet.wire.events import OutputEvent

@@ -21,7 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fleet.runner.engine import Admission, Engine, GroupLost, TaskRejected
+from fleet.errors import TaskRejected
+from fleet.runner.engine import Admission, Engine, GroupLost
 from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, failed
 from fleet.wire.pipe import (
     ConnectToGroup,

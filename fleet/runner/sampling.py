@@ -22,7 +22,7 @@ from mlx_lm.sample_utils import (
     make_logits_processors,
 )
 
-from fleet.runner.engine import TaskRejected
+from fleet.errors import TaskRejected
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import TextGeneration
 

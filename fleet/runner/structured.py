@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 from llguidance import LLMatcher, LLTokenizer
 
+from fleet.errors import TaskRejected
 from fleet.grammar import grammar_for, tool_call_grammar
-from fleet.runner.engine import TaskRejected
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import TextGeneration
 

@@ -21,7 +21,8 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load as load_mlx_lm
 
-from fleet.runner.engine import Admission, EngineConfig, Progress, TaskRejected
+from fleet.errors import TaskRejected
+from fleet.runner.engine import Admission, EngineConfig, Progress
 from fleet.runner.pipeline import PipelineRank
 from fleet.runner.prefix_cache import PrefixCache
 from fleet.runner.solo import SequenceSpec, SoloSequence

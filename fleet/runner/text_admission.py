@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from fleet.errors import TaskRejected
 from fleet.runner.chat_prompt import build_prompt
-from fleet.runner.engine import TaskRejected
 from fleet.runner.prefix_cache import PrefixCache
 from fleet.runner.sampling import make_task_processors, make_task_sampler
 from fleet.runner.solo import SequenceSpec

@@ -17,10 +17,11 @@ from nats.js.kv import KeyValue
 from fleet.aio import Supervisor
 from fleet.bus.connect import publish
 from fleet.bus.kv_calls import kv_delete, kv_get, kv_put, kv_update
-from fleet.bus.objects import ObjectBucket, ObjectCorrupt
+from fleet.bus.objects import ObjectBucket
 from fleet.bus.retry import with_retry
 from fleet.bus.weights import MODELS_BUCKET, FleetModels
 from fleet.config import Settings
+from fleet.errors import ObjectCorrupt
 from fleet.models.blas import openblas_available
 from fleet.models.catalog import all_cards, builtin_cards
 from fleet.models.disk import Held, held_models, room_for_models

@@ -19,14 +19,8 @@ from nats.js.kv import KeyValue
 
 from fleet.bus.kv_calls import kv_create
 from fleet.bus.retry import with_retry
-from fleet.placement import (
-    PlacementError,
-    able_to_shard,
-    choose_node,
-    in_groups,
-    new_instance,
-    sharded_instance,
-)
+from fleet.errors import PlacementError
+from fleet.placement import able_to_shard, choose_node, in_groups, new_instance, sharded_instance
 from fleet.placement_shards import ShardingError, fewest_shards
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo

@@ -19,13 +19,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
-from fleet.bus.objects import (
-    ObjectBucket,
-    ObjectCorrupt,
-    ObjectMissing,
-    ObjectTimeout,
-)
-from fleet.errors import InputCorrupt, InputMissing
+from fleet.bus.objects import ObjectBucket
+from fleet.errors import InputCorrupt, InputMissing, ObjectCorrupt, ObjectMissing, ObjectTimeout
 
 log = logging.getLogger(__name__)
 

@@ -22,16 +22,13 @@ from nats.js.object_store import ObjectStore
 
 from fleet.bus import images_cli
 from fleet.bus.chunks import read_in_order
-from fleet.bus.objects import (
-    MAX_CHUNK,
-    ROLLUP,
+from fleet.bus.objects import MAX_CHUNK, ROLLUP, ObjectBucket, ObjectInfo
+from fleet.errors import (
     BucketMissing,
     ImageCorrupt,
-    ObjectBucket,
     ObjectCorrupt,
     ObjectError,
     ObjectExists,
-    ObjectInfo,
     ObjectMissing,
     ObjectTimeout,
 )

@@ -6,7 +6,8 @@ import nats.errors as nats_errors
 import nats.js.errors as js_errors
 import pytest
 
-from fleet.bus.retry import BrokerUnavailable, is_transient, pause_after, with_retry
+from fleet.bus.retry import is_transient, pause_after, with_retry
+from fleet.errors import BrokerUnavailable
 
 
 def api_error(code: int, err_code: int) -> js_errors.APIError:

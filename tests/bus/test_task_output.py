@@ -23,7 +23,8 @@ from fleet.bus.confirmed import _Message, _problem, _Sequence
 from fleet.bus.connect import connect
 from fleet.bus.embedded import EmbeddedNats, ops_dir
 from fleet.bus.provision import provision
-from fleet.bus.retry import BrokerUnavailable, with_retry
+from fleet.bus.retry import with_retry
+from fleet.errors import BrokerUnavailable
 from fleet.wire import subjects
 from fleet.wire.codec import decode_event
 from fleet.wire.events import (

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from nats.aio.client import Client
 
-from fleet.bus.objects import ObjectCorrupt
 from fleet.bus.weights import FETCH_PREFIX, FleetModels, build_manifest, fetch_in_progress
+from fleet.errors import ObjectCorrupt
 from fleet.models.catalog import builtin_cards, describe_model_dir
 from fleet.wire.cluster import ModelCard
 

@@ -13,8 +13,8 @@ from nats.aio.client import Client
 from fleet.bus.weights import FleetModels
 from fleet.commands.stack import card_of, instances_cmd
 from fleet.config import load_settings
+from fleet.errors import PlacementError
 from fleet.models.catalog import describe_model_dir
-from fleet.placement import PlacementError
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, NodeInfo, RunnerRecord, ShardAssignment
 from fleet.wire.codec import encode

@@ -7,9 +7,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from fleet.errors import InvalidRequest
+from fleet.errors import InvalidParameter, InvalidRequest
 from fleet.gateway.bodies import image_format, image_reference
-from fleet.gateway.errors import InvalidParameter
 from fleet.gateway.image_api import (
     ImageEditRequest,
     ImageGenerationRequest,

@@ -6,8 +6,15 @@ import orjson
 import pytest
 
 from fleet.bus.task_events import Indexed
-from fleet.errors import DeadlineExceeded, ModelNotFound, QueueFull, Unauthorized, failure_of
-from fleet.gateway.errors import InvalidParameter, error_body
+from fleet.errors import (
+    DeadlineExceeded,
+    InvalidParameter,
+    ModelNotFound,
+    QueueFull,
+    Unauthorized,
+    failure_of,
+)
+from fleet.gateway.errors import error_body
 from fleet.gateway.image_api import images_response, stream_event
 from fleet.gateway.relay import sse, sse_error
 from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply

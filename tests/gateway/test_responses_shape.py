@@ -9,8 +9,7 @@ import orjson
 import pytest
 
 from fleet.bus.task_events import Indexed
-from fleet.errors import TaskFailed
-from fleet.gateway.errors import InvalidParameter
+from fleet.errors import InvalidParameter, TaskFailed
 from fleet.gateway.responses_api import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
 from fleet.wire.events import (
     ErrorReason,

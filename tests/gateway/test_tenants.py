@@ -18,11 +18,10 @@ from starlette.applications import Starlette
 from test_images_api import image_script, png, stored
 
 from fleet.config import Settings
-from fleet.errors import InvalidRequest
+from fleet.errors import AtCapacity, InvalidRequest
 from fleet.gateway.app import build_app
 from fleet.gateway.tenants import (
     STREAM,
-    AtCapacity,
     Capacity,
     KeyRing,
     add_key,

@@ -12,8 +12,9 @@ import pytest
 from nats.js.kv import KeyValue
 
 from fleet.bus.weights import MODELS_BUCKET, FleetModels
+from fleet.errors import PlacementError
 from fleet.models.catalog import describe_model_dir, get_card
-from fleet.placement import PlacementError, place, read_instances, remove
+from fleet.placement import place, read_instances, remove
 from fleet.wire import subjects
 from fleet.wire.cluster import ModelCard, NodeInfo
 from fleet.wire.codec import decode_model

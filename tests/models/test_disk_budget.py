@@ -8,14 +8,8 @@ from pathlib import Path
 import pytest
 
 from fleet.config import load_settings
-from fleet.models.disk import (
-    DiskBudgetExceeded,
-    Held,
-    choose_evictions,
-    held_models,
-    make_room,
-    room_for_models,
-)
+from fleet.errors import DiskBudgetExceeded
+from fleet.models.disk import Held, choose_evictions, held_models, make_room, room_for_models
 
 A, B, C = Held("a", 40, 1.0), Held("b", 30, 2.0), Held("c", 20, 3.0)
 

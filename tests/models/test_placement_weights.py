@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from fleet.errors import PlacementError
 from fleet.models.catalog import get_card
-from fleet.placement import PlacementError, choose_node
+from fleet.placement import choose_node
 from fleet.wire.cluster import NodeInfo
 
 NOW = 1000.0

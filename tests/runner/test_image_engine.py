@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from fleet.errors import TaskRejected
 from fleet.models.make_tiny_flux import make_tiny_flux2
-from fleet.runner.engine import Admission, EngineConfig, TaskRejected
+from fleet.runner.engine import Admission, EngineConfig
 from fleet.runner.image import ImageEngine
 from fleet.runner.image_steps import StepTiming, preview_steps
 from fleet.wire.cluster import ImageDefaults, ModelCard

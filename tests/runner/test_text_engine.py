@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from fleet.runner.engine import Admission, EngineConfig, TaskRejected
+from fleet.errors import TaskRejected
+from fleet.runner.engine import Admission, EngineConfig
 from fleet.runner.text import TextEngine
 from fleet.wire.cluster import ModelCard
 from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk

@@ -15,8 +15,8 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from fleet.bus.objects import MAX_CHUNK, ROLLUP, ObjectBucket, ObjectCorrupt
-from fleet.errors import InputCorrupt, InputMissing
+from fleet.bus.objects import MAX_CHUNK, ROLLUP, ObjectBucket
+from fleet.errors import InputCorrupt, InputMissing, ObjectCorrupt
 from fleet.wire.events import ErrorReason
 from fleet.wire.subjects import IMAGES_BUCKET
 from fleet.worker.inputs import ImageCache

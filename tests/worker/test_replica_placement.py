@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.errors import InvalidRequest
+from fleet.errors import InvalidRequest, PlacementError
 from fleet.models.catalog import get_card
-from fleet.placement import PlacementError
 from fleet.placement_replicas import choose_nodes
 from fleet.wire.cluster import NodeInfo
 from fleet.worker.runner_env import blas_threads
