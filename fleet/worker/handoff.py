@@ -88,7 +88,10 @@ class HandOffs:
                     continue
                 self.inbox.put_nowait(HandedIn(hand_off, msg.reply, time.monotonic()))
         finally:
-            await sub.unsubscribe()
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # already gone with its connection: nothing to undo
+                log.debug("hand-off subscription not unsubscribed: %s", exc)
 
     async def answer(self, reply: str, taken: bool, reason: str = "") -> None:
         """A core reply; a lost one leaves the sender to its timeout (see the table above)."""
