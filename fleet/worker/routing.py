@@ -15,9 +15,8 @@ another has a free slot (the plan dispatches only to free slots).
 
 Blocks a runner is prefilling right now (new to it, sent with a task that has no output
 yet) are not in its cache yet: a task needing them would prefill them a second time. So a
-runner is weighed twice: now (those blocks count as uncached, and blocks that another runner
-of the same node holds or is prefilling count once more, as the duplicate work on the same
-cores they are), and after that prefill
+runner is weighed twice: now (those blocks count as uncached, and blocks being prefilled on
+another runner count once more, as the duplicate work they are), and after that prefill
 (they count as cached; its queued prefill is already in the cost). When waiting is strictly
 cheaper the answer is `Wait`: the task stays queued until the runner's first output, and
 then goes there. In `fleet bench --only routing` two runners did 12 full system-prompt
@@ -90,7 +89,6 @@ class Weights:
     decode_blocks: float = 0.5  # one decoding task there costs like this many blocks
     prefix: bool = True  # False: today's rule, the runner with most free slots
     hand_off_blocks: float = 1.0  # passing a task to another node: a tie-breaker for here
-    duplicate_blocks: float = 1.0  # per block prefilled again beside a runner holding it
 
 
 def choose_runner(
@@ -116,11 +114,8 @@ def choose(
         load = c.prefill_blocks + weights.decode_blocks * decoding
         load += weights.hand_off_blocks if remote else 0.0
         ready = c.held.matched(blocks, c.warming)
-        # Prefix blocks another runner on the same node holds or is prefilling: prefilling
-        # them here does that work twice on the same cores, at every other task's expense.
-        elsewhere = max((o.held.matched(blocks) for o in candidates
-                         if o is not c and o.node_id == c.node_id), default=0)
-        duplicate = weights.duplicate_blocks * max(0, elsewhere - ready)
+        elsewhere = frozenset().union(*(o.warming for o in free if o is not c))
+        duplicate = sum(1 for block in blocks[ready:] if block in elsewhere)
         now = len(blocks) - ready + duplicate + load
         options.append(((now, False, remote, -c.free_slots, c.runner_id), c))
         after = c.held.matched(blocks)

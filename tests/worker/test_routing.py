@@ -74,23 +74,13 @@ PROMPT = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
         (PROMPT, [Candidate("a", 4, 0), Candidate("b", 3, 1, held(*PROMPT[:9]))], "b"),
         # home decodes three tasks: a returning conversation still goes home (1 + 1.5 < 10)
         (PROMPT, [Candidate("a", 4, 0), Candidate("b", 1, 3, held(*PROMPT[:9]))], "b"),
-        # home has more prefill queued (20 blocks) than going elsewhere costs (10 to prefill
-        # + 9 prefilled a second time beside home): the hot prefix spills over
-        (PROMPT, [Candidate("a", 4, 0),
-                  Candidate("b", 1, 3, held(*PROMPT[:9]), prefill_blocks=20, prefilling=3)],
-         "a"),
-        # ... with 12 queued, home still wins: the duplicate work would cost more
+        # home has more prefill queued (12 blocks) than it saves: the hot prefix spills over
         (PROMPT, [Candidate("a", 4, 0),
                   Candidate("b", 1, 3, held(*PROMPT[:9]), prefill_blocks=12, prefilling=3)],
-         "b"),
+         "a"),
         # queued prefill counts whoever it belongs to: the emptier queue wins
         (PROMPT, [Candidate("a", 3, 1, prefill_blocks=3, prefilling=1),
-                  Candidate("b", 3, 1, held(*PROMPT[:5]), prefill_blocks=15, prefilling=1)],
-         "a"),
-        # a runner on another node holding the prompt is no duplicate for this node's runners
-        (PROMPT, [Candidate("a", 4, 0, prefill_blocks=2, prefilling=1),
-                  Candidate("b", 4, 0, held(*PROMPT), node_id="elsewhere",
-                            prefill_blocks=12, prefilling=2)],
+                  Candidate("b", 3, 1, held(*PROMPT[:5]), prefill_blocks=9, prefilling=1)],
          "a"),
         # home has no free slot: never wait for it while another runner is free
         (PROMPT, [Candidate("a", 4, 0), Candidate("b", 0, 4, held(*PROMPT))], "a"),
