@@ -229,7 +229,7 @@ async def test_the_openai_client_never_sees_the_kill_n2_seeded(
         url = await gateway.url()
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
         ask = {
-            "model": "tiny-llm", "n": 2, "seed": 99, "temperature": 0.8, "max_tokens": 240,
+            "model": "tiny-llm", "n": 2, "seed": 99, "temperature": 0.8, "max_tokens": 600,
             "logit_bias": {"2": -100}, "stream": True,
             "messages": [{"role": "user", "content": "Tell me a long story"}],
         }
@@ -237,9 +237,14 @@ async def test_the_openai_client_never_sees_the_kill_n2_seeded(
         live = Live()
         await nc.subscribe("fleet.out.>", cb=live.on_msg)
         killed: list[str] = []
+        loop = asyncio.get_running_loop()
 
         def kill_mid_answer() -> None:  # called from the streaming thread at chunk 40
-            task_id = next(iter(list(live.events)))
+            # The client's chunk 40 says nothing of what the live subscriber has seen yet
+            # (it may have seen nothing, or one choice may be done): wait for a choice that
+            # is running, on the loop that owns `live`.
+            waited = live.until(lambda: _running_task(live), 60)
+            task_id = asyncio.run_coroutine_threadsafe(waited, loop).result(70)
             victim = nodes[live.node_running(task_id) or ""]
             killed.append(task_id)
             victim.kill()
@@ -253,6 +258,13 @@ async def test_the_openai_client_never_sees_the_kill_n2_seeded(
     finally:
         gateway.stop()
     await nc.close()
+
+
+def _running_task(live: Live) -> str | None:
+    """A task accepted and not finished, as the live subscriber has seen them."""
+    return next(
+        (t for t in list(live.events) if live.node_running(t) and not live.done(t)), None
+    )
 
 
 @dataclass
