@@ -148,6 +148,9 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
         if args.conversations:
             routing_plan = replace(routing_plan, workload=replace(
                 routing_plan.workload, conversations=args.conversations))
+        if args.think_s:
+            routing_plan = replace(routing_plan, workload=replace(
+                routing_plan.workload, think_s=args.think_s))
         if args.no_peer:
             routing_plan = replace(routing_plan, scenarios=tuple(
                 s for s in routing_plan.scenarios if s != "peer"))

@@ -31,7 +31,15 @@ from nats.aio.client import Client
 from bench.fleet_stack import FleetStack, seed_data_dir
 from bench.machine import load_average
 from bench.peer import PeerServer
-from bench.routing_workload import Turn, Workload, drive, fleet_sender, http_sender, system_prompts
+from bench.routing_workload import (
+    Turn,
+    Workload,
+    arrival_floor_s,
+    drive,
+    fleet_sender,
+    http_sender,
+    system_prompts,
+)
 from bench.workload import EOS_BIAS, percentile
 from fleet.models.catalog import get_card
 from fleet.placement import read_nodes
@@ -89,6 +97,7 @@ async def run_routing(model_id: str, model_dir: Path, custom_card: bool, plan: R
         info["scenarios"][scenario] = {
             **summarise(turns, wall, cpu), "load_before": load_before, "load_after": load_average(),
         }
+    info["arrival_floor_s"] = arrival_floor_s(plan.workload)
     info["routing_cost"] = routing_cost(systems, plan.workload)
     info["hand_off_cost"] = await hand_off_cost(workdir / "hand-off", systems[0])
     return info
@@ -247,7 +256,8 @@ def summarise(turns: list[Turn], wall_s: float,
         "cached_fraction": (sum(t.cached_tokens or 0 for t in reported) / prompt
                             if prompt else None),
         "prompt_tokens_mean": (sum(t.prompt_tokens for t in ok) / len(ok)) if ok else None,
-        "aggregate_tok_s": sum(t.tokens for t in ok) / span if span else None,
+        "aggregate_tok_s": tokens / span if span else None,
+        "span_s": span, "completion_tokens": tokens,
         "wall_s": wall_s,
         "runners": dict(Counter(t.runner_id for t in ok if t.runner_id)),
         "prefilled_tokens": (sum(t.prompt_tokens - (t.cached_tokens or 0) for t in reported)

@@ -45,6 +45,11 @@ def routing_table(info: dict[str, Any]) -> list[str]:
             f"{_num(s['prompt_tokens_mean'], 0)} | {s['turns']} ({len(s['errors'])}) | {spread} "
             f"| {load} |"
         )
+    if floor := info.get("arrival_floor_s"):
+        span = info["scenarios"].get("one_runner", {}).get("span_s")
+        ceiling = f"; so (c) can reach at most {span / floor:.2f}x (a)" if span else ""
+        lines += ["", f"the workload's arrivals alone take {floor:.1f} s (its latest "
+                  f"conversation's start and think times): no setup finishes sooner{ceiling}"]
     cost = info["routing_cost"]
     lines += ["", f"routing cost per task (hash blocks + choose + record): p50 "
               f"{cost['p50_ms']:.3f} ms, p99 {cost['p99_ms']:.3f} ms over {cost['tasks']} tasks"]

@@ -80,14 +80,27 @@ def system_prompts(workload: Workload, count_tokens: Callable[[str], int]) -> li
 TurnFn = Callable[[list[dict[str, str]], int, int], Awaitable[Turn]]
 
 
+def arrivals(workload: Workload) -> list[tuple[float, list[float]]]:
+    """Each conversation's start offset and think times (seeded: the same on every path)."""
+    rng = random.Random(workload.seed + 1)
+    return [
+        (rng.uniform(0, workload.think_s * 2),
+         [rng.expovariate(1 / workload.think_s) for _ in range(workload.turns)])
+        for _ in range(workload.conversations)
+    ]
+
+
+def arrival_floor_s(workload: Workload) -> float:
+    """How long the workload lasts even if every answer were instant: the latest
+    conversation's start offset plus its think times between turns. No setup's aggregate
+    tok/s can exceed its completion tokens over this."""
+    return max(offset + sum(thinks[:-1]) for offset, thinks in arrivals(workload))
+
+
 async def drive(workload: Workload, systems: list[str], send: TurnFn) -> list[Turn]:
     """Every conversation as its own task; returns every turn, in completion order."""
-    rng = random.Random(workload.seed + 1)
-    plans = [
-        (c, systems[c % len(systems)], rng.uniform(0, workload.think_s * 2),
-         [rng.expovariate(1 / workload.think_s) for _ in range(workload.turns)])
-        for c in range(workload.conversations)
-    ]
+    plans = [(c, systems[c % len(systems)], offset, thinks)
+             for c, (offset, thinks) in enumerate(arrivals(workload))]
     done: list[Turn] = []
 
     async def conversation(c: int, system: str, offset: float, thinks: list[float]) -> None:

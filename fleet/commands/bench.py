@@ -34,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "sharded: a 2-shard pipeline against the unsharded model)")
     p.add_argument("--conversations", type=int,
                    help="routing: conversations of the multi-turn workload (default 16)")
+    p.add_argument("--think-s", type=float,
+                   help="routing: mean think time between turns, seconds (default 2; a small "
+                        "one saturates the machine, to compare capacity)")
     p.add_argument("--weights-mb", type=int, default=540,
                    help="size of the synthetic model the weights part publishes and fetches "
                    "(default 540, SmolLM2-135M's size; --quick: 64)")

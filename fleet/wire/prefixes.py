@@ -28,4 +28,7 @@ class PrefixSummary(Wire):
     prefill_blocks: int = Field(
         default=0, description="prompt blocks those tasks had to prefill (not cached there)"
     )
+    spare_cores: float | None = Field(
+        default=None, description="its node's idle CPU in cores, measured (null: not said)"
+    )
     at: float

@@ -134,6 +134,7 @@ def remote_runner(summary: PrefixSummary) -> RemoteRunner:
         slots=summary.slots, in_flight=summary.in_flight,
         held=PrefixHeld(order, frozenset(order)), at=summary.at,
         prefill_blocks=summary.prefill_blocks, prefilling=summary.prefilling,
+        spare_cores=summary.spare_cores,
     )
 
 

@@ -34,6 +34,7 @@ from fleet.wire.events import (
     ToolCallChunk,
 )
 from fleet.wire.tasks import CancelTask
+from fleet.worker import cores
 from fleet.worker import plan as rules
 from fleet.worker import state as ev
 from fleet.worker.acks import AckPolicy, Stage, held_stages
@@ -133,6 +134,7 @@ class Worker(RunnerReports, Stopping):
                                 lambda key: remote.changed(mirror.values, key))
                 owner.forever("prefix mirror", lambda: mirror.run(_Link(self)))
             owner.forever("tick", self.feeds.tick_forever)
+            owner.forever("core sampler", lambda: cores.sample_forever(self.inbox.put_nowait))
             owner.forever("prefix adverts", PrefixAdverts(self.js, lambda: self.state).forever)
             self.asks = AskResponder(self.nc, self.js, settings.ask_timeout_s, owner)
             await self.asks.start()

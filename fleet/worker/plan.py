@@ -11,13 +11,13 @@ from datetime import UTC, datetime
 from fleet.wire.cluster import Instance
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import is_past
-from fleet.worker.routing import Candidate, Wait, choose
-from fleet.worker.state import PendingTask, WorkerState, group_layout
+from fleet.worker.routes import routes, waits_for_a_full_runner
+from fleet.worker.routing import Wait
+from fleet.worker.state import WorkerState, group_layout
 from fleet.worker.supervisor import compute_backoff
 
 RESTART_BASE_S = 1.0
 RESTART_CAP_S = 60.0
-ADVERT_STALE_S = 45.0  # a runner summary older than this is ignored (refreshed every 20 s)
 LIFECYCLE = {"idle": "connect_to_group", "connected": "load_model", "loaded": "warm_up"}
 
 
@@ -165,40 +165,15 @@ def hand_back(state: WorkerState, now: float) -> Action | None:
 
 
 def dispatch(state: WorkerState, now: float) -> Action | None:
-    """The oldest waiting task goes to the cheapest runner (fleet.worker.routing): one of this
-    node's, or another node's, which gets it by a hand-off."""
-    for task_id, pending in sorted(state.pending.items(), key=lambda kv: kv[1].received_at):
-        if pending.inputs is None or pending.handing_off is not None:
+    """The oldest waiting task that can go goes to the cheapest runner (fleet.worker.routing):
+    one of this node's, or another node's, which gets it by a hand-off."""
+    for task_id, _, decision in routes(state, now):
+        if decision is None or isinstance(decision, Wait):  # its runner is busy with it
             continue
-        candidates = [
-            Candidate(r.runner_id, r.free_slots, len(r.in_flight), r.held, None,
-                      r.prefill_blocks, len(r.prefill), r.warming_blocks)
-            for r in state.runners.values()
-            if r.model == pending.task.model and r.free_slots > 0 and not r.shutting_down
-        ] + remote_candidates(state, pending, now)
-        chosen = choose(pending.blocks, candidates, state.routing)
-        if chosen is None or isinstance(chosen, Wait):  # a prefill of its prefix is on
-            continue
-        if chosen.node_id is None:
-            return Dispatch(task_id, chosen.runner_id)
-        return HandOff(task_id, chosen.node_id, chosen.runner_id)
+        if decision.node_id is None:
+            return Dispatch(task_id, decision.runner_id)
+        return HandOff(task_id, decision.node_id, decision.runner_id)
     return None
-
-
-def remote_candidates(state: WorkerState, pending: PendingTask, now: float) -> list[Candidate]:
-    """Other nodes' runners of the task's model with room, by their fresh summaries. None for
-    a task that must stay (handed in, or declined once), carries input images (fetched here
-    already), has no whole prompt block to route by, or while this node is stopping."""
-    if (pending.local_only or pending.inputs or not pending.blocks or state.stopping
-            or not state.routing.prefix):
-        return []
-    return [
-        Candidate(r.runner_id, r.slots - r.in_flight, r.in_flight, r.held, r.node_id,
-                  r.prefill_blocks, r.prefilling)
-        for r in state.remote.values()
-        if r.model == pending.task.model and r.in_flight < r.slots
-        and now - r.at <= ADVERT_STALE_S and r.at > state.silent.get(r.node_id, 0.0)
-    ]
 
 
 def declines_hand_off(state: WorkerState, model: str) -> str | None:
@@ -217,15 +192,27 @@ def declines_hand_off(state: WorkerState, model: str) -> str | None:
 
 
 def pull(state: WorkerState, now: float) -> Action | None:
+    """Fetch as many tasks of a model as its runners have free slots, less the tasks already
+    waiting here for them. A task waiting for a runner with no free slot (its prefix is there)
+    leaves the others' slots free, but the tasks waiting here never outnumber the slots."""
     if state.stopping:
         return None
     free: dict[str, int] = {}
+    room: dict[str, int] = {}
     for runner in state.runners.values():
         if not runner.shutting_down:
             free[runner.model] = free.get(runner.model, 0) + runner.free_slots
-    for pending in state.pending.values():
-        free[pending.task.model] = free.get(pending.task.model, 0) - 1
+            room[runner.model] = room.get(runner.model, 0) + (
+                runner.slots if runner.takes_tasks else 0)
+    behind_full = {task_id for task_id, _, decision in routes(state, now)
+                   if waits_for_a_full_runner(state, decision)}
+    for task_id, pending in state.pending.items():
+        model = pending.task.model
+        room[model] = room.get(model, 0) - 1
+        if task_id not in behind_full:
+            free[model] = free.get(model, 0) - 1
     for model, slots in sorted(free.items()):
+        slots = min(slots, room.get(model, 0))
         if slots > 0 and model not in state.pulling:
             return Pull(model, slots)
     return None

@@ -23,6 +23,7 @@ from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.prefixes import PrefixSummary
 from fleet.worker.prefix_blocks import BLOCK_CHARS
+from fleet.worker.routes import SPARE_CORE
 from fleet.worker.state import RunnerView, WorkerState
 
 log = logging.getLogger(__name__)
@@ -30,14 +31,15 @@ log = logging.getLogger(__name__)
 REFRESH_S = 20.0  # the bucket's TTL is 60 s
 
 
-def summary(runner: RunnerView, node_id: str, now: float) -> PrefixSummary:
+def summary(runner: RunnerView, node_id: str, now: float,
+            spare_cores: float | None = None) -> PrefixSummary:
     return PrefixSummary(
         runner_id=runner.runner_id, node_id=node_id, model=runner.model,
         block_chars=BLOCK_CHARS, blocks=[f"{b:016x}" for b in runner.held.order],
         # A rank > 0 of a sharded instance takes no tasks: no slots for other nodes to see.
         in_flight=len(runner.in_flight), slots=runner.slots if runner.rank == 0 else 0,
         prefilling=len(runner.prefill),
-        prefill_blocks=runner.prefill_blocks, at=now,
+        prefill_blocks=runner.prefill_blocks, spare_cores=spare_cores, at=now,
     )
 
 
@@ -47,8 +49,8 @@ class PrefixAdverts:
         self.js = js
         self.state = state
         self.every_s = every_s
-        # runner -> (blocks id, tasks, prefill blocks, at)
-        self._written: dict[str, tuple[int, int, int, float]] = {}
+        # runner -> (blocks id, tasks, prefill blocks, has a spare core, at)
+        self._written: dict[str, tuple[int, int, int, bool, float]] = {}
         self._kv: KeyValue | None = None
 
     async def forever(self) -> None:
@@ -61,12 +63,19 @@ class PrefixAdverts:
         state, now = self.state(), time.time()
         # A rank > 0 of a sharded instance takes no tasks: nothing to advertise.
         for runner in (r for r in state.runners.values() if r.rank == 0):
-            mark = (hash(runner.held.order), len(runner.in_flight), runner.prefill_blocks)
+            mark = (hash(runner.held.order), len(runner.in_flight), runner.prefill_blocks,
+                    _has_spare(state.spare_cores))
             last = self._written.get(runner.runner_id)
-            if last is not None and last[:3] == mark and now - last[3] < REFRESH_S:
+            if last is not None and last[:4] == mark and now - last[4] < REFRESH_S:
                 continue
-            await kv_put(kv, runner.runner_id, encode(summary(runner, state.node_id, now)))
+            await kv_put(kv, runner.runner_id,
+                         encode(summary(runner, state.node_id, now, state.spare_cores)))
             self._written[runner.runner_id] = (*mark, now)
         for gone in set(self._written) - {r for r, v in state.runners.items() if v.rank == 0}:
             await kv_delete(kv, gone)
             del self._written[gone]
+
+
+def _has_spare(spare_cores: float | None) -> bool:
+    """What other nodes' routing reads of the figure; only its change is worth a write."""
+    return spare_cores is None or spare_cores >= SPARE_CORE

@@ -45,8 +45,12 @@ class RunnerView:
         return self.command_sent == "shutdown"
 
     @property
+    def takes_tasks(self) -> bool:
+        return self.status.state in ACCEPTS_TASKS and self.rank == 0
+
+    @property
     def free_slots(self) -> int:
-        if self.status.state not in ACCEPTS_TASKS or self.rank > 0:
+        if not self.takes_tasks:
             return 0
         return max(0, self.slots - len(self.in_flight))
 
@@ -64,6 +68,7 @@ class RemoteRunner:
     at: float  # when its worker wrote the summary (unix seconds)
     prefill_blocks: int = 0
     prefilling: int = 0
+    spare_cores: float | None = None  # its node's idle CPU in cores (None: not said)
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,7 @@ class WorkerState:
     # node -> when a hand-off to it went unanswered: its runners are no candidates until it
     # advertises again after that (a dead node's summaries outlive it by up to the TTL)
     silent: dict[str, float] = field(default_factory=dict)
+    spare_cores: float | None = None  # this node's idle CPU in cores, measured (None: not yet)
 
     def hosted_instances(self) -> list[Instance]:
         return [
@@ -228,6 +234,13 @@ class RemoteRunnersSeen:
 
 
 @dataclass(frozen=True)
+class CoresSampled:
+    """This node's idle CPU over the last sample, in cores (fleet.worker.cores)."""
+
+    spare_cores: float
+
+
+@dataclass(frozen=True)
 class HandOffStarted:
     task_id: str
     node_id: str
@@ -249,7 +262,7 @@ StateEvent = (
     InstancesChanged | RunnerStarting | RunnerSpawned | RunnerStartFailed | CommandSent
     | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | TaskQueued | InputsFetching
     | InputsReady | TaskDispatched | TaskEnded | Stopping | RemoteRunnersSeen | HandOffStarted
-    | HandOffEnded | FirstOutput
+    | HandOffEnded | FirstOutput | CoresSampled
 )
 
 
@@ -440,3 +453,8 @@ def _(event: HandOffEnded, state: WorkerState) -> WorkerState:
         there = replace(there, held=there.held.served(pending.blocks, state.prefix_capacity))
         remote = {**remote, event.runner_id: there}
     return replace(state, pending=rest, remote=remote)
+
+
+@_apply.register
+def _(event: CoresSampled, state: WorkerState) -> WorkerState:
+    return replace(state, spare_cores=event.spare_cores)

@@ -100,14 +100,15 @@ async def test_a_returning_conversation_lands_where_it_was_served(
 async def advertised(
     nc: Client, runners: set[str], timeout: float = 10.0,
 ) -> dict[str, PrefixSummary]:
-    """Each runner's latest PrefixSummary, once every one of `runners` has one with blocks
-    (the worker writes them about once a second)."""
+    """Each runner's PrefixSummary once every one of `runners` has one with blocks and no
+    task in flight: the watcher's first values can be ones written mid-task (the worker
+    writes a new one within a quarter second of a change), so wait for the settled ones."""
     kv = await nc.jetstream().key_value(subjects.PREFIXES_BUCKET)
     watcher = await kv.watchall()
     found: dict[str, PrefixSummary] = {}
     try:
         async with asyncio.timeout(timeout):
-            while not (set(found) >= runners and all(found[r].blocks for r in runners)):
+            while not (set(found) >= runners and all(settled(found[r]) for r in runners)):
                 entry = await watcher.updates(timeout=timeout)
                 if entry is not None and entry.value:
                     summary = decode_model(PrefixSummary, entry.value)
@@ -115,6 +116,10 @@ async def advertised(
     finally:
         await watcher.stop()
     return found
+
+
+def settled(summary: PrefixSummary) -> bool:
+    return bool(summary.blocks) and summary.in_flight == 0 and summary.prefilling == 0
 
 
 async def test_one_hot_prefix_spreads_over_both_runners(

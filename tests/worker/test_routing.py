@@ -2,19 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fleet.wire.cluster import Instance, ShardAssignment
 from fleet.wire.runners import RunnerReady
 from fleet.wire.tasks import ChatMessage, TextGeneration
-from fleet.worker.plan import Dispatch, plan
+from fleet.worker.cores import spare_cores
+from fleet.worker.plan import Dispatch, Pull, plan
 from fleet.worker.prefix_blocks import BLOCK_CHARS, block_hashes, prompt_blocks
 from fleet.worker.routing import Candidate, PrefixHeld, Wait, Weights, choose, choose_runner
 from fleet.worker.state import (
+    CoresSampled,
     FirstOutput,
     PendingTask,
     RunnerView,
     TaskDispatched,
+    TaskEnded,
     TaskQueued,
     WorkerState,
 )
@@ -78,10 +83,20 @@ PROMPT = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
         (PROMPT, [Candidate("a", 4, 0),
                   Candidate("b", 1, 3, held(*PROMPT[:9]), prefill_blocks=12, prefilling=3)],
          "a"),
-        # queued prefill counts whoever it belongs to: the emptier queue wins
-        (PROMPT, [Candidate("a", 3, 1, prefill_blocks=3, prefilling=1),
+        # queued prefill counts whoever it belongs to: the emptier queue wins while a has
+        # a core to spare for the 5 blocks b would not need ...
+        (PROMPT, [Candidate("a", 4, 0, prefill_blocks=3, prefilling=0),
                   Candidate("b", 3, 1, held(*PROMPT[:5]), prefill_blocks=9, prefilling=1)],
          "a"),
+        # ... but with a busy too, those 5 blocks delay a's own task as well: b (5 + 9 < 10
+        # + 3 + 5)
+        (PROMPT, [Candidate("a", 3, 1, prefill_blocks=3, prefilling=1),
+                  Candidate("b", 3, 1, held(*PROMPT[:5]), prefill_blocks=9, prefilling=1)],
+         "b"),
+        # a idle, but its node has no core to spare (neighbours): the same as busy
+        (PROMPT, [Candidate("a", 4, 0, spare_core=False),
+                  Candidate("b", 3, 1, held(*PROMPT[:5]), prefill_blocks=9, prefilling=1)],
+         "b"),
         # home has no free slot: never wait for it while another runner is free
         (PROMPT, [Candidate("a", 4, 0), Candidate("b", 0, 4, held(*PROMPT))], "a"),
         # no free slot anywhere: nothing is dispatched
@@ -211,3 +226,153 @@ def test_the_plan_holds_a_task_until_its_prefix_is_prefilled() -> None:
     assert not isinstance(plan(state, 0.0), Dispatch)  # it waits (a pull may be planned)
     state = step(state, FirstOutput("c1", first.runner_id))
     assert plan(state, 0.0) == Dispatch("c2", first.runner_id)
+
+
+def full(runner_id: str, *blocks: int, queued: int = 0) -> Candidate:
+    """A runner with every slot taken (four tasks decoding), holding `blocks`."""
+    return Candidate(runner_id, 0, 4, held(*blocks), prefill_blocks=queued,
+                     prefilling=1 if queued else 0)
+
+
+def busy(runner_id: str, *blocks: int) -> Candidate:
+    return Candidate(runner_id, 2, 2, held(*blocks))
+
+
+@pytest.mark.parametrize(
+    ("candidates", "chosen"),
+    [
+        # every runner busy: wait for the full home's next slot (0 + 2 decoding + 2 for the
+        # slot) rather than prefill the whole prompt beside b's tasks (10 + 1 + 10 extra)
+        ([busy("a"), full("b", *PROMPT)], Wait("b")),
+        # the same on a node with no core to spare, even with a idle
+        ([Candidate("a", 4, 0, spare_core=False), full("b", *PROMPT)], Wait("b")),
+        # a is idle with a core to spare: it takes the task now (never idle while work waits)
+        ([Candidate("a", 4, 0), full("b", *PROMPT)], "a"),
+        # home holds only 2 of 10 blocks: the wait saves too little
+        ([busy("a"), full("b", 1, 2, queued=8)], "a"),
+        # tasks already waiting for home (12 blocks of theirs): prefill elsewhere is cheaper
+        ([busy("a"), replace(full("b", *PROMPT), waiting_blocks=30)], "a"),
+        # a full runner on another node is never waited for: its node would decline
+        ([busy("a"), replace(full("b", *PROMPT), node_id="elsewhere")], "a"),
+    ],
+)
+def test_a_saturated_fleet_waits_for_the_runner_that_holds_the_prefix(
+    candidates: list[Candidate], chosen: object,
+) -> None:
+    best = choose(PROMPT, candidates)
+    assert (best.runner_id if isinstance(best, Candidate) else best) == chosen
+
+
+def two_runners(*, spare: float, slots: int = 2) -> WorkerState:
+    runners = {
+        rid: RunnerView(rid, f"i-{rid}", "tiny-llm", status=RunnerReady(), slots=slots)
+        for rid in ("run-a", "run-b")
+    }
+    instances = {
+        f"i-{rid}": Instance(
+            instance_id=f"i-{rid}", model="tiny-llm", slots=slots, created_at=0.0,
+            shards=[ShardAssignment(node_id="n", runner_id=rid)],
+        )
+        for rid in runners
+    }
+    return step(WorkerState(node_id="n", runners=runners, instances=instances),
+                CoresSampled(spare))
+
+
+def test_the_plan_holds_a_returning_turn_for_its_full_home_and_pulls_for_the_other() -> None:
+    """Through WorkerState, with no core to spare: home (run-a) is full, run-b is busy with
+    one task and has a free slot. The returning turn waits for home; the free slot on run-b
+    is still filled by a pull, and the tasks waiting here never outnumber the slots."""
+    state = two_runners(spare=0.1)
+    history = chat(("system", SYSTEM), ("user", "tell me about ships " * 20), task_id="c1")
+    for task_id in ("c1", "c2"):
+        task = history.model_copy(update={"task_id": task_id})
+        state = step(state, TaskQueued(PendingTask(task=task, received_at=0.0, inputs={},
+                                                   blocks=prompt_blocks(task))))
+        state = step(state, TaskDispatched(task_id, "run-a"))
+        state = step(state, FirstOutput(task_id, "run-a"))
+    other = chat(("system", SYSTEM.upper()), ("user", "q " * 300), task_id="o1")
+    state = step(state, TaskQueued(PendingTask(task=other, received_at=0.0, inputs={},
+                                               blocks=prompt_blocks(other))))
+    state = step(state, TaskDispatched("o1", "run-b"))
+    state = step(state, FirstOutput("o1", "run-b"))
+    turn = chat(("system", SYSTEM), ("user", "tell me about ships " * 20),
+                ("assistant", "ships " * 10), ("user", "more? " * 20), task_id="c1-2")
+    state = step(state, TaskQueued(PendingTask(task=turn, received_at=1.0, inputs={},
+                                               blocks=prompt_blocks(turn))))
+    # c1-2 waits for run-a, and run-b's free slot is pulled for all the same.
+    assert plan(state, 1.0) == Pull("tiny-llm", 1)
+    state = step(state, TaskEnded("c1"))  # a slot of home frees: the turn goes home
+    assert plan(state, 1.0) == Dispatch("c1-2", "run-a")
+
+
+def test_an_idle_runner_with_a_core_to_spare_takes_the_turn_at_once() -> None:
+    state = two_runners(spare=1.5)
+    history = chat(("system", SYSTEM), ("user", "tell me about ships " * 20), task_id="c1")
+    for task_id in ("c1", "c2"):
+        task = history.model_copy(update={"task_id": task_id})
+        state = step(state, TaskQueued(PendingTask(task=task, received_at=0.0, inputs={},
+                                                   blocks=prompt_blocks(task))))
+        state = step(state, TaskDispatched(task_id, "run-a"))
+        state = step(state, FirstOutput(task_id, "run-a"))
+    turn = chat(("system", SYSTEM), ("user", "tell me about ships " * 20),
+                ("assistant", "ships " * 10), ("user", "more? " * 20), task_id="c1-2")
+    state = step(state, TaskQueued(PendingTask(task=turn, received_at=1.0, inputs={},
+                                               blocks=prompt_blocks(turn))))
+    assert plan(state, 1.0) == Dispatch("c1-2", "run-b")
+
+
+def test_tasks_waiting_for_a_full_runner_never_outnumber_the_slots() -> None:
+    """run-a is full and holds a long system prompt; run-b has one task and a free slot.
+    Turns on that prompt wait for run-a, and run-b's free slot keeps being pulled for, until
+    the tasks waiting here are as many as the slots (four): then nothing more is pulled."""
+    system = SYSTEM * 3  # twelve blocks: waiting for run-a beats prefilling them on run-b
+    state = two_runners(spare=0.0)
+    for task_id, runner, prompt in (("x1", "run-a", system), ("x2", "run-a", system),
+                                    ("y", "run-b", system.upper())):
+        task = chat(("system", prompt), ("user", "hi " * 100), task_id=task_id)
+        state = step(state, TaskQueued(PendingTask(task=task, received_at=0.0, inputs={},
+                                                   blocks=prompt_blocks(task))))
+        state = step(state, TaskDispatched(task_id, runner))
+        state = step(state, FirstOutput(task_id, runner))
+    actions = []
+    for n in range(4):
+        actions.append(plan(state, 1.0))
+        task = chat(("system", system), ("user", f"{n} " * 150), task_id=f"w{n}")
+        state = step(state, TaskQueued(PendingTask(task=task, received_at=1.0 + n, inputs={},
+                                                   blocks=prompt_blocks(task))))
+    assert actions == [Pull("tiny-llm", 1)] * 4
+    assert plan(state, 1.0) is None  # four waiting, four slots: no more
+    state = step(state, TaskEnded("x1"))
+    assert plan(state, 1.0) == Dispatch("w0", "run-a")  # the oldest goes home first
+
+
+@pytest.mark.parametrize(("busy_percent", "cores", "spare"),
+                         [(25.0, 2, 1.5), (100.0, 2, 0.0), (0.0, 4, 4.0), (50.0, 1, 0.5)])
+def test_spare_cores_are_the_idle_share_of_all_cores(
+    busy_percent: float, cores: int, spare: float,
+) -> None:
+    assert spare_cores(busy_percent, cores) == spare
+
+
+def test_tasks_with_nothing_to_prefill_still_queue_behind_each_other() -> None:
+    """A hot prefix that run-a holds whole: waiting for run-a's slot costs a slot's turn per
+    task already waiting, so a later task goes to run-b (which then holds it too) rather
+    than every task piling onto run-a."""
+    state = two_runners(spare=0.0)
+    hot = chat(("system", SYSTEM), task_id="h")
+    for task_id, runner, task in (("x1", "run-a", hot), ("x2", "run-a", hot),
+                                  ("y", "run-b", chat(("system", SYSTEM.upper()),
+                                                      task_id="y"))):
+        task = task.model_copy(update={"task_id": task_id})
+        state = step(state, TaskQueued(PendingTask(task=task, received_at=0.0, inputs={},
+                                                   blocks=prompt_blocks(task))))
+        state = step(state, TaskDispatched(task_id, runner))
+        state = step(state, FirstOutput(task_id, runner))
+    for n in range(4):
+        task = hot.model_copy(update={"task_id": f"h{n}"})
+        state = step(state, TaskQueued(PendingTask(task=task, received_at=1.0 + n, inputs={},
+                                                   blocks=prompt_blocks(task))))
+    # run-b would prefill the 4 blocks beside its own task (4 + 0.5 + 4 extra); run-a's
+    # wait is 1 (two decoding) + 2 for a slot + 2 per task ahead: h0-h2 wait, h3 goes.
+    assert plan(state, 2.0) == Dispatch("h3", "run-b")

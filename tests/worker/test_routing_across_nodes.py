@@ -14,13 +14,13 @@ from fleet.wire.runners import RunnerLoading, RunnerReady
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from fleet.worker.handoff import remote_runner
 from fleet.worker.plan import (
-    ADVERT_STALE_S,
     Dispatch,
     HandOff,
     Pull,
     declines_hand_off,
     plan,
 )
+from fleet.worker.routes import ADVERT_STALE_S
 from fleet.worker.routing import Candidate, PrefixHeld, Weights, choose
 from fleet.worker.state import (
     HandOffEnded,
@@ -69,7 +69,7 @@ def held(*blocks: int) -> PrefixHeld:
 )
 def test_choose_weighs_a_hand_off(candidates: list[Candidate], chosen: str | None) -> None:
     best = choose(PROMPT, candidates)
-    assert (best.runner_id if best else None) == chosen
+    assert (best.runner_id if isinstance(best, Candidate) else None) == chosen
 
 
 def test_without_prefix_routing_only_this_node_is_chosen() -> None:

@@ -1,0 +1,81 @@
+"""Every waiting task's routing decision at once, oldest first: pure, `routes(state, now)`.
+
+Tasks are decided in the order they came, and a task that waits for a runner adds what it
+will cost there to that runner's `waiting_blocks`, so the next task sees the queue forming in
+front of it (fleet.worker.routing). `dispatch` acts on the first task that
+can go; `pull` counts the tasks waiting for a runner without a free slot, since they do not
+take the free slots of others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+from fleet.worker.routing import Candidate, Wait, choose
+from fleet.worker.state import PendingTask, WorkerState
+
+ADVERT_STALE_S = 45.0  # a runner summary older than this is ignored (refreshed every 20 s)
+SPARE_CORE = 0.5  # idle CPU, in cores, from which a node counts as having one to spare
+
+Decision = Candidate | Wait | None
+
+
+def routes(state: WorkerState, now: float) -> Iterator[tuple[str, PendingTask, Decision]]:
+    """(task id, task, decision) for each task ready to be routed, oldest first."""
+    waiting: dict[str, float] = {}
+    for task_id, pending in sorted(state.pending.items(), key=lambda kv: kv[1].received_at):
+        if pending.inputs is None or pending.handing_off is not None:
+            continue
+        candidates = [replace(c, waiting_blocks=waiting.get(c.runner_id, 0))
+                      for c in local_candidates(state, pending)]
+        candidates += remote_candidates(state, pending, now)
+        decision = choose(pending.blocks, candidates, state.routing)
+        if isinstance(decision, Wait):
+            waiting[decision.runner_id] = (waiting.get(decision.runner_id, 0.0)
+                                           + _queued_cost(state, pending, decision))
+        yield task_id, pending, decision
+
+
+def _queued_cost(state: WorkerState, pending: PendingTask, wait: Wait) -> float:
+    """What a task waiting for a runner adds to the wait of those behind it: the blocks it
+    will prefill there, and a turn of a slot (a full runner) or a sequence decoding beside
+    theirs (a runner with room). Even a task with nothing to prefill delays the next one."""
+    runner = state.runners[wait.runner_id]
+    weights = state.routing
+    turn = weights.slot_wait_blocks if runner.free_slots == 0 else weights.decode_blocks
+    return len(pending.blocks) - runner.held.matched(pending.blocks) + turn
+
+
+def local_candidates(state: WorkerState, pending: PendingTask) -> list[Candidate]:
+    """This node's runners of the task's model that take tasks, full ones too (a task may
+    wait for one that holds its prefix)."""
+    spare = state.spare_cores is None or state.spare_cores >= SPARE_CORE
+    return [
+        Candidate(r.runner_id, r.free_slots, len(r.in_flight), r.held, None,
+                  r.prefill_blocks, len(r.prefill), r.warming_blocks, spare_core=spare)
+        for r in state.runners.values()
+        if r.model == pending.task.model and not r.shutting_down and r.takes_tasks
+    ]
+
+
+def remote_candidates(state: WorkerState, pending: PendingTask, now: float) -> list[Candidate]:
+    """Other nodes' runners of the task's model with room, by their fresh summaries. None for
+    a task that must stay (handed in, or declined once), carries input images (fetched here
+    already), has no whole prompt block to route by, or while this node is stopping."""
+    if (pending.local_only or pending.inputs or not pending.blocks or state.stopping
+            or not state.routing.prefix):
+        return []
+    return [
+        Candidate(r.runner_id, r.slots - r.in_flight, r.in_flight, r.held, r.node_id,
+                  r.prefill_blocks, r.prefilling,
+                  spare_core=r.spare_cores is None or r.spare_cores >= SPARE_CORE)
+        for r in state.remote.values()
+        if r.model == pending.task.model and r.in_flight < r.slots
+        and now - r.at <= ADVERT_STALE_S and r.at > state.silent.get(r.node_id, 0.0)
+    ]
+
+
+def waits_for_a_full_runner(state: WorkerState, decision: Decision) -> bool:
+    return (isinstance(decision, Wait)
+            and state.runners[decision.runner_id].free_slots == 0)
