@@ -99,7 +99,11 @@ async def run_routing(model_id: str, model_dir: Path, custom_card: bool, plan: R
         }
     info["arrival_floor_s"] = arrival_floor_s(plan.workload)
     info["routing_cost"] = routing_cost(systems, plan.workload)
-    info["hand_off_cost"] = await hand_off_cost(workdir / "hand-off", systems[0])
+    try:  # an aside to the workload's figures: its failure must not lose them
+        info["hand_off_cost"] = await hand_off_cost(workdir / "hand-off", systems[0])
+    except Exception as exc:
+        log.exception("routing: the hand-off cost was not measured")
+        info["hand_off_cost"] = {"error": f"{type(exc).__name__}: {exc}"}
     return info
 
 

@@ -53,7 +53,9 @@ def routing_table(info: dict[str, Any]) -> list[str]:
     cost = info["routing_cost"]
     lines += ["", f"routing cost per task (hash blocks + choose + record): p50 "
               f"{cost['p50_ms']:.3f} ms, p99 {cost['p99_ms']:.3f} ms over {cost['tasks']} tasks"]
-    if hand_off := info.get("hand_off_cost"):
+    if (hand_off := info.get("hand_off_cost")) and "error" in hand_off:
+        lines.append(f"a hand-off to another node: not measured ({hand_off['error']})")
+    elif hand_off:
         lines.append(f"a hand-off to another node (request + answer, {hand_off['bytes']} bytes, "
                      f"loopback): p50 {hand_off['p50_ms']:.3f} ms, p99 "
                      f"{hand_off['p99_ms']:.3f} ms over {hand_off['requests']}")
