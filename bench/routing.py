@@ -135,6 +135,7 @@ async def hand_off_cost(where: Path, system: str, requests: int = 500) -> dict[s
             ack_subject="$JS.ACK.FLEET_TASKS.tasks-m.1.42.42.1764000000000000000.0",
             data=encode(task).decode(),
         ))
+        await _until_answered(sender, subjects.handoff("node-b"), offer)
         times: list[float] = []
         for _ in range(requests):
             began = time.perf_counter()
@@ -148,6 +149,22 @@ async def hand_off_cost(where: Path, system: str, requests: int = 500) -> dict[s
     return {"requests": requests, "bytes": len(offer),
             "p50_ms": (percentile(times, 50) or 0) * 1000,
             "p99_ms": (percentile(times, 99) or 0) * 1000}
+
+
+async def _until_answered(nc: Any, subject: str, data: bytes, within_s: float = 10.0) -> None:
+    """Wait until `subject` has a responder: at the end of a long run the receiver's
+    subscription was once not yet known to the server after its flush (no responders)."""
+    import nats.errors
+
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            await nc.request(subject, data, timeout=1)
+            return
+        except nats.errors.NoRespondersError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)  # polling the server's interest, bounded by `within_s`
 
 
 async def _fleet(model_id: str, model_dir: Path, custom_card: bool, scenario: str,

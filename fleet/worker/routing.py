@@ -13,8 +13,9 @@ Work is not free when the cores are busy. A runner with no task and a spare core
 node (`Candidate.idle_core`: its worker measures the node's idle CPU) runs a prefill on a
 core nobody else would use: only its latency counts, so an idle runner takes work rather than
 let it queue elsewhere. Any other runner shares its core with its own tasks: prefill it does
-that the best-placed runner would not have to do (it lacks the prefix) delays those tasks as
-much as it helps this one, so that extra work counts once more (`extra_work`). And when no
+that the best-placed runner would not have to do (it lacks the prefix) delays each of those
+tasks as well as this one, so that extra work counts once per task there and once for this
+one (`extra_work`: the fleet's sum of delays, not this task's alone). And when no
 runner has an idle core (the fleet is saturated), a task may also wait for a runner without
 a free slot that holds its prefix (`slot_wait_blocks` for the wait), rather than prefill it
 again on a free one: on two runners sharing this machine's two cores, the first-turn burst of
@@ -157,11 +158,12 @@ def choose(
 
 def _charge(blocks: Sequence[int], c: Candidate, free: Sequence[Candidate], uncached: int,
             least: int, weights: Weights) -> float:
-    """What prefilling here costs the others: for a busy runner, every block past what the
-    best-placed runner would prefill; for an idle one, the blocks another runner is
-    prefilling right now (duplicate work)."""
-    if not c.idle_core:
-        return weights.extra_work * max(0, uncached - least)
+    """What prefilling here costs beyond this task's own minimum: for a busy runner, every
+    block past what the best-placed runner would prefill, once for this task and once for
+    each task in flight there (all of them wait for it: the sum of their delays); for an
+    idle one, the blocks another runner is prefilling right now (duplicate work)."""
+    if not c.idle_core:  # the task waits for that work, and so does each task there
+        return weights.extra_work * max(0, uncached - least) * (1 + c.in_flight)
     ready = c.held.matched(blocks, c.warming)
     elsewhere = frozenset().union(*(o.warming for o in free if o is not c))
     return float(sum(1 for block in blocks[ready:] if block in elsewhere))

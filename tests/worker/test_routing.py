@@ -89,7 +89,7 @@ PROMPT = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
                   Candidate("b", 3, 1, held(*PROMPT[:5]), prefill_blocks=9, prefilling=1)],
          "a"),
         # ... but with a busy too, those 5 blocks delay a's own task as well: b (5 + 9 < 10
-        # + 3 + 5)
+        # + 3 + 2 x 5)
         (PROMPT, [Candidate("a", 3, 1, prefill_blocks=3, prefilling=1),
                   Candidate("b", 3, 1, held(*PROMPT[:5]), prefill_blocks=9, prefilling=1)],
          "b"),
@@ -242,7 +242,8 @@ def busy(runner_id: str, *blocks: int) -> Candidate:
     ("candidates", "chosen"),
     [
         # every runner busy: wait for the full home's next slot (0 + 2 decoding + 2 for the
-        # slot) rather than prefill the whole prompt beside b's tasks (10 + 1 + 10 extra)
+        # slot) rather than prefill the whole prompt beside a's tasks (10 + 1 + 3 x 10 extra:
+        # for this task and a's two)
         ([busy("a"), full("b", *PROMPT)], Wait("b")),
         # the same on a node with no core to spare, even with a idle
         ([Candidate("a", 4, 0, spare_core=False), full("b", *PROMPT)], Wait("b")),
@@ -250,8 +251,8 @@ def busy(runner_id: str, *blocks: int) -> Candidate:
         ([Candidate("a", 4, 0), full("b", *PROMPT)], "a"),
         # home holds only 2 of 10 blocks: the wait saves too little
         ([busy("a"), full("b", 1, 2, queued=8)], "a"),
-        # tasks already waiting for home (12 blocks of theirs): prefill elsewhere is cheaper
-        ([busy("a"), replace(full("b", *PROMPT), waiting_blocks=30)], "a"),
+        # tasks already waiting for home (40 blocks of theirs): prefill elsewhere is cheaper
+        ([busy("a"), replace(full("b", *PROMPT), waiting_blocks=40)], "a"),
         # a full runner on another node is never waited for: its node would decline
         ([busy("a"), replace(full("b", *PROMPT), node_id="elsewhere")], "a"),
     ],
@@ -369,10 +370,10 @@ def test_tasks_with_nothing_to_prefill_still_queue_behind_each_other() -> None:
                                                    blocks=prompt_blocks(task))))
         state = step(state, TaskDispatched(task_id, runner))
         state = step(state, FirstOutput(task_id, runner))
-    for n in range(4):
+    for n in range(6):
         task = hot.model_copy(update={"task_id": f"h{n}"})
         state = step(state, TaskQueued(PendingTask(task=task, received_at=1.0 + n, inputs={},
                                                    blocks=prompt_blocks(task))))
-    # run-b would prefill the 4 blocks beside its own task (4 + 0.5 + 4 extra); run-a's
-    # wait is 1 (two decoding) + 2 for a slot + 2 per task ahead: h0-h2 wait, h3 goes.
-    assert plan(state, 2.0) == Dispatch("h3", "run-b")
+    # run-b would prefill the 4 blocks beside its own task (4 + 0.5 + 2 x 4 extra); run-a's
+    # wait is 1 (two decoding) + 2 for a slot + 2 per task ahead: h0-h4 wait, h5 goes.
+    assert plan(state, 2.0) == Dispatch("h5", "run-b")
