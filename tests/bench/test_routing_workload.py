@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 from itertools import pairwise
 
 from bench.routing import routing_cost, summarise
-from bench.routing_workload import Turn, Workload, drive, system_prompts
+from bench.routing_workload import (
+    Turn,
+    Workload,
+    arrival_floor_s,
+    arrivals,
+    drive,
+    system_prompts,
+)
 
 WORKLOAD = Workload(conversations=3, system_prompts=2, turns=3, max_tokens=4, think_s=0.001,
                     system_tokens=50)
@@ -36,3 +44,22 @@ async def test_each_turn_extends_its_conversation() -> None:
 def test_routing_cost_is_measured_per_task() -> None:
     cost = routing_cost(system_prompts(WORKLOAD, lambda text: len(text.split())), WORKLOAD)
     assert cost["tasks"] == 9 and 0 < cost["p50_ms"] <= cost["p99_ms"]
+
+
+async def test_no_turn_starts_before_the_arrival_floor_allows() -> None:
+    """The floor is the latest conversation's offset plus its think times between turns: with
+    instant answers, the last turn of that conversation starts no sooner."""
+    workload = Workload(conversations=4, system_prompts=2, turns=3, max_tokens=4, think_s=0.05,
+                        system_tokens=10)
+    loop_time = asyncio.get_running_loop().time
+    began = loop_time()
+    starts: list[float] = []
+
+    async def send(messages: list[dict[str, str]], c: int, n: int) -> Turn:
+        starts.append(loop_time() - began)
+        return Turn(c, n, start_s=0.0, first_s=0.0, end_s=0.0, tokens=1, text="ok")
+
+    await drive(workload, system_prompts(workload, lambda text: len(text.split())), send)
+    floor = arrival_floor_s(workload)
+    assert max(starts) >= floor - 0.005  # timer granularity
+    assert floor > max(offset for offset, _ in arrivals(workload))  # think times count
