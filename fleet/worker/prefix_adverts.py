@@ -23,7 +23,7 @@ from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.prefixes import PrefixSummary
 from fleet.worker.prefix_blocks import BLOCK_CHARS
-from fleet.worker.routes import SPARE_CORE
+from fleet.worker.routes import has_spare_core
 from fleet.worker.state import RunnerView, WorkerState
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class PrefixAdverts:
         # A rank > 0 of a sharded instance takes no tasks: nothing to advertise.
         for runner in (r for r in state.runners.values() if r.rank == 0):
             mark = (hash(runner.held.order), len(runner.in_flight), runner.prefill_blocks,
-                    _has_spare(state.spare_cores))
+                    has_spare_core(state.spare_cores))  # what other nodes' routing reads
             last = self._written.get(runner.runner_id)
             if last is not None and last[:4] == mark and now - last[4] < REFRESH_S:
                 continue
@@ -74,8 +74,3 @@ class PrefixAdverts:
         for gone in set(self._written) - {r for r, v in state.runners.items() if v.rank == 0}:
             await kv_delete(kv, gone)
             del self._written[gone]
-
-
-def _has_spare(spare_cores: float | None) -> bool:
-    """What other nodes' routing reads of the figure; only its change is worth a write."""
-    return spare_cores is None or spare_cores >= SPARE_CORE

@@ -47,10 +47,15 @@ def _queued_cost(state: WorkerState, pending: PendingTask, wait: Wait) -> float:
     return len(pending.blocks) - runner.held.matched(pending.blocks) + turn
 
 
+def has_spare_core(spare_cores: float | None) -> bool:
+    """Whether a node's measured idle CPU leaves a core to spare (not measured: assume so)."""
+    return spare_cores is None or spare_cores >= SPARE_CORE
+
+
 def local_candidates(state: WorkerState, pending: PendingTask) -> list[Candidate]:
     """This node's runners of the task's model that take tasks, full ones too (a task may
     wait for one that holds its prefix)."""
-    spare = state.spare_cores is None or state.spare_cores >= SPARE_CORE
+    spare = has_spare_core(state.spare_cores)
     return [
         Candidate(r.runner_id, r.free_slots, len(r.in_flight), r.held, None,
                   r.prefill_blocks, len(r.prefill), r.warming_blocks, spare_core=spare)
@@ -69,7 +74,7 @@ def remote_candidates(state: WorkerState, pending: PendingTask, now: float) -> l
     return [
         Candidate(r.runner_id, r.slots - r.in_flight, r.in_flight, r.held, r.node_id,
                   r.prefill_blocks, r.prefilling,
-                  spare_core=r.spare_cores is None or r.spare_cores >= SPARE_CORE)
+                  spare_core=has_spare_core(r.spare_cores))
         for r in state.remote.values()
         if r.model == pending.task.model and r.in_flight < r.slots
         and now - r.at <= ADVERT_STALE_S and r.at > state.silent.get(r.node_id, 0.0)

@@ -164,6 +164,5 @@ def _charge(blocks: Sequence[int], c: Candidate, free: Sequence[Candidate], unca
     idle one, the blocks another runner is prefilling right now (duplicate work)."""
     if not c.idle_core:  # the task waits for that work, and so does each task there
         return weights.extra_work * max(0, uncached - least) * (1 + c.in_flight)
-    ready = c.held.matched(blocks, c.warming)
     elsewhere = frozenset().union(*(o.warming for o in free if o is not c))
-    return float(sum(1 for block in blocks[ready:] if block in elsewhere))
+    return float(sum(1 for block in blocks[len(blocks) - uncached:] if block in elsewhere))

@@ -280,27 +280,37 @@ def two_runners(*, spare: float, slots: int = 2) -> WorkerState:
                 CoresSampled(spare))
 
 
+def queue(state: WorkerState, task: TextGeneration, at: float = 0.0) -> WorkerState:
+    return step(state, TaskQueued(PendingTask(task=task, received_at=at, inputs={},
+                                              blocks=prompt_blocks(task))))
+
+
+def serving(state: WorkerState, task: TextGeneration, runner_id: str) -> WorkerState:
+    """`task` sent to `runner_id`, prefilled there, decoding."""
+    state = step(queue(state, task), TaskDispatched(task.task_id, runner_id))
+    return step(state, FirstOutput(task.task_id, runner_id))
+
+
+HISTORY = chat(("system", SYSTEM), ("user", "tell me about ships " * 20))
+NEXT_TURN = chat(("system", SYSTEM), ("user", "tell me about ships " * 20),
+                 ("assistant", "ships " * 10), ("user", "more? " * 20), task_id="c1-2")
+
+
+def home_decoding_two(state: WorkerState) -> WorkerState:
+    """run-a serves two turns of the conversation: with two slots, it is full."""
+    for task_id in ("c1", "c2"):
+        state = serving(state, HISTORY.model_copy(update={"task_id": task_id}), "run-a")
+    return state
+
+
 def test_the_plan_holds_a_returning_turn_for_its_full_home_and_pulls_for_the_other() -> None:
     """Through WorkerState, with no core to spare: home (run-a) is full, run-b is busy with
     one task and has a free slot. The returning turn waits for home; the free slot on run-b
     is still filled by a pull, and the tasks waiting here never outnumber the slots."""
-    state = two_runners(spare=0.1)
-    history = chat(("system", SYSTEM), ("user", "tell me about ships " * 20), task_id="c1")
-    for task_id in ("c1", "c2"):
-        task = history.model_copy(update={"task_id": task_id})
-        state = step(state, TaskQueued(PendingTask(task=task, received_at=0.0, inputs={},
-                                                   blocks=prompt_blocks(task))))
-        state = step(state, TaskDispatched(task_id, "run-a"))
-        state = step(state, FirstOutput(task_id, "run-a"))
-    other = chat(("system", SYSTEM.upper()), ("user", "q " * 300), task_id="o1")
-    state = step(state, TaskQueued(PendingTask(task=other, received_at=0.0, inputs={},
-                                               blocks=prompt_blocks(other))))
-    state = step(state, TaskDispatched("o1", "run-b"))
-    state = step(state, FirstOutput("o1", "run-b"))
-    turn = chat(("system", SYSTEM), ("user", "tell me about ships " * 20),
-                ("assistant", "ships " * 10), ("user", "more? " * 20), task_id="c1-2")
-    state = step(state, TaskQueued(PendingTask(task=turn, received_at=1.0, inputs={},
-                                               blocks=prompt_blocks(turn))))
+    state = home_decoding_two(two_runners(spare=0.1))
+    state = serving(state, chat(("system", SYSTEM.upper()), ("user", "q " * 300),
+                                task_id="o1"), "run-b")
+    state = queue(state, NEXT_TURN, at=1.0)
     # c1-2 waits for run-a, and run-b's free slot is pulled for all the same.
     assert plan(state, 1.0) == Pull("tiny-llm", 1)
     state = step(state, TaskEnded("c1"))  # a slot of home frees: the turn goes home
@@ -308,18 +318,7 @@ def test_the_plan_holds_a_returning_turn_for_its_full_home_and_pulls_for_the_oth
 
 
 def test_an_idle_runner_with_a_core_to_spare_takes_the_turn_at_once() -> None:
-    state = two_runners(spare=1.5)
-    history = chat(("system", SYSTEM), ("user", "tell me about ships " * 20), task_id="c1")
-    for task_id in ("c1", "c2"):
-        task = history.model_copy(update={"task_id": task_id})
-        state = step(state, TaskQueued(PendingTask(task=task, received_at=0.0, inputs={},
-                                                   blocks=prompt_blocks(task))))
-        state = step(state, TaskDispatched(task_id, "run-a"))
-        state = step(state, FirstOutput(task_id, "run-a"))
-    turn = chat(("system", SYSTEM), ("user", "tell me about ships " * 20),
-                ("assistant", "ships " * 10), ("user", "more? " * 20), task_id="c1-2")
-    state = step(state, TaskQueued(PendingTask(task=turn, received_at=1.0, inputs={},
-                                               blocks=prompt_blocks(turn))))
+    state = queue(home_decoding_two(two_runners(spare=1.5)), NEXT_TURN, at=1.0)
     assert plan(state, 1.0) == Dispatch("c1-2", "run-b")
 
 
@@ -331,17 +330,13 @@ def test_tasks_waiting_for_a_full_runner_never_outnumber_the_slots() -> None:
     state = two_runners(spare=0.0)
     for task_id, runner, prompt in (("x1", "run-a", system), ("x2", "run-a", system),
                                     ("y", "run-b", system.upper())):
-        task = chat(("system", prompt), ("user", "hi " * 100), task_id=task_id)
-        state = step(state, TaskQueued(PendingTask(task=task, received_at=0.0, inputs={},
-                                                   blocks=prompt_blocks(task))))
-        state = step(state, TaskDispatched(task_id, runner))
-        state = step(state, FirstOutput(task_id, runner))
+        state = serving(state, chat(("system", prompt), ("user", "hi " * 100),
+                                    task_id=task_id), runner)
     actions = []
     for n in range(4):
         actions.append(plan(state, 1.0))
-        task = chat(("system", system), ("user", f"{n} " * 150), task_id=f"w{n}")
-        state = step(state, TaskQueued(PendingTask(task=task, received_at=1.0 + n, inputs={},
-                                                   blocks=prompt_blocks(task))))
+        state = queue(state, chat(("system", system), ("user", f"{n} " * 150),
+                                  task_id=f"w{n}"), at=1.0 + n)
     assert actions == [Pull("tiny-llm", 1)] * 4
     assert plan(state, 1.0) is None  # four waiting, four slots: no more
     state = step(state, TaskEnded("x1"))
@@ -363,17 +358,10 @@ def test_tasks_with_nothing_to_prefill_still_queue_behind_each_other() -> None:
     state = two_runners(spare=0.0)
     hot = chat(("system", SYSTEM), task_id="h")
     for task_id, runner, task in (("x1", "run-a", hot), ("x2", "run-a", hot),
-                                  ("y", "run-b", chat(("system", SYSTEM.upper()),
-                                                      task_id="y"))):
-        task = task.model_copy(update={"task_id": task_id})
-        state = step(state, TaskQueued(PendingTask(task=task, received_at=0.0, inputs={},
-                                                   blocks=prompt_blocks(task))))
-        state = step(state, TaskDispatched(task_id, runner))
-        state = step(state, FirstOutput(task_id, runner))
+                                  ("y", "run-b", chat(("system", SYSTEM.upper())))):
+        state = serving(state, task.model_copy(update={"task_id": task_id}), runner)
     for n in range(6):
-        task = hot.model_copy(update={"task_id": f"h{n}"})
-        state = step(state, TaskQueued(PendingTask(task=task, received_at=1.0 + n, inputs={},
-                                                   blocks=prompt_blocks(task))))
+        state = queue(state, hot.model_copy(update={"task_id": f"h{n}"}), at=1.0 + n)
     # run-b would prefill the 4 blocks beside its own task (4 + 0.5 + 2 x 4 extra); run-a's
     # wait is 1 (two decoding) + 2 for a slot + 2 per task ahead: h0-h4 wait, h5 goes.
     assert plan(state, 2.0) == Dispatch("h5", "run-b")
