@@ -14,6 +14,7 @@ from pathlib import Path
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -106,21 +107,39 @@ async def client(nats_url: str) -> Client:
 
 
 async def wait_node(nc: Client, data_dir: Path, timeout: float = 30.0) -> str:
-    """The worker's node id, once its heartbeat is in FLEET_NODES."""
+    """The worker's node id, once its heartbeat is in FLEET_NODES. Watched, and read directly
+    whenever the watch is quiet for a while: a watch opened while a cluster's stream leader
+    moves can take its ordered consumer's reset (two missed idle heartbeats) to deliver again."""
     kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+    node_file = data_dir / "node_id"
     deadline = time.monotonic() + timeout
     watcher = await kv.watchall()
     try:
         while time.monotonic() < deadline:
-            node_file = data_dir / "node_id"
-            entry = await _next(watcher, deadline)
-            if entry is not None and entry.value and node_file.exists():
-                node = node_file.read_text().strip()
-                if entry.key == node:
-                    return node
+            entry = await _next(watcher, min(deadline, time.monotonic() + QUIET_WATCH_S))
+            if not node_file.exists():
+                continue
+            node = node_file.read_text().strip()
+            if entry is not None and entry.value and entry.key == node:
+                return node
+            if entry is None and await _heartbeat_of(kv, node):
+                return node
     finally:
         await watcher.stop()
-    raise TimeoutError(f"no heartbeat from the worker in {data_dir}")
+    log = (data_dir / "worker.log")
+    tail = log.read_text(errors="replace").splitlines()[-40:] if log.exists() else ["(no log)"]
+    raise TimeoutError(f"no heartbeat from the worker in {data_dir}; its log ends:\n"
+                       + "\n".join(tail))
+
+
+QUIET_WATCH_S = 2.0
+
+
+async def _heartbeat_of(kv: KeyValue, node: str) -> bool:
+    try:
+        return bool((await kv.get(node)).value)
+    except (NatsError, TimeoutError):  # not there yet, or the bucket's leader is moving
+        return False
 
 
 async def _next(watcher: KeyValue.KeyWatcher, deadline: float) -> KeyValue.Entry | None:
