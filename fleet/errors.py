@@ -21,6 +21,8 @@ cannot disagree.
      ├── CorruptImage                   image_corrupt      502  a stored output is not its hash
      ├── NatsUnavailable                nats_unavailable   503
      │    └── BrokerUnavailable         a broker call failed for its whole retry budget
+     ├── NotPermitted                   not_permitted      503  the server refused a publish by
+     │                                                          permission: no retry can help
      ├── ModelUnavailable               model_unavailable  503  no live node can serve the model
      ├── DeadlineExceeded               deadline           504
      │    └── StreamIdle                idle               504  a resumed stream saw nothing
@@ -96,6 +98,7 @@ STATUS_BY_CODE: dict[str, HttpAnswer] = {
     "payload_too_large": HttpAnswer(413, "invalid_request_error"),
     "image_corrupt": _LOST,
     "nats_unavailable": _DOWN,
+    "not_permitted": _DOWN,
     "model_unavailable": _DOWN,
     "idle": _TIMEOUT,
 }
@@ -197,6 +200,13 @@ class CorruptImage(FleetError):
 
 class NatsUnavailable(FleetError):
     code = "nats_unavailable"
+
+
+class NotPermitted(FleetError):
+    """The server refused this process's publish by permission (its NATS user's role lacks
+    it): the call fails at once rather than time out and be retried as an election."""
+
+    code = "not_permitted"
 
 
 class ModelUnavailable(FleetError):

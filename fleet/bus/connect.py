@@ -4,7 +4,7 @@ Every process connects through `connect_with(settings, name)`: the server list, 
 (a .creds file, an NKey seed, user and password) and TLS all come from Settings. No secret
 is ever logged: URLs go through `redact_url` before they reach a log line or an error.
 A permission violation the server reports is logged once as one line naming the subject and
-kept for `permission_errors()`, which a health check reads.
+kept (fleet.bus.denials): a health check reads it, and a publish refused so fails at once.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import logging
 import re
 import ssl
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,6 +26,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from pydantic import BaseModel
 
+from fleet.bus.denials import parse_permission_error, record, refused_by_permission
 from fleet.bus.retry import with_retry
 from fleet.errors import NatsUnavailable
 from fleet.telemetry import inject_headers, send_span
@@ -38,8 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MSG_ID = "Nats-Msg-Id"
-# How long a permission violation keeps a health check from saying "ok".
-PERMISSION_WINDOW_S = 60.0
 # Tries per server before the first connection is declared impossible (a restart gets two).
 FIRST_CONNECT_ATTEMPTS = 1
 # A dead server behind a live socket (a partition, a SIGSTOPped server) is noticed after
@@ -50,7 +48,6 @@ MAX_OUTSTANDING_PINGS = 3
 # While reconnecting, nats-py reports each failed attempt (two a second): one line per
 # distinct error per this many seconds is enough to tell the operator.
 REPEAT_WARNING_S = 10.0
-_PERMISSION = re.compile(r"permissions violation for (\w+) to \"?([^\"\s']+)\"?", re.IGNORECASE)
 _USERINFO = re.compile(r"(\w+://)([^:/@\s]+):([^@/\s]+)@")
 
 
@@ -73,31 +70,6 @@ def redact_text(text: str) -> str:
 
 def redact_urls(urls: Sequence[str]) -> str:
     return ", ".join(redact_url(url) for url in urls)
-
-
-@dataclass(frozen=True)
-class PermissionDenied:
-    """One permission violation the server reported to this process."""
-
-    operation: str  # "publish" | "subscription"
-    subject: str
-    at: float  # time.time()
-
-
-_denied: deque[PermissionDenied] = deque(maxlen=100)
-
-
-def permission_errors(within_s: float = PERMISSION_WINDOW_S) -> list[PermissionDenied]:
-    """The permission violations of this process in the last `within_s` seconds, oldest
-    first: a health check is not ok while this is non-empty."""
-    since = time.time() - within_s
-    return [denied for denied in _denied if denied.at >= since]
-
-
-def parse_permission_error(message: str) -> PermissionDenied | None:
-    if match := _PERMISSION.search(message):
-        return PermissionDenied(match.group(1).lower(), match.group(2), time.time())
-    return None
 
 
 @dataclass(frozen=True)
@@ -168,7 +140,7 @@ async def connect(
             log.debug("nats: connecting to %s: %s", shown, text)
             return
         if denied := parse_permission_error(text):
-            _denied.append(denied)
+            record(denied)
             log.error(
                 "nats: permission denied: %s to %s (the NATS user of %s may not do this)",
                 denied.operation, denied.subject, name,
@@ -282,7 +254,8 @@ async def js_publish(
     body = encode(message)
 
     async def once() -> PubAck:
-        return await js.publish(subject, body, headers=headers, timeout=timeout)
+        return await refused_by_permission(
+            lambda: js.publish(subject, body, headers=headers, timeout=timeout), subject)
 
     with send_span(subject, msg_id, len(body)):
         # inside the span: its consumers' parent is this send

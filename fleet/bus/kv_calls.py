@@ -9,6 +9,8 @@ Which calls are safe to repeat, and why:
 - `kv_update` is a compare-and-set on a revision: a lost answer to a stored update makes the
   retry fail as a wrong revision, reported as None (the caller re-reads and decides again).
 - `kv_get` and `kv_delete` are naturally repeatable.
+
+A write the server refuses by permission fails at once as NotPermitted (fleet.bus.denials).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from fleet.bus.denials import refused_by_permission
 from fleet.bus.retry import BROKER_BUDGET_S, with_retry
 
 
@@ -38,7 +41,8 @@ async def kv_get(
 async def kv_put(kv: KeyValue, key: str, value: bytes, *, budget_s: float = BROKER_BUDGET_S) -> int:
     """Write the key; its new revision."""
     return await with_retry(
-        lambda: kv.put(key, value), what=f"write {kv._name}/{key}", budget_s=budget_s
+        lambda: refused_by_permission(lambda: kv.put(key, value), _subject(kv, key)),
+        what=f"write {kv._name}/{key}", budget_s=budget_s,
     )
 
 
@@ -49,7 +53,7 @@ async def kv_create(
 
     async def once() -> int | None:
         try:
-            return await kv.create(key, value)
+            return await refused_by_permission(lambda: kv.create(key, value), _subject(kv, key))
         except KeyWrongLastSequenceError:
             return None
 
@@ -64,7 +68,8 @@ async def kv_update(
 
     async def once() -> int | None:
         try:
-            return await kv.update(key, value, last=last)
+            return await refused_by_permission(
+                lambda: kv.update(key, value, last=last), _subject(kv, key))
         except KeyWrongLastSequenceError:
             return None
 
@@ -73,5 +78,11 @@ async def kv_update(
 
 async def kv_delete(kv: KeyValue, key: str, *, budget_s: float = BROKER_BUDGET_S) -> None:
     await with_retry(
-        lambda: kv.delete(key), what=f"delete {kv._name}/{key}", budget_s=budget_s
+        lambda: refused_by_permission(lambda: kv.delete(key), _subject(kv, key)),
+        what=f"delete {kv._name}/{key}", budget_s=budget_s,
     )
+
+
+def _subject(kv: KeyValue, key: str) -> str:
+    """The subject a write of `key` is published on (nats-py's prefix: `$KV.<bucket>.`)."""
+    return f"{kv._pre}{key}"

@@ -24,7 +24,7 @@ from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import ServiceUnavailableError
 
-from fleet.bus.connect import permission_errors
+from fleet.bus.denials import permission_errors
 from fleet.bus.embedded import ops_dir
 from fleet.bus.replicas import choose_replicas, replicas_advice
 from fleet.bus.retry import BROKER_BUDGET_S, with_retry

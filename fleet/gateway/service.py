@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from fleet.bus.connect import permission_errors
+from fleet.bus.denials import permission_errors
 from fleet.config import Settings
 from fleet.errors import FleetError, InvalidRequest, ModelNotFound, ModelUnavailable
 from fleet.gateway.backend import Backend

@@ -20,16 +20,22 @@ from fleet.bus.auth_gen import make_tls
 from fleet.bus.connect import (
     connect,
     connect_with,
-    parse_permission_error,
-    permission_errors,
+    js_publish,
     redact_text,
     redact_url,
     server_list,
 )
+from fleet.bus.denials import (
+    forget_permission_errors,
+    parse_permission_error,
+    permission_errors,
+)
 from fleet.bus.embedded import EmbeddedNats
+from fleet.bus.kv_calls import kv_put
 from fleet.bus.retry import is_transient, pause_after
 from fleet.config import Settings, load_settings
-from fleet.errors import NatsUnavailable
+from fleet.errors import NatsUnavailable, NotPermitted
+from fleet.wire.tasks import ChatMessage
 from tests.bus.cluster import free_port
 
 # ---- pure -----------------------------------------------------------------------------------
@@ -247,3 +253,36 @@ async def test_a_creds_file(tmp_path: Path) -> None:
         await nc.close()
         with pytest.raises(NatsUnavailable):
             await connect_with(Settings(nats_url=server.url), "t", connect_timeout=2.0)
+
+
+async def test_a_publish_or_kv_write_refused_by_permission_fails_at_once_as_not_permitted(
+    tmp_path: Path,
+) -> None:
+    """Without the race against the server's -ERR, each call would time out and be retried
+    for the whole broker budget, then fail as BrokerUnavailable (an election's silence)."""
+    config = (
+        'authorization { users: [\n'
+        '  { user: admin, password: a },\n'
+        '  { user: u, password: p, permissions: {\n'
+        '      publish: { allow: ["ok.>", "_INBOX.>", "$JS.API.>"] },\n'
+        '      subscribe: { allow: ["_INBOX.>"] } } } ] }\n'
+    )
+    with server_with(tmp_path, config) as server:
+        admin = await connect_with(
+            Settings(nats_url=server.url, nats_user="admin", nats_password="a"), "t-admin")
+        await admin.jetstream().add_stream(name="D", subjects=["denied.>", "ok.>"])
+        await admin.jetstream().create_key_value(bucket="B")
+        await admin.close()
+        nc = await connect_with(Settings(nats_url=server.url, nats_user="u", nats_password="p"),
+                                "t-denied")
+        js = nc.jetstream()
+        try:
+            message = ChatMessage(role="user", content="hi")
+            assert (await js_publish(js, "ok.x", message)).stream == "D"  # allowed: stored
+            with pytest.raises(NotPermitted, match=r"denied\.x"):
+                await js_publish(js, "denied.x", message)
+            with pytest.raises(NotPermitted, match=r"\$kv\.b\.k"):
+                await kv_put(await js.key_value("B"), "k", b"v")
+        finally:
+            await nc.close()
+            forget_permission_errors()

@@ -13,7 +13,7 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.js.errors import APIError
 
-import fleet.bus.connect as bus_connect
+import fleet.bus.denials as denials
 from fleet.bus.auth_gen import env_password, shipped_config
 from fleet.bus.connect import ConnectOptions, connect
 from fleet.bus.embedded import EmbeddedNats, ops_dir
@@ -154,4 +154,4 @@ async def test_provisioning_without_the_operator_role_fails_at_once_and_says_why
         server.stop()
         # The denial is recorded per process and kept a minute: a gateway built by a later
         # test in this process would report it on /healthz as its own.
-        bus_connect._denied.clear()
+        denials.forget_permission_errors()

@@ -17,7 +17,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-import fleet.bus.connect as bus_connect
+import fleet.bus.denials as denials
 from fleet.bus.auth_gen import env_password
 from fleet.bus.embedded import EmbeddedNats, ops_dir
 from fleet.bus.objects import ObjectBucket
@@ -45,7 +45,7 @@ def secured_url(tmp_path: Path) -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
-        bus_connect._denied.clear()  # per process: other tests' gateways must not inherit it
+        denials.forget_permission_errors()  # per process: other tests' gateways must not inherit it
 
 
 @pytest.fixture
@@ -126,4 +126,4 @@ async def test_operator_actions_under_the_gateways_role(
             shown = await operator.get(f"/ui/api/images/{sha256}")
             assert shown.status_code == 200 and shown.content == b"an image of team-b's"
             assert (await operator.get("/ui/api/images/not-a-hash")).status_code == 404
-    assert not bus_connect.permission_errors()
+    assert not denials.permission_errors()

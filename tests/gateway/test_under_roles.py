@@ -15,7 +15,7 @@ import pytest
 from gateway_helpers import StandInWorker, tokens_script
 from nats.aio.client import Client
 
-import fleet.bus.connect as bus_connect
+import fleet.bus.denials as denials
 from fleet.bus.auth_gen import env_password
 from fleet.bus.embedded import EmbeddedNats, ops_dir
 from fleet.bus.provision import provision
@@ -54,7 +54,7 @@ async def operator(secured_url: str) -> AsyncIterator[Client]:
 def forget_violations() -> Iterator[None]:
     yield
     # The record is per process, kept a minute: other tests' gateways must not inherit it.
-    bus_connect._denied.clear()
+    denials.forget_permission_errors()
 
 
 async def test_the_gateway_serves_under_its_role_and_health_reports_refusals(
@@ -90,7 +90,7 @@ async def test_the_gateway_serves_under_its_role_and_health_reports_refusals(
             await nc.publish("fleet.events.node.forged", b"{}")
             await nc.flush()
             async with asyncio.timeout(5):
-                while not bus_connect.permission_errors():
+                while not denials.permission_errors():
                     await nc.flush()  # the -ERR arrives on this connection; wait on its pings
             refused = await http.get("/healthz")
             assert refused.status_code == 503
