@@ -18,11 +18,14 @@ whoever pulls next, as for any worker. Exactly one worker holds it at any moment
 
 The receiver answers before its intake runs and takes a task only into a free slot
 (`plan.declines_hand_off`), never passes a handed-in task on, and a sender never offers a
-task that carries input images (they are fetched here already).
+task that carries input images (they are fetched here already). A stopping receiver first
+closes its subscription (later offers find no responder) and declines the offers already
+queued, so no offer waits on a worker that has stopped reading them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -68,16 +71,33 @@ class HandOffs:
         self.nc = nc
         self.node_id = node_id
         self.inbox = inbox
-        self._first_sub: Subscription | None = None
+        self._sub: Subscription | None = None
+        self.closed = False
 
     async def subscribe(self) -> None:
         """Before the worker says it is ready: a sender's request finds us from then on."""
-        self._first_sub = await self.nc.subscribe(subjects.handoff(self.node_id))
+        self._sub = await self.nc.subscribe(subjects.handoff(self.node_id))
 
     async def listen(self) -> None:
-        """Hand-offs to this node, to the loop; a restart after a failure subscribes again."""
-        sub = self._first_sub or await self.nc.subscribe(subjects.handoff(self.node_id))
-        self._first_sub = None
+        """Hand-offs to this node, to the loop; a restart after a failure subscribes again.
+        Once closed it holds no subscription and waits for its owner to cancel it."""
+        if not self.closed:
+            await self._offers()
+        if self.closed:
+            await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        """Take no more offers (the worker is stopping): a sender's next offer finds no
+        responder and the sender runs the task itself at once, where an offer queued behind
+        the stop would go unanswered and leave the task to AckWait."""
+        self.closed = True
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            await _unsubscribe(sub)
+
+    async def _offers(self) -> None:
+        sub = self._sub or await self.nc.subscribe(subjects.handoff(self.node_id))
+        self._sub = sub
         try:
             async for msg in sub.messages:
                 try:
@@ -88,10 +108,9 @@ class HandOffs:
                     continue
                 self.inbox.put_nowait(HandedIn(hand_off, msg.reply, time.monotonic()))
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception as exc:  # already gone with its connection: nothing to undo
-                log.debug("hand-off subscription not unsubscribed: %s", exc)
+            if self._sub is sub:
+                self._sub = None
+                await _unsubscribe(sub)
 
     async def answer(self, reply: str, taken: bool, reason: str = "") -> None:
         """A core reply; a lost one leaves the sender to its timeout (see the table above)."""
@@ -125,6 +144,13 @@ class HandOffs:
                         task_id, node_id, type(exc).__name__, exc)
         finally:
             self.inbox.put_nowait(HandOffEnded(task_id, node_id, runner_id, taken, time.time()))
+
+
+async def _unsubscribe(sub: Subscription) -> None:
+    try:
+        await sub.unsubscribe()
+    except Exception as exc:  # already gone with its connection: nothing to undo
+        log.debug("hand-off subscription not unsubscribed: %s", exc)
 
 
 def remote_runner(summary: PrefixSummary) -> RemoteRunner:

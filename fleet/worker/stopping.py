@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING
 from fleet import telemetry
 from fleet.worker import state as ev
 from fleet.worker.acks import Stage
-from fleet.worker.inbox import Fetched, ImageUploaded, RunnerExited, RunnerReported, Stop, Tick
+from fleet.worker.inbox import (
+    Fetched,
+    HandedIn,
+    ImageUploaded,
+    RunnerExited,
+    RunnerReported,
+    Stop,
+    Tick,
+)
 from fleet.worker.pulls import FETCH_WAIT_S
 
 if TYPE_CHECKING:
@@ -30,6 +38,8 @@ class Stopping:
         log.info("worker %s stopping", self.state.node_id)
         self._apply(ev.Stopping())
         await self.asks.close()  # new asks go to the other workers
+        await self.handoffs.close()  # new offers find no responder: their senders run them
+        await self._decline_queued_offers()
         await self._end_pulls()
         for task_id, pending in list(self.state.pending.items()):  # not started here
             self._release(task_id)
@@ -49,6 +59,17 @@ class Stopping:
                 await step()
             except Exception:  # each step is worth trying whatever became of the others
                 log.exception("worker: shutdown step %s failed", step.__qualname__)
+
+    async def _decline_queued_offers(self: Worker) -> None:
+        """Offers already in the inbox are declined now, while their senders still wait (each
+        then runs its task itself); everything else stays queued, in its order."""
+        items = [self.inbox.get_nowait() for _ in range(self.inbox.qsize())]
+        for item in items:
+            if not isinstance(item, HandedIn):
+                self.inbox.put_nowait(item)
+        for item in items:
+            if isinstance(item, HandedIn):
+                await self.handoffs.answer(item.reply, False, "stopping")
 
     async def _end_pulls(self: Worker) -> None:
         """Wait out the pulls still open at the server (each ends within FETCH_WAIT_S) and
