@@ -45,7 +45,8 @@ def renderer_for(
     record: TaskRecord, task_id: str, backend: Backend, url_of: Callable[[str], str]
 ) -> Renderer:
     """The renderer of the request that made the task, as far as its record tells."""
-    reply = Reply(task_id, record.model, record.created, record.logprobs, record.include_usage)
+    reply = Reply(task_id, record.model, record.created, record.logprobs, record.include_usage,
+                  echo=() if record.echo is None else (record.echo,))
     match record.api:
         case "chat.completions":
             return ChatRenderer(reply)

@@ -130,9 +130,11 @@ class Gateway:
         api: TaskApi,
         logprobs: bool = False,
         include_usage: bool = False,
+        echo: Sequence[str] = (),
     ) -> Response:
         """Run the request's tasks and answer; every response carries the request's task id
-        (TASK_ID_HEADER), and each task gets its TaskRecord first."""
+        (TASK_ID_HEADER), and each task gets its TaskRecord first (with its prompt, when a
+        completion asked for `echo`: one per task, in order)."""
         asked = TaskRecord(tenant=tenant_of(request), api=api, model=tasks[0].model,
                            created=int(time.time()), logprobs=logprobs,
                            include_usage=include_usage)
@@ -145,7 +147,7 @@ class Gateway:
             stream=stream,
             resumable=resumable,
             timeout_s=timeout_s,
-            records=task_records(asked, [task.task_id for task in tasks]),
+            records=task_records(asked, [task.task_id for task in tasks], echo),
             tenant=tenant_of(request),
             capacity=self.capacity,
         )
@@ -172,10 +174,16 @@ def task_id_headers(task_ids: Sequence[str]) -> dict[str, str]:
     return {TASK_ID_HEADER: request_id(task_ids), CHOICE_IDS_HEADER: ",".join(task_ids)}
 
 
-def task_records(asked: TaskRecord, task_ids: Sequence[str]) -> dict[str, TaskRecord]:
-    """The record of each task, and with n > 1 one more under the request's id that lists
-    its choices (so it can be resumed, cancelled and traced as a whole)."""
-    records = dict.fromkeys(task_ids, asked)
+def task_records(
+    asked: TaskRecord, task_ids: Sequence[str], echo: Sequence[str] = (),
+) -> dict[str, TaskRecord]:
+    """The record of each task (with its own prompt to echo, if any), and with n > 1 one more
+    under the request's id that lists its choices (so it can be cancelled and traced as a
+    whole)."""
+    records = {
+        task_id: asked.model_copy(update={"echo": echo[index]}) if echo else asked
+        for index, task_id in enumerate(task_ids)
+    }
     if len(task_ids) > 1:
         records[request_id(task_ids)] = asked.model_copy(update={"choices": list(task_ids)})
     return records

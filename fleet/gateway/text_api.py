@@ -101,6 +101,7 @@ async def completions(request: Request) -> Response:
         api="completions",
         logprobs=completion.logprobs is not None,
         include_usage=completion.include_usage,
+        echo=reply.echo,
     )
 
 

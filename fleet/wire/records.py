@@ -32,3 +32,7 @@ class TaskRecord(Wire):
     include_usage: bool = Field(
         default=False, description="The stream ends with a usage chunk (stream_options)"
     )
+    echo: str | None = Field(
+        default=None, description="A completion asked with `echo`: its prompt, which a "
+        "resumed stream repeats first, as the request's own stream did",
+    )

@@ -64,6 +64,19 @@ async def test_a_completion_resumes_as_text_completion_chunks(
     assert "".join(c["choices"][0]["text"] for c in chunks) == "Paris"
 
 
+async def test_a_completion_with_echo_resumes_with_its_prompt_first_once(
+    client: httpx.AsyncClient, worker: StandInWorker
+) -> None:
+    body = {"prompt": "The capital is ", "echo": True}
+    task_id = await made(client, worker, "/v1/completions", body)
+    chunks = data_of((await client.get(f"/v1/tasks/{task_id}/events")).text)
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert texts[0] == "The capital is " and "".join(texts) == "The capital is Paris"
+    # A client that saw events has its prompt already: only what it did not see follows.
+    rest = data_of((await client.get(f"/v1/tasks/{task_id}/events?after=2")).text)
+    assert "".join(c["choices"][0]["text"] for c in rest) == "is"
+
+
 async def test_a_response_resumes_as_responses_events_numbered_as_first_sent(
     client: httpx.AsyncClient, worker: StandInWorker
 ) -> None:
