@@ -18,9 +18,11 @@ from fleet.worker.main import Worker
 from fleet.worker.state import HandOffEnded
 from fleet.worker.stopping import Stopping
 
+ACK_SUBJECT = "$JS.ACK.FLEET_TASKS.tasks-tiny-llm.1.7.7.1764700000000000000.0"
+
 
 def held_message(nc: nats.NATS) -> Msg:
-    return Msg(_client=nc, subject=subjects.tasks("tiny-llm"), reply="$JS.ACK.FLEET_TASKS.tasks-tiny-llm.1.7.7.1764700000000000000.0", data=b"{}")
+    return Msg(_client=nc, subject=subjects.tasks("tiny-llm"), reply=ACK_SUBJECT, data=b"{}")
 
 
 class WatchedInbox(asyncio.Queue):  # type: ignore[type-arg]
