@@ -20,31 +20,46 @@ class ShardingError(Exception):
 
 
 def layer_bytes(card: ModelCard) -> int:
-    """What one layer costs in memory (the embeddings and head spread over the layers)."""
-    return -(-card.size_bytes // max(card.n_layers, 1))
+    """What one layer costs in memory: the weights outside the layers (`shared_bytes`, held
+    by every rank) are not in it, unless the card does not know them (then spread over the
+    layers)."""
+    return -(-max(card.size_bytes - card.shared_bytes, 0) // max(card.n_layers, 1))
 
 
-def split_layers(n_layers: int, free: list[int], per_layer: int) -> list[int]:
-    """Layers per node, in proportion to each node's free memory, each at least one and none
-    more than its memory holds. Largest remainders settle the rounding. Pure."""
+def rank_bytes(card: ModelCard, layers: int) -> int:
+    """What a rank with `layers` layers holds: its layers and the shared weights."""
+    return card.shared_bytes + layers * layer_bytes(card)
+
+
+def split_layers(n_layers: int, free: list[int], per_layer: int, shared: int = 0) -> list[int]:
+    """Layers per node, in proportion to the memory each node has left once it holds the
+    `shared` weights every rank holds, each at least one and none more than its memory holds.
+    Largest remainders settle the rounding. Pure."""
     if not free:
         raise InvalidRequest("a split needs at least one node")
     if n_layers < len(free):
         raise ShardingError(f"{n_layers} layer(s) cannot be split over {len(free)} shards")
-    fits = [f // max(per_layer, 1) for f in free]
+    room = [max(f - shared, 0) for f in free]
+    fits = [r // max(per_layer, 1) for r in room]
+    besides = f", besides the {shared / 1e6:.0f} MB every rank holds" if shared else ""
+    if min(fits) == 0:
+        raise ShardingError(
+            f"a node with {min(free) / 1e6:.0f} MB free cannot hold one layer "
+            f"({per_layer / 1e6:.0f} MB){besides}"
+        )
     if sum(fits) < n_layers:
         raise ShardingError(
             f"the {len(free)} node(s) hold {sum(fits)} of the {n_layers} layers in their free "
-            "memory"
+            f"memory{besides}"
         )
-    total = sum(free) or 1
-    shares = [n_layers * f / total for f in free]
+    total = sum(room) or 1
+    shares = [n_layers * r / total for r in room]
     counts = [max(1, min(int(share), fit)) for share, fit in zip(shares, fits, strict=True)]
     nodes = range(len(free))
     # Hand out (or take back) the rounding: most owed first, within each node's fit.
     while sum(counts) < n_layers:
-        room = [i for i in nodes if counts[i] < fits[i]]
-        counts[max(room, key=lambda i: (shares[i] - counts[i], free[i], -i))] += 1
+        room_left = [i for i in nodes if counts[i] < fits[i]]
+        counts[max(room_left, key=lambda i: (shares[i] - counts[i], free[i], -i))] += 1
     while sum(counts) > n_layers:
         spare = [i for i in nodes if counts[i] > 1]
         counts[min(spare, key=lambda i: (shares[i] - counts[i], free[i], -i))] -= 1
@@ -71,7 +86,8 @@ def choose_shards(
         )
     chosen = sorted(ringed, key=lambda n: (-n.memory_available_bytes, n.node_id))[:shards]
     counts = split_layers(
-        card.n_layers, [n.memory_available_bytes for n in chosen], layer_bytes(card)
+        card.n_layers, [n.memory_available_bytes for n in chosen], layer_bytes(card),
+        card.shared_bytes,
     )
     assignments, start = [], 0
     for rank, (node, count) in enumerate(zip(chosen, counts, strict=True)):
@@ -115,7 +131,7 @@ def replace_lost_shards(
         if shard.node_id not in gone:
             shards.append(shard)
             continue
-        need = layer_bytes(card) * (shard.end_layer - shard.start_layer)
+        need = rank_bytes(card, shard.end_layer - shard.start_layer)
         able = [n for n in free.values() if n.memory_available_bytes >= need]
         if not able:
             raise ShardingError(

@@ -13,6 +13,8 @@ once `fleet.models.store` has made them a local directory.
 from __future__ import annotations
 
 import json
+import re
+import struct
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -113,6 +115,7 @@ def _describe_mlx_lm_dir(model_id: str, model_dir: Path) -> ModelCard:
         family="mlx_lm",
         source=str(model_dir),
         size_bytes=_weights_size(model_dir),
+        shared_bytes=bytes_outside_layers(model_dir),
         n_layers=int(text_config.get("num_hidden_layers") or text_config.get("n_layers") or 0),
         hidden_size=int(text_config.get("hidden_size") or text_config.get("d_model") or 0),
         context_length=int(text_config.get("max_position_embeddings") or 2048),
@@ -152,6 +155,28 @@ def _chat_template(model_dir: Path) -> str:
         # A few tokenizers keep a list of named templates.
         return template if isinstance(template, str) else json.dumps(template)
     return ""
+
+
+def bytes_outside_layers(model_dir: Path) -> int:
+    """Bytes of the tensors not in a numbered layer (`.layers.<n>.`): the embedding, the final
+    norm and an untied head, which every pipeline rank holds (fleet.runner.pipeline).
+
+    Read from each safetensors header (an 8-byte little-endian length, then JSON naming every
+    tensor with its byte range): the `safetensors` package tells shapes and dtypes but not
+    the bytes a quantized pack takes, and this reads no tensor data."""
+    total = 0
+    for path in model_dir.rglob("*.safetensors"):
+        with path.open("rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(length))
+        for name, tensor in header.items():
+            if name != "__metadata__" and not _IN_A_LAYER.search(name):
+                start, end = tensor["data_offsets"]
+                total += end - start
+    return total
+
+
+_IN_A_LAYER = re.compile(r"\.layers\.\d+\.")
 
 
 def _weights_size(model_dir: Path) -> int:

@@ -45,6 +45,11 @@ class ModelCard(Wire):
     family: str = Field(description="Loader family: mlx_lm, gguf_llama, mflux_flux2, mflux_flux1…")
     source: str = Field(description="Where weights come from: a path, an HF repo id, or 'built-in'")
     size_bytes: int = 0
+    shared_bytes: int = Field(
+        default=0, description="Bytes of the weights outside the layers (embedding, final "
+        "norm, head): every rank of a sharded instance holds them whole. 0: not known, "
+        "spread over the layers",
+    )
     n_layers: int = 0
     hidden_size: int = 0
     context_length: int = 2048

@@ -26,6 +26,7 @@ from fleet.models.blas import openblas_available
 from fleet.models.catalog import all_cards, builtin_cards
 from fleet.models.disk import Held, held_models, room_for_models
 from fleet.models.store import can_provide, fleet_fetching, models_on_disk
+from fleet.placement_shards import rank_bytes
 from fleet.wire import subjects
 from fleet.wire.cluster import (
     Instance,
@@ -191,7 +192,8 @@ class ClusterLink:
                         bumped.generation)
 
     def memory_placed_here(self) -> int:
-        """What the shards placed on this node take: each its share of its model's layers."""
+        """What the shards placed on this node take: each its layers and the weights every
+        rank holds (fleet.placement_shards.rank_bytes)."""
         total = 0
         for instance in self.placed.values():
             shard = instance.shard_on(self.node_id)
@@ -199,8 +201,7 @@ class ClusterLink:
             if shard is None or card is None:
                 continue
             if instance.sharded and card.n_layers:
-                layers = shard.end_layer - shard.start_layer
-                total += card.size_bytes * layers // card.n_layers
+                total += rank_bytes(card, shard.end_layer - shard.start_layer)
             else:
                 total += card.size_bytes
         return total

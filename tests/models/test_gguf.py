@@ -12,6 +12,8 @@ from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from fleet.models.catalog import get_card
+
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir: Path) -> tuple[nn.Module, TokenizerWrapper]:
@@ -48,6 +50,10 @@ def test_weights_are_float32_llama_with_interleaved_rope(smollm2_dir: Path):
     assert {array.dtype for array in weights.values()} == {mx.float32}
     assert set(index["weight_map"]) == set(weights)
     assert weights["model.layers.29.mlp.down_proj.weight"].shape == (576, 1536)
+    # Every pipeline rank holds the tied embedding and the final norm: the card says how much.
+    outside = [name for name in weights if ".layers." not in name]
+    assert sorted(outside) == ["model.embed_tokens.weight", "model.norm.weight"]
+    assert get_card("smollm2-135m").shared_bytes == sum(weights[n].nbytes for n in outside)
 
 
 def test_tokenizer_keeps_the_gguf_chat_tokens_and_template(smollm2):

@@ -14,7 +14,7 @@ from mlx_lm import load, stream_generate
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from fleet.models.catalog import get_card
+from fleet.models.catalog import bytes_outside_layers, get_card
 from fleet.models.make_tiny import EOS_TOKEN, VOCAB_SIZE
 
 
@@ -62,6 +62,9 @@ def test_directory_is_float32_with_an_index_and_matches_its_card(tiny_llm_dir: P
         config["hidden_size"],
     )
     assert card.size_bytes == (tiny_llm_dir / "model.safetensors").stat().st_size
+    outside = [name for name in weights if ".layers." not in name]
+    assert card.shared_bytes == sum(weights[name].nbytes for name in outside) > 0
+    assert card.shared_bytes == bytes_outside_layers(tiny_llm_dir)
 
 
 def test_greedy_generation_streams_the_requested_tokens(tiny):

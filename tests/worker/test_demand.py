@@ -77,7 +77,8 @@ async def test_a_model_no_node_can_hold_is_split_over_the_fewest_nodes(nc: Clien
             "memory_available_bytes": free_mb * 1_000_000, "ring_address": f"h:{free_mb}",
         })
 
-    nodes = [ringed("a", 300), ringed("b", 350), ringed("c", 100)]
+    # No node holds 538 MB; each rank holds the 113 MB embedding and 14.2 MB a layer.
+    nodes = [ringed("a", 350), ringed("b", 400), ringed("c", 100)]
     js = nc.jetstream()
     cards = {"smollm2-135m": get_card("smollm2-135m")}
     worker = Demand(
@@ -87,5 +88,5 @@ async def test_a_model_no_node_can_hold_is_split_over_the_fewest_nodes(nc: Clien
     placed = await worker.want("smollm2-135m")
     assert placed is not None and placed.instance_id == "smollm2-135m-auto"
     assert [(s.node_id, s.rank, s.start_layer, s.end_layer, s.ring_address)
-            for s in placed.shards] == [("b", 0, 0, 16, "h:350"), ("a", 1, 16, 30, "h:300")]
+            for s in placed.shards] == [("b", 0, 0, 16, "h:400"), ("a", 1, 16, 30, "h:350")]
     assert await read_instances(js) == [placed]
