@@ -18,6 +18,7 @@ import struct
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -166,17 +167,36 @@ def bytes_outside_layers(model_dir: Path) -> int:
     the bytes a quantized pack takes, and this reads no tensor data."""
     total = 0
     for path in model_dir.rglob("*.safetensors"):
-        with path.open("rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            header = json.loads(file.read(length))
-        for name, tensor in header.items():
+        for name, tensor in _safetensors_header(path).items():
             if name != "__metadata__" and not _IN_A_LAYER.search(name):
-                start, end = tensor["data_offsets"]
-                total += end - start
+                try:
+                    start, end = tensor["data_offsets"]
+                    total += int(end) - int(start)
+                except (KeyError, TypeError, ValueError):
+                    continue
     return total
 
 
 _IN_A_LAYER = re.compile(r"\.layers\.\d+\.")
+_MAX_HEADER_BYTES = 100_000_000  # the format's own limit
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    """The file's header, or {} for a file that is not safetensors (it then counts as all
+    layers: the loader, not the card, is where a broken file is reported)."""
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        prefix = file.read(8)
+        if len(prefix) < 8:
+            return {}
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(size - 8, _MAX_HEADER_BYTES):
+            return {}
+        try:
+            header = json.loads(file.read(length))
+        except ValueError:
+            return {}
+    return header if isinstance(header, dict) else {}
 
 
 def _weights_size(model_dir: Path) -> int:

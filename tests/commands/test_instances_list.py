@@ -58,7 +58,7 @@ async def test_place_shards_then_list_each_shard(
 ) -> None:
     js = provisioned_nc.jetstream()
     nodes = await js.key_value(subjects.NODES_BUCKET)
-    for name, free in (("n1", 400), ("n2", 200)):
+    for name, free in (("n1", 500), ("n2", 300)):  # MB; each rank also holds 113 MB
         info = NodeInfo(
             node_id=name, hostname=name, memory_total_bytes=10**12,
             memory_available_bytes=free * 10**6, cpu_count=2, started_at=0, at=time.time(),

@@ -23,6 +23,7 @@ from nats.errors import Error as NatsError
 from nats.js import api
 
 from fleet.bus.provision import provision
+from fleet.bus.retry import with_retry
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
 from fleet.wire.tasks import ChatMessage, TextGeneration
@@ -165,7 +166,7 @@ class FaultRun:
         while (remaining := until - time.monotonic()) > 0:
             if wanted <= self.finished:  # live says all ended: the store must agree
                 with contextlib.suppress(NatsError, TimeoutError):
-                    stored = await self.read_out()
+                    stored = await self._read_out_once()
                     self.finished = {t for t in wanted if _has_terminal(stored.get(t, []))}
                     if self.finished == wanted:
                         break
@@ -176,13 +177,18 @@ class FaultRun:
             except TimeoutError:
                 pass
             with contextlib.suppress(NatsError, TimeoutError):  # quiet a while: ask the store
-                stored = await self.read_out()
+                stored = await self._read_out_once()
                 self.finished |= {t for t in wanted if _has_terminal(stored.get(t, []))}
         self.mark("finished_wait")
 
     async def read_out(self) -> dict[str, list[Stored]]:
         """Every event FLEET_OUT stores for this run's tasks, in stream order, read through
-        one counted pull-consumer snapshot (the count is fixed when it is created)."""
+        one counted pull-consumer snapshot (the count is fixed when it is created). A read
+        the cluster answers 503 (a consumer created just after leaders moved may have none
+        yet) starts again whole with a new snapshot: nothing read by the failed one counts."""
+        return await with_retry(self._read_out_once, what="read FLEET_OUT", budget_s=60.0)
+
+    async def _read_out_once(self) -> dict[str, list[Stored]]:
         js = self.nc.jetstream()
         consumer = await js.add_consumer(subjects.OUT_STREAM, api.ConsumerConfig(
             filter_subject="fleet.out.>", deliver_policy=api.DeliverPolicy.ALL,
@@ -221,7 +227,8 @@ class FaultRun:
         )
         exits = [w.process.poll() if w.process else None for w in self.workers]
         counts.workers_dead = sum(code is not None for code in exits)
-        queue = await self.nc.jetstream().stream_info(subjects.TASKS_STREAM)
+        queue = await with_retry(lambda: self.nc.jetstream().stream_info(subjects.TASKS_STREAM),
+                                 what="read FLEET_TASKS", budget_s=60.0)
         return FaultReport(
             counts=counts, replicas=await replicas_of(self.nc, subjects.OUT_STREAM),
             queued_at_end=queue.state.messages,

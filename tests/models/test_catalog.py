@@ -10,7 +10,13 @@ import pytest
 from mlx_lm import load
 
 from fleet.errors import InvalidRequest, ModelNotFound
-from fleet.models.catalog import add_custom_card, all_cards, builtin_cards, get_card
+from fleet.models.catalog import (
+    add_custom_card,
+    all_cards,
+    builtin_cards,
+    bytes_outside_layers,
+    get_card,
+)
 
 BUILT_IN = {
     "smollm2-135m", "tiny-llm", "tiny-flux2",
@@ -69,6 +75,16 @@ def test_custom_card_reads_quantization_from_the_config(tmp_path: Path, tiny_llm
 
     assert card.quantization == "4bit"
     assert card.capabilities == []  # no tokenizer_config.json, so no template with tools
+
+
+def test_a_weights_file_that_is_not_safetensors_counts_as_layers(tmp_path: Path) -> None:
+    """The card describes what it can read; loading is where a broken file is reported."""
+    folder = tmp_path / "odd"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"\xff" * 64)  # a header longer than the file
+    (folder / "small.safetensors").write_bytes(b"\x01")
+    (folder / "text.safetensors").write_bytes((8).to_bytes(8, "little") + b"not json")
+    assert bytes_outside_layers(folder) == 0
 
 
 def _fake_hf_cache(hub: Path, repo_id: str, model_dir: Path, revision: str = "0123abcd") -> Path:
