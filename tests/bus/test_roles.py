@@ -21,26 +21,17 @@ from fleet.bus.provision import provision
 from fleet.bus.roles import ACTIONS, GRANTS, ROLES, Action, table_markdown
 from fleet.errors import ProvisioningDenied
 from tests.bus.role_probes import NEEDS, PROBES, Probe, prepare
+from tests.secured import PASSWORDS, shipped_auth_server
 
 REPO = Path(__file__).resolve().parents[2]
-PASSWORDS = {role: f"test-{role}-secret" for role in ROLES}
 
 
 @pytest.fixture(scope="module")
 def secured_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One server for the whole matrix: the probes aim at names of their own."""
-    folder = tmp_path_factory.mktemp("roles")
-    with pytest.MonkeyPatch.context() as env:
-        for role, password in PASSWORDS.items():
-            env.setenv(env_password(role), password)
-        server = EmbeddedNats(folder / "nats", port=0, config=ops_dir() / "nats" / "auth.conf",
-                              log_file=folder / "nats.log")
-        server.start()
-    try:
-        asyncio.run(_prepare(server.url))
-        yield server.url
-    finally:
-        server.stop()
+    with shipped_auth_server(tmp_path_factory.mktemp("roles")) as url:
+        asyncio.run(_prepare(url))
+        yield url
 
 
 async def _prepare(url: str) -> None:

@@ -18,8 +18,6 @@ import pytest
 from nats.aio.client import Client
 
 import fleet.bus.denials as denials
-from fleet.bus.auth_gen import env_password
-from fleet.bus.embedded import EmbeddedNats, ops_dir
 from fleet.bus.objects import ObjectBucket
 from fleet.bus.provision import provision
 from fleet.config import load_settings
@@ -29,23 +27,13 @@ from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import encode
 from tests.dashboard.test_dashboard_feed import accepted, finished, next_fleet, own, rows_until
-
-PASSWORDS = {role: f"test-{role}-pw" for role in ("client", "gateway", "worker", "operator")}
+from tests.secured import PASSWORDS, shipped_auth_server
 
 
 @pytest.fixture
 def secured_url(tmp_path: Path) -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as env:
-        for role, password in PASSWORDS.items():
-            env.setenv(env_password(role), password)
-        server = EmbeddedNats(tmp_path / "nats", port=0, config=ops_dir() / "nats" / "auth.conf",
-                              log_file=tmp_path / "nats.log")
-        server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
-        denials.forget_permission_errors()  # per process: other tests' gateways must not inherit it
+    with shipped_auth_server(tmp_path) as url:
+        yield url
 
 
 @pytest.fixture

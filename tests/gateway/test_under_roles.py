@@ -16,30 +16,20 @@ from gateway_helpers import StandInWorker, tokens_script
 from nats.aio.client import Client
 
 import fleet.bus.denials as denials
-from fleet.bus.auth_gen import env_password
-from fleet.bus.embedded import EmbeddedNats, ops_dir
 from fleet.bus.provision import provision
 from fleet.config import Settings
 from fleet.gateway.app import build_app
 from fleet.gateway.tenants import add_key
 from fleet.wire import subjects
+from tests.secured import PASSWORDS, shipped_auth_server
 
-PASSWORDS = {role: f"test-{role}-pw" for role in ("client", "gateway", "worker", "operator")}
 CHAT = {"model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}]}
 
 
 @pytest.fixture
 def secured_url(tmp_path: Path) -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as env:
-        for role, password in PASSWORDS.items():
-            env.setenv(env_password(role), password)
-        server = EmbeddedNats(tmp_path / "nats", port=0, config=ops_dir() / "nats" / "auth.conf",
-                              log_file=tmp_path / "nats.log")
-        server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    with shipped_auth_server(tmp_path) as url:
+        yield url
 
 
 @pytest.fixture

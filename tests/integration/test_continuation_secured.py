@@ -16,8 +16,6 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from fleet.bus.auth_gen import env_password
-from fleet.bus.embedded import EmbeddedNats, ops_dir
 from fleet.bus.provision import provision
 from fleet.wire.events import TaskAccepted, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
@@ -30,23 +28,15 @@ from tests.integration.harness import (
     submit,
     wait_node,
 )
+from tests.secured import PASSWORDS, shipped_auth_server
 
-PASSWORDS = {role: f"cont-{role}-secret" for role in ("client", "gateway", "worker", "operator")}
 TOKENS = 40
 
 
 @pytest.fixture
 def secured_url(tmp_path: Path) -> Iterator[str]:
-    with pytest.MonkeyPatch.context() as env:
-        for role, password in PASSWORDS.items():
-            env.setenv(env_password(role), password)
-        server = EmbeddedNats(tmp_path / "nats", port=0, config=ops_dir() / "nats" / "auth.conf",
-                              log_file=tmp_path / "nats.log")
-        server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+    with shipped_auth_server(tmp_path) as url:
+        yield url
 
 
 async def as_role(url: str, role: str) -> Client:
