@@ -5,7 +5,6 @@ tiny-flux2 through the same gateway, saves it, and stops."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import base64
 import logging
 import sys
@@ -19,6 +18,7 @@ from fleet.bus.connect import connect_with
 from fleet.commands.stack import stack
 from fleet.config import Settings, settings_of
 from fleet.errors import FleetError
+from fleet.proc import Exit, run_main
 from fleet.wire import subjects
 from fleet.wire.cluster import RunnerRecord
 from fleet.wire.codec import DecodeError, decode_model
@@ -98,11 +98,11 @@ async def image(base: str, out: Path) -> Path:
     return out
 
 
-async def run_demo(settings: Settings, timeout: float) -> int:
+async def run_demo(settings: Settings, timeout: float, exit_: Exit | None = None) -> int:
     for chatty in ("httpx", "uvicorn", "uvicorn.error"):  # the demo's output is the answer
         logging.getLogger(chatty).setLevel(logging.WARNING)
     print("fleet demo: starting nats-server, a worker and the gateway…", file=sys.stderr)
-    async with stack(settings, [CHAT_MODEL, IMAGE_MODEL]) as running:
+    async with stack(settings, [CHAT_MODEL, IMAGE_MODEL], exit_) as running:
         base = f"http://{running.gateway_host}:{running.gateway_port}/v1"
         print(f"  NATS {running.url}; gateway {base}", file=sys.stderr)
         print(f"  dashboard {base.removesuffix('/v1')}/ui", file=sys.stderr)
@@ -118,6 +118,8 @@ async def run_demo(settings: Settings, timeout: float) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="run the embedded stack, chat, make an image, stop")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for runners")
-    p.set_defaults(func=lambda a: asyncio.run(run_demo(
-        settings_of(a), a.timeout
+    # run_main, as `fleet up`: signals stop it within its grace, and it leaves without native
+    # teardown, which aborts once mlx converted SmolLM2 in this process (see fleet.proc).
+    p.set_defaults(func=lambda a: run_main(lambda exit_: run_demo(
+        settings_of(a), a.timeout, exit_
     )))
