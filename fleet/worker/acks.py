@@ -149,9 +149,11 @@ class AckPolicy:
 
     def redelivered_while_held(self, msg: Msg) -> str | None:
         """The task id when `msg` is a redelivery of a message held here (its AckWait ran out
-        while an in_progress was lost, e.g. in a leader election): still ours, not new work."""
-        if msg.metadata is None or msg.metadata.num_delivered < 2:
-            return None  # a first delivery (the token path's common case): nothing to look up
+        while an in_progress was lost, e.g. in a leader election): still ours, not new work.
+        Looked up by stream sequence whatever its delivery count says: a server killed and
+        restarted on its store can deliver a held message again as a first delivery (its
+        consumer's last deliveries were not on disk yet); seen once in CI as the same task
+        submitted twice to one runner."""
         held = next((h for h in self._held.items() if _same(h[1].msg, msg)), None)
         return held[0] if held else None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from fleet.bus.provision import ensure_task_consumer
 from fleet.wire import subjects
@@ -128,3 +129,25 @@ async def test_a_redelivery_of_a_held_message_is_recognised_and_renewed(
     await provisioned_nc.flush()
     info = await js.consumer_info(subjects.TASKS_STREAM, subjects.durable("m"))
     assert info.num_ack_pending == 0
+
+
+async def test_a_held_message_delivered_again_as_a_first_delivery_is_still_recognised(
+    provisioned_nc: Client,
+) -> None:
+    """A server killed and restarted on its store may have lost its consumer's last
+    deliveries and send a held message again with a delivery count of 1: still ours."""
+    js = provisioned_nc.jetstream()
+    await ensure_task_consumer(provisioned_nc, "m", ack_wait_s=30.0)
+    sub = await js.pull_subscribe_bind(subjects.durable("m"), stream=subjects.TASKS_STREAM)
+    await js.publish(subjects.tasks("m"), b"held")
+    [first] = await sub.fetch(1, timeout=5)
+    policy = AckPolicy(ack_wait_s=30.0, budget_s=2.0)
+    policy.hold("t", first, now=0.0)
+    # The restarted server's delivery of the same stream message: count 1, a new consumer seq.
+    tokens = first.reply.split(".")
+    tokens[6] = str(int(tokens[6]) + 1)  # $JS.ACK.<stream>.<consumer>.<count>.<sseq>.<cseq>...
+    again = Msg(_client=provisioned_nc, subject=first.subject, reply=".".join(tokens),
+                data=first.data)
+    assert again.metadata.num_delivered == 1
+    assert again.metadata.sequence.stream == first.metadata.sequence.stream
+    assert policy.redelivered_while_held(again) == "t"
