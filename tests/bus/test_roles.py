@@ -13,10 +13,9 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 from nats.js.errors import APIError
 
-import fleet.bus.denials as denials
-from fleet.bus.auth_gen import env_password, shipped_config
+from fleet.bus.auth_gen import shipped_config
 from fleet.bus.connect import ConnectOptions, connect
-from fleet.bus.embedded import EmbeddedNats, ops_dir
+from fleet.bus.embedded import ops_dir
 from fleet.bus.provision import provision
 from fleet.bus.roles import ACTIONS, GRANTS, ROLES, Action, table_markdown
 from fleet.errors import ProvisioningDenied
@@ -123,17 +122,13 @@ async def test_a_wrong_password_is_refused(secured_url: str) -> None:
 
 
 async def test_provisioning_without_the_operator_role_fails_at_once_and_says_why(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """A worker started before the operator provisioned: a clear error, not 30 s of retries
-    that end in "JetStream is not answering"."""
-    for role, password in PASSWORDS.items():
-        monkeypatch.setenv(env_password(role), password)
-    server = EmbeddedNats(tmp_path / "nats", port=0, config=ops_dir() / "nats" / "auth.conf",
-                          log_file=tmp_path / "nats.log")
-    server.start()
-    try:
-        nc = await connect(server.url, "test-worker", options=ConnectOptions(
+    that end in "JetStream is not answering". (The helper forgets the recorded denial after:
+    a gateway built by a later test in this process would report it on /healthz as its own.)"""
+    with shipped_auth_server(tmp_path) as url:
+        nc = await connect(url, "test-worker", options=ConnectOptions(
             user="worker", password=PASSWORDS["worker"]))
         try:
             async with asyncio.timeout(20):  # under the 30 s broker budget a retry would take
@@ -141,8 +136,3 @@ async def test_provisioning_without_the_operator_role_fails_at_once_and_says_why
                     await provision(nc)
         finally:
             await nc.close()
-    finally:
-        server.stop()
-        # The denial is recorded per process and kept a minute: a gateway built by a later
-        # test in this process would report it on /healthz as its own.
-        denials.forget_permission_errors()
