@@ -74,6 +74,8 @@ async def refused_by_permission(call: Callable[[], Awaitable[T]], subject: str) 
     key = subject.lower()
     denial: asyncio.Future[PermissionDenied] = asyncio.get_running_loop().create_future()
     _waiting.setdefault(key, set()).add(denial)
+    # Owned here, never left behind: its result or error is the caller's, and on a denial (or
+    # the caller's cancel) it is cancelled and awaited before this returns.
     attempt = asyncio.ensure_future(call())
     try:
         await asyncio.wait({attempt, denial}, return_when=asyncio.FIRST_COMPLETED)
@@ -82,14 +84,15 @@ async def refused_by_permission(call: Callable[[], Awaitable[T]], subject: str) 
         denied = denial.result()
         raise NotPermitted(
             f"the server refused this process's {denied.operation} to {denied.subject}: its "
-            "NATS user lacks that permission (see README, Security: roles)"
+            "NATS user lacks that permission (docs/permissions.md)"
         )
     finally:
-        if not attempt.done():
-            attempt.cancel()
         denial.cancel()
         waiters = _waiting.get(key)
         if waiters is not None:
             waiters.discard(denial)
             if not waiters:
                 del _waiting[key]
+        if not attempt.done():
+            attempt.cancel()
+            await asyncio.gather(attempt, return_exceptions=True)
