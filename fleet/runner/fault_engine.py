@@ -6,6 +6,8 @@ and the worker can be driven without mlx. Knobs written anywhere in the task's t
 
     tokens:N        make N tokens, then finish "stop" (capped by max_tokens: then "length")
     delay_ms:X      each step takes X ms (the slowest running task sets the pace)
+    tokens_per_s:R  the task makes at most R tokens a second (a measurement knob: it paces
+                    the plumbing at a chosen rate; without it, tokens come as fast as steps)
     crash_after:K   after K tokens the next step raises, as a broken engine would
     reject:REASON   admit refuses the task with that ErrorReason (e.g. reject:unsupported)
 
@@ -31,7 +33,7 @@ from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TokenChunk
 from fleet.wire.tasks import TextGeneration
 
 FAULT_FAMILY = "fault"
-_KNOB = re.compile(r"\b(tokens|delay_ms|crash_after|reject):([A-Za-z0-9_]+)")
+_KNOB = re.compile(r"\b(tokens|tokens_per_s|delay_ms|crash_after|reject):([A-Za-z0-9_]+)")
 
 
 def fault_card(model_id: str = "fault-llm", n_layers: int = 2) -> ModelCard:
@@ -52,6 +54,7 @@ class Knobs:
     delay_ms: int = 0
     crash_after: int | None = None
     reject: ErrorReason | None = None
+    tokens_per_s: int | None = None
 
 
 def parse_knobs(text: str) -> Knobs:
@@ -61,6 +64,7 @@ def parse_knobs(text: str) -> Knobs:
         delay_ms=int(found.get("delay_ms", Knobs.delay_ms)),
         crash_after=int(found["crash_after"]) if "crash_after" in found else None,
         reject=ErrorReason(found["reject"]) if "reject" in found else None,
+        tokens_per_s=int(found["tokens_per_s"]) if "tokens_per_s" in found else None,
     )
 
 
@@ -82,6 +86,7 @@ class _Run:
     knobs: Knobs
     prompt_tokens: int
     produced: int = 0
+    next_at: float = 0.0  # a paced task (tokens_per_s) makes its next token at this time
 
 
 class FaultEngine:
@@ -130,6 +135,7 @@ class FaultEngine:
         if not self._runs:
             return []
         self._sleep(max(run.knobs.delay_ms for run in self._runs.values()) / 1000)
+        self._wait_for_paced()
         with self._lock:
             cancelled = self._cancelled & self._runs.keys()
             self._cancelled -= cancelled
@@ -141,6 +147,8 @@ class FaultEngine:
                 continue
             if run.knobs.crash_after is not None and run.produced >= run.knobs.crash_after:
                 raise RuntimeError(f"fault injected: crash after {run.produced} tokens")
+            if not self._due(run):
+                continue
             index = run.produced
             events.append(
                 TokenChunk(
@@ -156,6 +164,28 @@ class FaultEngine:
                 del self._runs[task_id]
                 events.append(self._completed(run))
         return events
+
+    def _due(self, run: _Run) -> bool:
+        """Whether a task makes a token in this step; a paced one books its next one."""
+        rate = run.knobs.tokens_per_s
+        if not rate:
+            return True
+        now = self._clock()
+        if now < run.next_at:
+            return False
+        # On its cadence, unless a whole period late: a late step does not bunch tokens up.
+        period = 1 / rate
+        run.next_at = run.next_at + period if now - run.next_at < period else now + period
+        return True
+
+    def _wait_for_paced(self) -> None:
+        """When every running task is paced and none is due, sleep until the first is (the
+        step would otherwise spin, and a real engine's step takes time too)."""
+        if any(not run.knobs.tokens_per_s for run in self._runs.values()):
+            return
+        wait = min(run.next_at for run in self._runs.values()) - self._clock()
+        if wait > 0:
+            self._sleep(wait)
 
     def _completed(self, run: _Run) -> TaskFinished:
         stopped = run.knobs.tokens <= run.task.max_tokens

@@ -1,0 +1,57 @@
+"""The fault engine's rate knob (tokens_per_s): a measurement pace, on a fake clock."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from fleet.runner.engine import Admission, EngineConfig
+from fleet.runner.fault_engine import FaultEngine, fault_card, parse_knobs
+from fleet.wire.events import TaskFinished, TokenChunk
+from fleet.wire.tasks import TextGeneration
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+
+def test_the_rate_knob_is_parsed() -> None:
+    assert parse_knobs("tokens:9 tokens_per_s:250").tokens_per_s == 250
+    assert parse_knobs("tokens:9 tokens_per_s:250").tokens == 9
+    assert parse_knobs("tokens:9").tokens_per_s is None
+
+
+def test_paced_tasks_make_tokens_at_their_rate(tmp_path: Path) -> None:
+    clock = FakeClock()
+    config = EngineConfig(card=fault_card(), model_path=tmp_path, slots=4, images_dir=tmp_path)
+    engine = FaultEngine(config, clock=clock, sleep=clock.sleep)
+    rates = {"fast": 200, "slow": 50}
+    for task_id, rate in rates.items():
+        engine.admit(Admission(task=TextGeneration(
+            task_id=task_id, model="fault-llm", prompt=f"tokens:6 tokens_per_s:{rate}",
+            max_tokens=100,
+        )))
+    made: dict[str, list[float]] = {task_id: [] for task_id in rates}
+    finished: set[str] = set()
+    for _ in range(1000):
+        if engine.active == 0:
+            break
+        for event in engine.step():
+            if isinstance(event, TokenChunk):
+                made[event.task_id].append(event.at)
+            elif isinstance(event, TaskFinished):
+                finished.add(event.task_id)
+    assert finished == set(rates)
+    for task_id, rate in rates.items():
+        times = made[task_id]
+        assert len(times) == 6
+        gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+        assert min(gaps) >= 1 / rate - 1e-9, (task_id, gaps)
+        assert max(gaps) <= 1 / rate + 1e-9, (task_id, gaps)
