@@ -11,10 +11,13 @@ first, each awaiting its ack before the next, then resumes: messages wait in ord
 connection is down. Every message carries a Nats-Msg-Id, so a re-send of a message that was
 stored after all is acked as a duplicate at its first place.
 
-`settle` tells whether the stream holds the sequence whole and in order: every message
-confirmed, and the confirmed stream sequences strictly increasing. The second check catches
-the one reordering a reconnect can cause (a message lost in the dead socket, the next one
-still in nats-py's buffer and flushed first on the new connection).
+`settle` tells whether the stream holds the sequence whole: every message confirmed (stored,
+or a duplicate of a copy already stored) and none refused. Whole but out of order counts as
+whole (`stored_whole`): a repair re-sends a message whose ack was lost after later ones were
+stored (a leader change, or a reconnect that flushes nats-py's buffer before the re-send), so
+its copy lands after them. Every event a reader puts in order carries its index
+(fleet.bus.task_events reads them in index order), so only a message that is truly missing
+fails the task's output.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import orjson
 from nats.aio.client import Client
@@ -86,6 +90,7 @@ class ConfirmedPublisher:
         self._tokens = 0
         self.repairs = 0  # sequences that had to be re-sent (for metrics and tests)
         self.resent = 0  # messages re-sent by repairs
+        self.reordered = 0  # sequences stored whole but out of order (whole: not a problem)
 
     async def send(
         self, key: str, subject: str, body: bytes, headers: Mapping[str, str]
@@ -135,7 +140,11 @@ class ConfirmedPublisher:
                     await seq.repair
             seq.broken = True
             await self._repair(seq, deadline)
-        return _problem(seq)
+        problem = _problem(seq)
+        if problem is None and stored_whole(_stored_seqs(seq)) is Storage.REORDERED:
+            self.reordered += 1
+            log.info("output of %s: stored whole, out of order (read in index order)", key)
+        return problem
 
     def forget(self, key: str) -> None:
         seq = self._sequences.pop(key, None)
@@ -262,18 +271,41 @@ def _ack_error(msg: Msg) -> Exception | None:
     return None
 
 
+class Storage(StrEnum):
+    """How a sequence's messages are stored, from their confirmed stream sequences."""
+
+    IN_ORDER = "in_order"
+    REORDERED = "reordered"  # every message stored, some after a later one: still whole
+    MISSING = "missing"  # some message has no stored copy
+
+
+def stored_whole(seqs: Sequence[int | None]) -> Storage:
+    """Pure: whether messages confirmed at these stream sequences (None: never confirmed)
+    are stored whole, and in order. Two messages at one sequence are one event sent twice
+    under the same Msg-Id (a duplicate): the stream holds it, once, so that is whole too, but
+    not in order."""
+    stored = [seq for seq in seqs if seq is not None]
+    if len(stored) < len(seqs):
+        return Storage.MISSING
+    if any(later <= earlier for earlier, later in itertools.pairwise(stored)):
+        return Storage.REORDERED
+    return Storage.IN_ORDER
+
+
+def _stored_seqs(seq: _Sequence) -> list[int | None]:
+    # A message sent once and answered "duplicate" was stored by an earlier attempt of the
+    # task (a continued task's dead worker, whose last tokens can land after the stream was
+    # read back): that copy, the same event, came first, so it is not a reordering.
+    return [m.seq for m in seq.messages if not (m.duplicate and m.sends == 1)]
+
+
 def _problem(seq: _Sequence) -> str | None:
+    """What keeps the stream from holding the sequence whole; None when it does (in order
+    or not)."""
     if refused := [m.refused for m in seq.messages if m.refused]:
         return f"the stream refused {len(refused)} message(s): {refused[0]}"
     if missing := sum(1 for m in seq.messages if m.seq is None):
         return f"{missing} of {len(seq.messages)} message(s) could not be stored"
-    # A message sent once and answered "duplicate" was stored by an earlier attempt of the
-    # task (a continued task's dead worker, whose last tokens can land after the stream was
-    # read back): that copy, the same event, came first, so it cannot be out of order. A
-    # duplicate of our own re-sent message still counts: its place is where we stored it.
-    stored = [m.seq or 0 for m in seq.messages if not (m.duplicate and m.sends == 1)]
-    if any(later <= earlier for earlier, later in itertools.pairwise(stored)):
-        return "messages were stored out of order"
     return None
 
 

@@ -18,6 +18,13 @@ after the N events a client has already seen, bounded by a deadline (and, for re
 streams, an idle limit).
 
 Events are numbered 1, 2, 3… within their task, so `after=N` means "I have seen N events".
+
+Read in index order (`IndexOrder`): a task's output can be stored whole but out of order (a
+re-send whose first ack was lost in a leader change lands after later tokens,
+fleet.bus.confirmed), so a token or tool call stored ahead of its turn waits until the ones
+before it arrive, and an error or the terminal lets out whatever still waits, in index order,
+before itself. The rule depends only on the stored order, so a replaying reader and a live
+one number the events alike, and `after=N` means the same to both.
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ import asyncio
 import contextlib
 import logging
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import anyio
 from nats.aio.client import Client
@@ -40,7 +49,14 @@ from nats.js.errors import NotFoundError
 from fleet.errors import DeadlineExceeded, NatsUnavailable, StreamIdle, failure_of
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
-from fleet.wire.events import ImageChunk, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
+from fleet.wire.events import (
+    ErrorChunk,
+    ImageChunk,
+    OutputEvent,
+    TaskFinished,
+    TokenChunk,
+    ToolCallChunk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +176,60 @@ class Indexed:
     raw: bytes
 
 
+Item = TypeVar("Item")
+
+
+class IndexOrder(Generic[Item]):
+    """Pure: one task's events in the order they were stored in, out in index order.
+
+    Tokens and tool calls (each kind numbered from 0) go out in their index order: one stored
+    ahead of its turn is held until the ones before it arrive; one whose index went out already
+    (a copy of an event stored twice) is dropped. An error or the terminal first lets out what
+    is held (the output before it is all there is), then itself. Any other event goes out as it
+    comes. `Item` is what the caller keeps with each event (its raw bytes, its sequence)."""
+
+    def __init__(self) -> None:
+        self._next: dict[str, int] = {}  # kind -> the index whose turn it is
+        self._held: dict[str, dict[int, Item]] = {}  # kind -> index -> item held back
+
+    @property
+    def holding(self) -> int:
+        return sum(len(held) for held in self._held.values())
+
+    def push(self, event: OutputEvent | None, item: Item) -> list[Item]:
+        """What goes out now that `event` (None: undecodable, passed on) has arrived."""
+        match event:
+            case TokenChunk() | ToolCallChunk():
+                return self._indexed(event.type, event.index, item)
+            case ErrorChunk() | TaskFinished():
+                return [*self._release(), item]
+        return [item]
+
+    def _indexed(self, kind: str, index: int, item: Item) -> list[Item]:
+        turn = self._next.get(kind, 0)
+        held = self._held.setdefault(kind, {})
+        if index < turn or index in held:
+            log.debug("%s %d stored twice: the later copy is skipped", kind, index)
+            return []
+        held[index] = item
+        out: list[Item] = []
+        while turn in held:
+            out.append(held.pop(turn))
+            turn += 1
+        self._next[kind] = turn
+        return out
+
+    def _release(self) -> list[Item]:
+        """Everything held, each kind in index order (a gap no later event will fill)."""
+        out: list[Item] = []
+        for kind, held in self._held.items():
+            for index in sorted(held):
+                out.append(held[index])
+                self._next[kind] = index + 1
+            held.clear()
+        return out
+
+
 def commits_response(event: OutputEvent) -> bool:
     """Whether an HTTP response must be committed (headers sent) to pass this event on."""
     return isinstance(event, TokenChunk | ToolCallChunk | ImageChunk | TaskFinished)
@@ -228,6 +298,8 @@ class TaskEvents(EventReader):
         self._listener: Listener | None = None
         self._replayed: list[Delivered] = []
         self._last_seq = 0
+        self._order: IndexOrder[tuple[Delivered, OutputEvent | None]] = IndexOrder()
+        self._ready: deque[tuple[Delivered, OutputEvent | None]] = deque()
 
     def unfinished(self) -> list[str]:
         return [] if self.finished is not None else [self.task_id]
@@ -282,13 +354,10 @@ class TaskEvents(EventReader):
         if self.finished is not None or self._listener is None:
             raise StopAsyncIteration
         while True:
-            message = await self._next_message()
+            message, event = await self._next_in_order()
             self.index += 1
-            try:
-                event = decode_event(message.data)
-            except DecodeError as exc:
-                log.warning("undecodable event %d of task %s: %s", self.index, self.task_id, exc)
-                continue
+            if event is None:
+                continue  # undecodable: it keeps its place, so indexes agree with the store
             if isinstance(event, TaskFinished):
                 self.finished = event
             if self.index <= self.after:
@@ -296,6 +365,18 @@ class TaskEvents(EventReader):
                     raise StopAsyncIteration  # the client has seen everything already
                 continue
             return Indexed(self.index, event, message.data)
+
+    async def _next_in_order(self) -> tuple[Delivered, OutputEvent | None]:
+        """The next event in index order (fleet.bus.task_events.IndexOrder)."""
+        while not self._ready:
+            message = await self._next_message()
+            try:
+                event: OutputEvent | None = decode_event(message.data)
+            except DecodeError as exc:
+                log.warning("undecodable event of task %s: %s", self.task_id, exc)
+                event = None
+            self._ready.extend(self._order.push(event, (message, event)))
+        return self._ready.popleft()
 
     async def _next_message(self) -> Delivered:
         while True:

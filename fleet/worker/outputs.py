@@ -7,8 +7,9 @@ it replaces), and a broker restart or an election only delays the events, which 
 and go out when the connection is back. Each event has a Nats-Msg-Id
 `<task_id>-<kind>-<index>`, so a re-send is stored once.
 
-`finish` first settles the task's earlier events. If they cannot be stored whole and in
-order within the broker budget, a `completed` terminal becomes `failed` with reason
+`finish` first settles the task's earlier events. If they cannot be stored whole within the
+broker budget (whole but out of order is whole: readers read in index order,
+fleet.bus.task_events), a `completed` terminal becomes `failed` with reason
 `output_lost` (a failed or cancelled terminal keeps its own reason). If the terminal itself
 cannot be stored, `finish` raises BrokerUnavailable: the worker must not ack the task then,
 and its redelivery ends it (`worker_lost`, output had started) on a later try.
