@@ -53,7 +53,7 @@ from fleet.gateway.errors import (
     on_http_error,
     on_unexpected_error,
 )
-from fleet.gateway.observability import AccessLog, http_spans
+from fleet.gateway.observability import AccessLog, TraceOfItsOwn, http_spans
 from fleet.gateway.service import Gateway
 from fleet.gateway.tenants import ApiKeys, KeyRing, add_key
 
@@ -126,10 +126,11 @@ def build_app(settings: Settings) -> Starlette:
     app.state.gateway = gateway
     app.state.key_ring = ring  # the dashboard asks it who is an operator
     mount_dashboard(app)  # /ui: fleet/dashboard
-    # Outermost, in this order: the access log sees every request; the HTTP span is current
-    # for everything below it. Added last so that they know every route, /ui's too.
+    # Outermost, in this order: the access log sees every request; each request starts with
+    # no trace context; the HTTP span is current for everything below it. Added last so that they know every route, /ui's too.
     meter_provider = gateway.metrics.meters.provider
     app.add_middleware(http_spans, routes=app.router.routes, meter_provider=meter_provider)
+    app.add_middleware(TraceOfItsOwn)
     app.add_middleware(AccessLog)
     telemetry.export_to_nats(lambda: gateway.backend.nc)
     return app

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import context as otel_context
+from opentelemetry.context import Context
 from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
 from opentelemetry.util.http import ExcludeList
@@ -119,7 +121,7 @@ class TaskObserver:
                 self.first_output = now
                 self.timings.time_to_first_token.record(now - self.started, self.attributes)
         if isinstance(event, TokenChunk):
-            self.token_count += 1
+            self.token_count += event.count
             self.last_token = now
         if isinstance(event, TaskFinished):
             self.finish(event, now)
@@ -197,6 +199,23 @@ def header_of(message: Message, name: bytes) -> str:
         if key.lower() == name:
             return bytes(value).decode("latin-1")
     return ""
+
+
+class TraceOfItsOwn:
+    """Each request starts with no trace context, so its span is a root (or joins the client's
+    `traceparent`). uvicorn starts a pipelined request's task from inside the previous
+    request's task, whose span is current there: without this, every request after it on the
+    connection joined that request's trace."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        token = otel_context.attach(Context())
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            otel_context.detach(token)
 
 
 class AccessLog:

@@ -46,6 +46,7 @@ class StandInWorker:
         self.nc = nc
         self.model = model
         self.tasks: list[Task] = []
+        self.headers: list[dict[str, str]] = []  # each task message's, in order
 
     async def answer(self, script: Script, timeout: float = 10.0) -> Task:
         await ensure_task_consumer(self.nc, self.model)
@@ -56,6 +57,7 @@ class StandInWorker:
         [message] = await sub.fetch(1, timeout=timeout)
         task = decode_task(message.data)
         self.tasks.append(task)
+        self.headers.append(dict(message.headers or {}))
         for event in script(task):
             await js_publish(js, subjects.out(task.task_id), event)
         await message.ack()
