@@ -84,6 +84,9 @@ async def provision_with(nc: Client, replicas: int) -> None:
 
 class FaultRun:
     def __init__(self, broker: Broker, root: Path, load: Load, replicas: int = 1) -> None:
+        """`worker_urls` (set before `start`): the servers the workers may connect to, when a
+        scenario must keep them off the server it hurts; every server by default."""
+        self.worker_urls = broker.url
         self.broker = broker
         self.root = root
         self.load = load
@@ -98,6 +101,7 @@ class FaultRun:
         self.unfinished_at_fault: list[int] = []
         self.started = time.monotonic()
         self.marks: list[tuple[str, float]] = []  # (what happened, seconds since the start)
+        self.arrivals: dict[str, list[float]] = {}  # task id -> monotonic time of each event
 
     # ---- set-up ------------------------------------------------------------------------
 
@@ -109,7 +113,7 @@ class FaultRun:
         for index in range(self.load.workers):
             data_dir = self.root / f"w{index + 1}"
             card = add_fault_card(data_dir)
-            self.workers.append(WorkerProcess(self.broker.url, data_dir, **env).start())
+            self.workers.append(WorkerProcess(self.worker_urls, data_dir, **env).start())
         for worker in self.workers:
             node = await wait_node(self.nc, worker.data_dir, timeout=60)
             await place_and_wait(self.nc, card, node, slots=self.load.slots, timeout=60)
@@ -121,6 +125,7 @@ class FaultRun:
 
     async def _on_event(self, msg: Msg) -> None:
         task_id = msg.subject.rsplit(".", 1)[-1]
+        self.arrivals.setdefault(task_id, []).append(time.monotonic())
         if b'"type":"task_finished"' in msg.data:
             self.finished.add(task_id)
             self.changed.set()

@@ -7,6 +7,7 @@ usage that agrees. The test never cancels anything, so any `cancelled` is spurio
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
@@ -88,7 +89,9 @@ def tally(
         counts.last_terminal_after_return_s = after if latest is None else max(latest, after)
         if first.stored_at > deadline:
             counts.note("late", task_id)
-        indexes = [s.event.index for s in events if isinstance(s.event, TokenChunk)]
+        # Every token index stored (a token event may carry several tokens).
+        indexes = [s.event.index + k for s in events if isinstance(s.event, TokenChunk)
+                   for k in range(s.event.count)]
         if len(indexes) != len(set(indexes)):
             counts.note("duplicate_tokens", task_id)
         if indexes != sorted(indexes):
@@ -134,11 +137,11 @@ def history(events: list[Stored], returned_at: float) -> str:
     for stored in events:
         event = stored.event
         if isinstance(event, TokenChunk) and (not run or event.index == run[-1] + 1):
-            run.append(event.index)
+            run.extend(range(event.index, event.next_index))
             continue
         fold()
         if isinstance(event, TokenChunk):
-            run.append(event.index)
+            run.extend(range(event.index, event.next_index))
         elif isinstance(event, TaskAccepted):
             parts.append(f"accepted {event.node_id} d{event.delivery}")
         elif isinstance(event, TaskFinished):
@@ -153,3 +156,21 @@ def history(events: list[Stored], returned_at: float) -> str:
 def describe(counts: FaultCounts) -> str:
     shown = {k: v for k, v in vars(counts).items() if v not in (0, None, {})}
     return " ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def longest_silence(
+    arrivals: dict[str, list[float]], ended: set[str], start: float, end: float
+) -> float:
+    """The longest time within [start, end] that a running task's stream went without an event
+    (arrival times per task, as a live reader saw them). A task runs from its first event to
+    its terminal; one not `ended` by the time of its last arrival still runs at `end`."""
+    longest = 0.0
+    for task_id, times in arrivals.items():
+        if not times:
+            continue
+        seen = sorted(times)
+        if task_id not in ended and seen[-1] < end:
+            seen.append(end)
+        for earlier, later in itertools.pairwise(seen):
+            longest = max(longest, min(later, end) - max(earlier, start))
+    return longest

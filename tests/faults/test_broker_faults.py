@@ -3,7 +3,10 @@
 1. a single nats-server SIGKILLed and restarted on the same store;
 2. a 3-node R3 cluster: the leaders of FLEET_TASKS, FLEET_OUT, KV_FLEET_NODES and
    KV_FLEET_INSTANCES SIGKILLed in turn, each restarted a few seconds later;
-3. the leader of KV_FLEET_NODES partitioned (SIGSTOP, then SIGCONT) for 20 s.
+3. the leader of KV_FLEET_NODES partitioned (SIGSTOP, then SIGCONT) for 20 s;
+4. the leader of FLEET_OUT paused and resumed while tasks stream: its return re-elects
+   leaders, and output stored whole but out of order must still end `completed`, read in
+   index order (issue 27).
 
 Each asserts the issue's bar: 0 lost, 0 hung, 0 duplicate terminals, 0 completed with a gap,
 0 spurious cancelled, every worker alive, every task finished within 60 s of the broker's
@@ -22,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from fleet.bus.task_events import TaskEvents
 from fleet.wire import subjects
+from fleet.wire.events import TokenChunk
 from tests.faults.conftest import LONG, RunFactory
 from tests.faults.run import FaultReport, FaultRun, Load
 from tests.faults.servers import (
@@ -47,6 +52,10 @@ else:
     SINGLE = Load(tasks=32, tokens=30, delay_ms=100)
     CLUSTER = Load(tasks=80, tokens=40, delay_ms=100)
     PARTITION = Load(tasks=96, tokens=30, delay_ms=100)
+# Long streams, so that the paused server's return lands mid-stream for most running tasks.
+OUT_PAUSE = Load(tasks=150, tokens=1000, delay_ms=10) if LONG else Load(
+    tasks=40, tokens=400, delay_ms=15)
+OUT_PAUSE_S = 20.0 if LONG else 8.0
 # How long a killed server stays down: the single server 5 s as in the issue (longer than a
 # publish's 5 s timeout); the cluster's servers a few seconds each.
 SINGLE_DOWN_S = 5.0
@@ -155,3 +164,43 @@ async def test_kv_leader_partitioned_for_20s_loses_nothing_and_cancels_nothing(
     run.mark(f"resumed {leader}")
     await run.until_finished(returned)
     check(await run.report(returned), replicas=3)
+
+
+async def test_out_leader_paused_and_resumed_mid_stream_ends_every_task_completed(
+    cluster_broker: Broker, fault_run: RunFactory
+) -> None:
+    """The workers stay connected (to the other two servers): their pipelined output goes on
+    through the election, and the paused server's return moves FLEET_OUT's leader again
+    under full streams, which is when acks are lost and re-sends land out of order."""
+    run = fault_run(cluster_broker, OUT_PAUSE, 3)
+    paused, node = next(iter(cluster_broker.nodes.items()))
+    run.worker_urls = ",".join(n.url for name, n in cluster_broker.nodes.items() if name != paused)
+    await run.start()
+    assert await move_leader(run.nc, subjects.OUT_STREAM, paused)
+    await run.publish()
+    await run.until_busy()
+    run.fault_now(f"pause {paused} (leads {subjects.OUT_STREAM}; no worker connected)")
+    node.pause()
+    try:
+        await asyncio.sleep(OUT_PAUSE_S)  # the pause itself: the duration under test
+    finally:
+        node.resume()
+    returned = time.time()
+    run.fault_now(f"resumed {paused}")  # its return re-elects: streams must still be running
+    await run.until_finished(returned)
+    report = await run.report(returned)
+    check(report, replicas=3)
+    assert report.counts.output_lost == 0, describe(report.counts)
+    assert report.counts.completed == OUT_PAUSE.tasks, describe(report.counts)
+    await read_in_index_order(run)
+
+
+async def read_in_index_order(run: FaultRun) -> None:
+    """Every task read as a client reads it (TaskEvents): tokens 0..n-1, once each, in order,
+    whatever order the store holds them in."""
+    loop = asyncio.get_running_loop()
+    for task_id, tokens in run.expected.items():
+        async with TaskEvents(run.nc.jetstream(), task_id, loop.time() + 30) as events:
+            read = [item.event.index async for item in events
+                    if isinstance(item.event, TokenChunk)]
+        assert read == list(range(tokens)), f"{task_id}: {read}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, TokenChunk, Usage, failed
-from tests.faults.tally import Stored, history, tally
+from tests.faults.tally import Stored, history, longest_silence, tally
 
 T0 = 1000.0  # the broker's return
 
@@ -87,3 +87,18 @@ def test_bad_lists_only_what_the_bar_forbids() -> None:
 def test_history_folds_token_runs_and_times_the_end_from_the_return() -> None:
     events = [accepted("a"), token("a", 0), token("a", 1), token("a", 3), done("a")]
     assert history(events, T0) == "accepted n d1; tok 0-1; tok 3; completed/None @+1.0s"
+
+
+@pytest.mark.parametrize(("arrivals", "ended", "silence"), [
+    ({"a": [0.0, 1.0, 2.0, 3.0]}, {"a"}, 1.0),  # steady
+    ({"a": [0.0, 1.0, 6.0]}, {"a"}, 5.0),  # quiet from 1 to 6
+    ({"a": [0.0, 9.0]}, {"a"}, 8.0),  # the gap is cut to the window [1, 10]... from 1 to 9
+    ({"a": [0.0, 0.5]}, set(), 9.0),  # still running, silent from the window's start to its end
+    ({"a": [0.0, 0.5]}, {"a"}, 0.0),  # ended before the window: not a running stream
+    ({"a": [2.0, 3.0], "b": [1.0, 7.0]}, {"a", "b"}, 6.0),  # the worst task counts
+    ({"a": [12.0, 13.0]}, set(), 0.0),  # started after the window
+])
+def test_longest_silence(
+    arrivals: dict[str, list[float]], ended: set[str], silence: float
+) -> None:
+    assert longest_silence(arrivals, ended, 1.0, 10.0) == pytest.approx(silence)
