@@ -6,7 +6,11 @@ JetStream API, so what an operator reads in ops/ is exactly what the server gets
 cluster that can hold three copies, 1 otherwise, `replicas` to override). A stream that
 exists with a different value for another key the file sets is reported, never clobbered;
 an existing stream with fewer replicas than chosen is reported with the command that raises
-it.
+it. The limits in LIMIT_KEYS are the exception: a stream provisioned before they existed gets
+them by an update of those keys alone (everything else stays as the server has it), because
+without them any client could fill FLEET_OUT with consumers that never go; an update the
+server or the role's permissions refuse is logged with what to do, and the stream is used as
+it is.
 
 Every API call retries transient errors (an election, a restart) within the broker budget.
 """
@@ -24,23 +28,26 @@ from nats.aio.client import Client
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import ServiceUnavailableError
 
-from fleet.bus.denials import permission_errors
+from fleet.bus.denials import permission_errors, refused_by_permission
 from fleet.bus.embedded import ops_dir
 from fleet.bus.replicas import choose_replicas, replicas_advice
 from fleet.bus.retry import BROKER_BUDGET_S, with_retry
-from fleet.errors import NatsUnavailable, ProvisioningConflict, ProvisioningDenied
+from fleet.errors import NatsUnavailable, NotPermitted, ProvisioningConflict, ProvisioningDenied
 from fleet.wire import subjects
 
 log = logging.getLogger(__name__)
 
 API = "$JS.API"
 NO_JETSTREAM_BUDGET_S = 1.0
+# Keys an existing stream is updated to have: bounds on what readers create (docs/permissions.md,
+# "Consumers are bounded"). The server accepts a change of either on a live stream.
+LIMIT_KEYS = frozenset({"max_consumers", "consumer_limits"})
 
 
 @dataclass(frozen=True)
 class Outcome:
     name: str
-    action: str  # "created" | "unchanged"
+    action: str  # "created" | "unchanged" | "updated" (limits) | "outdated" (limits refused)
     replicas: int = 0  # what the stream has on the server (0: not asked)
 
 
@@ -97,13 +104,63 @@ def _raise_if_denied(subject: str) -> None:
         )
 
 
-def _differences(wanted: dict[str, Any], actual: dict[str, Any]) -> list[str]:
-    skip = {"description", "num_replicas"}  # prose may change; replicas follow the cluster
+def _differences(
+    wanted: dict[str, Any], actual: dict[str, Any], skip: frozenset[str] = frozenset()
+) -> list[str]:
+    # prose may change; replicas follow the cluster
+    skip = skip | {"description", "num_replicas"}
     return [
         f"{key}: server has {actual.get(key)!r}, ops/jetstream wants {value!r}"
         for key, value in wanted.items()
         if key not in skip and actual.get(key) != value
     ]
+
+
+def limits_to_update(wanted: dict[str, Any], actual: dict[str, Any]) -> dict[str, Any]:
+    """The limit keys whose value on the server differs from the file's."""
+    return {key: wanted[key] for key in LIMIT_KEYS & wanted.keys()
+            if actual.get(key) != wanted[key]}
+
+
+async def _update_limits(
+    nc: Client, name: str, actual: dict[str, Any], limits: dict[str, Any], budget_s: float
+) -> str:
+    """Give an existing stream the file's limits, leaving every other key as the server has
+    it; "updated", or "outdated" with a warning when the server or a permission refuses."""
+    subject = f"{API}.STREAM.UPDATE.{name}"
+    try:
+        answer = await refused_by_permission(
+            lambda: _api(nc, f"STREAM.UPDATE.{name}", {**actual, **limits}, budget_s=budget_s),
+            subject,
+        )
+    except (NotPermitted, ProvisioningDenied):
+        log.warning("stream %s lacks the limits %s: this NATS user may not update it; run "
+                    "`fleet nats --provision` with the operator's credentials", name, limits)
+        return "outdated"
+    if "error" in answer:
+        log.warning("stream %s lacks the limits %s: the server refused them: %s (delete what "
+                    "it names, or the stream, as the operator and provision again)", name,
+                    limits, answer["error"].get("description"))
+        return "outdated"
+    log.info("stream %s: limits updated to %s", name, limits)
+    await _warn_of_lasting_consumers(nc, name, budget_s)
+    return "updated"
+
+
+async def _warn_of_lasting_consumers(nc: Client, name: str, budget_s: float) -> None:
+    """The server applies a new inactive threshold only to consumers made after it: name the
+    durables made before (on these streams Fleet makes none: a reader's leftover, or an
+    attack's), for the operator to remove."""
+    listed = await _api(nc, f"CONSUMER.LIST.{name}", {"offset": 0}, budget_s=budget_s)
+    lasting = sorted(
+        consumer["name"] for consumer in listed.get("consumers") or []
+        if consumer.get("config", {}).get("durable_name")
+        or not consumer.get("config", {}).get("inactive_threshold")
+    )
+    if lasting:
+        log.warning("stream %s keeps consumers made before its inactive threshold, which "
+                    "never expire: %s (remove them: `nats consumer rm %s NAME`)", name,
+                    ", ".join(lasting), name)
 
 
 async def ensure_stream(
@@ -114,9 +171,13 @@ async def ensure_stream(
     name = config["name"]
     info = await _api(nc, f"STREAM.INFO.{name}", budget_s=budget_s)
     if "error" not in info:
-        if diffs := _differences(config, info["config"]):
+        actual = info["config"]
+        if diffs := _differences(config, actual, LIMIT_KEYS):
             raise ProvisioningConflict(f"stream {name} differs: " + "; ".join(diffs))
-        return Outcome(name, "unchanged", info["config"].get("num_replicas", 1))
+        action = "unchanged"
+        if limits := limits_to_update(config, actual):
+            action = await _update_limits(nc, name, actual, limits, budget_s)
+        return Outcome(name, action, actual.get("num_replicas", 1))
     if info["error"].get("err_code") != 10059:  # stream not found
         raise ProvisioningConflict(f"stream {name}: {info['error'].get('description')}")
     if replicas is not None:
