@@ -33,7 +33,9 @@ from fleet.errors import FleetError
 from fleet.gateway.backend import Backend
 from fleet.gateway.tenants import TENANTS_BUCKET, record_of, task_key
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_event
+from fleet.wire.base import Wire
+from fleet.wire.cluster import Instance, NodeInfo, RunnerRecord
+from fleet.wire.codec import DecodeError, decode_event, decode_model
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +57,20 @@ def message(kind: str, data: Any) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
-def _decoded(mirror: Mirror) -> list[dict[str, Any]]:
+def _decoded(mirror: Mirror, model: type[Wire], skipped: set[str]) -> list[dict[str, Any]]:
+    """The values that decode as `model`, as the page reads them. Any other is left out (and
+    logged once into `skipped`), as the gateway's catalogue does: one malformed record (a
+    node card without its node_id) must not stop the feed of every tab."""
     values = []
-    for raw in mirror.values.values():
-        with contextlib.suppress(orjson.JSONDecodeError):
-            values.append(orjson.loads(raw))
+    for key, raw in mirror.values.items():
+        try:
+            decode_model(model, raw)
+        except DecodeError as exc:
+            if f"{mirror.bucket}/{key}" not in skipped:
+                skipped.add(f"{mirror.bucket}/{key}")
+                log.warning("dashboard: ignoring %s in %s: %s", key, mirror.bucket, exc)
+            continue
+        values.append(orjson.loads(raw))
     return values
 
 
@@ -79,6 +90,7 @@ class Feed:
         self._fleet_dirty = False
         self._dirty_tasks: set[str] = set()
         self._tokens_this_tick = self._tasks_this_tick = 0
+        self._skipped: set[str] = set()  # bucket/key of records that did not decode
         self.nodes = Mirror(subjects.NODES_BUCKET, self._fleet_changed)
         self.instances = Mirror(subjects.INSTANCES_BUCKET, self._fleet_changed)
         self.runners = Mirror(subjects.RUNNERS_BUCKET, self._fleet_changed)
@@ -99,6 +111,9 @@ class Feed:
 
     async def close(self) -> None:
         await self._children.close()
+
+    def _decoded(self, mirror: Mirror, model: type[Wire]) -> list[dict[str, Any]]:
+        return _decoded(mirror, model, self._skipped)
 
     # --- what a tab gets -------------------------------------------------------------------
 
@@ -157,8 +172,10 @@ class Feed:
         if self._fleet_dirty and all(m.ready.is_set() for m in (
                 self.nodes, self.instances, self.runners)):
             self._fleet_dirty = False
-            current = snapshot(_decoded(self.nodes), _decoded(self.instances),
-                               _decoded(self.runners), self.queues, time.time())
+            current = snapshot(self._decoded(self.nodes, NodeInfo),
+                               self._decoded(self.instances, Instance),
+                               self._decoded(self.runners, RunnerRecord), self.queues,
+                               time.time())
             if changed(self.fleet, current):
                 self._broadcast("fleet", current)
             self.fleet = current
@@ -202,7 +219,7 @@ class Feed:
         if queues != self.queues:  # the fleet snapshot lists the queues too
             self.queues = queues
             self._fleet_changed(None)
-        if (current := beats(_decoded(self.nodes))) != self.beats:
+        if (current := beats(self._decoded(self.nodes, NodeInfo))) != self.beats:
             self.beats = current
             self._broadcast("beats", current)
 

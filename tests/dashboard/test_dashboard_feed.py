@@ -197,6 +197,26 @@ async def test_every_tab_shares_one_reader_and_sees_a_node_join(
     assert not feed.tabs
 
 
+async def test_a_node_card_that_does_not_decode_is_skipped_and_the_feed_goes_on(
+    app: Starlette, provisioned_nc: Client
+) -> None:
+    feed = app.state.dashboard_feed
+    tab = feed.subscribe()
+    assert (await next_fleet(tab))["nodes"] == []
+    kv = await provisioned_nc.jetstream().key_value(subjects.NODES_BUCKET)
+    await kv.put("evil", b'{"type": "node_info", "hostname": "no node_id"}')
+    await kv.put("garbage", b"not json")
+    info = NodeInfo(node_id="n-real", hostname="h", memory_total_bytes=8,
+                    memory_available_bytes=4, cpu_count=2, started_at=time.time(), at=time.time())
+    await kv.put("n-real", encode(info))
+    while (seen := await next_fleet(tab))["nodes"] == []:
+        pass
+    assert [n["node_id"] for n in seen["nodes"]] == ["n-real"]
+    await kv.delete("n-real")
+    assert (await next_fleet(tab))["nodes"] == []  # still flowing after the bad ones
+    assert feed._children.supervisor.children == 7  # no child died and was restarted
+
+
 async def own(nc: Client, task_id: str, tenant: str) -> None:
     """The record a gateway writes before it publishes a task (fleet/gateway/tenants.py)."""
     record = TaskRecord(tenant=tenant, api="chat.completions", model="tiny-llm", created=0)
