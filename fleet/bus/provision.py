@@ -64,7 +64,7 @@ def consumer_definition(model: str, max_deliver: int, ack_wait_s: float) -> dict
     return config
 
 
-async def _api(
+async def jetstream_api(
     nc: Client, subject: str, body: dict[str, Any] | None = None, *,
     budget_s: float = BROKER_BUDGET_S,
 ) -> dict[str, Any]:
@@ -130,7 +130,8 @@ async def _update_limits(
     subject = f"{API}.STREAM.UPDATE.{name}"
     try:
         answer = await refused_by_permission(
-            lambda: _api(nc, f"STREAM.UPDATE.{name}", {**actual, **limits}, budget_s=budget_s),
+            lambda: jetstream_api(nc, f"STREAM.UPDATE.{name}", {**actual, **limits},
+                                  budget_s=budget_s),
             subject,
         )
     except (NotPermitted, ProvisioningDenied):
@@ -151,7 +152,7 @@ async def _warn_of_lasting_consumers(nc: Client, name: str, budget_s: float) -> 
     """The server applies a new inactive threshold only to consumers made after it: name the
     durables made before (on these streams Fleet makes none: a reader's leftover, or an
     attack's), for the operator to remove."""
-    listed = await _api(nc, f"CONSUMER.LIST.{name}", {"offset": 0}, budget_s=budget_s)
+    listed = await jetstream_api(nc, f"CONSUMER.LIST.{name}", {"offset": 0}, budget_s=budget_s)
     lasting = sorted(
         consumer["name"] for consumer in listed.get("consumers") or []
         if consumer.get("config", {}).get("durable_name")
@@ -169,7 +170,7 @@ async def ensure_stream(
 ) -> Outcome:
     """Create the stream with `replicas` copies (None: as the file says) unless it exists."""
     name = config["name"]
-    info = await _api(nc, f"STREAM.INFO.{name}", budget_s=budget_s)
+    info = await jetstream_api(nc, f"STREAM.INFO.{name}", budget_s=budget_s)
     if "error" not in info:
         actual = info["config"]
         if diffs := _differences(config, actual, LIMIT_KEYS):
@@ -182,7 +183,7 @@ async def ensure_stream(
         raise ProvisioningConflict(f"stream {name}: {info['error'].get('description')}")
     if replicas is not None:
         config = {**config, "num_replicas": replicas}
-    created = await _api(nc, f"STREAM.CREATE.{name}", config, budget_s=budget_s)
+    created = await jetstream_api(nc, f"STREAM.CREATE.{name}", config, budget_s=budget_s)
     if "error" in created:
         raise ProvisioningConflict(f"stream {name}: {created['error'].get('description')}")
     return Outcome(name, "created", config.get("num_replicas", 1))
@@ -201,7 +202,7 @@ async def provision(
     outcomes = []
     for config in definitions(directory):
         name = config["name"]
-        info = await _api(nc, f"STREAM.INFO.{name}", budget_s=budget_s)
+        info = await jetstream_api(nc, f"STREAM.INFO.{name}", budget_s=budget_s)
         if "error" in info and chosen is None:
             chosen = await choose_replicas(nc, replicas)
             log.info("provisioning with %d replica(s) per stream (%s)", chosen,
@@ -219,7 +220,9 @@ async def ensure_task_consumer(
     """The one durable pull consumer of a model's tasks, shared by every worker serving it."""
     config = consumer_definition(model, max_deliver, ack_wait_s)
     name = subjects.durable(model)
-    info = await _api(nc, f"CONSUMER.INFO.{subjects.TASKS_STREAM}.{name}", budget_s=budget_s)
+    info = await jetstream_api(
+        nc, f"CONSUMER.INFO.{subjects.TASKS_STREAM}.{name}", budget_s=budget_s
+    )
     if "error" not in info:
         if diffs := _differences(config, info["config"]):
             raise ProvisioningConflict(
@@ -229,7 +232,7 @@ async def ensure_task_consumer(
             )
         return Outcome(name, "unchanged")
     body = {"stream_name": subjects.TASKS_STREAM, "config": config}
-    created = await _api(
+    created = await jetstream_api(
         nc, f"CONSUMER.CREATE.{subjects.TASKS_STREAM}.{name}", body, budget_s=budget_s
     )
     if "error" in created:

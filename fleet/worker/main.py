@@ -119,7 +119,10 @@ class Worker(RunnerReports, Stopping):
             self.images = ImageOutputs(
                 self.cluster, self.spans, self.runners.send, self.inbox, owner
             )
-            self.puller = TaskPuller(self.nc, self.js, settings)
+            self.puller = TaskPuller(
+                self.nc, self.js, settings, self.spans.metrics.meters.meter("fleet.worker")
+            )
+            owner.forever("consumer guard", self.puller.guard.forever)
             self.feeds = Feeds(
                 self.nc, self.inbox, self.puller, self.cluster, self.spans, settings.ack_wait_s
             )

@@ -4,6 +4,8 @@ The durable `tasks-<model>` can vanish under a running worker (someone deleted i
 was recreated). A fetch then fails with 503 (no responders), exactly as it does during a
 leader election; so after a failed fetch the consumer is looked up, and when the server says
 it does not exist it is created again (`ensure_task_consumer`) and the subscription rebound.
+A durable whose configuration was changed is restored before binding, and checked while
+pulling (fleet.worker.consumer_guard); one that cannot be restored stops this model's pulls.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
+from opentelemetry.metrics import Meter
 
 from fleet.bus.provision import ensure_task_consumer
 from fleet.bus.retry import is_transient
 from fleet.config import Settings
 from fleet.wire import subjects
+from fleet.worker.consumer_guard import ConsumerGuard
 
 log = logging.getLogger(__name__)
 
@@ -37,15 +41,21 @@ async def unsubscribe_pull(sub: JetStreamContext.PullSubscription) -> None:
 
 
 class TaskPuller:
-    def __init__(self, nc: Client, js: JetStreamContext, settings: Settings) -> None:
+    def __init__(
+        self, nc: Client, js: JetStreamContext, settings: Settings, meter: Meter | None = None
+    ) -> None:
         self.nc = nc
         self.js = js
         self.settings = settings
         self.subs: dict[str, JetStreamContext.PullSubscription] = {}
         self.recreated: dict[str, int] = {}  # model -> times its consumer was recreated
+        self.stopped: dict[str, str] = {}  # model -> why its pulls stopped (a changed consumer)
+        self.guard = ConsumerGuard(nc, self, settings.max_deliver, settings.ack_wait_s, meter)
 
     async def fetch(self, model: str, batch: int) -> list[Msg]:
         """Up to `batch` tasks of `model`, waiting at most FETCH_WAIT_S; never raises."""
+        if model in self.stopped:
+            return []
         try:
             sub = self.subs.get(model) or await self._subscribe(model)
             return await sub.fetch(batch, timeout=FETCH_WAIT_S)
@@ -78,7 +88,13 @@ class TaskPuller:
             if not is_transient(exc):
                 log.warning("consumer %s not checked: %s", subjects.durable(model), exc)
 
+    async def stop_pulling(self, model: str, reason: str) -> None:
+        self.stopped[model] = reason
+        if sub := self.subs.pop(model, None):
+            await unsubscribe_pull(sub)
+
     async def _subscribe(self, model: str) -> JetStreamContext.PullSubscription:
+        await self.guard.check(model, binding=True)
         await ensure_task_consumer(
             self.nc, model, max_deliver=self.settings.max_deliver,
             ack_wait_s=self.settings.ack_wait_s,

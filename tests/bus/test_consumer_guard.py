@@ -1,0 +1,139 @@
+"""A model's durable keeps Fleet's configuration (issue 31, item 5): a compromised worker that
+updates `tasks-<model>` with another filter is undone by the others; one that cannot be
+undone stops the pulls with an error naming it. Real server, shipped roles."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from fleet.bus.provision import consumer_definition, ensure_task_consumer, provision
+from fleet.worker.consumer_guard import SETTINGS, ConsumerGuard, consumer_drift
+from tests.secured import PASSWORDS, shipped_auth_server
+
+MODEL = "guarded"
+SECOND = 1_000_000_000
+WANTED = consumer_definition(MODEL, 5, 30.0)
+
+
+@pytest.mark.parametrize(("change", "drifted"), [
+    ({}, []),
+    ({"filter_subject": "fleet.tasks.elsewhere"}, ["filter_subject"]),
+    ({"max_waiting": 1, "max_ack_pending": 1}, ["max_ack_pending", "max_waiting"]),
+    ({"ack_wait": 1_000_000}, ["ack_wait"]),
+    ({"max_deliver": 1}, ["max_deliver"]),
+    ({"ack_policy": "none", "deliver_policy": "new"}, ["deliver_policy", "ack_policy"]),
+    ({"inactive_threshold": 5 * SECOND}, ["inactive_threshold"]),
+    ({"filter_subject": "", "filter_subjects": ["fleet.tasks.a", "fleet.tasks.b"]},
+     ["filter_subject", "filter_subjects"]),
+    ({"description": "reworded", "num_replicas": 3}, []),  # not what decides delivery
+    ({"inactive_threshold": 0, "filter_subjects": None}, []),  # the server's "none"
+])
+def test_consumer_drift(change: dict[str, Any], drifted: list[str]) -> None:
+    lines = consumer_drift(WANTED, {**WANTED, **change})
+    assert [line.split(":")[0] for line in lines] == drifted
+
+
+def test_a_binding_worker_leaves_its_settings_to_the_conflict_check() -> None:
+    changed = {**WANTED, "max_deliver": 2, "filter_subject": "x"}
+    assert [d.split(":")[0] for d in consumer_drift(WANTED, changed, SETTINGS)] == [
+        "filter_subject"]
+
+
+class StoppedPulls:
+    def __init__(self) -> None:
+        self.subs: dict[str, object] = {MODEL: object()}
+        self.stopped: dict[str, str] = {}
+
+    async def stop_pulling(self, model: str, reason: str) -> None:
+        self.stopped[model] = reason
+        self.subs.pop(model, None)
+
+
+@pytest.fixture(scope="module")
+def secured_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with shipped_auth_server(tmp_path_factory.mktemp("guard")) as url:
+        asyncio.run(_provision(url))
+        yield url
+
+
+async def _as(url: str, role: str) -> Client:
+    return await nats.connect(url, user=role, password=PASSWORDS[role], allow_reconnect=False,
+                              inbox_prefix=f"_INBOX.{role}")
+
+
+async def _provision(url: str) -> None:
+    admin = await _as(url, "operator")
+    try:
+        await provision(admin)
+    finally:
+        await admin.close()
+
+
+@pytest.fixture
+async def workers(secured_url: str) -> AsyncIterator[tuple[Client, Client]]:
+    honest, rogue = await _as(secured_url, "worker"), await _as(secured_url, "worker")
+    yield honest, rogue
+    await honest.close()
+    await rogue.close()
+
+
+async def _update(nc: Client, name: str, config: dict[str, Any]) -> dict[str, Any]:
+    body = {"stream_name": "FLEET_TASKS", "config": config}
+    reply = await nc.request(f"$JS.API.CONSUMER.CREATE.FLEET_TASKS.{name}",
+                             json.dumps(body).encode(), timeout=5)
+    return json.loads(reply.data)
+
+
+async def _config(nc: Client, name: str) -> dict[str, Any]:
+    reply = await nc.request(f"$JS.API.CONSUMER.INFO.FLEET_TASKS.{name}", b"", timeout=5)
+    return json.loads(reply.data)["config"]
+
+
+async def test_a_changed_filter_is_restored_and_tasks_flow_again(
+    workers: tuple[Client, Client], caplog: pytest.LogCaptureFixture
+) -> None:
+    honest, rogue = workers
+    await ensure_task_consumer(honest, MODEL)
+    halted = await _update(rogue, f"tasks-{MODEL}", {
+        **WANTED, "filter_subject": "fleet.tasks.nothing-here", "max_ack_pending": 1})
+    assert "error" not in halted  # the attack of issue 31 goes through the worker grant
+
+    guard = ConsumerGuard(honest, StoppedPulls(), 5, 30.0)
+    with caplog.at_level(logging.ERROR, logger="fleet.worker.consumer_guard"):
+        assert await guard.check(MODEL) == "restored"
+    assert "filter_subject: 'fleet.tasks.nothing-here'" in caplog.text
+
+    assert consumer_drift(WANTED, await _config(honest, f"tasks-{MODEL}")) == []
+    await honest.jetstream().publish(f"fleet.tasks.{MODEL}", b"{}")
+    sub = await honest.jetstream().pull_subscribe_bind(f"tasks-{MODEL}", stream="FLEET_TASKS")
+    [msg] = await sub.fetch(1, timeout=5)
+    await msg.term()
+    assert await guard.check(MODEL) == "ok"
+
+
+async def test_a_durable_that_cannot_be_restored_stops_the_pulls_with_the_reason(
+    workers: tuple[Client, Client], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Made by a rogue worker before the model was placed, with a pull-request limit
+    (max_waiting 1) the server never lets an update change: nothing to restore, so nobody
+    pulls from it."""
+    honest, rogue = workers
+    name = "tasks-pre-made"
+    made = await _update(rogue, name, {
+        **consumer_definition("pre-made", 5, 30.0), "max_waiting": 1})
+    assert "error" not in made, made
+    pulls = StoppedPulls()
+    pulls.subs = {"pre-made": object()}
+    guard = ConsumerGuard(honest, pulls, 5, 30.0)
+    with caplog.at_level(logging.ERROR, logger="fleet.worker.consumer_guard"):
+        assert await guard.check("pre-made") == "stopped"
+    assert "stops pulling pre-made" in caplog.text and "max_waiting" in caplog.text
+    assert "pre-made" in pulls.stopped and "pre-made" not in pulls.subs
