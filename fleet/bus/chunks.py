@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ from nats.aio.client import Client
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext, api
 from nats.js.errors import NoStreamResponseError
+
+from fleet.bus.replies import MAX_SUBJECT, flow_control
+
+log = logging.getLogger(__name__)
 
 # 4 to 16 chunk acks in flight all measured 300-600 MB/s for 8-32 MB; a deeper window only
 # queues more bytes in the client's outgoing buffer.
@@ -112,9 +117,14 @@ def _remaining(deadline: float) -> float:
 async def _answer_control(nc: Client, reply: str | None, headers: dict[str, str]) -> None:
     # A flow-control request carries its reply subject. A heartbeat carries one in a header
     # when the server is still waiting on an answer it never got.
-    answer_to = reply or headers.get(STALLED_HEADER)
-    if answer_to:
+    # Only a flow-control subject is answered (fleet.bus.replies): whoever may publish into
+    # this inbox must not be able to point the answer at a key or another task's output.
+    asked = reply or headers.get(STALLED_HEADER)
+    if answer_to := flow_control(asked):
         await nc.publish(answer_to)
+    elif asked:
+        log.warning("a control message asking for an answer on %r was not answered: not a "
+                    "flow-control subject", asked[:MAX_SUBJECT])
 
 
 @contextlib.asynccontextmanager

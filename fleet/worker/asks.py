@@ -11,6 +11,10 @@ the stored last event is looked at every few seconds in case a reconnect lost th
 terminal. Once FLEET_OUT holds the terminal (and so every event before it), the answer is
 folded from the live events when they are provably whole (as many distinct events as
 FLEET_OUT stored: one stream-info call), otherwise from the events read back from FLEET_OUT.
+
+The reply subject is the asker's to choose and the worker's grants write it, so an ask is
+answered only on an inbox (`_INBOX.<token>...`, fleet.bus.replies); an ask with any other
+reply is logged and dropped: no task is published, nothing is written.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
 from fleet.bus.connect import js_publish
+from fleet.bus.replies import MAX_SUBJECT, inbox_reply
 from fleet.bus.retry import STORE_FULL_ERR_CODES, with_retry
 from fleet.errors import FleetError, http_answer
 from fleet.wire import subjects
@@ -97,6 +102,12 @@ class AskResponder:
         if not msg.reply:
             log.warning("asks: a message on %s without a reply subject: ignored (use "
                         "`nats req`, or publish on fleet.tasks.<model>)", msg.subject)
+            return
+        if inbox_reply(msg.reply) is None:
+            # The reply is a capability: answering `$KV...` or `fleet.out.<id>` would write
+            # there with this worker's grants. Nothing is run and nothing is answered.
+            log.warning("asks: refused an ask on %s whose reply subject %r is not an inbox "
+                        "(_INBOX.<token>...)", msg.subject, msg.reply[:MAX_SUBJECT])
             return
         if len(self.open) >= MAX_OPEN_ASKS:
             busy = AskError(reason="busy", message=f"this worker waits on {MAX_OPEN_ASKS} "
@@ -277,10 +288,13 @@ class AskResponder:
         if isinstance(reply, AskError):
             headers = {ERROR_CODE_HEADER: str(http_answer(reply.reason).status),
                        ERROR_HEADER: " ".join(reply.message.split())}
+        if (inbox := inbox_reply(msg.reply)) is None:  # _take checked it: never reached
+            log.error("asks: no answer on %r: not an inbox", msg.reply)
+            return
         try:
             # A core publish: the asker waits on its inbox; a retry cannot reach a requester
             # that has gone, and one that waits hears a broker outage as its own timeout.
-            await self.nc.publish(msg.reply, encode(reply), headers=headers)
+            await self.nc.publish(inbox, encode(reply), headers=headers)
         except (NatsError, OSError) as exc:
             log.warning("asks: could not answer on %s: %r", msg.reply, exc)
 

@@ -26,7 +26,6 @@ claims an id first owns it.
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -45,6 +44,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from fleet.bus.connect import MSG_ID
+from fleet.bus.replies import inbox_reply
 from fleet.bus.retry import with_retry
 from fleet.errors import ProvisioningConflict
 from fleet.wire import subjects
@@ -53,9 +53,6 @@ from fleet.wire.events import RefusedReason, TaskRefused
 
 log = logging.getLogger(__name__)
 
-# Only inboxes are answered: a header naming `fleet.out.<victim>` must not make a worker
-# write there. Tokens as nats-py's new_inbox makes them, no wildcards.
-_INBOX = re.compile(r"_INBOX(\.[A-Za-z0-9_-]+)+")
 
 
 REPORTED_ID_CHARS = 256
@@ -85,9 +82,10 @@ def refusal(claim: Claim, earlier_events: bool) -> RefusedReason | None:
 
 
 def reply_subject(headers: Mapping[str, str] | None) -> str | None:
-    """The publisher's `Fleet-Reply-To` inbox, when it set a usable one."""
-    subject = (headers or {}).get(subjects.REPLY_HEADER)
-    return subject if subject and _INBOX.fullmatch(subject) else None
+    """The publisher's `Fleet-Reply-To` inbox, when it set a usable one: only inboxes are
+    answered (fleet.bus.replies), so a header naming `fleet.out.<victim>` or a KV key makes
+    this worker write nothing there."""
+    return inbox_reply((headers or {}).get(subjects.REPLY_HEADER))
 
 
 def stream_seq(msg: Msg) -> int | None:

@@ -16,6 +16,11 @@ whoever pulls next, as for any worker. Exactly one worker holds it at any moment
     no answer in time forgets it (no verb): the receiver may hold it; if it does not,
                       AckWait redelivers it (rare: a lost reply costs one AckWait)
 
+Subjects in an offer are capabilities (fleet.bus.replies): the receiver answers only on an
+inbox, and takes in only a message whose ack subject acks a FLEET_TASKS delivery, so a sender
+cannot point its `+ACK`/`+WPI` or its answer at a key, an object or another task's output.
+An offer with another reply is dropped unanswered; one with another ack subject is declined.
+
 The receiver answers before its intake runs and takes a task only into a free slot
 (`plan.declines_hand_off`), never passes a handed-in task on, and a sender never offers a
 task that carries input images (they are fetched here already). A stopping receiver first
@@ -35,6 +40,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
+from fleet.bus.replies import MAX_SUBJECT, inbox_reply, task_ack
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_model, encode
 from fleet.wire.handoff import HandOffAnswer, TaskHandOff
@@ -100,20 +106,33 @@ class HandOffs:
         self._sub = sub
         try:
             async for msg in sub.messages:
+                if (reply := inbox_reply(msg.reply)) is None:
+                    log.warning("a hand-off whose reply subject %r is not an inbox was "
+                                "dropped unanswered", (msg.reply or "")[:MAX_SUBJECT])
+                    continue
                 try:
                     hand_off = decode_model(TaskHandOff, msg.data)
                 except DecodeError as exc:
                     log.warning("a hand-off that is not one was declined: %s", exc)
-                    await self.answer(msg.reply, False, "invalid hand-off")
+                    await self.answer(reply, False, "invalid hand-off")
                     continue
-                self.inbox.put_nowait(HandedIn(hand_off, msg.reply, time.monotonic()))
+                if task_ack(hand_off.ack_subject) is None:
+                    log.warning("a hand-off whose ack subject %r acks no FLEET_TASKS delivery "
+                                "was declined", hand_off.ack_subject[:MAX_SUBJECT])
+                    await self.answer(reply, False, "invalid hand-off")
+                    continue
+                self.inbox.put_nowait(HandedIn(hand_off, reply, time.monotonic()))
         finally:
             if self._sub is sub:
                 self._sub = None
                 await _unsubscribe(sub)
 
     async def answer(self, reply: str, taken: bool, reason: str = "") -> None:
-        """A core reply; a lost one leaves the sender to its timeout (see the table above)."""
+        """A core reply; a lost one leaves the sender to its timeout (see the table above).
+        Only on an inbox: the reply is the sender's to choose, the grants are this worker's."""
+        if inbox_reply(reply) is None:
+            log.error("hand-off answer (taken=%s) not sent: %r is not an inbox", taken, reply)
+            return
         try:
             await self.nc.publish(reply, encode(HandOffAnswer(taken=taken, reason=reason)))
         except Exception as exc:
