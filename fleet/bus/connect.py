@@ -3,6 +3,8 @@
 Every process connects through `connect_with(settings, name)`: the server list, credentials
 (a .creds file, an NKey seed, user and password) and TLS all come from Settings. No secret
 is ever logged: URLs go through `redact_url` before they reach a log line or an error.
+Each connection makes its inboxes under `_INBOX.<role or user>` (nats-py's `inbox_prefix`),
+the only inboxes the shipped roles may read (docs/permissions.md).
 A permission violation the server reports is logged once as one line naming the subject and
 kept (fleet.bus.denials): a health check reads it, and a publish refused so fails at once.
 """
@@ -27,6 +29,7 @@ from nats.js.api import PubAck
 from pydantic import BaseModel
 
 from fleet.bus.denials import parse_permission_error, record, refused_by_permission
+from fleet.bus.replies import inbox_prefix
 from fleet.bus.retry import with_retry
 from fleet.errors import NatsUnavailable
 from fleet.telemetry import inject_headers, send_span
@@ -109,11 +112,22 @@ def server_list(servers: str | Sequence[str]) -> list[str]:
     return [url.strip() for url in raw if url.strip()]
 
 
-async def connect_with(settings: Settings, name: str, *, connect_timeout: float = 5.0) -> Client:
-    """The one way a Fleet process connects: servers, credentials and TLS from Settings."""
+def inbox_owner(user: str, role: str) -> str:
+    """Whose inboxes a connection makes: its NATS user when that is one subject token (the
+    generated users are the roles), else the role of the process (a .creds or NKey login, an
+    open server). The shipped roles may subscribe to `_INBOX.<role>.>` only."""
+    return user if user and re.fullmatch(r"[A-Za-z0-9_-]+", user) else role
+
+
+async def connect_with(
+    settings: Settings, name: str, *, connect_timeout: float = 5.0, role: str = "client"
+) -> Client:
+    """The one way a Fleet process connects: servers, credentials and TLS from Settings;
+    `role` names its inboxes when the settings name no user (fleet.bus.replies)."""
     return await connect(
         settings.urls, name, connect_timeout=connect_timeout,
         options=ConnectOptions.from_settings(settings),
+        inbox_owner=inbox_owner(settings.nats_user, role),
     )
 
 
@@ -123,9 +137,12 @@ async def connect(
     *,
     connect_timeout: float = 5.0,
     options: ConnectOptions | None = None,
+    inbox_owner: str = "client",
 ) -> Client:
     """Connect with endless reconnects after the first success; a first failure is a clear
-    NatsUnavailable naming the (redacted) servers."""
+    NatsUnavailable naming the (redacted) servers. Every inbox the connection makes (request
+    replies, JetStream pulls, KV and object reads, publish acks) is under
+    `_INBOX.<inbox_owner>`: the only inboxes its role may subscribe to."""
     urls = server_list(servers)
     options = options or ConnectOptions()
     shown = redact_urls(urls)
@@ -187,6 +204,7 @@ async def connect(
             error_cb=on_error,
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
+            inbox_prefix=inbox_prefix(inbox_owner),
             **extra,  # type: ignore[arg-type]
         )
     except (nats_errors.Error, OSError, TimeoutError, ssl.SSLError) as exc:

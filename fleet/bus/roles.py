@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fleet.bus.replies import inbox_prefix
+
 ROLES = ("client", "gateway", "worker", "operator")
 
 TASKS = "FLEET_TASKS"
@@ -71,7 +73,14 @@ def _weights_read() -> list[str]:
 
 
 FLOW_CONTROL = "$JS.FC.>"  # a push consumer's flow-control answers go here
-INBOX = "_INBOX.>"
+
+
+def inbox(role: str) -> str:
+    """A role's own inboxes (fleet.bus.connect makes every inbox under `_INBOX.<role>`): the
+    only ones it may subscribe to, so no role reads another's replies or deliveries."""
+    return f"{inbox_prefix(role)}.>"
+
+
 
 
 @dataclass(frozen=True)
@@ -99,7 +108,7 @@ GRANTS: dict[str, Grant] = {
             # the image store holds no durable consumer, so that is all DELETE reaches.
             *_readers(IMAGES),
         ],
-        subscribe=[INBOX, "fleet.out.>"],
+        subscribe=[inbox("client"), "fleet.out.>"],
     ),
     # The HTTP front door: publishes tasks and cancels, reads outputs, state and metrics;
     # on FLEET_TASKS only publish and information, never a consumer of it.
@@ -121,14 +130,18 @@ GRANTS: dict[str, Grant] = {
             *(s for b in (*STATE_BUCKETS, CANCELS, TENANTS, MODELS) for s in _kv_read(b)),
             *_images_read(), *_weights_read(),
         ],
-        subscribe=[INBOX, "fleet.out.>"],
+        subscribe=[inbox("gateway"), "fleet.out.>"],
     ),
     # A node: consumes tasks, writes outputs, state, images; purges one model's tasks
     # (the janitor, for a model no card names) but never a whole stream or another one.
     "worker": _grant(
         publish=[
             "fleet.out.>", "fleet.events.>", "fleet.traces.>", "fleet.dead.>", "fleet.refused.>",
-            INBOX,  # a refused task's publisher hears why on its reply inbox
+            # Answers on the asker's inbox (asks, hand-offs) and refusals on a publisher's
+            # `Fleet-Reply-To`, which fleet.bus.replies checks is an inbox. Not the
+            # gateway's inbox (it asks nothing of workers), and no allow_responses: that
+            # would let a requester choose any reply subject the worker then may write.
+            inbox("client"), inbox("operator"), inbox("worker"),
             "fleet.tasks.>",  # an ask on fleet.ask.<model> is published as a task
             "fleet.handoff.*",  # a held task message passed to the node that should run it
             *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS, PREFIXES)),
@@ -154,7 +167,7 @@ GRANTS: dict[str, Grant] = {
         ],
         # fleet.ask.*: the asks a worker answers (queue group fleet-ask); fleet.out.>: the
         # asked task's terminal, watched live; fleet.handoff.*: tasks other nodes pass here
-        subscribe=[INBOX, "fleet.tasks.>", "fleet.cancel.*", "fleet.ask.*", "fleet.out.>",
+        subscribe=[inbox("worker"), "fleet.tasks.>", "fleet.cancel.*", "fleet.ask.*", "fleet.out.>",
                    "fleet.handoff.*"],
     ),
     # Provisions streams, buckets and consumers, and repairs: everything.
@@ -249,6 +262,24 @@ ACTIONS: tuple[Action, ...] = (
            "receive one"),
     Action("tenant_records", "read and write which tenant owns a task or image (FLEET_TENANTS)",
            _who("gateway"), "tenants are the gateway's: NATS users are roles, not tenants"),
+    Action("own_inbox", "receive replies on its own inbox `_INBOX.<role>.>` (requests, "
+           "JetStream pulls, KV and object reads)", _who("client", "gateway", "worker"),
+           "every Fleet connection makes its inboxes there (nats-py's `inbox_prefix`); a "
+           "client outside Fleet sets it too: `nats --inbox-prefix _INBOX.client`, nats-py "
+           "`inbox_prefix=\"_INBOX.client\"`. One role's users share its inboxes: give "
+           "people who must not read each other's replies users of their own"),
+    Action("all_inboxes", "subscribe to `_INBOX.>` (every role's replies and deliveries)",
+           _who()),
+    Action("other_inbox", "subscribe to another role's inbox (`_INBOX.worker.>`; a worker "
+           "tries `_INBOX.client.>`)", _who()),
+    Action("unprefixed_inbox", "subscribe to an inbox without a role (`_INBOX.<id>`, the "
+           "default of nats-py and the nats CLI)", _who()),
+    Action("answer_on_inbox", "publish on a client's inbox (answers to asks, refusals on "
+           "`Fleet-Reply-To`)", _who("worker"),
+           "a worker answers only on a subject of inbox shape (fleet/bus/replies.py): an ask "
+           "or header whose reply names `$KV.…`, `$O.…`, `$JS.…` or `fleet.…` gets no write"),
+    Action("publish_gateway_inbox", "publish on the gateway's inbox (into its replies and "
+           "deliveries)", _who()),
 )
 
 

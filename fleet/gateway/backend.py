@@ -123,7 +123,8 @@ class Backend:
     async def _connect_until_up(self) -> None:
         while True:
             try:
-                nc = await connect_with(self.settings, "fleet-gateway", connect_timeout=2.0)
+                nc = await connect_with(self.settings, "fleet-gateway", connect_timeout=2.0,
+                                        role="gateway")
                 break
             except NatsUnavailable as exc:
                 log.warning("%s; retrying", exc.message)

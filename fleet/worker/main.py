@@ -98,7 +98,7 @@ class Worker(RunnerReports, Stopping):
 
     async def _run(self) -> None:
         settings = self.settings
-        self.nc = await connect_with(settings, "fleet-worker")
+        self.nc = await connect_with(settings, "fleet-worker", role="worker")
         self.js = self.nc.jetstream()
         telemetry.export_to_nats(lambda: self.nc)
         await provision(self.nc, replicas=settings.replicas)

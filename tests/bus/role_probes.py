@@ -18,6 +18,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import KeyNotFoundError
 
 from fleet.bus.objects import ObjectBucket
+from fleet.bus.replies import inbox_prefix
 
 TIMEOUT = 5.0
 MODEL = "probe-model"
@@ -203,6 +204,10 @@ async def _hand_off_task(p: Probe) -> None:
     await p.sent("fleet.handoff.probe")
 
 
+def _another_role(role: str) -> str:
+    return "client" if role == "worker" else "worker"
+
+
 PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "publish_task": _publish_task,
     "cancel_task": _cancel_task,
@@ -243,6 +248,12 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "claim_task_id": _claim_task_id,
     "tenant_records": _tenant_records,
     "hand_off_task": _hand_off_task,
+    "own_inbox": lambda p: p.subscribed(f"{inbox_prefix(p.role)}.probe.>"),
+    "all_inboxes": lambda p: p.subscribed("_INBOX.>"),
+    "other_inbox": lambda p: p.subscribed(f"{inbox_prefix(_another_role(p.role))}.>"),
+    "unprefixed_inbox": lambda p: p.subscribed("_INBOX.Xk3pQz9RfL2mYv8TnW4aBc.*"),
+    "answer_on_inbox": lambda p: p.sent("_INBOX.client.probe.1"),
+    "publish_gateway_inbox": lambda p: p.sent("_INBOX.gateway.probe.1"),
 }
 # Rows whose bucket another change provisions: skipped where ops/jetstream lacks it.
 NEEDS = {"claim_task_id": "KV_FLEET_CLAIMS.json", "tenant_records": "KV_FLEET_TENANTS.json"}

@@ -17,6 +17,7 @@ from fleet.bus.auth_gen import shipped_config
 from fleet.bus.connect import ConnectOptions, connect
 from fleet.bus.embedded import ops_dir
 from fleet.bus.provision import provision
+from fleet.bus.replies import inbox_prefix
 from fleet.bus.roles import ACTIONS, GRANTS, ROLES, Action, table_markdown
 from fleet.errors import ProvisioningDenied
 from tests.bus.role_probes import NEEDS, PROBES, Probe, prepare
@@ -44,7 +45,7 @@ async def _prepare(url: str) -> None:
 
 async def as_role(url: str, role: str, **options: object) -> Client:
     return await nats.connect(url, user=role, password=PASSWORDS[role], allow_reconnect=False,
-                              connect_timeout=5, **options)
+                              connect_timeout=5, inbox_prefix=inbox_prefix(role), **options)
 
 
 async def outcome(url: str, role: str, action: Action) -> str:
@@ -128,7 +129,7 @@ async def test_provisioning_without_the_operator_role_fails_at_once_and_says_why
     that end in "JetStream is not answering". (The helper forgets the recorded denial after:
     a gateway built by a later test in this process would report it on /healthz as its own.)"""
     with shipped_auth_server(tmp_path) as url:
-        nc = await connect(url, "test-worker", options=ConnectOptions(
+        nc = await connect(url, "test-worker", inbox_owner="worker", options=ConnectOptions(
             user="worker", password=PASSWORDS["worker"]))
         try:
             async with asyncio.timeout(20):  # under the 30 s broker budget a retry would take

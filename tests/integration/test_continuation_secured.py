@@ -17,7 +17,8 @@ import pytest
 from nats.aio.client import Client
 
 from fleet.bus.provision import provision
-from fleet.wire.events import TaskAccepted, TokenChunk
+from fleet.bus.replies import inbox_prefix
+from fleet.wire.events import TaskAccepted, TokenChunk, token_indexes
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.continuing import ENV, Live, finished_of, place_on
 from tests.integration.harness import (
@@ -40,7 +41,8 @@ def secured_url(tmp_path: Path) -> Iterator[str]:
 
 
 async def as_role(url: str, role: str) -> Client:
-    return await nats.connect(url, user=role, password=PASSWORDS[role], connect_timeout=5)
+    return await nats.connect(url, user=role, password=PASSWORDS[role], connect_timeout=5,
+                              inbox_prefix=inbox_prefix(role))
 
 
 @pytest.mark.slow
@@ -80,7 +82,7 @@ async def test_a_task_is_continued_by_a_worker_connected_as_the_worker_role(
         result = finished_of(events)
         assert result.status == "completed", (result.reason, result.message)
         tokens = [e for e in events if isinstance(e, TokenChunk)]
-        assert sorted({t.index for t in tokens}) == list(range(TOKENS))
+        assert sorted(set(token_indexes(tokens))) == list(range(TOKENS))
         accepted = [e for e in events if isinstance(e, TaskAccepted)]
         assert accepted[-1].node_id == second_node and accepted[-1].continued_from > 0
         log = workers[1].log()

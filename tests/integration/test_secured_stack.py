@@ -15,6 +15,7 @@ import pytest
 from nats.aio.client import Client
 
 from fleet.bus.auth_gen import generate, read_env
+from fleet.bus.replies import inbox_prefix
 from fleet.wire.ask import AskAnswer
 from fleet.wire.codec import ASK_REPLY, decode_with
 from fleet.wire.events import TaskFinished
@@ -36,7 +37,7 @@ async def connect_as(folder: Path, role: str, port: int) -> Client:
     scheme = "tls" if options else "nats"
     return await nats.connect(f"{scheme}://127.0.0.1:{port}", user=env["FLEET_NATS_USER"],
                               password=env["FLEET_NATS_PASSWORD"], connect_timeout=5,
-                              **options)
+                              inbox_prefix=inbox_prefix(env["FLEET_NATS_USER"]), **options)
 
 
 @pytest.mark.slow
