@@ -1,7 +1,10 @@
 """`fleet images put|get|ls`: the image store (FLEET_IMAGES) from the command line.
 
 Images are stored under the sha256 hex of their bytes, the same names tasks carry, so
-`fleet images put cat.png` prints the hash to put in a task's input images.
+`fleet images put cat.png` prints the hash to put in a task's input images. An image that fits
+one NATS message is uploaded through a worker (`fleet.images.put`, the way a `client` may);
+a larger one, or one when no worker answers, is written in chunks, which only the roles that
+may write FLEET_IMAGES can (docs/permissions.md).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ from pathlib import Path
 
 from fleet.bus.connect import connect_with
 from fleet.bus.objects import ObjectBucket
+from fleet.bus.uploads import fits_one_message, upload_image
 from fleet.config import load_settings
-from fleet.errors import BucketMissing, ObjectCorrupt
+from fleet.errors import BucketMissing, NatsUnavailable, NotPermitted, ObjectCorrupt
 from fleet.wire.subjects import IMAGES_BUCKET
 
 
@@ -62,8 +66,18 @@ async def _put(bucket: ObjectBucket, args: argparse.Namespace) -> int:
             print(f"fleet: {path}: no such file", file=sys.stderr)
             return 1
     for path in args.files:
-        print(await bucket.put_by_hash(path), flush=True)
+        print(await _stored(bucket, path), flush=True)
     return 0
+
+
+async def _stored(bucket: ObjectBucket, path: Path) -> str:
+    if fits_one_message(bucket.nc, path.stat().st_size):
+        try:
+            return (await upload_image(bucket.nc, path)).sha256
+        except (NatsUnavailable, NotPermitted) as exc:
+            print(f"fleet: {exc.message}; writing {path} to {bucket.bucket} itself",
+                  file=sys.stderr)
+    return await bucket.put_by_hash(path)
 
 
 async def _get(bucket: ObjectBucket, args: argparse.Namespace) -> int:

@@ -8,7 +8,18 @@ from typing import Any
 import orjson
 from pydantic import TypeAdapter
 
-from fleet.wire import cluster, codec, events, handoff, pipe, prefixes, records, ring, tasks
+from fleet.wire import (
+    cluster,
+    codec,
+    events,
+    handoff,
+    pipe,
+    prefixes,
+    records,
+    ring,
+    tasks,
+    uploads,
+)
 from fleet.wire.examples import examples
 
 FAMILIES: dict[str, TypeAdapter[Any]] = {
@@ -31,6 +42,7 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "hand-off-answer": TypeAdapter(handoff.HandOffAnswer),
     "ask-reply": codec.ASK_REPLY,
     "task-record": TypeAdapter(records.TaskRecord),
+    "image-upload-reply": uploads.UPLOAD_REPLY,
 }
 
 _SUBJECTS = {
@@ -49,6 +61,7 @@ _SUBJECTS = {
     "Fleet-Reply-To inbox",
     "ask-reply": "the reply to a request on fleet.ask.<model> (whose body is a task)",
     "task-record": "KV FLEET_TENANTS, key = task.<task_id>",
+    "image-upload-reply": "the reply to a request on fleet.images.put (whose body is the image)",
 }
 
 

@@ -69,6 +69,7 @@ from fleet.worker.runners import RunnerPool
 from fleet.worker.spans import TaskSpans
 from fleet.worker.state import WorkerState, apply
 from fleet.worker.stopping import Stopping
+from fleet.worker.uploads import ImageUploads
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,8 @@ class Worker(RunnerReports, Stopping):
             owner.forever("prefix adverts", PrefixAdverts(self.js, lambda: self.state).forever)
             self.asks = AskResponder(self.nc, self.js, settings.ask_timeout_s, owner)
             await self.asks.start()
+            self.uploads = ImageUploads(self.nc, self.cluster.store, owner)
+            await self.uploads.start()
             log.info("worker %s serving on %s", node, redact_urls(settings.urls))
             self.ready.set()
             try:

@@ -38,6 +38,7 @@ class Stopping:
         log.info("worker %s stopping", self.state.node_id)
         self._apply(ev.Stopping())
         await self.asks.close()  # new asks go to the other workers
+        await self.uploads.close()  # and new image uploads
         await self.handoffs.close()  # new offers find no responder: their senders run them
         await self._decline_queued_offers()
         await self._end_pulls()
