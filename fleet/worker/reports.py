@@ -60,6 +60,12 @@ class RunnerReports:
                         message=report.message,
                     ))
                 self._finish(report)  # whatever became of the chunk, the task ends
+                # Its runner's Ready may have been recorded while this terminal waited
+                # behind an image upload (still counting it): the record follows the end.
+                view, record = self.state.runners.get(runner_id), self.cluster.records.get(
+                    runner_id)
+                if view and record and record.active_tasks != len(view.in_flight):
+                    self.cluster.runner_status(view, view.status)
             case pipe.SpanBatch(spans=records):
                 telemetry.export_records(records)
             case pipe.TaskRunning():
