@@ -43,6 +43,7 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
     "nats": (*_CLIENT, "nats_port", "replicas"),
     "demo": (*config.GENERAL, "gateway_port", "nats_port", "slots"),
     "instances": _CLIENT,
+    "models": _CLIENT,
     "submit": _CLIENT,
     "follow": _CLIENT,
     "cancel": _CLIENT,

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from fleet.bus.connect import connect_with
+from fleet.bus.connect import connect_with, redact_urls
 from fleet.commands.stack import stack
 from fleet.config import Settings, settings_of
 from fleet.errors import FleetError
@@ -99,13 +99,15 @@ async def image(base: str, out: Path) -> Path:
 
 
 async def run_demo(settings: Settings, timeout: float, exit_: Exit | None = None) -> int:
-    for chatty in ("httpx", "uvicorn", "uvicorn.error"):  # the demo's output is the answer
+    # The demo's output is the answer: an access-log line would land in the middle of it.
+    for chatty in ("httpx", "uvicorn", "uvicorn.error", "fleet.gateway.access"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
     print("fleet demo: starting nats-server, a worker and the gateway…", file=sys.stderr)
     async with stack(settings, [CHAT_MODEL, IMAGE_MODEL], exit_) as running:
         base = f"http://{running.gateway_host}:{running.gateway_port}/v1"
-        print(f"  NATS {running.url}; gateway {base}", file=sys.stderr)
-        print(f"  dashboard {base.removesuffix('/v1')}/ui", file=sys.stderr)
+        print(f"  NATS {redact_urls(running.urls)}; gateway {base}", file=sys.stderr)
+        print(f"  dashboard {base.removesuffix('/v1')}/ui; API docs "
+              f"{base.removesuffix('/v1')}/docs", file=sys.stderr)
         await wait_ready(running, [CHAT_MODEL, IMAGE_MODEL], timeout)
         answer = await chat(base)
         path = await image(base, running.data_dir / "demo-image.png")

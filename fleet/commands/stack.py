@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING
 
 from fleet.bus.auth_gen import as_role, ensure_auth
-from fleet.bus.connect import connect_with
+from fleet.bus.connect import connect_with, redact_urls
 from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.kv_read import live_values
 from fleet.bus.provision import provision
@@ -208,11 +208,7 @@ async def run_up(settings: Settings, models: list[str], exit_: Exit | None = Non
     exit_ = exit_ or Exit().install()
     try:
         async with stack(settings, models, exit_) as running:
-            print(
-                f"fleet up: NATS {running.url}, gateway http://{running.gateway_host}:"
-                f"{running.gateway_port}/v1, data {running.data_dir}", file=sys.stderr,
-                flush=True,
-            )
+            print(started_text(running), file=sys.stderr, flush=True)
             news = asyncio.create_task(announce_runners(running), name="fleet-up-runners")
             news.add_done_callback(_log_failure)
             try:
@@ -223,6 +219,17 @@ async def run_up(settings: Settings, models: list[str], exit_: Exit | None = Non
     except StopRequested:
         log.info("stopped while starting")
     return 0
+
+
+def started_text(running: Settings) -> str:
+    """What `fleet up` prints once it serves: where everything is (no secret of a URL)."""
+    base = f"http://{running.gateway_host}:{running.gateway_port}"
+    return "\n".join([
+        f"fleet up: NATS {redact_urls(running.urls)}, data {running.data_dir}",
+        f"  OpenAI API  {base}/v1",
+        f"  dashboard   {base}/ui",
+        f"  API docs    {base}/docs",
+    ])
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
@@ -307,7 +314,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     place_p = sub.add_parser("place")
     place_p.add_argument("--model", required=True)
     place_p.add_argument("--node", help="node id (default: the live node with most memory)")
-    place_p.add_argument("--slots", type=int, default=4)
+    place_p.add_argument("--slots", type=int, default=0,
+                         help="tasks per text runner (0: sized from the engine and memory)")
     place_p.add_argument("--replicas", type=int, default=1,
                          help="runners of the model, one instance each, spread over nodes")
     place_p.add_argument("--shards", type=int, default=1,

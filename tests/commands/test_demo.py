@@ -32,6 +32,9 @@ def test_fleet_demo_answers_makes_an_image_and_exits_0(tmp_path: Path) -> None:
     # called without an active exception", status -6) in 2 of 10 runs here.
     assert not any(marker in log for marker in ABORTS), log[-3000:]
     assert "fleet demo: done" in log and "Paris" in log
+    [answer] = [line for line in log.splitlines() if line.startswith("< ")]
+    assert "Paris" in answer and " INFO " not in answer  # no access-log line glued to it
+    assert "/docs" in log and "/ui" in log
     saved = re.search(r"saved to (\S+\.png)", log)
     assert saved is not None, log[-3000:]
     assert Path(saved.group(1)).read_bytes().startswith(b"\x89PNG")

@@ -31,8 +31,9 @@ async def test_fleet_up_takes_its_settings_after_the_command_and_serves_with_the
                  "--port", str(port), "--models", "tiny-llm")
     try:
         up.wait_for_line("fleet up: NATS", timeout=120)
-        assert f"fleet up: NATS {nats_server.url}" in up.log()  # no embedded server of its own
-        assert f"http://127.0.0.1:{port}/v1, data {data}" in up.log()
+        assert f"fleet up: NATS {nats_server.url}, data {data}" in up.log()
+        for page in ("/v1", "/ui", "/docs"):  # the API, the dashboard and the API docs
+            assert f"http://127.0.0.1:{port}{page}\n" in up.log()
         up.wait_for_line("for tiny-llm on node", timeout=120)
         assert "is ready" in up.log()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
