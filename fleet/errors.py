@@ -202,6 +202,10 @@ class NatsUnavailable(FleetError):
     code = "nats_unavailable"
 
 
+class ServerTooOld(NatsUnavailable):
+    """The NATS server is older than Fleet's roles need (fleet.bus.server_version)."""
+
+
 class NotPermitted(FleetError):
     """The server refused this process's publish by permission (its NATS user's role lacks
     it): the call fails at once rather than time out and be retried as an election."""

@@ -31,7 +31,8 @@ from pydantic import BaseModel
 from fleet.bus.denials import parse_permission_error, record, refused_by_permission
 from fleet.bus.replies import inbox_prefix
 from fleet.bus.retry import with_retry
-from fleet.errors import NatsUnavailable
+from fleet.bus.server_version import check_server_version
+from fleet.errors import NatsUnavailable, ServerTooOld
 from fleet.telemetry import inject_headers, send_span
 from fleet.wire.codec import encode
 
@@ -225,6 +226,11 @@ async def connect(
                      exc)
         detail = redact_text(str(cause) or type(cause).__name__)
         raise NatsUnavailable(f"cannot reach NATS at {shown}: {detail}") from None
+    try:
+        check_server_version(client)
+    except ServerTooOld:
+        await client.close()
+        raise
     connected = True
     client.options["max_reconnect_attempts"] = -1  # never give up once connected
     return client
