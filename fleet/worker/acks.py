@@ -4,6 +4,7 @@ the one place that sends it.
 `decide(stage, since_last_verb_s, ack_wait_s)` maps a task's situation to a verb:
 
     stage                  verb
+    receiving              in_progress when due (its intake, a child, may wait out an election)
     waiting_inputs         in_progress when due (every ack_wait/4, at most 5 s), else nothing
     waiting_slot           in_progress when due, else nothing
     running                in_progress when due, else nothing
@@ -17,19 +18,24 @@ the one place that sends it.
                            its redelivery reruns it, or ends it worker_lost if output began
     handed_back            nak after HAND_BACK_DELAY_S: no runner here for its model any more
 
-Every held message (waiting for inputs, for a slot, or running) is thus kept alive well inside
-AckWait, so JetStream never hands it to a second worker while this one still has it.
+Every held message (being taken in, waiting for inputs, for a slot, or running) is thus kept
+alive well inside AckWait, so JetStream never hands it to a second worker while this one still
+has it.
 
 `AckPolicy` holds the messages and applies verbs: with the broker retry policy for settling
-verbs, a single try per tick for in_progress (the next tick is its retry); every failure is
-logged and counted in `failures`, none is swallowed.
+verbs, a single try per beat for in_progress (the next beat is its retry); every failure is
+logged and counted in `failures`, none is swallowed. The beats come from a timer of their own
+(`beat_forever`, a child of the worker's Supervisor) over a snapshot of where each held message
+stands, so no broker call of the loop's, however long it waits, can starve them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -47,6 +53,7 @@ CONFIRM_TIMEOUT_S = 2.0
 
 
 class Stage(StrEnum):
+    RECEIVING = "receiving"
     WAITING_INPUTS = "waiting_inputs"
     WAITING_SLOT = "waiting_slot"
     RUNNING = "running"
@@ -76,7 +83,10 @@ class Verb:
 
 
 NOTHING = Verb(Kind.NOTHING)
-HELD = frozenset({Stage.WAITING_INPUTS, Stage.WAITING_SLOT, Stage.RUNNING, Stage.STOPPING_RUNNING})
+HELD = frozenset({
+    Stage.RECEIVING, Stage.WAITING_INPUTS, Stage.WAITING_SLOT, Stage.RUNNING,
+    Stage.STOPPING_RUNNING,
+})
 
 
 def progress_every(ack_wait_s: float) -> float:
@@ -108,15 +118,41 @@ def decide(stage: Stage, since_last_verb_s: float, ack_wait_s: float) -> Verb:
     raise ValueError(f"no verb for stage {stage!r}")
 
 
+def verb_of(stage: Stage) -> str:
+    """The verb a message that ends in `stage` gets, as spans and logs name it."""
+    return decide(stage, 0.0, 1.0).kind.value
+
+
+def intake_key(msg: Msg) -> str:
+    """The key a message is held under while it is taken in, before its task id is known:
+    its stream sequence, so a redelivery of it is recognised (`redelivered_while_held`)."""
+    try:
+        return f"intake-{msg.metadata.sequence.stream}"
+    except Exception:  # not a JetStream delivery (no ack subject to read it from)
+        return f"intake-local-{id(msg)}"
+
+
 def held_stages(state: WorkerState, held: list[str]) -> dict[str, Stage]:
-    """Where each held message stands: waiting (for inputs or a slot) or running."""
+    """Where each held message stands: being taken in, waiting (for inputs or a slot) or
+    running."""
     stages: dict[str, Stage] = {}
     for task_id in held:
-        if (pending := state.pending.get(task_id)) is not None:
+        if task_id in state.receiving:
+            stages[task_id] = Stage.RECEIVING
+        elif (pending := state.pending.get(task_id)) is not None:
             stages[task_id] = Stage.WAITING_INPUTS if pending.inputs is None else Stage.WAITING_SLOT
         else:  # dispatched, or ending behind an image upload: a runner still has it
             stages[task_id] = Stage.STOPPING_RUNNING if state.stopping else Stage.RUNNING
     return stages
+
+
+async def beat_forever(acks: AckPolicy, stages: Callable[[], Mapping[str, Stage]]) -> None:
+    """The in_progress beats, on a timer of their own over `stages()` (a snapshot of where
+    each held message stands): whatever the loop waits on, held messages stay alive."""
+    period = tick_every(acks.ack_wait_s)
+    while True:
+        await asyncio.sleep(period)  # a timer, not synchronisation
+        await acks.heartbeat(stages(), time.monotonic())
 
 
 @dataclass
@@ -157,10 +193,23 @@ class AckPolicy:
         held = next((h for h in self._held.items() if _same(h[1].msg, msg)), None)
         return held[0] if held else None
 
-    async def renew(self, task_id: str, msg: Msg, now: float) -> None:
-        """Hold the newest delivery of a held message instead, and tell in_progress at once."""
+    def renew(self, task_id: str, msg: Msg, now: float) -> None:
+        """Hold the newest delivery of a held message instead, due for in_progress at once
+        (`beat_now`)."""
         self._held[task_id] = _Held(msg, now - progress_every(self.ack_wait_s))
+
+    async def beat_now(self, task_id: str, now: float) -> None:
+        """in_progress for one held message now, if it is due (a renewed one is)."""
         await self.heartbeat({task_id: Stage.RUNNING}, now)
+
+    def rekey(self, old: str, new: str) -> Msg | None:
+        """Hold under `new` what was held under `old` (an intake key becomes the task id once
+        the intake knows it), keeping when its last verb went; the message, or None."""
+        held = self._held.pop(old, None)
+        if held is None:
+            return None
+        self._held[new] = held
+        return held.msg
 
     def release(self, task_id: str) -> Msg | None:
         """Stop holding a task's message (it is being settled) and return it."""

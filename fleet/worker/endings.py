@@ -20,23 +20,10 @@ from nats.aio.msg import Msg
 from fleet.aio import Supervisor
 from fleet.wire.events import ErrorReason, TaskFinished
 from fleet.worker.acks import AckPolicy, Stage
-from fleet.worker.intake import Settled
 from fleet.worker.outputs import TaskOutput
 from fleet.worker.spans import TaskSpans
 
 log = logging.getLogger(__name__)
-
-_INTAKE_STAGES = {"term": Stage.INVALID, "nak": Stage.HANDED_BACK}
-
-
-def intake_stage(outcome: Settled) -> Stage:
-    """The ack policy's stage for a message the intake settled (the verb it asked for)."""
-    if outcome.verb in _INTAKE_STAGES:
-        return _INTAKE_STAGES[outcome.verb]
-    if outcome.reason == "already_finished":
-        return Stage.REDELIVERED_FINISHED
-    return Stage.FINISHED_STORED
-
 
 class Endings:
     def __init__(

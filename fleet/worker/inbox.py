@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span
 
 from fleet.wire.events import ErrorReason, ImageChunk
 from fleet.wire.handoff import TaskHandOff
 from fleet.wire.pipe import RunnerReport
-from fleet.worker.state import StateEvent
+from fleet.worker.continuation import Continue
+from fleet.worker.intake import Queued, Settled
+from fleet.worker.state import PendingTask, StateEvent
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,32 @@ class Fetched:
 
 @dataclass(frozen=True)
 class Tick:
-    """Time for in-progress heartbeats of held task messages."""
+    """Time to plan again (deadlines pass without any other news); the in_progress beats of
+    held messages have a timer of their own (fleet.worker.acks.beat_forever)."""
+
+
+@dataclass(frozen=True)
+class TakenIn:
+    """A message's intake (a child) answered: `outcome` (Queued or Settled), or `error` when
+    it could not decide (given back for another try)."""
+
+    key: str  # the intake key it was held under (fleet.worker.acks.intake_key)
+    msg: Msg
+    outcome: Queued | Settled | None
+    span: Span  # the message's span (fleet.worker.spans), ended with its outcome
+    handed_in: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CrashJudged:
+    """A task whose runner exited under it, after a child read what it had streamed:
+    `decided` is a Continue (back in the queue) or None (it ends runner_crashed)."""
+
+    task_id: str
+    exited: RunnerExited
+    pending: PendingTask
+    decided: Continue | None
 
 
 @dataclass(frozen=True)
@@ -91,8 +119,8 @@ class Stop:
 
 
 InboxItem = (
-    Fetched | Tick | InputsFetched | InputsFailed | CancelSeen | RunnerReported | RunnerExited
-    | ImageUploaded | HandedIn | Stop | StateEvent
+    Fetched | Tick | TakenIn | CrashJudged | InputsFetched | InputsFailed | CancelSeen
+    | RunnerReported | RunnerExited | ImageUploaded | HandedIn | Stop | StateEvent
 )
 
 Inbox = asyncio.Queue[InboxItem]

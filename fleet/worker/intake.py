@@ -2,9 +2,11 @@
 checks that can end it before it ever reaches a runner (bad bytes, an id that is not its own,
 redelivery, early cancel, deadline).
 
-The intake decides; it never sends a JetStream verb itself. Each outcome says which verb its
-message needs (`Settled.verb`), and the worker's loop sends it, e.g. with `settle_msg`. Every
-event the intake writes on `fleet.out.<id>` comes after this message has claimed that id
+The intake runs in a child of the worker's Supervisor, never in its loop: its claim, cancel
+lookup and read-backs may each wait out a broker election. It decides; it never sends a
+JetStream verb itself. Its outcome is a stage of the ack policy (`Settled.stage`,
+fleet.worker.acks), and the worker's loop settles the message by it. Every event the intake
+writes on `fleet.out.<id>` comes after this message has claimed that id
 (fleet.worker.claims): a message that does not own its id writes nothing there.
 """
 
@@ -14,16 +16,15 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Literal
 
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from fleet.bus.retry import with_retry
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_task, sent_task_id
 from fleet.wire.events import ErrorReason, ImageChunk, TaskFinished, TokenChunk, ToolCallChunk
 from fleet.wire.tasks import Task, is_past
+from fleet.worker.acks import Stage
 from fleet.worker.claims import Claims, owner_of
 from fleet.worker.cluster import ClusterLink
 from fleet.worker.continuation import (
@@ -42,9 +43,6 @@ log = logging.getLogger(__name__)
 
 STREAMED = (TokenChunk, ToolCallChunk, ImageChunk)
 
-SettleVerb = Literal["ack", "term", "nak"]
-
-
 @dataclass(frozen=True)
 class Queued:
     pending: PendingTask
@@ -52,20 +50,14 @@ class Queued:
 
 @dataclass(frozen=True)
 class Settled:
-    """The message needs no runner: `verb` is what it must get now (ack when its terminal is
-    stored, term for poison and refused messages). `task_id` is the id this message owns;
-    None when it owns none (refused, or no usable id), so nothing keyed by that id, such as
-    the owner's held message, may be touched for it."""
+    """The message needs no runner: `stage` says what it gets now (an ack once its terminal
+    is stored, or a redelivery of a finished task; a term for poison and refused messages).
+    `task_id` is the id this message owns; None when it owns none (refused, or no usable id),
+    so nothing keyed by that id, such as the owner's held message, may be touched for it."""
 
     task_id: str | None
     reason: str
-    verb: SettleVerb = "ack"
-
-
-async def settle_msg(msg: Msg, verb: SettleVerb, *, delay: float | None = None) -> None:
-    """Send a settling verb with the broker retry policy; BrokerUnavailable when it cannot."""
-    calls = {"ack": msg.ack, "term": msg.term, "nak": lambda: msg.nak(delay=delay)}
-    await with_retry(calls[verb], what=f"{verb} of a message on {msg.subject}")
+    stage: Stage = Stage.FINISHED_STORED
 
 
 class Intake:
@@ -125,7 +117,7 @@ class Intake:
             return None
         model = subjects.model_of_task_subject(msg.subject)
         await claims.refuse(msg, model, task_id, reason)
-        return Settled(None, reason, "term")
+        return Settled(None, reason, Stage.INVALID)
 
     async def _invalid(self, msg: Msg, task_id: str | None, message: str) -> Settled:
         log.warning("invalid task on %s (%s): %s", msg.subject, task_id or "no id", message)
@@ -133,11 +125,11 @@ class Intake:
             claims = await self._claims()
             model = subjects.model_of_task_subject(msg.subject)
             await claims.refuse(msg, model, sent_task_id(msg.data), "invalid_task_id", message)
-            return Settled(None, "invalid_task", "term")
+            return Settled(None, "invalid_task", Stage.INVALID)
         if refused := await self._claim(msg, task_id):
             return refused
         await self.output.fail(task_id, ErrorReason.INVALID_TASK, message)
-        return Settled(task_id, "invalid_task", "term")  # poison: never redeliver
+        return Settled(task_id, "invalid_task", Stage.INVALID)  # poison: never redeliver
 
     async def _end(self, task_id: str, reason: ErrorReason, message: str) -> Settled:
         self.book.released(task_id)
@@ -151,12 +143,12 @@ class Intake:
         task_id = task.task_id
         last = await self.output.last_event(task_id)
         if isinstance(last, TaskFinished):
-            return Settled(task_id, "already_finished")
+            return Settled(task_id, "already_finished", Stage.REDELIVERED_FINISHED)
         if not output_began(last):
             return None
         match await self.continuation(task):
             case None:
-                return Settled(task_id, "already_finished")
+                return Settled(task_id, "already_finished", Stage.REDELIVERED_FINISHED)
             case GiveUp(message=message):
                 return await self._end(task_id, ErrorReason.WORKER_LOST, message)
         return None

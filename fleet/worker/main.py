@@ -1,11 +1,18 @@
-"""The worker: the node's one effectful loop. Receive, apply, plan, act, publish.
+"""The worker: the node's one loop. Receive, apply, plan, act.
 
 `Worker.run` owns every coroutine of the worker with one Supervisor (one TaskGroup): the
-tick, the cancel listener, pulls, input fetches, image uploads, runner starts, stops and
-report pumps, task endings, and the cluster link's own loops. Children talk to the loop only
-through the typed inbox (`InboxItem`); a child that fails is logged with its traceback and
-restarted with backoff (loops) or reported to the loop (one-shot work). The task tree and the
-ack table are drawn in docs/architecture.md.
+tick, the in_progress beats, the cancel listener, pulls, intakes, input fetches, image
+uploads, runner starts, stops and report pumps, crash read-backs, task endings, and the
+cluster link's own loops. Children talk to the loop only through the typed inbox
+(`InboxItem`); a child that fails is logged with its traceback and restarted with backoff
+(loops) or reported to the loop (one-shot work).
+
+The loop does not wait on the broker for a task's sake: a message's intake (claim, cancel
+lookup, read-backs, refusals) and the read-back of a task whose runner crashed run as
+children that post their outcome (`TakenIn`, `CrashJudged`); the beats that keep held
+messages alive run on their own timer. What the loop still awaits is the runner pipes and the
+token path's publish (which waits only when a task's window of unconfirmed events is full).
+The task tree and the ack table are drawn in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from pathlib import Path
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from opentelemetry.trace import Span
 
 from fleet import telemetry
 from fleet.aio import Supervisor
@@ -37,16 +45,17 @@ from fleet.wire.tasks import CancelTask
 from fleet.worker import cores
 from fleet.worker import plan as rules
 from fleet.worker import state as ev
-from fleet.worker.acks import AckPolicy, Stage, held_stages
+from fleet.worker.acks import AckPolicy, Stage, beat_forever, held_stages, intake_key, verb_of
 from fleet.worker.asks import AskResponder
 from fleet.worker.children import Feeds
 from fleet.worker.cluster import ClusterLink
 from fleet.worker.continuation import with_seed
-from fleet.worker.endings import Endings, intake_stage
+from fleet.worker.endings import Endings
 from fleet.worker.handoff import TAKE_WITHIN_S, HandOffs, RemoteRunners, rebuilt
 from fleet.worker.image_outputs import ImageOutputs
 from fleet.worker.inbox import (
     CancelSeen,
+    CrashJudged,
     Fetched,
     HandedIn,
     ImageUploaded,
@@ -57,6 +66,7 @@ from fleet.worker.inbox import (
     RunnerExited,
     RunnerReported,
     Stop,
+    TakenIn,
     Tick,
 )
 from fleet.worker.intake import Intake, Queued
@@ -138,6 +148,8 @@ class Worker(RunnerReports, Stopping):
                                 lambda key: remote.changed(mirror.values, key))
                 owner.forever("prefix mirror", lambda: mirror.run(_Link(self)))
             owner.forever("tick", self.feeds.tick_forever)
+            owner.forever("in_progress beats", lambda: beat_forever(
+                self.acks, lambda: held_stages(self.state, self.acks.held())))
             owner.forever("core sampler", lambda: cores.sample_forever(self.inbox.put_nowait))
             owner.forever("prefix adverts", PrefixAdverts(self.js, lambda: self.state).forever)
             self.asks = AskResponder(self.nc, self.js, settings.ask_timeout_s, owner)
@@ -183,7 +195,11 @@ class Worker(RunnerReports, Stopping):
             case Fetched(model=model, msgs=msgs):
                 self._apply(ev.PullEnded(model))
                 for msg in msgs:
-                    await self._take(msg)
+                    self._take(msg)
+            case TakenIn() as taken:
+                self._taken_in(taken)
+            case CrashJudged() as judged:
+                await self._crash_judged(judged)
             case RunnerReported() as reported:
                 if self.images.admit(reported):
                     await self._report(reported)
@@ -203,43 +219,71 @@ class Worker(RunnerReports, Stopping):
                 await self._handed_in(offer)
             case ev.HandOffEnded() as ended:
                 self._hand_off_ended(ended)
-            case Tick():
-                stages = held_stages(self.state, self.acks.held())
-                await self.acks.heartbeat(stages, time.monotonic())
-            case Stop():
-                pass
+            case Tick() | Stop():
+                pass  # a tick only makes the loop plan again
             case _:
                 self._apply(item)
 
-    async def _take(self, msg: Msg, *, handed_in: bool = False) -> None:
+    def _take(self, msg: Msg, *, handed_in: bool = False) -> None:
+        """Hold a fetched (or handed-in) message and take it in in a child (`_receive`): its
+        claim and checks may wait out an election, and the loop must not."""
+        now = time.monotonic()
         if (task_id := self.acks.redelivered_while_held(msg)) is not None:
             # Never run twice, never judged "lost" by our own intake: keep it, renewed.
             log.warning("task %s redelivered while it is held here: kept, not run twice",
                         task_id)
-            await self.acks.renew(task_id, msg, time.monotonic())
+            self._renew(task_id, msg, now)
             return
+        key = intake_key(msg)
         span = self.spans.received(msg)
+        if handed_in:  # tell JetStream at once: its sender's last word may be old
+            self._renew(key, msg, now)
+        else:
+            self.acks.hold(key, msg, now)  # the beats keep it alive while it is taken in
+        self._apply(ev.IntakeStarted(key, subjects.model_of_task_subject(msg.subject)))
+        self.owner.spawn(f"intake {key}", self._receive(key, msg, span, handed_in))
+
+    def _renew(self, key: str, msg: Msg, now: float) -> None:
+        self.acks.renew(key, msg, now)
+        self.owner.spawn(f"in_progress {key}", self.acks.beat_now(key, now))
+
+    async def _receive(self, key: str, msg: Msg, span: Span, handed_in: bool) -> None:
+        """A child: the intake's outcome (or why it has none) goes back to the loop."""
         try:
             with self.spans.current(span):
                 outcome = await self.intake.receive(msg)
-        except Exception as exc:  # not taken in: given back for another try soon
-            log.warning("a task on %s was not taken in (%s: %s); given back",
-                        msg.subject, type(exc).__name__, exc)
+        except Exception as exc:  # not taken in: the loop gives it back for another try soon
+            error = f"{type(exc).__name__}: {exc}"
+            self.inbox.put_nowait(TakenIn(key, msg, None, span, handed_in, error))
+            return
+        self.inbox.put_nowait(TakenIn(key, msg, outcome, span, handed_in))
+
+    def _taken_in(self, taken: TakenIn) -> None:
+        """An intake answered: queue the task under its id, or settle its message."""
+        self._apply(ev.IntakeEnded(taken.key))
+        outcome, span = taken.outcome, taken.span
+        if isinstance(outcome, Queued):
+            task = outcome.pending.task
+            if self.acks.rekey(taken.key, task.task_id) is None:  # cannot happen: held at take
+                self.acks.hold(task.task_id, taken.msg, time.monotonic())
+            self.spans.queued(task, span)
+            pending = outcome.pending
+            if taken.handed_in:
+                pending = replace(pending, local_only=True)
+            self._apply(ev.TaskQueued(pending))
+            if task.task_id in self.cluster.cancelled:  # cancelled while it was taken in
+                self._end(task.task_id, ErrorReason.CANCELLED, "cancelled before it started")
+            return
+        msg = self.acks.release(taken.key) or taken.msg  # the newest delivery of it
+        if outcome is None:
+            log.warning("a task on %s was not taken in (%s); given back", msg.subject,
+                        taken.error)
             self.spans.settled(None, "nak", span, "intake_failed")
             self.endings.settle(None, msg, Stage.HANDED_BACK)
             return
-        if isinstance(outcome, Queued):
-            task = outcome.pending.task
-            if handed_in:  # tell JetStream at once: its sender's last word may be old
-                await self.acks.renew(task.task_id, msg, time.monotonic())
-            else:
-                self.acks.hold(task.task_id, msg, time.monotonic())
-            self.spans.queued(task, span)
-            pending = replace(outcome.pending, local_only=True) if handed_in else outcome.pending
-            self._apply(ev.TaskQueued(pending))
-        else:
-            self.spans.settled(outcome.task_id, outcome.verb, span, outcome.reason)
-            self.endings.settle(outcome.task_id, msg, intake_stage(outcome))
+        self.spans.settled(outcome.task_id, verb_of(outcome.stage), span,
+                           outcome.reason)
+        self.endings.settle(outcome.task_id, msg, outcome.stage)
 
     async def _act(self, action: rules.Action) -> None:
         match action:
@@ -311,13 +355,12 @@ class Worker(RunnerReports, Stopping):
         reason = rules.declines_hand_off(self.state, model)
         if reason is None and time.monotonic() - offer.received_at > TAKE_WITHIN_S:
             reason = "reached too late"
-        if reason is not None:
-            await self.handoffs.answer(reply, False, reason)
-            return
-        await self.handoffs.answer(reply, True)
-        log.info("task message from node %s taken in (for runner %s)",
-                 hand_off.from_node, hand_off.runner_id)
-        await self._take(rebuilt(self.nc, hand_off), handed_in=True)
+        taken = reason is None
+        self.owner.spawn("answer a hand-off", self.handoffs.answer(reply, taken, reason))
+        if taken:
+            log.info("task message from node %s taken in (for runner %s)",
+                     hand_off.from_node, hand_off.runner_id)
+            self._take(rebuilt(self.nc, hand_off), handed_in=True)
 
     def _hand_off_ended(self, ended: ev.HandOffEnded) -> None:
         task_id = ended.task_id

@@ -186,6 +186,7 @@ def declines_hand_off(state: WorkerState, model: str) -> str | None:
         r.free_slots for r in state.runners.values() if r.model == model and not r.shutting_down
     )
     waiting = sum(1 for p in state.pending.values() if p.task.model == model)
+    waiting += sum(1 for taking in state.receiving.values() if taking == model)
     if free - waiting <= 0:
         return "no free slot"
     return None
@@ -211,6 +212,9 @@ def pull(state: WorkerState, now: float) -> Action | None:
         room[model] = room.get(model, 0) - 1
         if task_id not in behind_full:
             free[model] = free.get(model, 0) - 1
+    for model in state.receiving.values():  # being taken in: waiting tasks soon
+        room[model] = room.get(model, 0) - 1
+        free[model] = free.get(model, 0) - 1
     for model, slots in sorted(free.items()):
         slots = min(slots, room.get(model, 0))
         if slots > 0 and model not in state.pulling:

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 
 from fleet import telemetry
 from fleet.wire import pipe
-from fleet.wire.events import ErrorChunk, OutputEvent, TaskFinished
+from fleet.wire.events import ErrorChunk, ErrorReason, OutputEvent, TaskFinished
 from fleet.worker import state as ev
 from fleet.worker.acks import Stage
 from fleet.worker.continuation import Continue, output_began
-from fleet.worker.inbox import RunnerExited, RunnerReported
+from fleet.worker.inbox import CrashJudged, RunnerExited, RunnerReported
+from fleet.worker.state import PendingTask
 from fleet.worker.supervisor import crashed_terminal
 
 if TYPE_CHECKING:
@@ -91,39 +92,21 @@ class RunnerReports:
             log.warning("task %s: %s event not sent (%s: %s)", event.task_id, event.type,
                         type(exc).__name__, exc)
 
-    async def _continue_after_crash(self: Worker, task_id: str) -> bool:
-        """A task whose output began goes back in this node's queue, its message still held:
-        a text task continues from its next token, an image task restarts from step 0 with
-        the same seed, on the restarted runner or another (fleet.worker.continuation). False:
-        it ends runner_crashed as before (no output yet, or its continuations used up)."""
-        pending = self.intake.book.running.pop(task_id, None)
-        if pending is None or not output_began(await self.output.last_event(task_id)):
-            return False
-        decided = await self.intake.continuation(pending.task)
-        if not isinstance(decided, Continue):
-            return False
-        if uploading := self.images.on_the_way(task_id):
-            # Not stored yet but already made: the restart must not announce them again.
-            self.intake.book.queued[task_id] = replace(
-                decided, delivered_images=decided.delivered_images | uploading
-            )
-        self._apply(ev.TaskEnded(task_id))  # off the dead runner...
-        self._apply(ev.TaskQueued(pending))  # ...and waiting for a slot again
-        return True
-
     async def _runner_exited(self: Worker, exited: RunnerExited) -> None:
         """The runner is gone: every task still in flight there (WorkerState says which) ends
-        runner_crashed, behind any image of it still uploading."""
+        runner_crashed, behind any image of it still uploading; one that may be continued
+        (its message still held) leaves the dead runner at once and waits for a child's
+        read-back of what it streamed (`_judge_crash`, then `_crash_judged`)."""
         runner_id = exited.runner_id
         view = self.state.runners.get(runner_id)
         crashed = self.runners.exited(exited)
         for task_id in sorted(view.in_flight if view else ()):
-            if await self._continue_after_crash(task_id):
+            pending = self.intake.book.running.pop(task_id, None)
+            if pending is None:
+                await self._crashed(task_id, exited)
                 continue
-            lost = crashed_terminal(task_id, exited, self.state.node_id)
-            item = RunnerReported(runner_id, lost)
-            if self.images.admit(item):
-                await self._report(item)
+            self._apply(ev.TaskEnded(task_id))  # off the dead runner; its message stays held
+            self.owner.spawn(f"read back {task_id}", self._judge_crash(task_id, exited, pending))
         self._apply(ev.RunnerGone(runner_id, crashed=crashed, at=time.time()))
         self.cluster.runner_removed(runner_id)
         if crashed and view is not None and view.layout:
@@ -132,3 +115,45 @@ class RunnerReports:
                 f"restart group {view.instance_id}",
                 self.cluster.restart_group(view.instance_id, view.layout),
             )
+
+    async def _judge_crash(
+        self: Worker, task_id: str, exited: RunnerExited, pending: PendingTask
+    ) -> None:
+        """A child: whether a task cut short by its runner's exit goes on (its output began
+        and fleet.worker.continuation says how); the answer goes back to the loop."""
+        decided: Continue | None = None
+        try:
+            if output_began(await self.output.last_event(task_id)):
+                found = await self.intake.continuation(pending.task)
+                decided = found if isinstance(found, Continue) else None
+        except Exception as exc:  # its output cannot be read: it ends runner_crashed
+            log.warning("task %s: what it streamed could not be read back (%s: %s)",
+                        task_id, type(exc).__name__, exc)
+        self.inbox.put_nowait(CrashJudged(task_id, exited, pending, decided))
+
+    async def _crash_judged(self: Worker, judged: CrashJudged) -> None:
+        """A text task continues from its next token, an image task restarts from step 0
+        with the same seed, on the restarted runner or another; else it ends runner_crashed
+        as before (no output yet, or its continuations used up)."""
+        task_id, decided = judged.task_id, judged.decided
+        if decided is None or self.state.stopping or task_id in self.cluster.cancelled:
+            self.intake.book.queued.pop(task_id, None)
+            if self.state.stopping:
+                self._hand_back(task_id, Stage.STOPPED_MID_RUN)
+            elif task_id in self.cluster.cancelled:
+                self._end(task_id, ErrorReason.CANCELLED, "cancelled")
+            else:
+                await self._crashed(task_id, judged.exited)
+            return
+        if uploading := self.images.on_the_way(task_id):
+            # Not stored yet but already made: the restart must not announce them again.
+            self.intake.book.queued[task_id] = replace(
+                decided, delivered_images=decided.delivered_images | uploading
+            )
+        self._apply(ev.TaskQueued(judged.pending))  # waiting for a slot again
+
+    async def _crashed(self: Worker, task_id: str, exited: RunnerExited) -> None:
+        lost = crashed_terminal(task_id, exited, self.state.node_id)
+        item = RunnerReported(exited.runner_id, lost)
+        if self.images.admit(item):
+            await self._report(item)

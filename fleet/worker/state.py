@@ -100,6 +100,9 @@ class WorkerState:
     pending: dict[str, PendingTask] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)  # by instance id, for backoff
     pulling: frozenset[str] = frozenset()  # models with a fetch outstanding
+    # task messages being taken in (claim, checks) by a child: their key -> the model. They
+    # count as waiting tasks (pull sizes, hand-offs) and their messages are kept alive.
+    receiving: Mapping[str, str] = field(default_factory=dict)
     starting: frozenset[str] = frozenset()  # instances whose runner is being prepared
     stopping: bool = False
     routing: Weights = field(default_factory=Weights)
@@ -185,6 +188,21 @@ class PullEnded:
 
 
 @dataclass(frozen=True)
+class IntakeStarted:
+    """A fetched (or handed-in) message went to a child to be taken in."""
+
+    key: str  # the message's intake key (fleet.worker.acks.intake_key)
+    model: str
+
+
+@dataclass(frozen=True)
+class IntakeEnded:
+    """Its intake answered: queued (a TaskQueued follows) or settled without a runner."""
+
+    key: str
+
+
+@dataclass(frozen=True)
 class TaskQueued:
     pending: PendingTask
 
@@ -260,7 +278,8 @@ class HandOffEnded:
 
 StateEvent = (
     InstancesChanged | RunnerStarting | RunnerSpawned | RunnerStartFailed | CommandSent
-    | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | TaskQueued | InputsFetching
+    | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | IntakeStarted | IntakeEnded
+    | TaskQueued | InputsFetching
     | InputsReady | TaskDispatched | TaskEnded | Stopping | RemoteRunnersSeen | HandOffStarted
     | HandOffEnded | FirstOutput | CoresSampled
 )
@@ -348,6 +367,16 @@ def _(event: PullStarted, state: WorkerState) -> WorkerState:
 @_apply.register
 def _(event: PullEnded, state: WorkerState) -> WorkerState:
     return replace(state, pulling=state.pulling - {event.model})
+
+
+@_apply.register
+def _(event: IntakeStarted, state: WorkerState) -> WorkerState:
+    return replace(state, receiving={**state.receiving, event.key: event.model})
+
+
+@_apply.register
+def _(event: IntakeEnded, state: WorkerState) -> WorkerState:
+    return replace(state, receiving={k: v for k, v in state.receiving.items() if k != event.key})
 
 
 @_apply.register

@@ -74,11 +74,13 @@ class Stopping:
 
     async def _end_pulls(self: Worker) -> None:
         """Wait out the pulls still open at the server (each ends within FETCH_WAIT_S) and
-        give back what they bring. Before any nak: a message nak'ed while a pull of ours is
-        open would be redelivered into it, to a worker that is leaving, and sit to AckWait."""
+        give back what they bring, and the intakes still running (their tasks are queued,
+        then given back with the rest). Before any nak: a message nak'ed while a pull of ours
+        is open would be redelivered into it, to a worker that is leaving, and sit to
+        AckWait."""
         try:
             async with asyncio.timeout(FETCH_WAIT_S + 2.0):
-                while self.state.pulling:
+                while self.state.pulling or self.state.receiving:
                     item = await self.inbox.get()
                     if isinstance(item, Fetched):
                         self._apply(ev.PullEnded(item.model))
@@ -87,7 +89,8 @@ class Stopping:
                     elif not isinstance(item, Stop | Tick):
                         await self._handle(item)
         except TimeoutError:
-            log.warning("stopping: pulls still open for %s", sorted(self.state.pulling))
+            log.warning("stopping: pulls still open for %s, %d intake(s) unanswered",
+                        sorted(self.state.pulling), len(self.state.receiving))
 
     async def _drain_runner_reports(self: Worker) -> None:
         """What the runners said while stopping (their last terminals) still goes out."""

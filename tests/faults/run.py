@@ -83,10 +83,12 @@ async def provision_with(nc: Client, replicas: int) -> None:
 
 
 class FaultRun:
-    def __init__(self, broker: Broker, root: Path, load: Load, replicas: int = 1) -> None:
-        """`worker_urls` (set before `start`): the servers the workers may connect to, when a
-        scenario must keep them off the server it hurts; every server by default."""
-        self.worker_urls = broker.url
+    def __init__(
+        self, broker: Broker, root: Path, load: Load, replicas: int = 1, avoid: str | None = None
+    ) -> None:
+        """`avoid`: a server the workers and the test's client do not connect to (a scenario
+        that hurts only the broker's groups there, not the connections)."""
+        self.avoid = avoid
         self.broker = broker
         self.root = root
         self.load = load
@@ -106,14 +108,15 @@ class FaultRun:
     # ---- set-up ------------------------------------------------------------------------
 
     async def start(self, seeded_dir: Path | None = None) -> None:
-        self.nc = await connect_client(self.broker)
+        self.nc = await connect_client(self.broker, avoid=self.avoid)
         await until_jetstream(self.nc)
         await provision_with(self.nc, self.replicas)
         env = {"FLEET_REPLICAS": str(self.replicas), "FLEET_SLOTS": str(self.load.slots)}
         for index in range(self.load.workers):
             data_dir = self.root / f"w{index + 1}"
             card = add_fault_card(data_dir)
-            self.workers.append(WorkerProcess(self.worker_urls, data_dir, **env).start())
+            urls = ",".join(url for name, url in self.broker.named_urls() if name != self.avoid)
+            self.workers.append(WorkerProcess(urls, data_dir, **env).start())
         for worker in self.workers:
             node = await wait_node(self.nc, worker.data_dir, timeout=60)
             await place_and_wait(self.nc, card, node, slots=self.load.slots, timeout=60)
@@ -133,8 +136,11 @@ class FaultRun:
             self.accepted.add(task_id)
             self.changed.set()
 
-    async def publish(self) -> None:
+    async def publish(self, only: list[str] | None = None) -> None:
+        """Publish the run's tasks (`only` those, when given)."""
         for task_id, tokens in self.expected.items():
+            if only is not None and task_id not in only:
+                continue
             knobs = f"tokens:{tokens} delay_ms:{self.load.delay_ms}"
             await submit(self.nc, TextGeneration(
                 task_id=task_id, model=MODEL, max_tokens=tokens, temperature=0.0,

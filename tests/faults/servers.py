@@ -42,6 +42,9 @@ class NatsNode:
     server: EmbeddedNats | None = None
     paused: bool = False
 
+    def named_urls(self) -> list[tuple[str, str]]:
+        return [(name, node.url) for name, node in self.nodes.items()]
+
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
@@ -106,6 +109,9 @@ class Broker:
     def urls(self) -> list[str]:
         return [node.url for node in self.nodes.values()]
 
+    def named_urls(self) -> list[tuple[str, str]]:
+        return [(name, node.url) for name, node in self.nodes.items()]
+
     @property
     def url(self) -> str:
         """The comma-separated list FLEET_NATS_URL takes."""
@@ -142,14 +148,16 @@ class Broker:
         await asyncio.to_thread(node.start)
 
 
-async def connect_client(broker: Broker) -> Client:
-    """The test's own client: every server, reconnecting for ever (never the code under test)."""
+async def connect_client(broker: Broker, avoid: str | None = None) -> Client:
+    """The test's own client: every server (but `avoid`), reconnecting for ever (never the
+    code under test)."""
 
     async def quiet(exc: Exception) -> None:
         """Refused connects while a server is down are the fault itself, not news."""
 
     return await nats.connect(
-        servers=broker.urls, name="fault-test", max_reconnect_attempts=-1, error_cb=quiet,
+        servers=[url for name, url in broker.named_urls() if name != avoid], name="fault-test",
+        max_reconnect_attempts=-1, error_cb=quiet,
         reconnect_time_wait=0.25, connect_timeout=5, ping_interval=2, max_outstanding_pings=2,
     )
 
@@ -219,3 +227,65 @@ async def replicas_of(nc: Client, stream: str) -> int:
     config = info.get("config") or {}
     assert isinstance(config, dict)
     return int(config.get("num_replicas", 1))
+
+
+async def consumer_leader(nc: Client, stream: str, consumer: str) -> str | None:
+    info = await api(nc, f"CONSUMER.INFO.{stream}.{consumer}")
+    cluster = info.get("cluster") or {}
+    assert isinstance(cluster, dict)
+    leader = cluster.get("leader")
+    return str(leader) if leader else None
+
+
+async def meta_leader(broker: Broker, timeout: float = 30.0) -> str | None:
+    """The server leading the JetStream meta group (its API), from a server's /jsz; None
+    when none says so within `timeout` (an election)."""
+    deadline = time.monotonic() + timeout
+    while (leader := await _said_meta_leader(broker)) is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)  # paces the question while the cluster elects
+    return leader
+
+
+async def _said_meta_leader(broker: Broker) -> str | None:
+    for node in broker.nodes.values():
+        if node.http_port is None:
+            continue
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            async with httpx.AsyncClient(timeout=2.0) as http:
+                reply = await http.get(f"http://127.0.0.1:{node.http_port}/jsz")
+            leader = (reply.json().get("meta_cluster") or {}).get("leader")
+            if leader:
+                return str(leader)
+    return None
+
+
+async def leaders_off(
+    nc: Client, broker: Broker, server: str, keep: tuple[str, ...], timeout: float = 30.0
+) -> None:
+    """Every stream and replicated consumer group led by `server`, but those of the streams in
+    `keep`, steps down until another server leads it: a fault on `server` then hurts only
+    `keep` (and the one-replica consumers it hosts, such as some KV watchers: they cannot
+    move, and recreate themselves elsewhere).
+    The meta group's leader cannot be moved without the system account: pick a `server`
+    that does not lead it (`meta_leader`)."""
+    deadline = time.monotonic() + timeout
+    assert await meta_leader(broker) != server, f"{server} leads the meta group"
+    names = await api(nc, "STREAM.NAMES")
+    streams = [str(name) for name in names.get("streams") or [] if name not in keep]
+    groups: list[tuple[str, str]] = [(f"STREAM.INFO.{s}", f"STREAM.LEADER.STEPDOWN.{s}")
+                                     for s in streams]
+    for stream in streams:
+        consumers = await api(nc, f"CONSUMER.NAMES.{stream}")
+        groups += [(f"CONSUMER.INFO.{stream}.{c}", f"CONSUMER.LEADER.STEPDOWN.{stream}.{c}")
+                   for c in consumers.get("consumers") or []]
+    for info_api, stepdown_api in groups:
+        while True:
+            with contextlib.suppress(NatsError, TimeoutError):
+                cluster = (await api(nc, info_api)).get("cluster") or {}
+                assert isinstance(cluster, dict)
+                if cluster.get("leader") not in (server, None) or not cluster.get("replicas"):
+                    break  # led elsewhere, or a one-replica consumer (a watcher): it stays
+                await api(nc, stepdown_api)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{info_api}: still led by {server}")
+            await asyncio.sleep(0.5)

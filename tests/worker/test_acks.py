@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from fleet.bus.provision import ensure_task_consumer
 from fleet.wire import subjects
+from fleet.wire.tasks import TextGeneration
 from fleet.worker.acks import (
     HAND_BACK_DELAY_S,
     AckPolicy,
@@ -15,9 +18,11 @@ from fleet.worker.acks import (
     Stage,
     Verb,
     decide,
+    held_stages,
     progress_every,
     tick_every,
 )
+from fleet.worker.state import PendingTask, WorkerState
 
 ACK_WAIT = 30.0
 DUE = progress_every(ACK_WAIT)
@@ -26,6 +31,8 @@ IN_PROGRESS = Verb(Kind.IN_PROGRESS)
 
 TABLE = [
     # stage, seconds since the last verb, the verb
+    (Stage.RECEIVING, 0.0, NOTHING),
+    (Stage.RECEIVING, DUE, IN_PROGRESS),  # an intake waiting out an election stays ours
     (Stage.WAITING_INPUTS, 0.0, NOTHING),
     (Stage.WAITING_INPUTS, DUE, IN_PROGRESS),
     (Stage.WAITING_SLOT, DUE - 0.1, NOTHING),
@@ -122,7 +129,8 @@ async def test_a_redelivery_of_a_held_message_is_recognised_and_renewed(
     [again] = await sub.fetch(1, timeout=5)  # after AckWait (1 s): the same message again
     assert again.metadata.num_delivered == 2 and again.data == b"held"
     assert policy.redelivered_while_held(again) == "t"
-    await policy.renew("t", again, now=10.0)
+    policy.renew("t", again, now=10.0)
+    await policy.beat_now("t", now=10.0)
     assert policy.sent[Kind.IN_PROGRESS] == 1
     assert await policy.settle("t", again, Stage.FINISHED_STORED)
     await other.ack()
@@ -151,3 +159,19 @@ async def test_a_held_message_delivered_again_as_a_first_delivery_is_still_recog
     assert again.metadata.num_delivered == 1
     assert again.metadata.sequence.stream == first.metadata.sequence.stream
     assert policy.redelivered_while_held(again) == "t"
+
+
+def test_held_stages_say_where_each_held_message_stands() -> None:
+    text = TextGeneration(task_id="w", model="m", prompt="hi")
+    state = WorkerState(
+        node_id="n", receiving={"intake-3": "m"},
+        pending={"w": PendingTask(text, 0.0, inputs={}),
+                 "i": PendingTask(text.model_copy(update={"task_id": "i"}), 0.0)},
+    )
+    held = ["intake-3", "w", "i", "r"]
+    assert held_stages(state, held) == {
+        "intake-3": Stage.RECEIVING, "w": Stage.WAITING_SLOT, "i": Stage.WAITING_INPUTS,
+        "r": Stage.RUNNING,
+    }
+    stopping = replace(state, stopping=True, pending={})
+    assert held_stages(stopping, ["r"]) == {"r": Stage.STOPPING_RUNNING}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import pytest
@@ -226,6 +227,11 @@ ROWS = [
                  T0, None, id="no-pull-when-pending-fills-the-free-slots"),
     pytest.param(world([INST], [READY], pulling=[TINY]), T0, None,
                  id="never-pull-while-a-pull-is-outstanding"),
+    pytest.param(replace(world([INST], [READY]), receiving={"intake-7": TINY, "intake-8": SMOL}),
+                 T0, Pull(TINY, 3), id="messages-being-taken-in-count-as-waiting"),
+    pytest.param(replace(world([INST], [runner(slots=2, in_flight=["a"])]),
+                         receiving={"intake-7": TINY}),
+                 T0, None, id="no-pull-when-intakes-fill-the-free-slots"),
     pytest.param(world([INST], [runner(slots=2, in_flight=["a", "b"])]), T0, None,
                  id="no-pull-when-runner-is-full"),
     pytest.param(world([INST], [runner(status=RunnerLoading(), command_sent="load_model")]), T0,

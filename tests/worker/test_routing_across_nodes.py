@@ -161,6 +161,8 @@ def test_plan_across_nodes(state: WorkerState, now: float, expected: object) -> 
         (world([], [], local_busy=3), None),
         (world([], [], local_busy=4), "no free slot"),
         (world([pending(local_only=True)], [], local_busy=3), "no free slot"),
+        (replace(world([], [], local_busy=3), receiving={"intake-1": "tiny-llm"}),
+         "no free slot"),  # an offer being taken in holds the last slot
         (world([], [], stopping=True), "stopping"),
     ],
 )

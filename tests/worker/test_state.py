@@ -86,6 +86,13 @@ ROWS = [
                  id="pull-started"),
     pytest.param(given(pulling=frozenset({"tiny-llm", "tiny-flux2"})), ev.PullEnded("tiny-llm"),
                  given(pulling=frozenset({"tiny-flux2"})), id="pull-ended-for-that-model-only"),
+    # ---- intakes ---------------------------------------------------------------------------
+    pytest.param(EMPTY, ev.IntakeStarted("intake-7", "tiny-llm"),
+                 given(receiving={"intake-7": "tiny-llm"}), id="intake-started"),
+    pytest.param(given(receiving={"intake-7": "tiny-llm", "intake-8": "tiny-llm"}),
+                 ev.IntakeEnded("intake-7"), given(receiving={"intake-8": "tiny-llm"}),
+                 id="intake-ended-for-that-message-only"),
+    pytest.param(EMPTY, ev.IntakeEnded("intake-9"), EMPTY, id="unknown-intake-ended-is-harmless"),
     # ---- tasks -----------------------------------------------------------------------------
     pytest.param(EMPTY, ev.TaskQueued(TEXT), given(pending={"t-1": TEXT}), id="task-queued"),
     pytest.param(given(pending={"t-2": EDIT}), ev.InputsFetching("t-2"),
