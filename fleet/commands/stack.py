@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fleet.bus.auth_gen import as_role, ensure_auth
@@ -103,20 +104,27 @@ async def stack(
     """An embedded nats-server (unless a URL is given), a worker, the gateway; `models`
     placed on this node. Yields the settings the roles use. With `exit_`, a stop requested
     while the stack still starts raises StopRequested after the same clean-up."""
-    from fleet.gateway.app import serve
+    from fleet.gateway.app import listening_socket, serve
     from fleet.worker.main import Worker
 
     quiet_builders()
     stopping = exit_.stopping if exit_ else asyncio.Event()
+    # Its port first: taken, nothing has started yet (no runner left to stop).
+    gateway_socket = listening_socket(settings.gateway_host, settings.gateway_port)
+    settings = replace(settings, gateway_port=gateway_socket.getsockname()[1])  # 0: picked
     server, guard = None, None
     # An embedded server runs secured when `fleet nats --auth` wrote <data>/auth: then each
     # role below connects as its own NATS user (docs/permissions.md).
     config = secured_config(settings.data_dir) if settings.nats_url is None else None
     if settings.nats_url is None:
-        server = EmbeddedNats(
-            settings.nats_store_dir, port=settings.nats_port, config=config,
-            log_file=settings.data_dir / "nats.log",
-        ).start()
+        try:
+            server = EmbeddedNats(
+                settings.nats_store_dir, port=settings.nats_port, config=config,
+                log_file=settings.data_dir / "nats.log",
+            ).start()
+        except BaseException:
+            gateway_socket.close()
+            raise
         # Even a SIGKILL of this process must not leave the server running.
         guard = guard_child(server.process.pid) if server.process else None
         if exit_:
@@ -136,7 +144,7 @@ async def stack(
                 await _place_here(nc, settings, model, worker.cluster.node_id)
             gateway_ready = asyncio.Event()
             gateway_task = asyncio.create_task(
-                serve(as_role(settings, "gateway", secured), gateway_ready)
+                serve(as_role(settings, "gateway", secured), gateway_ready, gateway_socket)
             )
             try:
                 await _first(gateway_ready.wait(), gateway_task, stopping)
@@ -150,6 +158,7 @@ async def stack(
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 2.0)
     finally:
+        gateway_socket.close()  # served and closed already, or never served
         if server:
             server.stop()
         if guard:
@@ -199,8 +208,6 @@ async def _first(
 
 
 def settings_with_url(settings: Settings, url: str) -> Settings:
-    from dataclasses import replace
-
     return replace(settings, nats_url=url)
 
 

@@ -127,7 +127,8 @@ def build_app(settings: Settings) -> Starlette:
     app.state.key_ring = ring  # the dashboard asks it who is an operator
     mount_dashboard(app)  # /ui: fleet/dashboard
     # Outermost, in this order: the access log sees every request; each request starts with
-    # no trace context; the HTTP span is current for everything below it. Added last so that they know every route, /ui's too.
+    # no trace context; the HTTP span is current for everything below it. Added last so that
+    # they know every route, /ui's too.
     meter_provider = gateway.metrics.meters.provider
     app.add_middleware(http_spans, routes=app.router.routes, meter_provider=meter_provider)
     app.add_middleware(TraceOfItsOwn)
@@ -247,7 +248,11 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
+async def serve(
+    settings: Settings, ready: asyncio.Event | None = None, sock: socket.socket | None = None
+) -> None:
+    """Serve until cancelled, on `sock` when given (bound by the caller before it started
+    anything else: `fleet up` fails on a taken port before NATS and the worker start)."""
     import uvicorn
 
     from fleet.gateway.app import build_app
@@ -257,7 +262,7 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
         def capture_signals(self) -> Iterator[None]:
             yield  # the loop's owner handles signals and cancels us
 
-    sock = listening_socket(settings.gateway_host, settings.gateway_port)
+    sock = sock or listening_socket(settings.gateway_host, settings.gateway_port)
     host, port = sock.getsockname()[:2]
     log.info(
         "gateway listening on http://%s:%d/v1 (NATS %s)", host, port, redact_urls(settings.urls)
