@@ -183,6 +183,14 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
         # Request-reply on fleet.ask.<model> against publish-and-watch, on the fault engine.
         result["ask"] = uvloop.run(run_ask(20 if args.quick else 200, 8, workdir / "ask"))
         print_summary(result["ask"])
+    if args.only in (None, "plumbing", "plumbing-rate"):
+        from bench.plumbing_rate import QUICK, RatePlan, rate_table, run_rate
+
+        plan_ = QUICK if args.quick else RatePlan()
+        if args.plumbing_s:
+            plan_ = replace(plan_, duration_s=args.plumbing_s)
+        result["plumbing_rate"] = uvloop.run(run_rate(workdir / "rate", env, plan_))
+        print("\n".join(rate_table(result["plumbing_rate"])))
     if args.only in (None, "plumbing"):
         from bench.plumbing import run_plumbing
 

@@ -1,0 +1,275 @@
+"""Plumbing at GPU-class rates: one `fleet up` carrying fault-engine tokens (issue 23).
+
+The fault engine (`family: fault`) makes tokens for nothing, so every number here is Fleet's
+own cost: what one node's worker, gateway, runner pipe and nats-server spend per token.
+
+- http: 64 streams over `/v1/chat/completions` for `duration_s`, each a request of
+  STREAM_TOKENS tokens, a new one as soon as one ends; tok/s and the CPU each process spent
+  per token (psutil cpu_times deltas: `up` is the worker and the gateway, one process);
+- nats: the same 64 streams published to `fleet.tasks.<model>` and read on `fleet.out.*` by a
+  raw nats-py client (no gateway): worker + runner + nats-server per token;
+- c1: added latency per token at concurrency 1, paced at C1_RATE tokens a second: client
+  receipt time minus the event's `at` (when the runner made its oldest token), over NATS;
+- tasks: tasks/s with max_tokens 1 and 64 slots (TASKS published at once), and
+  publish -> `task_accepted` p50 one task at a time (light load).
+
+Token counts come from each task's usage; a token event may carry several tokens
+(`token_ids`), so the raw client counts those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import psutil
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from bench.event_log import ms
+from bench.fleet_stack import FleetStack
+from bench.workload import percentile
+from fleet.models.catalog import custom_cards_dir
+from fleet.runner.fault_engine import fault_card
+from fleet.wire import subjects
+from fleet.wire.codec import encode
+from fleet.wire.tasks import ChatMessage, TextGeneration
+
+MODEL = "fault-llm"
+STREAMS = 64
+SLOTS = 64
+STREAM_TOKENS = 1500
+C1_RATE = 200  # tokens a second: a fast model's single-stream decode
+STREAM_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class RatePlan:
+    duration_s: float = 60.0
+    stream_tokens: int = STREAM_TOKENS
+    c1_tokens: int = 400
+    accepted: int = 100
+    tasks: int = 2000
+
+
+QUICK = RatePlan(duration_s=3.0, stream_tokens=300, c1_tokens=100, accepted=20, tasks=200)
+
+
+def _prompt(tokens: int, rate: int | None = None) -> str:
+    return f"tokens:{tokens}" + (f" tokens_per_s:{rate}" if rate else "")
+
+
+def _task(task_id: str, tokens: int, rate: int | None = None) -> TextGeneration:
+    return TextGeneration(task_id=task_id, model=MODEL, max_tokens=tokens,
+                          messages=[ChatMessage(role="user", content=_prompt(tokens, rate))])
+
+
+def _cpu(processes: dict[str, psutil.Process]) -> dict[str, float]:
+    seconds = {}
+    for name, process in processes.items():
+        try:
+            times = process.cpu_times()
+            seconds[name] = times.user + times.system
+        except psutil.Error:
+            seconds[name] = float("nan")
+    return seconds
+
+
+def _per_token(before: dict[str, float], after: dict[str, float], tokens: int,
+               wall: float) -> dict[str, Any]:
+    us = {name: round(1e6 * (after[name] - before[name]) / max(tokens, 1), 2) for name in before}
+    load = {name: round((after[name] - before[name]) / wall, 3) for name in before}
+    return {"cpu_us_per_token": us, "cores": load}
+
+
+class RawEvents:
+    """One core subscription to `fleet.out.*`: tokens and ends by task, parsed with orjson
+    only (a plain NATS client's cost, not pydantic's)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, int] = {}
+        self.accepted: dict[str, float] = {}
+        self.waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self.latencies: list[float] | None = None
+
+    async def on_msg(self, msg: Msg) -> None:
+        event = orjson.loads(msg.data)
+        kind = event.get("type")
+        task_id = event.get("task_id", "")
+        if kind == "token":
+            if self.latencies is not None:
+                self.latencies.append(time.time() - event["at"])
+            self.tokens[task_id] = self.tokens.get(task_id, 0) + len(event.get("token_ids") or (0,))
+        elif kind == "task_accepted":
+            self.accepted.setdefault(task_id, time.perf_counter())
+        elif kind == "task_finished":
+            waiter = self.waiters.get(task_id)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(event)
+
+    def waiter(self, task_id: str) -> asyncio.Future[dict[str, Any]]:
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.waiters[task_id] = future
+        return future
+
+
+async def _nats_task(nc: Client, events: RawEvents, tokens: int, rate: int | None = None
+                     ) -> int:
+    task_id = f"rate-{secrets.token_hex(8)}"
+    done = events.waiter(task_id)
+    await nc.jetstream().publish(subjects.tasks(MODEL), encode(_task(task_id, tokens, rate)),
+                                 headers={"Nats-Msg-Id": task_id})
+    finished = await asyncio.wait_for(done, 600)
+    events.waiters.pop(task_id, None)
+    got = events.tokens.pop(task_id, 0)
+    if finished.get("status") != "completed" or got != tokens:
+        raise RuntimeError(f"task {task_id}: {finished.get('status')}, {got}/{tokens} tokens")
+    return got
+
+
+async def _http_stream(client: httpx.AsyncClient, base_url: str, tokens: int) -> int:
+    body = {"model": MODEL, "max_tokens": tokens, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": _prompt(tokens)}]}
+    tail = b""
+    async with client.stream("POST", f"{base_url}/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+        async for piece in response.aiter_bytes():
+            tail = (tail + piece)[-4096:]
+    datas = [frame.rsplit(b"data: ", 1)[-1] for frame in tail.split(b"\n\n")]
+    usages = [data for data in datas if data.startswith(b"{") and b'"usage":{' in data]
+    got = int(orjson.loads(usages[-1])["usage"]["completion_tokens"]) if usages else 0
+    if got != tokens or not tail.rstrip().endswith(b"[DONE]"):
+        raise RuntimeError(f"an HTTP stream ended with {got}/{tokens} tokens")
+    return got
+
+
+async def _for_duration(duration_s: float, one: Any) -> tuple[int, float, list[str]]:
+    """STREAMS loops of `one()` until the duration is up; (tokens, wall seconds, errors). A
+    stream that fails or takes over STREAM_TIMEOUT_S is an error, counted, not a hang."""
+    deadline = time.perf_counter() + duration_s
+    totals = [0] * STREAMS
+    errors: list[str] = []
+
+    async def loop(slot: int) -> None:
+        while time.perf_counter() < deadline:
+            try:
+                totals[slot] += await asyncio.wait_for(one(), STREAM_TIMEOUT_S)
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    began = time.perf_counter()
+    await asyncio.gather(*(loop(slot) for slot in range(STREAMS)))
+    return sum(totals), time.perf_counter() - began, errors
+
+
+async def measure_http(stack: FleetStack, procs: dict[str, psutil.Process], plan: RatePlan
+                       ) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=STREAMS, max_keepalive_connections=STREAMS)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        await asyncio.gather(*(_http_stream(client, stack.base_url, 20) for _ in range(8)))
+        before = _cpu(procs)
+        tokens, wall, errors = await _for_duration(
+            plan.duration_s, lambda: _http_stream(client, stack.base_url, plan.stream_tokens))
+        after = _cpu(procs)
+    return {"streams": STREAMS, "tokens": tokens, "wall_s": round(wall, 2),
+            "tok_s": round(tokens / wall, 1), **_per_token(before, after, tokens, wall),
+            "errors": len(errors), "first_errors": errors[:3]}
+
+
+async def measure_nats(nc: Client, events: RawEvents, procs: dict[str, psutil.Process],
+                       plan: RatePlan) -> dict[str, Any]:
+    await asyncio.gather(*(_nats_task(nc, events, 20) for _ in range(8)))
+    before = _cpu(procs)
+    tokens, wall, errors = await _for_duration(
+        plan.duration_s, lambda: _nats_task(nc, events, plan.stream_tokens))
+    after = _cpu(procs)
+    return {"streams": STREAMS, "tokens": tokens, "wall_s": round(wall, 2),
+            "tok_s": round(tokens / wall, 1), **_per_token(before, after, tokens, wall),
+            "errors": len(errors), "first_errors": errors[:3]}
+
+
+async def measure_c1(nc: Client, events: RawEvents, plan: RatePlan) -> dict[str, Any]:
+    events.latencies = []
+    await _nats_task(nc, events, plan.c1_tokens, C1_RATE)
+    latencies, events.latencies = events.latencies, None
+    return {"rate_tok_s": C1_RATE, "tokens": plan.c1_tokens, "events": len(latencies),
+            "p50_ms": ms(percentile(latencies, 50)), "p99_ms": ms(percentile(latencies, 99))}
+
+
+async def measure_tasks(nc: Client, events: RawEvents, plan: RatePlan) -> dict[str, Any]:
+    js = nc.jetstream()
+    latencies = []
+    for _ in range(plan.accepted):
+        task_id = f"acc-{secrets.token_hex(8)}"
+        done = events.waiter(task_id)
+        began = time.perf_counter()
+        await js.publish(subjects.tasks(MODEL), encode(_task(task_id, 1)),
+                         headers={"Nats-Msg-Id": task_id})
+        await asyncio.wait_for(done, 60)
+        latencies.append(events.accepted[task_id] - began)
+    ids = [f"many-{secrets.token_hex(8)}" for _ in range(plan.tasks)]
+    waiters = [events.waiter(task_id) for task_id in ids]
+    began = time.perf_counter()
+    for start in range(0, len(ids), 500):
+        acks = [await js.publish_async(subjects.tasks(MODEL), encode(_task(task_id, 1)),
+                                       headers={"Nats-Msg-Id": task_id})
+                for task_id in ids[start:start + 500]]
+        await asyncio.gather(*acks)
+    ended = await asyncio.wait_for(asyncio.gather(*waiters), 600)
+    wall = time.perf_counter() - began
+    bad = [e for e in ended if e.get("status") != "completed"]
+    return {"publish_to_accepted_p50_ms": ms(percentile(latencies, 50)),
+            "publish_to_accepted_p99_ms": ms(percentile(latencies, 99)),
+            "tasks": plan.tasks, "tasks_per_s": round(plan.tasks / wall, 1),
+            "not_completed": len(bad)}
+
+
+def seed_fault_card(data_dir: Path) -> None:
+    folder = custom_cards_dir(data_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    card = fault_card(MODEL).model_copy(update={"source": str(data_dir)})
+    (folder / f"{MODEL}.json").write_bytes(encode(card))
+
+
+async def run_rate(workdir: Path, env: dict[str, str], plan: RatePlan) -> dict[str, Any]:
+    data_dir = workdir / "fleet-data"
+    seed_fault_card(data_dir)
+    stack = FleetStack(data_dir, [MODEL], SLOTS, env)
+    nc = await stack.start()
+    try:
+        found = stack.processes()
+        procs = {"up": found["up"], "runner": found[f"runner:{MODEL}"], "nats": found["nats"],
+                 "client": psutil.Process()}
+        events = RawEvents()
+        await nc.subscribe("fleet.out.*", cb=events.on_msg, pending_msgs_limit=1_000_000)
+        out: dict[str, Any] = {"plan": plan.__dict__}
+        out["http"] = await measure_http(stack, procs, plan)
+        out["nats"] = await measure_nats(nc, events, procs, plan)
+        out["c1"] = await measure_c1(nc, events, plan)
+        out["tasks"] = await measure_tasks(nc, events, plan)
+        return out
+    finally:
+        await stack.stop()
+
+
+def rate_table(rate: dict[str, Any]) -> list[str]:
+    lines = ["plumbing at rate (fault engine, one fleet up):"]
+    for path in ("http", "nats"):
+        row = rate[path]
+        cpu = ", ".join(f"{k} {v}" for k, v in row["cpu_us_per_token"].items())
+        lines.append(f"  {path:5} {row['tok_s']:>10,.0f} tok/s  ({row['tokens']} tokens, "
+                     f"{row['wall_s']} s, {row['errors']} failed)  CPU us/token: {cpu}")
+    c1, tasks = rate["c1"], rate["tasks"]
+    lines.append(f"  c=1 added latency per token: p50 {c1['p50_ms']} ms, p99 {c1['p99_ms']} ms")
+    lines.append(f"  tasks/s (max_tokens 1, {SLOTS} slots): {tasks['tasks_per_s']}; "
+                 f"publish -> task_accepted p50 {tasks['publish_to_accepted_p50_ms']} ms")
+    return lines
