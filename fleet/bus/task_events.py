@@ -183,14 +183,16 @@ class IndexOrder(Generic[Item]):
     """Pure: one task's events in the order they were stored in, out in index order.
 
     Tokens and tool calls (each kind numbered from 0) go out in their index order: one stored
-    ahead of its turn is held until the ones before it arrive; one whose index went out already
+    ahead of its turn is held until the ones before it arrive (a token event of n tokens
+    covers n indexes: the next one's turn is n further); one whose index went out already
     (a copy of an event stored twice) is dropped. An error or the terminal first lets out what
     is held (the output before it is all there is), then itself. Any other event goes out as it
     comes. `Item` is what the caller keeps with each event (its raw bytes, its sequence)."""
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}  # kind -> the index whose turn it is
-        self._held: dict[str, dict[int, Item]] = {}  # kind -> index -> item held back
+        # kind -> index -> (item held back, how many indexes it covers)
+        self._held: dict[str, dict[int, tuple[Item, int]]] = {}
 
     @property
     def holding(self) -> int:
@@ -199,23 +201,26 @@ class IndexOrder(Generic[Item]):
     def push(self, event: OutputEvent | None, item: Item) -> list[Item]:
         """What goes out now that `event` (None: undecodable, passed on) has arrived."""
         match event:
-            case TokenChunk() | ToolCallChunk():
+            case TokenChunk():  # one event may carry several tokens: it covers their indexes
+                return self._indexed(event.type, event.index, item, event.count)
+            case ToolCallChunk():
                 return self._indexed(event.type, event.index, item)
             case ErrorChunk() | TaskFinished():
                 return [*self._release(), item]
         return [item]
 
-    def _indexed(self, kind: str, index: int, item: Item) -> list[Item]:
+    def _indexed(self, kind: str, index: int, item: Item, span: int = 1) -> list[Item]:
         turn = self._next.get(kind, 0)
         held = self._held.setdefault(kind, {})
         if index < turn or index in held:
             log.debug("%s %d stored twice: the later copy is skipped", kind, index)
             return []
-        held[index] = item
+        held[index] = (item, span)
         out: list[Item] = []
         while turn in held:
-            out.append(held.pop(turn))
-            turn += 1
+            ready, covered = held.pop(turn)
+            out.append(ready)
+            turn += covered
         self._next[kind] = turn
         return out
 
@@ -224,8 +229,9 @@ class IndexOrder(Generic[Item]):
         out: list[Item] = []
         for kind, held in self._held.items():
             for index in sorted(held):
-                out.append(held[index])
-                self._next[kind] = index + 1
+                ready, covered = held[index]
+                out.append(ready)
+                self._next[kind] = index + covered
             held.clear()
         return out
 

@@ -57,7 +57,7 @@ class RecentTasks:
         if isinstance(event, TaskAccepted):
             row.model, row.node = event.model, event.node_id
         elif isinstance(event, TokenChunk):
-            row.tokens += 1
+            row.tokens += event.count
         elif event.type == "image":
             row.images += 1
         elif isinstance(event, TaskFinished):

@@ -19,11 +19,13 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from fleet.runner.coalesce import TokenCoalescer
 from fleet.runner.engine import Engine, EngineConfig, GroupLost
 from fleet.runner.fault_engine import FAULT_FAMILY, FaultEngine
 from fleet.runner.image_steps import StepHook
@@ -142,9 +144,11 @@ def serve(
     machine: RunnerMachine,
     inbox: Inbox,
     observe: Callable[[RunnerCommand], None] = lambda command: None,
+    stepped: Callable[[float], None] = lambda seconds: None,
 ) -> int:
     """The main thread's loop until the machine is done; returns the process exit code.
-    `observe` sees each command just before the machine does (spans start there)."""
+    `observe` sees each command just before the machine does (spans start there);
+    `stepped` gets each engine step's duration (the token coalescer's clock)."""
     while not machine.done:
         for item in _next_batch(inbox, wait=not machine.busy):
             if isinstance(item, PipeBroken):
@@ -155,7 +159,9 @@ def serve(
             if machine.done:
                 break
         if machine.busy and not machine.done:
+            began = time.perf_counter()
             machine.step()
+            stepped(time.perf_counter() - began)
     return machine.exit_code
 
 
@@ -231,7 +237,9 @@ def run_runner(spec_json: str) -> int:
     )
     spans = _traced(spec)
     writer = FrameWriter(frames)
-    report = spans.observing(_Reporter(writer))
+    coalescer = TokenCoalescer(_Reporter(writer))
+    coalescer.start_flusher()
+    report = spans.observing(coalescer)
 
     def last_words(reason: str) -> None:
         # From the ring's watchdog (a forked child): straight to the pipe, nothing else.
@@ -267,12 +275,15 @@ def run_runner(spec_json: str) -> int:
 
                 code = serve_follower(machine, inbox, follow, observe=spans.on_command)
             else:
-                code = serve(machine, inbox, observe=spans.on_command)
+                code = serve(machine, inbox, observe=spans.on_command,
+                             stepped=coalescer.step_ended)
         except GroupLost as exc:
             # No terminal for the tasks in flight: the worker sees a crash and ends or
             # continues them, and restarts the group.
             log.error("%s: exiting as crashed", exc)
+            coalescer.close()  # the tokens made before it: a continuation goes on after them
             return RING_LOST_EXIT
+        coalescer.close()
     log.info("exiting with %d (%s)", code, machine.state.state)
     return code
 

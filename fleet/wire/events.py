@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from fleet.wire.base import ModelId, NodeId, Part, RunnerId, Sha256Hex, TaskId, Wire
 
@@ -65,12 +66,64 @@ class TopLogprob(Part):
 
 
 class TokenChunk(_Event):
+    """One or more consecutive tokens of a task. A runner coalesces tokens made close
+    together (within a few milliseconds, at most 16) into one event: `index` is then the first
+    token's index, `token_ids` lists every token's id, and `text` is their text joined. The next
+    token event of the task starts at index `index + len(token_ids)` (`index + 1` without
+    `token_ids`). A task's first token always comes alone; a token with logprobs too."""
+
     type: Literal["token"] = "token"
-    index: int = Field(ge=0)
-    token_id: int
-    text: str
-    logprob: float | None = None
+    index: int = Field(ge=0, description="the index of the (first) token, counted from 0")
+    token_id: int = Field(description="the (first) token's id")
+    text: str = Field(description="the text of the event's tokens, joined")
+    token_ids: list[int] | None = Field(
+        default=None, min_length=2,
+        description="an event of several tokens: every token id in order (the first is "
+        "token_id); absent for one token",
+    )
+    logprob: float | None = Field(default=None, description="a single token's log probability")
     top_logprobs: list[TopLogprob] | None = None
+    at: float = Field(description="Unix time in seconds when the (first) token was made")
+
+    @model_validator(mode="after")
+    def _tokens_agree(self) -> TokenChunk:
+        if self.token_ids is not None:
+            if self.token_ids[0] != self.token_id:
+                raise ValueError("token_ids must start with token_id")
+            if self.logprob is not None or self.top_logprobs:
+                raise ValueError("an event of several tokens carries no logprobs")
+        return self
+
+    @property
+    def ids(self) -> list[int]:
+        """Every token id the event carries, in order."""
+        return self.token_ids if self.token_ids is not None else [self.token_id]
+
+    @property
+    def count(self) -> int:
+        return len(self.token_ids) if self.token_ids is not None else 1
+
+    @property
+    def next_index(self) -> int:
+        """The index of the task's next token after this event."""
+        return self.index + self.count
+
+
+def token_indexes(events: Iterable[object]) -> list[int]:
+    """Every token index the events carry, in their order (an event may carry several)."""
+    return [event.index + k for event in events if isinstance(event, TokenChunk)
+            for k in range(event.count)]
+
+
+def joined_tokens(chunks: list[TokenChunk]) -> TokenChunk:
+    """Consecutive token events of one task as one event (a single one is returned as is)."""
+    if len(chunks) == 1:
+        return chunks[0]
+    first = chunks[0]
+    ids = [token for chunk in chunks for token in chunk.ids]
+    return TokenChunk(task_id=first.task_id, at=first.at, index=first.index,
+                      token_id=first.token_id, text="".join(chunk.text for chunk in chunks),
+                      token_ids=ids)
 
 
 class ToolCallChunk(_Event):

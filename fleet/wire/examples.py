@@ -59,6 +59,11 @@ def examples() -> dict[str, BaseModel]:
             trace_id="4bf92f3577b34da6a3ce929d0e0e4736", queue_wait_s=0.004,
         ),
         "token": events.TokenChunk(task_id="chat-1", at=_AT, index=0, token_id=504, text="Paris"),
+        # Several tokens made close together, in one event: indexes 1, 2 and 3.
+        "tokens": events.TokenChunk(
+            task_id="chat-1", at=_AT, index=1, token_id=314, text=" is lovely",
+            token_ids=[314, 9641, 13],
+        ),
         "tool_call": events.ToolCallChunk(
             task_id="chat-1", at=_AT, index=0, id="call_1", name="get_weather",
             arguments='{"city": "Paris"}',

@@ -119,8 +119,9 @@ def generated_tokens(events: list[OutputEvent]) -> tuple[int, ...]:
     """The token ids of the contiguous run of indexes from 0 (what a reader has seen)."""
     by_index: dict[int, int] = {}
     for event in events:
-        if isinstance(event, TokenChunk):
-            by_index.setdefault(event.index, event.token_id)
+        if isinstance(event, TokenChunk):  # an event may carry several tokens
+            for offset, token in enumerate(event.ids):
+                by_index.setdefault(event.index + offset, token)
     tokens: list[int] = []
     while len(tokens) in by_index:
         tokens.append(by_index[len(tokens)])

@@ -2,7 +2,8 @@
 task does not end `completed`.
 
 Every event goes through JetStream with the server's confirmation (fleet.bus.confirmed): a
-window of pending acks per task keeps a token at one publish (~the cost of the core publish
+window of pending acks per task keeps a token event (one or several tokens, as the runner
+coalesced them) at one publish (~the cost of the core publish
 it replaces), and a broker restart or an election only delays the events, which wait in order
 and go out when the connection is back. Each event has a Nats-Msg-Id
 `<task_id>-<kind>-<index>`, so a re-send is stored once.
@@ -135,7 +136,12 @@ class TaskOutput:
         return await self.finish(finished)
 
     async def last_event(self, task_id: str) -> OutputEvent | None:
-        """The newest event already published for a task (None when there is none)."""
+        """The newest event already published for a task (None when there is none).
+
+        What this worker still has on the way for the task is settled first: a continuation
+        must read back every event its earlier attempt sent, because token events are batched
+        by timing and a continuation's batches need not start where a late one would land."""
+        await self.confirmed.settle(task_id)
 
         async def once() -> OutputEvent | None:
             try:

@@ -34,6 +34,7 @@ from fleet.wire.events import (
     OutputEvent,
     TaskAccepted,
     TokenChunk,
+    token_indexes,
 )
 from fleet.wire.tasks import ChatMessage, ImageGeneration, TextGeneration
 from tests.integration.conftest import WorkerFactory
@@ -321,7 +322,7 @@ async def test_a_kill_during_the_continuations_prefill_is_continued_again(
     await nc.subscribe("fleet.out.>", cb=live.on_msg)
     first = await _fault_worker(nc, start_worker, "a")
     await submit(nc, _fault_task("twice"))
-    await _until_event(live, "twice", lambda e: isinstance(e, TokenChunk) and e.index >= 3)
+    await _until_event(live, "twice", lambda e: isinstance(e, TokenChunk) and e.next_index > 3)
     first.kill()
     second = await _fault_worker(nc, start_worker, "b")
     await _until_event(live, "twice", _is_attempt(1))
@@ -329,7 +330,7 @@ async def test_a_kill_during_the_continuations_prefill_is_continued_again(
     await _fault_worker(nc, start_worker, "c")
     events = await events_of(nc, "twice")
     tokens = [e for e in events if isinstance(e, TokenChunk)]
-    assert [t.index for t in tokens] == list(range(40))
+    assert token_indexes(tokens) == list(range(40))
     assert "".join(t.text for t in tokens) == "".join(f" t{i}" for i in range(40))
     result = finished_of(events)
     assert result.status == "completed", (result.reason, result.message, result.usage)
@@ -363,7 +364,7 @@ async def test_three_kills_in_a_row_exhaust_max_continuations_and_end_worker_los
     assert (result.status, result.reason) == ("failed", ErrorReason.WORKER_LOST)
     assert "max_continuations 2" in (result.message or "")
     assert [e.attempt for e in events if isinstance(e, TaskAccepted)] == [0, 1, 2]
-    tokens = [e.index for e in events if isinstance(e, TokenChunk)]
+    tokens = token_indexes(events)
     assert tokens == list(range(len(tokens)))  # what was streamed stays one clean stream
     await nc.close()
 

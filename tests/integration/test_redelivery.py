@@ -12,7 +12,7 @@ from functools import partial
 from nats.aio.msg import Msg
 
 from fleet.wire import subjects
-from fleet.wire.events import ErrorReason, TaskAccepted, TokenChunk
+from fleet.wire.events import ErrorReason, TaskAccepted, TokenChunk, token_indexes
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
@@ -66,7 +66,7 @@ async def test_worker_killed_before_output_lets_a_second_worker_complete_the_tas
     await place_and_wait(nc, card, await wait_node(nc, second.data_dir))
     events = await collector
     assert finished(events).status == "completed"
-    tokens = [e.index for e in events if isinstance(e, TokenChunk)]
+    tokens = token_indexes(events)
     assert tokens == [0, 1, 2]  # never twice
     deliveries = [e.delivery for e in events if isinstance(e, TaskAccepted)]
     assert deliveries[0] == 1 and deliveries[-1] >= 2
@@ -118,7 +118,7 @@ async def test_worker_killed_after_output_started_is_continued_from_the_next_tok
     result = finished(events)
     assert result.status == "completed" and result.usage is not None
     tokens = [e for e in events if isinstance(e, TokenChunk)]
-    assert [t.index for t in tokens] == list(range(12))  # no index repeated, none missing
+    assert token_indexes(tokens) == list(range(12))  # no index repeated, none missing
     assert "".join(t.text for t in tokens) == "".join(f" t{i}" for i in range(12))
     assert result.usage.completion_tokens == 12
     accepted = [e for e in events if isinstance(e, TaskAccepted)]

@@ -15,7 +15,7 @@ from fleet.placement_replicas import place_replicas
 from fleet.wire import subjects
 from fleet.wire.cluster import RunnerRecord
 from fleet.wire.codec import decode_event, decode_model, decode_task, encode
-from fleet.wire.events import OutputEvent, TaskAccepted, TokenChunk
+from fleet.wire.events import OutputEvent, TaskAccepted, token_indexes
 from fleet.wire.handoff import HandOffAnswer, TaskHandOff
 from fleet.wire.prefixes import PrefixSummary
 from fleet.wire.tasks import CancelTask, ChatMessage, TextGeneration
@@ -346,7 +346,7 @@ async def test_tasks_handed_to_a_killed_worker_complete_elsewhere_once(
         result = finished(events)  # exactly one terminal each
         assert result.status == "completed", (task_id, result)
         assert result.usage is not None and result.usage.completion_tokens == 300
-        indexes = [e.index for e in events if isinstance(e, TokenChunk)]
+        indexes = token_indexes(events)
         assert len(indexes) == len(set(indexes)), f"{task_id}: a token index twice"
     assert finished(await collectors[handed]).node_id == survivor_node
     await nc.close()

@@ -1,0 +1,158 @@
+"""Coalescing a task's tokens: one pipe frame (and so one NATS message, one SSE frame) per
+short window instead of per token.
+
+At a GPU's rates (thousands of tokens a second per node) Fleet's cost is per message, not per
+token: decoding a frame, publishing it with a confirmation, relaying it to HTTP. So the runner
+holds a task's tokens briefly and sends them as one TokenChunk (`token_ids`, joined text):
+
+- a task's first token is never held (time to first token is untouched);
+- a task's tokens leave at most WINDOW_S after the oldest was made, or once MAX_TOKENS wait;
+- any other event of the task (a tool call, an error, its terminal) sends its held tokens
+  first, so the task's events keep their order and a terminal never waits;
+- after an engine step, tokens stay held only when the next step, expected to take as long as
+  this one, would still end inside the window: a model that steps slower than the window (a
+  CPU model, ~10-60 ms a step) sends every token at once, as before.
+
+A flusher thread enforces the window when a step runs long (a prefill joining the batch).
+`flush_due` is the rule, a pure function; `TokenCoalescer` applies it to the runner's reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fleet.wire.events import TaskFinished, TokenChunk, joined_tokens
+from fleet.wire.pipe import RunnerReport
+
+log = logging.getLogger(__name__)
+
+WINDOW_S = 0.005
+MAX_TOKENS = 16
+
+
+def flush_due(
+    *, tokens: int, first: bool, ended: bool, held_s: float, next_step_s: float,
+    window_s: float = WINDOW_S, max_tokens: int = MAX_TOKENS,
+) -> bool:
+    """Whether a task's held tokens must leave now.
+
+    tokens: how many are held; first: they include the task's first token; ended: another
+    event of the task follows them (or it ended); held_s: age of the oldest; next_step_s: how
+    long until more tokens could join (0 while a step is still producing)."""
+    if first or ended or tokens >= max_tokens:
+        return True
+    return held_s + next_step_s >= window_s
+
+
+def coalescable(event: TokenChunk) -> bool:
+    """Tokens with logprobs travel one per event (their numbers are per token)."""
+    return event.logprob is None and not event.top_logprobs and event.token_ids is None
+
+
+@dataclass
+class _Held:
+    since: float
+    chunks: list[TokenChunk] = field(default_factory=list)
+
+
+class TokenCoalescer:
+    """Wraps the runner's report writer; thread-safe (the main thread reports, the flusher
+    thread enforces the window)."""
+
+    def __init__(
+        self, write: Callable[[RunnerReport], None], *, window_s: float = WINDOW_S,
+        max_tokens: int = MAX_TOKENS, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._write = write
+        self._window_s = window_s
+        self._max_tokens = max_tokens
+        self._clock = clock
+        self._held: dict[str, _Held] = {}
+        self._started: set[str] = set()  # tasks whose first token went out
+        self._lock = threading.Condition()
+        self._closed = False
+
+    def __call__(self, report: RunnerReport) -> None:
+        with self._lock:
+            if isinstance(report, TokenChunk) and coalescable(report):
+                self._hold(report)
+                return
+            task_id = getattr(report, "task_id", None)
+            if task_id is not None and task_id in self._held:
+                self._send(task_id)
+            if isinstance(report, TaskFinished):
+                self._started.discard(report.task_id)
+            self._write(report)
+
+    def _hold(self, chunk: TokenChunk) -> None:
+        now = self._clock()
+        held = self._held.get(chunk.task_id)
+        if held is None:
+            held = self._held[chunk.task_id] = _Held(since=now)
+            if len(self._held) == 1:
+                self._lock.notify()  # the flusher sleeps while nothing is held
+        held.chunks.append(chunk)
+        if flush_due(tokens=len(held.chunks), first=chunk.task_id not in self._started,
+                     ended=False, held_s=now - held.since, next_step_s=0.0,
+                     window_s=self._window_s, max_tokens=self._max_tokens):
+            self._send(chunk.task_id)
+
+    def step_ended(self, step_s: float) -> None:
+        """After an engine step: send what the next step would make too old."""
+        with self._lock:
+            self._send_due(step_s)
+
+    def _send_due(self, next_step_s: float) -> None:
+        now = self._clock()
+        for task_id, held in list(self._held.items()):
+            if flush_due(tokens=len(held.chunks), first=False, ended=False,
+                         held_s=now - held.since, next_step_s=next_step_s,
+                         window_s=self._window_s, max_tokens=self._max_tokens):
+                self._send(task_id)
+
+    def _send(self, task_id: str) -> None:
+        held = self._held.pop(task_id)
+        self._started.add(task_id)
+        self._write(joined_tokens(held.chunks))
+
+    def flush(self) -> None:
+        with self._lock:
+            for task_id in list(self._held):
+                self._send(task_id)
+
+    def run_flusher(self) -> None:
+        """The flusher thread's loop: no token waits past the window, however long a step."""
+        try:
+            self._flush_on_time()
+        except Exception:
+            log.exception("the token flusher failed; held tokens now leave after each step")
+
+    def _flush_on_time(self) -> None:
+        with self._lock:
+            while not self._closed:
+                if not self._held:
+                    self._lock.wait()
+                    continue
+                oldest = min(held.since for held in self._held.values())
+                wait = oldest + self._window_s - self._clock()
+                if wait > 0:
+                    self._lock.wait(wait)
+                    continue
+                self._send_due(0.0)
+
+    def start_flusher(self) -> threading.Thread:
+        thread = threading.Thread(target=self.run_flusher, name="token-flusher", daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        """Send everything held and stop the flusher."""
+        with self._lock:
+            for task_id in list(self._held):
+                self._send(task_id)
+            self._closed = True
+            self._lock.notify()
