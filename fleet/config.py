@@ -25,7 +25,7 @@ class Settings:
     gateway_max_body_bytes: int = 32 * 1024**2  # larger request bodies get 413
     nats_port: int = 4222
     log_level: str = "info"
-    slots: int = 4  # concurrent tasks per text runner (continuous batching width)
+    slots: int = 0  # tasks per text runner (batch width); 0: sized from engine and memory
     api_keys: tuple[str, ...] = ()
     image_cache_bytes: int = 2 * 1024**3
     models_disk_limit: int = 0  # bytes of model files a node keeps; 0 = no budget
@@ -185,7 +185,8 @@ DESCRIPTIONS: dict[str, str] = {
     "gateway_max_body_bytes": "larger request bodies get 413",
     "nats_port": "client port of the embedded nats-server",
     "log_level": "debug, info, warning, error",
-    "slots": "concurrent tasks per text runner",
+    "slots": "concurrent tasks per text runner (0: what the engine batches, within the "
+    "node's memory; see fleet/runner/batch_width.py)",
     "api_keys": "comma-separated API keys the gateway accepts (prefer the env var)",
     "image_cache_bytes": "bytes of images the worker keeps on disk",
     "models_disk_limit": "bytes of model files the worker keeps on disk (0: no limit); "

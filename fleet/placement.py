@@ -12,6 +12,7 @@ from fleet.bus.kv_calls import kv_create, kv_delete
 from fleet.bus.kv_read import live_values
 from fleet.errors import InvalidRequest, PlacementError
 from fleet.placement_shards import ShardingError, choose_shards
+from fleet.runner.batch_width import default_batch_width
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo, ShardAssignment
 from fleet.wire.codec import encode
@@ -66,7 +67,7 @@ def new_instance(
     return Instance(
         instance_id=instance_id or f"{card.id}-{uuid.uuid4().hex[:6]}",
         model=card.id,
-        slots=slots,
+        slots=slots if slots > 0 else default_batch_width(card, node.memory_available_bytes),
         created_at=now,
         shards=[ShardAssignment(
             node_id=node.node_id, runner_id="pending", end_layer=card.n_layers,
@@ -127,12 +128,13 @@ def sharded_instance(
 ) -> Instance:
     return Instance(
         instance_id=instance_id or f"{card.id}-{uuid.uuid4().hex[:6]}",
-        model=card.id, slots=slots, created_at=now, shards=shards,
+        model=card.id, slots=slots if slots > 0 else default_batch_width(card, 0),
+        created_at=now, shards=shards,
     )
 
 
 async def place(
-    js: JetStreamContext, card: ModelCard, *, node_id: str | None = None, slots: int = 4,
+    js: JetStreamContext, card: ModelCard, *, node_id: str | None = None, slots: int = 0,
     if_absent: bool = False, shards: int = 1,
 ) -> Instance:
     """Write a placement; `if_absent` keeps an existing instance of the model instead;

@@ -49,7 +49,7 @@ def choose_nodes(
 
 async def place_replicas(
     js: JetStreamContext, card: ModelCard, replicas: int, *, node_id: str | None = None,
-    slots: int = 4,
+    slots: int = 0,
 ) -> list[Instance]:
     """Write `replicas` new instances of `card` (create-only keys), on `node_id` if given."""
     nodes = candidates(await read_nodes(js), card, node_id)
