@@ -6,7 +6,8 @@ write there for them: a confused deputy. Every place that publishes on a subject
 a message (a request's reply, a `Fleet-Reply-To` header, a hand-off's ack subject, a flow
 control request) checks it here first and answers only a shape it expects:
 
-    reply, Fleet-Reply-To      an inbox: `_INBOX.<token>...`  (inbox_reply)
+    reply, Fleet-Reply-To      an inbox: `_INBOX.<token>...`  (inbox_reply); an ask's
+                               not one of the answering worker's own inboxes
     hand-off ack subject       a FLEET_TASKS delivery: `$JS.ACK.FLEET_TASKS....` (task_ack)
     flow control               `$JS.FC.<token>...` (flow_control)
 
@@ -38,11 +39,15 @@ def inbox_prefix(owner: str) -> str:
     return f"{INBOX_ROOT}.{owner}"
 
 
-def inbox_reply(subject: str | None) -> str | None:
-    """`subject` when it is an inbox a responder may answer on, else None."""
-    if subject and len(subject) <= MAX_SUBJECT and _INBOX.fullmatch(subject):
-        return subject
-    return None
+def inbox_reply(subject: str | None, not_under: str | None = None) -> str | None:
+    """`subject` when it is an inbox a responder may answer on, else None. `not_under`: an
+    inbox prefix the answer must stay out of (a responder's own, when its requesters are
+    never of its role: nobody may make it write into its own pulls and requests)."""
+    if not subject or len(subject) > MAX_SUBJECT or not _INBOX.fullmatch(subject):
+        return None
+    if not_under and subject.startswith(f"{not_under}."):
+        return None
+    return subject
 
 
 def flow_control(subject: str | None) -> str | None:

@@ -13,8 +13,9 @@ folded from the live events when they are provably whole (as many distinct event
 FLEET_OUT stored: one stream-info call), otherwise from the events read back from FLEET_OUT.
 
 The reply subject is the asker's to choose and the worker's grants write it, so an ask is
-answered only on an inbox (`_INBOX.<token>...`, fleet.bus.replies); an ask with any other
-reply is logged and dropped: no task is published, nothing is written.
+answered only on an inbox (`_INBOX.<token>...`, fleet.bus.replies) and never on one of this
+worker role's own (workers do not ask); an ask with any other reply is logged and dropped: no
+task is published, nothing is written.
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError, NotFoundError
 
 from fleet.bus.connect import js_publish
-from fleet.bus.replies import MAX_SUBJECT, inbox_reply
+from fleet.bus.replies import INBOX_ROOT, MAX_SUBJECT, inbox_reply
 from fleet.bus.retry import STORE_FULL_ERR_CODES, with_retry
 from fleet.errors import FleetError, http_answer
 from fleet.wire import subjects
 from fleet.wire.ask import AskAnswer, AskError, AskErrorReason
 from fleet.wire.codec import DecodeError, decode_event, decode_model, encode
-from fleet.wire.events import OutputEvent, TaskFinished, TaskRefused
+from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TaskRefused
 from fleet.wire.tasks import Task
 from fleet.worker.ask_answer import answer_of, ask_task, new_ask_id, seen_whole
 
@@ -82,6 +83,10 @@ class AskResponder:
         self.owner = owner
         self.open: set[asyncio.Task[Any]] = set()
         self._subscription: Subscription | None = None
+        # Its role never asks: an ask's answer never goes into this role's own inboxes (none
+        # to keep out of on a connection without a role prefix, whose inboxes are anyone's).
+        own = nc.new_inbox().rsplit(".", 1)[0]
+        self.own_inboxes = own if own != INBOX_ROOT else None
 
     async def start(self) -> None:
         self._subscription = await self.nc.subscribe(
@@ -103,11 +108,12 @@ class AskResponder:
             log.warning("asks: a message on %s without a reply subject: ignored (use "
                         "`nats req`, or publish on fleet.tasks.<model>)", msg.subject)
             return
-        if inbox_reply(msg.reply) is None:
+        if inbox_reply(msg.reply, self.own_inboxes) is None:
             # The reply is a capability: answering `$KV...` or `fleet.out.<id>` would write
             # there with this worker's grants. Nothing is run and nothing is answered.
             log.warning("asks: refused an ask on %s whose reply subject %r is not an inbox "
-                        "(_INBOX.<token>...)", msg.subject, msg.reply[:MAX_SUBJECT])
+                        "(_INBOX.<token>...) or is one of %s's", msg.subject,
+                        msg.reply[:MAX_SUBJECT], self.own_inboxes)
             return
         if len(self.open) >= MAX_OPEN_ASKS:
             busy = AskError(reason="busy", message=f"this worker waits on {MAX_OPEN_ASKS} "
@@ -178,6 +184,9 @@ class AskResponder:
         if answer is None:  # the terminal was seen, so it is stored: this is a broker fault
             raise _failed("unavailable", "the task ended but its stored events could not be "
                           f"read whole; follow fleet.out.{task.task_id}", task.task_id)
+        if answer.reason == ErrorReason.MODEL_NOT_FOUND:  # refused, never run: a typed error
+            raise _failed("model_not_found", answer.message or f"no model {task.model!r}",
+                          task.task_id)
         return answer
 
     async def _publish(self, task: Task, inbox: str) -> None:
@@ -285,10 +294,11 @@ class AskResponder:
 
     async def _reply(self, msg: Msg, reply: AskAnswer | AskError) -> None:
         headers = None
-        if isinstance(reply, AskError):
-            headers = {ERROR_CODE_HEADER: str(http_answer(reply.reason).status),
-                       ERROR_HEADER: " ".join(reply.message.split())}
-        if (inbox := inbox_reply(msg.reply)) is None:  # _take checked it: never reached
+        if isinstance(reply, AskError) or reply.status != "completed":  # every failure
+            code, message = reply.reason or "internal", reply.message or reply.status
+            headers = {ERROR_CODE_HEADER: str(http_answer(code).status),
+                       ERROR_HEADER: " ".join(message.split())}
+        if (inbox := inbox_reply(msg.reply, self.own_inboxes)) is None:  # checked in _take
             log.error("asks: no answer on %r: not an inbox", msg.reply)
             return
         try:

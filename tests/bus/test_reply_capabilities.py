@@ -71,6 +71,16 @@ def test_only_an_inbox_is_a_reply_a_responder_answers(subject: str | None,
 
 
 @pytest.mark.parametrize(("subject", "expected"), [
+    ("_INBOX.client.Xk3pQz9RfL2mYv8TnW4aBc.1", True), ("_INBOX.Xk3pQz9RfL2mYv8TnW4aBc.1", True),
+    ("_INBOX.workers.x", True), ("_INBOX.worker.Xk3pQz9RfL2mYv8TnW4aBc.1", False),
+    ("_INBOX.worker", True),  # not under it: the prefix itself is no inbox of its
+])
+def test_an_answer_can_be_kept_out_of_the_responders_own_inboxes(subject: str,
+                                                                  expected: bool) -> None:
+    assert inbox_reply(subject, not_under="_INBOX.worker") == (subject if expected else None)
+
+
+@pytest.mark.parametrize(("subject", "expected"), [
     ("$JS.FC.FLEET_OUT.Xk3pQz9RfL2mYv8TnW4aBc.1", True), ("$JS.FC.x", True),
     (None, False), ("$JS.FC", False), ("$JS.FC.>", False), ("$JS.FC.*", False),
     ("$KV.FLEET_NODES.evil", False), ("_INBOX.client.x", False), ("$JS.FCX.a", False),
@@ -310,13 +320,14 @@ async def test_asks_with_sixty_kinds_of_reply_subject_change_no_stream_bucket_or
         await client.close()
         await admin.close()
     assert after == before
-    inboxes = [r for r in replies if inbox_reply(r)]
-    assert len(inboxes) == 3  # the others' inboxes: answered where no one listens, or denied
+    inboxes = [r for r in replies if inbox_reply(r, "_INBOX.worker")]
+    assert len(inboxes) == 2  # the gateway's and an unprefixed one: the server denies them
     # The server itself drops a publish whose reply is an ack the client may not send; every
     # other reply reached the worker, which refused it and said so.
     logged = "\n".join(refusals(caplog, "is not an inbox"))
     reached = [r for r in replies if r not in inboxes and not r.startswith("$JS.ACK.")]
     assert [r for r in reached if f"subject {r[:256]!r} is not" not in logged] == []
+    assert "'_INBOX.worker.Xk3pQz9RfL2mYv8TnW4aBc.1' is not" in logged
 
 
 # -- item 2: inboxes are per role ---------------------------------------------------------------
