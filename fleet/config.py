@@ -186,7 +186,7 @@ DESCRIPTIONS: dict[str, str] = {
     "nats_port": "client port of the embedded nats-server",
     "log_level": "debug, info, warning, error",
     "slots": "concurrent tasks per text runner (0: what the engine batches, within the "
-    "node's memory; see fleet/runner/batch_width.py)",
+    "node's memory; see fleet/batch_width.py)",
     "api_keys": "comma-separated API keys the gateway accepts (prefer the env var)",
     "image_cache_bytes": "bytes of images the worker keeps on disk",
     "models_disk_limit": "bytes of model files the worker keeps on disk (0: no limit); "

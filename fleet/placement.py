@@ -8,11 +8,11 @@ from collections.abc import Iterable
 
 from nats.js import JetStreamContext
 
+from fleet.batch_width import default_batch_width
 from fleet.bus.kv_calls import kv_create, kv_delete
 from fleet.bus.kv_read import live_values
 from fleet.errors import InvalidRequest, PlacementError
 from fleet.placement_shards import ShardingError, choose_shards
-from fleet.runner.batch_width import default_batch_width
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo, ShardAssignment
 from fleet.wire.codec import encode

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.runner.batch_width import ENGINE_BATCH, default_batch_width, kv_bytes_per_task
+from fleet.batch_width import ENGINE_BATCH, default_batch_width, kv_bytes_per_task
 from fleet.wire.cluster import ModelCard
 
 GiB = 1 << 30
