@@ -39,8 +39,8 @@ class AskAnswer(Wire):
 
 
 AskErrorReason = Literal[
-    "invalid_task", "task_id_taken", "task_id_used", "invalid_task_id", "queue_full",
-    "timeout", "busy", "unavailable", "stopped",
+    "invalid_task", "model_not_found", "task_id_taken", "task_id_used", "invalid_task_id",
+    "queue_full", "timeout", "busy", "unavailable", "stopped",
 ]
 
 
@@ -51,7 +51,8 @@ class AskError(Wire):
     type: Literal["ask_error"] = "ask_error"
     task_id: str | None = Field(default=None, description="the task's id, once it had one")
     reason: AskErrorReason = Field(
-        description="invalid_task: the request is not a task; task_id_taken / task_id_used / "
+        description="invalid_task: the request is not a task; model_not_found: no model has "
+        "the subject's name (nothing ran); task_id_taken / task_id_used / "
         "invalid_task_id: the worker refused the id; queue_full: the model's queue is full; "
         "timeout: no terminal within the ask timeout (the task may still run); busy: the "
         "answering worker has too many asks open; unavailable: NATS failed the ask; stopped: "

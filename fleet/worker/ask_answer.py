@@ -2,7 +2,8 @@
 
 An ask's body is a task as published on `fleet.tasks.<model>`, with conveniences for people
 typing at `nats req`: `type` defaults to text_generation, `model` to the subject's model,
-`task_id` to a new one; a body that is not a JSON object is the user's message of a chat.
+`task_id` to a new one; a body that is not a JSON object is the user's message of a chat,
+answered greedily in at most 64 tokens.
 Without a `deadline` the task gets one at the ask's timeout, so a task still queued when its
 asker has given up expires instead of running for nobody.
 """
@@ -22,6 +23,11 @@ from fleet.wire.tasks import FunctionCall, Task, TextGeneration, ToolCall
 from fleet.worker.outputs import event_msg_id
 
 
+# Bare text is someone typing a question at `nats req`: a short answer, near-deterministic
+# (at 1.0 and 256 tokens a small model rambled for 36 s). A task in JSON samples as it says.
+PLAIN_TEXT_SAMPLING = {"temperature": 0.0, "max_tokens": 64}
+
+
 def new_ask_id() -> str:
     return f"ask-{uuid.uuid4().hex}"
 
@@ -37,7 +43,7 @@ def ask_task(model: str, body: bytes, now: datetime, timeout_s: float, task_id: 
         prompt = body.decode(errors="replace").strip()
         if not prompt:
             raise DecodeError("an ask is a task (a JSON object) or the text of a question")
-        sent = {"messages": [{"role": "user", "content": prompt}]}
+        sent = {"messages": [{"role": "user", "content": prompt}], **PLAIN_TEXT_SAMPLING}
     if sent.setdefault("model", model) != model:
         raise DecodeError(
             f"model: the task names {sent['model']!r} but was asked on fleet.ask.{model}",

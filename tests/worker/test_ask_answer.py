@@ -39,6 +39,7 @@ def test_plain_text_is_the_user_message_of_a_chat() -> None:
     )
     assert (task.task_id, task.model) == ("ask-new", "tiny-llm")
     assert task.deadline == NOW + timedelta(seconds=60)
+    assert (task.temperature, task.max_tokens) == (0.0, 64)  # a short, steady answer
 
 
 def test_a_task_keeps_what_it_names_and_gets_the_rest() -> None:
@@ -46,6 +47,7 @@ def test_a_task_keeps_what_it_names_and_gets_the_rest() -> None:
                   "deadline": "2026-12-02T12:00:05+00:00"})
     assert isinstance(task, TextGeneration)
     assert (task.task_id, task.prompt, task.max_tokens) == ("mine-1", "Once", 3)
+    assert task.temperature != 0.0  # a task's own sampling: the plain-text one is not forced
     assert task.deadline == NOW + timedelta(seconds=5)  # its own, not the ask's
 
 
