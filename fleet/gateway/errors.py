@@ -26,11 +26,16 @@ def error_body(exc: FleetError) -> dict[str, Any]:
 
 
 CLIENT_CLOSED_REQUEST = 499
+# Every 429 says when to come back; a model's full queue frees a place as any task ends.
+RETRY_AFTER_S = 1
 
 
 def error_response(exc: FleetError) -> JSONResponse:
     response = JSONResponse(error_body(exc), status_code=exc.http_status)
-    if (retry_after := getattr(exc, "retry_after_s", None)) is not None:
+    retry_after = getattr(exc, "retry_after_s", None)
+    if retry_after is None and exc.http_status == 429:
+        retry_after = RETRY_AFTER_S
+    if retry_after is not None:
         response.headers["retry-after"] = str(retry_after)
     if exc.http_status == 408:  # the rest of the body may still be on its way: start afresh
         response.headers["connection"] = "close"

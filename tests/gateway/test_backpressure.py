@@ -44,6 +44,7 @@ async def test_a_full_queue_is_429_and_other_models_still_queue(
     response = await client.post("/v1/chat/completions", json=CHAT)
     assert response.status_code == 429, response.text
     assert response.json()["error"]["code"] == "queue_full"
+    assert response.headers["retry-after"] == "1"  # clients back off and come back
     assert response.json()["error"]["type"] == "rate_limit_error"
 
     other = await client.post("/v1/chat/completions", json={**CHAT, "model": "smollm2-135m"})
