@@ -32,7 +32,7 @@ from fleet.bus.kv_calls import kv_create, kv_delete, kv_get, kv_put
 from fleet.bus.kv_read import live_values
 from fleet.bus.objects import PARTIAL_SUFFIX, ObjectBucket, sha256_hex
 from fleet.bus.retry import with_retry
-from fleet.errors import ModelNotFound
+from fleet.errors import FleetError, ModelNotFound
 from fleet.wire.cluster import ModelCard, WeightFile, WeightsManifest
 from fleet.wire.codec import DecodeError, decode_model, encode
 
@@ -298,6 +298,16 @@ class FleetModels:
         await bucket._retrying(once, f"fetch {file.path} ({file.sha256[:12]})")
 
 
+FAILURE_CHARS = 300  # a runner record's error: one line in `fleet instances list`
+
+
+def fetch_failure(model_id: str, exc: BaseException) -> str:
+    """Why a fetch failed, as a runner record says it. Pure."""
+    detail = exc.message if isinstance(exc, FleetError) else f"{type(exc).__name__}: {exc}"
+    text = f"fetching {model_id} from the fleet failed: {detail}"
+    return " ".join(text.split())[:FAILURE_CHARS]
+
+
 def fetch_in_progress(models_dir: Path) -> list[str]:
     """Ids of models whose fetch was interrupted here (resumed on their next placement)."""
     return sorted(
@@ -307,5 +317,5 @@ def fetch_in_progress(models_dir: Path) -> list[str]:
 
 __all__ = [
     "FETCH_PREFIX", "MODELS_BUCKET", "WEIGHTS_BUCKET", "FleetModels", "build_manifest",
-    "fetch_in_progress", "model_files",
+    "fetch_failure", "fetch_in_progress", "model_files",
 ]

@@ -12,7 +12,7 @@ from fleet.config import Settings
 from fleet.wire import subjects
 from fleet.wire.cluster import RunnerRecord
 from fleet.wire.codec import DecodeError, decode_model
-from fleet.wire.runners import RunnerDownloading, RunnerStatus
+from fleet.wire.runners import RunnerDownloading, RunnerFailed, RunnerStatus
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +31,12 @@ def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
 
 
 def status_text(status: RunnerStatus) -> str:
-    """A runner's state for a listing, with its download progress when it has one. Pure."""
+    """A runner's state for a listing, with its download progress when it has one and why
+    when it failed (a fetch that failed says so rather than stay at its last progress). Pure."""
     if isinstance(status, RunnerDownloading):
         return f"downloading {progress_bar(status.bytes_done, status.bytes_total)}"
+    if isinstance(status, RunnerFailed):
+        return f"failed: {status.error}"
     return status.state
 
 

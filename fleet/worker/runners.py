@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleet.aio import Supervisor
+from fleet.bus.weights import fetch_failure
 from fleet.config import Settings
 from fleet.models.disk import make_room, touch
 from fleet.models.store import BUILDERS, ensure_model, fleet_fetching, local_model_dir
 from fleet.wire.cluster import Instance, ModelCard
 from fleet.wire.pipe import RunnerCommand, RunnerSpec
 from fleet.wire.ring import GroupSpec
-from fleet.wire.runners import RunnerDownloading
+from fleet.wire.runners import RunnerDownloading, RunnerFailed
 from fleet.worker.inbox import Inbox, RunnerExited
 from fleet.worker.runner_env import runner_env
 from fleet.worker.state import RunnerSpawned, RunnerStartFailed, RunnerView, group_layout
@@ -167,9 +168,19 @@ class RunnerPool:
         if evicted:
             log.info("evicted %s to make room for %s", ", ".join(evicted), card.id)
         try:
-            return await cluster.fleet_models.fetch(card, models_dir, progress)
-        finally:
+            path = await cluster.fleet_models.fetch(card, models_dir, progress)
+        except Exception as exc:
+            # Written once, not refreshed: `fleet instances list` shows why until the next try
+            # replaces it (the start backoff's cap is FLEET_RUNNERS' max age, 60 s), rather
+            # than the download's last progress.
+            cluster.runner_status(view, RunnerFailed(error=fetch_failure(card.id, exc)))
+            cluster.records.pop(view.runner_id, None)
+            raise
+        except BaseException:  # cancelled (the worker stops): nothing to show
             cluster.runner_removed(view.runner_id)
+            raise
+        cluster.runner_removed(view.runner_id)
+        return path
 
     async def _publish_if_absent(self, card: ModelCard, path: Path) -> None:
         assert self.cluster is not None and self.cluster.fleet_models is not None
