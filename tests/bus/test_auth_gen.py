@@ -15,7 +15,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from fleet.bus.auth_gen import CONF, generate, read_env, render_accounts
+from fleet.bus.auth_gen import CONF, generate, read_env, render_accounts, sign_certificate
 from fleet.bus.embedded import EmbeddedNats, server_binary
 from fleet.bus.roles import ROLES
 
@@ -126,21 +126,75 @@ def tls_folder(tmp_path: Path) -> Path:
     return generate(tmp_path / "tls-data", tls=True)
 
 
+def _mutual(env: dict[str, str], cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=env["FLEET_NATS_TLS_CA"])
+    context.load_cert_chain(cert or env["FLEET_NATS_TLS_CERT"], key or env["FLEET_NATS_TLS_KEY"])
+    return context
+
+
+async def _by_certificate(url: str, tls: ssl.SSLContext, **options: object) -> nats.NATS:
+    return await nats.connect(url, tls=tls, allow_reconnect=False, max_reconnect_attempts=0,
+                              connect_timeout=5, **options)
+
+
 async def test_tls_with_the_generated_certificates(tmp_path: Path, tls_folder: Path) -> None:
     for path in tls_folder.iterdir():
         assert mode(path) == 0o600, path
+    assert "verify_and_map: true" in (tls_folder / CONF).read_text()
     with EmbeddedNats(tmp_path / "nats", port=0, config=tls_folder / CONF) as server:
         env = read_env(tls_folder / "worker.env")
         assert env["FLEET_NATS_URL"].startswith("tls://")
-        mutual = ssl.create_default_context(cafile=env["FLEET_NATS_TLS_CA"])
-        mutual.load_cert_chain(env["FLEET_NATS_TLS_CERT"], env["FLEET_NATS_TLS_KEY"])
+        assert "FLEET_NATS_USER" not in env and "FLEET_NATS_PASSWORD" not in env
         url = f"tls://127.0.0.1:{server.port}"
-        nc = await connect_as(url, env, tls=mutual)
+        nc = await _by_certificate(url, _mutual(env))
         await nc.flush()
         await nc.close()
         # Without a client certificate, or without TLS at all, the server refuses.
         server_only = ssl.create_default_context(cafile=env["FLEET_NATS_TLS_CA"])
         with pytest.raises(Exception):  # noqa: B017 - the handshake error varies by OpenSSL
-            await connect_as(url, env, tls=server_only)
+            await _by_certificate(url, server_only)
         with pytest.raises(Exception):  # noqa: B017
-            await connect_as(f"nats://127.0.0.1:{server.port}", env)
+            await nats.connect(f"nats://127.0.0.1:{server.port}", allow_reconnect=False,
+                               max_reconnect_attempts=0, connect_timeout=5)
+
+
+async def _permitted(nc: nats.NATS, violations: list[str], subject: str) -> bool:
+    """Whether the server lets this connection subscribe to `subject` (no violation)."""
+    before = len(violations)
+    await nc.subscribe(subject)
+    await nc.flush(timeout=5)
+    await nc.flush(timeout=5)
+    return len(violations) == before
+
+
+async def test_a_certificate_is_its_role(tmp_path: Path, tls_folder: Path) -> None:
+    """verify_and_map: the role comes from the certificate. A worker certificate gets the
+    worker's grants, a client certificate the client's; a user name in the connect request
+    is refused (no pairing a certificate with another role's password), and a certificate
+    the CA signed for a name that is no role is not let in."""
+    with EmbeddedNats(tmp_path / "nats", port=0, config=tls_folder / CONF) as server:
+        url = f"tls://127.0.0.1:{server.port}"
+        for role, may_take_tasks in (("worker", True), ("client", False)):
+            env = read_env(tls_folder / f"{role}.env")
+            violations: list[str] = []
+
+            async def on_error(exc: Exception, seen: list[str] = violations) -> None:
+                if "permissions violation" in str(exc).lower():
+                    seen.append(str(exc))
+
+            nc = await _by_certificate(url, _mutual(env), error_cb=on_error,
+                                       inbox_prefix=f"_INBOX.{role}")
+            try:
+                assert await _permitted(nc, violations, "fleet.tasks.>") is may_take_tasks
+                assert await _permitted(nc, violations, "fleet.out.some-task")
+            finally:
+                await nc.close()
+        worker = read_env(tls_folder / "worker.env")
+        with pytest.raises(Exception, match=r"(?i)authorization"):
+            await _by_certificate(url, _mutual(worker), user="operator", password="anything")
+        sign_certificate(tls_folder, "intruder", "/CN=intruder", "extendedKeyUsage=clientAuth\n",
+                tls_folder / "ca-cert.pem", tls_folder / "ca-key.pem")
+        intruder = _mutual(worker, str(tls_folder / "intruder-cert.pem"),
+                           str(tls_folder / "intruder-key.pem"))
+        with pytest.raises(Exception, match=r"(?i)authorization"):
+            await _by_certificate(url, intruder)

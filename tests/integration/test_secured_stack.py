@@ -35,9 +35,10 @@ async def connect_as(folder: Path, role: str, port: int) -> Client:
         context.load_cert_chain(env["FLEET_NATS_TLS_CERT"], env["FLEET_NATS_TLS_KEY"])
         options["tls"] = context
     scheme = "tls" if options else "nats"
-    return await nats.connect(f"{scheme}://127.0.0.1:{port}", user=env["FLEET_NATS_USER"],
-                              password=env["FLEET_NATS_PASSWORD"], connect_timeout=5,
-                              inbox_prefix=inbox_prefix(env["FLEET_NATS_USER"]), **options)
+    # With TLS the certificate names the user (verify_and_map): no user or password then.
+    return await nats.connect(f"{scheme}://127.0.0.1:{port}", user=env.get("FLEET_NATS_USER"),
+                              password=env.get("FLEET_NATS_PASSWORD"), connect_timeout=5,
+                              inbox_prefix=inbox_prefix(role), **options)
 
 
 @pytest.mark.slow
