@@ -29,6 +29,8 @@ from fleet.bus.objects import ObjectBucket
 from fleet.bus.provision import ensure_task_consumer, provision
 from fleet.bus.replies import flow_control, inbox_prefix, inbox_reply, task_ack
 from fleet.bus.roles import ALL_STREAMS
+from fleet.commands.tasks import cancel_task, follow_task
+from fleet.config import Settings
 from fleet.placement import remove
 from fleet.wire import subjects
 from fleet.wire.ask import AskAnswer, AskError
@@ -506,3 +508,23 @@ async def test_a_dashboard_removal_names_one_key_of_fleet_instances_or_nothing(
     finally:
         await admin.close()
         await gateway.close()
+
+
+async def test_the_cli_follows_and_cancels_as_the_client_role_through_its_own_inbox(
+    secured_url: str, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`fleet follow` and `fleet cancel` with client.env: JetStream calls, a KV write and an
+    ordered consumer, every reply and delivery on `_INBOX.client`."""
+    admin = await as_role(secured_url, "operator")
+    js = admin.jetstream()
+    for event in (TokenChunk(task_id="cli-task", at=time.time(), index=0, token_id=0, text="ok"),
+                  TaskFinished(task_id="cli-task", at=time.time(), status="completed",
+                               finish_reason="stop")):
+        await js_publish(js, subjects.out("cli-task"), event, msg_id=event_msg_id(event))
+    await admin.close()
+    settings = Settings(nats_url=secured_url, nats_user="client",
+                        nats_password=PASSWORDS["client"])
+    assert await follow_task(settings, "cli-task", raw=False, timeout=20) == 0
+    assert await cancel_task(settings, "cli-task") == 0
+    shown = capsys.readouterr().out
+    assert "ok" in shown and "[completed" in shown and "cancel sent for cli-task" in shown
