@@ -17,6 +17,7 @@ from nats.js.errors import KeyNotFoundError
 from starlette.applications import Starlette
 from test_images_api import image_script, png, stored
 
+from fleet.bus.embedded import EmbeddedNats
 from fleet.config import Settings
 from fleet.errors import AtCapacity, InvalidRequest
 from fleet.gateway.app import build_app
@@ -24,6 +25,7 @@ from fleet.gateway.tenants import (
     STREAM,
     Capacity,
     KeyRing,
+    Owners,
     add_key,
     key_hash,
     parse_keys_file,
@@ -31,7 +33,10 @@ from fleet.gateway.tenants import (
     refusal,
 )
 from fleet.wire import subjects
+from fleet.wire.records import TaskRecord
 from tests.prometheus_text import Scrape
+
+OUTAGE_S = 7.0
 
 CHAT = {"model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -242,3 +247,18 @@ def test_capacity_counts_per_tenant_and_in_all() -> None:
     capacity.give_back(a1)
     capacity.give_back(a2)
     assert capacity.waiting == 1 and capacity.take(None) == ""
+
+
+async def test_a_task_record_written_during_a_broker_outage_waits_for_it_like_other_calls(
+    provisioned_nc: Client, nats_server: EmbeddedNats
+) -> None:
+    """Longer than the 5 s the owner's write once had: a KV leader election takes 4-8 s."""
+    owners = Owners(lambda: provisioned_nc)
+    record = TaskRecord(tenant="team-a", api="chat.completions", model="tiny-llm", created=0)
+    nats_server.stop()
+    writing = asyncio.create_task(owners.record_task("t-outage", record))
+    done, _ = await asyncio.wait({writing}, timeout=OUTAGE_S)  # the outage lasts this long
+    assert not done, "the write gave up (or ended) while the broker was away"
+    await asyncio.to_thread(nats_server.start)  # the same port and store
+    await asyncio.wait_for(writing, 30)
+    assert (await owners.task_record("t-outage")) == record
