@@ -2,8 +2,10 @@
 
 Each sequence (one task's events) is sent pipelined: a message goes out at once with a reply
 subject of our own, and its PubAck comes back to one inbox. Up to WINDOW messages of a
-sequence may wait for their ack; the next send then waits for the oldest. Awaiting each ack
-would cost ~0.7 ms per token (NOTES.md); this costs one publish and one small reply.
+sequence may wait for their ack; later ones queue, in order, and a pacer task of the
+sequence sends them as acks free room. `send` never waits for an ack (the worker's loop
+calls it on the token path). Awaiting each ack would cost ~0.7 ms per token (NOTES.md); this
+costs one publish and one small reply.
 
 When something breaks (no ack within ACK_TIMEOUT_S, a 503, a reconnect, no connection) the
 sequence stops sending new messages and a repair re-sends every unconfirmed one, oldest
@@ -69,6 +71,8 @@ class _Sequence:
     epoch: int = -1  # the connection (reconnect count) the pipelined sends went out on
     broken: bool = False
     repair: asyncio.Task[None] | None = None
+    sent: int = 0  # messages[:sent] went out pipelined, in order (the rest queue)
+    pacer: asyncio.Task[None] | None = None  # sends what queued behind a full window
     # Set at every answer to one of this sequence's messages (a waiter clears it first).
     progress: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -96,13 +100,22 @@ class ConfirmedPublisher:
         self, key: str, subject: str, body: bytes, headers: Mapping[str, str]
     ) -> None:
         """Queue one message of sequence `key`; it goes out now unless the sequence is being
-        repaired or the connection is down. Waits only when WINDOW messages are unconfirmed."""
+        repaired, the connection is down, or WINDOW messages are unconfirmed (then its pacer
+        sends it in its turn). Never waits for an ack."""
         seq = self._sequences.setdefault(key, _Sequence(key))
         message = _Message(subject, body, dict(headers))
         seq.messages.append(message)
+        if seq.pacer is not None and not seq.pacer.done():
+            return  # behind a full window: the pacer sends it in its turn
         if seq.broken or not self._connection_ok(seq):
             self._break(seq)
             return
+        if self._must_queue(seq):
+            seq.unconfirmed()  # moves `confirmed` past what was acked meanwhile
+            if self._must_queue(seq):
+                seq.pacer = asyncio.create_task(self._pace(seq), name=f"pace {seq.key}")
+                seq.pacer.add_done_callback(_log_failure)
+                return
         try:
             await self._send(seq, message)
         except Exception as exc:
@@ -110,13 +123,37 @@ class ConfirmedPublisher:
                 raise
             self._break(seq)
             return
-        if len(seq.messages) - seq.confirmed > WINDOW:
-            oldest = seq.unconfirmed()  # moves `confirmed` past what was acked meanwhile
-            if len(seq.messages) - seq.confirmed > WINDOW:
+        seq.sent += 1
+
+    @staticmethod
+    def _must_queue(seq: _Sequence) -> bool:
+        """The newest message waits: WINDOW are unconfirmed, or older ones still queue."""
+        return seq.sent < len(seq.messages) - 1 or seq.sent - seq.confirmed >= WINDOW
+
+    async def _pace(self, seq: _Sequence) -> None:
+        """Send what queued behind a full window, in order, as acks free room. An ack that
+        does not come within ACK_TIMEOUT_S (lost, or a 503) breaks the sequence: the repair
+        re-sends everything unconfirmed, the queued messages included, in order."""
+        while not seq.broken and seq.sent < len(seq.messages):
+            seq.unconfirmed()
+            if seq.sent - seq.confirmed >= WINDOW:
                 try:
-                    await self._answer(seq, oldest[0], ACK_TIMEOUT_S)
-                except Exception:  # lost, or refused with a 503: resend in order
+                    await self._answer(seq, seq.messages[seq.confirmed], ACK_TIMEOUT_S)
+                except Exception:
                     self._break(seq)
+                    return
+                continue
+            if not self._connection_ok(seq):
+                self._break(seq)
+                return
+            try:
+                await self._send(seq, seq.messages[seq.sent])
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self._break(seq)
+                return
+            seq.sent += 1
 
     async def settle(self, key: str, budget_s: float | None = None) -> str | None:
         """Wait until every message of `key` is confirmed (repairing as needed, within the
@@ -125,6 +162,11 @@ class ConfirmedPublisher:
         if seq is None:
             return None
         deadline = time.monotonic() + (self.budget_s if budget_s is None else budget_s)
+        if seq.pacer is not None and not seq.pacer.done():  # let it send what queued
+            await asyncio.wait({seq.pacer}, timeout=max(0.0, _left(deadline)))
+            if not seq.pacer.done():  # out of time: the repair below takes over
+                seq.pacer.cancel()
+                seq.broken = True
         for message in seq.unconfirmed():
             if message.seq is not None or seq.broken or not message.token:
                 continue
@@ -152,6 +194,8 @@ class ConfirmedPublisher:
             return
         if seq.repair:
             seq.repair.cancel()
+        if seq.pacer:
+            seq.pacer.cancel()
         for token, (sent_in, _) in list(self._waiting.items()):
             if sent_in is seq:
                 del self._waiting[token]
@@ -195,6 +239,7 @@ class ConfirmedPublisher:
                         if message.refused is None:
                             raise
             seq.epoch = self.nc.stats["reconnects"]
+            seq.sent = len(seq.messages)
             seq.broken = False
         except BrokerUnavailable as exc:
             log.error("output of %s: %s", seq.key, exc)
@@ -315,4 +360,4 @@ def _left(deadline: float) -> float:
 
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (exc := task.exception()):
-        log.error("output repair failed", exc_info=exc)
+        log.error("%s failed", task.get_name(), exc_info=exc)

@@ -11,7 +11,7 @@ The loop does not wait on the broker for a task's sake: a message's intake (clai
 lookup, read-backs, refusals) and the read-back of a task whose runner crashed run as
 children that post their outcome (`TakenIn`, `CrashJudged`); the beats that keep held
 messages alive run on their own timer. What the loop still awaits is the runner pipes and the
-token path's publish (which waits only when a task's window of unconfirmed events is full).
+token path's core publish (fleet.bus.confirmed: never an ack; a full window queues).
 The task tree and the ack table are drawn in docs/architecture.md.
 """
 

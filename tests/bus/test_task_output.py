@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,7 +20,15 @@ import pytest
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from fleet.bus.confirmed import Storage, _Message, _problem, _Sequence, stored_whole
+from fleet.bus.confirmed import (
+    ACK_TIMEOUT_S,
+    WINDOW,
+    Storage,
+    _Message,
+    _problem,
+    _Sequence,
+    stored_whole,
+)
 from fleet.bus.connect import connect
 from fleet.bus.embedded import EmbeddedNats, ops_dir
 from fleet.bus.provision import provision
@@ -223,3 +232,29 @@ async def test_a_terminal_during_an_outage_past_the_budget_raises_and_is_never_c
     finally:
         await nc.close()
         restarted.stop()
+
+
+@pytest.mark.timeout(120)
+async def test_sending_never_waits_for_acks_past_the_window(server: EmbeddedNats) -> None:
+    """The worker's loop sends every token event: with the server paused (no acks at all),
+    twice the window of events is queued at once, not after an ack timeout per window; once it
+    answers again they are all stored, in order."""
+    nc = await connect(server.url, "test-output")
+    output = TaskOutput(nc, nc.jetstream())
+    await output.chunk(token("t4", 0))
+    await nc.flush()  # the ack inbox's subscription is at the server before the pause
+    assert server.process is not None
+    os.killpg(server.process.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        for index in range(1, 2 * WINDOW + 1):
+            await output.chunk(token("t4", index))
+        queued_in = time.monotonic() - started
+    finally:
+        os.killpg(server.process.pid, signal.SIGCONT)
+    assert queued_in < ACK_TIMEOUT_S, f"{queued_in:.2f} s to queue {2 * WINDOW} events"
+    stored_terminal = await output.finish(completed("t4", 2 * WINDOW + 1))
+    assert stored_terminal.status == "completed"
+    events = await stored_events(nc, "t4")
+    assert [e.index for e in events if isinstance(e, TokenChunk)] == list(range(2 * WINDOW + 1))
+    await nc.close()
