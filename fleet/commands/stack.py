@@ -21,7 +21,7 @@ from fleet.bus.weights import FleetModels
 from fleet.commands.announce import announce_runners, status_text
 from fleet.commands.core import check_mflux, secured_config
 from fleet.config import Settings, settings_of
-from fleet.errors import InvalidSetting
+from fleet.errors import FleetError, InvalidSetting
 from fleet.models.catalog import get_card
 from fleet.placement import find_instance, place, read_instances, read_nodes, remove
 from fleet.placement_replicas import place_replicas
@@ -263,6 +263,9 @@ async def instances_cmd(settings: Settings, args: argparse.Namespace) -> int:
                 print(f"placed {instance.instance_id} on "
                       f"{', '.join(shard_text(s) for s in instance.shards)}")
         elif args.action == "remove":
+            if not any(i.instance_id == args.instance_id for i in await read_instances(js)):
+                raise FleetError(f"no instance {args.instance_id} is placed (removed already, "
+                                 "or never placed): `fleet instances list` shows them")
             await remove(js, args.instance_id)
             print(f"removed {args.instance_id}")
         else:

@@ -70,8 +70,12 @@ async def remove_instance(request: Request) -> Response:
         return operators_only()
     instance_id = request.path_params["instance_id"]
     cli = f"fleet instances remove {instance_id}"
+    backend = gateway_of(request).backend
     try:
-        await remove(gateway_of(request).backend.jetstream(), instance_id)
+        if not any(i.instance_id == instance_id for i in await backend.instances()):
+            return JSONResponse({"error": f"no instance {instance_id} is placed (removed "
+                                 "already, or never placed)"}, status_code=404)
+        await remove(backend.jetstream(), instance_id)
     except FleetError as exc:
         return JSONResponse({"error": str(exc), "cli": cli}, status_code=exc.http_status)
     except (NatsError, OSError, TimeoutError) as exc:

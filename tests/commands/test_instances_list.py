@@ -13,7 +13,7 @@ from nats.aio.client import Client
 from fleet.bus.weights import FleetModels
 from fleet.commands.stack import card_of, instances_cmd
 from fleet.config import load_settings
-from fleet.errors import PlacementError
+from fleet.errors import FleetError, PlacementError
 from fleet.models.catalog import describe_model_dir
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, NodeInfo, RunnerRecord, ShardAssignment
@@ -85,3 +85,18 @@ async def test_place_shards_then_list_each_shard(
     # Both nodes are in a group now: a second sharded instance has nowhere to go.
     with pytest.raises(PlacementError, match="need 2 live nodes"):
         await instances_cmd(settings, place)
+
+
+async def test_removing_an_instance_that_is_not_placed_says_so(
+    provisioned_nc: Client, nats_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    js = provisioned_nc.jetstream()
+    shard = ShardAssignment(node_id="n1", runner_id="pending")
+    instance = Instance(instance_id="i-here", model="m", shards=[shard], created_at=1)
+    await (await js.key_value(subjects.INSTANCES_BUCKET)).put("i-here", encode(instance))
+    settings = load_settings({"nats_url": nats_url, "data_dir": tmp_path}, env={})
+    remove = argparse.Namespace(action="remove", instance_id="i-here")
+    assert await instances_cmd(settings, remove) == 0
+    assert capsys.readouterr().out == "removed i-here\n"
+    with pytest.raises(FleetError, match="no instance i-here is placed"):
+        await instances_cmd(settings, remove)  # gone now: not "removed" a second time

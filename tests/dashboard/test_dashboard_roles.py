@@ -92,6 +92,9 @@ async def test_operator_actions_under_the_gateways_role(
             async with asyncio.timeout(10):
                 while (await next_fleet(tab))["instances"]:
                     pass
+            again = await operator.delete(f"/ui/api/instances/{instance_id}")
+            assert again.status_code == 404 and "no instance" in again.json()["error"]
+            assert (await operator.delete("/ui/api/instances/never-placed")).status_code == 404
 
             dead = await operator.get("/ui/api/dead")
             assert dead.status_code == 200, dead.text
