@@ -6,7 +6,9 @@
 3. the leader of KV_FLEET_NODES partitioned (SIGSTOP, then SIGCONT) for 20 s;
 4. the leader of FLEET_OUT paused and resumed while tasks stream: its return re-elects
    leaders, and output stored whole but out of order must still end `completed`, read in
-   index order (issue 27).
+   index order (issue 27);
+5. the server leading only KV_FLEET_CLAIMS (or KV_FLEET_CANCELS) paused while long tasks
+   stream and new ones arrive: no running stream goes silent, nothing is run twice (issue 27).
 
 Each asserts the issue's bar: 0 lost, 0 hung, 0 duplicate terminals, 0 completed with a gap,
 0 spurious cancelled, every worker alive, every task finished within 60 s of the broker's
@@ -27,7 +29,7 @@ import pytest
 
 from fleet.bus.task_events import TaskEvents
 from fleet.wire import subjects
-from fleet.wire.events import TokenChunk
+from fleet.wire.events import TaskAccepted, token_indexes
 from tests.faults.conftest import LONG, RunFactory
 from tests.faults.run import FaultReport, FaultRun, Load
 from tests.faults.servers import (
@@ -35,10 +37,12 @@ from tests.faults.servers import (
     NatsNode,
     clients_named,
     leader_of,
+    leaders_off,
+    meta_leader,
     move_leader,
     until_jetstream,
 )
-from tests.faults.tally import describe
+from tests.faults.tally import describe, longest_silence
 
 KV_STREAMS = (f"KV_{subjects.NODES_BUCKET}", f"KV_{subjects.INSTANCES_BUCKET}")
 LEADER_TARGETS = (subjects.TASKS_STREAM, subjects.OUT_STREAM, *KV_STREAMS)
@@ -56,6 +60,11 @@ else:
 OUT_PAUSE = Load(tasks=150, tokens=1000, delay_ms=10) if LONG else Load(
     tasks=40, tokens=400, delay_ms=15)
 OUT_PAUSE_S = 20.0 if LONG else 8.0
+# Long streams on 2 x 6 slots, then new tasks into the 4 free slots while a KV leader is away.
+KV_PAUSE = Load(tasks=13, tokens=500, delay_ms=40, slots=6)
+KV_PAUSE_LONG_TASKS = 8
+KV_PAUSE_S = 40.0 if LONG else 12.0
+MAX_SILENCE_S = 3.0
 # How long a killed server stays down: the single server 5 s as in the issue (longer than a
 # publish's 5 s timeout); the cluster's servers a few seconds each.
 SINGLE_DOWN_S = 5.0
@@ -174,7 +183,7 @@ async def test_out_leader_paused_and_resumed_mid_stream_ends_every_task_complete
     under full streams, which is when acks are lost and re-sends land out of order."""
     run = fault_run(cluster_broker, OUT_PAUSE, 3)
     paused, node = next(iter(cluster_broker.nodes.items()))
-    run.worker_urls = ",".join(n.url for name, n in cluster_broker.nodes.items() if name != paused)
+    run.avoid = paused
     await run.start()
     assert await move_leader(run.nc, subjects.OUT_STREAM, paused)
     await run.publish()
@@ -201,6 +210,56 @@ async def read_in_index_order(run: FaultRun) -> None:
     loop = asyncio.get_running_loop()
     for task_id, tokens in run.expected.items():
         async with TaskEvents(run.nc.jetstream(), task_id, loop.time() + 30) as events:
-            read = [item.event.index async for item in events
-                    if isinstance(item.event, TokenChunk)]
+            read = token_indexes([item.event async for item in events])
         assert read == list(range(tokens)), f"{task_id}: {read}"
+
+
+@pytest.mark.parametrize("bucket", [subjects.CLAIMS_BUCKET, subjects.CANCELS_BUCKET])
+async def test_a_kv_leader_paused_under_streams_and_arrivals_silences_no_stream(
+    cluster_broker: Broker, fault_run: RunFactory, bucket: str
+) -> None:
+    """The paused server leads only the bucket's stream (not the meta group; every other
+    replicated group steps down from it first) and no client is connected to it: the new
+    tasks' intakes (claim, cancel lookup) wait for the bucket's next leader, and nothing else
+    may wait with them. Silence is measured as a reader connected elsewhere sees the streams
+    (before the loop stopped waiting on the broker: 10.5 s; after: 0.1 s)."""
+    kv_stream = f"KV_{bucket}"
+    run = fault_run(cluster_broker, KV_PAUSE, 3)
+    meta = await meta_leader(cluster_broker)  # JetStream's API must stay up: not that one
+    paused, node = next((n, s) for n, s in cluster_broker.nodes.items() if n != meta)
+    run.avoid = paused
+    await run.start()
+    long_ones, arrivals = run.task_ids[:KV_PAUSE_LONG_TASKS], run.task_ids[KV_PAUSE_LONG_TASKS:]
+    assert await move_leader(run.nc, kv_stream, paused)
+    await leaders_off(run.nc, cluster_broker, paused, keep=(kv_stream,))
+    await run.publish(only=long_ones)
+    async with asyncio.timeout(60):
+        while not set(long_ones) <= run.accepted:
+            run.changed.clear()
+            await run.changed.wait()
+    run.fault_now(f"pause {paused} (leads only {kv_stream}; no client connected)")
+    stopped_at = time.monotonic()
+    node.pause()
+    try:
+        await run.publish(only=arrivals)
+        await asyncio.sleep(KV_PAUSE_S)  # the pause itself: the duration under test
+    finally:
+        node.resume()
+    resumed_at = time.monotonic()
+    returned = time.time()
+    run.fault_now(f"resumed {paused}")
+    silence = longest_silence(run.arrivals, run.finished, stopped_at, resumed_at)
+    print(f"longest silence of a running stream during the pause: {silence:.2f} s")
+    await run.until_finished(returned)
+    report = await run.report(returned)
+    check(report, replicas=3)
+    assert report.counts.completed == KV_PAUSE.tasks, describe(report.counts)
+    assert silence <= MAX_SILENCE_S, f"a running stream was silent {silence:.1f} s"
+    stored = await run.read_out()
+    accepts = {task_id: [s.event for s in events if isinstance(s.event, TaskAccepted)]
+               for task_id, events in stored.items()}
+    twice = {task_id: len(found) for task_id, found in accepts.items() if len(found) != 1}
+    assert twice == {}, f"accepted more than once (run twice or redelivered): {twice}"
+    redelivered = [task_id for task_id, found in accepts.items() if found[0].delivery != 1]
+    assert redelivered == [], f"redelivered: {redelivered}"
+    await read_in_index_order(run)
