@@ -2,10 +2,13 @@
 ops/nats/auth.conf, and of the server config `fleet nats --auth` generates.
 
 NATS permissions are per subject, so every grant below is a subject (a JetStream API call is a
-request on `$JS.API.<VERB>.<stream>...`). Two facts shape them: nats-py creates an ephemeral
-consumer on `$JS.API.CONSUMER.CREATE.<stream>` (no suffix) and a named one on
-`...CREATE.<stream>.<name>[.<filter>]`; and `>` matches whole tokens only, so a bucket's stream
-(`KV_FLEET_NODES`) is named in full, never as `KV_>`.
+request on `$JS.API.<VERB>.<stream>...`). Facts that shape them: nats-py creates an ephemeral
+consumer on `$JS.API.CONSUMER.CREATE.<stream>` (no suffix), where the server refuses a durable
+name, and a named one (durable or not: the body says, which permissions cannot see) on
+`...CREATE.<stream>.<name>[.<filter>]`, so only the roles that own durables get the named
+form; `>` matches whole tokens only, so a bucket's stream (`KV_FLEET_NODES`) is named in full,
+never as `KV_>`; and a JetStream ack subject has a v1 form `$JS.ACK.<stream>.>` and a v2 form
+`$JS.ACK.<domain>.<account hash>.<stream>.>` (nats-server's `js_ack_fc_v2`), granted both.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleet.bus.replies import inbox_prefix
+from fleet.wire.uploads import IMAGE_UPLOAD  # fleet.worker.uploads stores a client's image
 
 ROLES = ("client", "gateway", "worker", "operator")
 
@@ -47,13 +51,19 @@ def _info(*streams: str) -> list[str]:
 
 
 def _readers(stream: str) -> list[str]:
-    """Short-lived consumers of one stream: ephemeral or named (nats-py uses both forms),
-    pulled or pushed, and deleted by their owner when done (only on this stream)."""
+    """Short-lived consumers of one stream: ephemeral only (the unsuffixed CREATE, where the
+    server refuses a durable), pulled or pushed, deleted by their owner when done (only on
+    this stream) or else by the stream's inactive threshold (`consumer_limits`)."""
     return [
-        _api("CONSUMER", "CREATE", stream), _api("CONSUMER", "CREATE", stream, ">"),
+        _api("CONSUMER", "CREATE", stream),
         _api("CONSUMER", "INFO", stream, "*"), _api("CONSUMER", "MSG", "NEXT", stream, "*"),
         _api("CONSUMER", "DELETE", stream, "*"),
     ]
+
+
+def _acks(stream: str) -> list[str]:
+    """Acks of one stream's messages, in the v1 and the v2 (domain, account hash) form."""
+    return [f"$JS.ACK.{stream}.>", f"$JS.ACK.*.*.{stream}.>"]
 
 
 def _kv_read(bucket: str) -> list[str]:
@@ -72,7 +82,7 @@ def _weights_read() -> list[str]:
     return [*_info(WEIGHTS), _api("STREAM", "MSG", "GET", WEIGHTS), *_readers(WEIGHTS)]
 
 
-FLOW_CONTROL = "$JS.FC.>"  # a push consumer's flow-control answers go here
+FLOW_CONTROL = "$JS.FC.>"  # a push consumer's flow-control answers go here (v1 and v2)
 
 
 def inbox(role: str) -> str:
@@ -98,10 +108,14 @@ GRANTS: dict[str, Grant] = {
     "client": _grant(
         publish=[
             "fleet.tasks.>", "fleet.ask.>", "fleet.cancel.>", f"$KV.{CANCELS}.>",
-            "fleet.traces.>", "$O.FLEET_IMAGES.>", FLOW_CONTROL,
-            # Replay of one task: an ephemeral (ordered) consumer, or a named one on one
-            # task's subject. No DELETE: an abandoned one goes by its inactive threshold.
-            _api("CONSUMER", "CREATE", OUT), _api("CONSUMER", "CREATE", OUT, "*", "fleet.out.*"),
+            "fleet.traces.>", FLOW_CONTROL,
+            # Images are uploaded through a worker, which stores them by hash and never
+            # replaces one: who may publish on $O.FLEET_IMAGES may delete any image.
+            IMAGE_UPLOAD,
+            # Replay of one task: an ephemeral (ordered) consumer only, which the server
+            # removes within FLEET_OUT's inactive threshold. No named form (it could be
+            # durable), no DELETE.
+            _api("CONSUMER", "CREATE", OUT),
             *_info(OUT, f"KV_{CANCELS}"),
             *_info(IMAGES), _api("STREAM", "MSG", "GET", IMAGES),
             # An image is read through a short-lived consumer its reader deletes when done;
@@ -123,10 +137,8 @@ GRANTS: dict[str, Grant] = {
             *_info(*ALL_STREAMS),
             _api("CONSUMER", "INFO", TASKS, "*"), _api("CONSUMER", "LIST", TASKS),
             _api("CONSUMER", "NAMES", TASKS),
-            _api("CONSUMER", "CREATE", OUT), _api("CONSUMER", "CREATE", OUT, ">"),
-            _api("STREAM", "MSG", "GET", OUT),
-            _api("CONSUMER", "CREATE", TRACES), _api("CONSUMER", "CREATE", TRACES, ">"),
-            _api("STREAM", "MSG", "GET", TRACES),
+            _api("CONSUMER", "CREATE", OUT), _api("STREAM", "MSG", "GET", OUT),
+            _api("CONSUMER", "CREATE", TRACES), _api("STREAM", "MSG", "GET", TRACES),
             *(s for b in (*STATE_BUCKETS, CANCELS, TENANTS, MODELS) for s in _kv_read(b)),
             *_images_read(), *_weights_read(),
         ],
@@ -146,7 +158,7 @@ GRANTS: dict[str, Grant] = {
             "fleet.handoff.*",  # a held task message passed to the node that should run it
             *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS, PREFIXES)),
             "$O.FLEET_IMAGES.>", "$O.FLEET_WEIGHTS.>", FLOW_CONTROL, _api("INFO"),
-            f"$JS.ACK.{TASKS}.>", f"$JS.ACK.{ADVISORIES}.>",
+            *_acks(TASKS), *_acks(ADVISORIES),
             *_info(*ALL_STREAMS),
             # The per-model durable is made when a model is placed, so a worker may create
             # (or update) consumers on FLEET_TASKS; it may not delete them.
@@ -166,9 +178,10 @@ GRANTS: dict[str, Grant] = {
             *_images_read(), *_weights_read(),
         ],
         # fleet.ask.*: the asks a worker answers (queue group fleet-ask); fleet.out.>: the
-        # asked task's terminal, watched live; fleet.handoff.*: tasks other nodes pass here
+        # asked task's terminal, watched live; fleet.handoff.*: tasks other nodes pass here;
+        # fleet.images.put: clients' image uploads (queue group fleet-images)
         subscribe=[inbox("worker"), "fleet.tasks.>", "fleet.cancel.*", "fleet.ask.*", "fleet.out.>",
-                   "fleet.handoff.*"],
+                   "fleet.handoff.*", IMAGE_UPLOAD],
     ),
     # Provisions streams, buckets and consumers, and repairs: everything.
     "operator": _grant(publish=[">"], subscribe=[">"]),
@@ -236,8 +249,19 @@ ACTIONS: tuple[Action, ...] = (
            "the gateway only for the dashboard's operator keys (fleet/gateway/tenants.py)"),
     Action("read_dead_letters", "read the dead letters (STREAM.MSG.GET on FLEET_DEAD)",
            _who("gateway"), "the dashboard lists them, to operator keys only"),
-    Action("put_image", "store an image in FLEET_IMAGES",
-           _who("client", "gateway", "worker")),
+    Action("put_image", "write FLEET_IMAGES directly (chunks and descriptions)",
+           _who("gateway", "worker"),
+           "whoever may write there may also delete or replace any image (a description "
+           "marked deleted, a roll-up): only the processes that check an image's hash"),
+    Action("upload_image", "upload an image (`fleet.images.put`: a worker stores it by hash, "
+           "never replacing one)", _who("client"),
+           "the way a `client` provides an input image: `fleet images put` or `nats req`"),
+    Action("answer_uploads", "answer image uploads: subscribe to `fleet.images.put`",
+           _who("worker")),
+    Action("durable_out_consumer", "create a named or durable consumer on FLEET_OUT or "
+           "FLEET_IMAGES", _who(),
+           "readers make ephemeral ones, which the server removes within the stream's "
+           "inactive threshold"),
     Action("get_image", "read an image from FLEET_IMAGES",
            _who("client", "gateway", "worker")),
     Action("read_models", "read model cards (FLEET_MODELS) and weight files (FLEET_WEIGHTS)",

@@ -155,6 +155,23 @@ async def _put_image(p: Probe) -> None:
     await ObjectBucket(p.nc, timeout=TIMEOUT).put_by_hash(f"image of {p.role}".encode())
 
 
+async def _upload_image(p: Probe) -> None:
+    await p.sent("fleet.images.put", f"upload of {p.role}".encode())
+
+
+async def _durable_out_consumer(p: Probe) -> None:
+    """The attack of issue 31: a durable on a named create whose filter token is `>`."""
+    name = f"durable-of-{p.role}"
+    for stream, filter_subject in (("FLEET_OUT", "fleet.out.>"),
+                                   ("OBJ_FLEET_IMAGES", "$O.FLEET_IMAGES.M.>")):
+        config = {"durable_name": name, "ack_policy": "none", "filter_subject": filter_subject,
+                  "deliver_subject": f"_INBOX.{name}"}
+        await p.request(f"$JS.API.CONSUMER.CREATE.{stream}.{name}.{filter_subject}",
+                        {"stream_name": stream, "config": config})
+        await p.request(f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{name}",
+                        {"stream_name": stream, "config": config})
+
+
 async def _read_models(p: Probe) -> None:
     kv = await p.js.key_value("FLEET_MODELS")
     await kv.get("probe-model")
@@ -236,6 +253,9 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "write_instances": _write_instances,
     "read_dead_letters": lambda p: p.js.get_msg("FLEET_DEAD", seq=1),
     "put_image": _put_image,
+    "upload_image": _upload_image,
+    "answer_uploads": lambda p: p.subscribed("fleet.images.put"),
+    "durable_out_consumer": _durable_out_consumer,
     "get_image": _get_image,
     "read_models": _read_models,
     "publish_models": _publish_models,
