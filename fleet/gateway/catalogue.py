@@ -259,8 +259,11 @@ def model_object(
 
 def model_list(
     cards: Mapping[str, ModelCard], states: Mapping[str, ModelState] | None,
-    unavailable: Unavailable | None = None,
+    unavailable: Unavailable | None = None, *, everything: bool = False,
 ) -> dict[str, Any]:
+    """The models a client can use now (`available` not false: placed, or some node can
+    serve it), so an OpenAI client's model picker offers only those; `everything`: the
+    whole catalogue, each with its `available` and `unavailable_reason`."""
     data = [
         model_object(
             card, None if states is None else states.get(model, ModelState()),
@@ -268,7 +271,12 @@ def model_list(
         )
         for model, card in cards.items()
     ]
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [m for m in data if everything or servable(m)]}
+
+
+def servable(model: Mapping[str, Any]) -> bool:
+    """Listed by default: usable now, or not known to be unusable (NATS cannot tell)."""
+    return model["available"] is not False
 
 
 def refuses_images(card: ModelCard) -> str | None:

@@ -222,7 +222,16 @@ def openapi_document() -> dict[str, Any]:
             parameters=[_path_param("sha256", "^[0-9a-f]{64}$")],
         ),
         "/v1/models": _get(
-            "Model cards, with placement and readiness", "listModels", "A list of models", _JSON
+            "The models usable now (placed, or some node can serve them), with placement and "
+            "readiness", "listModels", "A list of models", _JSON,
+            parameters=[{
+                "name": "all",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "boolean", "default": False},
+                "description": "true: every model card, each with `available` and "
+                "`unavailable_reason`",
+            }],
         ),
         "/v1/models/{model}": _get(
             "One model",

@@ -72,9 +72,14 @@ async def task_events(request: Request) -> Response:
 
 
 async def list_models(request: Request) -> Response:
+    """The models a client can use now; `?all=true`: the whole catalogue."""
+    everything = request.query_params.get("all", "false")
+    if everything not in ("true", "false"):
+        raise InvalidParameter("all: true (every model card, usable or not) or false", "all")
     gateway = gateway_of(request)
     states = await gateway.model_states()
-    return JSONResponse(model_list(gateway.cards(), states, gateway.availability()))
+    return JSONResponse(model_list(gateway.cards(), states, gateway.availability(),
+                                   everything=everything == "true"))
 
 
 async def get_model(request: Request) -> Response:

@@ -90,6 +90,29 @@ def test_without_a_key_the_page_asks_for_one_then_shows_the_fleet(
     screenshot(page, "dashboard-fleet")
 
 
+def test_model_pickers_default_to_a_ready_model_and_mark_the_unavailable_ones(
+    page: Any, stack: dict[str, Any]
+) -> None:
+    use_key(page, stack, stack["key"], "fleet")
+    wait(page, lambda d: len(css(d, '.runner[data-state="ready"]')) == 2, 120,
+         "both runners ready")
+    cards = css(page, ".instance .placement")
+    assert cards and all("rank 0/1" not in c.text and " on " in c.text for c in cards), [
+        c.text for c in cards]  # an unsharded instance names its node, not "shards: rank 0/1"
+    for where, picker in (("fleet", "place-model"), ("playground", "pg-model")):
+        go(page, stack, where)
+        page.refresh()  # the model list is read when the page opens
+        options = wait(page, lambda d, p=picker: css(d, f"#{p} option"), 20, "the models")
+        chosen = page.execute_script(f"return document.getElementById('{picker}').value")
+        marks = {o.get_attribute("value"): (o.get_attribute("data-ready"),
+                                            o.get_attribute("data-available"), o.text)
+                 for o in options}
+        assert chosen in ("tiny-llm", "tiny-flux2") and marks[chosen][0] == "true", marks
+        unavailable = [m for m, (_, available, _) in marks.items() if available == "false"]
+        assert "flux1-dev" in unavailable, marks  # 33.7 GB on no disk: marked, not the default
+        assert all(marks[m][2].endswith("unavailable") for m in unavailable), marks
+
+
 def test_a_playground_chat_streams_and_its_task_page_shows_tokens_and_the_trace(
     page: Any, stack: dict[str, Any]
 ) -> None:

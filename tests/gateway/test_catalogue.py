@@ -108,7 +108,8 @@ async def test_a_model_added_elsewhere_is_listed_and_served(
 ) -> None:
     app, http = started
     catalogue: Catalogue = app.state.gateway.catalogue
-    models = {m["id"]: m for m in (await http.get("/v1/models")).json()["data"]}
+    assert "far-model" not in {m["id"] for m in (await http.get("/v1/models")).json()["data"]}
+    models = {m["id"]: m for m in (await http.get("/v1/models?all=true")).json()["data"]}
     assert "far-model" in models
     assert models["far-model"]["available"] is False  # no worker is up yet
     assert "no worker is up" in models["far-model"]["unavailable_reason"]
@@ -141,9 +142,14 @@ async def test_a_model_no_live_node_can_serve_fails_at_once_with_the_reason(
     assert error["code"] == "model_unavailable"
     assert "no live node can provide far-model (n1)" in error["message"]
     assert time.monotonic() - started_at < 5.0  # not the request timeout (10 s here)
-    listed = {m["id"]: m for m in (await http.get("/v1/models")).json()["data"]}
+    listed = {m["id"]: m for m in (await http.get("/v1/models?all=true")).json()["data"]}
     assert listed["far-model"]["available"] is False
     assert listed["tiny-llm"]["available"] is True
+    # By default only what a client can use now: an OpenAI model picker offers no dead end.
+    usable = {m["id"] for m in (await http.get("/v1/models")).json()["data"]}
+    assert "tiny-llm" in usable and "far-model" not in usable
+    assert usable == {m for m, about in listed.items() if about["available"]}
+    assert (await http.get("/v1/models?all=maybe")).status_code == 400
 
     # Once placed (here by hand, on a node whose heartbeat lacks it) it is served: a node
     # running a model no longer has the free memory the model takes, and that must not count.

@@ -96,3 +96,15 @@ export const fmt = {
   s(x) { return x === null || x === undefined ? "–" : `${x < 1 ? (x * 1000).toFixed(0) + " ms" : x.toFixed(2) + " s"}`; },
   n(x, digits = 1) { return x === null || x === undefined ? "–" : Number(x).toFixed(digits); },
 };
+
+// A model <select>: ready models first (the first is the default), then those some node can
+// serve, then the rest, marked unavailable with the reason as their tooltip.
+export function fillModels(select, models) {
+  const rank = (m) => (m.ready ? 0 : m.available !== false ? 1 : 2);
+  const sorted = [...models].sort((a, b) => rank(a) - rank(b) || a.id.localeCompare(b.id));
+  select.replaceChildren(...sorted.map((m) => h("option", {
+    value: m.id, "data-ready": String(Boolean(m.ready)),
+    "data-available": String(m.available !== false), title: m.unavailable_reason,
+  }, m.id, m.ready ? " — ready" : m.available === false ? " — unavailable" : "")));
+  if (sorted.length) select.value = sorted[0].id;
+}

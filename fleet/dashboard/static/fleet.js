@@ -1,6 +1,6 @@
 // Fleet: nodes (with the age of their heartbeat), instances with their shards and the runners
 // of each, every runner's state machine drawn with its current state lit.
-import { call, fmt, h } from "./api.js";
+import { call, fillModels, fmt, h } from "./api.js";
 
 function nodeCard(node) {
   const used = node.memory_total_bytes - node.memory_available_bytes;
@@ -51,14 +51,20 @@ async function removeInstance(id, button, note) {
   }
 }
 
+// Where an instance runs: its node, or for a model split over nodes each shard's layers.
+function placement(shards) {
+  if (shards.length === 1 && shards[0].world_size === 1) return `on ${shards[0].node_id}`;
+  return "shards: " + shards.map((shard) => `rank ${shard.rank}/${shard.world_size} on ` +
+    `${shard.node_id} (layers ${shard.start_layer}–${shard.end_layer})`).join("; ");
+}
+
 function instanceCard(instance, runners, states, note) {
   const remove = h("button", { class: "danger operator-only", type: "button",
     "aria-label": `remove instance ${instance.instance_id}` }, "Remove");
   remove.addEventListener("click", () => removeInstance(instance.instance_id, remove, note));
   return h("article", { class: "card instance", "data-instance": instance.instance_id },
     h("h3", {}, instance.model, " ", h("span", { class: "muted" }, instance.instance_id)),
-    h("div", {}, `${instance.slots} slots · shards: `, instance.shards.map((shard) =>
-      `rank ${shard.rank}/${shard.world_size} on ${shard.node_id} (layers ${shard.start_layer}–${shard.end_layer})`).join("; ")),
+    h("div", { class: "placement" }, `${instance.slots} slots · `, placement(instance.shards)),
     runners.filter((r) => r.instance_id === instance.instance_id).map((r) => runnerCard(r, states)),
     remove);
 }
@@ -83,9 +89,7 @@ export function mount(view, store) {
       note.textContent = `${error.message}${error.data?.cli ? ` — run: ${error.data.cli}` : ""}`;
     }
   });
-  call("/v1/models").then((list) => {
-    model.replaceChildren(...list.data.map((m) => h("option", { value: m.id }, m.id)));
-  }).catch(() => {});
+  call("/v1/models?all=true").then((list) => fillModels(model, list.data)).catch(() => {});
   view.append(h("h1", {}, "Fleet"),
     h("h2", {}, "Nodes"), nodes,
     h("h2", {}, "Instances and runners"), instances, note,

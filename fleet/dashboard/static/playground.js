@@ -1,6 +1,6 @@
 // Playground: pick a model, chat with streaming (or make an image, with previews), cancel
 // it, and jump to that task's page. Requests go to the same /v1 API any client uses.
-import { call, h, sse } from "./api.js";
+import { call, fillModels, h, sse } from "./api.js";
 import { imageUrl } from "./task.js";
 
 export function mount(view, store) {
@@ -18,9 +18,9 @@ export function mount(view, store) {
     h("div", { class: "row" }, send, cancel));
   view.append(h("h1", {}, "Playground"), form, note, answer, images, link);
   const cards = new Map();
-  call("/v1/models").then((list) => {
+  call("/v1/models?all=true").then((list) => {
     for (const m of list.data) cards.set(m.id, m);
-    model.replaceChildren(...list.data.map((m) => h("option", { value: m.id }, m.id)));
+    fillModels(model, list.data);
   }).catch((error) => { note.textContent = error.message; });
 
   let controller = null;
