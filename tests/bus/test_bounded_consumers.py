@@ -17,7 +17,7 @@ import nats
 import pytest
 from nats.aio.client import Client
 
-from fleet.bus.connect import connect
+from fleet.bus.connect import ConnectOptions, connect
 from fleet.bus.provision import LIMIT_KEYS, definitions, limits_to_update, provision
 from tests.secured import PASSWORDS, shipped_auth_server
 
@@ -214,3 +214,28 @@ async def test_the_consumer_count_of_fleet_out_is_bounded(secured_url: str) -> N
     finally:
         await nc.close()
 
+
+
+async def test_a_role_that_may_not_update_a_stream_uses_it_as_it_is_and_says_so(
+    tmp_path_factory: pytest.TempPathFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker started against a FLEET_OUT provisioned before the limits: its provisioning
+    may not update the stream; it says who may and goes on at once (no wait for a reply the
+    server never sends)."""
+    with shipped_auth_server(tmp_path_factory.mktemp("outdated")) as url:
+        admin = await _as(url, "operator")
+        worker = await connect(url, "test-worker", options=ConnectOptions(
+            user="worker", password=PASSWORDS["worker"]), inbox_owner="worker")
+        try:
+            await _api(admin, "STREAM.CREATE.FLEET_OUT", _without_limits("FLEET_OUT"))
+            for config in definitions():
+                if config["name"] != "FLEET_OUT":
+                    await _api(admin, f"STREAM.CREATE.{config['name']}", config)
+            with caplog.at_level(logging.WARNING, logger="fleet.bus.provision"):
+                async with asyncio.timeout(10):  # a refused request would wait 5 s a try
+                    outcomes = {o.name: o.action for o in await provision(worker)}
+            assert outcomes["FLEET_OUT"] == "outdated"
+            assert "fleet nats --provision" in caplog.text
+        finally:
+            await worker.close()
+            await admin.close()
