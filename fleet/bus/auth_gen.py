@@ -57,10 +57,14 @@ def _user_block(role: str, password: str | None, grant: Grant) -> str:
     return (
         f"      {{\n        {who}\n"
         f"        permissions: {{\n"
-        f"          publish: {{ allow: {_quoted(grant.publish)} }}\n"
+        f"          publish: {{ allow: {_quoted(grant.publish)}{_denied(grant)} }}\n"
         f"          subscribe: {{ allow: {_quoted(grant.subscribe)} }}\n"
         f"        }}\n      }}\n"
     )
+
+
+def _denied(grant: Grant) -> str:
+    return f", deny: {_quoted(grant.deny_publish)}" if grant.deny_publish else ""
 
 
 def render_accounts(passwords: Mapping[str, str | None]) -> str:

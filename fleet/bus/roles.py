@@ -97,10 +97,22 @@ def inbox(role: str) -> str:
 class Grant:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
+    # Refused even where an allow would match: what a role must never do, said explicitly so
+    # that a broader allow added later cannot grant it (nats-server >= 2.12.7 applies denies
+    # that overlap allows).
+    deny_publish: tuple[str, ...] = ()
 
 
-def _grant(publish: list[str], subscribe: list[str]) -> Grant:
-    return Grant(tuple(dict.fromkeys(publish)), tuple(dict.fromkeys(subscribe)))
+def _grant(publish: list[str], subscribe: list[str], deny: tuple[str, ...] = ()) -> Grant:
+    return Grant(tuple(dict.fromkeys(publish)), tuple(dict.fromkeys(subscribe)), deny)
+
+
+# Durable (or named) consumers, on any stream: the legacy DURABLE.CREATE and the named CREATE
+# forms, six tokens or more (a reader's ephemeral CREATE.<stream> has five).
+NO_DURABLES = (
+    _api("CONSUMER", "DURABLE", "CREATE", ">"), _api("CONSUMER", "CREATE", "*", "*"),
+    _api("CONSUMER", "CREATE", "*", "*", ">"),
+)
 
 
 GRANTS: dict[str, Grant] = {
@@ -123,6 +135,7 @@ GRANTS: dict[str, Grant] = {
             *_readers(IMAGES),
         ],
         subscribe=[inbox("client"), "fleet.out.>"],
+        deny=NO_DURABLES,
     ),
     # The HTTP front door: publishes tasks and cancels, reads outputs, state and metrics;
     # on FLEET_TASKS only publish and information, never a consumer of it.
@@ -143,6 +156,7 @@ GRANTS: dict[str, Grant] = {
             *_images_read(), *_weights_read(),
         ],
         subscribe=[inbox("gateway"), "fleet.out.>"],
+        deny=NO_DURABLES,
     ),
     # A node: consumes tasks, writes outputs, state, images; purges one model's tasks
     # (the janitor, for a model no card names) but never a whole stream or another one.

@@ -239,3 +239,15 @@ async def test_a_role_that_may_not_update_a_stream_uses_it_as_it_is_and_says_so(
         finally:
             await worker.close()
             await admin.close()
+
+
+@pytest.mark.parametrize("role", ["client", "gateway"])
+def test_readers_are_denied_durables_explicitly(role: str) -> None:
+    """Besides no allow for them: a deny, so a broader allow added later cannot grant one."""
+    from fleet.bus.auth_gen import shipped_config
+    from fleet.bus.roles import GRANTS, NO_DURABLES
+
+    assert GRANTS[role].deny_publish == NO_DURABLES
+    assert "$JS.API.CONSUMER.DURABLE.CREATE.>" in shipped_config()
+    named = [s for s in GRANTS[role].publish if s.startswith("$JS.API.CONSUMER.CREATE.")]
+    assert named and all(len(s.split(".")) == 5 for s in named), named  # unsuffixed only
