@@ -44,7 +44,7 @@ from fleet.bus.connect import redact_urls
 from fleet.config import Settings, settings_of
 from fleet.dashboard import mount as mount_dashboard
 from fleet.errors import FleetError
-from fleet.gateway import docs, image_api, ops_api, text_api
+from fleet.gateway import docs, image_api, landing, ops_api, text_api
 from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import BodyLimit, BodyTimeout
 from fleet.gateway.errors import (
@@ -109,7 +109,7 @@ def build_app(settings: Settings) -> Starlette:
             gateway.metrics.meters.shutdown()
 
     app = Starlette(
-        routes=[*ROUTES, *docs.routes()],
+        routes=[*ROUTES, *landing.routes(), *docs.routes()],
         middleware=[
             Middleware(ApiKeys, ring=ring, protect_metrics=settings.gateway_protect_metrics),
             Middleware(BodyTimeout, seconds=settings.gateway_body_timeout_s),

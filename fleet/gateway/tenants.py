@@ -64,7 +64,7 @@ from fleet.errors import (
     NatsUnavailable,
     Unauthorized,
 )
-from fleet.gateway import docs
+from fleet.gateway import docs, landing
 from fleet.gateway.bodies import refuse_with
 from fleet.wire.codec import DecodeError, decode_model, encode
 from fleet.wire.records import TaskRecord
@@ -222,7 +222,8 @@ class ApiKeys:
         tenant = self._tenant(scope)
         state.update(tenant=tenant, authenticated=tenant is not None)
         path = scope["path"]
-        if tenant is None and path not in self.open_paths and not docs.is_open(path):
+        if tenant is None and path not in self.open_paths and not docs.is_open(path) and (
+                path != landing.PAGE):
             refusal = Unauthorized("a valid API key is required: Authorization: Bearer KEY")
             return await refuse_with(refusal)(scope, receive, send)
         await self.app(scope, receive, send)
