@@ -19,7 +19,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
 from fleet.bus.objects import ObjectBucket
-from fleet.bus.replies import inbox_reply
+from fleet.bus.replies import INBOX_ROOT, inbox_reply
 from fleet.errors import FleetError
 from fleet.wire.codec import encode
 from fleet.wire.uploads import (
@@ -53,6 +53,10 @@ class ImageUploads:
         self.store = store
         self.owner = owner
         self._subscription: Subscription | None = None
+        # Workers upload nothing: an answer never goes into this role's own inboxes (its pulls
+        # and requests), as for asks; none to keep out of without a role prefix.
+        own = nc.new_inbox().rsplit(".", 1)[0]
+        self.own_inboxes = own if own != INBOX_ROOT else None
 
     async def start(self) -> None:
         self._subscription = await self.nc.subscribe(
@@ -67,8 +71,8 @@ class ImageUploads:
                 log.warning("uploads: could not leave the queue group: %r", exc)
 
     async def _take(self, msg: Msg) -> None:
-        reply = inbox_reply(msg.reply)
-        if reply is None:  # nobody to tell, or a subject that is not an inbox: store nothing
+        reply = inbox_reply(msg.reply, self.own_inboxes)
+        if reply is None:  # nobody to tell, or not a requester's inbox: store nothing
             log.warning("uploads: an upload without an inbox to answer (%r) was ignored",
                         (msg.reply or "")[:80])
             return

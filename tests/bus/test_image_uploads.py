@@ -135,20 +135,26 @@ async def test_an_upload_too_large_for_one_message_says_where_to_send_it(
 
 
 async def test_an_upload_is_answered_only_on_an_inbox(secured_url: str, worker: Client) -> None:
-    """The responder's grants reach FLEET_OUT: a reply pointed there gets nothing written, and
-    the image is not stored for a requester that cannot hear the answer."""
+    """The responder's grants reach FLEET_OUT and the workers' own inboxes (their pulls): a
+    reply pointed there gets nothing written, and the image is not stored for a requester
+    that cannot hear the answer."""
     admin = await _as(secured_url, "operator")
     client = await _as(secured_url, "client")
     try:
         body = b"pointed at someone's output"
-        await client.publish(IMAGE_UPLOAD, body, reply="fleet.out.victim-task",
-                             headers={SHA256_HEADER: hashlib.sha256(body).hexdigest()})
+        watched = await admin.subscribe("_INBOX.worker.its-pull-inbox")
+        await admin.flush()
+        for hostile in ("fleet.out.victim-task", "_INBOX.worker.its-pull-inbox"):
+            await client.publish(IMAGE_UPLOAD, body, reply=hostile,
+                                 headers={SHA256_HEADER: hashlib.sha256(body).hexdigest()})
         await client.flush()
         # callbacks run in order: once a later upload is answered, that one was handled
         assert (await upload_image(client, b"a later honest upload")).sha256
         info: Any = await admin.jetstream().stream_info("FLEET_OUT",
                                                        subjects_filter="fleet.out.victim-task")
         assert not info.state.subjects
+        await admin.flush()
+        assert watched.pending_msgs == 0
         assert await ObjectBucket(admin).find(hashlib.sha256(body).hexdigest()) is None
     finally:
         await client.close()
