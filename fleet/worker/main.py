@@ -356,7 +356,7 @@ class Worker(RunnerReports, Stopping):
         if reason is None and time.monotonic() - offer.received_at > TAKE_WITHIN_S:
             reason = "reached too late"
         taken = reason is None
-        self.owner.spawn("answer a hand-off", self.handoffs.answer(reply, taken, reason))
+        self.owner.spawn("answer a hand-off", self.handoffs.answer(reply, taken, reason or ""))
         if taken:
             log.info("task message from node %s taken in (for runner %s)",
                      hand_off.from_node, hand_off.runner_id)
