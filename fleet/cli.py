@@ -64,6 +64,17 @@ NATS_HINT = (
 )
 
 
+HELP_ORDER = (
+    "demo", "up", "worker", "gateway", "nats", "models", "instances", "submit", "follow",
+    "cancel", "images", "trace", "bench", "schemas", "version",
+)
+SETTINGS_HELP = (
+    "Settings (--nats-url URL, --data-dir DIR, --log-level LEVEL, ...) go before or after the "
+    "command, or in FLEET_* environment variables; `fleet COMMAND --help` lists the ones that "
+    "command reads, with their variables and defaults. Start with `fleet demo` or `fleet up`."
+)
+
+
 def fleet_version() -> str:
     try:
         return metadata.version("fleet")
@@ -82,7 +93,9 @@ def add_settings(
     aliases: dict[str, tuple[str, ...]] | None = None, *, top: bool = False,
 ) -> None:
     """Flags for `names`, each stored under the setting's own name. After the command their
-    default is SUPPRESS, so a flag given before the command is not overwritten by absence."""
+    default is SUPPRESS, so a flag given before the command is not overwritten by absence.
+    Before it (`top`) they parse but stay out of `fleet --help`: each command's help lists
+    the ones it reads."""
     group = parser.add_argument_group("settings (before or after the command)")
     taken = set(parser._option_string_actions)
     for name in dict.fromkeys(names):
@@ -90,11 +103,12 @@ def add_settings(
         if not options:
             continue
         default = None if top else argparse.SUPPRESS
+        shown = argparse.SUPPRESS if top else setting_help(name)
         if config.kind_of(name) == "bool":
             group.add_argument(*options, dest=name, action=argparse.BooleanOptionalAction,
-                               default=default, help=setting_help(name))
+                               default=default, help=shown)
         else:
-            group.add_argument(*options, dest=name, default=default, help=setting_help(name),
+            group.add_argument(*options, dest=name, default=default, help=shown,
                                metavar=name.upper().removeprefix("GATEWAY_"))
 
 
@@ -109,13 +123,19 @@ def subcommand_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.Arg
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="fleet", description="A NATS JetStream driven worker fleet for AI models."
+        prog="fleet", usage="fleet [SETTINGS] COMMAND [ARGS]",
+        description="A NATS JetStream driven worker fleet for AI models.", epilog=SETTINGS_HELP,
     )
     parser.add_argument("--version", action="version", version=f"fleet {fleet_version()}")
     add_settings(parser, tuple(config.DESCRIPTIONS), top=True)
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser._positionals.title = "commands"  # listed before the options
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                       prog="fleet")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
+    # Listed as people meet them: starting a stack first, tools last.
+    subparsers._choices_actions.sort(key=lambda action: HELP_ORDER.index(action.dest)
+                                     if action.dest in HELP_ORDER else len(HELP_ORDER))
     for command, sub in subparsers.choices.items():
         names = COMMAND_SETTINGS.get(command, config.GENERAL)
         for each in subcommand_parsers(sub):

@@ -140,6 +140,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "and exit; starts no server")
     p.set_defaults(func=cmd_nats)
 
-    p = subparsers.add_parser("runner", help="internal: a runner subprocess")
+    # Internal (a worker starts runners as `python -m fleet.runner.main`): no help, so
+    # `fleet --help` does not list it among the commands people use.
+    p = subparsers.add_parser("runner", description="internal: a runner subprocess")
     p.add_argument("--spec", required=True, help="RunnerSpec JSON")
     p.set_defaults(func=cmd_runner)

@@ -18,9 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 FLEET = Path(sys.executable).parent / "fleet"
 # The roles and operator verbs of DESIGN.md that exist today (`trace` has yet to land).
 SUBCOMMANDS = {
-    "up", "worker", "gateway", "runner", "nats", "models", "instances", "submit", "follow",
+    "up", "worker", "gateway", "nats", "models", "instances", "submit", "follow",
     "cancel", "images", "schemas", "version",
 }
+HIDDEN = {"runner"}  # internal: parsed, never listed
 
 
 def run_fleet(*args: str) -> subprocess.CompletedProcess[str]:
@@ -32,10 +33,17 @@ def run_fleet(*args: str) -> subprocess.CompletedProcess[str]:
 def test_fleet_help_lists_the_subcommands() -> None:
     result = run_fleet("--help")
     assert result.returncode == 0, result.stderr
-    listed = set(re.findall(r"^    (\S+)", result.stdout, flags=re.MULTILINE))
-    assert listed >= SUBCOMMANDS, f"missing: {SUBCOMMANDS - listed}"
+    listed = re.findall(r"^    (\S+)", result.stdout, flags=re.MULTILINE)
+    assert set(listed) >= SUBCOMMANDS, f"missing: {SUBCOMMANDS - set(listed)}"
+    assert not HIDDEN & set(listed)
+    assert listed[:2] == ["demo", "up"]  # how people start
+    # Commands first, then one paragraph on settings (each command's --help lists its own).
+    assert result.stdout.index("commands:") < result.stdout.index("Settings (")
+    assert len(result.stdout.splitlines()) < 40, result.stdout
     for flag in ("--nats-url", "--data-dir", "--log-level"):
         assert flag in result.stdout
+    assert run_fleet("--log-level", "warning", "version").returncode == 0  # still taken here
+    assert run_fleet("runner", "--help").returncode == 0
 
 
 def verbs_of(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
@@ -61,7 +69,7 @@ def test_every_subcommand_has_help_text_and_a_handler() -> None:
     commands = verbs_of(build_parser())
     assert commands is not None
     helps = {choice.dest: choice.help for choice in commands._choices_actions}
-    assert [name for name in commands.choices if not helps.get(name)] == []
+    assert [name for name in commands.choices if not helps.get(name)] == sorted(HIDDEN)
     assert without_handler(build_parser(), "fleet") == []
 
 
