@@ -42,6 +42,7 @@ from nats.aio.client import Client
 from nats.nuid import NUID
 
 from fleet.bus.chunks import publish_chunks, read_in_order
+from fleet.bus.denials import refused_by_permission
 from fleet.bus.object_info import (
     DIGEST_PREFIX,
     ObjectInfo,
@@ -55,6 +56,7 @@ from fleet.errors import (
     BrokerUnavailable,
     BucketMissing,
     ImageCorrupt,
+    NotPermitted,
     ObjectCorrupt,
     ObjectError,
     ObjectExists,
@@ -263,12 +265,17 @@ class ObjectBucket:
         chunk_size = min(MAX_CHUNK, self.nc.max_payload)
         try:
             with translated_errors(self.bucket, name), _pieces(source, chunk_size) as pieces:
-                written = await publish_chunks(self.nc, subject, pieces, self.timeout)
+                # A role that may not write the store (a `client`) hears so at once
+                # (NotPermitted), rather than wait out the acks and the broker budget.
+                written = await refused_by_permission(
+                    lambda: publish_chunks(self.nc, subject, pieces, self.timeout), subject)
             if expected_sha256 is not None and written.sha256 != expected_sha256:
                 raise ObjectCorrupt(
                     f"{name}: the bytes uploaded do not hash to the name (misnamed, or changed "
                     "while being uploaded)"
                 )
+        except NotPermitted:
+            raise  # its chunks were refused, none stored: nothing to purge (nor may it)
         except BaseException:
             with contextlib.suppress(Exception):
                 await self.js.purge_stream(self.stream, subject=subject)

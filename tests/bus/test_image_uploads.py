@@ -16,10 +16,12 @@ import pytest
 from nats.aio.client import Client
 
 from fleet.aio import Supervisor
+from fleet.bus import denials
+from fleet.bus.connect import ConnectOptions, connect
 from fleet.bus.objects import ObjectBucket
 from fleet.bus.provision import provision
 from fleet.bus.uploads import upload_image
-from fleet.errors import PayloadTooLarge
+from fleet.errors import NotPermitted, PayloadTooLarge
 from fleet.wire.uploads import IMAGE_UPLOAD, SHA256_HEADER
 from fleet.worker.uploads import ImageUploads, refusal
 from tests.secured import PASSWORDS, shipped_auth_server
@@ -160,3 +162,17 @@ async def test_an_upload_is_answered_only_on_an_inbox(secured_url: str, worker: 
         await client.close()
         await admin.close()
 
+
+
+async def test_a_client_writing_the_store_itself_is_refused_at_once(secured_url: str) -> None:
+    """`fleet images put` with client credentials and no worker falls back to writing the
+    chunks: the server refuses, and the caller hears it at once, not after the retry budget."""
+    nc = await connect(secured_url, "test-client", inbox_owner="client",
+                       options=ConnectOptions(user="client", password=PASSWORDS["client"]))
+    try:
+        async with asyncio.timeout(5):
+            with pytest.raises(NotPermitted, match="(?i)fleet_images"):
+                await ObjectBucket(nc).put_by_hash(b"written by a client itself")
+    finally:
+        await nc.close()
+        denials.forget_permission_errors()
