@@ -24,6 +24,7 @@ import contextlib
 import logging
 import secrets
 from dataclasses import dataclass
+from enum import StrEnum
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -129,6 +130,23 @@ def generated_tokens(events: list[OutputEvent]) -> tuple[int, ...]:
 
 
 NOT_CONTINUED = Continue((), 0)
+
+
+class CrashFate(StrEnum):
+    """What becomes of a task in flight on a runner that exited."""
+
+    ENDING = "ending"  # its terminal came and waits behind an image upload: it still ends so
+    READ_BACK = "read_back"  # its message is held here: read back what it streamed, and decide
+    CRASHED = "crashed"  # it ends runner_crashed now
+
+
+def crash_fate(*, terminal_waiting: bool, held_for_continuation: bool) -> CrashFate:
+    """Pure. A terminal already reported wins over a continuation: restarting a task whose
+    runner had finished it would run it on while its old terminal acks it, once its images
+    are stored (the race issue 27 suspected)."""
+    if terminal_waiting:
+        return CrashFate.ENDING
+    return CrashFate.READ_BACK if held_for_continuation else CrashFate.CRASHED
 
 
 class ContinuationBook:

@@ -95,6 +95,11 @@ class ImageOutputs:
                 ready.append(item)
         return ready
 
+    def ending(self, task_id: str) -> bool:
+        """Whether the task's terminal report already came and waits here behind an upload:
+        the task has ended at its runner, only its images are still on their way."""
+        return any(isinstance(item.report, TaskFinished) for item in self._waiting.get(task_id, ()))
+
     def on_the_way(self, task_id: str) -> frozenset[str]:
         """The images of a task made but not yet announced (uploading, or waiting to), as
         continuation keys ('<image>.<preview>', '<image>.final')."""

@@ -18,7 +18,7 @@ from fleet.wire import pipe
 from fleet.wire.events import ErrorChunk, ErrorReason, OutputEvent, TaskFinished
 from fleet.worker import state as ev
 from fleet.worker.acks import Stage
-from fleet.worker.continuation import Continue, output_began
+from fleet.worker.continuation import Continue, CrashFate, crash_fate, output_began
 from fleet.worker.inbox import CrashJudged, RunnerExited, RunnerReported
 from fleet.worker.state import PendingTask
 from fleet.worker.supervisor import crashed_terminal
@@ -101,10 +101,14 @@ class RunnerReports:
         view = self.state.runners.get(runner_id)
         crashed = self.runners.exited(exited)
         for task_id in sorted(view.in_flight if view else ()):
-            pending = self.intake.book.running.pop(task_id, None)
-            if pending is None:
+            fate = crash_fate(terminal_waiting=self.images.ending(task_id),
+                              held_for_continuation=task_id in self.intake.book.running)
+            if fate is CrashFate.ENDING:
+                continue  # its terminal follows its images (ImageOutputs), then its ack
+            if fate is CrashFate.CRASHED:
                 await self._crashed(task_id, exited)
                 continue
+            pending = self.intake.book.running.pop(task_id)
             self._apply(ev.TaskEnded(task_id))  # off the dead runner; its message stays held
             self.owner.spawn(f"read back {task_id}", self._judge_crash(task_id, exited, pending))
         self._apply(ev.RunnerGone(runner_id, crashed=crashed, at=time.time()))

@@ -16,7 +16,9 @@ from fleet.wire.tasks import ImageGeneration, TextGeneration
 from fleet.worker.continuation import (
     ContinuationBook,
     Continue,
+    CrashFate,
     GiveUp,
+    crash_fate,
     decide,
     generated_tokens,
     with_seed,
@@ -113,3 +115,13 @@ def test_a_first_attempt_without_a_seed_gets_a_fresh_one_fixed() -> None:
     seeds = {with_seed(SAMPLED, None).seed for _ in range(20)}
     assert None not in seeds and len(seeds) == 20
     assert SAMPLED.seed is None  # the held task is not changed
+
+
+@pytest.mark.parametrize(("terminal_waiting", "held", "fate"), [
+    (True, True, CrashFate.ENDING),  # finished at its runner, images uploading: not rerun
+    (True, False, CrashFate.ENDING),
+    (False, True, CrashFate.READ_BACK),
+    (False, False, CrashFate.CRASHED),
+])
+def test_crash_fate(terminal_waiting: bool, held: bool, fate: CrashFate) -> None:
+    assert crash_fate(terminal_waiting=terminal_waiting, held_for_continuation=held) is fate

@@ -61,7 +61,9 @@ async def test_reports_wait_behind_an_upload_and_the_terminal_comes_last() -> No
         assert not images.admit(reported(first))  # its upload starts
         assert not images.admit(reported(token))  # waits behind it
         assert not images.admit(reported(second))
+        assert not images.ending("t")
         assert not images.admit(reported(end))
+        assert images.ending("t")  # its terminal came: a runner exit now must not restart it
         assert not images.admit(reported(end))  # a second terminal (the runner's exit) dropped
         other = TokenChunk(task_id="u", at=0.0, index=0, token_id=1, text="y")
         assert images.admit(reported(other))  # another task's events never wait
