@@ -99,11 +99,16 @@ async def run_worker(settings: Settings, exit_: Exit | None = None) -> int:
 
 @contextlib.asynccontextmanager
 async def stack(
-    settings: Settings, models: list[str], exit_: Exit | None = None
+    settings: Settings, models: list[str], exit_: Exit | None = None, fresh: bool = False
 ) -> AsyncIterator[Settings]:
     """An embedded nats-server (unless a URL is given), a worker, the gateway; `models`
     placed on this node. Yields the settings the roles use. With `exit_`, a stop requested
-    while the stack still starts raises StopRequested after the same clean-up."""
+    while the stack still starts raises StopRequested after the same clean-up. The embedded
+    server keeps its store in the data dir, so the instances placed by an earlier run come
+    back: said at start, or removed first with `fresh`."""
+    if fresh and settings.nats_url is not None:
+        raise InvalidSetting("--fresh clears the instances of the embedded server only; on "
+                             "FLEET_NATS_URL remove them with `fleet instances remove ID`")
     from fleet.gateway.app import listening_socket, serve
     from fleet.worker.main import Worker
 
@@ -137,6 +142,8 @@ async def stack(
         nc = await connect_with(as_role(settings, "operator", secured), "fleet-up")
         try:
             await provision(nc, replicas=settings.replicas)
+            if server is not None:
+                await _restore_or_clear(nc, fresh)
             worker = Worker(as_role(settings, "worker", secured))
             worker_task = asyncio.create_task(worker.run())
             await _first(worker.ready.wait(), worker_task, stopping)
@@ -163,6 +170,23 @@ async def stack(
             server.stop()
         if guard:
             guard.release()
+
+
+async def _restore_or_clear(nc: Client, fresh: bool) -> None:
+    """Before the worker starts: the instances an earlier `fleet up` placed on this data dir
+    are named (they start again), or removed with --fresh."""
+    js = nc.jetstream()
+    earlier = await read_instances(js)
+    if not earlier:
+        return
+    named = ", ".join(f"{i.instance_id} ({i.model})" for i in earlier)
+    if fresh:
+        for instance in earlier:
+            await remove(js, instance.instance_id)
+        log.info("--fresh: removed %d instance(s) placed before: %s", len(earlier), named)
+    else:
+        log.info("restoring %d instance(s) placed before on this data dir: %s; to start "
+                 "without them: fleet up --fresh", len(earlier), named)
 
 
 async def _place_here(nc: Client, settings: Settings, model: str, node_id: str) -> None:
@@ -211,10 +235,12 @@ def settings_with_url(settings: Settings, url: str) -> Settings:
     return replace(settings, nats_url=url)
 
 
-async def run_up(settings: Settings, models: list[str], exit_: Exit | None = None) -> int:
+async def run_up(
+    settings: Settings, models: list[str], exit_: Exit | None = None, fresh: bool = False
+) -> int:
     exit_ = exit_ or Exit().install()
     try:
-        async with stack(settings, models, exit_) as running:
+        async with stack(settings, models, exit_, fresh) as running:
             print(started_text(running), file=sys.stderr, flush=True)
             news = asyncio.create_task(announce_runners(running), name="fleet-up-runners")
             news.add_done_callback(_log_failure)
@@ -314,9 +340,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--models", default="smollm2-135m,tiny-flux2", help="comma-separated ids")
     p.add_argument("--auth", action="store_true", help="run the embedded server secured: "
                    "generate <data>/auth unless there (once there, `fleet up` uses it anyway)")
+    p.add_argument("--fresh", action="store_true", help="start without the instances an "
+                   "earlier `fleet up` placed on this data dir (the embedded server keeps them "
+                   "and they start again otherwise)")
     p.set_defaults(func=lambda a: run_main(lambda exit_: run_up(
         ensure_auth(settings_of(a), a.auth),
-        [m for m in a.models.split(",") if m], exit_,
+        [m for m in a.models.split(",") if m], exit_, a.fresh,
     )))
 
     p = subparsers.add_parser("instances", help="place, list or remove model instances")
