@@ -16,6 +16,7 @@ from nats.aio.client import Client
 
 from fleet.bus.auth_gen import generate, read_env
 from fleet.bus.replies import inbox_prefix
+from fleet.bus.uploads import upload_image
 from fleet.wire.ask import AskAnswer
 from fleet.wire.codec import ASK_REPLY, decode_with
 from fleet.wire.events import TaskFinished
@@ -79,6 +80,10 @@ async def test_fleet_up_serves_chat_and_images_with_each_role_as_itself(
             asked = await client.request("fleet.ask.tiny-llm", b"hi", timeout=120)
             answer = decode_with(ASK_REPLY, asked.data)
             assert isinstance(answer, AskAnswer) and answer.status == "completed", answer
+            # An input image, as a client provides one: a worker stores it (fleet.images.put).
+            upload = b"\x89PNG\r\n\x1a\n an input image"
+            stored = await upload_image(client, upload)
+            assert stored.sha256 == hashlib.sha256(upload).hexdigest()
         finally:
             await client.close()
         assert_clean(up, *up.terminate_and_time())
