@@ -14,7 +14,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fleet.config import Settings, load_settings
+from fleet.config import Settings, settings_of
+from fleet.errors import BucketMissing, FleetError
 from fleet.models.catalog import add_custom_card, all_cards, custom_cards_dir
 from fleet.models.store import can_provide, dir_size, ensure_model, local_model_dir
 from fleet.wire.cluster import ModelCard
@@ -61,19 +62,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    return load_settings({
-        "data_dir": getattr(args, "data_dir", None), "nats_url": getattr(args, "nats_url", None)
-    })
+    return settings_of(args)  # the connection's credentials too, before or after the verb
 
 
 def _on_fleet(settings: Settings, verb: Callable[[FleetModels], Awaitable[int]]) -> int:
     from fleet.bus.connect import connect_with
+    from fleet.bus.provision import provision
     from fleet.bus.weights import FleetModels
 
     async def main() -> int:
         nc = await connect_with(settings, "fleet-models")
         try:
-            return await verb(FleetModels(nc))
+            try:
+                return await verb(FleetModels(nc))
+            except BucketMissing:
+                # A NATS no Fleet process has used yet: make its streams and buckets (as
+                # every Fleet process does at start), or say who can.
+                try:
+                    await provision(nc)
+                except FleetError as exc:
+                    raise FleetError(
+                        f"this NATS has no Fleet buckets yet and they could not be made here "
+                        f"({exc.message}): start `fleet up` or `fleet worker` against it "
+                        "first, or run `fleet nats --provision` as the operator") from None
+                return await verb(FleetModels(nc))
         finally:
             await nc.close()
 
