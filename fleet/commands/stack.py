@@ -328,15 +328,24 @@ def instance_lines(inst: Instance, runners: list[RunnerRecord]) -> str:
     return "\n".join(lines)
 
 
+# An environment variable only (fleet/models/store.py reads it), so said here in words.
+MODEL_SOURCES_HELP = (
+    "FLEET_MODEL_SOURCES (comma-separated; default local,fleet): where this worker may get "
+    "weights it lacks: `local` builds or converts the built-in models here, `fleet` fetches "
+    "what `fleet models add` published to FLEET_WEIGHTS. `fleet` alone: fetch only."
+)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("worker", help="run the node agent")
+    p = subparsers.add_parser("worker", help="run the node agent", epilog=MODEL_SOURCES_HELP)
     # run_main: signals stop it within its grace in every state, and it exits without
     # native teardown (see fleet.proc).
     p.set_defaults(func=lambda a: run_main(lambda exit_: run_worker(
         settings_of(a), exit_
     )))
 
-    p = subparsers.add_parser("up", help="embedded NATS + worker + gateway on this machine")
+    p = subparsers.add_parser("up", help="embedded NATS + worker + gateway on this machine",
+                              epilog=MODEL_SOURCES_HELP)
     p.add_argument("--models", default="smollm2-135m,tiny-flux2", help="comma-separated ids")
     p.add_argument("--auth", action="store_true", help="run the embedded server secured: "
                    "generate <data>/auth unless there (once there, `fleet up` uses it anyway)")

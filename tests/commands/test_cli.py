@@ -46,6 +46,12 @@ def test_fleet_help_lists_the_subcommands() -> None:
     assert run_fleet("runner", "--help").returncode == 0
 
 
+def test_worker_help_names_the_model_sources_variable() -> None:
+    result = run_fleet("worker", "--help")
+    assert result.returncode == 0 and "FLEET_MODEL_SOURCES" in result.stdout
+    assert "local,fleet" in result.stdout
+
+
 def verbs_of(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
     return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
 
