@@ -11,7 +11,9 @@ holds a task's tokens briefly and sends them as one TokenChunk (`token_ids`, joi
   first, so the task's events keep their order and a terminal never waits;
 - after an engine step, tokens stay held only when the next step, expected to take as long as
   this one, would still end inside the window: a model that steps slower than the window (a
-  CPU model, ~10-60 ms a step) sends every token at once, as before.
+  CPU model, ~10-60 ms a step) sends every token at once, as before. The step's time is the
+  engine's: time spent writing reports (blocked on a full pipe while the worker catches up)
+  does not count, so a worker that falls behind gets fuller events, not more of them.
 
 A flusher thread enforces the window when a step runs long (a prefill joining the batch).
 `flush_due` is the rule, a pure function; `TokenCoalescer` applies it to the runner's reports.
@@ -75,8 +77,16 @@ class TokenCoalescer:
         self._started: set[str] = set()  # tasks whose first token went out
         self._lock = threading.Condition()
         self._closed = False
+        self._reporting_s = 0.0  # time the main thread spent in here since the last step
 
     def __call__(self, report: RunnerReport) -> None:
+        began = time.perf_counter()
+        try:
+            self._report(report)
+        finally:
+            self._reporting_s += time.perf_counter() - began
+
+    def _report(self, report: RunnerReport) -> None:
         with self._lock:
             if isinstance(report, TokenChunk) and coalescable(report):
                 self._hold(report)
@@ -102,9 +112,11 @@ class TokenCoalescer:
             self._send(chunk.task_id)
 
     def step_ended(self, step_s: float) -> None:
-        """After an engine step: send what the next step would make too old."""
+        """After an engine step of `step_s` seconds (reporting included): send what the
+        next one, as long as this one's engine time, would make too old."""
+        engine_s, self._reporting_s = max(0.0, step_s - self._reporting_s), 0.0
         with self._lock:
-            self._send_due(step_s)
+            self._send_due(engine_s)
 
     def _send_due(self, next_step_s: float) -> None:
         now = self._clock()

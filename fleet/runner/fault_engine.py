@@ -134,7 +134,8 @@ class FaultEngine:
     def step(self) -> list[OutputEvent]:
         if not self._runs:
             return []
-        self._sleep(max(run.knobs.delay_ms for run in self._runs.values()) / 1000)
+        if delay_ms := max(run.knobs.delay_ms for run in self._runs.values()):
+            self._sleep(delay_ms / 1000)  # (a sleep of 0 is a syscall a step, at full rate)
         self._wait_for_paced()
         with self._lock:
             cancelled = self._cancelled & self._runs.keys()

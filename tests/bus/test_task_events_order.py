@@ -32,6 +32,12 @@ def tok(index: int) -> TokenChunk:
     return TokenChunk(task_id=T, at=0.0, index=index, token_id=index, text=f"<{index}>")
 
 
+def toks(first: int, count: int) -> TokenChunk:
+    """One event carrying `count` tokens from index `first` (a runner's coalesced tokens)."""
+    return TokenChunk(task_id=T, at=0.0, index=first, token_id=first, text=f"<{first}+>",
+                      token_ids=list(range(first, first + count)))
+
+
 def call(index: int) -> ToolCallChunk:
     return ToolCallChunk(task_id=T, at=0.0, index=index, id=f"c{index}", name="f", arguments="{}")
 
@@ -67,6 +73,11 @@ def label(event: OutputEvent) -> str:
     ([call(1), tok(0), call(0), DONE], ["t0", "c0", "c1", "task_finished"]),
     # events without an index go out as they come, even while a token waits
     ([tok(1), ACCEPTED, tok(0), DONE], ["task_accepted", "t0", "t1", "task_finished"]),
+    # an event of several tokens covers their indexes: the next one's turn is after them
+    ([tok(0), toks(1, 3), toks(4, 2), tok(6), DONE], ["t0", "t1", "t4", "t6", "task_finished"]),
+    # ... also when it arrives after them, and a stored copy is read once
+    ([tok(0), toks(4, 2), toks(1, 3), toks(1, 3), tok(6), DONE],
+     ["t0", "t1", "t4", "t6", "task_finished"]),
 ])
 def test_index_order(stored: list[OutputEvent], read: list[str]) -> None:
     order: IndexOrder[OutputEvent] = IndexOrder()

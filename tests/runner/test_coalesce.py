@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -120,3 +121,19 @@ def test_the_flusher_sends_a_token_held_past_the_window_during_a_long_step() -> 
         coalescer.close()
         flusher.join(5.0)
     assert not flusher.is_alive()
+
+
+def test_time_spent_reporting_is_not_engine_time() -> None:
+    """A step slowed by a blocked pipe (the worker behind) keeps tokens for fuller events."""
+    clock = Clock()
+    sent: list[RunnerReport] = []
+
+    def slow_write(report: RunnerReport) -> None:
+        sent.append(report)
+        time.sleep(0.02)  # a full pipe: the write blocks
+
+    coalescer = TokenCoalescer(slow_write, clock=clock)
+    coalescer(token("a", 0))  # the first token: written at once, slowly
+    coalescer(token("a", 1))
+    coalescer.step_ended(0.021)  # almost all of it was the write
+    assert [e.index for e in sent if isinstance(e, TokenChunk)] == [0]
