@@ -1,5 +1,6 @@
 """`fleet up` tells the operator when each runner is ready (or failed), and how a model's
-download from the fleet goes (a bar every 10%), from FLEET_RUNNERS."""
+download from the fleet goes (a bar every 10%), from FLEET_RUNNERS; a standalone `fleet
+worker` tells the same of its own node's runners."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def status_text(status: RunnerStatus) -> str:
     return status.state
 
 
-def runner_news(record: RunnerRecord, told: dict[str, str]) -> str | None:
+def runner_news(record: RunnerRecord, told: dict[str, str], who: str = "fleet up") -> str | None:
     """A line when `record` moves its runner into a state not told yet; `told` (runner id →
     last state told) is updated. `running` counts as ready: a runner busy at once is ready.
     A download gets a line at its start and then every PROGRESS_STEP percent."""
@@ -52,7 +53,7 @@ def runner_news(record: RunnerRecord, told: dict[str, str]) -> str | None:
         if told.get(record.runner_id) == key:
             return None
         told[record.runner_id] = key
-        return (f"fleet up: node {record.node_id} fetching {record.model} from the fleet "
+        return (f"{who}: node {record.node_id} fetching {record.model} from the fleet "
                 f"{progress_bar(status.bytes_done, total)}")
     state = "ready" if status.state == "running" else status.state
     if state not in NEWS or told.get(record.runner_id) == state:
@@ -60,12 +61,16 @@ def runner_news(record: RunnerRecord, told: dict[str, str]) -> str | None:
     told[record.runner_id] = state
     where = f"runner {record.runner_id} for {record.model} on node {record.node_id}"
     if state == "failed":
-        return f"fleet up: {where} failed: {getattr(record.status, 'error', '')}"
-    return f"fleet up: {where} is ready"
+        return f"{who}: {where} failed: {getattr(record.status, 'error', '')}"
+    return f"{who}: {where} is ready"
 
 
-async def announce_runners(settings: Settings, out: TextIO = sys.stderr) -> None:
-    """Print runner news until cancelled (the owner cancels it when the stack stops)."""
+async def announce_runners(
+    settings: Settings, out: TextIO = sys.stderr, node_id: str | None = None,
+    who: str = "fleet up",
+) -> None:
+    """Print runner news (of one node's runners, with `node_id`) until cancelled (the owner
+    cancels it when the stack stops)."""
     nc = await connect_with(settings, "fleet-up-runners")
     try:
         kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
@@ -79,7 +84,9 @@ async def announce_runners(settings: Settings, out: TextIO = sys.stderr) -> None
             except DecodeError as exc:
                 log.warning("FLEET_RUNNERS %s: %s", entry.key, exc)
                 continue
-            if line := runner_news(record, told):
+            if node_id is not None and record.node_id != node_id:
+                continue
+            if line := runner_news(record, told, who):
                 print(line, file=out, flush=True)
     finally:
         await nc.close()

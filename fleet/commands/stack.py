@@ -90,11 +90,22 @@ async def run_worker(settings: Settings, exit_: Exit | None = None) -> int:
     quiet_builders()
     worker = Worker(settings)
     task = asyncio.create_task(worker.run())
+    news = asyncio.create_task(_worker_news(worker, settings), name="fleet-worker-runners")
+    news.add_done_callback(_log_failure)
     try:
         await wait_for_signal(exit_, task)
     finally:
+        news.cancel()
+        await asyncio.gather(news, return_exceptions=True)
         await stop_worker(worker, task)
     return 0
+
+
+async def _worker_news(worker: Worker, settings: Settings) -> None:
+    """A standalone worker's console says what `fleet up`'s does of its runners: fetches
+    and ready (or failed) runners, this node's only."""
+    await worker.ready.wait()
+    await announce_runners(settings, node_id=worker.cluster.node_id, who="fleet worker")
 
 
 @contextlib.asynccontextmanager
