@@ -59,6 +59,7 @@ from tests.integration.harness import (
     submit,
     wait_node,
 )
+from tests.integration.killing import kill_mid_task
 
 SAMPLERS: dict[str, dict[str, Any]] = {
     "greedy": {},
@@ -152,8 +153,12 @@ async def test_an_image_task_whose_worker_dies_between_steps_ends_with_the_same_
 ) -> None:
     model = "tiny-flux2"
     nc = await client(nats_url)
-    first = start_worker("a", models={model: tiny_flux2_dir}, **ENV)
-    await place_on(nc, get_card(model), await wait_node(nc, first.data_dir))
+
+    async def start(name: str) -> tuple[WorkerProcess, str]:
+        worker = start_worker(name, models={model: tiny_flux2_dir}, **ENV)
+        node = await wait_node(nc, worker.data_dir)
+        await place_on(nc, get_card(model), node)
+        return worker, node
 
     def draw(task_id: str) -> ImageGeneration:
         return ImageGeneration(
@@ -161,17 +166,11 @@ async def test_an_image_task_whose_worker_dies_between_steps_ends_with_the_same_
             seed=7, partial_images=4,
         )
 
-    reference = await run_whole(nc, draw("ref-image"))
-    live = Live()
-    await nc.subscribe("fleet.out.>", cb=live.on_msg)
-    await submit(nc, draw("restarted-image"))
-    await live.until(lambda: any(
-        isinstance(e, ImageChunk) for _, e in live.events.get("restarted-image", [])
-    ), 120)
-    first.kill()  # between steps: a preview is out, the final is not
-    second = start_worker("b", models={model: tiny_flux2_dir}, **ENV)
-    await place_on(nc, get_card(model), await wait_node(nc, second.data_dir))
-    events = await events_of(nc, "restarted-image")
+    # Killed between steps: a preview is out, the final is not.
+    killed = await kill_mid_task(
+        nc, draw("restarted-image"), start, lambda e: isinstance(e, ImageChunk))
+    reference = await run_whole(nc, draw("ref-image"))  # the second worker, not killed
+    events = killed.events
     assert finished_of(events).status == "completed"
     images = [e for e in events if isinstance(e, ImageChunk)]
     keys = [(e.image_index, e.partial_index) for e in images]

@@ -20,15 +20,9 @@ from fleet.bus.provision import provision
 from fleet.bus.replies import inbox_prefix
 from fleet.wire.events import TaskAccepted, TokenChunk, token_indexes
 from fleet.wire.tasks import ChatMessage, TextGeneration
-from tests.integration.continuing import ENV, Live, finished_of, place_on
-from tests.integration.harness import (
-    WorkerProcess,
-    add_fault_card,
-    events_of,
-    seed_models,
-    submit,
-    wait_node,
-)
+from tests.integration.continuing import ENV, finished_of, place_on
+from tests.integration.harness import WorkerProcess, add_fault_card, seed_models, wait_node
+from tests.integration.killing import kill_mid_task, tokens_past
 from tests.secured import PASSWORDS, shipped_auth_server
 
 TOKENS = 40
@@ -68,24 +62,18 @@ async def test_a_task_is_continued_by_a_worker_connected_as_the_worker_role(
         return worker, node
 
     try:
-        live = Live()
-        await user.subscribe("fleet.out.secured-cont", cb=live.on_msg)
-        first, _ = await start("a")
-        await submit(user, TextGeneration(
+        task = TextGeneration(
             task_id="secured-cont", model="fault-llm", max_tokens=1000,
             messages=[ChatMessage(role="user", content=f"tokens:{TOKENS} delay_ms:100")],
-        ))
-        await live.until(lambda: live.tokens("secured-cont") >= 3, 60)
-        first.kill()
-        _, second_node = await start("b")
-        events = await events_of(user, "secured-cont")
-        result = finished_of(events)
+        )
+        killed = await kill_mid_task(user, task, start, tokens_past(2))
+        result = finished_of(killed.events)
         assert result.status == "completed", (result.reason, result.message)
-        tokens = [e for e in events if isinstance(e, TokenChunk)]
+        tokens = [e for e in killed.events if isinstance(e, TokenChunk)]
         assert sorted(set(token_indexes(tokens))) == list(range(TOKENS))
-        accepted = [e for e in events if isinstance(e, TaskAccepted)]
-        assert accepted[-1].node_id == second_node and accepted[-1].continued_from > 0
-        log = workers[1].log()
+        accepted = [e for e in killed.events if isinstance(e, TaskAccepted)]
+        assert accepted[-1].node_id == killed.second_node and accepted[-1].continued_from > 0
+        log = killed.second.log()
         assert "permission denied" not in log, log[-2000:]
     finally:
         for worker in workers:

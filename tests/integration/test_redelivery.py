@@ -6,27 +6,14 @@ redelivery handling, not a model.
 
 from __future__ import annotations
 
-import asyncio
-from functools import partial
-
-from nats.aio.msg import Msg
-
 from fleet.wire import subjects
 from fleet.wire.events import ErrorReason, TaskAccepted, TokenChunk, token_indexes
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
-from tests.integration.harness import (
-    add_fault_card,
-    client,
-    events_of,
-    finished,
-    place_and_wait,
-    submit,
-    until_queue_empty,
-    wait_node,
-)
+from tests.integration.harness import client, finished, until_queue_empty
+from tests.integration.killing import accepted, fault_workers, kill_mid_task, tokens_past
 
-FAST_REDELIVERY = {"FLEET_ACK_WAIT_S": "2"}
+FAST = {"FLEET_ACK_WAIT_S": "2"}  # the dead worker's task is redelivered 2 s on
 
 
 def fault_task(task_id: str, knobs: str) -> TextGeneration:
@@ -36,39 +23,15 @@ def fault_task(task_id: str, knobs: str) -> TextGeneration:
     )
 
 
-async def _on_type(kind: str, event: asyncio.Event, msg: Msg) -> None:
-    if f'"type":"{kind}"'.encode() in msg.data:
-        event.set()
-
-
-async def _first(nc: object, task_id: str, kind: str) -> asyncio.Event:
-    seen = asyncio.Event()
-    await nc.subscribe(subjects.out(task_id), cb=partial(_on_type, kind, seen))  # type: ignore[attr-defined]
-    return seen
-
-
 async def test_worker_killed_before_output_lets_a_second_worker_complete_the_task(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
-    first = start_worker("a", **FAST_REDELIVERY)
-    card = add_fault_card(first.data_dir)
     nc = await client(nats_url)
-    await place_and_wait(nc, card, await wait_node(nc, first.data_dir))
-    task = fault_task("survives", "tokens:3 delay_ms:4000")
-    accepted = await _first(nc, task.task_id, "task_accepted")
-    collector = asyncio.create_task(events_of(nc, task.task_id))
-    await submit(nc, task)
-    await asyncio.wait_for(accepted.wait(), 30)
-    first.kill()  # before its first token (4 s away)
-
-    second = start_worker("b", **FAST_REDELIVERY)
-    add_fault_card(second.data_dir)
-    await place_and_wait(nc, card, await wait_node(nc, second.data_dir))
-    events = await collector
-    assert finished(events).status == "completed"
-    tokens = token_indexes(events)
-    assert tokens == [0, 1, 2]  # never twice
-    deliveries = [e.delivery for e in events if isinstance(e, TaskAccepted)]
+    task = fault_task("survives", "tokens:3 delay_ms:4000")  # its first token 4 s away
+    killed = await kill_mid_task(nc, task, fault_workers(nc, start_worker, **FAST), accepted)
+    assert finished(killed.events).status == "completed"
+    assert token_indexes(killed.events) == [0, 1, 2]  # never twice
+    deliveries = [e.delivery for e in killed.events if isinstance(e, TaskAccepted)]
     assert deliveries[0] == 1 and deliveries[-1] >= 2
     await nc.close()
 
@@ -76,23 +39,14 @@ async def test_worker_killed_before_output_lets_a_second_worker_complete_the_tas
 async def test_worker_killed_after_output_started_ends_the_task_worker_lost_past_its_limit(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
-    first = start_worker("a", **FAST_REDELIVERY)
-    card = add_fault_card(first.data_dir)
     nc = await client(nats_url)
-    await place_and_wait(nc, card, await wait_node(nc, first.data_dir))
     task = fault_task("half-done", "tokens:200 delay_ms:200").model_copy(
         update={"max_continuations": 0}
     )
-    token = await _first(nc, task.task_id, "token")
-    collector = asyncio.create_task(events_of(nc, task.task_id))
-    await submit(nc, task)
-    await asyncio.wait_for(token.wait(), 30)
-    first.kill()
-
-    second = start_worker("b", **FAST_REDELIVERY)
-    add_fault_card(second.data_dir)
-    await place_and_wait(nc, card, await wait_node(nc, second.data_dir))
-    result = finished(await collector)
+    killed = await kill_mid_task(
+        nc, task, fault_workers(nc, start_worker, **FAST), tokens_past(0)
+    )
+    result = finished(killed.events)
     assert result.status == "failed" and result.reason is ErrorReason.WORKER_LOST
     await nc.close()
 
@@ -100,52 +54,31 @@ async def test_worker_killed_after_output_started_ends_the_task_worker_lost_past
 async def test_worker_killed_after_output_started_is_continued_from_the_next_token(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
-    first = start_worker("a", **FAST_REDELIVERY)
-    card = add_fault_card(first.data_dir)
     nc = await client(nats_url)
-    await place_and_wait(nc, card, await wait_node(nc, first.data_dir))
     task = fault_task("continued", "tokens:12 delay_ms:300")
-    token = await _first(nc, task.task_id, "token")
-    collector = asyncio.create_task(events_of(nc, task.task_id))
-    await submit(nc, task)
-    await asyncio.wait_for(token.wait(), 30)
-    first.kill()
-
-    second = start_worker("b", **FAST_REDELIVERY)
-    add_fault_card(second.data_dir)
-    await place_and_wait(nc, card, await wait_node(nc, second.data_dir))
-    events = await collector
-    result = finished(events)
+    killed = await kill_mid_task(
+        nc, task, fault_workers(nc, start_worker, **FAST), tokens_past(0)
+    )
+    result = finished(killed.events)
     assert result.status == "completed" and result.usage is not None
-    tokens = [e for e in events if isinstance(e, TokenChunk)]
+    tokens = [e for e in killed.events if isinstance(e, TokenChunk)]
     assert token_indexes(tokens) == list(range(12))  # no index repeated, none missing
     assert "".join(t.text for t in tokens) == "".join(f" t{i}" for i in range(12))
     assert result.usage.completion_tokens == 12
-    accepted = [e for e in events if isinstance(e, TaskAccepted)]
-    assert accepted[0].continued_from == 0 and accepted[-1].continued_from > 0
+    accepted_at = [e.continued_from for e in killed.events if isinstance(e, TaskAccepted)]
+    assert accepted_at[0] == 0 and accepted_at[-1] > 0
     await nc.close()
 
 
 async def test_a_task_past_max_deliver_is_dead_lettered_and_finished_failed(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
-    env = {**FAST_REDELIVERY, "FLEET_MAX_DELIVER": "1"}
-    first = start_worker("a", **env)
-    card = add_fault_card(first.data_dir)
     nc = await client(nats_url)
-    await place_and_wait(nc, card, await wait_node(nc, first.data_dir))
-    task = fault_task("doomed", "tokens:3 delay_ms:5000")
-    accepted = await _first(nc, task.task_id, "task_accepted")
-    collector = asyncio.create_task(events_of(nc, task.task_id))
-    await submit(nc, task)
-    await asyncio.wait_for(accepted.wait(), 30)
-    first.kill()
-    second = start_worker("b", **env)
-    add_fault_card(second.data_dir)
-    # The server checks MaxDeliver when it would redeliver, i.e. when someone pulls again.
-    await place_and_wait(nc, card, await wait_node(nc, second.data_dir))
-
-    result = finished(await collector)
+    # The server checks MaxDeliver when it would redeliver, i.e. when the second worker pulls.
+    workers = fault_workers(nc, start_worker, **FAST, FLEET_MAX_DELIVER="1")
+    killed = await kill_mid_task(nc, fault_task("doomed", "tokens:3 delay_ms:5000"), workers,
+                                 accepted)
+    result = finished(killed.events)
     assert result.status == "failed" and result.reason is ErrorReason.MAX_DELIVERIES
     js = nc.jetstream()
     dead = await js.get_last_msg(subjects.DEAD_LETTERS_STREAM, subjects.dead_letter("fault-llm"))
