@@ -161,7 +161,7 @@ def test_nats_cli_task_example_decodes_as_a_task() -> None:
 
 def test_the_readmes_nats_pub_commands_decode() -> None:
     readme = (REPO / "README.md").read_text()
-    published = dict(re.findall(r"nats pub (\S+) '(\{.*?\})'", readme))
+    published = dict(re.findall(r"nats pub (?:-J )?(\S+) '(\{.*?\})'", readme))
     task = codec.decode_task(published["fleet.tasks.smollm2-135m"].encode())
     assert task == NATS_CLI_TASK
     cancel = codec.decode_model(tasks.CancelTask, published["fleet.cancel.hello-1"].encode())
