@@ -177,6 +177,9 @@ GRANTS: dict[str, Grant] = {
             # The per-model durable is made when a model is placed, so a worker may create
             # (or update) consumers on FLEET_TASKS; it may not delete them.
             _api("CONSUMER", "CREATE", TASKS, ">"), _api("CONSUMER", "INFO", TASKS, "*"),
+            # A restored durable is reset to the tasks passed over while it was changed
+            # (fleet/worker/consumer_guard.py); moving a position deletes nothing.
+            _api("CONSUMER", "RESET", TASKS, "*"),
             _api("CONSUMER", "MSG", "NEXT", TASKS, "*"), _api("CONSUMER", "LIST", TASKS),
             _api("CONSUMER", "NAMES", TASKS),
             _api("STREAM", "MSG", "GET", TASKS), _api("STREAM", "MSG", "DELETE", TASKS),
@@ -243,6 +246,9 @@ ACTIONS: tuple[Action, ...] = (
            _who("worker")),
     Action("create_task_consumer", "create a consumer on FLEET_TASKS", _who("worker"),
            "models are placed at run time; the worker makes the model's durable then"),
+    Action("reset_task_consumer", "reset a FLEET_TASKS durable's position (`CONSUMER.RESET`)",
+           _who("worker"), "a worker that restores a changed durable delivers the tasks "
+           "passed over meanwhile (fleet/worker/consumer_guard.py)"),
     Action("task_consumer_info", "read FLEET_TASKS consumer info (queue metrics)",
            _who("gateway", "worker")),
     Action("delete_task_consumer", "delete a FLEET_TASKS consumer (halts a model)", _who()),

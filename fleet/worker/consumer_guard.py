@@ -53,6 +53,13 @@ def consumer_drift(
     return drift
 
 
+def skipped_tasks(stored: int, pending: int, ack_pending: int) -> int:
+    """Messages of a model's subject its durable will never deliver: in a work queue a
+    message stays until acked, so whatever the stream holds beyond what the consumer still
+    owes or awaits was passed over. Pure."""
+    return max(0, stored - pending - ack_pending)
+
+
 class Puller(Protocol):
     subs: dict[str, Any]
 
@@ -98,6 +105,7 @@ class ConsumerGuard:
         if "error" not in restored and not left:
             log.error("consumer %s was changed (%s): restored; a NATS user with worker or "
                       "operator credentials did it", name, "; ".join(drift))
+            await self._deliver_skipped(model, name)
             self._count(model, "restored")
             return "restored"
         why = restored.get("error", {}).get("description") or "; ".join(left)
@@ -107,6 +115,38 @@ class ConsumerGuard:
         await self.puller.stop_pulling(model, f"consumer {name} changed: {why}")
         self._count(model, "stopped")
         return "stopped"
+
+    async def _deliver_skipped(self, model: str, name: str) -> None:
+        """Tasks published while the filter pointed elsewhere were passed over: the consumer's
+        position moved beyond them, and a restored filter does not move it back. Counted as
+        what the stream holds on the model's subject beyond what the consumer still owes
+        (pending) or awaits (ack pending); then the consumer is reset to the first task after
+        its last delivery, which delivers them. A reset counts the deliveries below it as
+        acknowledged: their holders still ack them (which removes them), but should a holder
+        die, the server no longer redelivers its task: said in the log."""
+        subject, stream = subjects.tasks(model), subjects.TASKS_STREAM
+        info = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
+        held = await jetstream_api(self.nc, f"STREAM.INFO.{stream}", {"subjects_filter": subject})
+        stored = (held.get("state", {}).get("subjects") or {}).get(subject, 0)
+        skipped = skipped_tasks(stored, info.get("num_pending", 0), info.get("num_ack_pending", 0))
+        if not skipped:
+            return
+        after = info.get("delivered", {}).get("stream_seq", 0) + 1
+        first = await jetstream_api(self.nc, f"STREAM.MSG.GET.{stream}",
+                                    {"seq": after, "next_by_subj": subject})
+        seq = first.get("message", {}).get("seq")
+        if seq is None:
+            return
+        reset = await jetstream_api(self.nc, f"CONSUMER.RESET.{stream}.{name}", {"seq": seq})
+        if "error" in reset:
+            log.error("consumer %s: %d task(s) passed over while it was changed stay queued: "
+                      "the reset was refused (%s)", name, skipped,
+                      reset["error"].get("description"))
+            return
+        log.error("consumer %s: %d task(s) passed over while it was changed are delivered "
+                  "again (reset to stream sequence %d)%s", name, skipped, seq,
+                  f"; {info['num_ack_pending']} task(s) in flight are no longer redelivered "
+                  "should their worker die" if info.get("num_ack_pending") else "")
 
     def _count(self, model: str, outcome: str) -> None:
         if self.repairs is not None:

@@ -240,6 +240,8 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "create_task_consumer": _create_task_consumer,
     "task_consumer_info": lambda p: p.js.consumer_info("FLEET_TASKS", f"tasks-{MODEL}"),
     "delete_task_consumer": _delete_task_consumer,
+    "reset_task_consumer": lambda p: p.request(
+        f"$JS.API.CONSUMER.RESET.FLEET_TASKS.{VICTIM}", {"seq": 1}),
     "delete_out_consumer": _delete_out_consumer,
     "stream_info": lambda p: p.js.stream_info("KV_FLEET_NODES"),
     "create_stream": _create_stream,

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -15,7 +16,20 @@ import pytest
 from nats.aio.client import Client
 
 from fleet.bus.provision import consumer_definition, ensure_task_consumer, provision
-from fleet.worker.consumer_guard import SETTINGS, ConsumerGuard, consumer_drift
+from fleet.worker.consumer_guard import (
+    SETTINGS,
+    ConsumerGuard,
+    consumer_drift,
+    skipped_tasks,
+)
+from tests.integration.harness import (
+    WorkerProcess,
+    add_fault_card,
+    finished,
+    hello,
+    run_task,
+    serving,
+)
 from tests.secured import PASSWORDS, shipped_auth_server
 
 MODEL = "guarded"
@@ -39,6 +53,13 @@ WANTED = consumer_definition(MODEL, 5, 30.0)
 def test_consumer_drift(change: dict[str, Any], drifted: list[str]) -> None:
     lines = consumer_drift(WANTED, {**WANTED, **change})
     assert [line.split(":")[0] for line in lines] == drifted
+
+
+@pytest.mark.parametrize(("stored", "pending", "ack_pending", "skipped"), [
+    (0, 0, 0, 0), (3, 3, 0, 0), (3, 1, 2, 0), (3, 0, 1, 2), (1, 0, 0, 1), (2, 5, 0, 0),
+])
+def test_skipped_tasks(stored: int, pending: int, ack_pending: int, skipped: int) -> None:
+    assert skipped_tasks(stored, pending, ack_pending) == skipped
 
 
 def test_a_binding_worker_leaves_its_settings_to_the_conflict_check() -> None:
@@ -106,15 +127,20 @@ async def test_a_changed_filter_is_restored_and_tasks_flow_again(
         **WANTED, "filter_subject": "fleet.tasks.nothing-here", "max_ack_pending": 1})
     assert "error" not in halted  # the attack of issue 31 goes through the worker grant
 
+    sub = await honest.jetstream().pull_subscribe_bind(f"tasks-{MODEL}", stream="FLEET_TASKS")
+    with pytest.raises(TimeoutError):  # halted: the task is passed over
+        await honest.jetstream().publish(f"fleet.tasks.{MODEL}", b"while changed")
+        await sub.fetch(1, timeout=1)
+
     guard = ConsumerGuard(honest, StoppedPulls(), 5, 30.0)
     with caplog.at_level(logging.ERROR, logger="fleet.worker.consumer_guard"):
         assert await guard.check(MODEL) == "restored"
     assert "filter_subject: 'fleet.tasks.nothing-here'" in caplog.text
+    assert "1 task(s) passed over" in caplog.text
 
     assert consumer_drift(WANTED, await _config(honest, f"tasks-{MODEL}")) == []
-    await honest.jetstream().publish(f"fleet.tasks.{MODEL}", b"{}")
-    sub = await honest.jetstream().pull_subscribe_bind(f"tasks-{MODEL}", stream="FLEET_TASKS")
-    [msg] = await sub.fetch(1, timeout=5)
+    [msg] = await sub.fetch(1, timeout=5)  # the passed-over task is delivered after all
+    assert msg.data == b"while changed"
     await msg.term()
     assert await guard.check(MODEL) == "ok"
 
@@ -137,3 +163,30 @@ async def test_a_durable_that_cannot_be_restored_stops_the_pulls_with_the_reason
         assert await guard.check("pre-made") == "stopped"
     assert "stops pulling pre-made" in caplog.text and "max_waiting" in caplog.text
     assert "pre-made" in pulls.stopped and "pre-made" not in pulls.subs
+
+
+async def test_a_running_worker_restores_its_durable_and_tasks_flow(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """The guard as wired into `fleet worker`: a durable changed under a serving worker is
+    restored by it within its check interval, so the next task completes."""
+    data = tmp_path / "w"
+    card = add_fault_card(data)
+    worker = WorkerProcess(nats_url, data).start()
+    nc, _ = await serving(nats_url, worker, card, slots=1)
+    try:
+        first = await run_task(nc, hello("before").model_copy(update={"model": card.id}))
+        assert finished(first).status == "completed"  # the worker has bound tasks-<model>
+        name = f"tasks-{card.id}"
+        wanted = await _config(nc, name)
+        changed = await _update(nc, name, {**wanted, "filter_subject": "fleet.tasks.nowhere"})
+        assert changed["config"]["filter_subject"] == "fleet.tasks.nowhere"
+        after = await run_task(nc, hello("after").model_copy(update={"model": card.id}),
+                               timeout=60)
+        assert finished(after).status == "completed"
+        assert (await _config(nc, name))["filter_subject"] == f"fleet.tasks.{card.id}"
+        assert "cannot be restored" not in (data / "worker.log").read_text()
+        assert f"consumer {name} was changed" in (data / "worker.log").read_text()
+    finally:
+        worker.kill()
+        await nc.close()
