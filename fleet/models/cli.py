@@ -11,11 +11,12 @@ import argparse
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fleet.config import Settings, settings_of
-from fleet.errors import BucketMissing, FleetError
+from fleet.errors import BucketMissing, FleetError, NatsUnavailable
 from fleet.models.catalog import add_custom_card, all_cards, custom_cards_dir
 from fleet.models.store import can_provide, dir_size, ensure_model, local_model_dir
 from fleet.wire.cluster import ModelCard
@@ -65,13 +66,16 @@ def _settings(args: argparse.Namespace) -> Settings:
     return settings_of(args)  # the connection's credentials too, before or after the verb
 
 
-def _on_fleet(settings: Settings, verb: Callable[[FleetModels], Awaitable[int]]) -> int:
+def _on_fleet(
+    settings: Settings, verb: Callable[[FleetModels], Awaitable[int]],
+    connect_timeout: float = 5.0,
+) -> int:
     from fleet.bus.connect import connect_with
     from fleet.bus.provision import provision
     from fleet.bus.weights import FleetModels
 
     async def main() -> int:
-        nc = await connect_with(settings, "fleet-models")
+        nc = await connect_with(settings, "fleet-models", connect_timeout=connect_timeout)
         try:
             try:
                 return await verb(FleetModels(nc))
@@ -107,7 +111,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     print(f"\nmodels dir: {settings.models_dir}")
     if settings.nats_url:
         return _on_fleet(settings, _list_fleet)
-    return 0
+    # No URL given: the fleet of a `fleet up` running here, if there is one.
+    try:
+        return _on_fleet(replace(settings, nats_url=settings.url), _list_fleet, 1.0)
+    except NatsUnavailable:
+        print(f"\nno fleet at {settings.url}: give --nats-url URL (or FLEET_NATS_URL) to list "
+              "a fleet's models too")
+        return 0
 
 
 async def _list_fleet(fleet: FleetModels) -> int:

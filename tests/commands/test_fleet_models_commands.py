@@ -1,6 +1,7 @@
 """`fleet models add` on a NATS no Fleet process has used yet makes the buckets it needs and
 publishes (it failed: "object store bucket FLEET_WEIGHTS does not exist"), and `fleet models
-list --nats-url URL` (the setting after the verb) shows the fleet's catalogue."""
+list --nats-url URL` (the setting after the verb) shows the fleet's catalogue, as does a plain
+`fleet models list` beside a local server (`fleet up`'s)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from fleet.bus.embedded import EmbeddedNats
 from tests.integration.harness import REPO
 
 
-def fleet(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def fleet(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "fleet.cli", *args], cwd=REPO, capture_output=True, text=True,
-        timeout=120, env={"PATH": "/usr/bin:/bin", "FLEET_DATA_DIR": str(tmp_path / "data")},
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "FLEET_DATA_DIR": str(tmp_path / "data"), **env},
     )
 
 
@@ -30,3 +32,8 @@ def test_models_add_on_a_bare_nats_publishes_and_list_shows_it(
     assert listed.returncode == 0, listed.stderr
     fleet_part = listed.stdout.split("fleet (FLEET_MODELS):")[1]
     assert "my-tiny" in fleet_part
+    local = fleet(tmp_path, "models", "list", FLEET_NATS_PORT=str(nats_server.port))
+    assert local.returncode == 0, local.stderr
+    assert "my-tiny" in local.stdout.split("fleet (FLEET_MODELS):")[1]
+    nowhere = fleet(tmp_path, "models", "list", FLEET_NATS_PORT="1")
+    assert nowhere.returncode == 0 and "no fleet at nats://127.0.0.1:1" in nowhere.stdout
