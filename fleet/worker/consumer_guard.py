@@ -7,7 +7,9 @@ compares the durables it pulls from with the definition (ops/jetstream/consumers
 with its --max-deliver and --ack-wait) when it binds one and every CHECK_INTERVAL_S, restores
 what differs, and when the server refuses the restore stops pulling that model: an error log
 line naming the consumer and each difference, and the counter
-`fleet.worker.consumer_repairs{model, outcome}` (restored | stopped), are the operator's alert.
+`fleet.worker.consumer_repairs{model, outcome}` (restored | stopped | passed_over: tasks it
+will not deliver stayed for two checks), are the operator's alert. Tasks passed over while a
+filter pointed elsewhere are delivered again (`ConsumerGuard.passed_over`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class ConsumerGuard:
         self.max_deliver = max_deliver
         self.ack_wait_s = ack_wait_s
         self.interval_s = interval_s
+        self.streaks: dict[str, int] = {}  # model -> checks in a row with tasks passed over
         self.repairs = meter.create_counter(
             "fleet.worker.consumer_repairs", unit="{repair}",
             description="Durable task consumers found changed: restored, or pulling stopped",
@@ -105,7 +108,7 @@ class ConsumerGuard:
         if "error" not in restored and not left:
             log.error("consumer %s was changed (%s): restored; a NATS user with worker or "
                       "operator credentials did it", name, "; ".join(drift))
-            await self._deliver_skipped(model, name)
+            await self.passed_over(model)
             self._count(model, "restored")
             return "restored"
         why = restored.get("error", {}).get("description") or "; ".join(left)
@@ -116,41 +119,69 @@ class ConsumerGuard:
         self._count(model, "stopped")
         return "stopped"
 
-    async def _deliver_skipped(self, model: str, name: str) -> None:
-        """Tasks published while the filter pointed elsewhere were passed over: the consumer's
-        position moved beyond them, and a restored filter does not move it back. Counted as
-        what the stream holds on the model's subject beyond what the consumer still owes
-        (pending) or awaits (ack pending); then the consumer is reset to the first task after
-        its last delivery, which delivers them. A reset counts the deliveries below it as
-        acknowledged: their holders still ack them (which removes them), but should a holder
-        die, the server no longer redelivers its task: said in the log."""
-        subject, stream = subjects.tasks(model), subjects.TASKS_STREAM
+    async def passed_over(self, model: str) -> int:
+        """Tasks of `model` in FLEET_TASKS that its durable will not deliver; those after its
+        last delivery are delivered again by a reset, and the count of the rest is returned.
+
+        A filter pointed elsewhere for a while (changed and restored, even between two
+        checks) moves the consumer's position past the tasks published meanwhile, and
+        restoring the filter does not move it back: the server then owes nothing (no pending)
+        while a task waits after the last delivery. The durable is reset to that task
+        (`CONSUMER.RESET`), which delivers it and every later one. A reset counts deliveries
+        below it as acknowledged: their holders still ack them (which removes them), but
+        should a holder die its task is not redelivered: the log says how many were in
+        flight. Tasks passed over below the last delivery (a position moved forward) cannot be
+        told from tasks past MaxDeliver that the janitor has not moved yet: they are counted
+        (skipped_tasks) for `forever` to report when they stay."""
+        name, subject = subjects.durable(model), subjects.tasks(model)
+        stream = subjects.TASKS_STREAM
         info = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
-        held = await jetstream_api(self.nc, f"STREAM.INFO.{stream}", {"subjects_filter": subject})
-        stored = (held.get("state", {}).get("subjects") or {}).get(subject, 0)
-        skipped = skipped_tasks(stored, info.get("num_pending", 0), info.get("num_ack_pending", 0))
-        if not skipped:
-            return
+        if "error" in info:
+            return 0
         after = info.get("delivered", {}).get("stream_seq", 0) + 1
         first = await jetstream_api(self.nc, f"STREAM.MSG.GET.{stream}",
                                     {"seq": after, "next_by_subj": subject})
         seq = first.get("message", {}).get("seq")
-        if seq is None:
-            return
-        reset = await jetstream_api(self.nc, f"CONSUMER.RESET.{stream}.{name}", {"seq": seq})
+        if seq is not None:
+            # Asked again after the look-up: a task published meanwhile is pending by now.
+            again = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
+            if "error" not in again and again.get("num_pending") == 0:
+                await self._reset(name, seq, again.get("num_ack_pending", 0))
+                info = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
+        held = await jetstream_api(self.nc, f"STREAM.INFO.{stream}", {"subjects_filter": subject})
+        stored = (held.get("state", {}).get("subjects") or {}).get(subject, 0)
+        return skipped_tasks(stored, info.get("num_pending", 0), info.get("num_ack_pending", 0))
+
+    async def _reset(self, name: str, seq: int, in_flight: int) -> None:
+        reset = await jetstream_api(
+            self.nc, f"CONSUMER.RESET.{subjects.TASKS_STREAM}.{name}", {"seq": seq})
         if "error" in reset:
-            log.error("consumer %s: %d task(s) passed over while it was changed stay queued: "
-                      "the reset was refused (%s)", name, skipped,
+            log.error("consumer %s passed over tasks from stream sequence %d, which stay "
+                      "queued: the reset was refused (%s)", name, seq,
                       reset["error"].get("description"))
             return
-        log.error("consumer %s: %d task(s) passed over while it was changed are delivered "
-                  "again (reset to stream sequence %d)%s", name, skipped, seq,
-                  f"; {info['num_ack_pending']} task(s) in flight are no longer redelivered "
-                  "should their worker die" if info.get("num_ack_pending") else "")
+        log.error("consumer %s passed over tasks (its position moved while its filter pointed "
+                  "elsewhere): reset to stream sequence %d, they are delivered%s", name, seq,
+                  f"; {in_flight} task(s) in flight are no longer redelivered should their "
+                  "worker die" if in_flight else "")
 
     def _count(self, model: str, outcome: str) -> None:
         if self.repairs is not None:
             self.repairs.add(1, {"model": model, "outcome": outcome})
+
+    async def round(self, model: str) -> None:
+        """One check of a bound durable: its configuration, then the tasks it passes over,
+        reported once when they stay for two checks in a row (the janitor moves tasks past
+        MaxDeliver within one)."""
+        await self.check(model)
+        skipped = await self.passed_over(model)
+        streak = self.streaks[model] = self.streaks.get(model, 0) + 1 if skipped else 0
+        if streak == 2:
+            log.error("consumer %s: %d task(s) of %s stay in %s and will not be delivered "
+                      "(its position was moved past them); the operator can deliver them by "
+                      "a reset of the consumer ($JS.API.CONSUMER.RESET) to the first of them",
+                      subjects.durable(model), skipped, model, subjects.TASKS_STREAM)
+            self._count(model, "passed_over")
 
     async def forever(self) -> None:
         """Check every bound durable each interval; a broker outage only skips a round."""
@@ -158,7 +189,7 @@ class ConsumerGuard:
             await asyncio.sleep(self.interval_s)
             for model in list(self.puller.subs):
                 try:
-                    await self.check(model)
+                    await self.round(model)
                 except Exception as exc:
                     if not is_transient(exc):
                         log.warning("consumer %s not checked: %r", subjects.durable(model), exc)

@@ -136,13 +136,64 @@ async def test_a_changed_filter_is_restored_and_tasks_flow_again(
     with caplog.at_level(logging.ERROR, logger="fleet.worker.consumer_guard"):
         assert await guard.check(MODEL) == "restored"
     assert "filter_subject: 'fleet.tasks.nothing-here'" in caplog.text
-    assert "1 task(s) passed over" in caplog.text
+    assert "passed over tasks" in caplog.text and "they are delivered" in caplog.text
 
     assert consumer_drift(WANTED, await _config(honest, f"tasks-{MODEL}")) == []
     [msg] = await sub.fetch(1, timeout=5)  # the passed-over task is delivered after all
     assert msg.data == b"while changed"
     await msg.term()
     assert await guard.check(MODEL) == "ok"
+
+
+async def test_a_filter_changed_and_restored_between_two_checks_leaves_no_task_behind(
+    workers: tuple[Client, Client], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The rogue puts the filter back itself before any check sees it: the configuration is
+    right, but the task published meanwhile was passed over. The next round delivers it."""
+    honest, rogue = workers
+    model = "flipped"
+    await ensure_task_consumer(honest, model)
+    wanted = consumer_definition(model, 5, 30.0)
+    sub = await honest.jetstream().pull_subscribe_bind(f"tasks-{model}", stream="FLEET_TASKS")
+    await _update(rogue, f"tasks-{model}", {**wanted, "filter_subject": "fleet.tasks.nowhere"})
+    with pytest.raises(TimeoutError):  # workers pull all the time: the position moves on
+        await honest.jetstream().publish(f"fleet.tasks.{model}", b"published meanwhile")
+        await sub.fetch(1, timeout=1)
+    await _update(rogue, f"tasks-{model}", wanted)
+    with pytest.raises(TimeoutError):
+        await sub.fetch(1, timeout=1)  # passed over
+
+    pulls = StoppedPulls()
+    pulls.subs = {model: sub}
+    guard = ConsumerGuard(honest, pulls, 5, 30.0)
+    with caplog.at_level(logging.ERROR, logger="fleet.worker.consumer_guard"):
+        await guard.round(model)
+    assert "passed over tasks" in caplog.text
+    [msg] = await sub.fetch(1, timeout=5)
+    assert msg.data == b"published meanwhile"
+    await msg.term()
+
+
+async def test_tasks_left_behind_a_moved_position_are_reported_when_they_stay(
+    workers: tuple[Client, Client], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rogue reset moves the position past a queued task (below the last delivery now):
+    it cannot be told from a task past MaxDeliver yet, so it is reported once it stays."""
+    honest, rogue = workers
+    model = "moved"
+    await ensure_task_consumer(honest, model)
+    js = honest.jetstream()
+    await js.publish(f"fleet.tasks.{model}", b"left behind")
+    last = await js.publish("fleet.tasks.another-model", b"later in the stream")
+    reply = await rogue.request(f"$JS.API.CONSUMER.RESET.FLEET_TASKS.tasks-{model}",
+                                json.dumps({"seq": last.seq + 1}).encode(), timeout=5)
+    assert "error" not in json.loads(reply.data)
+    guard = ConsumerGuard(honest, StoppedPulls(), 5, 30.0)
+    with caplog.at_level(logging.ERROR, logger="fleet.worker.consumer_guard"):
+        await guard.round(model)
+        assert "will not be delivered" not in caplog.text  # once could be MaxDeliver's
+        await guard.round(model)
+    assert f"1 task(s) of {model} stay in FLEET_TASKS and will not be delivered" in caplog.text
 
 
 async def test_a_durable_that_cannot_be_restored_stops_the_pulls_with_the_reason(

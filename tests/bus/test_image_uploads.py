@@ -171,7 +171,7 @@ async def test_a_client_writing_the_store_itself_is_refused_at_once(secured_url:
                        options=ConnectOptions(user="client", password=PASSWORDS["client"]))
     try:
         async with asyncio.timeout(5):
-            with pytest.raises(NotPermitted, match="(?i)fleet_images"):
+            with pytest.raises(NotPermitted, match=r"(?i)fleet_images"):
                 await ObjectBucket(nc).put_by_hash(b"written by a client itself")
     finally:
         await nc.close()
