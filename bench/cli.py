@@ -106,6 +106,14 @@ def run_bench(args: argparse.Namespace) -> int:
             f"routing {model} {name}: {error}"
             for model, info in result.get("routing", {}).items()
             for name, scenario in info["scenarios"].items() for error in scenario["errors"]
+        ] + [
+            f"plumbing rate {path}: {row['errors']} stream(s) failed ({row['first_errors'][:1]})"
+            for path, row in (result.get("plumbing_rate") or {}).items()
+            if isinstance(row, dict) and row.get("errors")
+        ] + [
+            f"plumbing rate {phase}: {row['error']}"
+            for phase, row in (result.get("plumbing_rate") or {}).items()
+            if isinstance(row, dict) and isinstance(row.get("error"), str)
         ]
         if failures:
             show_logs(workdir)
