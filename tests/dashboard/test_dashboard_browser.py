@@ -144,6 +144,41 @@ def test_a_playground_chat_streams_and_its_task_page_shows_tokens_and_the_trace(
     screenshot(page, "dashboard-queues")
 
 
+def test_a_playground_conversation_sends_its_turns_system_prompt_and_sampling(
+    page: Any, stack: dict[str, Any]
+) -> None:
+    use_key(page, stack, stack["key"], "playground")
+    wait(page, lambda d: (css(d, '#pg-model option[value="tiny-llm"]') or [None])[0], 20,
+         "the model list").click()
+    page.execute_script(  # note each request body the page sends
+        "window.sent = []; const send = window.fetch; window.fetch = (url, options) => {"
+        " if (String(url).includes('/v1/chat/')) window.sent.push(JSON.parse(options.body));"
+        " return send(url, options); };")
+    for field, value in (("pg-system", "Be brief."), ("pg-temperature", "0"),
+                         ("pg-max-tokens", "5")):
+        element = page.find_element("id", field)
+        element.clear()
+        element.send_keys(value)
+    answers = []
+    for asked in ("first question", "second question"):
+        prompt = page.find_element("id", "pg-prompt")
+        prompt.clear()
+        prompt.send_keys(asked)
+        page.find_element("id", "pg-send").click()
+        wait(page, lambda d: d.find_element("id", "pg-note").text == "done", 60, "the answer")
+        answers.append(page.find_element("id", "pg-answer").text)
+    sent = page.execute_script("return window.sent")
+    assert [m["role"] for m in sent[1]["messages"]] == ["system", "user", "assistant", "user"]
+    assert sent[1]["messages"][0]["content"] == "Be brief."
+    assert sent[1]["messages"][2]["content"].strip() == answers[0].strip()
+    assert (sent[1]["temperature"], sent[1]["max_tokens"]) == (0, 5)
+    roles = [t.get_attribute("data-role") for t in css(page, "#pg-history .turn")]
+    assert roles == ["user", "assistant", "user"]  # the second answer is the one streaming
+    screenshot(page, "dashboard-playground-chat")
+    page.find_element("id", "pg-new").click()
+    assert not css(page, "#pg-history .turn")
+
+
 def test_an_image_from_the_playground_appears(page: Any, stack: dict[str, Any]) -> None:
     go(page, stack, "playground")
     model = wait(page, lambda d: (css(d, '#pg-model option[value="tiny-flux2"]') or [None])[0],

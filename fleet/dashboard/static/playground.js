@@ -1,27 +1,52 @@
-// Playground: pick a model, chat with streaming (or make an image, with previews), cancel
-// it, and jump to that task's page. Requests go to the same /v1 API any client uses.
+// Playground: pick a model and chat over several turns (a system prompt, temperature and
+// max tokens; "New chat" starts over), streaming; or make an image, with previews. Cancel a
+// request and jump to its task's page. Requests go to the same /v1 API any client uses.
 import { call, fillModels, h, sse } from "./api.js";
 import { imageUrl } from "./task.js";
 
 export function mount(view, store) {
   const model = h("select", { id: "pg-model" });
+  const system = h("textarea", { id: "pg-system", rows: 2,
+    placeholder: "optional: how the assistant should answer" });
+  const temperature = h("input", { id: "pg-temperature", type: "number", min: 0, max: 2,
+    step: 0.1, value: 0.7 });
+  const maxTokens = h("input", { id: "pg-max-tokens", type: "number", min: 1, max: 4096,
+    value: 256 });
   const prompt = h("textarea", { id: "pg-prompt", rows: 3 }, "Say hello in five words.");
   const send = h("button", { type: "submit", id: "pg-send" }, "Send");
   const cancel = h("button", { type: "button", class: "danger", id: "pg-cancel", disabled: true }, "Cancel");
+  const fresh = h("button", { type: "button", id: "pg-new" }, "New chat");
+  const history = h("div", { id: "pg-history", "aria-label": "conversation" });
   const answer = h("div", { class: "answer", id: "pg-answer", "aria-live": "polite" });
   const images = h("div", { class: "images", id: "pg-images" });
   const link = h("p", { id: "pg-task" });
   const note = h("p", { role: "status", class: "muted", id: "pg-note" });
   const form = h("form", { "aria-label": "playground" },
-    h("div", { class: "row" }, h("div", {}, h("label", { for: "pg-model" }, "Model"), model)),
+    h("div", { class: "row" },
+      h("div", {}, h("label", { for: "pg-model" }, "Model"), model),
+      h("div", {}, h("label", { for: "pg-temperature" }, "Temperature"), temperature),
+      h("div", {}, h("label", { for: "pg-max-tokens" }, "Max tokens"), maxTokens)),
+    h("label", { for: "pg-system" }, "System prompt"), system,
     h("label", { for: "pg-prompt" }, "Prompt"), prompt,
-    h("div", { class: "row" }, send, cancel));
-  view.append(h("h1", {}, "Playground"), form, note, answer, images, link);
+    h("div", { class: "row" }, send, cancel, fresh));
+  view.append(h("h1", {}, "Playground"), form, note, history, answer, images, link);
   const cards = new Map();
   call("/v1/models?all=true").then((list) => {
     for (const m of list.data) cards.set(m.id, m);
     fillModels(model, list.data);
   }).catch((error) => { note.textContent = error.message; });
+
+  // The conversation so far: user and assistant turns, sent again with each new prompt.
+  let turns = [];
+  const turnView = (role, text) => h("div", { class: `turn ${role}`, "data-role": role },
+    h("span", { class: "muted" }, role === "user" ? "you" : "assistant"), text);
+  fresh.addEventListener("click", () => {
+    turns = [];
+    history.replaceChildren();
+    answer.replaceChildren();
+    link.replaceChildren();
+    note.textContent = "";
+  });
 
   let controller = null;
   let taskId = null;
@@ -37,14 +62,24 @@ export function mount(view, store) {
   });
 
   async function chat() {
-    const body = { model: model.value, stream: true, max_tokens: 64,
-      messages: [{ role: "user", content: prompt.value }] };
+    const asked = prompt.value;
+    const messages = [...(system.value.trim() ? [{ role: "system", content: system.value }] : []),
+      ...turns, { role: "user", content: asked }];
+    const body = { model: model.value, stream: true, messages,
+      temperature: Number(temperature.value), max_tokens: Number(maxTokens.value) };
+    history.append(turnView("user", asked));
+    let said = "";
     for await (const message of sse("/v1/chat/completions", { method: "POST", body, signal: controller.signal })) {
       if (message.data === "[DONE]") break;
       const chunk = JSON.parse(message.data);
       if (chunk.id && chunk.id !== taskId) { taskId = chunk.id; showTask(taskId); }
-      for (const choice of chunk.choices || []) answer.append(choice.delta?.content || "");
+      for (const choice of chunk.choices || []) {
+        said += choice.delta?.content || "";
+        answer.append(choice.delta?.content || "");
+      }
     }
+    turns.push({ role: "user", content: asked }, { role: "assistant", content: said });
+    prompt.value = "";
   }
 
   async function image() {
@@ -71,7 +106,10 @@ export function mount(view, store) {
     event.preventDefault();
     controller = new AbortController();
     taskId = null;
-    answer.replaceChildren();
+    if (answer.textContent) {  // the last answer joins the conversation above
+      history.append(turnView("assistant", answer.textContent));
+      answer.replaceChildren();
+    }
     images.replaceChildren();
     link.replaceChildren();
     send.disabled = true;
