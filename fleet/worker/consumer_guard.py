@@ -62,6 +62,19 @@ def skipped_tasks(stored: int, pending: int, ack_pending: int) -> int:
     return max(0, stored - pending - ack_pending)
 
 
+def _position(info: dict[str, Any]) -> tuple[Any, ...]:
+    """What changes when a consumer delivers, is acked or is owed a new task."""
+    return (info.get("delivered", {}).get("stream_seq"), info.get("ack_floor", {}).get(
+        "stream_seq"), info.get("num_pending"), info.get("num_ack_pending"))
+
+
+def passed_over_at(info: dict[str, Any], seq: int) -> bool:
+    """Whether the task at stream sequence `seq` of the durable's subject was passed over,
+    by its consumer info: after the last delivery, and nothing owed. Pure."""
+    delivered = info.get("delivered", {}).get("stream_seq", 0)
+    return seq > delivered and info.get("num_pending") == 0
+
+
 class Puller(Protocol):
     subs: dict[str, Any]
 
@@ -119,7 +132,7 @@ class ConsumerGuard:
         self._count(model, "stopped")
         return "stopped"
 
-    async def passed_over(self, model: str) -> int:
+    async def passed_over(self, model: str) -> int | None:
         """Tasks of `model` in FLEET_TASKS that its durable will not deliver; those after its
         last delivery are delivered again by a reset, and the count of the rest is returned.
 
@@ -132,7 +145,8 @@ class ConsumerGuard:
         should a holder die its task is not redelivered: the log says how many were in
         flight. Tasks passed over below the last delivery (a position moved forward) cannot be
         told from tasks past MaxDeliver that the janitor has not moved yet: they are counted
-        (skipped_tasks) for `forever` to report when they stay."""
+        (skipped_tasks) for `round` to report when they stay; None when the consumer moved
+        while they were counted (tasks flowing), so the count would mean nothing."""
         name, subject = subjects.durable(model), subjects.tasks(model)
         stream = subjects.TASKS_STREAM
         info = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
@@ -143,13 +157,18 @@ class ConsumerGuard:
                                     {"seq": after, "next_by_subj": subject})
         seq = first.get("message", {}).get("seq")
         if seq is not None:
-            # Asked again after the look-up: a task published meanwhile is pending by now.
+            # Asked again after the look-up: a task published meanwhile is pending by now, or
+            # already delivered (then the last delivery is at or past it). Only a task after
+            # the last delivery that the server does not owe was passed over.
             again = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
-            if "error" not in again and again.get("num_pending") == 0:
+            if "error" not in again and passed_over_at(again, seq):
                 await self._reset(name, seq, again.get("num_ack_pending", 0))
                 info = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
         held = await jetstream_api(self.nc, f"STREAM.INFO.{stream}", {"subjects_filter": subject})
         stored = (held.get("state", {}).get("subjects") or {}).get(subject, 0)
+        after_count = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
+        if "error" in after_count or _position(after_count) != _position(info):
+            return None
         return skipped_tasks(stored, info.get("num_pending", 0), info.get("num_ack_pending", 0))
 
     async def _reset(self, name: str, seq: int, in_flight: int) -> None:
@@ -175,6 +194,8 @@ class ConsumerGuard:
         MaxDeliver within one)."""
         await self.check(model)
         skipped = await self.passed_over(model)
+        if skipped is None:
+            return  # tasks flowing: no count this time
         streak = self.streaks[model] = self.streaks.get(model, 0) + 1 if skipped else 0
         if streak == 2:
             log.error("consumer %s: %d task(s) of %s stay in %s and will not be delivered "

@@ -20,6 +20,7 @@ from fleet.worker.consumer_guard import (
     SETTINGS,
     ConsumerGuard,
     consumer_drift,
+    passed_over_at,
     skipped_tasks,
 )
 from tests.integration.harness import (
@@ -60,6 +61,17 @@ def test_consumer_drift(change: dict[str, Any], drifted: list[str]) -> None:
 ])
 def test_skipped_tasks(stored: int, pending: int, ack_pending: int, skipped: int) -> None:
     assert skipped_tasks(stored, pending, ack_pending) == skipped
+
+
+@pytest.mark.parametrize(("delivered", "pending", "seq", "passed"), [
+    (1, 0, 2, True),  # after the last delivery, nothing owed: passed over
+    (1, 1, 2, False),  # owed: it will come
+    (2, 0, 2, False),  # delivered meanwhile (a healthy consumer raced the look-up)
+    (5, 0, 2, False),  # below the last delivery: held somewhere, or past MaxDeliver
+])
+def test_passed_over_at(delivered: int, pending: int, seq: int, passed: bool) -> None:
+    info = {"delivered": {"stream_seq": delivered}, "num_pending": pending}
+    assert passed_over_at(info, seq) is passed
 
 
 def test_a_binding_worker_leaves_its_settings_to_the_conflict_check() -> None:
@@ -241,3 +253,41 @@ async def test_a_running_worker_restores_its_durable_and_tasks_flow(
     finally:
         worker.kill()
         await nc.close()
+
+
+async def test_checks_beside_a_busy_healthy_durable_change_nothing(
+    workers: tuple[Client, Client], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tasks published and pulled while the guard checks over and over: no reset, every task
+    delivered exactly once (a reset racing a delivery would deliver it again)."""
+    honest, _ = workers
+    model = "busy"
+    await ensure_task_consumer(honest, model)
+    js = honest.jetstream()
+    sub = await js.pull_subscribe_bind(f"tasks-{model}", stream="FLEET_TASKS")
+    guard = ConsumerGuard(honest, StoppedPulls(), 5, 30.0)
+    seen: list[tuple[bytes, int]] = []
+
+    async def pull() -> None:
+        while len(seen) < 200:
+            try:
+                for msg in await sub.fetch(8, timeout=1):
+                    seen.append((msg.data, msg.metadata.num_delivered))
+                    await msg.ack()
+            except TimeoutError:
+                continue
+
+    async def publish() -> None:
+        for i in range(200):
+            await js.publish(f"fleet.tasks.{model}", str(i).encode())
+
+    async def check() -> None:
+        while len(seen) < 200:
+            await guard.round(model)
+
+    with caplog.at_level(logging.ERROR, logger="fleet.worker.consumer_guard"):
+        async with asyncio.timeout(60):
+            await asyncio.gather(pull(), publish(), check())
+    assert sorted(int(data) for data, _ in seen) == list(range(200))
+    assert {delivered for _, delivered in seen} == {1}
+    assert "passed over" not in caplog.text and "will not be delivered" not in caplog.text
