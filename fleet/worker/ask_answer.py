@@ -22,7 +22,6 @@ from fleet.wire.events import ImageChunk, OutputEvent, TaskFinished, TokenChunk,
 from fleet.wire.tasks import FunctionCall, Task, TextGeneration, ToolCall
 from fleet.worker.outputs import event_msg_id
 
-
 # Bare text is someone typing a question at `nats req`: a short answer, near-deterministic
 # (at 1.0 and 256 tokens a small model rambled for 36 s). A task in JSON samples as it says.
 PLAIN_TEXT_SAMPLING = {"temperature": 0.0, "max_tokens": 64}
