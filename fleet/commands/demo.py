@@ -106,8 +106,8 @@ async def run_demo(settings: Settings, timeout: float, exit_: Exit | None = None
     async with stack(settings, [CHAT_MODEL, IMAGE_MODEL], exit_) as running:
         base = f"http://{running.gateway_host}:{running.gateway_port}/v1"
         print(f"  NATS {redact_urls(running.urls)}; gateway {base}", file=sys.stderr)
-        print(f"  dashboard {base.removesuffix('/v1')}/ui; API docs "
-              f"{base.removesuffix('/v1')}/docs", file=sys.stderr)
+        print(f"  dashboard {base.removesuffix('/v1')}/ui", file=sys.stderr)
+        print(f"  API docs  {base.removesuffix('/v1')}/docs", file=sys.stderr)
         await wait_ready(running, [CHAT_MODEL, IMAGE_MODEL], timeout)
         answer = await chat(base)
         path = await image(base, running.data_dir / "demo-image.png")
