@@ -18,6 +18,7 @@ from fleet.errors import FleetError
 from fleet.gateway.service import gateway_of
 from fleet.models.catalog import get_card
 from fleet.placement import place, remove
+from fleet.placement_replicas import place_replicas
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_task
 
@@ -93,16 +94,41 @@ async def place_instance(request: Request) -> Response:
     if not isinstance(body, dict):
         return JSONResponse({"error": "the body must be a JSON object"}, status_code=400)
     model, node = str(body.get("model", "")), body.get("node") or None
-    cli = f"fleet instances place --model {model}" + (f" --node {node}" if node else "")
+    shards, replicas = body.get("shards", 1), body.get("replicas", 1)
+    if why := count_refusal(shards, replicas):
+        return JSONResponse({"error": why}, status_code=400)
+    cli = (f"fleet instances place --model {model}" + (f" --node {node}" if node else "")
+           + (f" --shards {shards}" if shards > 1 else "")
+           + (f" --replicas {replicas}" if replicas > 1 else ""))
     gateway = gateway_of(request)
     try:
         card = get_card(model, gateway.settings.data_dir)
     except FleetError as exc:
         return JSONResponse({"error": str(exc)}, status_code=404)
+    js = gateway.backend.jetstream()
     try:
-        instance = await place(gateway.backend.jetstream(), card, node_id=node)
+        if replicas > 1:
+            placed = await place_replicas(js, card, replicas, node_id=node)
+        else:
+            placed = [await place(js, card, node_id=node, shards=shards)]
     except FleetError as exc:  # no node can hold it, the node is not alive, ...
         return JSONResponse({"error": str(exc), "cli": cli}, status_code=exc.http_status)
     except (NatsError, OSError, TimeoutError) as exc:
         return _refused(exc, cli)
-    return JSONResponse({"placed": instance.instance_id, "node": instance.shards[0].node_id})
+    first = placed[0]
+    return JSONResponse({"placed": first.instance_id, "node": first.shards[0].node_id,
+                         "instances": [i.instance_id for i in placed],
+                         "nodes": sorted({s.node_id for i in placed for s in i.shards})})
+
+
+MAX_SPLIT = 8  # shards or replicas one form may ask for
+
+
+def count_refusal(shards: object, replicas: object) -> str | None:
+    """Why the form's shards and replicas cannot be placed, or None. Pure."""
+    for name, value in (("shards", shards), ("replicas", replicas)):
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SPLIT:
+            return f"{name}: a whole number from 1 to {MAX_SPLIT}"
+    if shards != 1 and replicas != 1:
+        return "shards and replicas do not combine (yet): one instance split, or copies"
+    return None

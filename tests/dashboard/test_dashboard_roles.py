@@ -92,6 +92,16 @@ async def test_operator_actions_under_the_gateways_role(
             async with asyncio.timeout(10):
                 while (await next_fleet(tab))["instances"]:
                     pass
+            # Copies from the form: two replicas (one node here holds both); a split and
+            # copies at once, or a count out of range, is refused before anything is placed.
+            copies = await operator.post("/ui/api/instances", json={**body, "replicas": 2})
+            assert copies.status_code == 200, copies.text
+            assert len(copies.json()["instances"]) == 2 and copies.json()["nodes"] == ["n-roles"]
+            for bad in ({"shards": 2, "replicas": 2}, {"replicas": 0}, {"shards": "two"}):
+                refused = await operator.post("/ui/api/instances", json={**body, **bad})
+                assert refused.status_code == 400, (bad, refused.text)
+            for extra in copies.json()["instances"]:
+                assert (await operator.delete(f"/ui/api/instances/{extra}")).status_code == 200
             again = await operator.delete(f"/ui/api/instances/{instance_id}")
             assert again.status_code == 404 and "no instance" in again.json()["error"]
             assert (await operator.delete("/ui/api/instances/never-placed")).status_code == 404

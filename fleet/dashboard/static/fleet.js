@@ -75,16 +75,22 @@ export function mount(view, store) {
   const note = h("p", { role: "status", "aria-live": "polite", class: "muted" });
   const model = h("select", { id: "place-model" });
   const node = h("select", { id: "place-node" }, h("option", { value: "" }, "any node"));
+  const count = (id) => h("input", { id, type: "number", min: 1, max: 8, value: 1 });
+  const shards = count("place-shards");
+  const replicas = count("place-replicas");
   const place = h("form", { class: "row operator-only", "aria-label": "place an instance" },
     h("div", {}, h("label", { for: "place-model" }, "Model"), model),
     h("div", {}, h("label", { for: "place-node" }, "Node"), node),
+    h("div", {}, h("label", { for: "place-shards" }, "Shards (split over nodes)"), shards),
+    h("div", {}, h("label", { for: "place-replicas" }, "Replicas (copies)"), replicas),
     h("button", { type: "submit" }, "Place"));
   place.addEventListener("submit", async (event) => {
     event.preventDefault();
     try {
       const done = await call("/ui/api/instances", { method: "POST",
-        body: { model: model.value, node: node.value || null } });
-      note.textContent = `placed ${done.placed} on ${done.node}`;
+        body: { model: model.value, node: node.value || null, shards: Number(shards.value),
+          replicas: Number(replicas.value) } });
+      note.textContent = `placed ${done.instances.join(", ")} on ${done.nodes.join(", ")}`;
     } catch (error) {
       note.textContent = `${error.message}${error.data?.cli ? ` — run: ${error.data.cli}` : ""}`;
     }
