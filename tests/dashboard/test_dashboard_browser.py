@@ -131,7 +131,11 @@ def test_a_playground_chat_streams_and_its_task_page_shows_tokens_and_the_trace(
     link.click()
     wait(page, lambda d: d.find_element("id", "task-text").text.strip() == answer.strip(), 30,
          "the task's tokens, the same as the answer")
-    wait(page, lambda d: css(d, "#task-trace .span-row"), 30, "the trace waterfall")
+    wait(page, lambda d: css(d, '#task-trace .span-row'), 30, "the trace waterfall")
+    kinds = [row.get_attribute("data-event") for row in css(page, "tr[data-event]")]
+    # The tokens are one row that sums them up, between the acceptance and the end.
+    assert kinds.count("tokens") == 1 and "token" not in kinds, kinds
+    assert kinds.index("task_accepted") < kinds.index("tokens") < kinds.index("task_finished")
     services = {e.get_attribute("data-service") for e in css(page, "#task-trace .span-row")}
     assert any("runner" in (s or "") for s in services), services
     assert task_id in text(page)

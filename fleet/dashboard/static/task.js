@@ -65,6 +65,25 @@ export function mount(view, store, taskId) {
     }
   }
 
+  // A run of token events is one row that sums it up (how many tokens, their indexes, the
+  // text so far), not a row per token.
+  let tokens = null;
+  function tokenRow(event, id) {
+    const made = event.token_ids ? event.token_ids.length : 1;
+    if (!tokens) {
+      tokens = { first: id, n: 0, from: event.index, text: "", row: h("tr", { "data-event": "tokens" }) };
+      log.append(tokens.row);
+    }
+    tokens.n += made;
+    tokens.text += event.text;
+    const to = event.index + made - 1;
+    const shown = tokens.text.length > 80 ? `${tokens.text.slice(0, 80)}…` : tokens.text;
+    tokens.row.replaceChildren(h("td", {}, tokens.first === id ? `${id}` : `${tokens.first}–${id}`),
+      h("td", {}, "tokens"),
+      h("td", {}, `${tokens.n} token${tokens.n === 1 ? "" : "s"} (#${tokens.from}–${to}) `,
+        h("span", { class: "muted" }, JSON.stringify(shown))));
+  }
+
   (async () => {
     let count = 0;
     try {
@@ -72,7 +91,7 @@ export function mount(view, store, taskId) {
         const event = JSON.parse(message.data);
         count += 1;
         let detail = "";
-        if (event.type === "token") { text.append(event.text); detail = JSON.stringify(event.text); }
+        if (event.type === "token") text.append(event.text);
         else if (event.type === "image") {
           detail = `${event.partial_index !== null && event.partial_index !== undefined ? "preview" : "image"} ${event.width}×${event.height}`;
           imageUrl(event.sha256).then((url) => images.append(h("img", { src: url, alt: `${detail} of task ${taskId}` })));
@@ -91,8 +110,11 @@ export function mount(view, store, taskId) {
           status.className = `status-${event.status}`;
           cancel.disabled = true;
         } else if (event.type === "error") detail = `${event.reason}: ${event.message}`;
-        if (event.type !== "token" || count < 200) {
-          log.append(h("tr", {}, h("td", {}, message.id ?? count), h("td", {}, event.type), h("td", {}, detail)));
+        if (event.type === "token") tokenRow(event, message.id ?? count);
+        else {
+          tokens = null;
+          log.append(h("tr", { "data-event": event.type }, h("td", {}, message.id ?? count),
+            h("td", {}, event.type), h("td", {}, detail)));
         }
       }
     } catch (error) {
