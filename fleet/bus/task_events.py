@@ -250,6 +250,10 @@ class EventReader(ABC):
     @abstractmethod
     async def __anext__(self) -> Indexed: ...
 
+    def ready(self) -> bool:
+        """Whether the next event is already here (reading it will not wait)."""
+        return False
+
     async def until_committed(self) -> list[Indexed]:
         """Read up to the first event that needs a committed response (or the end)."""
         seen: list[Indexed] = []
@@ -309,6 +313,11 @@ class TaskEvents(EventReader):
 
     def unfinished(self) -> list[str]:
         return [] if self.finished is not None else [self.task_id]
+
+    def ready(self) -> bool:
+        if self.finished is not None or self._listener is None:
+            return False
+        return bool(self._ready or self._replayed) or not self._listener.queue.empty()
 
     async def open(self) -> TaskEvents:
         await self.hub.ready()
@@ -439,6 +448,9 @@ class ChoiceEvents(EventReader):
 
     def unfinished(self) -> list[str]:
         return [part.task_id for part in self.parts if part.task_id not in self._done]
+
+    def ready(self) -> bool:
+        return self.finished is None and not self._arrived.empty()
 
     async def close(self) -> None:
         for pump in self._pumps:

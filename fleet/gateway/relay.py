@@ -55,6 +55,7 @@ class Renderer(Protocol):
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+MAX_LINES_A_WRITE = 64
 
 
 def sse(data: Any, event: str | None = None, event_id: int | None = None) -> bytes:
@@ -127,6 +128,9 @@ async def _relay(
 
     for line in renderer.opening():
         yield line
+    # The SSE lines of events that arrived together leave in one write (one ASGI send):
+    # at GPU rates a response writes per batch of events, not per event.
+    pending: list[bytes] = []
     try:
         async for item in each():
             observers.see(item.event, loop.time())
@@ -136,18 +140,20 @@ async def _relay(
             finished = item.event if isinstance(item.event, TaskFinished) else None
             if finished and (failed := failure_of(finished, last_error)):
                 observers.metrics.error(failed.code)
-                for line in renderer.failed(failed):
-                    yield line
+                if out := b"".join([*pending, *renderer.failed(failed)]):
+                    yield out
                 return
-            for line in await renderer.lines(item):
-                yield line
+            pending += await renderer.lines(item)
+            if pending and (len(pending) >= MAX_LINES_A_WRITE or not events.ready()):
+                yield b"".join(pending)
+                pending.clear()
     except FleetError as exc:  # deadline, NATS gone: the headers are out, so say it in-band
         observers.metrics.error(exc.code)
-        for line in renderer.failed(exc):
-            yield line
+        if out := b"".join([*pending, *renderer.failed(exc)]):
+            yield out
         return
-    for line in renderer.closing():
-        yield line
+    if out := b"".join([*pending, *renderer.closing()]):
+        yield out
 
 
 async def _hang_up(receive: Receive) -> None:
