@@ -89,12 +89,9 @@ class Worker(RunnerReports, Stopping):
         self.ready = ready or asyncio.Event()
         self.inbox: Inbox = asyncio.Queue()
         self.acks = AckPolicy(settings.ack_wait_s)
-        self.pinned: dict[str, list[str]] = {}  # task id -> input images it holds in cache
         self.spans = TaskSpans()
         self.handler_failures = 0  # inbox items whose handling raised (logged each time)
-        self.cancels_sent: set[str] = set()  # tasks a user cancelled while they ran here
         self.unsent_chunks = 0  # task events the broker would not take (logged each time)
-        self.cancelled_while_offered: set[str] = set()  # cancels heard during a hand-off
         self.plan_due = False  # a streamed report changed what the planner reads
 
     async def run(self) -> None:
@@ -325,7 +322,7 @@ class Worker(RunnerReports, Stopping):
         if task_id not in self.state.pending:  # it ended while they were fetched: unpin
             self.cluster.release_inputs(list(paths))
             return
-        self.pinned[task_id] = list(paths)
+        self._apply(ev.InputsPinned(task_id, tuple(paths)))
         self._apply(ev.InputsReady(task_id, {sha: str(path) for sha, path in paths.items()}))
 
     async def _dispatch(self, task_id: str, runner_id: str) -> None:
@@ -364,8 +361,8 @@ class Worker(RunnerReports, Stopping):
 
     def _hand_off_ended(self, ended: ev.HandOffEnded) -> None:
         task_id = ended.task_id
-        cancelled = task_id in self.cancelled_while_offered
-        self.cancelled_while_offered.discard(task_id)
+        cancelled = self.state.notes_of(task_id).cancel is ev.CancelOrigin.WHILE_OFFERED
+        self._apply(ev.CancelNoted(task_id, None))  # spent: whoever holds it now ends it
         if ended.taken is False:  # still ours: run it here
             self._apply(ended)
             if cancelled:
@@ -394,28 +391,28 @@ class Worker(RunnerReports, Stopping):
             self.endings.fail(task_id, reason, message, self.acks.release(task_id))
 
     def _finish(self, report: TaskFinished) -> None:
-        self.cancels_sent.discard(report.task_id)
         self._release(report.task_id)
         self._apply(ev.TaskEnded(report.task_id))
         self.endings.finish(report, self.acks.release(report.task_id))
 
     def _release(self, task_id: str) -> None:
         self.intake.book.released(task_id)
-        if pinned := self.pinned.pop(task_id, None):
-            self.cluster.release_inputs(pinned)
+        if pinned := self.state.notes_of(task_id).pinned:
+            self.cluster.release_inputs(list(pinned))
+        self._apply(ev.TaskReleased(task_id))
 
     async def _cancel(self, task_id: str) -> None:
         if (pending := self.state.pending.get(task_id)) and pending.handing_off is not None:
             # Offered to another node: whoever holds it after the answer ends it (the other
             # node heard this cancel too, or reads it from FLEET_CANCELS at its intake).
-            self.cancelled_while_offered.add(task_id)
+            self._apply(ev.CancelNoted(task_id, ev.CancelOrigin.WHILE_OFFERED))
             return
         if task_id in self.state.pending:
             self._end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
             return
         for runner in self.state.runners.values():
             if task_id in runner.in_flight:
-                self.cancels_sent.add(task_id)
+                self._apply(ev.CancelNoted(task_id, ev.CancelOrigin.WHILE_RUNNING))
                 await self.runners.send(runner.runner_id, CancelTask(task_id=task_id))
                 return
         # Not taken in yet (a fetch still on its way here, or not fetched at all): remembered,

@@ -37,7 +37,7 @@ class RunnerReports:
         image that could not be stored (its terminal becomes that failure)."""
         return (
             report.status == "cancelled"
-            and report.task_id not in self.cancels_sent
+            and self.state.notes_of(report.task_id).cancel is not ev.CancelOrigin.WHILE_RUNNING
             and report.task_id not in self.images.unstored
         )
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from functools import singledispatch
 
 from fleet.wire.cluster import Instance, ModelCard
@@ -85,6 +86,26 @@ class PendingTask:
     local_only: bool = False  # handed in from another node, or declined there: run it here
 
 
+class CancelOrigin(StrEnum):
+    """Why a task was cancelled while it was not in this node's queue."""
+
+    WHILE_RUNNING = "while_running"  # a user's cancel, sent to the runner that runs it
+    WHILE_OFFERED = "while_offered"  # heard while it was offered to another node
+
+
+@dataclass(frozen=True)
+class TaskNotes:
+    """What the node keeps of a task beside its place (queued, or on a runner), from its
+    intake to its release: the input images it holds in the node's cache, and a cancel that
+    must shape its end."""
+
+    pinned: tuple[str, ...] = ()  # input image hashes pinned in the node's cache
+    cancel: CancelOrigin | None = None
+
+
+NO_NOTES = TaskNotes()
+
+
 @dataclass(frozen=True)
 class Failure:
     attempts: int
@@ -112,6 +133,10 @@ class WorkerState:
     # advertises again after that (a dead node's summaries outlive it by up to the TTL)
     silent: dict[str, float] = field(default_factory=dict)
     spare_cores: float | None = None  # this node's idle CPU in cores, measured (None: not yet)
+    notes: Mapping[str, TaskNotes] = field(default_factory=dict)  # by task id, until released
+
+    def notes_of(self, task_id: str) -> TaskNotes:
+        return self.notes.get(task_id, NO_NOTES)
 
     def hosted_instances(self) -> list[Instance]:
         return [
@@ -240,6 +265,30 @@ class TaskEnded:
 
 
 @dataclass(frozen=True)
+class InputsPinned:
+    """The task's input images are on local disk, pinned for it until it is released."""
+
+    task_id: str
+    hashes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CancelNoted:
+    """A cancel that must shape the task's end (None: the note is spent)."""
+
+    task_id: str
+    origin: CancelOrigin | None
+
+
+@dataclass(frozen=True)
+class TaskReleased:
+    """The task left this node for good (ended, handed back or handed off): its notes go
+    (the caller unpins its inputs)."""
+
+    task_id: str
+
+
+@dataclass(frozen=True)
 class Stopping:
     pass
 
@@ -280,7 +329,8 @@ StateEvent = (
     InstancesChanged | RunnerStarting | RunnerSpawned | RunnerStartFailed | CommandSent
     | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | IntakeStarted | IntakeEnded
     | TaskQueued | InputsFetching
-    | InputsReady | TaskDispatched | TaskEnded | Stopping | RemoteRunnersSeen | HandOffStarted
+    | InputsReady | TaskDispatched | TaskEnded | InputsPinned | CancelNoted | TaskReleased
+    | Stopping | RemoteRunnersSeen | HandOffStarted
     | HandOffEnded | FirstOutput | CoresSampled
 )
 
@@ -367,6 +417,30 @@ def _(event: PullStarted, state: WorkerState) -> WorkerState:
 @_apply.register
 def _(event: PullEnded, state: WorkerState) -> WorkerState:
     return replace(state, pulling=state.pulling - {event.model})
+
+
+def _with_notes(state: WorkerState, task_id: str, **changes: object) -> WorkerState:
+    notes = replace(state.notes_of(task_id), **changes)
+    return replace(state, notes={**state.notes, task_id: notes})
+
+
+@_apply.register
+def _(event: InputsPinned, state: WorkerState) -> WorkerState:
+    return _with_notes(state, event.task_id, pinned=event.hashes)
+
+
+@_apply.register
+def _(event: CancelNoted, state: WorkerState) -> WorkerState:
+    if event.origin is None and event.task_id not in state.notes:
+        return state
+    return _with_notes(state, event.task_id, cancel=event.origin)
+
+
+@_apply.register
+def _(event: TaskReleased, state: WorkerState) -> WorkerState:
+    if event.task_id not in state.notes:
+        return state
+    return replace(state, notes={k: v for k, v in state.notes.items() if k != event.task_id})
 
 
 @_apply.register

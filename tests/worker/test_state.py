@@ -10,7 +10,15 @@ from fleet.wire.cluster import Instance, ShardAssignment
 from fleet.wire.runners import RunnerConnected, RunnerFailed, RunnerLoading, RunnerReady
 from fleet.wire.tasks import ImageEdits, TextGeneration
 from fleet.worker import state as ev
-from fleet.worker.state import Failure, PendingTask, RunnerView, WorkerState, apply
+from fleet.worker.state import (
+    CancelOrigin,
+    Failure,
+    PendingTask,
+    RunnerView,
+    TaskNotes,
+    WorkerState,
+    apply,
+)
 
 HERE = "node-a"
 SHA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
@@ -86,6 +94,25 @@ ROWS = [
                  id="pull-started"),
     pytest.param(given(pulling=frozenset({"tiny-llm", "tiny-flux2"})), ev.PullEnded("tiny-llm"),
                  given(pulling=frozenset({"tiny-flux2"})), id="pull-ended-for-that-model-only"),
+    # ---- a task's notes: pins and cancels, until it is released ----------------------------
+    pytest.param(EMPTY, ev.InputsPinned("t-2", (SHA,)),
+                 given(notes={"t-2": TaskNotes(pinned=(SHA,))}), id="inputs-pinned"),
+    pytest.param(given(notes={"t-2": TaskNotes(pinned=(SHA,))}),
+                 ev.CancelNoted("t-2", CancelOrigin.WHILE_RUNNING),
+                 given(notes={"t-2": TaskNotes((SHA,), CancelOrigin.WHILE_RUNNING)}),
+                 id="a-cancel-joins-the-pins"),
+    pytest.param(EMPTY, ev.CancelNoted("t-1", CancelOrigin.WHILE_OFFERED),
+                 given(notes={"t-1": TaskNotes(cancel=CancelOrigin.WHILE_OFFERED)}),
+                 id="cancel-while-offered-noted"),
+    pytest.param(given(notes={"t-1": TaskNotes(cancel=CancelOrigin.WHILE_OFFERED)}),
+                 ev.CancelNoted("t-1", None), given(notes={"t-1": TaskNotes()}),
+                 id="a-spent-cancel-is-cleared"),
+    pytest.param(EMPTY, ev.CancelNoted("t-9", None), EMPTY, id="clearing-no-note-adds-none"),
+    pytest.param(given(notes={"t-1": TaskNotes(cancel=CancelOrigin.WHILE_RUNNING),
+                              "t-2": TaskNotes(pinned=(SHA,))}),
+                 ev.TaskReleased("t-1"), given(notes={"t-2": TaskNotes(pinned=(SHA,))}),
+                 id="released-drops-that-tasks-notes-only"),
+    pytest.param(EMPTY, ev.TaskReleased("t-9"), EMPTY, id="releasing-unknown-task-is-harmless"),
     # ---- intakes ---------------------------------------------------------------------------
     pytest.param(EMPTY, ev.IntakeStarted("intake-7", "tiny-llm"),
                  given(receiving={"intake-7": "tiny-llm"}), id="intake-started"),
