@@ -74,7 +74,7 @@ class Tally:
         continuations = sum(isinstance(e, TaskAccepted) and e.attempt > 0 for e in events)
         self.counts["continued"] += continuations > 0
         tokens = [e for e in events if isinstance(e, TokenChunk)]
-        indexes = [t.index for t in tokens]
+        indexes = [t.index + k for t in tokens for k in range(t.count)]  # several an event
         if not terminals:
             return self.note("lost", task_id)
         if len(terminals) > 1:
@@ -85,7 +85,7 @@ class Tally:
             self.note("gap", task_id)
         end = terminals[0]
         if end.status == "completed":
-            ids = [t.token_id for t in sorted(tokens, key=lambda t: t.index)]
+            ids = [i for t in sorted(tokens, key=lambda t: t.index) for i in t.ids]
             usage = end.usage.completion_tokens if end.usage else -1
             exact = ids == want and usage == len(want)
             return self.note("completed" if exact else "completed_unlike_reference", task_id)
@@ -113,7 +113,7 @@ async def test_workers_killed_every_10s_lose_and_duplicate_nothing(
 
     await asyncio.gather(add_worker("w0"), add_worker("w1"))
     references = {name: await run_whole(nc, request(f"ref-{name}", name)) for name in SAMPLERS}
-    want = {name: [e.token_id for e in events if isinstance(e, TokenChunk)]
+    want = {name: [i for e in events if isinstance(e, TokenChunk) for i in e.ids]
             for name, events in references.items()}
     live = Live()
     await nc.subscribe("fleet.out.>", cb=live.on_msg)

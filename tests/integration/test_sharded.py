@@ -92,8 +92,8 @@ async def test_smollm2_over_two_nodes_answers_with_the_unsharded_tokens(
     events = await run_task(nc, paris("sharded-1"))
     assert finished(events).status == "completed"
     assert "Paris" in text_of(events)
-    tokens = [e.token_id for e in events if isinstance(e, TokenChunk)]
-    assert tokens == [e.token_id for e in unsharded if isinstance(e, TokenChunk)]
+    tokens = [i for e in events if isinstance(e, TokenChunk) for i in e.ids]
+    assert tokens == [i for e in unsharded if isinstance(e, TokenChunk) for i in e.ids]
     accepted = [e for e in events if e.type == "task_accepted"]
     assert [e.node_id for e in accepted] == [sharded.shards[0].node_id]  # rank 0's worker
     # Each rank traced its share of the task: a generation span with its rank, and its phases.

@@ -16,7 +16,7 @@ import pytest
 
 from fleet.models.catalog import get_card
 from fleet.wire import subjects
-from fleet.wire.events import ErrorReason, TaskFinished
+from fleet.wire.events import ErrorReason, TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
@@ -93,7 +93,7 @@ async def test_same_seed_gives_the_same_text(nats_url: str, start_worker: Worker
         task = chat(task_id, "tell me a story", temperature=1.0, seed=1234, max_tokens=24)
         events = await run_task(nc, task)
         assert finished(events).status == "completed"
-        texts.append([e.token_id for e in events if e.type == "token"])
+        texts.append([i for e in events if isinstance(e, TokenChunk) for i in e.ids])
     assert texts[0] == texts[1] and len(texts[0]) > 0
     await nc.close()
 

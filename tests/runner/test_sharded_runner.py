@@ -53,8 +53,8 @@ class Rank:
     async def next(self) -> Any:
         item = await asyncio.wait_for(self.reports.get(), WAIT_S)
         report = item.report if isinstance(item, RunnerReported) else item
-        if isinstance(report, TokenChunk):
-            self.tokens.setdefault(report.task_id, []).append(report.token_id)
+        if isinstance(report, TokenChunk):  # an event may carry several tokens
+            self.tokens.setdefault(report.task_id, []).extend(report.ids)
         if isinstance(report, TaskFinished):
             self.finished[report.task_id] = report
         return report
