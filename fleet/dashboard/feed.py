@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from fleet.wire import subjects
 from fleet.wire.base import Wire
 from fleet.wire.cluster import Instance, NodeInfo, RunnerRecord
 from fleet.wire.codec import DecodeError, decode_event, decode_model
+from fleet.wire.events import TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class Feed:
         self._fleet_dirty = False
         self._dirty_tasks: set[str] = set()
         self._tokens_this_tick = self._tasks_this_tick = 0
+        self._node_tokens: Counter[str] = Counter()  # tokens made this tick, by node
+        self.following = asyncio.Event()  # set once fleet.out.* is subscribed
         self._skipped: set[str] = set()  # bucket/key of records that did not decode
         self.nodes = Mirror(subjects.NODES_BUCKET, self._fleet_changed)
         self.instances = Mirror(subjects.INSTANCES_BUCKET, self._fleet_changed)
@@ -212,8 +215,9 @@ class Feed:
             return
         now = time.time()
         sample = {"at": now, "queues": queues, "tasks": self._tasks_this_tick,
-                  "tokens": self._tokens_this_tick}
+                  "tokens": self._tokens_this_tick, "node_tokens": dict(self._node_tokens)}
         self._tasks_this_tick = self._tokens_this_tick = 0
+        self._node_tokens.clear()
         self.history.append(sample)
         self._broadcast("sample", sample)
         if queues != self.queues:  # the fleet snapshot lists the queues too
@@ -236,16 +240,20 @@ class Feed:
             new = event.task_id not in self.tasks.rows
             if event.type == "task_accepted" and new:
                 self._tasks_this_tick += 1
-            if event.type == "token":
-                self._tokens_this_tick += 1
+            if isinstance(event, TokenChunk):
+                self._tokens_this_tick += event.count
                 if not new:  # a token alone changes one counter: sent with the next change
-                    self.tasks.fold(event)
+                    row = self.tasks.fold(event)
+                    if row.node:
+                        self._node_tokens[row.node] += event.count
                     return
             self.tasks.fold(event)
             self._dirty_tasks.add(self._adopt(event.task_id) if new else event.task_id)
             self._due.set()
 
         sub = await nc.subscribe(subjects.out("*"), cb=on_event)
+        await nc.flush()  # the server has the subscription: events from now on arrive
+        self.following.set()
         try:
             await asyncio.Event().wait()  # until cancelled with the feed
         finally:

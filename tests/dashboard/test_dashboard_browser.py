@@ -96,6 +96,9 @@ def test_model_pickers_default_to_a_ready_model_and_mark_the_unavailable_ones(
     use_key(page, stack, stack["key"], "fleet")
     wait(page, lambda d: len(css(d, '.runner[data-state="ready"]')) == 2, 120,
          "both runners ready")
+    rates = wait(page, lambda d: [e.text for e in css(d, "#nodes .rate") if "tok/s" in e.text],
+                 20, "the node's token rate")
+    assert rates and all(r.endswith(" tok/s") for r in rates), rates
     cards = css(page, ".instance .placement")
     assert cards and all("rank 0/1" not in c.text and " on " in c.text for c in cards), [
         c.text for c in cards]  # an unsharded instance names its node, not "shards: rank 0/1"

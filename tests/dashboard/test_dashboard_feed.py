@@ -197,6 +197,31 @@ async def test_every_tab_shares_one_reader_and_sees_a_node_join(
     assert not feed.tabs
 
 
+async def test_each_sample_counts_the_tokens_each_node_made(
+    app: Starlette, provisioned_nc: Client
+) -> None:
+    feed: Feed = app.state.dashboard_feed
+    await asyncio.wait_for(feed.following.wait(), 10)
+    tab = feed.subscribe()
+    for task_id, node in (("t-n1", "n1"), ("t-n2", "n2")):
+        event = accepted(task_id).model_copy(update={"node_id": node})
+        await provisioned_nc.publish(subjects.out(task_id), encode(event))
+    three = TokenChunk(task_id="t-n1", at=2.0, index=0, token_id=1, token_ids=[1, 2, 3],
+                       text="abc")
+    await provisioned_nc.publish(subjects.out("t-n1"), encode(three))
+    await provisioned_nc.publish(subjects.out("t-n2"), encode(token("t-n2")))
+    made: dict[str, int] = {}
+    total = 0
+    async with asyncio.timeout(20):
+        while made != {"n1": 3, "n2": 1}:
+            sample = await next_of(tab, b"sample")
+            assert isinstance(sample, dict)
+            total += sample["tokens"]
+            for node, count in sample["node_tokens"].items():
+                made[node] = made.get(node, 0) + count
+    assert total == 4  # tokens, not token events
+
+
 async def test_a_node_card_that_does_not_decode_is_skipped_and_the_feed_goes_on(
     app: Starlette, provisioned_nc: Client
 ) -> None:

@@ -2,7 +2,16 @@
 // of each, every runner's state machine drawn with its current state lit.
 import { call, fillModels, fmt, h } from "./api.js";
 
-function nodeCard(node) {
+// Tokens a second the node's tasks made over the last few samples (the feed takes one a second).
+function nodeRate(history, nodeId) {
+  const recent = history.slice(-6);
+  const seconds = recent.length > 1 ? recent[recent.length - 1].at - recent[0].at : 0;
+  if (seconds <= 0) return "–";
+  const made = recent.slice(1).reduce((sum, s) => sum + ((s.node_tokens || {})[nodeId] || 0), 0);
+  return `${(made / seconds).toFixed(made / seconds < 10 ? 1 : 0)} tok/s`;
+}
+
+function nodeCard(node, history) {
   const used = node.memory_total_bytes - node.memory_available_bytes;
   const share = node.memory_total_bytes ? (100 * used) / node.memory_total_bytes : 0;
   const age = Math.max(0, Date.now() / 1000 - node.at);
@@ -15,6 +24,8 @@ function nodeCard(node) {
     h("div", {}, "devices: ", (node.devices || []).map((d) =>
       `${d.kind} ${d.name}${d.memory_bytes ? " " + fmt.bytes(d.memory_bytes) : ""}`).join(", ") || "–"),
     h("div", {}, "models on disk: ", (node.models_on_disk || []).join(", ") || "–"),
+    h("div", {}, "making ", h("span", { class: "rate", "data-rate": node.node_id },
+      nodeRate(history, node.node_id))),
     h("div", { class: "muted heartbeat", "data-at": node.at }, `heartbeat ${age.toFixed(0)} s ago`));
 }
 
@@ -102,7 +113,8 @@ export function mount(view, store) {
     h("h2", { class: "operator-only" }, "Place an instance"), place);
 
   function drawNodes() {
-    nodes.replaceChildren(...(store.fleet.nodes.length ? store.fleet.nodes.map(nodeCard)
+    nodes.replaceChildren(...(store.fleet.nodes.length
+      ? store.fleet.nodes.map((n) => nodeCard(n, store.history))
       : [h("p", { class: "muted" }, "no live node")]));
   }
   function draw() {
@@ -124,6 +136,13 @@ export function mount(view, store) {
     }
   }, 1000);
   // A `beats` message (heartbeat times, free memory) redraws the node cards alone.
-  return { update: (kind) => { if (kind === "fleet") draw(); else if (kind === "beats" && store.fleet) drawNodes(); },
+  function drawRates() {
+    for (const el of view.querySelectorAll(".rate")) el.textContent = nodeRate(store.history, el.dataset.rate);
+  }
+  return { update: (kind) => {
+    if (kind === "fleet") draw();
+    else if (kind === "beats" && store.fleet) drawNodes();
+    else if (kind === "sample") drawRates();
+  },
     stop: () => clearInterval(ticker) };
 }
