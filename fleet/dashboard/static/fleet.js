@@ -75,7 +75,7 @@ function instanceCard(instance, runners, states, note) {
   remove.addEventListener("click", () => removeInstance(instance.instance_id, remove, note));
   return h("article", { class: "card instance", "data-instance": instance.instance_id },
     h("h3", {}, instance.model, " ", h("span", { class: "muted" }, instance.instance_id)),
-    h("div", { class: "placement" }, `${instance.slots} slots · `, placement(instance.shards)),
+    h("div", { class: "placement" }, `${instance.slots} slot${instance.slots === 1 ? "" : "s"} · `, placement(instance.shards)),
     runners.filter((r) => r.instance_id === instance.instance_id).map((r) => runnerCard(r, states)),
     remove);
 }
