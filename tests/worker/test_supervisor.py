@@ -39,7 +39,9 @@ from fleet.worker.supervisor import (
     describe_exit,
 )
 
-WAIT_S = 20.0  # generous: two shared cores, each runner imports pydantic and fleet
+# Generous: each runner imports pydantic, fleet and (the real one) mlx-lm; on two cores beside
+# the rest of the suite or a CPU hog that took over 20 s. A wait on a report, not a sleep.
+WAIT_S = 90.0
 
 
 def make_spec(card: ModelCard | None = None, model_path: str = "/nowhere") -> RunnerSpec:
