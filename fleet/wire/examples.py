@@ -6,7 +6,19 @@ from datetime import UTC, datetime
 
 from pydantic import BaseModel
 
-from fleet.wire import ask, cluster, events, handoff, pipe, prefixes, records, ring, runners, tasks
+from fleet.wire import (
+    ask,
+    cluster,
+    events,
+    handoff,
+    pipe,
+    prefixes,
+    records,
+    ring,
+    runners,
+    tasks,
+    uploads,
+)
 
 _AT = 1764495000.0
 _WHEN = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
@@ -52,6 +64,10 @@ def examples() -> dict[str, BaseModel]:
         "image_edits": tasks.ImageEdits(
             task_id="edit-1", model="tiny-flux2", prompt="make it night", size="128x128",
             input_images=[_SHA], strength=0.5,
+        ),
+        "image_stored": uploads.ImageStored(sha256=_SHA, size=20480, already_stored=False),
+        "upload_refused": uploads.UploadRefused(
+            reason="digest_mismatch", message="the image's sha256 is not the Fleet-Sha256 sent",
         ),
         "cancel_task": tasks.CancelTask(task_id="chat-1", reason="client went away"),
         "task_accepted": events.TaskAccepted(
