@@ -23,6 +23,7 @@ from fleet.wire.handoff import HandOffAnswer, TaskHandOff
 from fleet.wire.prefixes import PrefixSummary
 from fleet.wire.records import TaskRecord
 from fleet.wire.ring import StepPlan
+from fleet.wire.uploads import UPLOAD_REPLY, UploadReply
 
 FAST = settings(max_examples=100, deadline=None)
 
@@ -38,6 +39,7 @@ UNION_DECODERS: list[tuple[Any, TypeAdapter[Any]]] = [
     (cluster.ClusterEvent, codec.CLUSTER_EVENT),
     (runners.RunnerStatus, codec.RUNNER_STATUS),
     (AskReply, codec.ASK_REPLY),
+    (UploadReply, UPLOAD_REPLY),
     (pipe.RunnerCommand, pipe.COMMAND),
     (pipe.RunnerReport, pipe.REPORT),
 ]
