@@ -12,52 +12,28 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
-import nats
 import pytest
-from nats.aio.client import Client
 
-from fleet.bus import denials
-from fleet.bus.auth_gen import env_password
-from fleet.bus.embedded import EmbeddedNats, ops_dir
 from fleet.bus.objects import ObjectBucket
 from fleet.bus.provision import ensure_task_consumer, provision
 from fleet.bus.roles import GRANTS
-from tests.secured import PASSWORDS
+from tests.secured import as_role, shipped_auth_server
 
 MODEL = "acked-v2"
 
 
 @pytest.fixture(scope="module")
 def v2_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    folder = tmp_path_factory.mktemp("ackv2")
-    config = folder / "auth-v2.conf"
-    config.write_text((ops_dir() / "nats" / "auth.conf").read_text()
-                      + "\nfeature_flags { js_ack_fc_v2: true }\n")
-    with pytest.MonkeyPatch.context() as env:
-        for role, password in PASSWORDS.items():
-            env.setenv(env_password(role), password)
-        server = EmbeddedNats(folder / "nats", port=0, config=config,
-                              log_file=folder / "nats.log")
-        server.start()
-    try:
-        asyncio.run(_prepare(server.url))
-        yield server.url
-    finally:
-        server.stop()
-        denials.forget_permission_errors()
+    with shipped_auth_server(tmp_path_factory.mktemp("ackv2"),
+                             "feature_flags { js_ack_fc_v2: true }") as url:
+        asyncio.run(_prepare(url))
+        yield url
 
 
-async def _as(url: str, role: str, violations: list[str] | None = None) -> Client:
-    async def on_error(exc: Exception) -> None:
-        if violations is not None and "permissions violation" in str(exc).lower():
-            violations.append(str(exc))
-
-    return await nats.connect(url, user=role, password=PASSWORDS[role], allow_reconnect=False,
-                              error_cb=on_error, inbox_prefix=f"_INBOX.{role}")
 
 
 async def _prepare(url: str) -> None:
-    admin = await _as(url, "operator")
+    admin = await as_role(url, "operator")
     try:
         await provision(admin)
         await ensure_task_consumer(admin, MODEL)
@@ -77,8 +53,8 @@ def _matches(subject: str, pattern: str) -> bool:
 
 async def test_a_worker_acks_a_task_in_the_v2_form(v2_url: str) -> None:
     violations: list[str] = []
-    admin = await _as(v2_url, "operator")
-    worker = await _as(v2_url, "worker", violations)
+    admin = await as_role(v2_url, "operator")
+    worker = await as_role(v2_url, "worker", violations)
     try:
         await admin.jetstream().publish(f"fleet.tasks.{MODEL}", b"{}")
         sub = await worker.jetstream().pull_subscribe_bind(f"tasks-{MODEL}", stream="FLEET_TASKS")
@@ -99,8 +75,8 @@ async def test_a_worker_acks_a_task_in_the_v2_form(v2_url: str) -> None:
 async def test_a_client_reads_an_image_with_v2_flow_control(v2_url: str, tmp_path: Path) -> None:
     """Several chunks through a push consumer with flow control (fleet.bus.chunks)."""
     violations: list[str] = []
-    admin = await _as(v2_url, "operator")
-    client = await _as(v2_url, "client", violations)
+    admin = await as_role(v2_url, "operator")
+    client = await as_role(v2_url, "client", violations)
     try:
         image = bytes(range(256)) * 20_000  # 5 MB: flow-control requests on the way
         name = await ObjectBucket(admin).put_by_hash(image)

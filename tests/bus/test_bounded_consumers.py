@@ -19,7 +19,7 @@ from nats.aio.client import Client
 
 from fleet.bus.connect import ConnectOptions, connect
 from fleet.bus.provision import LIMIT_KEYS, definitions, limits_to_update, provision
-from tests.secured import PASSWORDS, shipped_auth_server
+from tests.secured import PASSWORDS, as_role, shipped_auth_server
 
 SECOND = 1_000_000_000
 THRESHOLD_NS = 60 * SECOND
@@ -129,18 +129,10 @@ def secured_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-async def _as(url: str, role: str, violations: list[str] | None = None) -> Client:
-    async def on_error(exc: Exception) -> None:
-        if violations is not None and "permissions violation" in str(exc).lower():
-            violations.append(str(exc))
-
-    # Each role may read only its own inboxes (`_INBOX.<role>`), as fleet.bus.connect makes.
-    return await nats.connect(url, user=role, password=PASSWORDS[role], allow_reconnect=False,
-                              error_cb=on_error, inbox_prefix=f"_INBOX.{role}")
 
 
 async def _provision_as_operator(url: str) -> None:
-    admin = await _as(url, "operator")
+    admin = await as_role(url, "operator")
     try:
         await provision(admin)
     finally:
@@ -160,7 +152,7 @@ async def test_a_client_cannot_make_a_durable(secured_url: str, stream: str) -> 
     """Issue 31's probe (`CONSUMER.CREATE.FLEET_OUT.evil.fleet.out.>` passed the old grant),
     the legacy DURABLE.CREATE, and a durable name on the unsuffixed form."""
     violations: list[str] = []
-    nc = await _as(secured_url, "client", violations)
+    nc = await as_role(secured_url, "client", violations)
     try:
         config = {"durable_name": "evil", "ack_policy": "none",
                   "deliver_subject": "_INBOX.client.evil"}
@@ -178,7 +170,7 @@ async def test_a_client_cannot_make_a_durable(secured_url: str, stream: str) -> 
 async def test_what_a_client_creates_goes_within_the_threshold(
     secured_url: str, stream: str
 ) -> None:
-    nc = await _as(secured_url, "client")
+    nc = await as_role(secured_url, "client")
     try:
         longer = {"ack_policy": "none", "inactive_threshold": 3600 * SECOND,
                   "deliver_subject": "_INBOX.client.long"}
@@ -193,8 +185,8 @@ async def test_what_a_client_creates_goes_within_the_threshold(
 
 
 async def test_an_honest_replay_still_works_under_the_client_role(secured_url: str) -> None:
-    admin = await _as(secured_url, "operator")
-    nc = await _as(secured_url, "client")
+    admin = await as_role(secured_url, "operator")
+    nc = await as_role(secured_url, "client")
     try:
         await admin.jetstream().publish("fleet.out.honest", b"event")
         sub = await nc.jetstream().subscribe("fleet.out.honest", stream="FLEET_OUT",
@@ -207,7 +199,7 @@ async def test_an_honest_replay_still_works_under_the_client_role(secured_url: s
 
 
 async def test_the_consumer_count_of_fleet_out_is_bounded(secured_url: str) -> None:
-    nc = await _as(secured_url, "client")
+    nc = await as_role(secured_url, "client")
     try:
         info = await _api(nc, "STREAM.INFO.FLEET_OUT")
         assert info["config"]["max_consumers"] == _definition("FLEET_OUT")["max_consumers"]
@@ -223,7 +215,7 @@ async def test_a_role_that_may_not_update_a_stream_uses_it_as_it_is_and_says_so(
     may not update the stream; it says who may and goes on at once (no wait for a reply the
     server never sends)."""
     with shipped_auth_server(tmp_path_factory.mktemp("outdated")) as url:
-        admin = await _as(url, "operator")
+        admin = await as_role(url, "operator")
         worker = await connect(url, "test-worker", options=ConnectOptions(
             user="worker", password=PASSWORDS["worker"]), inbox_owner="worker")
         try:

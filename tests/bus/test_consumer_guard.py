@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 from nats.aio.client import Client
 
@@ -31,7 +30,7 @@ from tests.integration.harness import (
     run_task,
     serving,
 )
-from tests.secured import PASSWORDS, shipped_auth_server
+from tests.secured import as_role, shipped_auth_server
 
 MODEL = "guarded"
 SECOND = 1_000_000_000
@@ -97,13 +96,10 @@ def secured_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-async def _as(url: str, role: str) -> Client:
-    return await nats.connect(url, user=role, password=PASSWORDS[role], allow_reconnect=False,
-                              inbox_prefix=f"_INBOX.{role}")
 
 
 async def _provision(url: str) -> None:
-    admin = await _as(url, "operator")
+    admin = await as_role(url, "operator")
     try:
         await provision(admin)
     finally:
@@ -112,7 +108,7 @@ async def _provision(url: str) -> None:
 
 @pytest.fixture
 async def workers(secured_url: str) -> AsyncIterator[tuple[Client, Client]]:
-    honest, rogue = await _as(secured_url, "worker"), await _as(secured_url, "worker")
+    honest, rogue = await as_role(secured_url, "worker"), await as_role(secured_url, "worker")
     yield honest, rogue
     await honest.close()
     await rogue.close()

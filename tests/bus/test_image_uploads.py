@@ -11,7 +11,6 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import nats
 import pytest
 from nats.aio.client import Client
 
@@ -24,7 +23,7 @@ from fleet.bus.uploads import upload_image
 from fleet.errors import NotPermitted, PayloadTooLarge
 from fleet.wire.uploads import IMAGE_UPLOAD, SHA256_HEADER
 from fleet.worker.uploads import ImageUploads, refusal
-from tests.secured import PASSWORDS, shipped_auth_server
+from tests.secured import PASSWORDS, as_role, shipped_auth_server
 
 VICTIM = b"someone else's input image"
 VICTIM_SHA = hashlib.sha256(VICTIM).hexdigest()
@@ -48,17 +47,10 @@ def secured_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-async def _as(url: str, role: str, violations: list[str] | None = None) -> Client:
-    async def on_error(exc: Exception) -> None:
-        if violations is not None and "permissions violation" in str(exc).lower():
-            violations.append(str(exc))
-
-    return await nats.connect(url, user=role, password=PASSWORDS[role], allow_reconnect=False,
-                              error_cb=on_error, inbox_prefix=f"_INBOX.{role}")
 
 
 async def _prepare(url: str) -> None:
-    admin = await _as(url, "operator")
+    admin = await as_role(url, "operator")
     try:
         await provision(admin)
         await ObjectBucket(admin).put_by_hash(VICTIM)
@@ -69,7 +61,7 @@ async def _prepare(url: str) -> None:
 @pytest.fixture
 async def worker(secured_url: str) -> AsyncIterator[Client]:
     """A worker's upload responder, under the worker role."""
-    nc = await _as(secured_url, "worker")
+    nc = await as_role(secured_url, "worker")
     async with Supervisor("test-uploads") as owner:
         uploads = ImageUploads(nc, ObjectBucket(nc), owner)
         await uploads.start()
@@ -91,7 +83,7 @@ async def _refused(nc: Client, violations: list[str], subject: str, *,
 
 async def test_a_client_cannot_delete_or_replace_an_image(secured_url: str) -> None:
     violations: list[str] = []
-    nc = await _as(secured_url, "client", violations)
+    nc = await as_role(secured_url, "client", violations)
     try:
         bucket = ObjectBucket(nc)
         info = await bucket.info(VICTIM_SHA)
@@ -111,7 +103,7 @@ async def test_a_client_cannot_delete_or_replace_an_image(secured_url: str) -> N
 async def test_a_client_uploads_through_a_worker_and_reads_it_back(
     secured_url: str, worker: Client
 ) -> None:
-    nc = await _as(secured_url, "client")
+    nc = await as_role(secured_url, "client")
     try:
         image = b"\x89PNG a client's input image"
         stored = await upload_image(nc, image)
@@ -128,7 +120,7 @@ async def test_a_client_uploads_through_a_worker_and_reads_it_back(
 async def test_an_upload_too_large_for_one_message_says_where_to_send_it(
     secured_url: str,
 ) -> None:
-    nc = await _as(secured_url, "client")
+    nc = await as_role(secured_url, "client")
     try:
         with pytest.raises(PayloadTooLarge, match="gateway"):
             await upload_image(nc, b"x" * nc.max_payload)
@@ -140,8 +132,8 @@ async def test_an_upload_is_answered_only_on_an_inbox(secured_url: str, worker: 
     """The responder's grants reach FLEET_OUT and the workers' own inboxes (their pulls): a
     reply pointed there gets nothing written, and the image is not stored for a requester
     that cannot hear the answer."""
-    admin = await _as(secured_url, "operator")
-    client = await _as(secured_url, "client")
+    admin = await as_role(secured_url, "operator")
+    client = await as_role(secured_url, "client")
     try:
         body = b"pointed at someone's output"
         watched = await admin.subscribe("_INBOX.worker.its-pull-inbox")
