@@ -30,8 +30,6 @@ def v2_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-
-
 async def _prepare(url: str) -> None:
     admin = await as_role(url, "operator")
     try:

@@ -129,8 +129,6 @@ def secured_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-
-
 async def _provision_as_operator(url: str) -> None:
     admin = await as_role(url, "operator")
     try:
@@ -205,7 +203,6 @@ async def test_the_consumer_count_of_fleet_out_is_bounded(secured_url: str) -> N
         assert info["config"]["max_consumers"] == _definition("FLEET_OUT")["max_consumers"]
     finally:
         await nc.close()
-
 
 
 async def test_a_role_that_may_not_update_a_stream_uses_it_as_it_is_and_says_so(

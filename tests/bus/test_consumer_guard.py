@@ -96,8 +96,6 @@ def secured_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-
-
 async def _provision(url: str) -> None:
     admin = await as_role(url, "operator")
     try:

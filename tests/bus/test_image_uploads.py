@@ -47,8 +47,6 @@ def secured_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
 
 
-
-
 async def _prepare(url: str) -> None:
     admin = await as_role(url, "operator")
     try:
@@ -153,7 +151,6 @@ async def test_an_upload_is_answered_only_on_an_inbox(secured_url: str, worker: 
     finally:
         await client.close()
         await admin.close()
-
 
 
 async def test_a_client_writing_the_store_itself_is_refused_at_once(secured_url: str) -> None:
