@@ -33,6 +33,7 @@ from bench.fleet_stack import FleetStack, NatsPath, seed_data_dir, text_task, wa
 from bench.fresh_worker import measure_fresh_worker
 from bench.http_path import OpenAIStreamPath
 from bench.limit import LimitPath
+from bench.procs import cpu_seconds
 from bench.workload import Request, make_request, percentile
 from fleet.models.catalog import get_card
 from fleet.models.store import ensure_model
@@ -107,17 +108,6 @@ async def measure_accepted(nc: Client, log_: EventLog, eos: list[int], counts: C
     }
 
 
-def _cpu(processes: dict[str, psutil.Process]) -> dict[str, float]:
-    seconds = {}
-    for name, process in processes.items():
-        try:
-            times = process.cpu_times()
-            seconds[name] = times.user + times.system
-        except psutil.Error:
-            seconds[name] = float("nan")
-    return seconds
-
-
 async def measure_output(
     stack: FleetStack, limit: LimitPath, nc: Client, eos: list[int], counts: Counts
 ) -> dict[str, Any]:
@@ -139,10 +129,10 @@ async def measure_output(
         for path, procs in paths:
             requests = [make_request("unique", counts.output_tokens, eos) for _ in range(8)]
             await path.burst(requests[:2])  # warm
-            before, began = _cpu(procs), time.perf_counter()
+            before, began = cpu_seconds(procs), time.perf_counter()
             results = await path.burst(requests)
             wall = time.perf_counter() - began
-            after = _cpu(procs)
+            after = cpu_seconds(procs)
             tokens = sum(r.tokens for r in results)
             out[path.name] = {
                 "tokens": tokens,

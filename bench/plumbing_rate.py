@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 
 from bench.event_log import ms
 from bench.fleet_stack import FleetStack
+from bench.procs import cpu_seconds
 from bench.workload import percentile
 from fleet.models.catalog import custom_cards_dir
 from fleet.runner.fault_engine import fault_card
@@ -68,17 +69,6 @@ def _prompt(tokens: int, rate: int | None = None) -> str:
 def _task(task_id: str, tokens: int, rate: int | None = None) -> TextGeneration:
     return TextGeneration(task_id=task_id, model=MODEL, max_tokens=tokens,
                           messages=[ChatMessage(role="user", content=_prompt(tokens, rate))])
-
-
-def _cpu(processes: dict[str, psutil.Process]) -> dict[str, float]:
-    seconds = {}
-    for name, process in processes.items():
-        try:
-            times = process.cpu_times()
-            seconds[name] = times.user + times.system
-        except psutil.Error:
-            seconds[name] = float("nan")
-    return seconds
 
 
 def _per_token(before: dict[str, float], after: dict[str, float], tokens: int,
@@ -176,10 +166,10 @@ async def measure_http(stack: FleetStack, procs: dict[str, psutil.Process], plan
     limits = httpx.Limits(max_connections=STREAMS, max_keepalive_connections=STREAMS)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         await asyncio.gather(*(_http_stream(client, stack.base_url, 20) for _ in range(8)))
-        before = _cpu(procs)
+        before = cpu_seconds(procs)
         tokens, wall, errors = await _for_duration(
             plan.duration_s, lambda: _http_stream(client, stack.base_url, plan.stream_tokens))
-        after = _cpu(procs)
+        after = cpu_seconds(procs)
     return {"streams": STREAMS, "tokens": tokens, "wall_s": round(wall, 2),
             "tok_s": round(tokens / wall, 1), **_per_token(before, after, tokens, wall),
             "errors": len(errors), "first_errors": errors[:3]}
@@ -188,10 +178,10 @@ async def measure_http(stack: FleetStack, procs: dict[str, psutil.Process], plan
 async def measure_nats(nc: Client, events: RawEvents, procs: dict[str, psutil.Process],
                        plan: RatePlan) -> dict[str, Any]:
     await asyncio.gather(*(_nats_task(nc, events, 20) for _ in range(8)))
-    before = _cpu(procs)
+    before = cpu_seconds(procs)
     tokens, wall, errors = await _for_duration(
         plan.duration_s, lambda: _nats_task(nc, events, plan.stream_tokens))
-    after = _cpu(procs)
+    after = cpu_seconds(procs)
     return {"streams": STREAMS, "tokens": tokens, "wall_s": round(wall, 2),
             "tok_s": round(tokens / wall, 1), **_per_token(before, after, tokens, wall),
             "errors": len(errors), "first_errors": errors[:3]}

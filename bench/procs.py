@@ -9,6 +9,8 @@ import socket
 import subprocess
 import time
 
+import psutil
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -30,3 +32,15 @@ def stop_group(process: subprocess.Popen[bytes], grace_s: float) -> float | None
             os.killpg(process.pid, signal.SIGKILL)
         process.wait(10)
         return None
+
+
+def cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
+    """User + system CPU seconds of each named process so far; NaN for one that is gone."""
+    seconds = {}
+    for name, process in processes.items():
+        try:
+            times = process.cpu_times()
+            seconds[name] = times.user + times.system
+        except psutil.Error:
+            seconds[name] = float("nan")
+    return seconds
