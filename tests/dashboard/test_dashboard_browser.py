@@ -4,7 +4,8 @@ runner, a playground chat streaming into its task page with tokens and a waterfa
 runner's spans, an image from the playground, a second node that is SIGKILLed leaving the page
 within its heartbeat TTL, removing an instance, a tenant key that sees neither the actions nor
 the operator's tasks, and 50 nodes with 1,000 tasks drawn within a bounded wait. Each page's
-screenshot goes to docs/screenshots/ (the README's)."""
+screenshot is saved (tests/dashboard/browser.py: to docs/screenshots/, the README's, when run
+with FLEET_SCREENSHOTS=docs/screenshots)."""
 
 from __future__ import annotations
 
