@@ -37,10 +37,10 @@ TRACED_COMMANDS = ("worker", "gateway", "up", "demo", "submit")
 _CLIENT = config.GENERAL + config.CONNECTION
 # The settings each command reads (a command not named here reads only config.GENERAL).
 COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
-    "up": _CLIENT + config.WORKER + config.GATEWAY + ("nats_port",),
+    "up": _CLIENT + config.WORKER + config.GATEWAY + config.EMBEDDED,
     "worker": _CLIENT + config.WORKER,
     "gateway": _CLIENT + config.GATEWAY,
-    "nats": (*_CLIENT, "nats_port", "replicas"),
+    "nats": _CLIENT + config.EMBEDDED,
     "demo": (*config.GENERAL, "gateway_port", "nats_port", "slots"),
     "instances": _CLIENT,
     "models": _CLIENT,
@@ -85,7 +85,7 @@ def fleet_version() -> str:
 def setting_help(name: str) -> str:
     default = config.default_of(name)
     shown = "none" if default in (None, "", ()) else default
-    return f"{config.DESCRIPTIONS[name]} (env {config.env_var(name)}; default {shown})"
+    return f"{config.description(name)} (env {config.env_var(name)}; default {shown})"
 
 
 def add_settings(
@@ -104,7 +104,7 @@ def add_settings(
             continue
         default = None if top else argparse.SUPPRESS
         shown = argparse.SUPPRESS if top else setting_help(name)
-        if config.kind_of(name) == "bool":
+        if config.is_switch(name):
             group.add_argument(*options, dest=name, action=argparse.BooleanOptionalAction,
                                default=default, help=shown)
         else:
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="A NATS JetStream driven worker fleet for AI models.", epilog=SETTINGS_HELP,
     )
     parser.add_argument("--version", action="version", version=f"fleet {fleet_version()}")
-    add_settings(parser, tuple(config.DESCRIPTIONS), top=True)
+    add_settings(parser, config.NAMES, top=True)
     parser._positionals.title = "commands"  # listed before the options
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        prog="fleet")
