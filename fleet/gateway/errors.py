@@ -5,6 +5,7 @@ parameter. Statuses and OpenAI types come from the one table, fleet.errors.STATU
 from __future__ import annotations
 
 import logging
+from contextvars import ContextVar
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,10 +19,26 @@ from fleet.gateway.observability import GatewayMetrics
 log = logging.getLogger(__name__)
 
 
+# Where OpenAI has a code of its own that client libraries look for (LangChain, LiteLLM and
+# the agents SDKs test `code == "context_length_exceeded"` to trim a conversation), the body
+# carries OpenAI's code, the request field it concerns, and Fleet's own code as `fleet_code`.
+OPENAI_CODES = {"context_length": "context_length_exceeded"}
+
+
+# The request field that holds the prompt: `messages` for a chat, set by the routes whose
+# prompt is elsewhere (`prompt` for completions, `input` for responses). A context variable
+# so that the relay's error answers, made deep inside a request, name the request's field.
+PROMPT_PARAM: ContextVar[str] = ContextVar("prompt_param", default="messages")
+
+
 def error_body(exc: FleetError) -> dict[str, Any]:
     """OpenAI's error shape; `code` is the error's code (its wire reason where it has one),
     `type` the OpenAI type the one table (fleet.errors.STATUS_BY_CODE) gives that code."""
-    error = {"message": exc.message, "type": exc.openai_type, "param": getattr(exc, "param", None)}
+    param = getattr(exc, "param", None)
+    error: dict[str, Any] = {"message": exc.message, "type": exc.openai_type, "param": param}
+    if openai_code := OPENAI_CODES.get(exc.code):
+        return {"error": {**error, "param": param or PROMPT_PARAM.get(), "code": openai_code,
+                          "fleet_code": exc.code}}
     return {"error": {**error, "code": exc.code}}
 
 

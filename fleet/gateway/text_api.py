@@ -11,6 +11,7 @@ from starlette.responses import Response
 from fleet.errors import InvalidParameter
 from fleet.gateway.bodies import parse, read_json
 from fleet.gateway.catalogue import refuses_images
+from fleet.gateway.errors import PROMPT_PARAM
 from fleet.gateway.relay import Renderer
 from fleet.gateway.responses_api import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
 from fleet.gateway.service import gateway_of, new_task_id, now_utc, request_id
@@ -37,6 +38,7 @@ async def chat_completions(request: Request) -> Response:
 async def responses(request: Request) -> Response:
     """OpenAI's Responses API: a chat task, answered as a `response` object or its events."""
     asked = parse(ResponsesRequest, await read_json(request))
+    PROMPT_PARAM.set("input")  # what a context overflow names
     created = int(time.time())
 
     def renderer(reply: Reply) -> ResponsesRenderer:
@@ -77,6 +79,7 @@ async def _chat(
 async def completions(request: Request) -> Response:
     gateway = gateway_of(request)
     completion = parse(CompletionRequest, await read_json(request))
+    PROMPT_PARAM.set("prompt")  # what a context overflow names
     gateway.card_for(completion.model, "text_generation")
     timeout_s = gateway.timeout_for(completion.timeout)
     tasks = completion_tasks(completion, new_task_id("cmpl"), now_utc(), timeout_s)

@@ -14,7 +14,7 @@ from fleet.errors import (
     Unauthorized,
     failure_of,
 )
-from fleet.gateway.errors import error_body
+from fleet.gateway.errors import PROMPT_PARAM, error_body
 from fleet.gateway.image_api import images_response, stream_event
 from fleet.gateway.relay import sse, sse_error
 from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
@@ -188,7 +188,7 @@ async def test_streamed_choices_carry_their_index_and_one_usage_at_the_end() -> 
     ("finished", "status", "code"),
     [
         (done(), None, None),
-        (failed(T, 1, ErrorReason.CONTEXT_LENGTH, "too long"), 400, "context_length"),
+        (failed(T, 1, ErrorReason.CONTEXT_LENGTH, "too long"), 400, "context_length_exceeded"),
         (failed(T, 1, ErrorReason.RUNNER_CRASHED, "died"), 502, "runner_crashed"),
         (failed(T, 1, ErrorReason.DEADLINE, "late"), 504, "deadline"),
         (TaskFinished(task_id=T, at=1, status="cancelled"), 499, "cancelled"),
@@ -202,6 +202,20 @@ def test_failures_carry_their_status(finished: TaskFinished, status: int | None,
         return
     assert error is not None and error.http_status == status
     assert error_body(error)["error"]["code"] == code
+
+
+def test_a_context_overflow_has_openais_code_and_param_and_keeps_fleets_code() -> None:
+    error = failure_of(failed(T, 1, ErrorReason.CONTEXT_LENGTH, "too long"))
+    assert error is not None
+    assert error_body(error)["error"] == {
+        "message": "too long", "type": "invalid_request_error", "param": "messages",
+        "code": "context_length_exceeded", "fleet_code": "context_length",
+    }
+    token = PROMPT_PARAM.set("prompt")  # a completion's prompt is its `prompt`
+    try:
+        assert error_body(error)["error"]["param"] == "prompt"
+    finally:
+        PROMPT_PARAM.reset(token)
 
 
 def test_a_failure_without_a_message_borrows_the_error_chunk() -> None:

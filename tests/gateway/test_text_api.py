@@ -107,7 +107,9 @@ async def test_a_failed_task_is_an_error_with_its_status(
         worker.answer(_fails_with(ErrorReason.CONTEXT_LENGTH, "prompt too long")),
     )
     assert response.status_code == 400
-    assert response.json()["error"]["code"] == "context_length"
+    assert response.json()["error"]["code"] == "context_length_exceeded"  # OpenAI's code
+    assert response.json()["error"]["fleet_code"] == "context_length"  # and Fleet's
+    assert response.json()["error"]["param"] == "messages"
     assert response.json()["error"]["message"] == "prompt too long"
     assert response.headers["x-fleet-task-id"] == task.task_id  # an error names its task too
 
