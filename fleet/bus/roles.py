@@ -36,9 +36,14 @@ CANCELS = "FLEET_CANCELS"
 CLAIMS = "FLEET_CLAIMS"
 TENANTS = "FLEET_TENANTS"
 PREFIXES = "FLEET_PREFIXES"
+# Batch jobs (fleet/bus/batch_store.py): the gateway's alone.
+FILES = "OBJ_FLEET_FILES"
+BATCH_RESULTS = "FLEET_BATCH_RESULTS"
+BATCH_BUCKETS = ("FLEET_BATCHES", "FLEET_BATCH_LEASES", "FLEET_IDEMPOTENCY")
 ALL_STREAMS = (
     TASKS, OUT, EVENTS, TRACES, DEAD, ADVISORIES, REFUSED, IMAGES, WEIGHTS,
     *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS, MODELS, PREFIXES)),
+    FILES, BATCH_RESULTS, *(f"KV_{b}" for b in BATCH_BUCKETS),
 )
 
 
@@ -154,6 +159,13 @@ GRANTS: dict[str, Grant] = {
             _api("CONSUMER", "CREATE", TRACES), _api("STREAM", "MSG", "GET", TRACES),
             *(s for b in (*STATE_BUCKETS, CANCELS, TENANTS, MODELS) for s in _kv_read(b)),
             *_images_read(), *_weights_read(),
+            # Batch jobs: files (written, read, deleted: a purge of one file's chunks),
+            # records, leases, idempotency keys, and one result per request line.
+            "$O.FLEET_FILES.>", _api("STREAM", "MSG", "GET", FILES), *_readers(FILES),
+            _api("STREAM", "PURGE", FILES),
+            *(f"$KV.{b}.>" for b in BATCH_BUCKETS),
+            *(s for b in BATCH_BUCKETS for s in _kv_read(b)),
+            "fleet.batches.>", *_readers(BATCH_RESULTS),
         ],
         subscribe=[inbox("gateway"), "fleet.out.>"],
         deny=NO_DURABLES,
@@ -304,6 +316,10 @@ ACTIONS: tuple[Action, ...] = (
     Action("hand_off_task", "pass a held task message to another node (`fleet.handoff.<node>`)",
            _who("worker"), "it carries the message's ack subject: only workers may send or "
            "receive one"),
+    Action("batch_jobs", "run batch jobs: files (FLEET_FILES), job records, leases and "
+           "idempotency keys (FLEET_BATCHES, FLEET_BATCH_LEASES, FLEET_IDEMPOTENCY), results "
+           "(`fleet.batches.<id>.<line>`)", _who("gateway"),
+           "the /v1/files and /v1/batches of every gateway replica share them"),
     Action("tenant_records", "read and write which tenant owns a task or image (FLEET_TENANTS)",
            _who("gateway"), "tenants are the gateway's: NATS users are roles, not tenants"),
     Action("own_inbox", "receive replies on its own inbox `_INBOX.<role>.>` (requests, "

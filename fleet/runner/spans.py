@@ -58,6 +58,8 @@ def request_attributes(task: Task) -> dict[str, Any]:
             "gen_ai.request.temperature": task.temperature,
             "gen_ai.request.top_p": task.top_p,
         }
+        if task.session:  # OpenTelemetry's name for the conversation a request belongs to
+            attributes["gen_ai.conversation.id"] = task.session
     elif isinstance(task, ImageGeneration | ImageEdits):
         attributes |= {"fleet.image.size": task.size, "fleet.image.count": task.n}
         if task.steps is not None:

@@ -135,6 +135,12 @@ class TextGeneration(_TaskBase):
         description="auto: the model decides; required: it calls one or more of the tools; "
         "a named function: it calls that one. The last two are enforced token by token.",
     )
+    session: str | None = Field(
+        default=None, max_length=256,
+        description="The conversation this turn belongs to (X-Session-Id, OpenAI's "
+        "prompt_cache_key or user, Anthropic's metadata.user_id): the worker routes its turns "
+        "to the runner that served the earlier ones (their prefix cache), and traces carry it",
+    )
 
     @model_validator(mode="after")
     def _one_input(self) -> TextGeneration:

@@ -7,6 +7,12 @@ with the previous one and shares its leading blocks. Block i's hash covers block
 hash of block i-1, so equal hashes mean equal prefixes and "how much of this prompt does a
 runner hold" is the number of leading blocks it knows. Only whole blocks count; a prompt
 shorter than one block has none and routes by load alone.
+
+A task with a session (TextGeneration.session) starts with one block naming the session:
+its turns share that block with each other and with no other conversation, so they go back
+to the runner that served them even when the prompt is short or a turn rewrites the start of
+its history, and a system prompt that many sessions share no longer pulls them all to one
+runner (each session is its own prefix).
 """
 
 from __future__ import annotations
@@ -39,8 +45,16 @@ def block_hashes(data: bytes, block: int = BLOCK_CHARS) -> tuple[int, ...]:
     return tuple(hashes)
 
 
+def session_block(session: str) -> bytes:
+    """One whole block that names a session (and nothing a rendering could start with)."""
+    name = hashlib.blake2b(session.encode(), digest_size=32).hexdigest().encode()
+    return (b"\0session " + name).ljust(BLOCK_CHARS, b"\0")
+
+
 def prompt_blocks(task: Task) -> tuple[int, ...]:
-    """The block hashes of a text task's prompt; none for images (no prefix cache)."""
+    """The block hashes of a text task's prompt, after its session's block if it has one;
+    none for images (no prefix cache)."""
     if not isinstance(task, TextGeneration):
         return ()
-    return block_hashes(rendering(task))
+    head = session_block(task.session) if task.session else b""
+    return block_hashes(head + rendering(task))

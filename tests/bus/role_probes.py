@@ -216,6 +216,16 @@ async def _tenant_records(p: Probe) -> None:
     await kv.get(f"task.owned-by-{p.role}")
 
 
+async def _batch_jobs(p: Probe) -> None:
+    for bucket in ("FLEET_BATCHES", "FLEET_BATCH_LEASES", "FLEET_IDEMPOTENCY"):
+        kv = await p.js.key_value(bucket)
+        await kv.put(f"made-by-{p.role}", b"{}")
+        await kv.get(f"made-by-{p.role}")
+    await ObjectBucket(p.nc, "FLEET_FILES", named_by_hash=False, timeout=TIMEOUT).put(
+        f"file-of-{p.role}", b'{"custom_id": "1"}')
+    await p.js.publish(f"fleet.batches.by-{p.role}.0", b"{}")
+
+
 async def _hand_off_task(p: Probe) -> None:
     await p.subscribed("fleet.handoff.probe")
     await p.sent("fleet.handoff.probe")
@@ -269,6 +279,7 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "dead_letter": lambda p: p.sent(f"fleet.dead.{MODEL}"),
     "claim_task_id": _claim_task_id,
     "tenant_records": _tenant_records,
+    "batch_jobs": _batch_jobs,
     "hand_off_task": _hand_off_task,
     "own_inbox": lambda p: p.subscribed(f"{inbox_prefix(p.role)}.probe.>"),
     "all_inboxes": lambda p: p.subscribed("_INBOX.>"),
@@ -278,7 +289,8 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "publish_gateway_inbox": lambda p: p.sent("_INBOX.gateway.probe.1"),
 }
 # Rows whose bucket another change provisions: skipped where ops/jetstream lacks it.
-NEEDS = {"claim_task_id": "KV_FLEET_CLAIMS.json", "tenant_records": "KV_FLEET_TENANTS.json"}
+NEEDS = {"claim_task_id": "KV_FLEET_CLAIMS.json", "tenant_records": "KV_FLEET_TENANTS.json",
+         "batch_jobs": "KV_FLEET_BATCHES.json"}
 
 
 async def prepare(admin: Client) -> None:
