@@ -78,6 +78,9 @@ class _TaskBase(Wire):
         default=None, description="The task expires if it has not started by then"
     )
     created_at: AwareDatetime | None = None
+    batch_id: TaskId | None = Field(
+        default=None, description="The batch job (/v1/batches) this task is a request line of"
+    )
     max_continuations: int = Field(
         default=3, ge=0, le=16,
         description="How many times a text task whose worker died after its output began is "
