@@ -44,7 +44,7 @@ from fleet.bus.connect import redact_urls
 from fleet.config import Settings, settings_of
 from fleet.dashboard import mount as mount_dashboard
 from fleet.errors import FleetError
-from fleet.gateway import docs, image_api, landing, ops_api, text_api
+from fleet.gateway import docs, image_api, landing, messages_api, ops_api, text_api
 from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import BodyLimit, BodyTimeout
 from fleet.gateway.errors import (
@@ -79,6 +79,8 @@ ROUTES = [
     Route("/v1/chat/completions", text_api.chat_completions, methods=["POST"]),
     Route("/v1/completions", text_api.completions, methods=["POST"]),
     Route("/v1/responses", text_api.responses, methods=["POST"]),
+    Route("/v1/messages", messages_api.messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", messages_api.count_tokens, methods=["POST"]),
     Route("/v1/images/generations", image_api.image_generations, methods=["POST"]),
     Route("/v1/images/edits", image_api.image_edits, methods=["POST"]),
     Route("/v1/images/{sha256:sha256}", image_api.get_image, methods=["GET"]),
@@ -126,6 +128,9 @@ def build_app(settings: Settings) -> Starlette:
     app.state.gateway = gateway
     app.state.key_ring = ring  # the dashboard asks it who is an operator
     mount_dashboard(app)  # /ui: fleet/dashboard
+    # Outside the key check and the body limits: their refusals on /v1/messages too are in
+    # Anthropic's shape.
+    app.add_middleware(messages_api.AnthropicErrors)
     # Outermost, in this order: the access log sees every request; each request starts with
     # no trace context; the HTTP span is current for everything below it. Added last so that
     # they know every route, /ui's too.

@@ -8,6 +8,10 @@ nodes' heartbeats (FLEET_NODES) say which models some node can provide, FLEET_IN
 are placed (and so served, or about to be). Requests read all three from memory: no disk or
 KV read per request.
 
+A request may name a model by an alias (a card's `aliases`, or this data dir's
+`models/aliases.json`: fleet.models.catalog): `card` resolves it for every API, and `cards`
+lists each model with the aliases that name it (so /v1/models shows them).
+
 Each bucket is a `Mirror` (fleet/bus/kv_mirror.py: a fresh watch after every reconnect, since
 nats-py's own stopped delivering after a server restart), a child of a DetachedSupervisor: a
 watch that fails is logged and restarted with backoff.
@@ -36,7 +40,14 @@ from fleet.aio import DetachedSupervisor, Supervisor
 from fleet.bus.kv_mirror import Connection, Mirror
 from fleet.bus.weights import MODELS_BUCKET
 from fleet.errors import FleetError, PlacementError
-from fleet.models.catalog import builtin_cards, custom_cards
+from fleet.models.catalog import (
+    alias_table,
+    aliases_of,
+    builtin_cards,
+    configured_aliases,
+    custom_cards,
+    resolve_alias,
+)
 from fleet.placement import HEARTBEAT_STALE_S, able_to_shard, choose_node, unprovided
 from fleet.placement_shards import ShardingError, fewest_shards
 from fleet.wire import subjects
@@ -63,6 +74,7 @@ class Catalogue:
         self.data_dir = data_dir
         self.connection = connection  # the backend's; it connects in the background
         self.local = {**builtin_cards(), **_custom_cards(data_dir)}
+        self.configured_aliases = _configured_aliases(data_dir)
         self._clock = clock
         self._local_reread_at = -LOCAL_REREAD_S  # the first miss always reads
         self.fleet: dict[str, ModelCard] = {}
@@ -79,18 +91,35 @@ class Catalogue:
     # ---- reading (from memory) -----------------------------------------------------------
 
     def cards(self) -> dict[str, ModelCard]:
+        """Every card by id, each with all the aliases that name it (configured ones too)."""
         merged = {**self.local, **self.fleet}
-        return dict(sorted(merged.items()))
+        table = alias_table(merged, self.configured_aliases)
+        with_aliases = {}
+        for model, card in sorted(merged.items()):
+            aliases = aliases_of(model, table)
+            with_aliases[model] = card if aliases == card.aliases else card.model_copy(
+                update={"aliases": aliases})
+        return with_aliases
 
     def card(self, model: str) -> ModelCard | None:
-        found = self.fleet.get(model) or self.local.get(model)
+        """The card `model` names, by its id or an alias."""
+        found = self._named(model)
         if found is None and (now := self._clock()) - self._local_reread_at >= LOCAL_REREAD_S:
-            # A card added to this data dir since (`fleet models add` without NATS): read
-            # only for a model no card names, never for the models being served.
+            # A card or alias added to this data dir since (`fleet models add` without NATS):
+            # read only for a name nothing resolves, never for the models being served.
             self._local_reread_at = now
             self.local = {**builtin_cards(), **_custom_cards(self.data_dir)}
-            found = self.local.get(model)
+            self.configured_aliases = _configured_aliases(self.data_dir)
+            found = self._named(model)
         return found
+
+    def _named(self, model: str) -> ModelCard | None:
+        found = self.fleet.get(model) or self.local.get(model)
+        if found is not None:
+            return found
+        target = resolve_alias(model, alias_table({**self.local, **self.fleet},
+                                                  self.configured_aliases))
+        return None if target is None else self.fleet.get(target) or self.local.get(target)
 
     def unavailable(self, card: ModelCard, placed: bool = False) -> str | None:
         """Why no node can serve `card` now; None when one can, or while the nodes are not
@@ -157,6 +186,14 @@ def _decoded(mirror: Mirror, model: type[Model]) -> dict[str, Model]:
         except DecodeError as exc:
             log.warning("ignoring %s in %s: %s", key, mirror.bucket, exc)
     return values
+
+
+def _configured_aliases(data_dir: Path) -> dict[str, str]:
+    try:
+        return configured_aliases(data_dir)
+    except (OSError, FleetError) as exc:
+        log.warning("model aliases in %s not read: %s", data_dir, exc)
+        return {}
 
 
 def _custom_cards(data_dir: Path) -> dict[str, ModelCard]:
@@ -245,6 +282,7 @@ def model_object(
         "created": created,
         "owned_by": OWNER,
         "name": card.name,
+        "aliases": list(card.aliases),
         "tasks": list(card.tasks),
         "capabilities": list(card.capabilities),
         "context_length": card.context_length,

@@ -60,6 +60,7 @@ async def image_generations(request: Request) -> Response:
     gateway = gateway_of(request)
     ask = parse(ImageGenerationRequest, await read_json(request))
     card = gateway.card_for(ask.model, "text_to_image")
+    ask = ask.model_copy(update={"model": card.id})  # an alias asks for its model
     timeout_s = gateway.timeout_for(ask.timeout)
     task_id = new_task_id("img")
     task = image_generation_task(ask, task_id, now_utc(), timeout_s, _default_size(card))
@@ -93,6 +94,7 @@ async def image_edits(request: Request) -> Response:
     fields, images = await _uploaded_images(request)
     ask = parse(ImageEditRequest, fields)
     card = gateway.card_for(ask.model, "image_to_image")
+    ask = ask.model_copy(update={"model": card.id})  # an alias asks for its model
     hashes = [await gateway.backend.put_image(data) for data in images]
     for sha256 in hashes:
         await gateway.backend.owners.own_image(sha256, tenant_of(request))

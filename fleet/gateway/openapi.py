@@ -10,6 +10,9 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from fleet.gateway.image_api import ImageEditRequest, ImageGenerationRequest
+from fleet.gateway.messages_api import anthropic_operation
+from fleet.gateway.messages_replies import AnthropicErrorBody
+from fleet.gateway.messages_requests import CountTokensRequest, MessagesRequest
 from fleet.gateway.responses_api import ResponsesRequest
 from fleet.gateway.text_requests import ChatCompletionRequest, CompletionRequest
 
@@ -152,7 +155,10 @@ def openapi_document() -> dict[str, Any]:
         ResponsesRequest,
         ImageGenerationRequest,
         ImageEditRequest,
+        MessagesRequest,
+        CountTokensRequest,
         ErrorBody,
+        AnthropicErrorBody,
     ]
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
     schemas = defs["$defs"]
@@ -188,6 +194,12 @@ def openapi_document() -> dict[str, Any]:
             "Responses API (text): a `response` object, or its SSE events when `stream` is "
             "true", "createResponse", ResponsesRequest,
         ),
+        "/v1/messages": anthropic_operation(_task_operation(
+            "Anthropic Messages API: a `message`, or its SSE events when `stream` is true",
+            "createMessage", MessagesRequest)),
+        "/v1/messages/count_tokens": anthropic_operation(_task_operation(
+            "Anthropic Messages API: the prompt's tokens (`input_tokens`), as the model's "
+            "runner counts them", "countMessageTokens", CountTokensRequest)),
         "/v1/images/generations": _task_operation(
             "Generate images", "createImage", ImageGenerationRequest
         ),
@@ -296,7 +308,10 @@ def openapi_document() -> dict[str, Any]:
         "paths": paths,
         "components": {
             "schemas": schemas,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "x_api_key": {"type": "apiKey", "in": "header", "name": "x-api-key"},
+            },
         },
-        "security": [{"bearer": []}, {}],
+        "security": [{"bearer": []}, {"x_api_key": []}, {}],
     }

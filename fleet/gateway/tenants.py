@@ -197,7 +197,7 @@ def authenticated(request: Request) -> bool:
 
 
 class ApiKeys:
-    """Bearer keys on every route but the probes when keys are configured; each key's
+    """Bearer (or x-api-key) keys on every route but the probes when keys are configured; each key's
     tenant goes into the request's state for the routes to scope what they answer."""
 
     def __init__(self, app: ASGIApp, ring: KeyRing, protect_metrics: bool = False) -> None:
@@ -206,11 +206,12 @@ class ApiKeys:
         self.open_paths = PROBE_PATHS if protect_metrics else PROBE_PATHS | {"/metrics"}
 
     def _tenant(self, scope: Scope) -> str | None:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return None
-        return self.ring.tenant_of(token)
+        """A bearer key, or Anthropic's `x-api-key` header (what its clients send)."""
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        if scheme.lower() == b"bearer":
+            return self.ring.tenant_of(token)
+        return self.ring.tenant_of(headers.get(b"x-api-key", b""))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -224,7 +225,8 @@ class ApiKeys:
         path = scope["path"]
         if tenant is None and path not in self.open_paths and not docs.is_open(path) and (
                 path != landing.PAGE):
-            refusal = Unauthorized("a valid API key is required: Authorization: Bearer KEY")
+            refusal = Unauthorized("a valid API key is required: Authorization: Bearer KEY "
+                                      "(or x-api-key: KEY)")
             return await refuse_with(refusal)(scope, receive, send)
         await self.app(scope, receive, send)
 

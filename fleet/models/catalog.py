@@ -8,6 +8,12 @@ Image model families name the mflux class that runs them:
 mflux_flux1 -> Flux1, mflux_flux2 -> Flux2Klein, mflux_qwen_image -> QwenImage,
 mflux_z_image -> ZImage. Text families (mlx_lm, gguf_llama) both load with `mlx_lm.load`
 once `fleet.models.store` has made them a local directory.
+
+Aliases: other names a request may give for a model (a client's own default model, such as
+Claude Code's `claude-*` names), from a card's `aliases` and from this data dir's
+`models/aliases.json` (`{"claude-*": "smollm2-135m"}`, which wins over the cards). `*` and `?`
+are wildcards. `resolve_alias` is the one rule, pure: an exact alias before a pattern, the
+longest pattern first.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -57,6 +65,48 @@ def custom_cards(data_dir: Path) -> dict[str, ModelCard]:
         return {}
     cards = [ModelCard.model_validate_json(path.read_bytes()) for path in folder.glob("*.json")]
     return {card.id: card for card in sorted(cards, key=lambda card: card.id)}
+
+
+ALIASES_FILE = "aliases.json"
+
+
+def aliases_path(data_dir: Path) -> Path:
+    return Path(data_dir) / "models" / ALIASES_FILE
+
+
+def configured_aliases(data_dir: Path) -> dict[str, str]:
+    """Alias (or pattern) → model id, from `<data_dir>/models/aliases.json`; none when absent."""
+    path = aliases_path(data_dir)
+    if not path.is_file():
+        return {}
+    try:
+        table = json.loads(path.read_text())
+    except ValueError as exc:
+        raise InvalidRequest(f"{path}: not JSON: {exc}") from None
+    if not isinstance(table, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, str) for k, v in table.items()):
+        raise InvalidRequest(f'{path}: expected {{"alias or pattern": "model id", ...}}')
+    return table
+
+
+def alias_table(cards: Mapping[str, ModelCard], configured: Mapping[str, str]) -> dict[str, str]:
+    """Every alias → the model it names: the cards' own, then the configured ones over them."""
+    table = {alias: card.id for card in cards.values() for alias in card.aliases}
+    table.update(configured)
+    return table
+
+
+def resolve_alias(name: str, table: Mapping[str, str]) -> str | None:
+    """The model `name` is an alias of: an exact alias first, then the longest matching
+    pattern (ties: in name order), so `claude-3-haiku*` wins over `claude-*`. Pure."""
+    if name in table:
+        return table[name]
+    patterns = sorted((p for p in table if "*" in p or "?" in p), key=lambda p: (-len(p), p))
+    return next((table[p] for p in patterns if fnmatchcase(name, p)), None)
+
+
+def aliases_of(model_id: str, table: Mapping[str, str]) -> list[str]:
+    return sorted(alias for alias, target in table.items() if target == model_id)
 
 
 def all_cards(data_dir: Path | None = None) -> dict[str, ModelCard]:

@@ -55,6 +55,12 @@ class ModelCard(Wire):
     context_length: int = 2048
     quantization: str = "none"
     capabilities: list[Literal["tools", "vision", "partial_images"]] = Field(default_factory=list)
+    aliases: list[Annotated[str, Field(min_length=1, max_length=256)]] = Field(
+        default_factory=list,
+        description="Other names a request may give for this model, on every API (a "
+        "client's own default, e.g. claude-sonnet-4-5); `*` matches any run of characters "
+        "(claude-*). A model's own id wins over an alias, an exact alias over a pattern",
+    )
     image_defaults: ImageDefaults | None = None
     manifest: WeightsManifest | None = Field(
         default=None, description="The model's files in FLEET_WEIGHTS, once published"

@@ -9,7 +9,8 @@ from pydantic import Field
 from fleet.wire.base import TaskId, Wire
 
 TaskApi = Literal[
-    "chat.completions", "completions", "responses", "images.generations", "images.edits"
+    "chat.completions", "completions", "responses", "images.generations", "images.edits",
+    "messages",
 ]
 
 

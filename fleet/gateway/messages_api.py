@@ -1,0 +1,136 @@
+"""Anthropic's Messages API: POST /v1/messages and POST /v1/messages/count_tokens.
+
+A Messages request becomes the chat task an OpenAI chat would make (messages_requests), run
+through the same gateway service, and its events are answered as a `message` or Anthropic's
+SSE events (messages_replies). The model may be named by an alias (the catalogue resolves it,
+as for every API), and the reply names the model that answered.
+
+count_tokens is counted by the model's own runner: the conversation runs as a task that makes
+one token, and its usage's prompt tokens are the count (exact for the model's chat template
+and tools; the prefill also warms the runner's prefix cache for the request that follows).
+
+Errors on these routes are in Anthropic's shape: every error response, whoever made it (a
+route, the key check, the body limits, routing), is rewritten by `AnthropicErrors`, so one
+table (messages_replies.ERROR_TYPES) decides the type for each status. Clients send
+`x-api-key` (fleet.gateway.tenants accepts it like a bearer key) and `anthropic-version`,
+which is accepted and not checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from fleet.errors import InvalidParameter
+from fleet.gateway.bodies import parse, read_json
+from fleet.gateway.catalogue import refuses_images
+from fleet.gateway.messages_replies import MessagesRenderer, TokenCountRenderer, error_json
+from fleet.gateway.messages_requests import CountTokensRequest, MessagesRequest, as_chat
+from fleet.gateway.service import gateway_of, new_task_id, now_utc
+from fleet.gateway.tenants import tenant_of
+from fleet.gateway.text_requests import ChatCompletionRequest, chat_task, image_urls
+from fleet.wire.cluster import ModelCard
+
+PATH = "/v1/messages"
+
+
+async def messages(request: Request) -> Response:
+    asked = parse(MessagesRequest, await read_json(request))
+    gateway = gateway_of(request)
+    card = gateway.card_for(asked.model, "text_generation")
+    chat = as_chat(asked, card.id)
+    task_id = new_task_id("msg")
+    renderer = MessagesRenderer(task_id, card.id)
+    return await _run(request, card, chat, task_id, renderer, stream=asked.stream)
+
+
+async def count_tokens(request: Request) -> Response:
+    asked = parse(CountTokensRequest, await read_json(request))
+    card = gateway_of(request).card_for(asked.model, "text_generation")
+    chat = as_chat(asked, card.id)
+    return await _run(request, card, chat, new_task_id("count"), TokenCountRenderer(),
+                      stream=False)
+
+
+async def _run(
+    request: Request, card: ModelCard, chat: ChatCompletionRequest, task_id: str,
+    renderer: MessagesRenderer | TokenCountRenderer, *, stream: bool,
+) -> Response:
+    gateway = gateway_of(request)
+    urls = image_urls(chat)
+    if urls and (why := refuses_images(card)):
+        raise InvalidParameter(why, "messages")
+    hashes = {url: await gateway.image_hash(url, tenant_of(request)) for url in urls}
+    timeout_s = gateway.timeout_for(chat.timeout)
+    task = chat_task(chat, task_id, hashes, now_utc(), timeout_s)
+    response = await gateway.run(request, [task], renderer, stream=stream, resumable=False,
+                                 timeout_s=timeout_s, api="messages")
+    response.headers["request-id"] = task_id  # where Anthropic's SDKs read a request's id
+    return response
+
+
+def anthropic_error(status: int, body: bytes) -> bytes:
+    """An error body in OpenAI's shape (every other route's) as Anthropic's; Pure."""
+    try:
+        error = orjson.loads(body).get("error") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        error = {}
+    message = error.get("message") if isinstance(error, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return orjson.dumps(error_json(status, message or body.decode(errors="replace") or
+                                   f"HTTP {status}", code))
+
+
+class AnthropicErrors:
+    """Error responses under /v1/messages in Anthropic's shape. Only responses with an error
+    status are held back (they are small and whole); everything else streams through."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(PATH):
+            return await self.app(scope, receive, send)
+        start: Message | None = None
+        body = b""
+
+        async def shaped(message: Message) -> None:
+            nonlocal start, body
+            if message["type"] == "http.response.start" and message["status"] >= 400:
+                start = message
+                return
+            if start is None or message["type"] != "http.response.body":
+                return await send(message)
+            body += message.get("body", b"")
+            if message.get("more_body"):
+                return
+            new_body = anthropic_error(start["status"], body)
+            headers = [(k, v) for k, v in start.get("headers", [])
+                       if k.lower() not in (b"content-length", b"content-type")]
+            headers += [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(new_body)).encode())]
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": new_body})
+
+        await self.app(scope, receive, shaped)
+
+
+ERROR_SCHEMA = {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicErrorBody"}}}
+
+
+def anthropic_operation(operation: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAPI operation of these routes: errors in Anthropic's shape, and the
+    `anthropic-version` header its clients send (accepted, not checked)."""
+    post = operation["post"]
+    for status, response in post["responses"].items():
+        if status != "200":
+            response["content"] = ERROR_SCHEMA
+    post["parameters"] = [{
+        "name": "anthropic-version", "in": "header", "required": False,
+        "schema": {"type": "string"}, "description": "Accepted and not checked",
+    }]
+    return operation
