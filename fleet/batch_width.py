@@ -12,6 +12,7 @@ from __future__ import annotations
 from fleet.wire.cluster import ModelCard
 
 ENGINE_BATCH = 32  # mlx-lm 0.32's BatchGenerator completion_batch_size
+EMBEDDING_BATCH = 256  # requests an embedding runner takes at once (fleet/runner/embed.py)
 KV_SHARE = 0.5  # of the memory left after the weights: the rest is the process's and the OS's
 KV_BYTES_PER_VALUE = 4  # float32 on the CPU (the widest the engine keeps a cache in)
 # A task's cache is sized at this many tokens (or the model's context, if shorter): the cache
@@ -33,6 +34,8 @@ def default_batch_width(card: ModelCard, free_memory_bytes: int) -> int:
     """The slots of a runner placed without an explicit count (images run one at a time)."""
     if card.is_image:
         return 1
+    if card.is_embedding:
+        return EMBEDDING_BATCH  # no cache is held between passes: width costs no memory
     per_task = kv_bytes_per_task(card)
     if per_task == 0 or free_memory_bytes <= 0:
         return ENGINE_BATCH

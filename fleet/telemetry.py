@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind
 
 from fleet.trace.records import SpanRecord, readable_of
-from fleet.wire.tasks import ImageEdits, Task, TextGeneration
+from fleet.wire.tasks import Embeddings, ImageEdits, Task, TextGeneration
 
 if TYPE_CHECKING:  # the runner imports this module and has no NATS
     from nats.aio.client import Client
@@ -175,6 +175,8 @@ def operation_of(task: Task) -> str:
     runner's spans and everyone's metrics."""
     if isinstance(task, TextGeneration):
         return "chat" if task.messages is not None else "text_completion"
+    if isinstance(task, Embeddings):
+        return "embeddings"
     return "image_edit" if isinstance(task, ImageEdits) else "image_generation"
 
 

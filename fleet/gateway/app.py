@@ -44,7 +44,7 @@ from fleet.bus.connect import redact_urls
 from fleet.config import Settings, settings_of
 from fleet.dashboard import mount as mount_dashboard
 from fleet.errors import FleetError
-from fleet.gateway import docs, image_api, landing, messages_api, ops_api, text_api
+from fleet.gateway import docs, embeddings_api, image_api, landing, messages_api, ops_api, text_api
 from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import BodyLimit, BodyTimeout
 from fleet.gateway.errors import (
@@ -81,6 +81,7 @@ ROUTES = [
     Route("/v1/responses", text_api.responses, methods=["POST"]),
     Route("/v1/messages", messages_api.messages, methods=["POST"]),
     Route("/v1/messages/count_tokens", messages_api.count_tokens, methods=["POST"]),
+    Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
     Route("/v1/images/generations", image_api.image_generations, methods=["POST"]),
     Route("/v1/images/edits", image_api.image_edits, methods=["POST"]),
     Route("/v1/images/{sha256:sha256}", image_api.get_image, methods=["GET"]),

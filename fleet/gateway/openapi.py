@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from fleet.gateway.embeddings_api import EmbeddingsRequest
 from fleet.gateway.image_api import ImageEditRequest, ImageGenerationRequest
 from fleet.gateway.messages_api import anthropic_operation
 from fleet.gateway.messages_replies import AnthropicErrorBody
@@ -155,6 +156,7 @@ def openapi_document() -> dict[str, Any]:
         ResponsesRequest,
         ImageGenerationRequest,
         ImageEditRequest,
+        EmbeddingsRequest,
         MessagesRequest,
         CountTokensRequest,
         ErrorBody,
@@ -200,6 +202,17 @@ def openapi_document() -> dict[str, Any]:
         "/v1/messages/count_tokens": anthropic_operation(_task_operation(
             "Anthropic Messages API: the prompt's tokens (`input_tokens`), as the model's "
             "runner counts them", "countMessageTokens", CountTokensRequest)),
+        "/v1/embeddings": {
+            "post": {
+                "summary": "Embeddings: one vector per input text or token array (floats or "
+                "base64 float32); requests that arrive together share a forward pass",
+                "operationId": "createEmbedding",
+                "requestBody": _json_body(EmbeddingsRequest),
+                "responses": _responses(
+                    "A list of embeddings", _JSON, "404", "408", "413", "429", "503", "504"
+                ),
+            }
+        },
         "/v1/images/generations": _task_operation(
             "Generate images", "createImage", ImageGenerationRequest
         ),

@@ -52,11 +52,35 @@ def _convert_smollm2(dest: Path) -> Path:
     return convert_smollm2(dest)
 
 
+def _build_tiny_embed(dest: Path) -> Path:
+    from fleet.models.make_tiny import make_tiny_llm
+
+    # The tiny text model's shape with weights of its own: an embedder is a text model read
+    # at its last hidden states (fleet/runner/embed.py).
+    return make_tiny_llm(dest, seed=1)
+
+
+def _link_smollm2(dest: Path) -> Path:
+    """SmolLM2's embedding card shares the text card's files: hard links, not a second copy
+    (and not symlinks: evicting one model must leave the other whole)."""
+    text_dir = ensure_model(all_cards()["smollm2-135m"], dest.parent)
+    for source in text_dir.rglob("*"):
+        target = dest / source.relative_to(text_dir)
+        if source.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            os.link(source.resolve(), target)
+    return dest
+
+
 BUILDERS: dict[str, Builder] = {
     "tiny-llm": _build_tiny_llm,
+    "tiny-embed": _build_tiny_embed,
     "tiny-flux2": _build_tiny_flux2,
     "smollm2-135m": _convert_smollm2,
+    "smollm2-135m-embed": _link_smollm2,
 }
+
 
 
 def model_sources() -> set[str]:
@@ -105,7 +129,7 @@ def can_provide(card: ModelCard, models_dir: Path) -> bool:
         return True
     if not local_building():
         return False
-    if card.id == "smollm2-135m":
+    if card.id in ("smollm2-135m", "smollm2-135m-embed"):
         from fleet.models.gguf import smollm2_gguf_path
 
         return smollm2_gguf_path() is not None

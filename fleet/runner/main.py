@@ -81,9 +81,13 @@ def make_engine(
     if spec.card.family == FAULT_FAMILY:
         return FaultEngine(config)
     _use_openblas()
+    if spec.card.is_embedding and spec.group is None:
+        from fleet.runner.embed import EmbeddingEngine
+
+        return EmbeddingEngine(config)
     if spec.group is not None:
-        if spec.card.is_image:
-            raise ValueError("image models are not sharded")
+        if spec.card.is_image or spec.card.is_embedding:
+            raise ValueError("image and embedding models are not sharded")
         from fleet.runner.lockstep import LockstepEngine
         from fleet.runner.text import TextEngine
 

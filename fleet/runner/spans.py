@@ -39,7 +39,7 @@ from fleet.wire.pipe import (
     SubmitTask,
 )
 from fleet.wire.runners import RunnerFailed, RunnerLoading, RunnerStatus
-from fleet.wire.tasks import ImageEdits, ImageGeneration, Task, TextGeneration
+from fleet.wire.tasks import Embeddings, ImageEdits, ImageGeneration, Task, TextGeneration
 
 
 def _ns(unix_seconds: float) -> int:
@@ -64,7 +64,9 @@ def request_attributes(task: Task) -> dict[str, Any]:
         attributes |= {"fleet.image.size": task.size, "fleet.image.count": task.n}
         if task.steps is not None:
             attributes["fleet.image.steps"] = task.steps
-    if task.seed is not None:
+    elif isinstance(task, Embeddings):
+        attributes["fleet.embeddings.inputs"] = len(task.input)
+    if not isinstance(task, Embeddings) and task.seed is not None:
         attributes["gen_ai.request.seed"] = task.seed
     return attributes
 

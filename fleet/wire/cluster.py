@@ -9,13 +9,41 @@ from pydantic import Field
 from fleet.wire.base import InstanceId, ModelId, NodeId, Part, RunnerId, Wire
 from fleet.wire.runners import RunnerStatus
 
-ModelTask = Literal["text_generation", "text_to_image", "image_to_image"]
+ModelTask = Literal["text_generation", "text_to_image", "image_to_image", "embeddings"]
 
 
 class ImageDefaults(Part):
     steps: int = 4
     guidance: float = 1.0
     size: str = "512x512"
+
+
+class EmbeddingSpec(Part):
+    """How an embedding runner makes one vector of a text from the model's last hidden
+    states (fleet/runner/embed_pooling.py)."""
+
+    pooling: Literal["mean", "last"] = Field(
+        default="mean", description="mean: the average over the text's tokens (padding left "
+        "out); last: the hidden state of its last token",
+    )
+    normalize: bool = Field(default=True, description="scale each vector to unit L2 length")
+    dimensions: int = Field(ge=1, description="the length of a vector (the hidden size)")
+    truncatable: bool = Field(
+        default=False, description="trained so that a vector's first k dimensions are an "
+        "embedding too (Matryoshka): a request's `dimensions` below the model's is served by "
+        "cutting and normalising again. Otherwise such a request is refused (400)",
+    )
+
+    def refuses_dimensions(self, dimensions: int | None) -> str | None:
+        """Why vectors of `dimensions` cannot be given (None: they can)."""
+        if dimensions is None or dimensions == self.dimensions:
+            return None
+        if dimensions > self.dimensions:
+            return f"dimensions: {dimensions} is more than the model's {self.dimensions}"
+        if not self.truncatable:
+            return (f"dimensions: this model's vectors have {self.dimensions} dimensions and "
+                    "cannot be shortened (its card does not say it was trained to be cut)")
+        return None
 
 
 class WeightFile(Part):
@@ -62,6 +90,9 @@ class ModelCard(Wire):
         "(claude-*). A model's own id wins over an alias, an exact alias over a pattern",
     )
     image_defaults: ImageDefaults | None = None
+    embedding: EmbeddingSpec | None = Field(
+        default=None, description="An embeddings model: how its vectors are made"
+    )
     manifest: WeightsManifest | None = Field(
         default=None, description="The model's files in FLEET_WEIGHTS, once published"
     )
@@ -69,6 +100,15 @@ class ModelCard(Wire):
     @property
     def is_image(self) -> bool:
         return "text_to_image" in self.tasks or "image_to_image" in self.tasks
+
+    @property
+    def is_embedding(self) -> bool:
+        return "embeddings" in self.tasks
+
+    @property
+    def embedding_spec(self) -> EmbeddingSpec:
+        """How this model's vectors are made: its card's, else mean pooling, normalised."""
+        return self.embedding or EmbeddingSpec(dimensions=max(self.hidden_size, 1))
 
 
 class DeviceInfo(Part):

@@ -155,6 +155,25 @@ class ImageChunk(_Event):
     stats: ImageStats | None = None
 
 
+class EmbeddingChunk(_Event):
+    """The vectors of consecutive inputs of an embeddings task, `index` the first one's
+    position in the task's `input`. A task's vectors come in one or more of these (a large
+    request is split so each event stays far under NATS's max_payload), then its terminal."""
+
+    type: Literal["embedding"] = "embedding"
+    index: int = Field(ge=0, description="the input index of the first vector")
+    encoding_format: Literal["float", "base64"]
+    embeddings: list[list[float]] | list[str] = Field(
+        min_length=1, description="one vector per input: JSON numbers, or base64 of "
+        "little-endian float32 when encoding_format is base64",
+    )
+    dimensions: int = Field(ge=1)
+    forward_pass: int = Field(
+        ge=1, description="the runner's count of engine calls when these were computed: "
+        "events of the same runner with the same number shared one forward pass",
+    )
+
+
 class ErrorChunk(_Event):
     """A failure, told in words; the task's terminal event follows it."""
 
@@ -198,7 +217,8 @@ class TaskFinished(_Event):
 
 
 OutputEvent = Annotated[
-    TaskAccepted | TokenChunk | ToolCallChunk | ImageChunk | ErrorChunk | TaskFinished,
+    TaskAccepted | TokenChunk | ToolCallChunk | ImageChunk | EmbeddingChunk | ErrorChunk
+    | TaskFinished,
     Field(discriminator="type"),
 ]
 

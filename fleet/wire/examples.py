@@ -65,6 +65,13 @@ def examples() -> dict[str, BaseModel]:
             task_id="edit-1", model="tiny-flux2", prompt="make it night", size="128x128",
             input_images=[_SHA], strength=0.5,
         ),
+        "embeddings": tasks.Embeddings(
+            task_id="emb-1", model="tiny-embed", input=["The quick brown fox", "Hello!"],
+        ),
+        "embedding": events.EmbeddingChunk(
+            task_id="emb-1", at=_AT, index=0, encoding_format="float", dimensions=4,
+            embeddings=[[0.5, -0.5, 0.5, 0.5], [0.1, 0.7, -0.7, 0.1]], forward_pass=12,
+        ),
         "image_stored": uploads.ImageStored(sha256=_SHA, size=20480, already_stored=False),
         "upload_refused": uploads.UploadRefused(
             reason="digest_mismatch", message="the image's sha256 is not the Fleet-Sha256 sent",

@@ -13,6 +13,7 @@ from pydantic import Field, TypeAdapter
 from fleet.wire.base import InstanceId, NodeId, RunnerId, Wire
 from fleet.wire.cluster import ModelCard
 from fleet.wire.events import (
+    EmbeddingChunk,
     ErrorChunk,
     ImageChunk,
     TaskAccepted,
@@ -107,6 +108,7 @@ RunnerReport = Annotated[
     | TokenChunk
     | ToolCallChunk
     | ImageChunk
+    | EmbeddingChunk
     | ErrorChunk
     | TaskFinished
     | SpanBatch,

@@ -11,6 +11,7 @@ from fleet.wire.base import TaskId, Wire
 TaskApi = Literal[
     "chat.completions", "completions", "responses", "images.generations", "images.edits",
     "messages",
+    "embeddings",
 ]
 
 

@@ -210,7 +210,37 @@ class ImageEdits(_ImageTaskBase):
         return list(self.input_images)
 
 
-Task = Annotated[TextGeneration | ImageGeneration | ImageEdits, Field(discriminator="type")]
+EmbeddingText = Annotated[str, Field(min_length=1)]
+TokenArray = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class Embeddings(_TaskBase):
+    """Texts (or token arrays) in, one vector per input out, as `embedding` events; fields
+    follow OpenAI's embeddings API. The card's `embedding` says how vectors are pooled."""
+
+    type: Literal["embeddings"] = "embeddings"
+    input: list[EmbeddingText] | list[TokenArray] = Field(min_length=1, max_length=2048)
+    dimensions: int | None = Field(
+        default=None, ge=1, description="Cut each vector to this many dimensions and "
+        "normalise it again; only for a card whose embedding is `truncatable`",
+    )
+    encoding_format: Literal["float", "base64"] = Field(
+        default="float", description="How the `embedding` events carry vectors: JSON numbers, "
+        "or base64 of little-endian float32 (a quarter of the bytes, exact)",
+    )
+    truncate: bool = Field(
+        default=False, description="Cut an input longer than the model's context to fit "
+        "(Ollama's default); false: such an input fails the task (context_length)",
+    )
+
+    def image_hashes(self) -> list[str]:
+        return []
+
+
+Task = Annotated[
+    TextGeneration | ImageGeneration | ImageEdits | Embeddings, Field(discriminator="type")
+]
+
 
 
 class CancelTask(Wire):

@@ -32,6 +32,7 @@ from fleet.bus.retry import BROKER_BUDGET_S, with_retry
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event, encode
 from fleet.wire.events import (
+    EmbeddingChunk,
     ErrorChunk,
     ErrorReason,
     ImageChunk,
@@ -51,7 +52,7 @@ ERROR_CHUNK_BUDGET_S = 5.0  # the words before an output_lost terminal are a cou
 def event_msg_id(event: OutputEvent) -> str:
     """`<task_id>-<kind>-<index>`: the same event published twice is stored once."""
     match event:
-        case TokenChunk() | ToolCallChunk():
+        case TokenChunk() | ToolCallChunk() | EmbeddingChunk():
             index = str(event.index)
         case ImageChunk():
             partial = "final" if event.partial_index is None else event.partial_index
