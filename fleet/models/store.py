@@ -82,7 +82,6 @@ BUILDERS: dict[str, Builder] = {
 }
 
 
-
 def model_sources() -> set[str]:
     raw = os.environ.get(SOURCES_ENV, "local,fleet")
     return {part.strip() for part in raw.split(",") if part.strip()}

@@ -242,7 +242,6 @@ Task = Annotated[
 ]
 
 
-
 class CancelTask(Wire):
     """Published on `fleet.cancel.<task_id>`; also recorded so an early cancel is honoured."""
 
