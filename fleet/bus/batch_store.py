@@ -112,11 +112,11 @@ class BatchStore:
         kv = await self.bucket(BATCHES_BUCKET)
         with unavailable(f"list {BATCHES_BUCKET}"):
             try:
-                keys = await kv.keys(filters=[f"{prefix}.>"])
+                keys = await kv.keys()
             except NoKeysError:
                 return []
         found = []
-        for key in keys:
+        for key in (k for k in keys if k.startswith(f"{prefix}.")):
             if (read := await self._read(BATCHES_BUCKET, key, model)) is not None:
                 found.append(read[0])
         return found

@@ -40,8 +40,10 @@ log = logging.getLogger(__name__)
 API = "$JS.API"
 NO_JETSTREAM_BUDGET_S = 1.0
 # Keys an existing stream is updated to have: bounds on what readers create (docs/permissions.md,
-# "Consumers are bounded"). The server accepts a change of either on a live stream.
-LIMIT_KEYS = frozenset({"max_consumers", "consumer_limits"})
+# "Consumers are bounded"), and per-message TTLs on FLEET_TASKS (a task's deadline expires it
+# in the broker). The server accepts each change on a live stream (a TTL can be turned on,
+# never off).
+LIMIT_KEYS = frozenset({"max_consumers", "consumer_limits", "allow_msg_ttl"})
 
 
 @dataclass(frozen=True)

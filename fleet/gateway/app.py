@@ -46,6 +46,7 @@ from fleet.dashboard import mount as mount_dashboard
 from fleet.errors import FleetError
 from fleet.gateway import docs, embeddings_api, image_api, landing, messages_api, ops_api, text_api
 from fleet.gateway.backend import Backend
+from fleet.gateway.batch_routes import batch_routes, batch_runner
 from fleet.gateway.bodies import BodyLimit, BodyTimeout
 from fleet.gateway.errors import (
     on_client_disconnect,
@@ -53,6 +54,7 @@ from fleet.gateway.errors import (
     on_http_error,
     on_unexpected_error,
 )
+from fleet.gateway.idempotency import idempotent
 from fleet.gateway.observability import AccessLog, TraceOfItsOwn, http_spans
 from fleet.gateway.service import Gateway
 from fleet.gateway.tenants import ApiKeys, KeyRing, add_key
@@ -76,14 +78,15 @@ register_url_convertor("sha256", Sha256Convertor())
 
 
 ROUTES = [
-    Route("/v1/chat/completions", text_api.chat_completions, methods=["POST"]),
-    Route("/v1/completions", text_api.completions, methods=["POST"]),
-    Route("/v1/responses", text_api.responses, methods=["POST"]),
+    # Idempotency-Key: a retry attaches to the first request's task (fleet/gateway/idempotency.py)
+    Route("/v1/chat/completions", idempotent(text_api.chat_completions), methods=["POST"]),
+    Route("/v1/completions", idempotent(text_api.completions), methods=["POST"]),
+    Route("/v1/responses", idempotent(text_api.responses), methods=["POST"]),
     Route("/v1/messages", messages_api.messages, methods=["POST"]),
     Route("/v1/messages/count_tokens", messages_api.count_tokens, methods=["POST"]),
     Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
-    Route("/v1/images/generations", image_api.image_generations, methods=["POST"]),
-    Route("/v1/images/edits", image_api.image_edits, methods=["POST"]),
+    Route("/v1/images/generations", idempotent(image_api.image_generations), methods=["POST"]),
+    Route("/v1/images/edits", idempotent(image_api.image_edits), methods=["POST"]),
     Route("/v1/images/{sha256:sha256}", image_api.get_image, methods=["GET"]),
     Route("/v1/models", ops_api.list_models, methods=["GET"]),
     Route("/v1/models/{model:path}", ops_api.get_model, methods=["GET"]),
@@ -93,20 +96,24 @@ ROUTES = [
     Route("/health", ops_api.healthz, methods=["GET"]),  # the name many probes expect
     Route("/metrics", ops_api.metrics, methods=["GET"]),
     Route("/openapi.json", ops_api.openapi, methods=["GET"]),
+    *batch_routes(),
 ]
 
 
 def build_app(settings: Settings) -> Starlette:
     ring = KeyRing.load(settings.api_keys, settings.api_keys_file)
     gateway = Gateway(settings, Backend(settings))
+    batches = batch_runner(gateway)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await gateway.backend.start()
         await gateway.catalogue.start(wait_s=2.0 if gateway.backend.connected else 0.0)
+        await batches.start()
         try:
             yield
         finally:
+            await batches.close()
             await gateway.catalogue.close()
             await gateway.backend.close()
             gateway.metrics.meters.shutdown()
@@ -127,6 +134,7 @@ def build_app(settings: Settings) -> Starlette:
         lifespan=lifespan,
     )
     app.state.gateway = gateway
+    app.state.batches = batches  # /v1/files, /v1/batches and the jobs this gateway runs
     app.state.key_ring = ring  # the dashboard asks it who is an operator
     mount_dashboard(app)  # /ui: fleet/dashboard
     # Outside the key check and the body limits: their refusals on /v1/messages too are in

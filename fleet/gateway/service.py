@@ -19,6 +19,7 @@ from fleet.config import Settings
 from fleet.errors import FleetError, InvalidRequest, ModelNotFound, ModelUnavailable
 from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import image_reference
+from fleet.gateway.idempotency_seed import SEED
 from fleet.gateway.catalogue import Catalogue, ModelState, Unavailable, model_states, refuses_task
 from fleet.gateway.observability import GatewayMetrics
 from fleet.gateway.relay import Renderer, run_task
@@ -29,8 +30,9 @@ from fleet.wire.tasks import Task
 
 
 def new_task_id(prefix: str) -> str:
-    # token_urlsafe uses only letters, digits, '-' and '_': safe as a subject token.
-    return f"{prefix}-{secrets.token_urlsafe(18)}"
+    # token_urlsafe uses only letters, digits, '-' and '_': safe as a subject token. Under an
+    # Idempotency-Key the id derives from the key's seed, so a retry names the same task.
+    return f"{prefix}-{SEED.get() or secrets.token_urlsafe(18)}"
 
 
 def now_utc() -> datetime:
