@@ -8,6 +8,7 @@ from pydantic import BaseModel
 
 from fleet.wire import (
     ask,
+    batches,
     cluster,
     events,
     handoff,
@@ -117,6 +118,27 @@ def examples() -> dict[str, BaseModel]:
         "ask_error": ask.AskError(
             task_id="hello-1", reason="task_id_taken",
             message="task id 'hello-1' belongs to another task message",
+        ),
+        "file_record": batches.FileRecord(
+            id="file-abc", tenant="team-a", filename="requests.jsonl", purpose="batch",
+            bytes=20480, created_at=1764495000,
+        ),
+        "batch_record": batches.BatchRecord(
+            id="batch_abc", tenant="team-a", endpoint="/v1/chat/completions",
+            input_file_id="file-abc", status="in_progress", created_at=1764495000,
+            in_progress_at=1764495001, expires_at=1764581400,
+            request_counts=batches.RequestCounts(total=100, completed=40, failed=2),
+        ),
+        "batch_result": batches.BatchResult(
+            batch_id="batch_abc", line=7, custom_id="request-7", task_id="batch_abc-7",
+            status_code=200, body={"object": "chat.completion", "choices": []},
+        ),
+        "batch_lease": batches.BatchLease(
+            batch_id="batch_abc", owner="gw-5f2a9c", until=1764495010.0,
+        ),
+        "idempotency_record": batches.IdempotencyRecord(
+            path="/v1/chat/completions", fingerprint="ab" * 32, seed="Xk3pQz9RfL2mYv8T",
+            created_at=1764495000.0,
         ),
         "task_record": records.TaskRecord(
             tenant="team-a", api="chat.completions", model="smollm2-135m", created=1764495000,

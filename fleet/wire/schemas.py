@@ -9,6 +9,7 @@ import orjson
 from pydantic import TypeAdapter
 
 from fleet.wire import (
+    batches,
     cluster,
     codec,
     events,
@@ -42,6 +43,11 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "hand-off-answer": TypeAdapter(handoff.HandOffAnswer),
     "ask-reply": codec.ASK_REPLY,
     "task-record": TypeAdapter(records.TaskRecord),
+    "file-record": TypeAdapter(batches.FileRecord),
+    "batch-record": TypeAdapter(batches.BatchRecord),
+    "batch-result": TypeAdapter(batches.BatchResult),
+    "batch-lease": TypeAdapter(batches.BatchLease),
+    "idempotency-record": TypeAdapter(batches.IdempotencyRecord),
     "image-upload-reply": uploads.UPLOAD_REPLY,
 }
 
@@ -61,6 +67,11 @@ _SUBJECTS = {
     "Fleet-Reply-To inbox",
     "ask-reply": "the reply to a request on fleet.ask.<model> (whose body is a task)",
     "task-record": "KV FLEET_TENANTS, key = task.<task_id>",
+    "file-record": "KV FLEET_BATCHES, key = file.<file_id> (the bytes: object store FLEET_FILES)",
+    "batch-record": "KV FLEET_BATCHES, key = batch.<batch_id>",
+    "batch-result": "fleet.batches.<batch_id>.<line> (stream FLEET_BATCH_RESULTS, one a line)",
+    "batch-lease": "KV FLEET_BATCH_LEASES, key = batch id (present while the job is not done)",
+    "idempotency-record": "KV FLEET_IDEMPOTENCY, key = <tenant>.<sha256 of the key>",
     "image-upload-reply": "the reply to a request on fleet.images.put (whose body is the image)",
 }
 
