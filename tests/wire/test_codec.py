@@ -189,6 +189,16 @@ any_task = st.one_of(
         input_images=st.lists(sha256s, min_size=1, max_size=8),
         strength=st.floats(0.0, 1.0, exclude_min=True),
     ),
+    st.builds(
+        tasks.Embeddings,
+        **task_base,
+        input=st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=4)
+        | st.lists(st.lists(st.integers(0, 2**31), min_size=1, max_size=5), min_size=1,
+                   max_size=4),
+        dimensions=opt(st.integers(1, 4096)),
+        encoding_format=st.sampled_from(["float", "base64"]),
+        truncate=st.booleans(),
+    ),
 )
 
 event_base = {"task_id": ids, "at": times}
@@ -218,6 +228,13 @@ any_output_event = st.one_of(
         stats=opt(st.builds(
             events.ImageStats, seconds_per_step=finite, total_s=finite, steps=counts
         )),
+    ),
+    st.builds(
+        events.EmbeddingChunk, **event_base, index=counts,
+        encoding_format=st.sampled_from(["float", "base64"]), dimensions=st.integers(1, 4096),
+        embeddings=st.lists(st.lists(finite, max_size=4), min_size=1, max_size=3)
+        | st.lists(texts, min_size=1, max_size=3),
+        forward_pass=st.integers(1, 2**31),
     ),
     st.builds(events.ErrorChunk, **event_base, reason=error_reasons, message=texts),
     st.builds(
@@ -274,10 +291,12 @@ any_cluster_event = st.one_of(
 def test_strategies_cover_every_member_of_each_union() -> None:
     # A new class in a union must get a strategy here, or the property tests go blind to it.
     covered = {
-        tasks.Task: {tasks.TextGeneration, tasks.ImageGeneration, tasks.ImageEdits},
+        tasks.Task: {
+            tasks.TextGeneration, tasks.ImageGeneration, tasks.ImageEdits, tasks.Embeddings,
+        },
         events.OutputEvent: {
             events.TaskAccepted, events.TokenChunk, events.ToolCallChunk, events.ImageChunk,
-            events.ErrorChunk, events.TaskFinished,
+            events.EmbeddingChunk, events.ErrorChunk, events.TaskFinished,
         },
         cluster.ClusterEvent: {
             cluster.RunnerStatusChanged, cluster.NodeJoined, cluster.NodeLeft,
