@@ -1,13 +1,18 @@
-"""Fixtures that start `fleet worker` processes against the per-test nats-server."""
+"""Fixtures that start `fleet worker` processes: one per test against the per-test
+nats-server (`start_worker`), or one shared by a module's tests (`warm_tiny_llm`)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.integration.harness import WorkerProcess, seed_models
+from fleet.bus.embedded import EmbeddedNats
+from fleet.models.catalog import get_card
+from tests.integration.harness import WorkerProcess, client, place_and_wait, seed_models, wait_node
 
 WorkerFactory = Callable[..., WorkerProcess]
 
@@ -28,3 +33,39 @@ def start_worker(
     yield start
     for worker in started:
         worker.kill()
+
+
+@dataclass(frozen=True)
+class WarmStack:
+    """A nats-server and one worker whose tiny-llm runner (4 slots) is ready."""
+
+    nats_url: str
+    worker: WorkerProcess
+    node: str
+
+
+@pytest.fixture(scope="module")
+def warm_tiny_llm(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llm_dir: Path
+) -> Iterator[WarmStack]:
+    """One stack for the module's tests that kill nothing, stop nothing and leave no task
+    behind (each waits for its tasks' terminal events, under ids of its own): a worker and
+    its runner start once (seconds of CPU each) instead of once per test."""
+    root = tmp_path_factory.mktemp("warm")
+    with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as server:
+        seed_models(root / "w1", {"tiny-llm": tiny_llm_dir})
+        worker = WorkerProcess(server.url, root / "w1").start()
+        try:
+
+            async def ready() -> str:
+                nc = await client(server.url)
+                try:
+                    node = await wait_node(nc, worker.data_dir)
+                    await place_and_wait(nc, get_card("tiny-llm"), node, slots=4)
+                    return node
+                finally:
+                    await nc.close()
+
+            yield WarmStack(server.url, worker, asyncio.run(ready()))
+        finally:
+            worker.kill()

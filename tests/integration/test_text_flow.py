@@ -18,7 +18,7 @@ from fleet.models.catalog import get_card
 from fleet.wire import subjects
 from fleet.wire.events import ErrorReason, TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
-from tests.integration.conftest import WorkerFactory
+from tests.integration.conftest import WarmStack, WorkerFactory
 from tests.integration.harness import (
     REPO,
     client,
@@ -74,9 +74,9 @@ async def test_raw_nats_client_gets_paris_from_smollm2_with_the_readme_json(
 
 
 async def test_four_concurrent_tasks_share_one_batch_and_all_complete(
-    nats_url: str, start_worker: WorkerFactory
+    warm_tiny_llm: WarmStack
 ) -> None:
-    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"), slots=4)
+    nc = await client(warm_tiny_llm.nats_url)
     tasks = [chat(f"batch-{i}", f"hello number {i}", max_tokens=48) for i in range(4)]
     collectors = [asyncio.create_task(events_of(nc, t.task_id)) for t in tasks]
     await asyncio.gather(*(submit(nc, t) for t in tasks))
@@ -86,8 +86,8 @@ async def test_four_concurrent_tasks_share_one_batch_and_all_complete(
     await nc.close()
 
 
-async def test_same_seed_gives_the_same_text(nats_url: str, start_worker: WorkerFactory) -> None:
-    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"))
+async def test_same_seed_gives_the_same_text(warm_tiny_llm: WarmStack) -> None:
+    nc = await client(warm_tiny_llm.nats_url)
     texts = []
     for task_id in ("seed-a", "seed-b"):
         task = chat(task_id, "tell me a story", temperature=1.0, seed=1234, max_tokens=24)
@@ -99,9 +99,9 @@ async def test_same_seed_gives_the_same_text(nats_url: str, start_worker: Worker
 
 
 async def test_cancel_mid_stream_ends_cancelled(
-    nats_url: str, start_worker: WorkerFactory
+    warm_tiny_llm: WarmStack
 ) -> None:
-    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"))
+    nc = await client(warm_tiny_llm.nats_url)
     task = chat("cancel-me", "go on forever", max_tokens=100000, logit_bias={0: -100.0})
     first_token = asyncio.Event()
     seen: list[TaskFinished] = []
@@ -169,9 +169,9 @@ def _runner_pid(runner_id: str) -> int:
 
 
 async def test_deadline_in_the_past_ends_expired(
-    nats_url: str, start_worker: WorkerFactory
+    warm_tiny_llm: WarmStack
 ) -> None:
-    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"))
+    nc = await client(warm_tiny_llm.nats_url)
     task = chat("too-late", "hi", deadline=datetime.now(UTC) - timedelta(seconds=1))
     result = finished(await run_task(nc, task))
     assert result.status == "expired" and result.reason is ErrorReason.DEADLINE
@@ -179,9 +179,9 @@ async def test_deadline_in_the_past_ends_expired(
 
 
 async def test_prompt_longer_than_the_context_fails_context_length(
-    nats_url: str, start_worker: WorkerFactory
+    warm_tiny_llm: WarmStack
 ) -> None:
-    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"))
+    nc = await client(warm_tiny_llm.nats_url)
     task = chat("too-long", "word " * 5000)
     result = finished(await run_task(nc, task))
     assert result.status == "failed" and result.reason is ErrorReason.CONTEXT_LENGTH
@@ -205,9 +205,9 @@ async def test_unknown_model_ends_model_not_found(
 
 @pytest.mark.parametrize("count", [50])
 async def test_malformed_messages_are_answered_and_the_worker_keeps_serving(
-    nats_url: str, start_worker: WorkerFactory, count: int
+    warm_tiny_llm: WarmStack, count: int
 ) -> None:
-    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"))
+    nc = await client(warm_tiny_llm.nats_url)
     js = nc.jetstream()
     bad_ids = [f"bad-{i}" for i in range(count // 2)]
     collectors = [asyncio.create_task(events_of(nc, task_id)) for task_id in bad_ids]
@@ -231,9 +231,9 @@ async def test_malformed_messages_are_answered_and_the_worker_keeps_serving(
 
 
 async def test_fleet_submit_with_a_json_schema_prints_json_that_matches_it(
-    nats_url: str, start_worker: WorkerFactory, tmp_path: Path
+    warm_tiny_llm: WarmStack, tmp_path: Path
 ) -> None:
-    nc, _ = await serving(nats_url, start_worker(), get_card("tiny-llm"))
+    nc = await client(warm_tiny_llm.nats_url)
     schema = {
         "type": "object",
         "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
@@ -244,7 +244,8 @@ async def test_fleet_submit_with_a_json_schema_prints_json_that_matches_it(
     submitted = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fleet.cli", "submit", "--model", "tiny-llm",
         "--json-schema", str(tmp_path / "schema.json"), "Is Paris in France?", cwd=REPO,
-        env={**os.environ, "FLEET_NATS_URL": nats_url}, stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "FLEET_NATS_URL": warm_tiny_llm.nats_url},
+        stdout=asyncio.subprocess.PIPE,
     )
     printed = (await submitted.communicate())[0].decode()
     assert submitted.returncode == 0, printed
