@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "fleet.commands.core",
     "fleet.commands.stack",
     "fleet.commands.tasks",
+    "fleet.commands.batches",
     "fleet.commands.demo",
     "fleet.models.cli",
     "fleet.bus.images_cli",
@@ -49,6 +50,7 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
     "cancel": _CLIENT,
     "images": _CLIENT,
     "trace": _CLIENT,
+    "batches": _CLIENT,
 }
 # Short names a command has always accepted for a setting.
 ALIASES: dict[str, dict[str, tuple[str, ...]]] = {

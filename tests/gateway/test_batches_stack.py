@@ -265,3 +265,25 @@ def test_an_idempotent_retry_on_another_replica_attaches(stack: Stack) -> None:
                        json={**body, "max_tokens": 17})
     assert other.status_code == 409
     assert asyncio.run(accepted_per_task(stack.nats_url, task_id)) == {task_id: 1}
+
+
+def test_the_cli_shows_progress(stack: Stack) -> None:
+    sdk = stack.a.sdk()
+    upload = sdk.files.create(file=("cli.jsonl", io.BytesIO(jsonl(4, tag="cli"))),
+                              purpose="batch")
+    batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions",
+                               completion_window="24h")
+    wait_batch(sdk, batch.id, lambda b: b.status == "completed")
+
+    def fleet(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "fleet.cli", "--nats-url", stack.nats_url,
+                               "batches", *args], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    shown = json.loads(fleet("show", batch.id))
+    assert (shown["status"], shown["request_counts"]) == (
+        "completed", {"total": 4, "completed": 4, "failed": 0})
+    row = next(line for line in fleet("list").splitlines() if line.startswith(batch.id))
+    assert "completed" in row and "4/4" in row and "100.0%" in row
