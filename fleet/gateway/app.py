@@ -56,6 +56,7 @@ from fleet.gateway.errors import (
 )
 from fleet.gateway.idempotency import idempotent
 from fleet.gateway.observability import AccessLog, TraceOfItsOwn, http_spans
+from fleet.gateway.ollama_api import ollama_routes
 from fleet.gateway.service import Gateway
 from fleet.gateway.tenants import ApiKeys, KeyRing, add_key
 
@@ -119,7 +120,7 @@ def build_app(settings: Settings) -> Starlette:
             gateway.metrics.meters.shutdown()
 
     app = Starlette(
-        routes=[*ROUTES, *landing.routes(), *docs.routes()],
+        routes=[*ROUTES, *ollama_routes(), *landing.routes(), *docs.routes()],
         middleware=[
             Middleware(ApiKeys, ring=ring, protect_metrics=settings.gateway_protect_metrics),
             Middleware(BodyTimeout, seconds=settings.gateway_body_timeout_s),

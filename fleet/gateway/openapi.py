@@ -14,6 +14,7 @@ from fleet.gateway.image_api import ImageEditRequest, ImageGenerationRequest
 from fleet.gateway.messages_api import anthropic_operation
 from fleet.gateway.messages_replies import AnthropicErrorBody
 from fleet.gateway.messages_requests import CountTokensRequest, MessagesRequest
+from fleet.gateway.ollama_docs import OLLAMA_MODELS, ollama_paths
 from fleet.gateway.responses_api import ResponsesRequest
 from fleet.gateway.text_requests import ChatCompletionRequest, CompletionRequest
 
@@ -160,6 +161,7 @@ def openapi_document() -> dict[str, Any]:
         MessagesRequest,
         CountTokensRequest,
         ErrorBody,
+        *OLLAMA_MODELS,
         AnthropicErrorBody,
     ]
     _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
@@ -310,6 +312,7 @@ def openapi_document() -> dict[str, Any]:
             "Prometheus text",
             {"text/plain": {"schema": {"type": "string"}}},
         ),
+        **ollama_paths(),
     }
     return {
         "openapi": "3.1.0",

@@ -15,6 +15,7 @@ from fleet.gateway.errors import PROMPT_PARAM
 from fleet.gateway.relay import Renderer
 from fleet.gateway.responses_api import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
 from fleet.gateway.service import gateway_of, new_task_id, now_utc, request_id
+from fleet.gateway.sessions import session_of
 from fleet.gateway.tenants import tenant_of
 from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
 from fleet.gateway.text_requests import (
@@ -37,14 +38,18 @@ async def chat_completions(request: Request) -> Response:
 
 async def responses(request: Request) -> Response:
     """OpenAI's Responses API: a chat task, answered as a `response` object or its events."""
-    asked = parse(ResponsesRequest, await read_json(request))
+    body = await read_json(request)
+    asked = parse(ResponsesRequest, body)
     PROMPT_PARAM.set("input")  # what a context overflow names
+    # The Responses API names a session in the same two fields as chat.
+    named = {"prompt_cache_key": body.get("prompt_cache_key"), "user": body.get("user")}
     created = int(time.time())
 
     def renderer(reply: Reply) -> ResponsesRenderer:
         return ResponsesRenderer(shape_of(asked, reply.task_id, created))
 
-    return await _chat(request, as_chat(asked), "resp", renderer, "responses")
+    chat = as_chat(asked).model_copy(update=named)
+    return await _chat(request, chat, "resp", renderer, "responses")
 
 
 async def _chat(
@@ -61,6 +66,7 @@ async def _chat(
     timeout_s = gateway.timeout_for(chat.timeout)
     refuse_resumable_choices(chat.n, chat.resumable)
     task = chat_task(chat, new_task_id(prefix), hashes, now_utc(), timeout_s)
+    task = task.model_copy(update={"session": session_of(request.headers, chat.session_fields)})
     tasks = choice_tasks(task, chat.n)
     reply = Reply(task.task_id, chat.model, int(time.time()), chat.logprobs, chat.include_usage,
                   _choice_ids(tasks))
@@ -85,6 +91,8 @@ async def completions(request: Request) -> Response:
     completion = completion.model_copy(update={"model": card.id})  # an alias: its model
     timeout_s = gateway.timeout_for(completion.timeout)
     tasks = completion_tasks(completion, new_task_id("cmpl"), now_utc(), timeout_s)
+    session = session_of(request.headers, completion.session_fields)
+    tasks = [task.model_copy(update={"session": session}) for task in tasks]
     prompts = completion.prompts
     reply = Reply(
         request_id([task.task_id for task in tasks]),

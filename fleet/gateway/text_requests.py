@@ -120,6 +120,17 @@ class _SamplingRequest(OpenAIRequest):
         description="Fleet: a dropped stream does not cancel the task; resume it from "
         "/v1/tasks/{id}/events",
     )
+    prompt_cache_key: str | None = Field(
+        default=None, description="The conversation's session id: its turns go to the runner "
+        "that holds its prefix cache (so does the X-Session-Id header, which wins)",
+    )
+    user: str | None = Field(default=None, description="The session id, without a "
+                             "prompt_cache_key")
+
+    @property
+    def session_fields(self) -> dict[str, object]:
+        """Where the body may name a session, most specific first (fleet.gateway.sessions)."""
+        return {"prompt_cache_key": self.prompt_cache_key, "user": self.user}
 
     @property
     def include_usage(self) -> bool:

@@ -1,0 +1,251 @@
+"""Ollama's API: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/embed and
+/api/version, so that apps written for Ollama (Open WebUI, the `ollama` clients) use the
+fleet. Chat and generate become the same text tasks as the OpenAI routes (fleet.gateway.
+ollama_requests) and stream NDJSON (fleet.gateway.ollama_replies).
+
+Every failure on these routes is in Ollama's shape, `{"error": "..."}` with the HTTP status
+Fleet gives its code (fleet.errors.STATUS_BY_CODE), including the ones the relay answers
+after the task was published; the response still names its task (x-fleet-task-id).
+
+A model is named by its card id; Ollama's default tag is accepted too (`tiny-llm:latest` is
+`tiny-llm`). A session id comes only from the X-Session-Id header: Ollama's requests have no
+field for one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from fleet.errors import FleetError, InvalidParameter, ModelNotFound
+from fleet.gateway.bodies import parse, read_json
+from fleet.gateway.catalogue import ModelState, refuses_images
+from fleet.gateway.ollama_replies import (
+    NDJSON,
+    OllamaRenderer,
+    OllamaReply,
+    error_json,
+    timestamp,
+)
+from fleet.gateway.ollama_requests import (
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaShowRequest,
+    chat_images,
+    chat_task,
+    generate_images,
+    generate_task,
+)
+from fleet.gateway.relay import EventStream
+from fleet.gateway.service import Gateway, gateway_of, new_task_id, now_utc
+from fleet.gateway.sessions import session_of
+from fleet.gateway.tenants import tenant_of
+from fleet.wire.cluster import ModelCard
+from fleet.wire.tasks import TextGeneration
+
+# The Ollama API version whose shapes these routes follow; some apps check for a minimum.
+OLLAMA_VERSION = "0.12.0"
+DEFAULT_TAG = ":latest"
+# Fleet keeps a placed model until it is removed: it never expires the way Ollama's do.
+NEVER = "9999-12-31T23:59:59Z"
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def ollama_error(exc: FleetError) -> JSONResponse:
+    return JSONResponse(error_json(exc), status_code=exc.http_status)
+
+
+def in_ollama_shape(response: Response) -> Response:
+    """An error the relay answered in OpenAI's shape, in Ollama's; its headers kept."""
+    if not isinstance(response, JSONResponse) or response.status_code < 400:
+        return response
+    body = orjson.loads(bytes(response.body))
+    message = body.get("error", {}).get("message", "error") if isinstance(body, dict) else ""
+    kept = {k: v for k, v in response.headers.items()
+            if k not in ("content-length", "content-type")}
+    return JSONResponse({"error": message}, status_code=response.status_code, headers=kept)
+
+
+def ollama_route(handler: Handler) -> Handler:
+    """Every failure of the handler in Ollama's shape, counted in /metrics like the others."""
+
+    async def route(request: Request) -> Response:
+        try:
+            return in_ollama_shape(await handler(request))
+        except FleetError as exc:
+            gateway_of(request).metrics.error(exc.code)
+            return ollama_error(exc)
+
+    route.__name__ = handler.__name__
+    route.__doc__ = handler.__doc__
+    return route
+
+
+def card_named(gateway: Gateway, model: str) -> ModelCard:
+    """The card of an Ollama model name: the card id, or it with Ollama's default tag."""
+    card = gateway.catalogue.card(model) or gateway.catalogue.card(model.removesuffix(DEFAULT_TAG))
+    if card is None:
+        raise ModelNotFound(f"model {model!r} not found")
+    return card
+
+
+def text_card(gateway: Gateway, model: str) -> ModelCard:
+    return gateway.card_for(card_named(gateway, model).id, "text_generation")
+
+
+async def _run(request: Request, task: TextGeneration, reply: OllamaReply, stream: bool,
+               timeout_s: float) -> Response:
+    gateway = gateway_of(request)
+    api = "chat.completions" if task.messages is not None else "completions"
+    response = await gateway.run(request, [task], OllamaRenderer(reply), stream=stream,
+                                 resumable=False, timeout_s=timeout_s, api=api)
+    if isinstance(response, EventStream):
+        response.headers["content-type"] = NDJSON
+    return response
+
+
+async def _hashes(gateway: Gateway, request: Request, card: ModelCard,
+                  urls: list[str]) -> dict[str, str]:
+    if urls and (why := refuses_images(card)):
+        raise InvalidParameter(why, "images")
+    return {url: await gateway.image_hash(url, tenant_of(request)) for url in urls}
+
+
+@ollama_route
+async def chat(request: Request) -> Response:
+    started = time.time()
+    gateway = gateway_of(request)
+    asked = parse(OllamaChatRequest, await read_json(request))
+    card = text_card(gateway, asked.model)
+    asked = asked.model_copy(update={"model": card.id})
+    hashes = await _hashes(gateway, request, card, chat_images(asked))
+    timeout_s = gateway.timeout_for(None)
+    task = chat_task(asked, new_task_id("ollama"), hashes, now_utc(), timeout_s,
+                     card.context_length, session_of(request.headers))
+    return await _run(request, task, OllamaReply(card.id, "chat", started), asked.stream,
+                      timeout_s)
+
+
+@ollama_route
+async def generate(request: Request) -> Response:
+    started = time.time()
+    gateway = gateway_of(request)
+    asked = parse(OllamaGenerateRequest, await read_json(request))
+    card = text_card(gateway, asked.model)
+    asked = asked.model_copy(update={"model": card.id})
+    reply = OllamaReply(card.id, "generate", started)
+    if not asked.prompt and not asked.images:
+        return JSONResponse(reply.loaded(time.time()))  # Ollama's way to load a model
+    hashes = await _hashes(gateway, request, card, generate_images(asked))
+    timeout_s = gateway.timeout_for(None)
+    task = generate_task(asked, new_task_id("ollama"), hashes, now_utc(), timeout_s,
+                         card.context_length, session_of(request.headers))
+    return await _run(request, task, reply, asked.stream, timeout_s)
+
+
+def details(card: ModelCard) -> dict[str, Any]:
+    return {
+        "parent_model": "",
+        "format": "gguf" if "gguf" in card.family else "mlx",
+        "family": card.family,
+        "families": [card.family],
+        "parameter_size": "",
+        "quantization_level": card.quantization,
+    }
+
+
+def digest(card: ModelCard) -> str:
+    """Names the card's contents, as Ollama's digest names a model's manifest."""
+    return hashlib.sha256(card.model_dump_json().encode()).hexdigest()
+
+
+def model_entry(card: ModelCard) -> dict[str, Any]:
+    return {
+        "name": card.id, "model": card.id, "modified_at": timestamp(0),
+        "size": card.size_bytes, "digest": digest(card), "details": details(card),
+    }
+
+
+def capabilities(card: ModelCard) -> list[str]:
+    found = ["completion"] if "text_generation" in card.tasks else []
+    found += ["embedding"] if card.is_embedding else []
+    return found + [c for c in ("tools", "vision") if c in card.capabilities]
+
+
+def _ollama_cards(gateway: Gateway) -> list[ModelCard]:
+    """The models Ollama's API can use: text and embedding models (not image makers)."""
+    return [card for card in gateway.cards().values()
+            if "text_generation" in card.tasks or card.is_embedding]
+
+
+@ollama_route
+async def tags(request: Request) -> Response:
+    """The models usable now (placed, or some node can serve them), as /v1/models lists."""
+    gateway = gateway_of(request)
+    states = await gateway.model_states()
+    unavailable = gateway.availability()
+    usable = []
+    for card in _ollama_cards(gateway):
+        state = states.get(card.id, ModelState()) if states is not None else None
+        placed = bool(state and (state.placed or state.ready))
+        if state is None or unavailable is None or unavailable(card, placed) is None:
+            usable.append(model_entry(card))
+    return JSONResponse({"models": usable})
+
+
+@ollama_route
+async def ps(request: Request) -> Response:
+    """The models with a runner ready to take tasks."""
+    gateway = gateway_of(request)
+    states = await gateway.model_states() or {}
+    running = [
+        {**model_entry(card), "expires_at": NEVER, "size_vram": 0,
+         "context_length": card.context_length}
+        for card in _ollama_cards(gateway) if states.get(card.id, ModelState()).ready
+    ]
+    return JSONResponse({"models": running})
+
+
+@ollama_route
+async def show(request: Request) -> Response:
+    asked = parse(OllamaShowRequest, await read_json(request))
+    card = card_named(gateway_of(request), asked.model)
+    info = {
+        "general.architecture": card.family,
+        f"{card.family}.context_length": card.context_length,
+        "fleet.name": card.name,
+        "fleet.tasks": list(card.tasks),
+    }
+    if card.n_layers:
+        info[f"{card.family}.block_count"] = card.n_layers
+    if card.hidden_size:
+        info[f"{card.family}.embedding_length"] = card.hidden_size
+    return JSONResponse({
+        "modelfile": "", "parameters": "", "template": "", "license": "",
+        "details": details(card), "model_info": info, "capabilities": capabilities(card),
+        "modified_at": timestamp(0),
+    })
+
+
+@ollama_route
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": OLLAMA_VERSION})
+
+
+def ollama_routes() -> list[Route]:
+    return [
+        Route("/api/chat", chat, methods=["POST"]),
+        Route("/api/generate", generate, methods=["POST"]),
+        Route("/api/tags", tags, methods=["GET"]),
+        Route("/api/show", show, methods=["POST"]),
+        Route("/api/ps", ps, methods=["GET"]),
+        Route("/api/version", version, methods=["GET"]),
+    ]
