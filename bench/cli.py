@@ -191,6 +191,11 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
         # Request-reply on fleet.ask.<model> against publish-and-watch, on the fault engine.
         result["ask"] = uvloop.run(run_ask(20 if args.quick else 200, 8, workdir / "ask"))
         print_summary(result["ask"])
+    if args.only == "queue":
+        from bench.queue import queue_table, run_queue
+
+        result["queue"] = uvloop.run(run_queue(workdir, env, args.quick))
+        print("\n".join(queue_table(result["queue"])))
     if args.only in (None, "plumbing", "plumbing-rate"):
         from bench.plumbing_rate import QUICK, RatePlan, rate_table, run_rate
 

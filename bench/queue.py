@@ -1,0 +1,151 @@
+"""`fleet bench --only queue` (issue 25): the queue as a product, on one `fleet up` serving the
+fault engine.
+
+- accept: a 50,000-request batch job (chat completions) through the gateway: seconds from the
+  first byte of the upload to the job's answer (accepted), and to `in_progress` (its file
+  validated), then the lines it finishes in `run_s` seconds; the job is then cancelled.
+- retries: 1,000 chat POSTs, each sent twice with the same Idempotency-Key (the second one to
+  a replay of the first): how many tasks the fleet ran (workers' task_accepted events) and how
+  many distinct task ids the answers named.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from nats.aio.msg import Msg
+
+from bench.fleet_stack import FleetStack
+from bench.plumbing_rate import MODEL, seed_fault_card
+from fleet.wire.codec import decode_event
+from fleet.wire.events import TaskAccepted
+
+SLOTS = 16
+
+
+@dataclass(frozen=True)
+class QueuePlan:
+    lines: int = 50_000
+    run_s: float = 20.0
+    retried: int = 1_000
+    concurrency: int = 32
+
+
+QUICK = QueuePlan(lines=2_000, run_s=3.0, retried=100, concurrency=16)
+
+
+def batch_file(lines: int) -> bytes:
+    return b"".join(json.dumps({
+        "custom_id": f"q-{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": MODEL, "max_tokens": 4,
+                 "messages": [{"role": "user", "content": f"tokens:2 line {i}"}]},
+    }).encode() + b"\n" for i in range(lines))
+
+
+async def _status(client: httpx.AsyncClient, base: str, batch_id: str) -> dict[str, Any]:
+    return (await client.get(f"{base}/batches/{batch_id}")).raise_for_status().json()
+
+
+async def measure_accept(base: str, plan: QueuePlan) -> dict[str, Any]:
+    data = batch_file(plan.lines)
+    async with httpx.AsyncClient(timeout=120) as client:
+        began = time.perf_counter()
+        upload = (await client.post(f"{base}/files", data={"purpose": "batch"},
+                                    files={"file": ("big.jsonl", data)})).raise_for_status()
+        created = (await client.post(f"{base}/batches", json={
+            "input_file_id": upload.json()["id"], "endpoint": "/v1/chat/completions",
+            "completion_window": "24h"})).raise_for_status().json()
+        accepted_s = time.perf_counter() - began
+        batch_id = created["id"]
+        status = created
+        while status["status"] == "validating":
+            await asyncio.sleep(0.05)  # the API has no push: poll the record
+            status = await _status(client, base, batch_id)
+        validated_s = time.perf_counter() - began
+        await asyncio.sleep(plan.run_s)
+        running = await _status(client, base, batch_id)
+        (await client.post(f"{base}/batches/{batch_id}/cancel")).raise_for_status()
+    done = running["request_counts"]["completed"] + running["request_counts"]["failed"]
+    return {
+        "lines": plan.lines, "file_mb": round(len(data) / 1e6, 1),
+        "accepted_s": round(accepted_s, 2), "in_progress_s": round(validated_s, 2),
+        "status_after_validation": status["status"],
+        "lines_done_in_run": done, "run_s": plan.run_s,
+        "lines_per_s": round(done / plan.run_s, 1),
+    }
+
+
+async def measure_retries(base: str, stack: FleetStack, plan: QueuePlan) -> dict[str, Any]:
+    assert stack.nc is not None
+    accepted: set[str] = set()
+    accepted_events = 0
+
+    async def on_event(msg: Msg) -> None:
+        nonlocal accepted_events
+        event = decode_event(msg.data)
+        if isinstance(event, TaskAccepted) and event.task_id.startswith("chatcmpl-"):
+            accepted_events += 1
+            accepted.add(event.task_id)
+
+    sub = await stack.nc.subscribe("fleet.out.*", cb=on_event)
+    gate = asyncio.Semaphore(plan.concurrency)
+    ids: list[str] = []
+    replays = 0
+    run = f"{time.time_ns()}"
+
+    async def twice(client: httpx.AsyncClient, index: int) -> None:
+        nonlocal replays
+        body = {"model": MODEL, "max_tokens": 4,
+                "messages": [{"role": "user", "content": f"tokens:2 retry {index}"}]}
+        headers = {"Idempotency-Key": f"bench-{run}-{index}"}
+        async with gate:
+            for _ in range(2):  # the retry a client sends after a timeout
+                answer = (await client.post(f"{base}/chat/completions", json=body,
+                                            headers=headers)).raise_for_status()
+                ids.append(answer.headers["x-fleet-task-id"])
+                replays += answer.headers.get("x-fleet-idempotent-replay") == "true"
+
+    began = time.perf_counter()
+    async with httpx.AsyncClient(timeout=120) as client:
+        await asyncio.gather(*(twice(client, i) for i in range(plan.retried)))
+    wall = time.perf_counter() - began
+    await stack.nc.flush()
+    await sub.unsubscribe()
+    return {"posts": 2 * plan.retried, "keys": plan.retried, "distinct_task_ids": len(set(ids)),
+            "tasks_run": len(accepted), "task_accepted_events": accepted_events,
+            "replayed_answers": replays, "wall_s": round(wall, 2)}
+
+
+async def run_queue(workdir: Path, env: dict[str, str], quick: bool) -> dict[str, Any]:
+    plan = QUICK if quick else QueuePlan()
+    data_dir = workdir / "queue"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    seed_fault_card(data_dir)
+    stack = FleetStack(data_dir, [MODEL], SLOTS, env)
+    await stack.start()
+    try:
+        base = stack.base_url
+        return {"plan": plan.__dict__, "retries": await measure_retries(base, stack, plan),
+                "accept": await measure_accept(base, plan)}
+    finally:
+        await stack.stop()
+
+
+def queue_table(result: dict[str, Any]) -> list[str]:
+    accept, retries = result["accept"], result["retries"]
+    return [
+        "queue (fault engine, one fleet up):",
+        f"  batch of {accept['lines']:,} lines ({accept['file_mb']} MB): accepted in "
+        f"{accept['accepted_s']} s, in_progress after {accept['in_progress_s']} s, "
+        f"{accept['lines_done_in_run']:,} lines done in {accept['run_s']} s "
+        f"({accept['lines_per_s']} lines/s)",
+        f"  {retries['posts']:,} POSTs ({retries['keys']:,} keys, each sent twice): "
+        f"{retries['tasks_run']:,} tasks run, {retries['distinct_task_ids']:,} distinct ids, "
+        f"{retries['replayed_answers']:,} replayed answers, {retries['wall_s']} s",
+    ]
