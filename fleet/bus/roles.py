@@ -40,9 +40,10 @@ PREFIXES = "FLEET_PREFIXES"
 FILES = "OBJ_FLEET_FILES"
 BATCH_RESULTS = "FLEET_BATCH_RESULTS"
 BATCH_BUCKETS = ("FLEET_BATCHES", "FLEET_BATCH_LEASES", "FLEET_IDEMPOTENCY")
+LEASES = "FLEET_LEASES"  # fleet-wide duties held by one worker (fleet.worker.sweeper)
 ALL_STREAMS = (
     TASKS, OUT, EVENTS, TRACES, DEAD, ADVISORIES, REFUSED, IMAGES, WEIGHTS,
-    *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS, MODELS, PREFIXES)),
+    *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS, MODELS, PREFIXES, LEASES)),
     FILES, BATCH_RESULTS, *(f"KV_{b}" for b in BATCH_BUCKETS),
 )
 
@@ -182,7 +183,7 @@ GRANTS: dict[str, Grant] = {
             inbox("client"), inbox("operator"), inbox("worker"),
             "fleet.tasks.>",  # an ask on fleet.ask.<model> is published as a task
             "fleet.handoff.*",  # a held task message passed to the node that should run it
-            *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS, PREFIXES)),
+            *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS, PREFIXES, LEASES)),
             "$O.FLEET_IMAGES.>", "$O.FLEET_WEIGHTS.>", FLOW_CONTROL, _api("INFO"),
             *_acks(TASKS), *_acks(ADVISORIES),
             *_info(*ALL_STREAMS),
@@ -202,7 +203,7 @@ GRANTS: dict[str, Grant] = {
             # on FLEET_OUT). No DELETE: it could remove a gateway's shared consumer; the
             # replay's consumer goes by its inactive threshold.
             _api("CONSUMER", "CREATE", OUT), _api("STREAM", "MSG", "GET", OUT),
-            *(s for b in (*STATE_BUCKETS, CANCELS, CLAIMS, MODELS, PREFIXES)
+            *(s for b in (*STATE_BUCKETS, CANCELS, CLAIMS, MODELS, PREFIXES, LEASES)
               for s in _kv_read(b)),
             *_images_read(), *_weights_read(),
         ],
@@ -313,6 +314,9 @@ ACTIONS: tuple[Action, ...] = (
            "(`fleet.refused.<model>`)", _who("worker")),
     Action("advertise_prefixes", "read and write runners' prefix summaries (FLEET_PREFIXES)",
            _who("worker"), "a worker advertises what its runners' prefix caches hold"),
+    Action("hold_lease", "take and renew a fleet-wide duty's lease (FLEET_LEASES)",
+           _who("worker"), "one worker at a time watches heartbeats, sweeps dead nodes and "
+           "places on demand (fleet/worker/sweeper.py)"),
     Action("hand_off_task", "pass a held task message to another node (`fleet.handoff.<node>`)",
            _who("worker"), "it carries the message's ack subject: only workers may send or "
            "receive one"),

@@ -46,6 +46,7 @@ from fleet.worker.inputs import ImageCache
 from fleet.worker.janitor import Janitor
 from fleet.worker.node import free_port, node_id, node_info
 from fleet.worker.state import InstancesChanged, RunnerView, group_layout
+from fleet.worker.sweeper import FleetDuties
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,10 @@ class ClusterLink:
             live_nodes=lambda: self.failover.live.values(), slots=self.settings.slots,
             nodes_known=self.failover.loaded,
         )
+        # Heartbeats are watched, dead nodes swept and demand placed by one worker of the
+        # fleet at a time: the holder of the sweeper lease.
+        self.duties = FleetDuties(self.js, self.node_id, self.failover,
+                                  self.demand if self.settings.auto_place else None)
         on_known = self.demand.want if self.settings.auto_place else None
         self.janitor = Janitor(self.nc, self.js, self._is_known, on_known=on_known)
         await self.janitor.start()
@@ -128,12 +133,9 @@ class ClusterLink:
             supervisor.forever("instance watch", self._watch_instances),
             supervisor.forever("status writer", self._write_statuses_forever),
             supervisor.forever("cancel watch", self._watch_cancels),
-            supervisor.forever("node watch", self.failover.watch),
-            supervisor.forever("failover sweep", self.failover.sweep_forever),
+            supervisor.forever("fleet-wide duties", self.duties.forever),
             supervisor.forever("model cards watch", self._watch_models),
         ]
-        if self.settings.auto_place:
-            self._tasks.append(supervisor.forever("demand sweep", self.demand.sweep_forever))
 
     async def _bucket(self, name: str) -> KeyValue:
         return await with_retry(lambda: self.js.key_value(name), what=f"open bucket {name}")

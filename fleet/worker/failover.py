@@ -5,8 +5,9 @@ fresh snapshots of FLEET_NODES and FLEET_INSTANCES (never the watcher's table al
 reconnect can leave stale), so a placement stranded on a node that died while no worker ran
 is healed by whichever worker runs next, by the same rule as a departure seen live.
 
-Every worker may sweep the same instance; the write is a compare-and-set on the instance's
-revision, so exactly one wins and the others learn it from the next watch.
+One worker sweeps for the whole fleet, the holder of the sweeper lease (fleet.worker.sweeper);
+should two sweep the same instance for a moment (a lease changing hands), the write is a
+compare-and-set on the instance's revision, so exactly one wins.
 """
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ class Failover:
         if self.live.pop(node, None) is not None:
             log.info("heartbeat of node %s is gone; checking whether it left", node)
             self._wake.set()
+
+    def forget(self) -> None:
+        """No longer watching (the lease went elsewhere): what `live` says is stale."""
+        self.live = {}
+        self.loaded.clear()
 
     async def refresh(self) -> list[NodeInfo]:
         nodes = await live_values(self.js, subjects.NODES_BUCKET, NodeInfo)

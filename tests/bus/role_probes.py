@@ -144,6 +144,13 @@ async def _advertise_prefixes(p: Probe) -> None:
         await kv.get("probe")
 
 
+async def _hold_lease(p: Probe) -> None:
+    """As fleet.worker.sweeper does it: a create, then a renewal on its revision."""
+    kv = await p.js.key_value("FLEET_LEASES")
+    revision = await kv.create(f"held-by-{p.role}", b"probe")
+    await kv.update(f"held-by-{p.role}", b"probe", last=revision)
+
+
 async def _write_instances(p: Probe) -> None:
     """As fleet.placement does it: a create (compare-and-set) and a delete marker."""
     kv = await p.js.key_value("FLEET_INSTANCES")
@@ -262,6 +269,7 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "read_state": _read_state,
     "write_state": _write_state,
     "advertise_prefixes": _advertise_prefixes,
+    "hold_lease": _hold_lease,
     "write_instances": _write_instances,
     "read_dead_letters": lambda p: p.js.get_msg("FLEET_DEAD", seq=1),
     "put_image": _put_image,

@@ -1,0 +1,366 @@
+"""`fleet bench --only scale`: what one real worker, the gateways and nats-server pay as the
+fleet grows from N = 10 nodes to 1,000, idle and under a fixed per-node load.
+
+The N nodes are simulated (bench.scale_sim: Fleet's node-agent code, many per process, each
+with a connection of its own); one real `fleet worker` (serving the fault engine's `sim-m0`,
+one of the ten models the fleet serves) and G real `fleet gateway`s run beside them and are
+measured from outside: CPU seconds and RSS from the OS, messages and bytes received from
+nats-server's `/connz`. Per step: an idle window, then a window with 2 streams of 20 tok/s on
+each busy node (a tenth of the nodes, at most 50), then a node SIGKILL-like loss (its
+connection closed, no goodbye) timed until its instance is placed elsewhere, and a placement
+decision timed over the live heartbeats.
+
+`--scale-src DIR` runs the real worker and gateways from another checkout too (the design
+before this one, `git worktree add DIR <commit>`), its simulated nodes composed as that design
+did (`--design baseline` of bench.scale_sim), and prints both tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import psutil
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from bench.procs import free_port
+from bench.scale_connz import Received, read_connz, received_by
+from bench.scale_sim import KILL, LOAD, READY, sim_model, sim_node_id
+from fleet.bus.connect import connect
+from fleet.bus.embedded import ops_dir, server_binary
+from fleet.bus.kv_read import live_values
+from fleet.bus.provision import provision
+from fleet.models.catalog import custom_cards_dir
+from fleet.placement import choose_node, new_instance
+from fleet.runner.fault_engine import fault_card
+from fleet.wire import subjects
+from fleet.wire.cluster import Instance, NodeInfo
+from fleet.wire.codec import decode_model, encode
+
+log = logging.getLogger("bench.scale")
+
+REPO = Path(__file__).resolve().parent.parent
+NODES_PER_PROCESS = 250
+MODELS = 10
+BUSY_FRACTION = 0.1
+MAX_BUSY = 50
+
+
+@dataclass(frozen=True)
+class ScalePlan:
+    steps: tuple[int, ...] = (10, 100, 1000)
+    gateways: int = 1
+    window_s: float = 20.0
+    settle_s: float = 10.0
+    failover: bool = True
+
+
+QUICK = ScalePlan(steps=(10, 40), gateways=1, window_s=6.0, settle_s=4.0, failover=False)
+
+
+@dataclass
+class Stack:
+    src: Path
+    design: str
+    work: Path
+    nats_port: int = field(default_factory=free_port)
+    monitor_port: int = field(default_factory=free_port)
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    sims: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def monitor(self) -> str:
+        return f"http://127.0.0.1:{self.monitor_port}"
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(self.src), "FLEET_NATS_URL": self.url,
+                "MLX_DISABLE_COMPILE": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+    def spawn(self, name: str, args: list[str], cwd: Path | None = None) -> None:
+        with (self.work / f"{name}.log").open("ab") as out:
+            self.procs[name] = subprocess.Popen(
+                args, cwd=cwd or self.src, env=self.env(), stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(self) -> None:
+        for process in [*self.sims, *reversed(self.procs.values())]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(10)
+
+
+async def _wait(check: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if found := await check():
+                return found
+        await asyncio.sleep(0.2)  # polling processes that start, bounded by the deadline
+    raise TimeoutError(f"scale: {what} not ready in {timeout:.0f} s")
+
+
+async def start_server(stack: Stack) -> Client:
+    (stack.work / "store").mkdir(parents=True, exist_ok=True)
+    # The shipped single-node config, with room for every stream's reservation (N nodes'
+    # connections and the bench's own streams are what is measured, not the store).
+    config = stack.work / "nats.conf"
+    config.write_text((ops_dir() / "nats" / "single.conf").read_text().replace(
+        "max_file_store: 16GB", "max_file_store: 1TB"))
+    stack.spawn("nats", [str(server_binary()), "-c", str(config),
+                         "-a", "127.0.0.1", "-p", str(stack.nats_port), "-m",
+                         str(stack.monitor_port), "-js", "-sd", str(stack.work / "store")])
+
+    async def varz() -> bool:
+        async with httpx.AsyncClient() as client:
+            return (await client.get(f"{stack.monitor}/varz")).is_success
+
+    await _wait(varz, 30, "nats-server")
+    nc = await connect(stack.url, "scale-harness", inbox_owner="operator")
+    await provision(nc, stack.src / "ops" / "jetstream")  # as the measured processes will
+    return nc
+
+
+async def start_real(stack: Stack, nc: Client, gateways: int) -> None:
+    """The measured processes, after the first simulated nodes: one of those holds the
+    sweeper lease, so the real worker is measured as any node but that one is."""
+    data = stack.work / "worker"
+    folder = custom_cards_dir(data)
+    folder.mkdir(parents=True, exist_ok=True)
+    card = fault_card(sim_model(0, MODELS)).model_copy(update={"source": str(data)})
+    (folder / f"{card.id}.json").write_bytes(encode(card))
+    fleet = [sys.executable, "-m", "fleet.cli", "--log-level", "warning"]
+    stack.spawn("worker", [*fleet, "--data-dir", str(data), "worker", "--no-auto-place",
+                           "--slots", "4"])
+    for index in range(gateways):
+        port = free_port()
+        stack.spawn(f"gateway-{index}", [*fleet, "--data-dir", str(stack.work / f"gw{index}"),
+                                         "gateway", "--port", str(port)])
+
+    async def worker_node() -> NodeInfo | None:
+        nodes = await live_values(nc.jetstream(), subjects.NODES_BUCKET, NodeInfo)
+        return next((n for n in nodes if not n.node_id.startswith("sim-")), None)
+
+    node = await _wait(worker_node, 120, "the real worker")
+    instances = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
+    placed = new_instance(card, node, 4, time.time(), f"{card.id}-real")
+    await instances.put(placed.instance_id, encode(placed))
+
+
+async def sweeper_holder(nc: Client) -> str | None:
+    from fleet.worker.sweeper import LEASES_BUCKET, SWEEPER
+
+    with contextlib.suppress(Exception):
+        entry = await (await nc.jetstream().key_value(LEASES_BUCKET)).get(SWEEPER)
+        return (entry.value or b"").decode() or None
+    return None
+
+
+async def add_sims(stack: Stack, nc: Client, upto: int) -> None:
+    """Simulated nodes up to `upto`, each with an instance of its model placed on it."""
+    have = sum(int(p.args[p.args.index("--count") + 1]) for p in stack.sims)  # type: ignore[union-attr]
+    ready: asyncio.Queue[str] = asyncio.Queue()
+
+    async def on_ready(msg: Msg) -> None:
+        ready.put_nowait(msg.data.decode())
+
+    sub = await nc.subscribe(READY, cb=on_ready)
+    started = 0
+    for first in range(have, upto, NODES_PER_PROCESS):
+        count = min(NODES_PER_PROCESS, upto - first)
+        with (stack.work / f"sim-{first}.log").open("ab") as out:
+            stack.sims.append(subprocess.Popen(
+                [sys.executable, "-m", "bench.scale_sim", "--url", stack.url, "--first",
+                 str(first), "--count", str(count), "--models", str(MODELS), "--design",
+                 stack.design], cwd=REPO, env={**stack.env(), "PYTHONPATH": str(REPO)},
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        started += 1
+    for _ in range(started):
+        await asyncio.wait_for(ready.get(), 60 + upto / 5)
+    await sub.unsubscribe()
+    kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
+    nodes = {n.node_id: n for n in await live_values(nc.jetstream(), subjects.NODES_BUCKET,
+                                                     NodeInfo)}
+    for index in range(have, upto):
+        node = nodes.get(sim_node_id(index))
+        if node is None:
+            continue
+        card = fault_card(sim_model(index, MODELS))
+        instance = new_instance(card, node, 4, time.time(), f"{node.node_id}-i")
+        await kv.put(instance.instance_id, encode(instance))
+
+
+def _ps(process: subprocess.Popen[bytes]) -> psutil.Process:
+    return psutil.Process(process.pid)
+
+
+def _cpu(process: subprocess.Popen[bytes]) -> float:
+    times = _ps(process).cpu_times()
+    return times.user + times.system
+
+
+async def measure(stack: Stack, window_s: float) -> dict[str, Any]:
+    """CPU (share of one core), RSS, and msgs/bytes a second received over one window."""
+    names = [n for n in stack.procs if n != "nats"] + ["nats"]
+    gateways = sum(1 for n in names if n.startswith("gateway"))
+    cpu0 = {n: _cpu(stack.procs[n]) for n in names}
+    connz0 = await read_connz(stack.monitor)
+    began = time.monotonic()
+    await asyncio.sleep(window_s)  # the measurement window
+    took = time.monotonic() - began
+    connz1 = await read_connz(stack.monitor)
+    out: dict[str, Any] = {}
+    for name in names:
+        row: dict[str, Any] = {
+            "cpu": round((_cpu(stack.procs[name]) - cpu0[name]) / took, 4),
+            "rss_mb": round(_ps(stack.procs[name]).memory_info().rss / 2**20, 1),
+        }
+        if name != "nats":
+            # Every gateway's connection has the same name: a gateway's share is the mean.
+            conn, share = ("fleet-worker", 1) if name == "worker" else ("fleet-gateway", gateways)
+            got: Received = received_by(connz1, conn) - received_by(connz0, conn)
+            got = Received(got.msgs // share, got.bytes // share)
+            row["msgs_s"] = round(got.msgs / took, 1)
+            row["kb_s"] = round(got.bytes / took / 1024, 2)
+        out[name] = row
+    return out
+
+
+async def time_failover(nc: Client, index: int, timeout: float = 60.0) -> float | None:
+    """Seconds from a node's loss to its instance placed elsewhere; None past `timeout`."""
+    node = sim_node_id(index)
+    kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
+    began = time.monotonic()
+    await nc.publish(KILL, node.encode())
+    while time.monotonic() - began < timeout:
+        entry = await kv.get(f"{node}-i")
+        if entry.value and all(s.node_id != node
+                               for s in decode_model(Instance, entry.value).shards):
+            return round(time.monotonic() - began, 2)
+        await asyncio.sleep(0.2)  # polling the instance: the resolution of the measurement
+    return None
+
+
+async def time_placement(nc: Client) -> float:
+    """The p50 of one placement decision over every live heartbeat, in ms."""
+    nodes = await live_values(nc.jetstream(), subjects.NODES_BUCKET, NodeInfo)
+    card = fault_card(sim_model(1, MODELS))
+    took = []
+    for _ in range(50):
+        began = time.perf_counter()
+        choose_node(nodes, card, time.time())
+        took.append((time.perf_counter() - began) * 1e3)
+    return round(statistics.median(took), 3)
+
+
+async def run_design(src: Path, design: str, plan: ScalePlan, work: Path) -> dict[str, Any]:
+    work.mkdir(parents=True, exist_ok=True)
+    stack = Stack(src, design, work)
+    steps: dict[str, Any] = {}
+    try:
+        nc = await start_server(stack)
+        for n in plan.steps:
+            log.info("scale %s: N = %d", design, n)
+            await add_sims(stack, nc, n)
+            if "worker" not in stack.procs:
+                await start_real(stack, nc, plan.gateways)
+            await asyncio.sleep(plan.settle_s)  # watches catch up with the new nodes
+            idle = await measure(stack, plan.window_s)
+            busy = [sim_node_id(i) for i in range(min(MAX_BUSY, max(1, int(n * BUSY_FRACTION))))]
+            await nc.publish(LOAD, orjson.dumps({"busy": busy}))
+            await asyncio.sleep(2.0)  # streams and adverts start
+            loaded = await measure(stack, plan.window_s)
+            await nc.publish(LOAD, orjson.dumps({"busy": []}))
+            step: dict[str, Any] = {"idle": idle, "load": loaded, "busy_nodes": len(busy),
+                                    "placement_p50_ms": await time_placement(nc),
+                                    "sweeper": await sweeper_holder(nc)}
+            if plan.failover:
+                step["failover_s"] = await time_failover(nc, n - 1)
+            steps[str(n)] = step
+        await nc.close()
+    except BaseException:
+        from bench.cli import show_logs
+
+        show_logs(work, 15)
+        raise
+    finally:
+        stack.stop()
+    return {"design": design, "src": str(src), "steps": steps}
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    lines = [f"### {result['design']} ({result['src']})", "",
+             "| N | load | worker msgs/s | worker KB/s | worker CPU | worker RSS MB | "
+             "gateway msgs/s | gateway KB/s | gateway CPU | nats CPU | placement p50 ms | "
+             "failover s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for n, step in result["steps"].items():
+        for phase in ("idle", "load"):
+            row = step[phase]
+            w, g, s = row["worker"], row.get("gateway-0", {}), row["nats"]
+            lines.append(
+                f"| {n} | {phase if phase == 'idle' else str(step['busy_nodes']) + ' busy'} | "
+                f"{w['msgs_s']} | {w['kb_s']} | {w['cpu']:.1%} | {w['rss_mb']} | "
+                f"{g.get('msgs_s', '-')} | {g.get('kb_s', '-')} | {g.get('cpu', 0):.1%} | "
+                f"{s['cpu']:.1%} | {step['placement_p50_ms'] if phase == 'idle' else ''} | "
+                f"{step.get('failover_s', '-') if phase == 'idle' else ''} |")
+    return lines
+
+
+def run_scale(quick: bool, baseline_src: Path | None, workdir: Path,
+              steps: tuple[int, ...] | None = None) -> dict[str, Any]:
+    import uvloop
+
+    plan = QUICK if quick else ScalePlan()
+    if steps:
+        plan = ScalePlan(steps=steps, gateways=plan.gateways, window_s=plan.window_s,
+                         settle_s=plan.settle_s, failover=plan.failover)
+    results = []
+    if baseline_src is not None:
+        results.append(uvloop.run(run_design(baseline_src, "baseline", plan, workdir / "base")))
+    results.append(uvloop.run(run_design(REPO, "current", plan, workdir / "current")))
+    for result in results:
+        print("\n".join(["", *table(result)]))
+    return {"plan": plan.__dict__, "results": results}
+
+
+def main() -> None:
+    import argparse
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--baseline-src", type=Path)
+    parser.add_argument("--steps", help="comma-separated N, e.g. 10,100,1000")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    steps = tuple(int(s) for s in args.steps.split(",")) if args.steps else None
+    with tempfile.TemporaryDirectory(prefix="fleet-scale-") as tmp:
+        result = run_scale(args.quick, args.baseline_src, Path(tmp), steps)
+    out = args.out or REPO / "bench" / "results" / f"scale-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

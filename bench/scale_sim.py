@@ -1,0 +1,233 @@
+"""`python -m bench.scale_sim`: many simulated nodes in one process, for `fleet bench --only scale`.
+
+Each simulated node has a NATS connection of its own (the server fans out per connection, as
+it would to real machines) and runs Fleet's node-agent code as a worker does: the heartbeat
+(fleet.worker.heartbeat), the fleet-wide duties (fleet.worker.sweeper: the heartbeat watch
+and failover sweep under a lease), the prefix adverts of the models it serves
+(fleet.worker.prefix_adverts) and its own prefix adverts; `--design baseline` composes the same
+parts as before the scale redesign (every node watched every heartbeat and every advert, and
+swept). Hand-offs and ask responders are left out: they cost per task, not per node. Its
+runner is the fault engine's plumbing only: a busy node publishes token events for its streams on
+`fleet.out.<task>` (stored by FLEET_OUT, as a runner's are) and advertises its prefix blocks
+four times a second, as a loaded worker does; an idle one refreshes them every 20 s.
+
+Control (core NATS, from the harness): `bench.scale.kill` with a node id closes that node's
+connection without a goodbye (its heartbeat key expires, as after a SIGKILL);
+`bench.scale.load` with `{"busy": [node ids]}` sets which nodes carry streams.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+
+import orjson
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+from fleet.bus.connect import connect
+from fleet.bus.kv_calls import kv_put
+from fleet.bus.kv_mirror import Mirror
+from fleet.wire import subjects
+from fleet.wire.cluster import ModelCard, NodeInfo, RunnerRecord
+from fleet.wire.codec import encode
+from fleet.wire.events import TokenChunk
+from fleet.wire.prefixes import PrefixSummary
+from fleet.wire.runners import RunnerReady
+from fleet.worker.failover import Failover
+from fleet.worker.heartbeat import Heartbeat
+from fleet.worker.node import node_info
+from fleet.worker.prefix_adverts import REFRESH_S, ServedPrefixes, advert_key
+from fleet.worker.prefix_blocks import BLOCK_CHARS
+from fleet.worker.sweeper import FleetDuties
+
+log = logging.getLogger("bench.scale_sim")
+
+KILL = "bench.scale.kill"
+LOAD = "bench.scale.load"
+READY = "bench.scale.ready"
+STREAMS_PER_BUSY_NODE = 2
+TOKENS_PER_S = 20.0
+ADVERT_EVERY_S = 0.25
+BUSY_BLOCKS = 1024  # a loaded runner's cache: ~18 KB of hashes in its summary
+IDLE_BLOCKS = 64
+
+
+def sim_model(index: int, models: int) -> str:
+    return f"sim-m{index % models}"
+
+
+def sim_node_id(index: int) -> str:
+    return f"sim-{index:05d}"
+
+
+class SimNode:
+    def __init__(self, url: str, index: int, models: int, template: NodeInfo,
+                 cards: dict[str, ModelCard], design: str) -> None:
+        self.url = url
+        self.design = design
+        self.index = index
+        self.node_id = sim_node_id(index)
+        self.model = sim_model(index, models)
+        self.runner_id = f"{self.node_id}-r0"
+        self.info = template.model_copy(update={
+            "node_id": self.node_id, "models_available": sorted(cards), "runners": [self.runner_id],
+        })
+        self.cards = cards
+        self.busy = False
+        self.blocks = [secrets.randbits(64) for _ in range(BUSY_BLOCKS)]
+        self.nc: Client | None = None
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self.nc = nc = await connect(self.url, f"sim-node-{self.node_id}", inbox_owner="worker")
+        js = nc.jetstream()
+        nodes = await js.key_value(subjects.NODES_BUCKET)
+        runners = await js.key_value(subjects.RUNNERS_BUCKET)
+        self.prefixes = await js.key_value(subjects.PREFIXES_BUCKET)
+        record = RunnerRecord(runner_id=self.runner_id, instance_id=f"{self.node_id}-i",
+                              node_id=self.node_id, model=self.model,
+                              status=RunnerReady(), slots=4, at=time.time())
+        self.heartbeat = Heartbeat(nc, nodes, runners, self.node_id, self._info, lambda: [record])
+        await self.heartbeat.beat(budget_s=30.0)
+        failover = Failover(js, nodes, await js.key_value(subjects.INSTANCES_BUCKET),
+                            self.cards, self_id=self.node_id,
+                            trusted=self.heartbeat.trusts_absences,
+                            on_own_key_gone=self.heartbeat.wake.set, on_gap=self.heartbeat.gap)
+        link = _Link(nc)
+        if self.design == "baseline":  # every node watched every heartbeat, swept, heard all
+            mirror = Mirror(subjects.PREFIXES_BUCKET,
+                            lambda key: self._adverts_changed(mirror.values, key))
+            duties = [failover.watch(), failover.sweep_forever(), mirror.run(link)]
+        else:
+            served = ServedPrefixes(lambda: {self.model}, self._adverts_changed)
+            duties = [FleetDuties(js, self.node_id, failover).forever(), served.run(link)]
+        self.tasks = [
+            asyncio.create_task(self.heartbeat.forever()),
+            *(asyncio.create_task(duty) for duty in duties),
+            asyncio.create_task(self._watch_instances(js)),
+            asyncio.create_task(self._advertise()),
+            asyncio.create_task(self._stream()),
+        ]
+
+    async def _watch_instances(self, js: JetStreamContext) -> None:
+        """As a worker's instance watch (fleet.worker.cluster): the whole table."""
+        watcher = await (await js.key_value(subjects.INSTANCES_BUCKET)).watchall()
+        async for _ in watcher:
+            pass
+
+    def _info(self) -> NodeInfo:
+        return self.info.model_copy(update={"at": time.time()})
+
+    def _adverts_changed(self, values: dict[str, bytes], key: str | None) -> None:
+        self.adverts_seen = len(values)  # parsed by a worker; here only held, as a mirror is
+
+    async def _advertise(self) -> None:
+        last = 0.0
+        while True:
+            now = time.time()
+            if self.busy or now - last >= REFRESH_S:
+                blocks = self.blocks if self.busy else self.blocks[:IDLE_BLOCKS]
+                if self.busy:  # a loaded cache changes: its newest blocks move
+                    self.blocks.append(self.blocks.pop(0))
+                summary = PrefixSummary(
+                    runner_id=self.runner_id, node_id=self.node_id, model=self.model,
+                    block_chars=BLOCK_CHARS, blocks=[f"{b:016x}" for b in blocks],
+                    in_flight=STREAMS_PER_BUSY_NODE if self.busy else 0, slots=4, at=now)
+                with contextlib.suppress(Exception):
+                    key = (self.runner_id if self.design == "baseline"
+                           else advert_key(self.model, self.runner_id))
+                    await kv_put(self.prefixes, key, encode(summary))
+                last = now
+            await asyncio.sleep(ADVERT_EVERY_S)  # the advert period of a worker
+
+    async def _stream(self) -> None:
+        """While busy: STREAMS_PER_BUSY_NODE tasks, TOKENS_PER_S each, on fleet.out.<id>."""
+        period = 1.0 / TOKENS_PER_S
+        tasks = [f"sim-{self.node_id}-{n}-{secrets.token_hex(4)}"
+                 for n in range(STREAMS_PER_BUSY_NODE)]
+        index = 0
+        while True:
+            await asyncio.sleep(period)  # the token rate of a stream
+            if not self.busy or self.nc is None:
+                continue
+            now = time.time()
+            for task_id in tasks:
+                event = TokenChunk(task_id=task_id, index=index, token_id=7, text="tok", at=now)
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(subjects.out(task_id), encode(event))
+            index += 1
+
+    async def kill(self) -> None:
+        """Gone without a goodbye: no key deleted, no event published."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), 5.0)
+            self.nc = None
+
+
+class _Link:
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+
+    @property
+    def connected(self) -> bool:
+        return self.nc.is_connected
+
+
+async def run(url: str, first: int, count: int, models: int, design: str) -> None:
+    template = node_info("template", time.time(), [], [], None)
+    from fleet.runner.fault_engine import fault_card
+
+    cards = {sim_model(i, models): fault_card(sim_model(i, models)) for i in range(models)}
+    nodes = {sim_node_id(i): SimNode(url, i, models, template, cards, design)
+             for i in range(first, first + count)}
+    control = await connect(url, f"sim-control-{first}")
+
+    async def on_kill(msg: Msg) -> None:
+        node = nodes.pop(msg.data.decode(), None)
+        if node is not None:
+            await node.kill()
+
+    async def on_load(msg: Msg) -> None:
+        busy = set(orjson.loads(msg.data)["busy"])
+        for node in nodes.values():
+            node.busy = node.node_id in busy
+
+    await control.subscribe(KILL, cb=on_kill)
+    await control.subscribe(LOAD, cb=on_load)
+    for batch in range(0, count, 50):  # connections in batches: a burst of 1,000 TLS-less
+        await asyncio.gather(*(n.start() for n in list(nodes.values())[batch:batch + 50]))
+    await control.publish(READY, f"{first}:{count}".encode())
+    await control.flush()
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--models", type=int, default=10)
+    parser.add_argument("--design", choices=("baseline", "current"), default="current",
+                        help="baseline: composed as before the scale redesign (every node "
+                        "watches every heartbeat and advert, and sweeps)")
+    args = parser.parse_args()
+    logging.basicConfig(level=os.environ.get("SIM_LOG", "WARNING"))
+    import uvloop
+
+    uvloop.run(run(args.url, args.first, args.count, args.models, args.design))
+
+
+if __name__ == "__main__":
+    main()
+

@@ -1,0 +1,141 @@
+"""Fleet-wide duties, done once for the whole fleet: the worker holding the `sweeper` lease in
+FLEET_LEASES watches every heartbeat (FLEET_NODES), moves instances off dead nodes
+(fleet.worker.failover) and places models on demand (fleet.worker.demand). Every other worker
+watches no heartbeat at all, so a node's cost does not grow with the number of nodes.
+
+The lease is a key naming its holder, made with a create-only write and renewed every RENEW_S
+by a compare-and-set on its revision; the bucket's max age (10 s) drops it when its holder
+stops renewing (dead, or cut off), and the next worker to try creates it. Safety never rests on
+the lease: each move is a compare-and-set on the instance's revision (exactly one writer wins),
+and a holder that was cut off and comes back finds its revision stale, so it stops; two
+holders for a moment can only race for the same compare-and-set, as every worker did before.
+A worker that could not renew stops its duties at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
+
+from fleet.bus.kv_calls import kv_create, kv_update
+from fleet.bus.retry import with_retry
+from fleet.worker.demand import Demand
+from fleet.worker.failover import Failover
+
+log = logging.getLogger(__name__)
+
+LEASES_BUCKET = "FLEET_LEASES"
+SWEEPER = "sweeper"
+RENEW_S = 2.0  # the bucket's max age is 10 s: five renewals may fail before the lease goes
+RENEW_BUDGET_S = 1.5  # a renewal slower than this could outlive the lease; try again later
+
+
+@dataclass(frozen=True)
+class LeaseState:
+    """What this worker knows of its lease: the revision it last wrote (None: not held)."""
+
+    revision: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self.revision is not None
+
+
+def after_attempt(state: LeaseState, written: int | None) -> LeaseState:
+    """Pure: the lease after a create (not held) or a renewal (held) that wrote `written`
+    (None: someone else's key was there, or ours had expired and been taken)."""
+    return LeaseState(written)
+
+
+class Lease:
+    """One named lease in FLEET_LEASES, held by `holder` while `attempt()` keeps succeeding."""
+
+    def __init__(self, kv: KeyValue, name: str, holder: str) -> None:
+        self.kv, self.name, self.holder = kv, name, holder
+        self.state = LeaseState()
+
+    async def attempt(self) -> bool:
+        """Renew the lease if held, else try to take it; whether it is held now."""
+        value = self.holder.encode()
+        try:
+            if self.state.held:
+                assert self.state.revision is not None
+                written = await kv_update(self.kv, self.name, value, last=self.state.revision,
+                                          budget_s=RENEW_BUDGET_S)
+            else:
+                written = await kv_create(self.kv, self.name, value, budget_s=RENEW_BUDGET_S)
+        except Exception as exc:  # unreachable: not held (another may take it after its age)
+            if self.state.held:
+                log.warning("lease %s not renewed (%s); its duties stop here", self.name, exc)
+            self.state = LeaseState()
+            return False
+        was = self.state.held
+        self.state = after_attempt(self.state, written)
+        if was and not self.state.held:
+            log.warning("lease %s was lost (it expired and another worker holds it)", self.name)
+        return self.state.held
+
+
+class FleetDuties:
+    """Runs `duties` while this worker holds the sweeper lease, and stops them when it does
+    not."""
+
+    def __init__(self, js: JetStreamContext, node_id: str, failover: Failover,
+                 demand: Demand | None = None) -> None:
+        self.js = js
+        self.node_id = node_id
+        self.failover = failover
+        self.demand = demand
+        self.leading = asyncio.Event()  # set while the duties run here
+        self._duties: asyncio.Task[None] | None = None
+
+    async def forever(self) -> None:
+        """Until cancelled (a Supervisor child): take or renew the lease every RENEW_S."""
+        kv = await with_retry(lambda: self.js.key_value(LEASES_BUCKET),
+                              what=f"open bucket {LEASES_BUCKET}")
+        lease = Lease(kv, SWEEPER, self.node_id)
+        try:
+            while True:
+                held = await lease.attempt()
+                if held and self._duties is None:
+                    log.info("this worker now holds the sweeper lease: failover and placement "
+                             "on demand run here")
+                    self._duties = asyncio.create_task(self._run_duties())
+                elif not held and self._duties is not None:
+                    await self._stop_duties()
+                elif self._duties is not None and self._duties.done():
+                    self._duties = None  # failed (logged by _run_duties); started next round
+                await asyncio.sleep(RENEW_S)  # the lease's renewal period
+        finally:
+            await self._stop_duties()
+
+    async def _run_duties(self) -> None:
+        self.leading.set()
+        jobs: list[Callable[[], Awaitable[None]]] = [
+            self.failover.watch, self.failover.sweep_forever,
+        ]
+        if self.demand is not None:
+            jobs.append(self.demand.sweep_forever)
+        try:
+            async with asyncio.TaskGroup() as group:
+                for job in jobs:
+                    group.create_task(job())
+        except Exception as exc:
+            log.warning("fleet-wide duties failed (%s); restarted at the next renewal", exc)
+        finally:
+            self.leading.clear()
+
+    async def _stop_duties(self) -> None:
+        task, self._duties = self._duties, None
+        if task is None:
+            return
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        self.failover.forget()  # its view of the nodes is stale from here on
