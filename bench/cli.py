@@ -196,6 +196,14 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
 
         result["queue"] = uvloop.run(run_queue(workdir, env, args.quick))
         print("\n".join(queue_table(result["queue"])))
+    if args.only == "embeddings":
+        from bench.embeddings import embeddings_table, run_embeddings
+
+        chosen = [m for m in (args.models or "").split(",") if m] or (
+            ["tiny-embed"] if args.quick else ["tiny-embed", "smollm2-135m-embed"])
+        result["embeddings"] = uvloop.run(run_embeddings(
+            models_dir, workdir / "embeddings", env, args.quick, chosen, args.blas_threads))
+        print("\n".join(embeddings_table(result["embeddings"])))
     if args.only in (None, "plumbing", "plumbing-rate"):
         from bench.plumbing_rate import QUICK, RatePlan, rate_table, run_rate
 

@@ -29,8 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 64)")
     p.add_argument("--no-peer", action="store_true", help="leave mlx_lm.server out")
     p.add_argument("--only", choices=("text", "plumbing", "plumbing-rate", "weights", "routing",
-                                      "ask", "sharded", "queue"),
+                                      "ask", "sharded", "queue", "embeddings"),
                    help="run one part only (routing: the multi-turn prefix-routing workload; "
+                   "embeddings: /v1/embeddings at 1, 16, 256 clients against the model "
+                   "in-process; "
                    "sharded: a 2-shard pipeline against the unsharded model; plumbing-rate: "
                    "the fault-engine rate part of plumbing alone; queue: batch acceptance "
                    "and idempotent retries)")

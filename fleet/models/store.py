@@ -64,6 +64,9 @@ def _link_smollm2(dest: Path) -> Path:
     """SmolLM2's embedding card shares the text card's files: hard links, not a second copy
     (and not symlinks: evicting one model must leave the other whole)."""
     text_dir = ensure_model(all_cards()["smollm2-135m"], dest.parent)
+    # Building that one clears stale staging folders named after its id, and this staging
+    # folder's name starts with it too.
+    dest.mkdir(exist_ok=True)
     for source in text_dir.rglob("*"):
         target = dest / source.relative_to(text_dir)
         if source.is_dir():

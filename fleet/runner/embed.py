@@ -117,8 +117,7 @@ class EmbeddingEngine:
     def warm_up(self) -> None:
         """One pass alone and one batched: the first request pays no first-call costs."""
         for texts in (["Hello"], ["Hello", "A longer warm-up text"]):
-            rows = [self._tokenizer.encode(text) for text in texts]
-            self._forward(rows)
+            self.forward([self.tokenize(text) for text in texts])
 
     def admit(self, admission: Admission) -> None:
         task = admission.task
@@ -131,9 +130,12 @@ class EmbeddingEngine:
                   for index, item in enumerate(task.input)]
         self._jobs.append(_Job(task, tokens, time.monotonic(), admission.queue_wait_s))
 
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
     def _tokens(self, index: int, item: str | list[int], truncate: bool) -> list[int]:
         if isinstance(item, str):
-            ids = list(self._tokenizer.encode(item))
+            ids = self.tokenize(item)
         else:
             ids = list(item)
             if bad := [token for token in ids if token >= self._vocab_size]:
@@ -166,7 +168,7 @@ class EmbeddingEngine:
         batch = self._next_batch()
         if not batch.slices:
             return events
-        vectors = self._forward(batch.rows)
+        vectors = self.forward(batch.rows)
         now = time.time()
         offset = 0
         for piece in batch.slices:
@@ -205,7 +207,7 @@ class EmbeddingEngine:
             piece.job.next_input = piece.start + piece.count
         return batch
 
-    def _forward(self, rows: list[list[int]]) -> np.ndarray:
+    def forward(self, rows: list[list[int]]) -> np.ndarray:
         """One forward pass over the distinct rows, right-padded; pooled, unnormalised
         vectors, one per row. A text repeated in a batch is computed once: its copies get
         the very same vector (a batch's rows can differ in their last bits with the BLAS)."""
