@@ -126,7 +126,9 @@ class Settings:
     # death before its output began.
     max_deliver: int = setting(5, groups=_W, help="deliveries of a task before it is given up")
     ack_wait_s: float = setting(
-        30.0, groups=_W, help="seconds a worker holds a task before JetStream redelivers it")
+        2.0, groups=_W,
+        help="seconds a silent worker holds a task before JetStream redelivers it (its beats "
+        "come every AckWait/4)")
     auto_place: bool = setting(
         True, groups=_W, help="place a model when tasks wait for one nobody serves")
     prefix_routing: bool = setting(

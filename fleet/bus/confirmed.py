@@ -20,6 +20,10 @@ stored (a leader change, or a reconnect that flushes nats-py's buffer before the
 its copy lands after them. Every event a reader puts in order carries its index
 (fleet.bus.task_events reads them in index order), so only a message that is truly missing
 fails the task's output.
+
+A sequence whose message the stream refuses for a wrong expected last sequence is fenced: its
+writer lost it to another (fleet.worker.takeover). It sends nothing more, `on_fenced` hears of
+it once, and `fenced(key)` says so.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -48,6 +52,7 @@ log = logging.getLogger(__name__)
 WINDOW = 256  # unconfirmed messages per sequence before the next send waits
 ACK_TIMEOUT_S = 2.0  # no ack by then: treat the message as lost and repair
 NO_RESPONDERS = "503"
+WRONG_LAST_SEQUENCE = 10071  # an expected-sequence header failed: the sequence is fenced
 
 
 @dataclass(eq=False)
@@ -70,6 +75,7 @@ class _Sequence:
     confirmed: int = 0  # the first index that may be unconfirmed
     epoch: int = -1  # the connection (reconnect count) the pipelined sends went out on
     broken: bool = False
+    fenced: bool = False  # the stream refused a message on an expected-sequence header
     repair: asyncio.Task[None] | None = None
     sent: int = 0  # messages[:sent] went out pipelined, in order (the rest queue)
     pacer: asyncio.Task[None] | None = None  # sends what queued behind a full window
@@ -85,9 +91,14 @@ class _Sequence:
 class ConfirmedPublisher:
     """Ordered, confirmed sequences of JetStream messages over one connection."""
 
-    def __init__(self, nc: Client, *, budget_s: float = BROKER_BUDGET_S) -> None:
+    def __init__(
+        self, nc: Client, *, budget_s: float = BROKER_BUDGET_S,
+        on_fenced: Callable[[str], None] | None = None,
+    ) -> None:
         self.nc = nc
         self.budget_s = budget_s
+        self.on_fenced = on_fenced
+        self.dropped = 0  # messages of fenced sequences not sent (for tests and logs)
         self._sequences: dict[str, _Sequence] = {}
         self._waiting: dict[str, tuple[_Sequence, _Message]] = {}  # reply token -> sent
         self._inbox = ""
@@ -103,6 +114,9 @@ class ConfirmedPublisher:
         repaired, the connection is down, or WINDOW messages are unconfirmed (then its pacer
         sends it in its turn). Never waits for an ack."""
         seq = self._sequences.setdefault(key, _Sequence(key))
+        if seq.fenced:  # its writer lost it: nothing more goes out
+            self.dropped += 1
+            return
         message = _Message(subject, body, dict(headers))
         seq.messages.append(message)
         if seq.pacer is not None and not seq.pacer.done():
@@ -168,6 +182,8 @@ class ConfirmedPublisher:
                 seq.pacer.cancel()
                 seq.broken = True
         for message in seq.unconfirmed():
+            if seq.fenced:  # lost to another attempt: nothing of it is worth repairing
+                return _problem(seq)
             if message.seq is not None or seq.broken or not message.token:
                 continue
             with contextlib.suppress(Exception):  # lost or failed: the repair below resends
@@ -175,7 +191,7 @@ class ConfirmedPublisher:
             if message.seq is None:
                 seq.broken = True
                 break
-        if seq.unconfirmed():
+        if seq.unconfirmed() and not seq.fenced:
             if seq.repair is not None:
                 seq.repair.cancel()
                 with contextlib.suppress(BaseException):
@@ -187,6 +203,11 @@ class ConfirmedPublisher:
             self.reordered += 1
             log.info("output of %s: stored whole, out of order (read in index order)", key)
         return problem
+
+    def fenced(self, key: str) -> bool:
+        """Whether the stream refused a message of `key` for a wrong expected sequence."""
+        seq = self._sequences.get(key)
+        return seq is not None and seq.fenced
 
     def forget(self, key: str) -> None:
         seq = self._sequences.pop(key, None)
@@ -226,8 +247,12 @@ class ConfirmedPublisher:
     async def _repair(self, seq: _Sequence, deadline: float) -> None:
         self.repairs += 1
         try:
-            while pending := [m for m in seq.unconfirmed() if m.refused is None]:
+            while not seq.fenced and (
+                pending := [m for m in seq.unconfirmed() if m.refused is None]
+            ):
                 for message in pending:
+                    if seq.fenced:
+                        break
                     if message.seq is not None:
                         continue  # its first ack came in late
                     try:
@@ -293,11 +318,23 @@ class ConfirmedPublisher:
                 message.duplicate = bool(reply.get("duplicate"))
         elif token == message.token:  # an earlier send's error is old news
             message.error = error
-            if not is_transient(error):
+            if getattr(error, "err_code", None) == WRONG_LAST_SEQUENCE:
+                message.refused = str(error)
+                self._fence(seq)
+            elif not is_transient(error):
                 message.refused = str(error)
                 log.error("the stream refused an output message on %s: %s", message.subject,
                           error)
         seq.progress.set()
+
+
+    def _fence(self, seq: _Sequence) -> None:
+        if seq.fenced:
+            return
+        seq.fenced = True
+        log.warning("output of %s is fenced: another attempt has taken it over", seq.key)
+        if self.on_fenced is not None:
+            self.on_fenced(seq.key)
 
 
 def _ack_error(msg: Msg) -> Exception | None:
@@ -347,6 +384,8 @@ def _stored_seqs(seq: _Sequence) -> list[int | None]:
 def _problem(seq: _Sequence) -> str | None:
     """What keeps the stream from holding the sequence whole; None when it does (in order
     or not)."""
+    if seq.fenced:
+        return "fenced: another attempt has taken the task over"
     if refused := [m.refused for m in seq.messages if m.refused]:
         return f"the stream refused {len(refused)} message(s): {refused[0]}"
     if missing := sum(1 for m in seq.messages if m.seq is None):

@@ -51,6 +51,11 @@ class TaskAccepted(_Event):
     attempt: int = Field(
         default=0, ge=0, description="0 for the first run; k for the task's k-th continuation"
     )
+    moved_from: NodeId | None = Field(
+        default=None,
+        description="a continued task: the node its previous attempt ran on (the same node "
+        "when only its runner was lost)",
+    )
     seed: int | None = Field(
         default=None, ge=-(2**63), le=2**64 - 1,
         description="a sampled text task: the seed it samples with; the request's, or one the "
@@ -221,6 +226,21 @@ OutputEvent = Annotated[
     | TaskFinished,
     Field(discriminator="type"),
 ]
+
+
+class TaskFence(Wire):
+    """The fence of a task's output, on `fleet.out.<task_id>.fence` (stream FLEET_OUT): one
+    message per takeover. Every event of an attempt is published with
+    `Nats-Expected-Last-Subject-Sequence` naming the fence it wrote (0: the first attempt, no
+    fence yet), so once another attempt has written a newer fence the stream refuses the old
+    attempt's late events (fleet.worker.takeover). No reader of the task's events sees it."""
+
+    type: Literal["task_fence"] = "task_fence"
+    task_id: TaskId
+    attempt: int = Field(ge=1, description="the attempt that took the task over (1, 2, ...)")
+    node_id: NodeId = Field(description="the node that took it over")
+    delivery: int = Field(ge=1, description="the JetStream delivery count it took it over on")
+    at: float = Field(description="Unix time in seconds when the fence was written")
 
 
 RefusedReason = Literal["task_id_taken", "task_id_used", "invalid_task_id"]

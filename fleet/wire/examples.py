@@ -110,6 +110,9 @@ def examples() -> dict[str, BaseModel]:
             task_id="chat-1", model="smollm2-135m", reason="task_id_taken",
             message="task id 'chat-1' belongs to another task message", at=_AT, stream_seq=42,
         ),
+        "task_fence": events.TaskFence(
+            task_id="chat-1", attempt=1, node_id="node-b", delivery=2, at=_AT,
+        ),
         "ask_answer": ask.AskAnswer(
             task_id="hello-1", model="smollm2-135m", status="completed", finish_reason="stop",
             text="The capital of France is Paris.",

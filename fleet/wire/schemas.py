@@ -37,6 +37,7 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "runner-report": pipe.REPORT,
     "runner-spec": TypeAdapter(pipe.RunnerSpec),
     "task-refused": TypeAdapter(events.TaskRefused),
+    "task-fence": TypeAdapter(events.TaskFence),
     "prefix-summary": TypeAdapter(prefixes.PrefixSummary),
     "step-plan": TypeAdapter(ring.StepPlan),
     "task-hand-off": TypeAdapter(handoff.TaskHandOff),
@@ -65,6 +66,7 @@ _SUBJECTS = {
     "hand-off-answer": "the reply to a task-hand-off request",
     "task-refused": "fleet.refused.<model> (stream FLEET_REFUSED) and the task's "
     "Fleet-Reply-To inbox",
+    "task-fence": "fleet.out.<task_id>.fence (stream FLEET_OUT): a takeover of the task",
     "ask-reply": "the reply to a request on fleet.ask.<model> (whose body is a task)",
     "task-record": "KV FLEET_TENANTS, key = task.<task_id>",
     "file-record": "KV FLEET_BATCHES, key = file.<file_id> (the bytes: object store FLEET_FILES)",

@@ -17,6 +17,8 @@ the one place that sends it.
     stopped_mid_run        nak now: the worker's stop cut it short (no terminal written here);
                            its redelivery reruns it, or ends it worker_lost if output began
     handed_back            nak after HAND_BACK_DELAY_S: no runner here for its model any more
+    superseded             nothing: a stale delivery (a newer one took the task over,
+                           fleet.worker.takeover); any verb could touch the newer holder's
 
 Every held message (being taken in, waiting for inputs, for a slot, or running) is thus kept
 alive well inside AckWait, so JetStream never hands it to a second worker while this one still
@@ -65,6 +67,7 @@ class Stage(StrEnum):
     STOPPING_NOT_STARTED = "stopping_not_started"
     STOPPED_MID_RUN = "stopped_mid_run"
     HANDED_BACK = "handed_back"
+    SUPERSEDED = "superseded"
 
 
 class Kind(StrEnum):
@@ -107,7 +110,7 @@ def decide(stage: Stage, since_last_verb_s: float, ack_wait_s: float) -> Verb:
     match stage:
         case Stage.FINISHED_STORED | Stage.REDELIVERED_FINISHED:
             return Verb(Kind.ACK, confirm=True)
-        case Stage.FINISHED_NOT_STORED:
+        case Stage.FINISHED_NOT_STORED | Stage.SUPERSEDED:
             return NOTHING
         case Stage.INVALID:
             return Verb(Kind.TERM)

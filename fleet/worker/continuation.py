@@ -56,6 +56,7 @@ class Continue:
     attempt: int  # 1 for the first continuation
     delivered_images: frozenset[str] = frozenset()  # an image task: "<i>.<preview>", "<i>.final"
     seed: int | None = None  # the seed the first attempt sampled with (recorded in its accept)
+    moved_from: str | None = None  # the node the previous attempt ran on (its accept says)
 
 
 @dataclass(frozen=True)
@@ -81,10 +82,17 @@ def decide(task: Task, events: list[OutputEvent]) -> Continue | GiveUp | None:
     if not isinstance(task, TextGeneration):
         # An image task restarts from step 0 with the same seeds (the same bytes) and skips
         # what was delivered.
-        return Continue((), continuations + 1, frozenset(map(image_key, images)))
+        return Continue((), continuations + 1, frozenset(map(image_key, images)),
+                        moved_from=previous_node(events))
     return Continue(
-        generated=generated_tokens(events), attempt=continuations + 1, seed=recorded_seed(events)
+        generated=generated_tokens(events), attempt=continuations + 1, seed=recorded_seed(events),
+        moved_from=previous_node(events),
     )
+
+
+def previous_node(events: list[OutputEvent]) -> str | None:
+    """The node the latest attempt was accepted on (the one a continuation moves from)."""
+    return next((e.node_id for e in reversed(events) if isinstance(e, TaskAccepted)), None)
 
 
 def recorded_seed(events: list[OutputEvent]) -> int | None:
@@ -157,17 +165,22 @@ class ContinuationBook:
     def __init__(self) -> None:
         self.queued: dict[str, Continue] = {}
         self.running: dict[str, PendingTask] = {}
+        self.seams: dict[str, Continue] = {}  # a continued task on a runner: where it resumed
 
     def dispatched(self, pending: PendingTask) -> Continue:
         """What the SubmitTask of a task being dispatched now carries of its earlier attempts
         (nothing, attempt 0, for a first run)."""
         task_id = pending.task.task_id
         self.running[task_id] = pending
-        return self.queued.pop(task_id, None) or NOT_CONTINUED
+        earlier = self.queued.pop(task_id, None) or NOT_CONTINUED
+        if earlier.attempt:
+            self.seams[task_id] = earlier
+        return earlier
 
     def released(self, task_id: str) -> None:
         self.queued.pop(task_id, None)
         self.running.pop(task_id, None)
+        self.seams.pop(task_id, None)
 
 
 async def stored_events(nc: Client, js: JetStreamContext, task_id: str) -> list[OutputEvent]:

@@ -22,6 +22,7 @@ from fleet.wire.events import ErrorReason, TaskFinished
 from fleet.worker.acks import AckPolicy, Stage
 from fleet.worker.outputs import TaskOutput
 from fleet.worker.spans import TaskSpans
+from fleet.worker.takeover import TaskFenced
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class Endings:
         self.node_id = node_id
         self._running: set[asyncio.Task[Any]] = set()
         self.unstored = 0  # terminals that could not be stored (their tasks are redelivered)
+        self.fenced = 0  # tasks given up at their ending: another attempt had taken them over
 
     def finish(self, event: TaskFinished, msg: Msg | None) -> None:
         """Store a runner's terminal (its earlier events were queued before it), then ack."""
@@ -65,6 +67,9 @@ class Endings:
     async def _finish(self, event: TaskFinished, msg: Msg | None) -> None:
         try:
             stored = await self.output.finish(event)
+        except TaskFenced as exc:
+            self._given_up(event.task_id, exc)
+            return
         except Exception as exc:
             self._not_stored(event.task_id, exc)
             await self._settle(event.task_id, msg, Stage.FINISHED_NOT_STORED, "none")
@@ -77,6 +82,9 @@ class Endings:
     ) -> None:
         try:
             stored = await self.output.fail(task_id, reason, message, node_id=self.node_id)
+        except TaskFenced as exc:
+            self._given_up(task_id, exc)
+            return
         except Exception as exc:
             self._not_stored(task_id, exc)
             await self._settle(task_id, msg, Stage.FINISHED_NOT_STORED, "none")
@@ -89,6 +97,13 @@ class Endings:
             sent = await self.acks.settle(task_id, msg, stage)
             verb = verb if sent else f"{verb} failed"
         self.spans.settled(task_id, verb)
+
+    def _given_up(self, task_id: str, exc: TaskFenced) -> None:
+        """Another attempt took the task over: its terminal is that attempt's to write, and
+        its message that attempt's to settle (fleet.worker.takeover)."""
+        self.fenced += 1
+        log.warning("%s; given up without a terminal or a verb", exc)
+        self.spans.settled(task_id, "fenced")
 
     def _not_stored(self, task_id: str, exc: BaseException) -> None:
         self.unstored += 1

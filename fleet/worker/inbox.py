@@ -114,13 +114,21 @@ class HandedIn:
 
 
 @dataclass(frozen=True)
+class Fenced:
+    """The stream refused an event of this task: another attempt has taken it over
+    (fleet.worker.takeover), so this node gives it up."""
+
+    task_id: str
+
+
+@dataclass(frozen=True)
 class Stop:
     """End the loop and shut down cleanly."""
 
 
 InboxItem = (
     Fetched | Tick | TakenIn | CrashJudged | InputsFetched | InputsFailed | CancelSeen
-    | RunnerReported | RunnerExited | ImageUploaded | HandedIn | Stop | StateEvent
+    | RunnerReported | RunnerExited | ImageUploaded | HandedIn | Fenced | Stop | StateEvent
 )
 
 Inbox = asyncio.Queue[InboxItem]

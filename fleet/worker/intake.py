@@ -7,7 +7,9 @@ lookup and read-backs may each wait out a broker election. It decides; it never 
 JetStream verb itself. Its outcome is a stage of the ack policy (`Settled.stage`,
 fleet.worker.acks), and the worker's loop settles the message by it. Every event the intake
 writes on `fleet.out.<id>` comes after this message has claimed that id
-(fleet.worker.claims): a message that does not own its id writes nothing there.
+(fleet.worker.claims): a message that does not own its id writes nothing there. A message
+delivered again takes the task over (its fence, fleet.worker.takeover) before it reads back
+what an earlier attempt stored.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from fleet.worker.continuation import (
 from fleet.worker.outputs import TaskOutput
 from fleet.worker.prefix_blocks import prompt_blocks
 from fleet.worker.state import PendingTask
+from fleet.worker.takeover import Superseded, takes_fence
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,9 @@ class Intake:
         self.claims = claims
         self.book = ContinuationBook()
 
-    async def receive(self, msg: Msg) -> Queued | Settled:
+    async def receive(self, msg: Msg, *, handed_in: bool = False) -> Queued | Settled:
+        """`handed_in`: another node passed this message on (fleet.worker.handoff), perhaps
+        after its runner had streamed part of the answer: taken over like a redelivery."""
         delivery = msg.metadata.num_delivered if msg.metadata else 1
         try:
             task = decode_task(msg.data)
@@ -85,7 +90,16 @@ class Intake:
             )
         if refused := await self._claim(msg, task.task_id):
             return refused
-        if delivery > 1 and (settled := await self._redelivered(task)):
+        if takes_over := takes_fence(delivery, handed_in=handed_in):
+            # Before anything is read back or written: from here on an earlier holder that
+            # was only paused can store nothing more on this task (fleet.worker.takeover).
+            try:
+                await self.output.take_over(task.task_id, self.cluster.node_id, delivery,
+                                            handed_in=handed_in)
+            except Superseded as exc:  # no verb, no write: the message is a newer holder's
+                log.warning("%s: this delivery is dropped", exc)
+                return Settled(None, "superseded", Stage.SUPERSEDED)
+        if takes_over and (settled := await self._redelivered(task)):
             return settled
         if await self.cluster.is_cancelled(task.task_id):
             return await self._end(task.task_id, ErrorReason.CANCELLED, "cancelled early")

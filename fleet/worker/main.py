@@ -55,6 +55,7 @@ from fleet.worker.image_outputs import ImageOutputs
 from fleet.worker.inbox import (
     CancelSeen,
     CrashJudged,
+    Fenced,
     Fetched,
     HandedIn,
     ImageUploaded,
@@ -78,6 +79,7 @@ from fleet.worker.runners import RunnerPool
 from fleet.worker.spans import TaskSpans
 from fleet.worker.state import WorkerState, apply
 from fleet.worker.stopping import Stopping
+from fleet.worker.takeover import FencedFate, fenced_fate
 from fleet.worker.uploads import ImageUploads
 
 log = logging.getLogger(__name__)
@@ -109,7 +111,9 @@ class Worker(RunnerReports, Stopping):
         self.js = self.nc.jetstream()
         telemetry.export_to_nats(lambda: self.nc)
         await provision(self.nc, replicas=settings.replicas)
-        self.output = TaskOutput(self.nc, self.js)
+        self.output = TaskOutput(
+            self.nc, self.js, on_fenced=lambda task_id: self.inbox.put_nowait(Fenced(task_id))
+        )
         async with Supervisor("worker") as owner:
             self.owner = owner
             self.cluster = ClusterLink(settings, self.nc, self.js, self.inbox)
@@ -211,6 +215,8 @@ class Worker(RunnerReports, Stopping):
                     self._end(task_id, reason, message)
             case CancelSeen(task_id=task_id):
                 await self._cancel(task_id)
+            case Fenced(task_id=task_id):
+                await self._fenced(task_id)
             case HandedIn() as offer:
                 await self._handed_in(offer)
             case ev.HandOffEnded() as ended:
@@ -247,7 +253,7 @@ class Worker(RunnerReports, Stopping):
         """A child: the intake's outcome (or why it has none) goes back to the loop."""
         try:
             with self.spans.current(span):
-                outcome = await self.intake.receive(msg)
+                outcome = await self.intake.receive(msg, handed_in=handed_in)
         except Exception as exc:  # not taken in: the loop gives it back for another try soon
             error = f"{type(exc).__name__}: {exc}"
             self.inbox.put_nowait(TakenIn(key, msg, None, span, handed_in, error))
@@ -367,8 +373,10 @@ class Worker(RunnerReports, Stopping):
             if cancelled:
                 self._end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
             return
-        # Taken, or perhaps taken: the message is not ours to verb any more.
+        # Taken, or perhaps taken: the message is not ours to verb any more, nor its output
+        # ours to write (its taker fences it, fleet.worker.takeover).
         self._release(task_id)
+        self.output.forget(task_id)
         self._apply(ended)
         self.acks.release(task_id)
         self.spans.settled(task_id, "handed_off" if ended.taken else "hand_off_unanswered")
@@ -399,6 +407,29 @@ class Worker(RunnerReports, Stopping):
         if pinned := self.state.notes_of(task_id).pinned:
             self.cluster.release_inputs(list(pinned))
         self._apply(ev.TaskReleased(task_id))
+
+    async def _fenced(self, task_id: str) -> None:
+        """Another attempt has taken this task over (this node was paused past AckWait, or
+        its beats were lost): stop it here without a word on its stream or its message."""
+        runner_id = next((r.runner_id for r in self.state.runners.values()
+                          if task_id in r.in_flight), None)
+        fate = fenced_fate(in_flight=runner_id is not None,
+                           pending=task_id in self.state.pending)
+        log.warning("task %s was taken over by another attempt: given up here (%s)",
+                    task_id, fate)
+        if fate is FencedFate.CANCEL_RUNNER and runner_id is not None:
+            self._apply(ev.CancelNoted(task_id, ev.CancelOrigin.FENCED))
+            await self.runners.send(runner_id, CancelTask(task_id=task_id))
+        elif fate is FencedFate.RELEASE:
+            self._give_up(task_id)
+
+    def _give_up(self, task_id: str) -> None:
+        """Let a fenced task go: no terminal, no verb (its message is another holder's)."""
+        self._release(task_id)
+        self._apply(ev.TaskEnded(task_id))
+        self.acks.release(task_id)
+        self.output.forget(task_id)
+        self.spans.settled(task_id, "fenced")
 
     async def _cancel(self, task_id: str) -> None:
         if (pending := self.state.pending.get(task_id)) and pending.handing_off is not None:

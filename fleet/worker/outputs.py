@@ -14,6 +14,11 @@ fleet.bus.task_events), a `completed` terminal becomes `failed` with reason
 `output_lost` (a failed or cancelled terminal keeps its own reason). If the terminal itself
 cannot be stored, `finish` raises BrokerUnavailable: the worker must not ack the task then,
 and its redelivery ends it (`worker_lost`, output had started) on a later try.
+
+Every event is fenced (fleet.worker.takeover): it carries the fence of this node's attempt
+(0 until a takeover here wrote one, `take_over`), and once another attempt has taken the task
+over the stream refuses it; `finish` and `fail` then raise TaskFenced (no terminal, no ack),
+and `on_fenced` hears of the first refused event.
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from fleet.bus.confirmed import ConfirmedPublisher
 from fleet.bus.connect import headers_for, js_publish
@@ -38,11 +44,13 @@ from fleet.wire.events import (
     ImageChunk,
     OutputEvent,
     TaskAccepted,
+    TaskFence,
     TaskFinished,
     TokenChunk,
     ToolCallChunk,
     failed,
 )
+from fleet.worker.takeover import TaskFenced, fence_headers, is_fenced, take_fence
 
 log = logging.getLogger(__name__)
 
@@ -75,19 +83,37 @@ def finished_msg_id(task_id: str) -> str:
 
 class TaskOutput:
     def __init__(
-        self, nc: Client, js: JetStreamContext, *, budget_s: float = BROKER_BUDGET_S
+        self, nc: Client, js: JetStreamContext, *, budget_s: float = BROKER_BUDGET_S,
+        on_fenced: Callable[[str], None] | None = None,
     ) -> None:
         self.nc = nc
         self.js = js
         self.budget_s = budget_s
-        self.confirmed = ConfirmedPublisher(nc, budget_s=budget_s)
+        self.confirmed = ConfirmedPublisher(nc, budget_s=budget_s, on_fenced=on_fenced)
+        self.fences: dict[str, int] = {}  # task id -> this node's fence (absent: 0)
+        self.taken_from: dict[str, TaskFence | None] = {}  # task id -> the fence replaced
+
+    async def take_over(
+        self, task_id: str, node_id: str, delivery: int, *, handed_in: bool = False
+    ) -> int:
+        """Fence the task for this node's attempt (before reading back what was stored):
+        from now on the stream refuses every event of an earlier attempt."""
+        fence, replaced = await take_fence(self.js, task_id, node_id, delivery,
+                                           handed_in=handed_in)
+        self.fences[task_id] = fence
+        self.taken_from[task_id] = replaced
+        return fence
+
+    def _headers(self, task_id: str, msg_id: str) -> dict[str, str]:
+        return headers_for(msg_id, fence_headers(task_id, self.fences.get(task_id, 0)))
 
     async def chunk(self, event: OutputEvent) -> None:
         """Queue the event behind the task's earlier ones; returns once it is sent (or waits,
         in order, for the connection), not when it is stored."""
         msg_id = event_msg_id(event)
         await self.confirmed.send(
-            event.task_id, subjects.out(event.task_id), encode(event), headers_for(msg_id)
+            event.task_id, subjects.out(event.task_id), encode(event),
+            self._headers(event.task_id, msg_id),
         )
 
     async def finish(self, event: TaskFinished) -> TaskFinished:
@@ -97,18 +123,34 @@ class TaskOutput:
         task_id = event.task_id
         try:
             problem = await self.confirmed.settle(task_id)
+            if self.confirmed.fenced(task_id):
+                raise TaskFenced(f"task {task_id}: {problem}")
             if problem and event.status == "completed":
                 event = await self._output_lost(event, problem)
             elif problem:
                 log.warning("task %s ends %s with output missing: %s", task_id, event.status,
                             problem)
-            await js_publish(
-                self.js, subjects.out(task_id), event, msg_id=finished_msg_id(task_id),
-                budget_s=self.budget_s,
-            )
+            try:
+                await js_publish(
+                    self.js, subjects.out(task_id), event, msg_id=finished_msg_id(task_id),
+                    budget_s=self.budget_s, extra_headers=self._fence_of(task_id),
+                )
+            except APIError as exc:
+                if is_fenced(exc):
+                    raise TaskFenced(f"task {task_id}: its terminal was refused") from None
+                raise
             return event
         finally:
-            self.confirmed.forget(task_id)
+            self.forget(task_id)
+
+    def _fence_of(self, task_id: str) -> dict[str, str]:
+        return fence_headers(task_id, self.fences.get(task_id, 0))
+
+    def forget(self, task_id: str) -> None:
+        """Drop what this node kept of the task's output (ended, or given up)."""
+        self.confirmed.forget(task_id)
+        self.fences.pop(task_id, None)
+        self.taken_from.pop(task_id, None)
 
     async def _output_lost(self, event: TaskFinished, problem: str) -> TaskFinished:
         message = f"the task's output could not be stored whole: {problem}"
@@ -122,7 +164,8 @@ class TaskOutput:
                            ErrorReason.OUTPUT_LOST, message=message)
         with contextlib.suppress(Exception):  # the terminal below is what counts
             await js_publish(self.js, subjects.out(event.task_id), error,
-                             msg_id=event_msg_id(error), budget_s=ERROR_CHUNK_BUDGET_S)
+                             msg_id=event_msg_id(error), budget_s=ERROR_CHUNK_BUDGET_S,
+                             extra_headers=self._fence_of(event.task_id))
         return lost
 
     async def fail(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from fleet import telemetry
 from fleet.wire import pipe
-from fleet.wire.events import ErrorChunk, ErrorReason, OutputEvent, TaskFinished
+from fleet.wire.events import ErrorChunk, ErrorReason, OutputEvent, TaskAccepted, TaskFinished
 from fleet.worker import state as ev
 from fleet.worker.acks import Stage
 from fleet.worker.continuation import Continue, CrashFate, crash_fate, output_began
@@ -51,6 +51,10 @@ class RunnerReports:
             case pipe.RunnerStatusReport(status=status):
                 self._apply(ev.RunnerStatusSeen(runner_id, status))
                 self.cluster.runner_status(self.state.runners.get(runner_id), status)
+            case TaskFinished() if (
+                self.state.notes_of(report.task_id).cancel is ev.CancelOrigin.FENCED
+            ):
+                self._give_up(report.task_id)  # taken over elsewhere: nothing more is ours
             case TaskFinished() if self._cut_short(report):
                 self._hand_back(report.task_id, Stage.STOPPED_MID_RUN)
             case TaskFinished():
@@ -71,6 +75,9 @@ class RunnerReports:
                 telemetry.export_records(records)
             case pipe.TaskRunning():
                 pass
+            case TaskAccepted() if (seam := self.intake.book.seams.get(report.task_id)):
+                # The seam, for readers and the trace: where this attempt moved from.
+                await self._chunk(report.model_copy(update={"moved_from": seam.moved_from}))
             case _:
                 if report.type != "task_accepted" and report.task_id in self._prefilling(runner_id):
                     self._apply(ev.FirstOutput(report.task_id, runner_id))  # once a task

@@ -91,6 +91,7 @@ class CancelOrigin(StrEnum):
 
     WHILE_RUNNING = "while_running"  # a user's cancel, sent to the runner that runs it
     WHILE_OFFERED = "while_offered"  # heard while it was offered to another node
+    FENCED = "fenced"  # another attempt took it over: its runner stops, nothing more is written
 
 
 @dataclass(frozen=True)

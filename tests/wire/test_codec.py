@@ -65,7 +65,8 @@ def test_every_example_round_trips_through_each_union_that_holds_it(stem: str) -
         assert decode_with(adapter, encode(message)) == message
     standalone = type(message) in {
         tasks.CancelTask, cluster.ModelCard, cluster.NodeInfo, cluster.Instance,
-        cluster.RunnerRecord, pipe.RunnerSpec, events.TaskRefused, PrefixSummary,
+        cluster.RunnerRecord, pipe.RunnerSpec, events.TaskRefused, events.TaskFence,
+        PrefixSummary,
         TaskHandOff, HandOffAnswer, StepPlan, TaskRecord,
     }
     assert unions or standalone, f"{stem}: no union and no standalone family decodes it"

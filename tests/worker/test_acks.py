@@ -51,6 +51,8 @@ TABLE = [
     (Stage.STOPPING_NOT_STARTED, 0.0, Verb(Kind.NAK)),
     (Stage.STOPPED_MID_RUN, 0.0, Verb(Kind.NAK)),
     (Stage.HANDED_BACK, 0.0, Verb(Kind.NAK, delay_s=HAND_BACK_DELAY_S)),
+    # A stale delivery of a task taken over since: the message is the newer holder's.
+    (Stage.SUPERSEDED, 0.0, NOTHING),
 ]
 
 

@@ -28,9 +28,11 @@ from fleet.worker.state import PendingTask
 T = "t1"
 
 
-def accepted(delivery: int = 1, attempt: int = 0, seed: int | None = None) -> TaskAccepted:
+def accepted(
+    delivery: int = 1, attempt: int = 0, seed: int | None = None, node: str = "n"
+) -> TaskAccepted:
     return TaskAccepted(
-        task_id=T, at=1.0, model="m", node_id="n", runner_id="r", delivery=delivery,
+        task_id=T, at=1.0, model="m", node_id=node, runner_id="r", delivery=delivery,
         attempt=attempt, seed=seed,
     )
 
@@ -52,19 +54,20 @@ IMAGE = ImageGeneration(task_id=T, model="m", prompt="p")
 
 
 @pytest.mark.parametrize(("task", "events", "expected"), [
-    (text(), [accepted(), token(0), token(1)], Continue((100, 101), 1)),
-    (text(), [accepted(), token(0), accepted(2, 1), token(1)], Continue((100, 101), 2)),
+    (text(), [accepted(), token(0), token(1)], Continue((100, 101), 1, moved_from="n")),
+    (text(), [accepted(), token(0), accepted(2, 1, node="n2"), token(1)],
+     Continue((100, 101), 2, moved_from="n2")),
     (text(), [accepted(), token(0), accepted(2, 1), accepted(3, 2), accepted(4, 3), token(1)],
      GiveUp),
     (text(max_continuations=0), [accepted(), token(0)], GiveUp),
     (text(), [accepted(), token(0), failed(T, 1.0, ErrorReason.WORKER_LOST, "x")], None),
     (IMAGE, [accepted(), image(0, 0), image(0, None), image(1, 0)],
-     Continue((), 1, frozenset({"0.0", "0.final", "1.0"}))),
+     Continue((), 1, frozenset({"0.0", "0.final", "1.0"}), moved_from="n")),
     (text(), [accepted(), image(0, 0)], GiveUp),
     # The seed the first attempt sampled with goes to every continuation.
-    (text(), [accepted(seed=42), token(0)], Continue((100,), 1, seed=42)),
+    (text(), [accepted(seed=42), token(0)], Continue((100,), 1, seed=42, moved_from="n")),
     (text(), [accepted(seed=42), token(0), accepted(2, 1, seed=42), token(1)],
-     Continue((100, 101), 2, seed=42)),
+     Continue((100, 101), 2, seed=42, moved_from="n")),
 ])
 def test_decide(task: object, events: list[OutputEvent], expected: object) -> None:
     got = decide(task, events)  # type: ignore[arg-type]

@@ -1,0 +1,158 @@
+"""Taking over a task whose worker is gone, and fencing the worker that was only paused.
+
+A worker holds a task message with in_progress beats every AckWait/4 (fleet.worker.acks);
+when it dies the beats stop and JetStream hands the message to another worker after AckWait
+(a few seconds by default). A worker that was only paused (SIGSTOP, a long GC, a frozen VM)
+looks the same from outside, and when it resumes it still believes it runs the task. So the
+takeover is made safe on the write path, not by guessing who is dead:
+
+- Every event a worker writes on `fleet.out.<task_id>` carries
+  `Nats-Expected-Last-Subject-Sequence: <fence>` for the subject `fleet.out.<task_id>.fence`
+  (`fence_headers`). The first attempt's fence is 0: "no takeover yet".
+- A worker that receives a task message again (delivery > 1, or handed in by another node,
+  `takes_fence`) first writes a TaskFence on that subject, compare-and-set on the last one it
+  read (`take_fence`), and only then reads back what was stored and writes anything. From
+  the fence's sequence on, the stream refuses every event of an older attempt (JetStream
+  error 10071, wrong last sequence): what the new attempt read back is exactly what the old
+  one got stored, so the stored stream has no gap and no duplicate.
+- A worker whose write is refused that way has lost the task: it gives it up (`fenced_fate`)
+  without a terminal and without a JetStream verb (the message belongs to the new holder).
+
+Who may take over (`may_take_over`): only a newer delivery than the fence's. A paused
+worker's pending pull can be handed a redelivery while it is stopped; when it resumes, that
+delivery is already older than the one another worker took the task over with, so it takes
+nothing and settles nothing (`Superseded`): the message is the newer holder's. Two workers
+that take the fence at once: the compare-and-set lets one write at a time, and the later fence
+wins (the earlier taker is refused like any older attempt).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from enum import StrEnum
+
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError
+
+from fleet.bus.retry import with_retry
+from fleet.wire import subjects
+from fleet.wire.codec import encode
+from fleet.wire.events import TaskFence
+
+log = logging.getLogger(__name__)
+
+EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+EXPECTED_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
+WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code for a failed expected-sequence check
+FENCE_TRIES = 5
+
+
+class TaskFenced(Exception):
+    """Another attempt has taken this task over: this worker may write nothing more on it."""
+
+
+class Superseded(Exception):
+    """This delivery is older than the one the task was last taken over with."""
+
+
+def fence_subject(task_id: str) -> str:
+    """One token below the task's events, so no reader of `fleet.out.<id>` or `fleet.out.*`
+    sees it, and still in FLEET_OUT (`fleet.out.>`), where the expected-sequence check runs."""
+    return f"{subjects.out(task_id)}.fence"
+
+
+def fence_headers(task_id: str, fence: int) -> dict[str, str]:
+    """Pure. The headers that make the stream refuse an event once a newer fence exists."""
+    return {EXPECTED_LAST_SUBJECT_SEQ: str(fence), EXPECTED_SUBJECT: fence_subject(task_id)}
+
+
+def is_fenced(exc: BaseException) -> bool:
+    """An expected-sequence refusal: the only one Fleet's events can get is the fence's."""
+    return isinstance(exc, APIError) and getattr(exc, "err_code", None) == WRONG_LAST_SEQUENCE
+
+
+def may_take_over(
+    delivery: int, node_id: str, last: TaskFence | None, *, handed_in: bool = False
+) -> bool:
+    """Pure. A delivery may fence the task only if it is newer than the last fence's, or is
+    that fence's own delivery on the same node (a retried write of it), or was handed in by
+    the node that holds that delivery (it gave the task up to this one)."""
+    if last is None or delivery > last.delivery:
+        return True
+    if delivery == last.delivery:
+        return handed_in or node_id == last.node_id
+    return False
+
+
+def takes_fence(delivery: int, *, handed_in: bool = False) -> bool:
+    """Pure. Who must take a task over before writing: a message delivered again (its earlier
+    holder stopped beating, or gave it back, and may still be alive), or handed in by another
+    node (whose runner may have streamed part of it before it crashed there). A first
+    delivery taken from the stream writes under fence 0, which any takeover refuses."""
+    return delivery > 1 or handed_in
+
+
+class FencedFate(StrEnum):
+    """What a worker does with a task another attempt took over (it writes nothing more)."""
+
+    CANCEL_RUNNER = "cancel_runner"  # stop generating; its terminal is dropped, not stored
+    RELEASE = "release"  # not on a runner yet: drop it from the queue
+    IGNORE = "ignore"  # already ending or gone here: its ending gives it up itself
+
+
+def fenced_fate(*, in_flight: bool, pending: bool) -> FencedFate:
+    """Pure. On a runner wins: it is still generating and must stop."""
+    if in_flight:
+        return FencedFate.CANCEL_RUNNER
+    return FencedFate.RELEASE if pending else FencedFate.IGNORE
+
+
+async def take_fence(
+    js: JetStreamContext, task_id: str, node_id: str, delivery: int, *, handed_in: bool = False
+) -> tuple[int, TaskFence | None]:
+    """Write a new fence for `task_id`; its stream sequence (this attempt's fence) and the
+    fence it replaced (None when the task had none). Compare-and-set on the last fence:
+    a fence written meanwhile by another taker is read again and replaced."""
+    subject = fence_subject(task_id)
+    for _ in range(FENCE_TRIES):
+        last_seq, last = await _last_fence(js, subject)
+        if not may_take_over(delivery, node_id, last, handed_in=handed_in):
+            raise Superseded(
+                f"task {task_id}: delivery {delivery} is older than delivery "
+                f"{last.delivery if last else '?'}, which took it over on node "
+                f"{last.node_id if last else '?'}"
+            )
+        fence = TaskFence(
+            task_id=task_id, attempt=(last.attempt + 1) if last else 1, node_id=node_id,
+            delivery=delivery, at=time.time(),
+        )
+        try:
+            ack = await with_retry(
+                lambda f=fence, s=last_seq: js.publish(  # type: ignore[misc]
+                    subject, encode(f), headers={EXPECTED_LAST_SUBJECT_SEQ: str(s)}),
+                what=f"fence task {task_id}",
+            )
+        except APIError as exc:
+            if is_fenced(exc):
+                continue  # another taker wrote one after our read: read it and go on top
+            raise
+        log.info("task %s taken over (fence %d, attempt %d, delivery %d)", task_id, ack.seq,
+                 fence.attempt, delivery)
+        return ack.seq, last
+    raise TaskFenced(f"task {task_id}: the fence kept moving under {FENCE_TRIES} tries")
+
+
+async def _last_fence(js: JetStreamContext, subject: str) -> tuple[int, TaskFence | None]:
+    async def once() -> tuple[int, TaskFence | None]:
+        try:
+            raw = await js.get_last_msg(subjects.OUT_STREAM, subject)
+        except NotFoundError:
+            return 0, None
+        try:
+            return raw.seq or 0, TaskFence.model_validate_json(raw.data or b"")
+        except ValueError:
+            log.warning("undecodable fence on %s", subject)
+            return raw.seq or 0, None
+
+    return await with_retry(once, what=f"read the fence {subject}")

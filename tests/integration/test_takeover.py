@@ -1,0 +1,84 @@
+"""A worker paused (SIGSTOP) past AckWait while it streams: another worker takes the task over
+and continues it; when the paused one resumes, the stream refuses its late writes (its fence
+is old, fleet.worker.takeover) and it gives the task up without a terminal or a verb. The
+stored stream has no gap, no duplicate and one terminal.
+
+Real processes: nats-server and two `fleet worker`s serving the fault engine (a plumbing
+double: " t0 t1 ..." at a fixed pace). Only the worker process is stopped, not its runner:
+the runner streams on into the pipe, so the resumed worker has a backlog of stale events to
+write at once, the hardest case for the fence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+from fleet.wire.events import TaskAccepted, TokenChunk, token_indexes
+from fleet.wire.tasks import ChatMessage, TextGeneration
+from tests.integration.conftest import WorkerFactory
+from tests.integration.continuing import ENV, Live, finished_of, first_after, place_on
+from tests.integration.harness import (
+    WorkerProcess,
+    add_fault_card,
+    client,
+    events_of,
+    submit,
+    wait_node,
+)
+
+TOKENS = 60
+
+
+async def test_a_paused_worker_resumed_after_a_takeover_writes_nothing_more(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    nc = await client(nats_url)
+    nodes: dict[str, WorkerProcess] = {}
+    for name in ("a", "b"):
+        worker = start_worker(name, **ENV)
+        card = add_fault_card(worker.data_dir)
+        node = await wait_node(nc, worker.data_dir)
+        await place_on(nc, card, node)
+        nodes[node] = worker
+    live = Live()
+    await nc.subscribe("fleet.out.*", cb=live.on_msg)  # events; fences are one token below
+    task = TextGeneration(
+        task_id="paused", model="fault-llm", max_tokens=1000,
+        messages=[ChatMessage(role="user", content=f"tokens:{TOKENS} delay_ms:60")],
+    )
+    await submit(nc, task)
+    await live.until(lambda: live.tokens(task.task_id) >= 8, 60)
+    paused_node = live.node_running(task.task_id)
+    assert paused_node is not None
+    paused = nodes[paused_node]
+    assert paused.process is not None
+    stopped_at = time.monotonic()
+    os.kill(paused.process.pid, signal.SIGSTOP)  # the worker only: its runner streams on
+    try:
+        resumed = await live.until(lambda: first_after(live, task.task_id), 60)
+    finally:
+        os.kill(paused.process.pid, signal.SIGCONT)
+    print(f"\npause seam (SIGSTOP -> next token from the other worker): "
+          f"{resumed - stopped_at:.2f} s (AckWait 2 s)")
+    events = await events_of(nc, task.task_id)
+    indexes = token_indexes([e for e in events if isinstance(e, TokenChunk)])
+    assert indexes == list(range(TOKENS)), "a gap or a duplicate in the stored stream"
+    text = "".join(e.text for e in events if isinstance(e, TokenChunk))
+    assert text == "".join(f" t{i}" for i in range(TOKENS))
+    assert finished_of(events).status == "completed"
+    accepted = [e for e in events if isinstance(e, TaskAccepted)]
+    assert [e.attempt for e in accepted] == [0, 1]
+    assert accepted[1].node_id != paused_node and accepted[1].moved_from == paused_node
+    assert accepted[1].continued_from >= 8
+    # The resumed worker gave the task up (its log says so) and is still serving.
+    deadline = time.monotonic() + 30
+    while "was taken over by another attempt" not in paused.log() and (
+        "given up without a terminal" not in paused.log()
+    ):
+        assert time.monotonic() < deadline, paused.log()[-3000:]
+        await asyncio.sleep(0.2)  # polling a log file: there is no event to wait on
+    assert paused.process.poll() is None
+    await nc.close()
