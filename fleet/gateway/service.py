@@ -19,8 +19,8 @@ from fleet.config import Settings
 from fleet.errors import FleetError, InvalidRequest, ModelNotFound, ModelUnavailable
 from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import image_reference
-from fleet.gateway.idempotency_seed import SEED
 from fleet.gateway.catalogue import Catalogue, ModelState, Unavailable, model_states, refuses_task
+from fleet.gateway.idempotency_seed import SEED
 from fleet.gateway.observability import GatewayMetrics
 from fleet.gateway.relay import Renderer, run_task
 from fleet.gateway.tenants import Capacity, tenant_of
