@@ -17,6 +17,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from fleet.wire import cluster, codec, events, pipe, runners, tasks
 from fleet.wire.ask import AskReply
+from fleet.wire.batches import BatchLease, BatchRecord, BatchResult, FileRecord, IdempotencyRecord
 from fleet.wire.codec import DecodeError, decode_model, decode_with, encode
 from fleet.wire.examples import NATS_CLI_TASK, examples
 from fleet.wire.handoff import HandOffAnswer, TaskHandOff
@@ -68,6 +69,7 @@ def test_every_example_round_trips_through_each_union_that_holds_it(stem: str) -
         cluster.RunnerRecord, pipe.RunnerSpec, events.TaskRefused, events.TaskFence,
         PrefixSummary,
         TaskHandOff, HandOffAnswer, StepPlan, TaskRecord,
+        FileRecord, BatchRecord, BatchResult, BatchLease, IdempotencyRecord,
     }
     assert unions or standalone, f"{stem}: no union and no standalone family decodes it"
 
