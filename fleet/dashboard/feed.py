@@ -1,8 +1,11 @@
 """The dashboard's live feed: ONE reader per gateway process, shared by every browser tab.
 
 KV watches mirror FLEET_NODES, FLEET_INSTANCES, FLEET_RUNNERS and the task owners of
-FLEET_TENANTS (fleet/bus/kv_mirror.py); a subscription to `fleet.out.*` folds every task's
-events into the recent-tasks table; the queue counters are read once a second. Each open tab
+FLEET_TENANTS (fleet/bus/kv_mirror.py); the queue counters are read once a second. Task events
+fold into the recent-tasks table from the gateway's own feed (the events of its requests,
+fleet.gateway.task_feed: no second subscription); only while a tab is open does the feed also
+subscribe to `fleet.out.*`, to show the whole fleet's tasks to whoever watches. A gateway that
+nobody watches hears no other gateway's tokens. Each open tab
 is only an asyncio queue here, so a hundred tabs cost NATS nothing more than one.
 
 Updates are coalesced: a change marks the fleet or a task dirty, and at most every
@@ -92,7 +95,10 @@ class Feed:
         self._dirty_tasks: set[str] = set()
         self._tokens_this_tick = self._tasks_this_tick = 0
         self._node_tokens: Counter[str] = Counter()  # tokens made this tick, by node
-        self.following = asyncio.Event()  # set once fleet.out.* is subscribed
+        self.following = asyncio.Event()  # set while fleet.out.* is subscribed
+        self._watched = asyncio.Event()  # set while a tab is open
+        self._unwatched = asyncio.Event()  # set while none is
+        self._unwatched.set()
         self._skipped: set[str] = set()  # bucket/key of records that did not decode
         self.nodes = Mirror(subjects.NODES_BUCKET, self._fleet_changed)
         self.instances = Mirror(subjects.INSTANCES_BUCKET, self._fleet_changed)
@@ -102,6 +108,9 @@ class Feed:
         self._children = DetachedSupervisor("dashboard feed", self._add_children)
 
     async def start(self) -> None:
+        hub = self.backend.hub
+        if hasattr(hub, "tap"):  # the gateway's own tasks' events, as its requests read them
+            hub.tap = self._from_gateway
         await self._children.start()
 
     def _add_children(self, supervisor: Supervisor) -> None:
@@ -123,6 +132,7 @@ class Feed:
     def subscribe(self, tenant: str | None = None, sees_all: bool = True) -> Tab:
         tab = Tab(tenant, sees_all)
         self.tabs.add(tab)
+        self._tabs_changed()
         if self.fleet is not None:
             tab.queue.put_nowait(message("fleet", self.fleet))
             tab.queue.put_nowait(message("beats", self.beats))  # fresher than the snapshot
@@ -132,12 +142,22 @@ class Feed:
 
     def unsubscribe(self, tab: Tab) -> None:
         self.tabs.discard(tab)
+        self._tabs_changed()
+
+    def _tabs_changed(self) -> None:
+        if self.tabs:
+            self._unwatched.clear()
+            self._watched.set()
+        else:
+            self._watched.clear()
+            self._unwatched.set()
 
     def _send(self, tab: Tab, data: bytes) -> None:
         try:
             tab.queue.put_nowait(data)
         except asyncio.QueueFull:  # a stalled tab: it reconnects and starts afresh
             self.tabs.discard(tab)
+            self._tabs_changed()
 
     def _broadcast(self, kind: str, data: Any) -> None:
         self.sent[kind] = self.sent.get(kind, 0) + 1
@@ -227,36 +247,47 @@ class Feed:
             self.beats = current
             self._broadcast("beats", current)
 
+    def _from_gateway(self, data: bytes) -> None:
+        if not self.following.is_set():  # else fleet.out.* brings it too
+            self._fold(data)
+
+    def _fold(self, data: bytes) -> None:
+        try:
+            event = decode_event(data)
+        except DecodeError:
+            return
+        new = event.task_id not in self.tasks.rows
+        if event.type == "task_accepted" and new:
+            self._tasks_this_tick += 1
+        if isinstance(event, TokenChunk):
+            self._tokens_this_tick += event.count
+            if not new:  # a token alone changes one counter: sent with the next change
+                row = self.tasks.fold(event)
+                if row.node:
+                    self._node_tokens[row.node] += event.count
+                return
+        self.tasks.fold(event)
+        self._dirty_tasks.add(self._adopt(event.task_id) if new else event.task_id)
+        self._due.set()
+
     async def _follow_tasks(self) -> None:
+        """Every task's events while a tab is open; none while nobody watches."""
         await self._connected()
         nc = self.backend.nc
         assert nc is not None
 
         async def on_event(msg: Msg) -> None:
+            self._fold(msg.data)
+
+        while True:
+            await self._watched.wait()
+            sub = await nc.subscribe(subjects.out("*"), cb=on_event)
+            await nc.flush()  # the server has the subscription: events from now on arrive
+            self.following.set()
             try:
-                event = decode_event(msg.data)
-            except DecodeError:
-                return
-            new = event.task_id not in self.tasks.rows
-            if event.type == "task_accepted" and new:
-                self._tasks_this_tick += 1
-            if isinstance(event, TokenChunk):
-                self._tokens_this_tick += event.count
-                if not new:  # a token alone changes one counter: sent with the next change
-                    row = self.tasks.fold(event)
-                    if row.node:
-                        self._node_tokens[row.node] += event.count
-                    return
-            self.tasks.fold(event)
-            self._dirty_tasks.add(self._adopt(event.task_id) if new else event.task_id)
-            self._due.set()
-
-        sub = await nc.subscribe(subjects.out("*"), cb=on_event)
-        await nc.flush()  # the server has the subscription: events from now on arrive
-        self.following.set()
-        try:
-            await asyncio.Event().wait()  # until cancelled with the feed
-        finally:
-            with contextlib.suppress(NatsError):
-                await sub.unsubscribe()
-
+                while self.tabs:  # a tab that came back meanwhile keeps the subscription
+                    await self._unwatched.wait()
+            finally:
+                self.following.clear()
+                with contextlib.suppress(NatsError):
+                    await sub.unsubscribe()

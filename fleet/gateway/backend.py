@@ -27,7 +27,7 @@ from fleet.bus.connect import connect_with, js_publish, publish, redact_urls
 from fleet.bus.kv_read import live_values
 from fleet.bus.objects import ObjectBucket
 from fleet.bus.provision import provision
-from fleet.bus.task_events import EventHub, TaskEvents
+from fleet.bus.task_events import TaskEvents
 from fleet.config import Settings
 from fleet.errors import (
     CorruptImage,
@@ -39,6 +39,7 @@ from fleet.errors import (
     PayloadTooLarge,
     QueueFull,
 )
+from fleet.gateway.task_feed import StitchedEvents, TaskSubscriptions
 from fleet.gateway.tenants import Owners
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord
@@ -111,11 +112,14 @@ class Backend:
         self.nc: Client | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._buckets: dict[str, KeyValue] = {}
-        self.hub = EventHub(self._client)
+        # A core subscription per task read here (fleet.gateway.task_feed), not every task's.
+        self.hub = TaskSubscriptions(self._client)
+        self._refills: asyncio.Task[None] | None = None
         self.owners = Owners(self._client)
 
     async def start(self) -> None:
         self._connecting = asyncio.create_task(self._connect_until_up())
+        self._refills = asyncio.create_task(self.hub.watch_reconnects())
         # Give the first attempt a moment so a healthy start answers its first request.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._connecting), timeout=2.0)
@@ -135,14 +139,12 @@ class Backend:
             log.error("provisioning JetStream failed: %s", exc.message)
         self.nc = nc
         log.info("connected to NATS at %s", self.url)
-        try:
-            # Before the first request: started under a flood, its consumer creation could
-            # time out. A failure here is retried by the next request that needs events.
-            await self.hub.ready()
-        except FleetError as exc:
-            log.error("%s; retrying when a request needs events", exc.message)
 
     async def close(self) -> None:
+        if self._refills is not None:
+            self._refills.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refills
         await self.hub.close()
         if self._connecting:
             self._connecting.cancel()
@@ -206,10 +208,16 @@ class Backend:
         replay: bool = True,
         idle_s: float | None = None,
     ) -> TaskEvents:
-        reader = TaskEvents(
+        """The task's events: subscribed before anything is read (or its task published)."""
+        await self.hub.follow(task_id)
+        reader = StitchedEvents(
             self.jetstream(), task_id, deadline, after, hub=self.hub, replay=replay, idle_s=idle_s
         )
-        return await reader.open()
+        try:
+            return await reader.open()
+        except BaseException:
+            await self.hub.unfollow(task_id)
+            raise
 
     async def cancel(self, task_id: str, reason: str) -> None:
         """Record the cancel (for a worker that has not fetched the task yet), then announce it."""

@@ -201,8 +201,8 @@ async def test_each_sample_counts_the_tokens_each_node_made(
     app: Starlette, provisioned_nc: Client
 ) -> None:
     feed: Feed = app.state.dashboard_feed
+    tab = feed.subscribe()  # an open tab: the feed follows every task's events
     await asyncio.wait_for(feed.following.wait(), 10)
-    tab = feed.subscribe()
     for task_id, node in (("t-n1", "n1"), ("t-n2", "n2")):
         event = accepted(task_id).model_copy(update={"node_id": node})
         await provisioned_nc.publish(subjects.out(task_id), encode(event))
