@@ -1,7 +1,9 @@
-"""Ollama's API: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/embed and
-/api/version, so that apps written for Ollama (Open WebUI, the `ollama` clients) use the
-fleet. Chat and generate become the same text tasks as the OpenAI routes (fleet.gateway.
-ollama_requests) and stream NDJSON (fleet.gateway.ollama_replies).
+"""Ollama's API: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/embed (and the
+older /api/embeddings) and /api/version, so that apps written for Ollama (Open WebUI, the
+`ollama` clients) use the fleet. Chat and generate become the same text tasks as the OpenAI
+routes (fleet.gateway.ollama_requests) and stream NDJSON (fleet.gateway.ollama_replies);
+embeddings are the same task as /v1/embeddings (fleet.gateway.embeddings_api.embed), cut to
+fit the context by default as Ollama does.
 
 Every failure on these routes is in Ollama's shape, `{"error": "..."}` with the HTTP status
 Fleet gives its code (fleet.errors.STATUS_BY_CODE), including the ones the relay answers
@@ -27,6 +29,8 @@ from starlette.routing import Route
 from fleet.errors import FleetError, InvalidParameter, ModelNotFound
 from fleet.gateway.bodies import parse, read_json
 from fleet.gateway.catalogue import ModelState, refuses_images
+from fleet.gateway.embeddings_api import Embedded, embed
+from fleet.gateway.errors import PROMPT_PARAM
 from fleet.gateway.ollama_replies import (
     NDJSON,
     OllamaRenderer,
@@ -36,6 +40,8 @@ from fleet.gateway.ollama_replies import (
 )
 from fleet.gateway.ollama_requests import (
     OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
     OllamaGenerateRequest,
     OllamaShowRequest,
     chat_images,
@@ -44,7 +50,7 @@ from fleet.gateway.ollama_requests import (
     generate_task,
 )
 from fleet.gateway.relay import EventStream
-from fleet.gateway.service import Gateway, gateway_of, new_task_id, now_utc
+from fleet.gateway.service import TASK_ID_HEADER, Gateway, gateway_of, new_task_id, now_utc
 from fleet.gateway.sessions import session_of
 from fleet.gateway.tenants import tenant_of
 from fleet.wire.cluster import ModelCard
@@ -235,6 +241,40 @@ async def show(request: Request) -> Response:
     })
 
 
+async def _embedded(request: Request, model: str, inputs: str | list[str], truncate: bool,
+                    dimensions: int | None) -> tuple[Embedded, dict[str, Any]]:
+    """The vectors (embeddings_api.embed: the same task as /v1/embeddings) and the fields
+    every Ollama embedding answer has."""
+    started = time.time()
+    gateway = gateway_of(request)
+    PROMPT_PARAM.set("input")
+    card = card_named(gateway, model)
+    embedded = await embed(request, card.id, inputs, dimensions=dimensions, truncate=truncate)
+    return embedded, {
+        "model": card.id, "total_duration": round((time.time() - started) * 1e9),
+        "load_duration": 0, "prompt_eval_count": embedded.prompt_tokens,
+    }
+
+
+@ollama_route
+async def embed_texts(request: Request) -> Response:
+    """/api/embed: one vector per input."""
+    asked = parse(OllamaEmbedRequest, await read_json(request))
+    embedded, fields = await _embedded(request, asked.model, asked.input, asked.truncate,
+                                       asked.dimensions)
+    return JSONResponse({**fields, "embeddings": embedded.vectors},
+                        headers={TASK_ID_HEADER: embedded.task_id})
+
+
+@ollama_route
+async def embeddings(request: Request) -> Response:
+    """/api/embeddings, Ollama's older route: one prompt, `embedding`."""
+    asked = parse(OllamaEmbeddingsRequest, await read_json(request))
+    embedded, _ = await _embedded(request, asked.model, asked.prompt, True, None)
+    return JSONResponse({"embedding": embedded.vectors[0]},
+                        headers={TASK_ID_HEADER: embedded.task_id})
+
+
 @ollama_route
 async def version(request: Request) -> Response:
     return JSONResponse({"version": OLLAMA_VERSION})
@@ -247,5 +287,7 @@ def ollama_routes() -> list[Route]:
         Route("/api/tags", tags, methods=["GET"]),
         Route("/api/show", show, methods=["POST"]),
         Route("/api/ps", ps, methods=["GET"]),
+        Route("/api/embed", embed_texts, methods=["POST"]),
+        Route("/api/embeddings", embeddings, methods=["POST"]),
         Route("/api/version", version, methods=["GET"]),
     ]

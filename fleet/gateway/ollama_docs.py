@@ -9,12 +9,15 @@ from pydantic import BaseModel
 
 from fleet.gateway.ollama_requests import (
     OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
     OllamaGenerateRequest,
     OllamaShowRequest,
 )
 
 OLLAMA_MODELS: list[type[BaseModel]] = [
-    OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest,
+    OllamaChatRequest, OllamaGenerateRequest, OllamaShowRequest, OllamaEmbedRequest,
+    OllamaEmbeddingsRequest,
 ]
 
 _ERROR = {"application/json": {"schema": {
@@ -60,6 +63,12 @@ def ollama_paths() -> dict[str, Any]:
                                 "ollamaTags", _JSON, None, "503"),
         "/api/ps": _operation("Ollama: the models with a runner ready", "ollamaPs", _JSON,
                               None, "503"),
+        "/api/embed": _operation(
+            "Ollama: one vector per input (`embeddings`), cut to fit unless `truncate` is false",
+            "ollamaEmbed", _JSON, OllamaEmbedRequest, *tasks),
+        "/api/embeddings": _operation(
+            "Ollama's older embeddings route: one prompt, one `embedding`",
+            "ollamaEmbeddings", _JSON, OllamaEmbeddingsRequest, *tasks),
         "/api/version": _operation("Ollama: the Ollama API version these routes follow",
                                    "ollamaVersion", _JSON, None),
     }

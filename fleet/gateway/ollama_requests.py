@@ -92,6 +92,26 @@ class OllamaGenerateRequest(_OllamaRequest):
     template: str | None = None
 
 
+class OllamaEmbedRequest(OpenAIRequest):
+    model: str = Field(min_length=1, max_length=256)
+    input: Annotated[str, Field(min_length=1)] | Annotated[
+        list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=2048)]
+    truncate: bool = Field(default=True, description="Cut an input longer than the model's "
+                           "context to fit (Ollama's default); false: such an input is a 400")
+    dimensions: int | None = Field(default=None, ge=1)
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+
+
+class OllamaEmbeddingsRequest(OpenAIRequest):
+    """The older /api/embeddings: one prompt, one vector."""
+
+    model: str = Field(min_length=1, max_length=256)
+    prompt: str = Field(min_length=1)
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+
+
 class OllamaShowRequest(OpenAIRequest):
     model: str = Field(min_length=1, max_length=256)
 

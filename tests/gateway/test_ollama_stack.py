@@ -1,5 +1,6 @@
 """The official `ollama` client against real processes: nats-server, `fleet worker` running
-tiny-llm (mlx-lm) and two one-slot runners of the fault engine, and `fleet gateway`. One
+tiny-llm (mlx-lm), tiny-embed and two one-slot runners of the fault engine, and `fleet
+gateway`. One
 stack for the module. On the same stack: a session's turns stay on its runner, and a context
 overflow has OpenAI's code through the `openai` SDK."""
 
@@ -36,6 +37,7 @@ from tests.integration.harness import (
 )
 
 MODEL = "tiny-llm"
+EMBED = "tiny-embed"
 FAULT = "fault-llm"
 GREEDY = {"temperature": 0.0, "num_predict": 6}
 
@@ -48,10 +50,12 @@ class Stack:
 
 
 async def _place(url: str, card: ModelCard, node_dir: Path, count: int) -> None:
-    """Place tiny-llm and `count` one-slot runners of `card`; return once all are ready."""
+    """Place tiny-llm, tiny-embed and `count` one-slot runners of `card`; return once all
+    are ready."""
     nc = await client(url)
     node = await wait_node(nc, node_dir)
     await place_and_wait(nc, get_card(MODEL), node)
+    await place_and_wait(nc, get_card(EMBED), node)
     kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
     watcher = await kv.watchall()
     await place_replicas(nc.jetstream(), card, count, node_id=node, slots=1)
@@ -70,11 +74,13 @@ async def _place(url: str, card: ModelCard, node_dir: Path, count: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llm_dir: Path) -> Iterator[Stack]:
+def stack(
+    tmp_path_factory: pytest.TempPathFactory, tiny_llm_dir: Path, tiny_embed_dir: Path,
+) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("ollama")
     with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as nats_server:
         worker_dir, gateway_dir = root / "worker", root / "gateway"
-        seed_models(worker_dir, {MODEL: tiny_llm_dir})
+        seed_models(worker_dir, {MODEL: tiny_llm_dir, EMBED: tiny_embed_dir})
         card = add_fault_card(worker_dir, FAULT)
         add_fault_card(gateway_dir, FAULT)
         worker = WorkerProcess(nats_server.url, worker_dir, OPENBLAS_NUM_THREADS="1").start()
@@ -119,7 +125,7 @@ def test_generate_templated_and_raw(stack: Stack) -> None:
 
 def test_tags_show_ps_and_version(stack: Stack) -> None:
     listed = {model.model for model in stack.ollama.list().models}
-    assert {MODEL, FAULT} <= listed
+    assert {MODEL, FAULT, EMBED} <= listed
     shown = stack.ollama.show(f"{MODEL}:latest")  # Ollama's default tag names the model too
     assert shown.capabilities and "completion" in shown.capabilities
     assert shown.modelinfo and shown.modelinfo["fleet.tasks"] == ["text_generation"]
@@ -127,6 +133,22 @@ def test_tags_show_ps_and_version(stack: Stack) -> None:
     assert {MODEL, FAULT} <= set(running) and running[MODEL].context_length
     version = stack.ollama._request_raw("GET", "/api/version").json()  # the client has no call
     assert version["version"].count(".") == 2
+
+
+def test_embed_one_or_many_inputs_and_the_older_route(stack: Stack) -> None:
+    one = stack.ollama.embed(EMBED, "the same text")
+    many = stack.ollama.embed(EMBED, ["the same text", "another text"])
+    assert len(one.embeddings) == 1 and len(many.embeddings) == 2
+    # The same text, the same vector (up to float rounding: batched with a longer text, it is
+    # padded), and another text another vector.
+    assert list(many.embeddings[0]) == pytest.approx(list(one.embeddings[0]), abs=1e-5)
+    assert list(many.embeddings[1]) != pytest.approx(list(many.embeddings[0]), abs=1e-3)
+    assert many.prompt_eval_count and many.prompt_eval_count > 0
+    older = stack.ollama.embeddings(EMBED, "the same text")
+    assert list(older.embedding) == pytest.approx(list(one.embeddings[0]), abs=1e-5)
+    with pytest.raises(ollama.ResponseError) as not_embedding:
+        stack.ollama.embed(MODEL, "text")  # a chat model makes no embeddings
+    assert not_embedding.value.status_code == 400
 
 
 def test_errors_in_ollamas_shape(stack: Stack) -> None:
