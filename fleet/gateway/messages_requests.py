@@ -3,7 +3,8 @@ Pure: no I/O.
 
 What maps to what:
 
-- `system` (a string or text blocks) becomes the first, system message.
+- `system` (a string or text blocks) becomes the first, system message; a `system` message
+  inside `messages` (Claude Code sends them) a system message where it stands.
 - A user message's `tool_result` blocks become `tool` messages (`tool_use_id` is their
   `tool_call_id`), in order, before the rest of its text and image blocks.
 - An assistant message's `tool_use` blocks become its `tool_calls` (`input` JSON-encoded as
@@ -94,7 +95,8 @@ Block = Annotated[
 
 
 class MessageParam(OpenAIRequest):
-    role: Literal["user", "assistant"]
+    # Claude Code sends `system` messages mid-conversation (its beta of 2026-04).
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -188,6 +190,9 @@ def chat_messages(
     for message in messages:
         if isinstance(message.content, str):
             chat.append(MessageIn(role=message.role, content=message.content))
+        elif message.role == "system":
+            text = "".join(b.text for b in message.content if isinstance(b, TextBlock))
+            chat.append(MessageIn(role="system", content=text))
         elif message.role == "user":
             chat += _user(message.content)
         else:

@@ -146,3 +146,12 @@ def test_the_whole_message_holds_the_text_then_the_calls() -> None:
 ])
 def test_tool_arguments_always_become_an_object(arguments: str, value: dict[str, Any]) -> None:
     assert tool_input(arguments) == value
+
+
+def test_a_system_message_inside_the_conversation_stays_where_it_is() -> None:
+    chat = as_chat(request(messages=[
+        {"role": "user", "content": "Hi"},
+        {"role": "system", "content": [{"type": "text", "text": "Now be brief."}]},
+    ]), "tiny-llm")
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("user", "Hi"), ("system", "Now be brief.")]
