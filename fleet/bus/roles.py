@@ -40,11 +40,12 @@ PREFIXES = "FLEET_PREFIXES"
 FILES = "OBJ_FLEET_FILES"
 BATCH_RESULTS = "FLEET_BATCH_RESULTS"
 BATCH_BUCKETS = ("FLEET_BATCHES", "FLEET_BATCH_LEASES", "FLEET_IDEMPOTENCY")
+DEADLINES = "FLEET_DEADLINES"  # a sentinel per task with a deadline (fleet/worker/deadlines.py)
 LEASES = "FLEET_LEASES"  # fleet-wide duties held by one worker (fleet.worker.sweeper)
 ALL_STREAMS = (
     TASKS, OUT, EVENTS, TRACES, DEAD, ADVISORIES, REFUSED, IMAGES, WEIGHTS,
     *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS, MODELS, PREFIXES, LEASES)),
-    FILES, BATCH_RESULTS, *(f"KV_{b}" for b in BATCH_BUCKETS),
+    FILES, BATCH_RESULTS, *(f"KV_{b}" for b in BATCH_BUCKETS), DEADLINES,
 )
 
 
@@ -199,6 +200,10 @@ GRANTS: dict[str, Grant] = {
             _api("STREAM", "PURGE", TASKS),
             _api("CONSUMER", "CREATE", ADVISORIES, ">"), _api("CONSUMER", "INFO", ADVISORIES, "*"),
             _api("CONSUMER", "MSG", "NEXT", ADVISORIES, "*"),
+            # Deadlines: a sentinel per task, and the shared durable of their expiry markers.
+            "fleet.deadlines.>", *_acks(DEADLINES), _api("CONSUMER", "CREATE", DEADLINES, ">"),
+            _api("CONSUMER", "INFO", DEADLINES, "*"),
+            _api("CONSUMER", "MSG", "NEXT", DEADLINES, "*"),
             # Continuing a dead worker's task replays what it stored (an ephemeral consumer
             # on FLEET_OUT). No DELETE: it could remove a gateway's shared consumer; the
             # replay's consumer goes by its inactive threshold.
@@ -324,6 +329,10 @@ ACTIONS: tuple[Action, ...] = (
            "idempotency keys (FLEET_BATCHES, FLEET_BATCH_LEASES, FLEET_IDEMPOTENCY), results "
            "(`fleet.batches.<id>.<line>`)", _who("gateway"),
            "the /v1/files and /v1/batches of every gateway replica share them"),
+    Action("expire_deadlines", "set a task's deadline sentinel (`fleet.deadlines.<model>.<id>`) "
+           "and consume the expiry markers (durable `deadlines` on FLEET_DEADLINES)",
+           _who("worker"), "one worker sees each task published and each deadline that passes "
+           "(fleet/worker/deadlines.py)"),
     Action("tenant_records", "read and write which tenant owns a task or image (FLEET_TENANTS)",
            _who("gateway"), "tenants are the gateway's: NATS users are roles, not tenants"),
     Action("own_inbox", "receive replies on its own inbox `_INBOX.<role>.>` (requests, "

@@ -39,6 +39,7 @@ from fleet.wire.cluster import (
 )
 from fleet.wire.codec import DecodeError, decode_model, encode
 from fleet.wire.runners import RunnerStatus
+from fleet.worker.deadlines import DeadlineWatch
 from fleet.worker.demand import Demand
 from fleet.worker.failover import Failover
 from fleet.worker.heartbeat import Heartbeat
@@ -121,6 +122,8 @@ class ClusterLink:
         on_known = self.demand.want if self.settings.auto_place else None
         self.janitor = Janitor(self.nc, self.js, self._is_known, on_known=on_known)
         await self.janitor.start()
+        self.deadlines = DeadlineWatch(self.nc, self.js, self.janitor)  # issue 25
+        await self.deadlines.start()
         await self.heartbeat.beat(budget_s=30.0)
         await publish(self.nc, subjects.node_event(self.node_id), NodeJoined(
             node_id=self.node_id, hostname=node_info(self.node_id, 0, [], [], None).hostname,
@@ -144,6 +147,7 @@ class ClusterLink:
         return model in self.cards or any(i.model == model for i in self.placed.values())
 
     async def stop(self) -> None:
+        await self.deadlines.stop()
         await self.janitor.stop()
         # The runners' last statuses (shut down, removed) are worth the wait; a dead broker is not.
         with contextlib.suppress(TimeoutError):
