@@ -23,6 +23,7 @@ from load_helpers import GatewayProcess
 
 from fleet.bus.embedded import EmbeddedNats
 from fleet.models.catalog import get_card
+from fleet.placement import place
 from fleet.placement_replicas import place_replicas
 from fleet.wire import subjects
 from fleet.wire.cluster import ModelCard, RunnerRecord
@@ -31,7 +32,6 @@ from tests.integration.harness import (
     WorkerProcess,
     add_fault_card,
     client,
-    place_and_wait,
     seed_models,
     wait_node,
 )
@@ -49,24 +49,24 @@ class Stack:
     openai: openai.OpenAI
 
 
-async def _place(url: str, card: ModelCard, node_dir: Path, count: int) -> None:
-    """Place tiny-llm, tiny-embed and `count` one-slot runners of `card`; return once all
-    are ready."""
+async def _place(url: str, card: ModelCard, node_dir: Path) -> None:
+    """Place tiny-llm, tiny-embed and two one-slot runners of `card` at once; return once
+    all four are ready (they load side by side)."""
     nc = await client(url)
     node = await wait_node(nc, node_dir)
-    await place_and_wait(nc, get_card(MODEL), node)
-    await place_and_wait(nc, get_card(EMBED), node)
-    kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
-    watcher = await kv.watchall()
-    await place_replicas(nc.jetstream(), card, count, node_id=node, slots=1)
+    js = nc.jetstream()
+    watcher = await (await js.key_value(subjects.RUNNERS_BUCKET)).watchall()
+    await place(js, get_card(MODEL), node_id=node)
+    await place(js, get_card(EMBED), node_id=node)
+    await place_replicas(js, card, 2, node_id=node, slots=1)
     ready: set[str] = set()
     deadline = time.monotonic() + 120
     try:
-        while len(ready) < count:
+        while len(ready) < 4:
             entry = await watcher.updates(timeout=max(0.05, deadline - time.monotonic()))
             if entry is not None and entry.value:
                 record = decode_model(RunnerRecord, entry.value)
-                if record.model == card.id and record.status.state == "ready":
+                if record.status.state == "ready":
                     ready.add(record.runner_id)
     finally:
         await watcher.stop()
@@ -86,7 +86,7 @@ def stack(
         worker = WorkerProcess(nats_server.url, worker_dir, OPENBLAS_NUM_THREADS="1").start()
         gateway = GatewayProcess(nats_server.url, gateway_dir)
         try:
-            asyncio.run(_place(nats_server.url, card, worker_dir, 2))
+            asyncio.run(_place(nats_server.url, card, worker_dir))
             url = f"http://{asyncio.run(gateway.listening())}"
             yield Stack(url, ollama.Client(host=url, timeout=120),
                         openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120))
@@ -187,25 +187,26 @@ def _runner_of(stack: Stack, task_id: str) -> str:
 
 
 def _turn(stack: Stack, session: str, text: str, how: str) -> str:
-    """One chat turn of `session` (named as `how` says); the runner that served it."""
-    messages = [{"role": "user", "content": text}]
+    """One chat turn of `session`, named as `how` says; the runner that served it."""
     named = {"header": {"extra_headers": {"X-Session-Id": session}},
              "user": {"user": session}, "prompt_cache_key": {"prompt_cache_key": session}}[how]
     raw = stack.openai.chat.completions.with_raw_response.create(
-        model=FAULT, messages=messages, **named,  # type: ignore[arg-type]
+        model=FAULT, messages=[{"role": "user", "content": text}], **named,  # type: ignore[arg-type]
     )
     return _runner_of(stack, raw.headers["x-fleet-task-id"])
 
 
-@pytest.mark.parametrize("how", ["header", "user", "prompt_cache_key"])
-def test_a_sessions_turns_stay_on_its_runner(stack: Stack, how: str) -> None:
-    sessions = [f"{how}-a", f"{how}-b"]
+def test_a_sessions_turns_stay_on_its_runner(stack: Stack) -> None:
     # First turns at once, each slow: one slot per runner, so they take both runners.
+    first = [("s-a", "header"), ("s-b", "user")]
     with ThreadPoolExecutor(2) as pool:
-        homes = list(pool.map(lambda s: _turn(stack, s, "tokens:50 delay_ms:40", how), sessions))
-    assert len(set(homes)) == 2, homes
-    # Later turns one by one, short: with both runners idle and no prompt block to go by,
-    # only the session tells them apart (without it both would go to the same runner).
-    for _ in range(2):
-        for session, home in zip(sessions, homes, strict=True):
-            assert _turn(stack, session, "tokens:2", how) == home
+        homes = dict(zip(["s-a", "s-b"], pool.map(
+            lambda asked: _turn(stack, asked[0], "tokens:50 delay_ms:40", asked[1]), first),
+            strict=True))
+    assert len(set(homes.values())) == 2, homes
+    # Later turns one by one, short, the session named each way in turn: with both runners
+    # idle and no prompt block to go by, only the session tells them apart (without it both
+    # would go to the same runner).
+    for how in ("prompt_cache_key", "user", "header"):
+        for session, home in homes.items():
+            assert _turn(stack, session, "tokens:2", how) == home, (session, how)
