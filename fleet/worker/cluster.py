@@ -115,13 +115,16 @@ class ClusterLink:
             live_nodes=lambda: self.failover.live.values(), slots=self.settings.slots,
             nodes_known=self.failover.loaded,
         )
-        # Heartbeats are watched, dead nodes swept and demand placed by one worker of the
-        # fleet at a time: the holder of the sweeper lease.
-        self.duties = FleetDuties(self.js, self.node_id, self.failover,
-                                  self.demand if self.settings.auto_place else None)
         on_known = self.demand.want if self.settings.auto_place else None
         self.janitor = Janitor(self.nc, self.js, self._is_known, on_known=on_known)
         await self.janitor.start()
+        self.deadlines = DeadlineWatch(self.nc, self.js, self.janitor)  # issue 25
+        await self.deadlines.start()
+        # Heartbeats are watched, dead nodes swept, demand placed and tasks of unknown models
+        # answered by one worker of the fleet at a time: the holder of the sweeper lease.
+        self.duties = FleetDuties(self.js, self.node_id, self.failover,
+                                  self.demand if self.settings.auto_place else None,
+                                  self.janitor)
         self.deadlines = DeadlineWatch(self.nc, self.js, self.janitor)  # issue 25
         await self.deadlines.start()
         await self.heartbeat.beat(budget_s=30.0)

@@ -1,8 +1,11 @@
 """Tasks no model consumer will ever finish: unknown models, and tasks past MaxDeliver.
 
-Unknown models are caught by a queue-group subscription on `fleet.tasks.>`; MaxDeliver
-advisories by the shared durable consumer `janitor` on FLEET_ADVISORIES. Either way exactly
-one worker of the fleet answers each.
+Unknown models are found by the holder of the sweeper lease (fleet.worker.sweeper), which reads
+FLEET_TASKS' per-subject counts every TRIAGE_S and reads back the tasks stored on a subject no
+card or instance names; MaxDeliver advisories by the shared durable consumer `janitor` on
+FLEET_ADVISORIES. Either way exactly one worker of the fleet answers each. A task body reaches
+the workers once (the model's pull consumer): before, a queue-group subscription on
+`fleet.tasks.>` delivered every task a second time to one worker, only to look at its subject.
 
 Like the intake, the janitor writes a terminal on `fleet.out.<id>` only after claiming the id
 (fleet.worker.claims): a task on an unknown model that carries another task's id is refused
@@ -34,6 +37,23 @@ from fleet.worker.pulls import unsubscribe_pull
 
 log = logging.getLogger(__name__)
 
+TRIAGE_S = 1.0  # how soon a task of an unknown model is answered (and demand is seen)
+
+
+def triage(counts: dict[str, int], is_known: Callable[[str], bool]) -> tuple[list[str], list[str]]:
+    """Pure: of the task subjects with tasks stored, the models known (demand for them) and
+    the subjects whose model is unknown (their tasks are answered and removed)."""
+    known: list[str] = []
+    unknown: list[str] = []
+    for subject, count in sorted(counts.items()):
+        model = subjects.model_of_task_subject(subject)
+        if count > 0 and is_known(model):
+            known.append(model)
+        elif count > 0:
+            unknown.append(subject)
+    return known, unknown
+
+
 def readable_task_id(data: bytes) -> str | None:
     try:
         return decode_task(data).task_id
@@ -58,7 +78,6 @@ class Janitor:
 
     async def start(self) -> None:
         self.claims = await Claims.open(self.nc, self.js)
-        await self.nc.subscribe(subjects.TASKS_ALL, queue="fleet-triage", cb=self._triage)
         # Advisories are fire-and-forget; FLEET_ADVISORIES keeps them until a worker is there.
         self.advisories = await self.js.pull_subscribe(
             "", durable="janitor", stream=subjects.ADVISORIES_STREAM
@@ -104,27 +123,63 @@ class Janitor:
             what=f"publish the terminal of task {task_id}",
         )
 
-    async def _triage(self, msg: Msg) -> None:
-        model = subjects.model_of_task_subject(msg.subject)
-        if self.is_known(model):
-            if self.on_known is not None:
+    async def triage_forever(self) -> None:
+        """Until cancelled (a duty of the sweeper lease's holder)."""
+        while True:
+            try:
+                await self.triage_queued()
+            except Exception as exc:  # the next period tries again
+                log.warning("triage of queued tasks failed: %s", exc)
+            await asyncio.sleep(TRIAGE_S)  # the triage's period
+
+    async def triage_queued(self) -> None:
+        info = await with_retry(
+            lambda: self.js.stream_info(subjects.TASKS_STREAM, subjects_filter=subjects.TASKS_ALL),
+            what="queued task subjects",
+        )
+        known, unknown = triage(info.state.subjects or {}, self.is_known)
+        if self.on_known is not None:
+            for model in known:
                 try:
                     await self.on_known(model)
                 except Exception as exc:
                     log.warning("placing %s on demand failed: %s", model, exc)
-            return
-        task_id = readable_task_id(msg.data)
+        for subject in unknown:
+            await self._unknown(subject)
+
+    async def _unknown(self, subject: str) -> None:
+        """Answer every task stored on a subject no model consumer reads, then remove them
+        (up to the last one answered: a task published meanwhile waits for the next round)."""
+        model = subjects.model_of_task_subject(subject)
+        last = 0
+        while True:
+            try:
+                stored = await with_retry(
+                    lambda after=last: self.js.get_msg(subjects.TASKS_STREAM, seq=after + 1,
+                                                       subject=subject, next=True),
+                    what=f"read a task of {subject}",
+                )
+            except NotFoundError:
+                break
+            last = stored.seq or last + 1
+            await self._answer_unknown(model, stored.data or b"", stored.headers, subject)
+        if last:
+            body = orjson.dumps({"filter": subject, "seq": last + 1})
+            purge = f"$JS.API.STREAM.PURGE.{subjects.TASKS_STREAM}"
+            await with_retry(
+                lambda: self.nc.request(purge, body, timeout=5), what=f"purge {subject}"
+            )
+
+    async def _answer_unknown(self, model: str, data: bytes, headers: dict[str, str] | None,
+                              subject: str) -> None:
+        task_id = readable_task_id(data)
         log.warning("task %s names unknown model %r", task_id, model)
-        # Nobody consumes this subject: remove what was stored so the queue does not fill.
-        body = orjson.dumps({"filter": msg.subject})
-        purge = f"$JS.API.STREAM.PURGE.{subjects.TASKS_STREAM}"
-        await with_retry(
-            lambda: self.nc.request(purge, body, timeout=5), what=f"purge {msg.subject}"
-        )
+        # As the message was stored: claims read its Fleet-Reply-To header
+        msg = Msg(self.nc, subject=subject, data=data, headers=headers)
         unknown = f"no model named {model!r}"
         if task_id is None:
             await self.claims.refuse(
-                msg, model, sent_task_id(msg.data), "invalid_task_id",
+                msg, model, sent_task_id(data), "invalid_task_id",
                 f"{unknown}, and the task has no usable task_id",
             )
         elif refused := await self.claims.admit(task_id, one_off_owner()):

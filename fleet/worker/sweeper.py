@@ -1,7 +1,8 @@
 """Fleet-wide duties, done once for the whole fleet: the worker holding the `sweeper` lease in
 FLEET_LEASES watches every heartbeat (FLEET_NODES), moves instances off dead nodes
-(fleet.worker.failover) and places models on demand (fleet.worker.demand). Every other worker
-watches no heartbeat at all, so a node's cost does not grow with the number of nodes.
+(fleet.worker.failover), places models on demand (fleet.worker.demand) and answers tasks of
+unknown models (fleet.worker.janitor's triage). Every other worker watches no heartbeat at all,
+so a node's cost does not grow with the number of nodes.
 
 The lease is a key naming its holder, made with a create-only write and renewed every RENEW_S
 by a compare-and-set on its revision; the bucket's max age (10 s) drops it when its holder
@@ -27,6 +28,7 @@ from fleet.bus.kv_calls import kv_create, kv_update
 from fleet.bus.retry import with_retry
 from fleet.worker.demand import Demand
 from fleet.worker.failover import Failover
+from fleet.worker.janitor import Janitor
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +89,12 @@ class FleetDuties:
     not."""
 
     def __init__(self, js: JetStreamContext, node_id: str, failover: Failover,
-                 demand: Demand | None = None) -> None:
+                 demand: Demand | None = None, janitor: Janitor | None = None) -> None:
         self.js = js
         self.node_id = node_id
         self.failover = failover
         self.demand = demand
+        self.janitor = janitor
         self.leading = asyncio.Event()  # set while the duties run here
         self._duties: asyncio.Task[None] | None = None
 
@@ -122,6 +125,8 @@ class FleetDuties:
         ]
         if self.demand is not None:
             jobs.append(self.demand.sweep_forever)
+        if self.janitor is not None:
+            jobs.append(self.janitor.triage_forever)
         try:
             async with asyncio.TaskGroup() as group:
                 for job in jobs:

@@ -31,7 +31,9 @@ def raw_task(task_id: str, model: str) -> bytes:
 async def janitor(provisioned_nc: Client) -> AsyncIterator[Janitor]:
     keeper = Janitor(provisioned_nc, provisioned_nc.jetstream(), lambda m: m == "known")
     await keeper.start()
+    triage = asyncio.create_task(keeper.triage_forever())  # the sweeper lease holder's duty
     yield keeper
+    triage.cancel()
     await keeper.stop()
 
 
