@@ -4,6 +4,8 @@ fault engine.
 - accept: a 50,000-request batch job (chat completions) through the gateway: seconds from the
   first byte of the upload to the job's answer (accepted), and to `in_progress` (its file
   validated), then the lines it finishes in `run_s` seconds; the job is then cancelled.
+- mixed: a chat every 2 s (streamed: time to first token) on an idle fleet, then beside a
+  5,000-line batch job whose lines each hold a slot for ~1 s.
 - retries: 1,000 chat POSTs, each sent twice with the same Idempotency-Key (the second one to
   a replay of the first): how many tasks the fleet ran (workers' task_accepted events) and how
   many distinct task ids the answers named.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,17 +38,75 @@ class QueuePlan:
     run_s: float = 20.0
     retried: int = 1_000
     concurrency: int = 32
+    interactive: int = 15  # chats, one every `every_s`, on an idle fleet and beside a job
+    every_s: float = 2.0
+    mixed_lines: int = 5_000
 
 
-QUICK = QueuePlan(lines=2_000, run_s=3.0, retried=100, concurrency=16)
+QUICK = QueuePlan(lines=2_000, run_s=3.0, retried=100, concurrency=16, interactive=4,
+                  every_s=0.5, mixed_lines=200)
+# A batch line takes a slot for a second (50 tokens at 50 tok/s); a chat is 5 quick tokens.
+BATCH_PROMPT = "tokens:50 tokens_per_s:50"
+CHAT_PROMPT = "tokens:5"
 
 
-def batch_file(lines: int) -> bytes:
+def batch_file(lines: int, prompt: str = "tokens:2", max_tokens: int = 4) -> bytes:
     return b"".join(json.dumps({
         "custom_id": f"q-{i}", "method": "POST", "url": "/v1/chat/completions",
-        "body": {"model": MODEL, "max_tokens": 4,
-                 "messages": [{"role": "user", "content": f"tokens:2 line {i}"}]},
+        "body": {"model": MODEL, "max_tokens": max_tokens,
+                 "messages": [{"role": "user", "content": f"{prompt} line {i}"}]},
     }).encode() + b"\n" for i in range(lines))
+
+
+async def _ttft(client: httpx.AsyncClient, base: str) -> float:
+    body = {"model": MODEL, "max_tokens": 8, "stream": True,
+            "messages": [{"role": "user", "content": CHAT_PROMPT}]}
+    began = time.perf_counter()
+    async with client.stream("POST", f"{base}/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if '"content":"' in line:
+                return time.perf_counter() - began
+    raise RuntimeError("a chat stream ended without content")
+
+
+async def _interactive(client: httpx.AsyncClient, base: str, plan: QueuePlan) -> list[float]:
+    ttfts = []
+    for _ in range(plan.interactive):
+        started = time.perf_counter()
+        ttfts.append(await _ttft(client, base))
+        await asyncio.sleep(max(0.0, plan.every_s - (time.perf_counter() - started)))
+    return ttfts
+
+
+def _p50(values: list[float]) -> float:
+    return round(statistics.median(values) * 1000, 1)
+
+
+async def measure_mixed(base: str, plan: QueuePlan) -> dict[str, Any]:
+    """(1) Interactive TTFT on an idle fleet, then beside a running batch job; the job's
+    lines done meanwhile (each takes a slot for ~1 s)."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        idle = await _interactive(client, base, plan)
+        data = batch_file(plan.mixed_lines, BATCH_PROMPT, max_tokens=64)
+        upload = (await client.post(f"{base}/files", data={"purpose": "batch"},
+                                    files={"file": ("mixed.jsonl", data)})).raise_for_status()
+        batch_id = (await client.post(f"{base}/batches", json={
+            "input_file_id": upload.json()["id"], "endpoint": "/v1/chat/completions",
+            "completion_window": "24h"})).raise_for_status().json()["id"]
+        while (await _status(client, base, batch_id))["request_counts"]["completed"] == 0:
+            await asyncio.sleep(0.1)  # the job runs: its lines hold the slots now
+        before = (await _status(client, base, batch_id))["request_counts"]["completed"]
+        began = time.perf_counter()
+        busy = await _interactive(client, base, plan)
+        wall = time.perf_counter() - began
+        after = (await _status(client, base, batch_id))["request_counts"]["completed"]
+        (await client.post(f"{base}/batches/{batch_id}/cancel")).raise_for_status()
+    return {"interactive": plan.interactive, "every_s": plan.every_s,
+            "ttft_idle_p50_ms": _p50(idle), "ttft_beside_batch_p50_ms": _p50(busy),
+            "ratio": round(statistics.median(busy) / statistics.median(idle), 2),
+            "batch_lines_per_s_meanwhile": round((after - before) / wall, 1),
+            "batch_slots": SLOTS}
 
 
 async def _status(client: httpx.AsyncClient, base: str, batch_id: str) -> dict[str, Any]:
@@ -131,16 +192,21 @@ async def run_queue(workdir: Path, env: dict[str, str], quick: bool) -> dict[str
     await stack.start()
     try:
         base = stack.base_url
-        return {"plan": plan.__dict__, "retries": await measure_retries(base, stack, plan),
+        return {"plan": plan.__dict__, "mixed": await measure_mixed(base, plan),
+                "retries": await measure_retries(base, stack, plan),
                 "accept": await measure_accept(base, plan)}
     finally:
         await stack.stop()
 
 
 def queue_table(result: dict[str, Any]) -> list[str]:
-    accept, retries = result["accept"], result["retries"]
+    accept, retries, mixed = result["accept"], result["retries"], result["mixed"]
     return [
         "queue (fault engine, one fleet up):",
+        f"  interactive TTFT p50 {mixed['ttft_idle_p50_ms']} ms idle, "
+        f"{mixed['ttft_beside_batch_p50_ms']} ms beside a batch job (x{mixed['ratio']}); "
+        f"the job meanwhile {mixed['batch_lines_per_s_meanwhile']} lines/s "
+        f"(~1 s each, {mixed['batch_slots']} slots)",
         f"  batch of {accept['lines']:,} lines ({accept['file_mb']} MB): accepted in "
         f"{accept['accepted_s']} s, in_progress after {accept['in_progress_s']} s, "
         f"{accept['lines_done_in_run']:,} lines done in {accept['run_s']} s "

@@ -17,6 +17,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from nats.js.errors import APIError
+
 from fleet.bus.batch_store import BatchStore
 from fleet.bus.connect import js_publish
 from fleet.bus.task_events import Indexed
@@ -31,6 +33,7 @@ from fleet.gateway.batch_lines import (
     split_files,
     task_id_of,
 )
+from fleet.gateway.batch_slack import Slack
 from fleet.gateway.batch_tasks import line_task
 from fleet.gateway.errors import error_body
 from fleet.gateway.resume import renderer_for
@@ -56,6 +59,7 @@ class Job:
     gateway: Gateway
     store: BatchStore
     batch_id: str
+    slack: Slack
     recorded: dict[int, BatchResult] = field(default_factory=dict)
     cancelling: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -160,16 +164,16 @@ class Job:
         """Published with the job's window as its per-message TTL (the broker drops it
         unstarted when the window closes); a full queue is waited out, not failed."""
         ttl = max(1, int(expires_at - time.time()))
+        await self.slack.room(task.model)  # batch work fills slack (fleet.gateway.batch_slack)
         while True:
             try:
                 await js_publish(self.gateway.backend.jetstream(), subjects.tasks(task.model),
                                  task, msg_id=task.task_id, extra_headers={"Nats-TTL": f"{ttl}s"})
                 return
-            except FleetError:
-                raise
-            except Exception as exc:  # noqa: BLE001: nats-py's APIError has no common base
-                if getattr(exc, "err_code", None) != MAXIMUM_MESSAGES_EXCEEDED:
-                    raise QueueFull(f"could not queue {task.task_id}: {exc!r}") from None
+            except APIError as exc:
+                if exc.err_code != MAXIMUM_MESSAGES_EXCEEDED:
+                    raise QueueFull(f"JetStream refused {task.task_id}: {exc.description}") \
+                        from None
             await asyncio.sleep(QUEUE_FULL_WAIT_S)  # the batch waits for room in the queue
 
     async def _progress(self, batch_id: str) -> None:

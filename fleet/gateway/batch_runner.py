@@ -16,6 +16,7 @@ import time
 from fleet.bus.batch_store import BatchStore
 from fleet.errors import FleetError
 from fleet.gateway.batch_job import Job
+from fleet.gateway.batch_slack import Slack
 from fleet.gateway.service import Gateway
 from fleet.wire.batches import BatchLease
 
@@ -41,6 +42,7 @@ class BatchRunner:
         self.store = store
         self.owner = f"gw-{secrets.token_hex(6)}"
         self.jobs: dict[str, asyncio.Task[None]] = {}
+        self.slack = Slack(gateway.backend.jetstream)
         self._scanner: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -87,7 +89,7 @@ class BatchRunner:
                 self.start_job(batch_id, revision)
 
     async def _run(self, batch_id: str, revision: int) -> None:
-        job = Job(self.gateway, self.store, batch_id)
+        job = Job(self.gateway, self.store, batch_id, self.slack)
         try:
             async with asyncio.TaskGroup() as group:
                 renewing = group.create_task(self._renew(batch_id, revision))

@@ -17,6 +17,7 @@ from fleet.gateway.batch_lines import (
     task_id_of,
 )
 from fleet.gateway.batch_runner import may_take
+from fleet.gateway.batch_slack import lines_to_feed
 from fleet.gateway.idempotency import fingerprint, new_id, record_key
 from fleet.gateway.idempotency_seed import SEED
 from fleet.wire.batches import BatchLease, BatchRecord, BatchResult, RequestCounts
@@ -142,3 +143,15 @@ def test_keys_are_per_tenant_and_ids_follow_the_seed() -> None:
     finally:
         SEED.reset(token)
     assert new_id("batch") != new_id("batch")
+
+
+@pytest.mark.parametrize(("waiting", "since_fed_s", "lines"), [
+    (0, 0.0, 2),  # the queue is drained: fill it up to the low water
+    (1, 0.0, 1),
+    (2, 0.0, 0),  # every slot busy and tasks waiting: batch work waits
+    (40, 29.9, 0),
+    (40, 30.0, 1),  # starvation bound: one line after 30 s without feeding
+    (2, 31.0, 1),
+])
+def test_batch_work_fills_slack(waiting: int, since_fed_s: float, lines: int) -> None:
+    assert lines_to_feed(waiting, since_fed_s) == lines
