@@ -215,7 +215,9 @@ GRANTS: dict[str, Grant] = {
         # fleet.ask.*: the asks a worker answers (queue group fleet-ask); fleet.out.>: the
         # asked task's terminal, watched live; fleet.handoff.*: tasks other nodes pass here;
         # fleet.images.put: clients' image uploads (queue group fleet-images)
-        subscribe=[inbox("worker"), "fleet.tasks.>", "fleet.cancel.*", "fleet.ask.*", "fleet.out.>",
+        # No fleet.tasks.>: a task reaches workers only through its model's pull consumer
+        # (the triage of unknown models reads FLEET_TASKS' counts, fleet/worker/janitor.py).
+        subscribe=[inbox("worker"), "fleet.cancel.*", "fleet.ask.*", "fleet.out.>",
                    "fleet.handoff.*", IMAGE_UPLOAD],
     ),
     # Provisions streams, buckets and consumers, and repairs: everything.
@@ -259,7 +261,8 @@ ACTIONS: tuple[Action, ...] = (
            _who("worker")),
     Action("direct_get_task", "direct-get from FLEET_TASKS", _who()),
     Action("subscribe_tasks", "subscribe to `fleet.tasks.>` (see every task published)",
-           _who("worker")),
+           _who(), "a worker gets its tasks from its models' pull consumers only: each task "
+           "body is delivered once"),
     Action("consume_tasks", "fetch tasks from a model's durable `tasks-<model>`",
            _who("worker")),
     Action("create_task_consumer", "create a consumer on FLEET_TASKS", _who("worker"),
