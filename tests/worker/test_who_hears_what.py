@@ -1,0 +1,89 @@
+"""Who hears what (issue 22), the pure decisions: a prefix advert's key and the watches a
+worker keeps, the sweeper lease's state, the janitor's triage of queued subjects, what a
+gateway reads back after a reconnect, and the harness's reading of `/connz`."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.scale_connz import Received, received_by, subscriptions_of
+from fleet.gateway.task_feed import digest, missing
+from fleet.worker.janitor import triage
+from fleet.worker.prefix_adverts import advert_key, model_filter, watches_to_change
+from fleet.worker.sweeper import LeaseState, after_attempt
+
+
+@pytest.mark.parametrize(("model", "runner", "heard_by", "not_heard_by"), [
+    ("tiny-llm", "run-1", "tiny-llm", "smollm2-135m"),
+    ("a", "r", "a", "ab"),  # a model whose id starts another's hears none of the other's
+    ("ab", "r", "ab", "a"),
+])
+def test_an_advert_is_heard_only_by_a_watch_of_its_model(
+    model: str, runner: str, heard_by: str, not_heard_by: str
+) -> None:
+    key = advert_key(model, runner)
+    assert matches(model_filter(heard_by), key)
+    assert not matches(model_filter(not_heard_by), key)
+
+
+def matches(pattern: str, key: str) -> bool:
+    """NATS subject matching of a KV key filter (`>` a tail of one or more tokens)."""
+    head, tail = pattern.split("."), key.split(".")
+    if head[-1] == ">":
+        return len(tail) >= len(head) and tail[:len(head) - 1] == head[:-1]
+    return head == tail
+
+
+@pytest.mark.parametrize(("serving", "watched", "start", "stop"), [
+    (set(), set(), set(), set()),
+    ({"a"}, set(), {"a"}, set()),  # a model placed here: its adverts watched
+    ({"a"}, {"a", "b"}, set(), {"b"}),  # b left this node: its adverts no longer heard
+    ({"a", "c"}, {"a", "b"}, {"c"}, {"b"}),
+])
+def test_a_worker_watches_the_adverts_of_the_models_it_serves_and_no_others(
+    serving: set[str], watched: set[str], start: set[str], stop: set[str]
+) -> None:
+    assert watches_to_change(serving, watched) == (start, stop)
+
+
+@pytest.mark.parametrize(("before", "written", "held"), [
+    (LeaseState(), 7, True),  # created: held
+    (LeaseState(), None, False),  # another worker's key is there
+    (LeaseState(7), 9, True),  # renewed
+    (LeaseState(7), None, False),  # ours expired and was taken: its duties stop
+])
+def test_the_lease_is_held_only_while_its_writes_go_through(
+    before: LeaseState, written: int | None, held: bool
+) -> None:
+    assert after_attempt(before, written).held is held
+
+
+def test_triage_sends_known_models_to_demand_and_answers_unknown_subjects() -> None:
+    counts = {"fleet.tasks.tiny-llm": 3, "fleet.tasks.nope": 1, "fleet.tasks.idle": 0}
+    known, unknown = triage(counts, lambda model: model in {"tiny-llm", "idle"})
+    assert known == ["tiny-llm"]  # a subject with nothing stored is nobody's business
+    assert unknown == ["fleet.tasks.nope"]
+
+
+@pytest.mark.parametrize(("stored", "delivered", "refilled"), [
+    ([b"a", b"b", b"c"], [b"a"], [b"b", b"c"]),  # missed while disconnected
+    ([b"a", b"b"], [b"b", b"a"], []),  # all there, in whatever order they came
+    ([], [b"a"], []),
+])
+def test_a_gateway_reads_back_only_what_its_subscription_missed(
+    stored: list[bytes], delivered: list[bytes], refilled: list[bytes]
+) -> None:
+    assert missing(stored, {digest(d) for d in delivered}) == refilled
+
+
+def test_received_counts_what_the_server_sent_to_each_named_connection() -> None:
+    connz = {"connections": [
+        {"name": "fleet-worker", "out_msgs": 10, "out_bytes": 1000, "in_msgs": 99,
+         "subscriptions_list": ["_INBOX.worker.>"]},
+        {"name": "fleet-gateway", "out_msgs": 3, "out_bytes": 30},
+        {"name": "fleet-gateway", "out_msgs": 4, "out_bytes": 40},
+    ]}
+    assert received_by(connz, "fleet-worker") == Received(10, 1000)
+    assert received_by(connz, "fleet-gateway") == Received(7, 70)
+    assert received_by(connz, "fleet-gateway") - Received(2, 20) == Received(5, 50)
+    assert subscriptions_of(connz, "fleet-worker") == ["_INBOX.worker.>"]
