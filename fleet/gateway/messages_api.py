@@ -9,6 +9,10 @@ count_tokens is counted by the model's own runner: the conversation runs as a ta
 one token, and its usage's prompt tokens are the count (exact for the model's chat template
 and tools; the prefill also warms the runner's prefix cache for the request that follows).
 
+A stream whose first token is slow (a long prompt's prefill) is committed after a moment,
+with message_start and pings while it waits (fleet.gateway.messages_stream): Anthropic's
+clients give up on a silent connection.
+
 Errors on these routes are in Anthropic's shape: every error response, whoever made it (a
 route, the key check, the body limits, routing), is rewritten by `AnthropicErrors`, so one
 table (messages_replies.ERROR_TYPES) decides the type for each status. Clients send
@@ -18,19 +22,24 @@ which is accepted and not checked.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleet.errors import InvalidParameter
+from fleet.gateway import messages_stream
 from fleet.gateway.bodies import parse, read_json
 from fleet.gateway.catalogue import refuses_images
-from fleet.gateway.messages_replies import MessagesRenderer, TokenCountRenderer, error_json
+from fleet.gateway.messages_replies import (
+    MessagesRenderer,
+    TokenCountRenderer,
+    anthropic_error,
+)
 from fleet.gateway.messages_requests import CountTokensRequest, MessagesRequest, as_chat
-from fleet.gateway.service import gateway_of, new_task_id, now_utc
+from fleet.gateway.service import gateway_of, new_task_id, now_utc, task_id_headers
 from fleet.gateway.tenants import tenant_of
 from fleet.gateway.text_requests import ChatCompletionRequest, chat_task, image_urls
 from fleet.wire.cluster import ModelCard
@@ -38,7 +47,7 @@ from fleet.wire.cluster import ModelCard
 PATH = "/v1/messages"
 
 
-async def messages(request: Request) -> Response:
+async def messages(request: Request) -> Response | messages_stream.EarlyStream:
     asked = parse(MessagesRequest, await read_json(request))
     gateway = gateway_of(request)
     card = gateway.card_for(asked.model, "text_generation")
@@ -48,7 +57,7 @@ async def messages(request: Request) -> Response:
     return await _run(request, card, chat, task_id, renderer, stream=asked.stream)
 
 
-async def count_tokens(request: Request) -> Response:
+async def count_tokens(request: Request) -> Response | messages_stream.EarlyStream:
     asked = parse(CountTokensRequest, await read_json(request))
     card = gateway_of(request).card_for(asked.model, "text_generation")
     chat = as_chat(asked, card.id)
@@ -59,7 +68,7 @@ async def count_tokens(request: Request) -> Response:
 async def _run(
     request: Request, card: ModelCard, chat: ChatCompletionRequest, task_id: str,
     renderer: MessagesRenderer | TokenCountRenderer, *, stream: bool,
-) -> Response:
+) -> Response | messages_stream.EarlyStream:
     gateway = gateway_of(request)
     urls = image_urls(chat)
     if urls and (why := refuses_images(card)):
@@ -67,22 +76,21 @@ async def _run(
     hashes = {url: await gateway.image_hash(url, tenant_of(request)) for url in urls}
     timeout_s = gateway.timeout_for(chat.timeout)
     task = chat_task(chat, task_id, hashes, now_utc(), timeout_s)
-    response = await gateway.run(request, [task], renderer, stream=stream, resumable=False,
-                                 timeout_s=timeout_s, api="messages")
+    running = asyncio.ensure_future(gateway.run(
+        request, [task], renderer, stream=stream, resumable=False, timeout_s=timeout_s,
+        api="messages"))
+    try:
+        if stream and isinstance(renderer, MessagesRenderer):
+            done, _ = await asyncio.wait({running}, timeout=messages_stream.EARLY_COMMIT_S)
+            if not done:  # a long prefill: the stream is committed now, with pings
+                headers = {**task_id_headers([task_id]), "request-id": task_id}
+                return messages_stream.EarlyStream(running, renderer, headers)
+        response = await running
+    except BaseException:
+        running.cancel()
+        raise
     response.headers["request-id"] = task_id  # where Anthropic's SDKs read a request's id
     return response
-
-
-def anthropic_error(status: int, body: bytes) -> bytes:
-    """An error body in OpenAI's shape (every other route's) as Anthropic's; Pure."""
-    try:
-        error = orjson.loads(body).get("error") or {}
-    except (orjson.JSONDecodeError, AttributeError):
-        error = {}
-    message = error.get("message") if isinstance(error, dict) else None
-    code = error.get("code") if isinstance(error, dict) else None
-    return orjson.dumps(error_json(status, message or body.decode(errors="replace") or
-                                   f"HTTP {status}", code))
 
 
 class AnthropicErrors:

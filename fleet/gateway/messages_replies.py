@@ -55,6 +55,18 @@ def error_json(status: int, message: str, code: str | None = None) -> dict[str, 
     return {"type": "error", "error": error}
 
 
+def anthropic_error(status: int, body: bytes) -> bytes:
+    """An error body in OpenAI's shape (every other route's) as Anthropic's. Pure."""
+    try:
+        error = orjson.loads(body).get("error") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        error = {}
+    message = error.get("message") if isinstance(error, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return orjson.dumps(error_json(status, message or body.decode(errors="replace") or
+                                   f"HTTP {status}", code))
+
+
 def usage_json(usage: Usage | None) -> dict[str, int]:
     usage = usage or Usage()
     return {
@@ -108,6 +120,7 @@ class MessagesRenderer:
     def __init__(self, message_id: str, model: str) -> None:
         self.message_id = message_id
         self.model = model
+        self.opened = False  # its opening was sent already (fleet.gateway.messages_stream)
         self.blocks = 0  # content blocks opened so far
         self.text_open = False
         self.tool_calls = 0
@@ -128,6 +141,8 @@ class MessagesRenderer:
         return sse({"type": kind, **fields}, event=kind)
 
     def opening(self) -> list[bytes]:
+        if self.opened:
+            return []
         started = message_json(self.message_id, self.model, [], None, None)
         return [self._event("message_start", message=started), self._event("ping")]
 

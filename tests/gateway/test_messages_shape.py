@@ -11,8 +11,12 @@ import pytest
 
 from fleet.bus.task_events import Indexed
 from fleet.errors import InvalidParameter
-from fleet.gateway.messages_api import anthropic_error
-from fleet.gateway.messages_replies import MessagesRenderer, error_type, tool_input
+from fleet.gateway.messages_replies import (
+    MessagesRenderer,
+    anthropic_error,
+    error_type,
+    tool_input,
+)
 from fleet.gateway.messages_requests import MessagesRequest, as_chat
 from fleet.models.catalog import resolve_alias
 from fleet.wire.events import OutputEvent, TaskFinished, TokenChunk, ToolCallChunk, Usage
