@@ -178,6 +178,20 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
             result["sharded"][model_id] = run_sharded(
                 model_id, path, args.quick, env, workdir / f"sharded-{model_id}"
             )
+    if args.only == "seam":
+        from bench.seam import SeamPlan, run_seam, seam_table
+
+        # Kill -> next token at the client: workers and runners killed or paused mid-answer.
+        seam_plan = SeamPlan(rounds=args.faults or (2 if args.quick else 20))
+        if args.quick:
+            seam_plan = replace(seam_plan, max_tokens=40, kill_at=10, pause_s=3.0,
+                                load_tasks=2)
+        seams = []
+        for model_id in models if args.models else ["tiny-llm", "smollm2-135m"]:
+            path, _ = model_dir(model_id, models_dir)
+            seams.append(uvloop.run(run_seam(model_id, path, seam_plan, workdir, env)))
+        result["seam"] = seams
+        print("\n".join(seam_table(seams)))
     if args.only in (None, "weights"):
         from bench.weights import run as run_weights
 

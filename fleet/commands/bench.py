@@ -29,13 +29,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 64)")
     p.add_argument("--no-peer", action="store_true", help="leave mlx_lm.server out")
     p.add_argument("--only", choices=("text", "plumbing", "plumbing-rate", "weights", "routing",
-                                      "ask", "sharded", "queue", "embeddings"),
+                                      "ask", "sharded", "queue", "seam", "embeddings"),
                    help="run one part only (routing: the multi-turn prefix-routing workload; "
                    "embeddings: /v1/embeddings at 1, 16, 256 clients against the model "
                    "in-process; "
                    "sharded: a 2-shard pipeline against the unsharded model; plumbing-rate: "
                    "the fault-engine rate part of plumbing alone; queue: batch acceptance "
-                   "and idempotent retries)")
+                   "and idempotent retries; seam: kill -> next token when a worker or runner "
+                   "dies or pauses mid-answer)")
+    p.add_argument("--faults", type=int,
+                   help="seam: faults per case (default 20; --quick 2)")
     p.add_argument("--plumbing-s", type=float,
                    help="plumbing: seconds of each 64-stream rate run (default 60; --quick 3)")
     p.add_argument("--conversations", type=int,

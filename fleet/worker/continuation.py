@@ -157,6 +157,22 @@ def crash_fate(*, terminal_waiting: bool, held_for_continuation: bool) -> CrashF
     return CrashFate.READ_BACK if held_for_continuation else CrashFate.CRASHED
 
 
+class CrashRoute(StrEnum):
+    """Where a task cut short by its runner's crash continues."""
+
+    HERE = "here"  # on a ready runner of this node, or the restarted one once it is ready
+    HAND_BACK = "hand_back"  # nak now: a ready runner of another node takes it over at once
+
+
+def crash_route(*, text: bool, runner_ready_here: bool) -> CrashRoute:
+    """Pure. A text task whose runner died while no other runner of its model is ready here
+    goes back to the stream at once instead of waiting for the restart and model load (seconds
+    to minutes): a worker with a free slot takes it over (its intake fences the task and
+    continues from the stored tokens); if none has one, it comes back here when the restarted
+    runner asks for work. An image task stays: its images may still be uploading from here."""
+    return CrashRoute.HAND_BACK if text and not runner_ready_here else CrashRoute.HERE
+
+
 class ContinuationBook:
     """The worker's notes for continuing tasks: what a continued task's next dispatch must
     carry, and each running task (its message is held here), so that a runner crash can put

@@ -16,9 +16,17 @@ from typing import TYPE_CHECKING
 from fleet import telemetry
 from fleet.wire import pipe
 from fleet.wire.events import ErrorChunk, ErrorReason, OutputEvent, TaskAccepted, TaskFinished
+from fleet.wire.tasks import TextGeneration
 from fleet.worker import state as ev
 from fleet.worker.acks import Stage
-from fleet.worker.continuation import Continue, CrashFate, crash_fate, output_began
+from fleet.worker.continuation import (
+    Continue,
+    CrashFate,
+    CrashRoute,
+    crash_fate,
+    crash_route,
+    output_began,
+)
 from fleet.worker.inbox import CrashJudged, RunnerExited, RunnerReported
 from fleet.worker.state import PendingTask
 from fleet.worker.supervisor import crashed_terminal
@@ -155,6 +163,14 @@ class RunnerReports:
                 self._end(task_id, ErrorReason.CANCELLED, "cancelled")
             else:
                 await self._crashed(task_id, judged.exited)
+            return
+        task = judged.pending.task
+        ready_here = any(r.model == task.model and r.takes_tasks and not r.shutting_down
+                         for r in self.state.runners.values())
+        route = crash_route(text=isinstance(task, TextGeneration), runner_ready_here=ready_here)
+        if route is CrashRoute.HAND_BACK:
+            self._hand_back(task_id, Stage.STOPPED_MID_RUN)
+            self.output.forget(task_id)  # whoever takes it over fences it
             return
         if uploading := self.images.on_the_way(task_id):
             # Not stored yet but already made: the restart must not announce them again.

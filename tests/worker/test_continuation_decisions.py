@@ -17,8 +17,10 @@ from fleet.worker.continuation import (
     ContinuationBook,
     Continue,
     CrashFate,
+    CrashRoute,
     GiveUp,
     crash_fate,
+    crash_route,
     decide,
     generated_tokens,
     with_seed,
@@ -128,3 +130,13 @@ def test_a_first_attempt_without_a_seed_gets_a_fresh_one_fixed() -> None:
 ])
 def test_crash_fate(terminal_waiting: bool, held: bool, fate: CrashFate) -> None:
     assert crash_fate(terminal_waiting=terminal_waiting, held_for_continuation=held) is fate
+
+
+@pytest.mark.parametrize(("text", "ready_here", "route"), [
+    (True, False, CrashRoute.HAND_BACK),  # another node's ready runner beats a model load
+    (True, True, CrashRoute.HERE),  # another runner of the model is ready here
+    (False, False, CrashRoute.HERE),  # an image task: its images may be uploading from here
+    (False, True, CrashRoute.HERE),
+])
+def test_crash_route(text: bool, ready_here: bool, route: CrashRoute) -> None:
+    assert crash_route(text=text, runner_ready_here=ready_here) is route

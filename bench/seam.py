@@ -1,0 +1,371 @@
+"""`fleet bench --only seam`: what a fault costs the user, measured at the client as the time
+from the fault to the next token of the continued answer.
+
+Two `fleet worker` processes (each with its runner, the model placed on both) against one
+nats-server. Each round submits a long greedy answer (end of sequence banned), waits until the
+client has seen `kill_at` tokens, then applies the fault to whatever serves it:
+
+    worker_kill    SIGKILL of the worker's process group (worker and runner, a power loss);
+                   the other worker's runner of the model is ready
+    runner_kill    SIGKILL of the runner only (its worker alive)
+    worker_pause   SIGSTOP of the worker process for `pause_s`, then SIGCONT: another worker
+                   takes the task over, the resumed one must write nothing more
+
+and reads the task's whole stored stream back to count gaps, duplicates and lost answers. The
+killed process is restarted (and its runner waited for) before the next round. `false
+takeovers`: answers run beside CPU hogs (no fault) whose task was continued anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from bench.fleet_stack import seed_data_dir, wait_runner_ready
+from bench.procs import free_port
+from fleet.bus.connect import connect, js_publish
+from fleet.bus.embedded import EmbeddedNats
+from fleet.bus.provision import provision
+from fleet.errors import InvalidRequest
+from fleet.models.catalog import get_card
+from fleet.placement import place
+from fleet.wire import subjects
+from fleet.wire.codec import DecodeError, decode_event
+from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
+from fleet.wire.tasks import ChatMessage, TextGeneration
+from fleet.worker.continuation import stored_events
+
+READY_S = 300.0  # a worker start plus a model load, on a loaded machine
+ROUND_S = 120.0
+CASES = ("worker_kill", "runner_kill", "worker_pause")
+
+
+@dataclass
+class SeamPlan:
+    rounds: int = 20  # faults per case
+    max_tokens: int = 120
+    kill_at: int = 30  # tokens the client has seen when the fault comes
+    pause_s: float = 10.0
+    ack_wait_s: float = 2.0
+    load_tasks: int = 20  # answers run beside the CPU hogs, no fault
+    hogs: int = 8
+
+
+@dataclass
+class Worker:
+    name: str
+    data_dir: Path
+    env: dict[str, str]
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = (self.data_dir / "worker.log").open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "fleet.cli", "--log-level", "info", "worker"], env=self.env,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    @property
+    def node_id(self) -> str:
+        return (self.data_dir / "node_id").read_text().strip()
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+
+@dataclass
+class Watch:
+    """One task's events as a core subscriber sees them, with arrival times."""
+
+    events: list[tuple[float, OutputEvent]] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def on_msg(self, msg: Msg) -> None:
+        with contextlib.suppress(DecodeError):
+            self.events.append((time.monotonic(), decode_event(msg.data)))
+            self.changed.set()
+
+    async def until(self, check: Any, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while not (found := check()):
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), max(0.01, deadline - time.monotonic()))
+        return found
+
+    def tokens(self) -> int:
+        return sum(e.count for _, e in self.events if isinstance(e, TokenChunk))
+
+    def accepted(self) -> list[TaskAccepted]:
+        return [e for _, e in self.events if isinstance(e, TaskAccepted)]
+
+    def done(self) -> bool:
+        return any(isinstance(e, TaskFinished) for _, e in self.events)
+
+    def next_token_after(self, at: float) -> float | None:
+        """The first token after `at` of a later attempt than the one that was running."""
+        attempts = len([1 for t, e in self.events if isinstance(e, TaskAccepted) and t <= at])
+        seen = attempts
+        for arrived, event in self.events:
+            if isinstance(event, TaskAccepted):
+                seen = max(seen, event.attempt + 1)
+            elif isinstance(event, TokenChunk) and arrived > at and seen > attempts:
+                return arrived
+        return None
+
+
+def judge(events: list[OutputEvent], max_tokens: int) -> dict[str, int]:
+    """Gaps, duplicates and lost answers in a task's stored stream."""
+    indexes = [e.index + k for e in events if isinstance(e, TokenChunk) for k in range(e.count)]
+    terminals = [e for e in events if isinstance(e, TaskFinished)]
+    completed = len(terminals) == 1 and terminals[0].status == "completed"
+    return {
+        "gaps": len(set(range(max(indexes, default=-1) + 1)) - set(indexes)),
+        "duplicates": len(indexes) - len(set(indexes)),
+        "lost": 0 if completed and len(set(indexes)) == max_tokens else 1,
+        "terminals": len(terminals),
+    }
+
+
+class SeamStack:
+    def __init__(self, workdir: Path, env: dict[str, str], model: str, path: Path,
+                 plan: SeamPlan) -> None:
+        self.workdir, self.model, self.plan = workdir, model, plan
+        self.server = EmbeddedNats(workdir / "nats", port=free_port())
+        self.workers: list[Worker] = []
+        for name in ("a", "b"):
+            data_dir = workdir / name
+            seed_data_dir(data_dir, {model: path}, {})
+            self.workers.append(Worker(name, data_dir, {
+                **env, "FLEET_NATS_URL": self.server.url, "FLEET_DATA_DIR": str(data_dir),
+                "FLEET_AUTO_PLACE": "0", "FLEET_ACK_WAIT_S": str(plan.ack_wait_s),
+            }))
+        self.eos = _eos_ids(path)
+        self.nc: Client | None = None
+        self.placed: set[str] = set()
+        self.dead_runners: set[str] = set()
+
+    async def start(self) -> Client:
+        await asyncio.to_thread(self.server.start)
+        self.nc = await connect(self.server.url, "fleet-bench-seam")
+        await provision(self.nc)
+        for worker in self.workers:
+            worker.start()
+        for worker in self.workers:
+            await self.serving(worker)
+        return self.nc
+
+    async def serving(self, worker: Worker) -> None:
+        """Wait for the worker's node id, place the model there (once), wait for its runner."""
+        assert self.nc is not None
+        deadline = time.monotonic() + READY_S
+        while not (worker.data_dir / "node_id").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {worker.name} never wrote its node id")
+            await asyncio.sleep(0.1)  # polling a starting process, bounded by the deadline
+        while worker.name not in self.placed:
+            try:
+                await place(self.nc.jetstream(), get_card(self.model), node_id=worker.node_id,
+                            slots=4)
+            except InvalidRequest:  # its heartbeat is not in FLEET_NODES yet
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)  # polling a starting process, bounded by the deadline
+                continue
+            self.placed.add(worker.name)
+        while (await wait_runner_ready(
+            self.nc, self.model, deadline, node_id=worker.node_id
+        )).runner_id in self.dead_runners:
+            pass  # the killed runner's last record, not the new one's
+
+    def task(self, task_id: str) -> TextGeneration:
+        return TextGeneration(
+            task_id=task_id, model=self.model, max_tokens=self.plan.max_tokens,
+            temperature=0.0, logit_bias=dict.fromkeys(self.eos, -100.0),
+            messages=[ChatMessage(role="user", content="Tell me a long story about the sea")],
+        )
+
+    async def round(self, case: str, index: int) -> dict[str, Any]:
+        assert self.nc is not None
+        task = self.task(f"seam-{case}-{index}-{time.time_ns()}")
+        watch = Watch()
+        sub = await self.nc.subscribe(subjects.out(task.task_id), cb=watch.on_msg)
+        try:
+            await js_publish(self.nc.jetstream(), subjects.tasks(task.model), task,
+                             msg_id=task.task_id)
+            await watch.until(lambda: watch.tokens() >= self.plan.kill_at or watch.done(),
+                              ROUND_S)
+            if watch.done():
+                return {"error": "finished before the fault"}
+            running = watch.accepted()[-1]
+            victim = next(w for w in self.workers if w.node_id == running.node_id)
+            faulted_at = time.monotonic()
+            await self.fault(case, victim, running.runner_id)
+            if case != "worker_pause":
+                self.dead_runners.add(running.runner_id)
+            resumed = await watch.until(lambda: watch.next_token_after(faulted_at), ROUND_S)
+            if case == "worker_pause":
+                await self.resume(victim, faulted_at)
+            await watch.until(watch.done, ROUND_S)
+        finally:
+            await sub.unsubscribe()
+        stored = await stored_events(self.nc, self.nc.jetstream(), task.task_id)
+        row = {"seam_s": round(resumed - faulted_at, 3), **judge(stored, self.plan.max_tokens)}
+        accepted = [e for e in stored if isinstance(e, TaskAccepted)]
+        row["attempts"] = len(accepted)
+        row["moved_from"] = accepted[-1].moved_from if accepted else None
+        await self.recover(case, victim)
+        return row
+
+    async def fault(self, case: str, victim: Worker, runner_id: str) -> None:
+        assert victim.process is not None
+        match case:
+            case "worker_kill":
+                victim.kill()
+            case "runner_kill":
+                os.kill(_runner_pid(runner_id), signal.SIGKILL)
+            case "worker_pause":
+                os.kill(victim.process.pid, signal.SIGSTOP)  # the worker only
+
+    async def resume(self, victim: Worker, paused_at: float) -> None:
+        assert victim.process is not None
+        # The pause's length is the fault itself, not a wait for something.
+        await asyncio.sleep(max(0.0, paused_at + self.plan.pause_s - time.monotonic()))
+        os.kill(victim.process.pid, signal.SIGCONT)
+
+    async def recover(self, case: str, victim: Worker) -> None:
+        if case == "worker_kill":
+            victim.start()
+        if case in ("worker_kill", "runner_kill"):
+            await self.serving(victim)
+
+    async def stop(self) -> None:
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.nc.close(), 5)
+        for worker in self.workers:
+            if worker.process is not None and worker.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(worker.process.pid, signal.SIGCONT)
+            worker.kill()
+        await asyncio.to_thread(self.server.stop)
+
+
+async def false_takeovers(stack: SeamStack) -> dict[str, Any]:
+    """Answers beside CPU hogs, no fault: how many were taken over all the same."""
+    assert stack.nc is not None
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(stack.plan.hogs)]
+    try:
+        load_before = os.getloadavg()[0]
+        taken_over = 0
+        for index in range(stack.plan.load_tasks):
+            task = stack.task(f"seam-load-{index}-{time.time_ns()}")
+            watch = Watch()
+            sub = await stack.nc.subscribe(subjects.out(task.task_id), cb=watch.on_msg)
+            try:
+                await js_publish(stack.nc.jetstream(), subjects.tasks(task.model), task,
+                                 msg_id=task.task_id)
+                await watch.until(watch.done, ROUND_S)
+            finally:
+                await sub.unsubscribe()
+            taken_over += len(watch.accepted()) > 1
+        return {"tasks": stack.plan.load_tasks, "taken_over": taken_over,
+                "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(10)
+
+
+async def run_seam(
+    model: str, path: Path, plan: SeamPlan, workdir: Path, env: dict[str, str],
+    cases: tuple[str, ...] = CASES,
+) -> dict[str, Any]:
+    """The seam of every case on `model` (a catalogue model: tiny-llm, smollm2-135m)."""
+    stack = SeamStack(workdir / f"seam-{model}", env, model, path, plan)
+    result: dict[str, Any] = {"model": model, "plan": plan.__dict__, "cases": {}}
+    try:
+        await stack.start()
+        for case in cases:
+            rows = []
+            for index in range(plan.rounds):
+                try:
+                    rows.append(await stack.round(case, index))
+                except Exception as exc:  # a round that broke is a finding, not the end
+                    rows.append({"error": f"{type(exc).__name__}: {exc}"})
+            result["cases"][case] = summarise(rows)
+        if plan.load_tasks:
+            result["false_takeovers"] = await false_takeovers(stack)
+    finally:
+        await stack.stop()
+    return result
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    seams = sorted(r["seam_s"] for r in rows if "seam_s" in r)
+    return {
+        "rounds": len(rows),
+        "p50_s": round(statistics.median(seams), 2) if seams else None,
+        "p99_s": round(seams[min(len(seams) - 1, int(0.99 * len(seams)))], 2) if seams else None,
+        "max_s": seams[-1] if seams else None,
+        "gaps": sum(r.get("gaps", 0) for r in rows),
+        "duplicates": sum(r.get("duplicates", 0) for r in rows),
+        "lost": sum(r.get("lost", 0) for r in rows if "seam_s" in r),
+        "errors": [r["error"] for r in rows if "error" in r],
+        "rows": rows,
+    }
+
+
+def seam_table(results: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| model | case | faults | p50 s | p99 s | max s | gaps | duplicates | lost | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        for case, row in result["cases"].items():
+            lines.append(
+                f"| {result['model']} | {case} | {row['rounds']} | {row['p50_s']} | "
+                f"{row['p99_s']} | {row['max_s']} | {row['gaps']} | {row['duplicates']} | "
+                f"{row['lost']} | {len(row['errors'])} |"
+            )
+        if load := result.get("false_takeovers"):
+            lines.append(
+                f"| {result['model']} | no fault, {result['plan']['hogs']} CPU hogs (load "
+                f"{load['load_average'][0]}-{load['load_average'][1]}) | {load['tasks']} | | | "
+                f"| | | {load['taken_over']} taken over | |"
+            )
+    return lines
+
+
+def _eos_ids(path: Path) -> list[int]:
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    return list(eos) if isinstance(eos, list) else [eos] if eos is not None else []
+
+
+def _runner_pid(runner_id: str) -> int:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            line = (entry / "cmdline").read_bytes()
+            if b"fleet.runner.main" in line and runner_id.encode() in line:
+                return int(entry.name)
+    raise LookupError(f"no process of runner {runner_id}")
