@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 # small enough that a pass of a 135M model on two CPU cores stays around a second.
 BATCH_TOKENS = 4096
 BATCH_ROWS = 256
+# A pass waits this long after the first of its inputs arrived for others to join it (unless
+# it is full): the tasks of a burst reach the runner one frame at a time, and a pass of a
+# small model is shorter than the gaps between them.
+LINGER_S = 0.005
+LINGER_NAP_S = 0.0005
 
 
 @dataclass
@@ -165,6 +170,9 @@ class EmbeddingEngine:
 
     def step(self) -> list[OutputEvent]:
         events: list[OutputEvent] = self._drop_cancelled()
+        if self._lingering(time.monotonic()):
+            time.sleep(LINGER_NAP_S)  # then the runner's loop takes in what arrived meanwhile
+            return events
         batch = self._next_batch()
         if not batch.slices:
             return events
@@ -182,6 +190,14 @@ class EmbeddingEngine:
                 self._jobs.remove(job)
                 events.append(self._finished(job, now))
         return events
+
+    def _lingering(self, now: float) -> bool:
+        """Whether the next pass should wait for more inputs: its oldest arrived less than
+        LINGER_S ago and it has room for more."""
+        waiting = [job for job in self._jobs if job.waiting]
+        if not waiting or sum(job.waiting for job in waiting) >= BATCH_ROWS:
+            return False
+        return now - min(job.admitted_at for job in waiting) < LINGER_S
 
     def _drop_cancelled(self) -> list[OutputEvent]:
         with self._lock:

@@ -13,7 +13,7 @@ from fleet.errors import TaskRejected
 from fleet.models.catalog import get_card
 from fleet.runner.embed import EmbeddingEngine
 from fleet.runner.engine import Admission, EngineConfig
-from fleet.wire.events import EmbeddingChunk, TaskFinished
+from fleet.wire.events import EmbeddingChunk, OutputEvent, TaskFinished
 from fleet.wire.tasks import Embeddings
 
 
@@ -29,6 +29,14 @@ def tiny(tiny_embed_dir: Path) -> EmbeddingEngine:
     return engine_for("tiny-embed", tiny_embed_dir)
 
 
+def run_all(engine: EmbeddingEngine) -> list[OutputEvent]:
+    """Step until every admitted task has ended (a step may wait for inputs to join it)."""
+    events: list[OutputEvent] = []
+    while engine.active:
+        events += engine.step()
+    return events
+
+
 def task(task_id: str, inputs: list, **fields: object) -> Admission:
     return Admission(task=Embeddings(task_id=task_id, model="tiny-embed", input=inputs,
                                      **fields))  # type: ignore[arg-type]
@@ -38,7 +46,7 @@ def test_tasks_admitted_together_share_one_forward_pass(tiny: EmbeddingEngine) -
     for index in range(3):
         tiny.admit(task(f"together-{index}", [f"text {index}", "shared"]))
     before = tiny.forward_passes
-    events = tiny.step()
+    events = run_all(tiny)
     assert tiny.forward_passes == before + 1 and tiny.active == 0
     chunks = [e for e in events if isinstance(e, EmbeddingChunk)]
     assert {c.forward_pass for c in chunks} == {before + 1}
@@ -52,7 +60,7 @@ def test_a_cancelled_task_ends_once_and_others_go_on(tiny: EmbeddingEngine) -> N
     tiny.admit(task("stays", ["hello"]))
     tiny.admit(task("goes", ["hello"]))
     tiny.cancel("goes")
-    events = tiny.step()
+    events = run_all(tiny)
     ends = {e.task_id: e.status for e in events if isinstance(e, TaskFinished)}
     assert ends == {"goes": "cancelled", "stays": "completed"}
     assert tiny.active == 0
@@ -63,7 +71,7 @@ def test_too_long_is_refused_unless_the_task_says_cut(tiny: EmbeddingEngine) -> 
         tiny.admit(task("long", [[1] * 3000]))
     assert refused.value.code == "context_length"
     tiny.admit(task("cut", [[1] * 3000], truncate=True))
-    (finished,) = [e for e in tiny.step() if isinstance(e, TaskFinished)]
+    (finished,) = [e for e in run_all(tiny) if isinstance(e, TaskFinished)]
     assert finished.usage and finished.usage.prompt_tokens == 2048  # the card's context
 
 
@@ -78,7 +86,7 @@ def test_smollm2_vectors_put_paraphrases_closest(smollm2_dir: Path) -> None:
              "I like to eat bananas and apples.", "Fruit such as apples and bananas is good."]
     engine.admit(Admission(task=Embeddings(task_id="real", model="smollm2-135m-embed",
                                            input=texts)))
-    chunks = [e for e in engine.step() if isinstance(e, EmbeddingChunk)]
+    chunks = [e for e in run_all(engine) if isinstance(e, EmbeddingChunk)]
     vectors = np.array([v for c in chunks for v in c.embeddings])
     assert vectors.shape == (4, 576)
     similar = vectors @ vectors.T
