@@ -18,7 +18,7 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import Response
 
-from fleet.errors import FleetError, InvalidParameter, http_answer
+from fleet.errors import FleetError, InvalidParameter
 from fleet.gateway.bodies import OpenAIRequest, Timeout, deadline_after, parse, read_json
 from fleet.gateway.errors import PROMPT_PARAM
 from fleet.gateway.service import Gateway, gateway_of, new_task_id, now_utc
@@ -166,9 +166,6 @@ class EmbedFailed(FleetError):
     def http_status(self) -> int:
         return self.status
 
-    @property
-    def openai_type(self) -> str:
-        return http_answer(self.code).openai_type if self.status != 500 else "server_error"
 
 
 async def embed(
