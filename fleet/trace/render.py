@@ -25,7 +25,10 @@ from typing import Any
 
 from fleet.trace.records import SpanRecord
 
-SETTLE_VERBS = ("ack", "nak", "term")
+# How a worker let a message go: the JetStream verbs, and the two ways of giving a task up
+# to another attempt without one (fleet.worker.takeover).
+SETTLE_VERBS = ("ack", "nak", "term", "fenced", "superseded")
+SEAM = "seam"  # a continued attempt's dispatch: fleet.attempt, .continued_from, .moved_from
 
 
 @dataclass(frozen=True)
@@ -63,9 +66,19 @@ def label(span: SpanRecord) -> str:
     verbs = [e["name"] for e in span.get("events", ()) if e["name"] in SETTLE_VERBS]
     if verbs:
         text += f" ({', '.join(verbs)})"
+    if seam := next((e for e in span.get("events", ()) if e["name"] == SEAM), None):
+        text += " " + seam_label(seam.get("attributes") or {})
     if span.get("status") == "error":
         text += " !" + (span.get("status_message") or "error")[:40]
     return text
+
+
+def seam_label(attributes: dict[str, Any]) -> str:
+    """Where a continued attempt took over: `[attempt 1 from token 30, moved from node-a]`."""
+    attempt = attributes.get("fleet.attempt", "?")
+    token = attributes.get("fleet.continued_from", "?")
+    moved = attributes.get("fleet.moved_from") or "?"
+    return f"[attempt {attempt} from token {token}, moved from {moved}]"
 
 
 def _cut(text: str, width: int) -> str:

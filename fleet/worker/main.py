@@ -25,6 +25,7 @@ from pathlib import Path
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from fleet import telemetry
@@ -333,6 +334,13 @@ class Worker(RunnerReports, Stopping):
     async def _dispatch(self, task_id: str, runner_id: str) -> None:
         pending = self.state.pending[task_id]
         earlier = self.intake.book.dispatched(pending)  # a continued task's earlier attempts
+        if earlier.attempt:  # the seam, on the attempt's process span (`fleet trace` shows it)
+            with self.spans.active(task_id):
+                trace.get_current_span().add_event("seam", {
+                    "fleet.attempt": earlier.attempt,
+                    "fleet.continued_from": len(earlier.generated),
+                    "fleet.moved_from": earlier.moved_from or "",
+                })
         traceparent, tracestate = self.spans.dispatched(task_id, runner_id)
         # In flight from here on, in WorkerState only: if the send fails (the runner has just
         # died) its RunnerExited, which always follows, ends this task runner_crashed.

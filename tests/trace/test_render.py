@@ -55,6 +55,14 @@ def test_a_span_whose_parent_is_elsewhere_is_a_root() -> None:
         (CHAT[3], "process fleet.tasks.tiny-llm (ack)"),
         (span("x", "chat m", 0, 1, status="error", status_message="boom"), "chat m !boom"),
         (span("x", "chat m", 0, 1), "chat m"),
+        # The attempt that lost the task to another, and the one that took it over.
+        (span("x", "process fleet.tasks.m", 0, 1, events=[{"name": "fenced", "time_ns": 1}]),
+         "process fleet.tasks.m (fenced)"),
+        (span("x", "process fleet.tasks.m", 0, 1, events=[
+            {"name": "seam", "time_ns": 1, "attributes": {
+                "fleet.attempt": 1, "fleet.continued_from": 30, "fleet.moved_from": "node-a"}},
+            {"name": "ack", "time_ns": 2}]),
+         "process fleet.tasks.m (ack) [attempt 1 from token 30, moved from node-a]"),
     ],
 )
 def test_labels_show_the_settle_verb_and_errors(record: dict[str, Any], text: str) -> None:
