@@ -178,6 +178,12 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
             result["sharded"][model_id] = run_sharded(
                 model_id, path, args.quick, env, workdir / f"sharded-{model_id}"
             )
+    if args.only == "scale":
+        from bench.scale import run_scale
+
+        steps = tuple(int(n) for n in args.scale_steps.split(",")) if args.scale_steps else None
+        baseline = Path(args.baseline_src) if args.baseline_src else None
+        result["scale"] = run_scale(args.quick, baseline, workdir / "scale", steps)
     if args.only == "seam":
         from bench.seam import SeamPlan, run_seam, seam_table
 

@@ -29,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 64)")
     p.add_argument("--no-peer", action="store_true", help="leave mlx_lm.server out")
     p.add_argument("--only", choices=("text", "plumbing", "plumbing-rate", "weights", "routing",
-                                      "ask", "sharded", "queue", "seam", "embeddings"),
+                                      "ask", "sharded", "queue", "seam", "embeddings", "scale"),
                    help="run one part only (routing: the multi-turn prefix-routing workload; "
                    "embeddings: /v1/embeddings at 1, 16, 256 clients against the model "
                    "in-process; "
@@ -37,6 +37,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "the fault-engine rate part of plumbing alone; queue: batch acceptance "
                    "and idempotent retries; seam: kill -> next token when a worker or runner "
                    "dies or pauses mid-answer)")
+    p.add_argument("--scale-steps", help="scale: comma-separated node counts (default "
+                   "10,100,1000; --quick 10,40)")
+    p.add_argument("--baseline-src", help="scale: a checkout of an earlier design (git worktree "
+                   "add DIR COMMIT) measured first, in the same run")
     p.add_argument("--faults", type=int,
                    help="seam: faults per case (default 20; --quick 2)")
     p.add_argument("--plumbing-s", type=float,
