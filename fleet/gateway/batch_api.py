@@ -20,6 +20,7 @@ from fleet.gateway.files_api import owned_file
 from fleet.gateway.idempotency import new_id
 from fleet.gateway.tenants import tenant_of
 from fleet.wire.batches import FINAL_STATUSES, BatchEndpoint, BatchRecord
+from fleet.wire.tasks import is_task_id
 
 
 class CreateBatch(OpenAIRequest):
@@ -27,6 +28,15 @@ class CreateBatch(OpenAIRequest):
     endpoint: BatchEndpoint
     completion_window: Literal["24h"] = "24h"
     metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+def page_limit(asked: str | None) -> int:
+    """OpenAI's `limit`: 1-100, 20 when not given."""
+    if asked is None:
+        return 20
+    if not asked.isdigit() or not 1 <= int(asked) <= 100:
+        raise InvalidParameter("limit: a whole number from 1 to 100", "limit")
+    return int(asked)
 
 
 def runner_of(request: Request) -> BatchRunner:
@@ -38,6 +48,8 @@ def missing(batch_id: str) -> HttpError:
 
 
 async def owned_batch(request: Request, batch_id: str) -> tuple[BatchRecord, int]:
+    if not is_task_id(batch_id):  # not a key of FLEET_BATCHES: nothing can be stored there
+        raise missing(batch_id)
     found = await runner_of(request).store.batch(batch_id)
     tenant = tenant_of(request)
     if found is None or (tenant is not None and found[0].tenant != tenant):
@@ -74,7 +86,7 @@ async def get_batch(request: Request) -> Response:
 
 async def list_batches(request: Request) -> Response:
     tenant = tenant_of(request)
-    limit = min(max(int(request.query_params.get("limit", "20")), 1), 100)
+    limit = page_limit(request.query_params.get("limit"))
     after = request.query_params.get("after")
     records = sorted(
         (r for r in await runner_of(request).store.batches()

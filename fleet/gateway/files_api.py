@@ -18,6 +18,7 @@ from fleet.gateway.idempotency import new_id
 from fleet.gateway.service import gateway_of
 from fleet.gateway.tenants import tenant_of
 from fleet.wire.batches import FileRecord
+from fleet.wire.tasks import is_task_id
 
 
 def store_of(request: Request) -> BatchStore:
@@ -37,6 +38,8 @@ def missing(file_id: str) -> HttpError:
 
 
 async def owned_file(request: Request, file_id: str) -> FileRecord:
+    if not is_task_id(file_id):  # not a key of FLEET_BATCHES: nothing can be stored there
+        raise missing(file_id)
     record = await store_of(request).file(file_id)
     tenant = tenant_of(request)
     if record is None or (tenant is not None and record.tenant != tenant):

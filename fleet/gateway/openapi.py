@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from fleet.gateway.batch_openapi import batch_paths
 from fleet.gateway.embeddings_api import EmbeddingsRequest
 from fleet.gateway.image_api import ImageEditRequest, ImageGenerationRequest
 from fleet.gateway.messages_api import anthropic_operation
@@ -313,6 +314,7 @@ def openapi_document() -> dict[str, Any]:
             {"text/plain": {"schema": {"type": "string"}}},
         ),
         **ollama_paths(),
+        **batch_paths(),
     }
     return {
         "openapi": "3.1.0",
