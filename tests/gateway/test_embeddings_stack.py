@@ -169,15 +169,16 @@ def test_concurrent_requests_share_forward_passes(stack: Stack) -> None:
     assert len(engine_calls) <= BURST // 4, f"{len(engine_calls)} passes for {BURST} requests"
 
 
-async def _through_embed(stack: Stack, data_dir: Path, inputs: list[str], **options: object
-                         ) -> dict:
-    """embed() as another route of a gateway would call it (Ollama's /api/embed does): an
-    in-process gateway on the module's NATS with one extra route that calls it."""
+async def _through_embed(stack: Stack, data_dir: Path, calls: list[dict]) -> list[dict]:
+    """embed() as another route of a gateway calls it (Ollama's /api/embed does): an
+    in-process gateway on the module's NATS with one extra route that calls it with the
+    posted arguments, once per entry of `calls`."""
     app = build_app(load_settings({"nats_url": stack.nats_url, "data_dir": data_dir}, env={}))
 
     async def call_embed(request: Request) -> JSONResponse:
+        arguments = await request.json()
         try:
-            got = await embed(request, MODEL, inputs, **options)  # type: ignore[arg-type]
+            got = await embed(request, MODEL, **arguments)
         except FleetError as exc:
             return JSONResponse({"status": exc.http_status, "code": exc.code,
                                  "message": exc.message})
@@ -188,20 +189,19 @@ async def _through_embed(stack: Stack, data_dir: Path, inputs: list[str], **opti
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
-            return (await http.post("/embed", timeout=60)).json()
+            return [(await http.post("/embed", json=call, timeout=60)).json() for call in calls]
 
 
 def test_embed_for_other_routes_gives_the_same_vectors_and_typed_errors(
     stack: Stack, tmp_path: Path
 ) -> None:
     texts = ["Hello! How can I help you today?", "Thank you very much."]
-    got = asyncio.run(_through_embed(stack, tmp_path, texts))
+    long_text = "The quick brown fox jumps over the lazy dog. " * 300  # over 2048 tokens
+    got, refused, cut = asyncio.run(_through_embed(stack, tmp_path, [
+        {"inputs": texts}, {"inputs": [long_text]}, {"inputs": [long_text], "truncate": True},
+    ]))
     assert got["model"] == MODEL and got["tokens"] > 2
     same = stack.openai.embeddings.create(model=MODEL, input=texts, encoding_format="float")
     assert np.allclose(got["vectors"], [item.embedding for item in same.data], atol=1e-5)
-
-    long_text = "The quick brown fox jumps over the lazy dog. " * 300  # over 2048 tokens
-    refused = asyncio.run(_through_embed(stack, tmp_path, [long_text]))
     assert (refused["status"], refused["code"]) == (400, "context_length")
-    cut = asyncio.run(_through_embed(stack, tmp_path, [long_text], truncate=True))
     assert cut["tokens"] == 2048 and len(cut["vectors"][0]) == DIMENSIONS
