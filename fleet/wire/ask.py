@@ -35,6 +35,10 @@ class AskAnswer(Wire):
     text: str | None = Field(default=None, description="a text task's whole output")
     tool_calls: list[ToolCall] | None = None
     images: list[AskedImage] | None = Field(default=None, description="an image task's images")
+    embeddings: list[list[float]] | list[str] | None = Field(
+        default=None, description="an embeddings task's vectors, one per input in order (base64 "
+        "of little-endian float32 when the task asked for base64)",
+    )
     usage: Usage | None = None
 
 

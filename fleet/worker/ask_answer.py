@@ -18,7 +18,14 @@ import orjson
 
 from fleet.wire.ask import AskAnswer, AskedImage
 from fleet.wire.codec import DecodeError, decode_task
-from fleet.wire.events import ImageChunk, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
+from fleet.wire.events import (
+    EmbeddingChunk,
+    ImageChunk,
+    OutputEvent,
+    TaskFinished,
+    TokenChunk,
+    ToolCallChunk,
+)
 from fleet.wire.tasks import FunctionCall, Task, TextGeneration, ToolCall
 from fleet.worker.outputs import event_msg_id
 
@@ -68,6 +75,7 @@ def answer_of(task: Task, events: Iterable[OutputEvent]) -> AskAnswer | None:
     tokens: dict[int, str] = {}
     calls: dict[int, ToolCall] = {}
     images: dict[int, AskedImage] = {}
+    vectors: dict[int, list[float] | str] = {}
     finished: TaskFinished | None = None
     for event in events:
         match event:
@@ -82,6 +90,9 @@ def answer_of(task: Task, events: Iterable[OutputEvent]) -> AskAnswer | None:
                     sha256=image.sha256, image_index=image.image_index, format=image.format,
                     width=image.width, height=image.height,
                 ))
+            case EmbeddingChunk(index=first, embeddings=found):
+                for offset, vector in enumerate(found):
+                    vectors.setdefault(first + offset, vector)
             case TaskFinished() as finished:
                 break
     if finished is None:
@@ -93,5 +104,6 @@ def answer_of(task: Task, events: Iterable[OutputEvent]) -> AskAnswer | None:
         text=text if isinstance(task, TextGeneration) else None,
         tool_calls=[calls[i] for i in sorted(calls)] or None,
         images=[images[i] for i in sorted(images)] or None,
+        embeddings=[vectors[i] for i in sorted(vectors)] or None,
         usage=finished.usage,
     )

@@ -10,6 +10,7 @@ import pytest
 
 from fleet.wire.codec import DecodeError
 from fleet.wire.events import (
+    EmbeddingChunk,
     ErrorReason,
     ImageChunk,
     OutputEvent,
@@ -19,7 +20,7 @@ from fleet.wire.events import (
     ToolCallChunk,
     Usage,
 )
-from fleet.wire.tasks import ImageGeneration, TextGeneration
+from fleet.wire.tasks import Embeddings, ImageGeneration, TextGeneration
 from fleet.worker.ask_answer import answer_of, ask_task, seen_whole
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
@@ -119,6 +120,22 @@ def test_an_image_task_answers_its_final_images_not_the_previews() -> None:
     answer = answer_of(IMAGE, [image(0, partial=0), image(1), image(0), done()])
     assert answer is not None and answer.text is None
     assert [i.image_index for i in answer.images or []] == [0, 1]
+
+
+def test_an_embeddings_task_answers_its_vectors_in_input_order() -> None:
+    task = Embeddings(task_id="t-1", model="tiny-embed", input=["a", "b", "c"])
+
+    def vectors(index: int, found: list[list[float]], forward_pass: int) -> EmbeddingChunk:
+        return EmbeddingChunk(task_id="t-1", at=1.0, index=index, encoding_format="float",
+                              dimensions=1, embeddings=found, forward_pass=forward_pass)
+
+    # A restarted task sends its first vectors again (the first copy counts).
+    events = [vectors(2, [[3.0]], 2), vectors(0, [[1.0], [2.0]], 1), vectors(0, [[9.0]], 3),
+              done(usage=Usage(prompt_tokens=3, total_tokens=3))]
+    answer = answer_of(task, events)
+    assert answer is not None and answer.text is None
+    assert answer.embeddings == [[1.0], [2.0], [3.0]]
+    assert isinstance(asked({"type": "embeddings", "input": ["hi"]}, "tiny-embed"), Embeddings)
 
 
 def test_a_failure_is_an_answer_with_its_reason() -> None:
