@@ -205,3 +205,20 @@ def test_embed_for_other_routes_gives_the_same_vectors_and_typed_errors(
     assert np.allclose(got["vectors"], [item.embedding for item in same.data], atol=1e-5)
     assert (refused["status"], refused["code"]) == (400, "context_length")
     assert cut["tokens"] == 2048 and len(cut["vectors"][0]) == DIMENSIONS
+
+
+async def _asked(stack: Stack, body: dict) -> dict:
+    nc = await client(stack.nats_url)
+    try:
+        reply = await nc.request(f"fleet.ask.{MODEL}", orjson.dumps(body), timeout=60)
+    finally:
+        await nc.close()
+    return orjson.loads(reply.data)
+
+
+def test_request_reply_on_nats_answers_the_vectors(stack: Stack) -> None:
+    answer = asyncio.run(_asked(stack, {"type": "embeddings", "input": ["hello", "world"]}))
+    assert (answer["type"], answer["status"]) == ("ask_answer", "completed")
+    vectors = np.array(answer["embeddings"])
+    assert vectors.shape == (2, DIMENSIONS)
+    assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
