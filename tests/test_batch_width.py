@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from fleet.batch_width import ENGINE_BATCH, default_batch_width, kv_bytes_per_task
+from fleet.batch_width import (
+    EMBEDDING_BATCH,
+    ENGINE_BATCH,
+    default_batch_width,
+    kv_bytes_per_task,
+)
 from fleet.wire.cluster import ModelCard
 
 GiB = 1 << 30
@@ -26,6 +31,8 @@ def card(n_layers: int = 30, hidden_size: int = 576, size_bytes: int = GiB // 2,
         (card(n_layers=0, hidden_size=0), 16 * GiB, ENGINE_BATCH),  # the card does not say
         (card(), 0, ENGINE_BATCH),  # the node's memory is not known
         (card(tasks=("text_to_image",)), 64 * GiB, 1),  # images run one at a time
+        # embeddings keep no cache between passes: many requests share a pass, memory or not
+        (card(tasks=("embeddings",)), GiB // 4, EMBEDDING_BATCH),
     ],
 )
 def test_default_batch_width(model: ModelCard, free: int, width: int) -> None:
