@@ -335,3 +335,29 @@ def test_fifty_nodes_and_a_thousand_tasks_are_drawn_within_a_bounded_wait(
         assert len(listed_tasks(page)) == 200  # drawn at most 200 at a time
     finally:
         asyncio.run(uncrowd(stack["nats"], ids))
+
+
+def test_a_batch_job_and_its_progress_are_on_the_queues_page(
+    page: Any, stack: dict[str, Any]
+) -> None:
+    import json
+
+    import httpx
+
+    auth = {"Authorization": f"Bearer {stack['key']}"}
+    lines = "".join(json.dumps({
+        "custom_id": f"b{i}", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"model": "tiny-llm", "max_tokens": 2,
+                 "messages": [{"role": "user", "content": "hi"}]}}) + "\n" for i in range(3))
+    upload = httpx.post(f"{stack['base']}/v1/files", headers=auth, data={"purpose": "batch"},
+                        files={"file": ("b.jsonl", lines.encode())}, timeout=30).json()
+    batch = httpx.post(f"{stack['base']}/v1/batches", headers=auth, timeout=30, json={
+        "input_file_id": upload["id"], "endpoint": "/v1/chat/completions",
+        "completion_window": "24h"}).json()
+    go(page, stack, "queues")
+    page.execute_script("localStorage.setItem('fleet.apiKey', arguments[0])", stack["key"])
+    page.refresh()
+    row = f'tr[data-batch="{batch["id"]}"]'
+    wait(page, lambda d: [r for r in css(d, row) if "completed" in r.text and "3 / 3" in r.text],
+         60, "the batch job completed on the queues page")
+    screenshot(page, "dashboard-queues-batch")

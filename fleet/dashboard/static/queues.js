@@ -2,6 +2,7 @@
 // small time series of the last minutes, the fleet's rate of tasks and tokens, and the
 // newest dead letters with their reasons.
 import { call, h } from "./api.js";
+import { batchesSection } from "./batches.js";
 
 const FIELDS = [["queued", "Queued"], ["in_flight", "In flight"], ["redelivered", "Redelivered"],
   ["dead_lettered", "Dead letters"]];
@@ -67,11 +68,15 @@ export function mount(view, store) {
         h("td", {}, d.reason || "–"), h("td", {}, d.deliveries || "–"))));
     } catch (error) { deadNote.textContent = error.message; }
   }
+  const batches = batchesSection();
+  view.append(batches.node);
   draw();
   loadDead();
+  batches.refresh(true);
   let lastDead = -1;
   return { update: (kind) => {
     if (kind === "sample" || kind === "fleet") draw();
+    if (kind === "sample") batches.refresh();
     if (kind === "whoami") loadDead();
     const total = Object.values(store.fleet?.queues || {}).reduce((n, q) => n + (q.dead_lettered || 0), 0);
     if (kind === "fleet" && total !== lastDead) { lastDead = total; loadDead(); }
