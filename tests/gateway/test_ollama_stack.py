@@ -123,6 +123,16 @@ def test_generate_templated_and_raw(stack: Stack) -> None:
     assert loaded.done and loaded.done_reason == "load"
 
 
+def test_format_json_or_a_schema_shapes_the_reply(stack: Stack) -> None:
+    """Random weights write JSON only because the grammar masks everything else."""
+    options = {"temperature": 0.0, "num_predict": 12}
+    as_json = stack.ollama.chat(MODEL, messages=HELLO, format="json", options=options)
+    assert as_json.message.content and as_json.message.content.startswith("{")
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    shaped = stack.ollama.generate(MODEL, "a number", format=schema, options=options)
+    assert shaped.response and shaped.response.startswith('{"n": ')
+
+
 def test_tags_show_ps_and_version(stack: Stack) -> None:
     listed = {model.model for model in stack.ollama.list().models}
     assert {MODEL, FAULT, EMBED} <= listed
