@@ -50,8 +50,13 @@ PROGRESS_S = 1.0  # how often the record's counts are written
 QUEUE_FULL_WAIT_S = 0.5
 
 
-class JobEnded(Exception):
-    """The job's record left this runner's hands (a cancel finished, or it is done)."""
+class JobEnded(FleetError):
+    """The job's record is gone (it expired from KV FLEET_BATCHES)."""
+
+
+class LinesUnrecorded(FleetError):
+    """Some lines have no result yet (NATS failed them): the job stays leased, so the next
+    holder (this gateway's next scan, or another's) goes on with them."""
 
 
 @dataclass
@@ -197,12 +202,14 @@ class Job:
         record that names a file names one that can be read)."""
         while True:
             found = await self.store.batch(self.batch_id)
-            assert found is not None
+            if found is None:
+                raise JobEnded(f"batch {self.batch_id} has no record any more")
             record, revision = found
             recorded = await self.store.results(self.batch_id)
             status = final_status(record, len(recorded), time.time())
             if status is None:
-                return  # lines without a result (NATS failed them): the next holder goes on
+                raise LinesUnrecorded(f"batch {record.id}: {len(recorded)} of "
+                                      f"{record.request_counts.total} lines recorded")
             if status == "expired":
                 done = {r.line for r in recorded}
                 for line in lines:
@@ -235,17 +242,18 @@ class Job:
 
     async def _write(self, record: BatchRecord, revision: int,
                      **update: object) -> tuple[BatchRecord, int]:
-        changed = record.model_copy(update=update)
-        new_revision = await self.store.update_batch(changed, revision)
-        if new_revision is None:  # a cancel came in between: read it and go on from there
+        """Compare-and-set; a cancel that came in between wins (and is noticed)."""
+        while True:
+            changed = record.model_copy(update=update)
+            if (new_revision := await self.store.update_batch(changed, revision)) is not None:
+                return changed, new_revision
             found = await self.store.batch(record.id)
             if found is None:
-                raise JobEnded(record.id)
-            if found[0].status == "cancelling":
+                raise JobEnded(f"batch {record.id} has no record any more")
+            record, revision = found
+            if record.status == "cancelling":
                 self.cancelling.set()
-            return await self._write(found[0], found[1], **update) \
-                if found[0].status not in ("cancelling",) else found
-        return changed, new_revision
+                return found
 
 
 def _last_error(items: list[Indexed]) -> ErrorChunk | None:
