@@ -57,6 +57,7 @@ from fleet.gateway.errors import (
 from fleet.gateway.idempotency import idempotent
 from fleet.gateway.observability import AccessLog, TraceOfItsOwn, http_spans
 from fleet.gateway.ollama_api import ollama_routes
+from fleet.gateway.ollama_errors import OllamaErrors
 from fleet.gateway.service import Gateway
 from fleet.gateway.tenants import ApiKeys, KeyRing, add_key
 
@@ -141,6 +142,7 @@ def build_app(settings: Settings) -> Starlette:
     # Outside the key check and the body limits: their refusals on /v1/messages too are in
     # Anthropic's shape.
     app.add_middleware(messages_api.AnthropicErrors)
+    app.add_middleware(OllamaErrors)  # the same for /api/, in Ollama's shape
     # Outermost, in this order: the access log sees every request; each request starts with
     # no trace context; the HTTP span is current for everything below it. Added last so that
     # they know every route, /ui's too.

@@ -5,9 +5,9 @@ routes (fleet.gateway.ollama_requests) and stream NDJSON (fleet.gateway.ollama_r
 embeddings are the same task as /v1/embeddings (fleet.gateway.embeddings_api.embed), cut to
 fit the context by default as Ollama does.
 
-Every failure on these routes is in Ollama's shape, `{"error": "..."}` with the HTTP status
-Fleet gives its code (fleet.errors.STATUS_BY_CODE), including the ones the relay answers
-after the task was published; the response still names its task (x-fleet-task-id).
+Every failure on these routes is in Ollama's shape, `{"error": "..."}`, with the HTTP status
+Fleet gives its code (fleet.errors.STATUS_BY_CODE): the routes raise as the OpenAI routes do,
+and fleet.gateway.ollama_errors reshapes every error answer under /api/.
 
 A model is named by its card id; Ollama's default tag is accepted too (`tiny-llm:latest` is
 `tiny-llm`). A session id comes only from the X-Session-Id header: Ollama's requests have no
@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fleet.errors import FleetError, InvalidParameter, ModelNotFound
+from fleet.errors import InvalidParameter, ModelNotFound
 from fleet.gateway.bodies import parse, read_json
 from fleet.gateway.catalogue import ModelState, refuses_images
 from fleet.gateway.embeddings_api import Embedded, embed
@@ -35,7 +33,6 @@ from fleet.gateway.ollama_replies import (
     NDJSON,
     OllamaRenderer,
     OllamaReply,
-    error_json,
     timestamp,
 )
 from fleet.gateway.ollama_requests import (
@@ -61,39 +58,6 @@ OLLAMA_VERSION = "0.12.0"
 DEFAULT_TAG = ":latest"
 # Fleet keeps a placed model until it is removed: it never expires the way Ollama's do.
 NEVER = "9999-12-31T23:59:59Z"
-
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-def ollama_error(exc: FleetError) -> JSONResponse:
-    return JSONResponse(error_json(exc), status_code=exc.http_status)
-
-
-def in_ollama_shape(response: Response) -> Response:
-    """An error the relay answered in OpenAI's shape, in Ollama's; its headers kept."""
-    if not isinstance(response, JSONResponse) or response.status_code < 400:
-        return response
-    body = orjson.loads(bytes(response.body))
-    message = body.get("error", {}).get("message", "error") if isinstance(body, dict) else ""
-    kept = {k: v for k, v in response.headers.items()
-            if k not in ("content-length", "content-type")}
-    return JSONResponse({"error": message}, status_code=response.status_code, headers=kept)
-
-
-def ollama_route(handler: Handler) -> Handler:
-    """Every failure of the handler in Ollama's shape, counted in /metrics like the others."""
-
-    async def route(request: Request) -> Response:
-        try:
-            return in_ollama_shape(await handler(request))
-        except FleetError as exc:
-            gateway_of(request).metrics.error(exc.code)
-            return ollama_error(exc)
-
-    route.__name__ = handler.__name__
-    route.__doc__ = handler.__doc__
-    return route
-
 
 def card_named(gateway: Gateway, model: str) -> ModelCard:
     """The card of an Ollama model name: the card id, or it with Ollama's default tag."""
@@ -125,7 +89,6 @@ async def _hashes(gateway: Gateway, request: Request, card: ModelCard,
     return {url: await gateway.image_hash(url, tenant_of(request)) for url in urls}
 
 
-@ollama_route
 async def chat(request: Request) -> Response:
     started = time.time()
     gateway = gateway_of(request)
@@ -140,7 +103,6 @@ async def chat(request: Request) -> Response:
                       timeout_s)
 
 
-@ollama_route
 async def generate(request: Request) -> Response:
     started = time.time()
     gateway = gateway_of(request)
@@ -192,7 +154,6 @@ def _ollama_cards(gateway: Gateway) -> list[ModelCard]:
             if "text_generation" in card.tasks or card.is_embedding]
 
 
-@ollama_route
 async def tags(request: Request) -> Response:
     """The models usable now (placed, or some node can serve them), as /v1/models lists."""
     gateway = gateway_of(request)
@@ -207,7 +168,6 @@ async def tags(request: Request) -> Response:
     return JSONResponse({"models": usable})
 
 
-@ollama_route
 async def ps(request: Request) -> Response:
     """The models with a runner ready to take tasks."""
     gateway = gateway_of(request)
@@ -220,7 +180,6 @@ async def ps(request: Request) -> Response:
     return JSONResponse({"models": running})
 
 
-@ollama_route
 async def show(request: Request) -> Response:
     asked = parse(OllamaShowRequest, await read_json(request))
     card = card_named(gateway_of(request), asked.model)
@@ -256,7 +215,6 @@ async def _embedded(request: Request, model: str, inputs: str | list[str], trunc
     }
 
 
-@ollama_route
 async def embed_texts(request: Request) -> Response:
     """/api/embed: one vector per input."""
     asked = parse(OllamaEmbedRequest, await read_json(request))
@@ -266,7 +224,6 @@ async def embed_texts(request: Request) -> Response:
                         headers={TASK_ID_HEADER: embedded.task_id})
 
 
-@ollama_route
 async def embeddings(request: Request) -> Response:
     """/api/embeddings, Ollama's older route: one prompt, `embedding`."""
     asked = parse(OllamaEmbeddingsRequest, await read_json(request))
@@ -275,7 +232,6 @@ async def embeddings(request: Request) -> Response:
                         headers={TASK_ID_HEADER: embedded.task_id})
 
 
-@ollama_route
 async def version(request: Request) -> Response:
     return JSONResponse({"version": OLLAMA_VERSION})
 

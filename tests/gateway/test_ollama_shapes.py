@@ -11,6 +11,7 @@ import pytest
 
 from fleet.bus.task_events import Indexed
 from fleet.errors import InvalidParameter, TaskFailed
+from fleet.gateway.ollama_errors import ollama_error_body
 from fleet.gateway.ollama_replies import OllamaRenderer, OllamaReply, timestamp
 from fleet.gateway.ollama_requests import (
     OllamaChatRequest,
@@ -135,3 +136,16 @@ async def test_a_generate_reply_tool_calls_and_a_failure() -> None:
     [line] = OllamaRenderer(OllamaReply("m", "chat", 9.0)).failed(
         TaskFailed(ErrorReason.RUNNER_CRASHED, "the runner crashed"))
     assert orjson.loads(line) == {"error": "the runner crashed"} and line.endswith(b"\n")
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "error"),
+    [
+        (400, b'{"error": {"message": "bad", "type": "x", "param": null, "code": "c"}}', "bad"),
+        (404, b'{"error": "model \'x\' not found"}', "model 'x' not found"),  # already Ollama's
+        (413, b"", "request entity too large"),  # no body: the status in words
+        (499, b"not json", "error 499"),
+    ],
+)
+def test_error_answers_in_ollamas_shape(status: int, body: bytes, error: str) -> None:
+    assert orjson.loads(ollama_error_body(status, body)) == {"error": error}

@@ -172,6 +172,9 @@ def test_errors_in_ollamas_shape(stack: Stack) -> None:
         stack.ollama.chat(FAULT, messages=[{"role": "user", "content": "reject:context_length"}],
                           stream=False)
     assert refused.value.status_code == 400
+    with pytest.raises(ollama.ResponseError) as unserved:  # a route Fleet does not serve
+        stack.ollama.pull(MODEL)
+    assert unserved.value.status_code == 404 and unserved.value.error == "Not Found"
 
 
 def test_a_context_overflow_has_openais_code_through_the_sdk(stack: Stack) -> None:
