@@ -187,6 +187,10 @@ def test_a_context_overflow_has_openais_code_through_the_sdk(stack: Stack) -> No
         stack.openai.completions.create(model=FAULT, prompt="reject:context_length")
     assert completion.value.code == "context_length_exceeded"
     assert completion.value.param == "prompt"
+    too_long = [{"role": "user", "content": "hello " * 3000}]  # over tiny-llm's 2,048 tokens
+    with pytest.raises(openai.BadRequestError) as real:  # the mlx-lm runner's own refusal
+        stack.openai.chat.completions.create(model=MODEL, messages=too_long)  # type: ignore[arg-type]
+    assert real.value.code == "context_length_exceeded" and "2048" in real.value.message
 
 
 def _runner_of(stack: Stack, task_id: str) -> str:
