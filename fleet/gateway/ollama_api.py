@@ -95,12 +95,14 @@ async def chat(request: Request) -> Response:
     asked = parse(OllamaChatRequest, await read_json(request))
     card = text_card(gateway, asked.model)
     asked = asked.model_copy(update={"model": card.id})
+    reply = OllamaReply(card.id, "chat", started)
+    if not asked.messages:
+        return JSONResponse(reply.loaded(time.time()))  # Ollama's way to load a model
     hashes = await _hashes(gateway, request, card, chat_images(asked))
     timeout_s = gateway.timeout_for(None)
     task = chat_task(asked, new_task_id("ollama"), hashes, now_utc(), timeout_s,
                      card.context_length, session_of(request.headers))
-    return await _run(request, task, OllamaReply(card.id, "chat", started), asked.stream,
-                      timeout_s)
+    return await _run(request, task, reply, asked.stream, timeout_s)
 
 
 async def generate(request: Request) -> Response:

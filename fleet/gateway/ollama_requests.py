@@ -78,7 +78,9 @@ class OllamaMessage(OpenAIRequest):
 
 
 class OllamaChatRequest(_OllamaRequest):
-    messages: list[OllamaMessage] = Field(min_length=1)
+    messages: list[OllamaMessage] = Field(
+        default_factory=list, description="Empty: only load the model (done_reason load)"
+    )
     tools: list[ToolIn] | None = None
 
 

@@ -109,6 +109,8 @@ def test_chat_streams_ndjson_and_ends_with_counts(stack: Stack) -> None:
     whole = stack.ollama.chat(MODEL, messages=HELLO, stream=False, options=GREEDY)
     assert whole.done and whole.message.role == "assistant"
     assert whole.message.content == streamed  # greedy: the same tokens either way
+    loaded = stack.ollama.chat(MODEL, messages=[])  # Ollama's way of loading a model
+    assert loaded.done and loaded.done_reason == "load"
 
 
 def test_generate_templated_and_raw(stack: Stack) -> None:
