@@ -168,6 +168,7 @@ GRANTS: dict[str, Grant] = {
             *(f"$KV.{b}.>" for b in BATCH_BUCKETS),
             *(s for b in BATCH_BUCKETS for s in _kv_read(b)),
             "fleet.batches.>", *_readers(BATCH_RESULTS),
+            "fleet.deadlines.>",  # the sentinel of a task it publishes with a deadline
         ],
         subscribe=[inbox("gateway"), "fleet.out.>"],
         deny=NO_DURABLES,
@@ -200,8 +201,8 @@ GRANTS: dict[str, Grant] = {
             _api("STREAM", "PURGE", TASKS),
             _api("CONSUMER", "CREATE", ADVISORIES, ">"), _api("CONSUMER", "INFO", ADVISORIES, "*"),
             _api("CONSUMER", "MSG", "NEXT", ADVISORIES, "*"),
-            # Deadlines: a sentinel per task, and the shared durable of their expiry markers.
-            "fleet.deadlines.>", *_acks(DEADLINES), _api("CONSUMER", "CREATE", DEADLINES, ">"),
+            # Deadlines: the shared durable of the sentinels' expiry markers.
+            *_acks(DEADLINES), _api("CONSUMER", "CREATE", DEADLINES, ">"),
             _api("CONSUMER", "INFO", DEADLINES, "*"),
             _api("CONSUMER", "MSG", "NEXT", DEADLINES, "*"),
             # Continuing a dead worker's task replays what it stored (an ephemeral consumer
@@ -332,10 +333,13 @@ ACTIONS: tuple[Action, ...] = (
            "idempotency keys (FLEET_BATCHES, FLEET_BATCH_LEASES, FLEET_IDEMPOTENCY), results "
            "(`fleet.batches.<id>.<line>`)", _who("gateway"),
            "the /v1/files and /v1/batches of every gateway replica share them"),
-    Action("expire_deadlines", "set a task's deadline sentinel (`fleet.deadlines.<model>.<id>`) "
-           "and consume the expiry markers (durable `deadlines` on FLEET_DEADLINES)",
-           _who("worker"), "one worker sees each task published and each deadline that passes "
-           "(fleet/worker/deadlines.py)"),
+    Action("set_deadline", "set a task's deadline sentinel (`fleet.deadlines.<model>.<id>`, "
+           "per-message TTL)", _who("gateway"),
+           "its expiry ends the task if it never started: only trusted publishers, since a "
+           "forged marker header could expire another's task (fleet/bus/deadlines.py)"),
+    Action("expire_deadlines", "consume the sentinels' expiry markers (durable `deadlines` "
+           "on FLEET_DEADLINES) and end unstarted tasks `expired`", _who("worker"),
+           "one worker handles each deadline that passes (fleet/worker/deadlines.py)"),
     Action("tenant_records", "read and write which tenant owns a task or image (FLEET_TENANTS)",
            _who("gateway"), "tenants are the gateway's: NATS users are roles, not tenants"),
     Action("own_inbox", "receive replies on its own inbox `_INBOX.<role>.>` (requests, "

@@ -21,6 +21,7 @@ from nats.js.errors import APIError
 
 from fleet.bus.batch_store import BatchStore
 from fleet.bus.connect import js_publish
+from fleet.bus.deadlines import publish_deadline
 from fleet.bus.task_events import Indexed
 from fleet.errors import DeadlineExceeded, FleetError, QueueFull, failure_of
 from fleet.gateway.backend import MAXIMUM_MESSAGES_EXCEEDED
@@ -174,6 +175,7 @@ class Job:
             try:
                 await js_publish(self.gateway.backend.jetstream(), subjects.tasks(task.model),
                                  task, msg_id=task.task_id, extra_headers={"Nats-TTL": f"{ttl}s"})
+                await publish_deadline(self.gateway.backend.jetstream(), task)
                 return
             except APIError as exc:
                 if exc.err_code != MAXIMUM_MESSAGES_EXCEEDED:

@@ -125,8 +125,6 @@ class ClusterLink:
         self.duties = FleetDuties(self.js, self.node_id, self.failover,
                                   self.demand if self.settings.auto_place else None,
                                   self.janitor)
-        self.deadlines = DeadlineWatch(self.nc, self.js, self.janitor)  # issue 25
-        await self.deadlines.start()
         await self.heartbeat.beat(budget_s=30.0)
         await publish(self.nc, subjects.node_event(self.node_id), NodeJoined(
             node_id=self.node_id, hostname=node_info(self.node_id, 0, [], [], None).hostname,

@@ -233,8 +233,13 @@ async def _batch_jobs(p: Probe) -> None:
     await p.js.publish(f"fleet.batches.by-{p.role}.0", b"{}")
 
 
-async def _expire_deadlines(p: Probe) -> None:
+async def _set_deadline(p: Probe) -> None:
     await p.js.publish(f"fleet.deadlines.{MODEL}.probe-{p.role}", b"", headers={"Nats-TTL": "60s"})
+
+
+async def _expire_deadlines(p: Probe) -> None:
+    await p.admin.jetstream().publish(f"fleet.deadlines.{MODEL}.for-{p.role}", b"",
+                                      headers={"Nats-TTL": "60s"})
     sub = await p.js.pull_subscribe("", durable="deadlines", stream="FLEET_DEADLINES")
     await sub.fetch(1, timeout=TIMEOUT)
 
@@ -295,6 +300,7 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "tenant_records": _tenant_records,
     "batch_jobs": _batch_jobs,
     "expire_deadlines": _expire_deadlines,
+    "set_deadline": _set_deadline,
     "hand_off_task": _hand_off_task,
     "own_inbox": lambda p: p.subscribed(f"{inbox_prefix(p.role)}.probe.>"),
     "all_inboxes": lambda p: p.subscribed("_INBOX.>"),
@@ -305,7 +311,8 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
 }
 # Rows whose bucket another change provisions: skipped where ops/jetstream lacks it.
 NEEDS = {"claim_task_id": "KV_FLEET_CLAIMS.json", "tenant_records": "KV_FLEET_TENANTS.json",
-         "batch_jobs": "KV_FLEET_BATCHES.json", "expire_deadlines": "FLEET_DEADLINES.json"}
+         "batch_jobs": "KV_FLEET_BATCHES.json", "expire_deadlines": "FLEET_DEADLINES.json",
+         "set_deadline": "FLEET_DEADLINES.json"}
 
 
 async def prepare(admin: Client) -> None:

@@ -17,11 +17,12 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from fleet.bus.connect import js_publish
+from fleet.bus.deadlines import STREAM, deadline_subject, expires, publish_deadline, ttl_header
 from fleet.bus.embedded import EmbeddedNats
 from fleet.wire import subjects
 from fleet.wire.events import TaskFinished
 from fleet.wire.tasks import ChatMessage, TextGeneration
-from fleet.worker.deadlines import DURABLE, STREAM, deadline_subject, expires, ttl_header
+from fleet.worker.deadlines import DURABLE
 from tests.integration.harness import (
     WorkerProcess,
     add_fault_card,
@@ -105,6 +106,7 @@ async def test_a_task_past_its_deadline_in_the_queue_expires_unpulled(nc: Client
     events = asyncio.ensure_future(events_of(nc, late.task_id, timeout=30))
     await js_publish(nc.jetstream(), subjects.tasks(IDLE), late, msg_id=late.task_id,
                      extra_headers=headers)
+    await publish_deadline(nc.jetstream(), late)  # as the gateway does for what it publishes
     (finished,) = await events
     assert isinstance(finished, TaskFinished)
     assert (finished.status, finished.reason) == ("expired", "deadline")
@@ -118,6 +120,7 @@ async def test_a_task_that_started_in_time_is_not_expired(nc: Client) -> None:
     prompt = task(SERVED, 2.0)
     reader = asyncio.ensure_future(events_of(nc, prompt.task_id, timeout=30))
     await js_publish(nc.jetstream(), subjects.tasks(SERVED), prompt, msg_id=prompt.task_id)
+    await publish_deadline(nc.jetstream(), prompt)
     done = await reader
     assert isinstance(done[-1], TaskFinished) and done[-1].status == "completed"
     # Past the deadline, its marker arrives and is handled: the task keeps one terminal.

@@ -1,4 +1,4 @@
-"""The pure parts of deadlines in the broker (fleet.worker.deadlines), as tables."""
+"""The pure parts of deadlines in the broker (fleet.bus.deadlines), as tables."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from fleet.worker.deadlines import deadline_subject, expires, task_of, ttl_header, ttl_seconds
+from fleet.bus.deadlines import deadline_subject, expires, task_of, ttl_header, ttl_seconds
 
 NOW = 1_000.0
 
