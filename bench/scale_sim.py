@@ -9,7 +9,8 @@ parts as before the scale redesign (every node watched every heartbeat and every
 swept). Hand-offs and ask responders are left out: they cost per task, not per node. Its
 runner is the fault engine's plumbing only: a busy node publishes token events for its streams on
 `fleet.out.<task>` (stored by FLEET_OUT, as a runner's are) and advertises its prefix blocks
-four times a second, as a loaded worker does; an idle one refreshes them every 20 s.
+as a loaded worker does (its load changes four times a second, its blocks with each new
+prompt); an idle one refreshes them every 20 s.
 
 Control (core NATS, from the harness): `bench.scale.kill` with a node id closes that node's
 connection without a goodbye (its heartbeat key expires, as after a SIGKILL);
@@ -43,7 +44,14 @@ from fleet.wire.runners import RunnerReady
 from fleet.worker.failover import Failover
 from fleet.worker.heartbeat import Heartbeat
 from fleet.worker.node import node_info
-from fleet.worker.prefix_adverts import REFRESH_S, ServedPrefixes, advert_key
+from fleet.worker.prefix_adverts import (
+    LOAD_SUFFIX,
+    REFRESH_S,
+    ServedPrefixes,
+    Written,
+    advert_due,
+    advert_key,
+)
 from fleet.worker.prefix_blocks import BLOCK_CHARS
 from fleet.worker.sweeper import FleetDuties
 
@@ -56,6 +64,7 @@ STREAMS_PER_BUSY_NODE = 2
 TOKENS_PER_S = 20.0
 ADVERT_EVERY_S = 0.25
 BUSY_BLOCKS = 1024  # a loaded runner's cache: ~18 KB of hashes in its summary
+NEW_PROMPT_S = 2.0  # a busy runner's blocks change with each new prompt
 IDLE_BLOCKS = 64
 
 
@@ -129,22 +138,38 @@ class SimNode:
         self.adverts_seen = len(values)  # parsed by a worker; here only held, as a mirror is
 
     async def _advertise(self) -> None:
-        last = 0.0
+        """As fleet.worker.prefix_adverts decides: a busy runner's load changes every period
+        (tasks start and end), its blocks with each new prompt (every NEW_PROMPT_S); baseline:
+        every change writes the whole summary, as before."""
+        last: Written | None = None
+        blocks_mark, prompt_at, tick = 0, 0.0, 0
         while True:
             now = time.time()
-            if self.busy or now - last >= REFRESH_S:
-                blocks = self.blocks if self.busy else self.blocks[:IDLE_BLOCKS]
-                if self.busy:  # a loaded cache changes: its newest blocks move
-                    self.blocks.append(self.blocks.pop(0))
+            if self.busy:
+                tick += 1
+                if now - prompt_at >= NEW_PROMPT_S:  # a new prompt: its blocks are the newest
+                    self.blocks = self.blocks[8:] + [secrets.randbits(64) for _ in range(8)]
+                    blocks_mark, prompt_at = blocks_mark + 1, now
+            load = (1 + tick % 2 if self.busy else 0, 0, True)
+            if self.design == "baseline":
+                changed = last is None or (blocks_mark, load) != (last.blocks, last.load)
+                due = "whole" if changed or now - last.whole_at >= REFRESH_S else None
+            else:
+                due = advert_due(last, blocks_mark, load, now)
+            if due is not None:
+                blocks = self.blocks if self.busy or blocks_mark else self.blocks[:IDLE_BLOCKS]
                 summary = PrefixSummary(
                     runner_id=self.runner_id, node_id=self.node_id, model=self.model,
-                    block_chars=BLOCK_CHARS, blocks=[f"{b:016x}" for b in blocks],
-                    in_flight=STREAMS_PER_BUSY_NODE if self.busy else 0, slots=4, at=now)
+                    block_chars=BLOCK_CHARS, load_only=due == "load",
+                    blocks=[] if due == "load" else [f"{b:016x}" for b in blocks],
+                    in_flight=load[0], slots=4, at=now)
+                key = (self.runner_id if self.design == "baseline"
+                       else advert_key(self.model, self.runner_id))
+                key += LOAD_SUFFIX if due == "load" else ""
                 with contextlib.suppress(Exception):
-                    key = (self.runner_id if self.design == "baseline"
-                           else advert_key(self.model, self.runner_id))
                     await kv_put(self.prefixes, key, encode(summary))
-                last = now
+                last = (Written(blocks_mark, load, now, now) if due == "whole" or last is None
+                        else Written(last.blocks, load, last.whole_at, now))
             await asyncio.sleep(ADVERT_EVERY_S)  # the advert period of a worker
 
     async def _stream(self) -> None:

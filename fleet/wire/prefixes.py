@@ -1,4 +1,6 @@
-"""What a runner's prefix cache holds, as its worker advertises it (KV FLEET_PREFIXES)."""
+"""What a runner's prefix cache holds, as its worker advertises it (KV FLEET_PREFIXES): a whole
+summary under `<model>.<runner id>` when its blocks change (at most once a second), and a load
+update (`load_only`, no blocks) under `<model>.<runner id>.load` when only its load does."""
 
 from __future__ import annotations
 
@@ -30,5 +32,10 @@ class PrefixSummary(Wire):
     )
     spare_cores: float | None = Field(
         default=None, description="its node's idle CPU in cores, measured (null: not said)"
+    )
+    load_only: bool = Field(
+        default=False,
+        description="a load update: no blocks here, the runner's blocks are those of its last "
+        "whole summary (its key without `.load`)",
     )
     at: float

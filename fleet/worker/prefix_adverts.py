@@ -6,7 +6,9 @@ sees (operators, and other workers, which hand tasks over to a runner here when 
 of the prompt: fleet.worker.handoff). A runner's summary is written when its blocks or its
 load changed, at most once per `every_s` (a quarter second: other workers weigh its load by
 it), and at least once per REFRESH_S so the bucket's TTL keeps only runners whose worker is
-alive; a runner that left is deleted.
+alive; a runner that left is deleted. Compact: its blocks (up to ~70 KB for 4,096) go in a
+whole summary at most once a second, and a change of load alone goes as a load update of a
+few hundred bytes under `<model>.<runner id>.load`, merged with the whole one by the reader.
 
 Who hears an advert: only a worker that serves the same model. A task is only ever handed
 over between runners of its model, so a worker watches `<model>.>` for each model placed on
@@ -22,7 +24,9 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
+import orjson
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
@@ -38,7 +42,45 @@ from fleet.worker.state import RunnerView, WorkerState
 log = logging.getLogger(__name__)
 
 REFRESH_S = 20.0  # the bucket's TTL is 60 s
+BLOCKS_EVERY_S = 1.0  # a whole summary (its blocks) at most this often; load updates 4/s
 MODELS_CHECK_S = 1.0  # how often the set of served models is compared with the watches
+LOAD_SUFFIX = ".load"
+
+
+@dataclass(frozen=True)
+class Written:
+    """What was last advertised of a runner: its blocks (by hash) and load, and when."""
+
+    blocks: int
+    load: tuple[int, int, bool]  # tasks, prefill blocks, has a spare core
+    whole_at: float  # its last whole summary
+    load_at: float  # its last load update (or whole summary)
+
+
+def advert_due(last: Written | None, blocks: int, load: tuple[int, int, bool],
+               now: float) -> str | None:
+    """Pure: what to write for a runner now: "whole" (blocks changed, at most once per
+    BLOCKS_EVERY_S, or the REFRESH_S refresh), "load" (only its load changed), or None."""
+    if last is None or now - last.whole_at >= REFRESH_S:
+        return "whole"
+    if blocks != last.blocks and now - last.whole_at >= BLOCKS_EVERY_S:
+        return "whole"
+    if load != last.load:
+        return "load"
+    return None
+
+
+def merged(whole: bytes | None, load: bytes | None) -> bytes | None:
+    """Pure: a runner's whole summary with the load of its newer load update, if any."""
+    if whole is None or load is None:
+        return whole
+    base, update = orjson.loads(whole), orjson.loads(load)
+    if update.get("at", 0) <= base.get("at", 0):
+        return whole
+    for name in ("in_flight", "slots", "prefilling", "prefill_blocks", "spare_cores", "at"):
+        if name in update:
+            base[name] = update[name]
+    return orjson.dumps(base)
 
 
 def advert_key(model: str, runner_id: str) -> str:
@@ -56,10 +98,11 @@ def watches_to_change(serving: set[str], watched: set[str]) -> tuple[set[str], s
 
 
 def summary(runner: RunnerView, node_id: str, now: float,
-            spare_cores: float | None = None) -> PrefixSummary:
+            spare_cores: float | None = None, load_only: bool = False) -> PrefixSummary:
     return PrefixSummary(
-        runner_id=runner.runner_id, node_id=node_id, model=runner.model,
-        block_chars=BLOCK_CHARS, blocks=[f"{b:016x}" for b in runner.held.order],
+        runner_id=runner.runner_id, node_id=node_id, model=runner.model, load_only=load_only,
+        block_chars=BLOCK_CHARS,
+        blocks=[] if load_only else [f"{b:016x}" for b in runner.held.order],
         # A rank > 0 of a sharded instance takes no tasks: no slots for other nodes to see.
         in_flight=len(runner.in_flight), slots=runner.slots if runner.rank == 0 else 0,
         prefilling=len(runner.prefill),
@@ -73,8 +116,7 @@ class PrefixAdverts:
         self.js = js
         self.state = state
         self.every_s = every_s
-        # runner -> (blocks id, tasks, prefill blocks, has a spare core, at)
-        self._written: dict[str, tuple[int, int, int, bool, float]] = {}
+        self._written: dict[str, Written] = {}
         self._keys: dict[str, str] = {}  # runner -> its key (under its model)
         self._kv: KeyValue | None = None
 
@@ -88,17 +130,29 @@ class PrefixAdverts:
         state, now = self.state(), time.time()
         # A rank > 0 of a sharded instance takes no tasks: nothing to advertise.
         for runner in (r for r in state.runners.values() if r.rank == 0):
-            mark = (hash(runner.held.order), len(runner.in_flight), runner.prefill_blocks,
-                    has_spare_core(state.spare_cores))  # what other nodes' routing reads
+            # what other nodes' routing reads
+            blocks = hash(runner.held.order)
+            load = (len(runner.in_flight), runner.prefill_blocks,
+                    has_spare_core(state.spare_cores))
             last = self._written.get(runner.runner_id)
-            if last is not None and last[:4] == mark and now - last[4] < REFRESH_S:
+            due = advert_due(last, blocks, load, now)
+            if due is None:
                 continue
             key = advert_key(runner.model, runner.runner_id)
-            await kv_put(kv, key, encode(summary(runner, state.node_id, now, state.spare_cores)))
-            self._written[runner.runner_id] = (*mark, now)
             self._keys[runner.runner_id] = key
+            if due == "whole":
+                await kv_put(kv, key, encode(summary(runner, state.node_id, now,
+                                                     state.spare_cores)))
+                self._written[runner.runner_id] = Written(blocks, load, now, now)
+            else:
+                assert last is not None
+                await kv_put(kv, key + LOAD_SUFFIX, encode(summary(
+                    runner, state.node_id, now, state.spare_cores, load_only=True)))
+                self._written[runner.runner_id] = Written(last.blocks, load, last.whole_at, now)
         for gone in set(self._written) - {r for r, v in state.runners.items() if v.rank == 0}:
-            await kv_delete(kv, self._keys.pop(gone))
+            key = self._keys.pop(gone)
+            await kv_delete(kv, key)
+            await kv_delete(kv, key + LOAD_SUFFIX)
             del self._written[gone]
 
 
@@ -116,9 +170,20 @@ class ServedPrefixes:
         self._mirrors: dict[str, tuple[Mirror, asyncio.Task[None]]] = {}
 
     def _changed(self, key: str | None) -> None:
-        self.values = {key: value for mirror, _ in self._mirrors.values()
-                       for key, value in mirror.values.items()}
-        self.on_change(self.values, key)
+        """A runner's whole summary and its load update, merged into one value under the
+        runner's key: what RemoteRunners parses."""
+        raw = {k: v for mirror, _ in self._mirrors.values() for k, v in mirror.values.items()}
+        runners = ({k.removesuffix(LOAD_SUFFIX) for k in raw} if key is None
+                   else {key.removesuffix(LOAD_SUFFIX)})
+        if key is None:
+            self.values = {}
+        for runner in runners:
+            value = merged(raw.get(runner), raw.get(runner + LOAD_SUFFIX))
+            if value is None:
+                self.values.pop(runner, None)
+            else:
+                self.values[runner] = value
+        self.on_change(self.values, None if key is None else key.removesuffix(LOAD_SUFFIX))
 
     async def run(self, link: Connection) -> None:
         """Until cancelled (a Supervisor child)."""

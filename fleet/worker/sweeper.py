@@ -6,7 +6,8 @@ so a node's cost does not grow with the number of nodes.
 
 The lease is a key naming its holder, made with a create-only write and renewed every RENEW_S
 by a compare-and-set on its revision; the bucket's max age (10 s) drops it when its holder
-stops renewing (dead, or cut off), and the next worker to try creates it. Safety never rests on
+stops renewing (dead, or cut off), and the next worker to try (each tries every CONTEND_S)
+creates it. Safety never rests on
 the lease: each move is a compare-and-set on the instance's revision (exactly one writer wins),
 and a holder that was cut off and comes back finds its revision stale, so it stops; two
 holders for a moment can only race for the same compare-and-set, as every worker did before.
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 LEASES_BUCKET = "FLEET_LEASES"
 SWEEPER = "sweeper"
 RENEW_S = 2.0  # the bucket's max age is 10 s: five renewals may fail before the lease goes
+# How often a worker without the lease tries to take it: a create refused by the server is
+# an API call, and every worker of the fleet makes one (1,000 nodes: 200 a second).
+CONTEND_S = 5.0
 RENEW_BUDGET_S = 1.5  # a renewal slower than this could outlive the lease; try again later
 
 
@@ -114,7 +118,7 @@ class FleetDuties:
                     await self._stop_duties()
                 elif self._duties is not None and self._duties.done():
                     self._duties = None  # failed (logged by _run_duties); started next round
-                await asyncio.sleep(RENEW_S)  # the lease's renewal period
+                await asyncio.sleep(RENEW_S if held else CONTEND_S)  # the lease's periods
         finally:
             await self._stop_duties()
 

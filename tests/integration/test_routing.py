@@ -97,6 +97,17 @@ async def test_a_returning_conversation_lands_where_it_was_served(
     await nc.close()
 
 
+def with_load(whole: PrefixSummary | None, summary: PrefixSummary) -> PrefixSummary:
+    """A runner's view as a worker merges it: a load update (no blocks) changes the load of
+    its last whole summary (fleet/worker/prefix_adverts.py)."""
+    if not summary.load_only:
+        return summary
+    if whole is None:
+        return summary.model_copy(update={"load_only": False})
+    return whole.model_copy(update={name: getattr(summary, name) for name in (
+        "in_flight", "slots", "prefilling", "prefill_blocks", "spare_cores", "at")})
+
+
 async def advertised(
     nc: Client, runners: set[str], timeout: float = 10.0,
 ) -> dict[str, PrefixSummary]:
@@ -112,7 +123,7 @@ async def advertised(
                 entry = await watcher.updates(timeout=timeout)
                 if entry is not None and entry.value:
                     summary = decode_model(PrefixSummary, entry.value)
-                    found[summary.runner_id] = summary
+                    found[summary.runner_id] = with_load(found.get(summary.runner_id), summary)
     finally:
         await watcher.stop()
     return found
@@ -248,7 +259,7 @@ async def advertising(nc: Client, prompts: list[tuple[int, ...]], timeout: float
                     current = True
                 elif entry.value:
                     summary = decode_model(PrefixSummary, entry.value)
-                    seen[summary.runner_id] = summary
+                    seen[summary.runner_id] = with_load(seen.get(summary.runner_id), summary)
     finally:
         await watcher.stop()
 

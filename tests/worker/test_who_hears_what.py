@@ -4,12 +4,20 @@ gateway reads back after a reconnect, and the harness's reading of `/connz`."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from bench.scale_connz import Received, received_by, subscriptions_of
 from fleet.gateway.task_feed import digest, missing
 from fleet.worker.janitor import triage
-from fleet.worker.prefix_adverts import advert_key, model_filter, watches_to_change
+from fleet.worker.prefix_adverts import (
+    Written,
+    advert_due,
+    advert_key,
+    merged,
+    model_filter,
+    watches_to_change,
+)
 from fleet.worker.sweeper import LeaseState, after_attempt
 
 
@@ -87,3 +95,35 @@ def test_received_counts_what_the_server_sent_to_each_named_connection() -> None
     assert received_by(connz, "fleet-gateway") == Received(7, 70)
     assert received_by(connz, "fleet-gateway") - Received(2, 20) == Received(5, 50)
     assert subscriptions_of(connz, "fleet-worker") == ["_INBOX.worker.>"]
+
+
+LOAD = (1, 0, True)
+LAST = Written(blocks=1, load=LOAD, whole_at=100.0, load_at=100.0)
+
+
+@pytest.mark.parametrize(("last", "blocks", "load", "now", "due"), [
+    (None, 1, LOAD, 100.0, "whole"),  # never advertised
+    (LAST, 1, LOAD, 100.25, None),  # nothing changed
+    (LAST, 1, (2, 0, True), 100.25, "load"),  # a task started: a few hundred bytes
+    (LAST, 2, LOAD, 100.5, None),  # new blocks within the second: they wait
+    (LAST, 2, (2, 0, True), 100.5, "load"),  # ...and the load goes alone meanwhile
+    (LAST, 2, LOAD, 101.0, "whole"),  # a second later, the blocks go
+    (LAST, 1, LOAD, 120.0, "whole"),  # the refresh that keeps the key alive
+])
+def test_blocks_go_at_most_once_a_second_and_load_alone_when_only_it_changed(
+    last: Written | None, blocks: int, load: tuple[int, int, bool], now: float, due: str | None
+) -> None:
+    assert advert_due(last, blocks, load, now) == due
+
+
+def test_a_reader_merges_a_newer_load_update_into_the_whole_summary() -> None:
+    whole = orjson.dumps({"runner_id": "r", "blocks": ["00"], "in_flight": 2, "at": 1.0})
+    newer = orjson.dumps({"runner_id": "r", "blocks": [], "in_flight": 0, "load_only": True,
+                          "at": 2.0})
+    older = orjson.dumps({"runner_id": "r", "blocks": [], "in_flight": 5, "load_only": True,
+                          "at": 0.5})
+    assert orjson.loads(merged(whole, newer) or b"") == {
+        "runner_id": "r", "blocks": ["00"], "in_flight": 0, "at": 2.0}
+    assert merged(whole, older) == whole  # a whole summary written since wins
+    assert merged(None, newer) is None  # no blocks known: not a candidate yet
+    assert merged(whole, None) == whole
