@@ -5,14 +5,13 @@ message a subject). Errors leave as Fleet errors (NatsUnavailable and friends)."
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import DeliverPolicy
 from nats.js.errors import APIError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
@@ -31,7 +30,7 @@ IDEMPOTENCY_BUCKET = "FLEET_IDEMPOTENCY"
 RESULTS_STREAM = "FLEET_BATCH_RESULTS"
 # JetStream's answer to a second message on a subject that keeps one (DiscardNewPerSubject).
 PER_SUBJECT_FULL = 10077
-READ_BATCH = 512
+READ_TIMEOUT_S = 10.0  # the silence allowed between two results of a read
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -190,23 +189,26 @@ class BatchStore:
         return True
 
     async def results(self, batch_id: str) -> list[BatchResult]:
-        """Every result recorded for the job, by line (an ephemeral pull consumer, no acks)."""
+        """Every result recorded for the job, by line: an ordered consumer (the ephemeral kind
+        the gateway role may make) read up to the last result stored when the read began."""
         js = self._client().jetstream()
-        config = ConsumerConfig(ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.ALL,
-                                inactive_threshold=30.0)
         found: dict[int, BatchResult] = {}
         with unavailable(f"read the results of {batch_id}"):
-            sub = await js.pull_subscribe(results_of(batch_id), stream=RESULTS_STREAM,
-                                          config=config)
             try:
-                pending = (await sub.consumer_info()).num_pending or 0
-                while pending > 0:
-                    for msg in await sub.fetch(min(pending, READ_BATCH), timeout=10.0):
-                        result = decode_model(BatchResult, msg.data)
-                        found[result.line] = result
-                        pending = msg.metadata.num_pending if msg.metadata else 0
+                last = await js.get_last_msg(RESULTS_STREAM, results_of(batch_id))
+            except NotFoundError:
+                return []
+            sub = await js.subscribe(results_of(batch_id), stream=RESULTS_STREAM,
+                                     ordered_consumer=True,
+                                     deliver_policy=DeliverPolicy.ALL)
+            try:
+                while True:
+                    msg = await sub.next_msg(timeout=READ_TIMEOUT_S)
+                    result = decode_model(BatchResult, msg.data)
+                    found[result.line] = result
+                    if msg.metadata.sequence.stream >= last.seq:
+                        break
             finally:
-                with contextlib.suppress(NatsError, asyncio.TimeoutError):
+                with contextlib.suppress(NatsError):
                     await sub.unsubscribe()
-                    await js.delete_consumer(RESULTS_STREAM, sub._consumer)
         return [found[line] for line in sorted(found)]

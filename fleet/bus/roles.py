@@ -168,6 +168,7 @@ GRANTS: dict[str, Grant] = {
             *(f"$KV.{b}.>" for b in BATCH_BUCKETS),
             *(s for b in BATCH_BUCKETS for s in _kv_read(b)),
             "fleet.batches.>", *_readers(BATCH_RESULTS),
+            _api("STREAM", "MSG", "GET", BATCH_RESULTS),
             "fleet.deadlines.>",  # the sentinel of a task it publishes with a deadline
         ],
         subscribe=[inbox("gateway"), "fleet.out.>"],
