@@ -26,15 +26,16 @@ from fnmatch import fnmatchcase
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import ValidationError
 
 from fleet.errors import InvalidRequest, ModelNotFound
 from fleet.models.hf_cache import repo_id_of_snapshot, resolve_local_model
-from fleet.wire.cluster import ModelCard
+from fleet.wire.cluster import EmbeddingSpec, ModelCard
 
 CUSTOM_DIR_NAME = "custom"
+Pooling = Literal["mean", "last"]
 # diffusers' pipeline class (model_index.json) -> the family whose mflux class loads it.
 DIFFUSERS_FAMILIES = {
     "FluxPipeline": "mflux_flux1",
@@ -124,13 +125,18 @@ def get_card(model_id: str, data_dir: Path | None = None) -> ModelCard:
     return card
 
 
-def add_custom_card(data_dir: Path, model_id: str, path: Path | str) -> ModelCard:
-    """Describe the model at `path` (or a repo id found in the local HF cache) and save it."""
+def add_custom_card(
+    data_dir: Path, model_id: str, path: Path | str, embeddings: Pooling | None = None
+) -> ModelCard:
+    """Describe the model at `path` (or a repo id found in the local HF cache) and save it;
+    with `embeddings` (a pooling), as an embedding model rather than a text generator."""
     if model_id in builtin_cards() or model_id == CUSTOM_DIR_NAME:
         raise InvalidRequest(f"{model_id!r} is reserved: choose another id")
     model_dir = resolve_local_model(path)
     try:
         card = describe_model_dir(model_id, model_dir)
+        if embeddings is not None:
+            card = as_embedder(card, embeddings)
     except ValidationError as exc:
         raise InvalidRequest(f"cannot make a card for {model_id!r}: {exc}") from exc
     folder = custom_cards_dir(data_dir)
@@ -139,6 +145,18 @@ def add_custom_card(data_dir: Path, model_id: str, path: Path | str) -> ModelCar
     staging.write_text(card.model_dump_json(indent=2) + "\n")
     staging.replace(folder / f"{model_id}.json")
     return card
+
+
+def as_embedder(card: ModelCard, pooling: Pooling) -> ModelCard:
+    """A text model's card as an embedding model's: its last hidden states pooled into
+    vectors of its hidden size (fleet/runner/embed.py), never cut to fewer dimensions (a model
+    is not trained for that unless its card is written to say so)."""
+    if card.is_image or card.hidden_size <= 0:
+        raise InvalidRequest(f"{card.id}: only a text model with a known hidden size can embed")
+    spec = EmbeddingSpec(pooling=pooling, dimensions=card.hidden_size)
+    return ModelCard.model_validate(
+        {**card.model_dump(), "tasks": ["embeddings"], "capabilities": [], "embedding": spec}
+    )
 
 
 def describe_model_dir(model_id: str, model_dir: Path) -> ModelCard:

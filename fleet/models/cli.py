@@ -24,7 +24,7 @@ from fleet.wire.cluster import ModelCard
 if TYPE_CHECKING:  # the bus is imported only by the verbs that talk to the fleet
     from fleet.bus.weights import FleetModels
 
-TINY_MODELS = ("tiny-llm", "tiny-flux2")
+TINY_MODELS = ("tiny-llm", "tiny-embed", "tiny-flux2")
 CONVERTIBLE = ("smollm2-135m",)
 
 
@@ -44,6 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add.add_argument("--id", required=True, dest="model_id", help="the new model id (a slug)")
     add.add_argument(
         "--path", required=True, help="mlx-lm directory, HF cache entry, or cached repo id"
+    )
+    add.add_argument(
+        "--embeddings", nargs="?", const="mean", choices=("mean", "last"), metavar="POOLING",
+        help="serve it as an embedding model (/v1/embeddings): vectors pooled from its last "
+        "hidden states, mean (the default) or last token",
     )
     add.add_argument(
         "--no-publish", action="store_true",
@@ -152,7 +157,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 def cmd_add(args: argparse.Namespace) -> int:
     settings = _settings(args)
-    card = add_custom_card(settings.data_dir, args.model_id, args.path)
+    card = add_custom_card(settings.data_dir, args.model_id, args.path, args.embeddings)
     rows = [
         ["id", card.id],
         ["family", card.family],

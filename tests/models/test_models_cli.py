@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fleet.models.catalog import get_card
 from fleet.models.cli import register
 
 
@@ -63,6 +64,20 @@ def test_add_prints_the_card_and_list_shows_it(
     assert ["layers", "2"] in [line.split() for line in added.splitlines()]
     assert _row(listed, "my-tiny")[3] == "yes"
     assert _row(listed, "my-tiny")[-1] == str(tiny_llm_dir.resolve())
+
+
+def test_add_as_an_embedding_model(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                   tiny_llm_dir: Path):
+    added = run(capsys, tmp_path, "add", "--id", "my-embed", "--path", str(tiny_llm_dir),
+                "--embeddings")
+    assert ["tasks", "embeddings"] in [line.split() for line in added.splitlines()]
+    card = get_card("my-embed", tmp_path)
+    assert card.is_embedding and card.embedding is not None
+    assert (card.embedding.pooling, card.embedding.dimensions) == ("mean", 64)
+    assert not card.embedding.truncatable
+    run(capsys, tmp_path, "add", "--id", "my-last", "--path", str(tiny_llm_dir),
+        "--embeddings", "last")
+    assert get_card("my-last", tmp_path).embedding_spec.pooling == "last"
 
 
 def test_convert_rejects_models_it_cannot_convert(tmp_path: Path):
