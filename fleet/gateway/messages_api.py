@@ -13,6 +13,9 @@ A stream whose first token is slow (a long prompt's prefill) is committed after 
 with message_start and pings while it waits (fleet.gateway.messages_stream): Anthropic's
 clients give up on a silent connection.
 
+A task's session (fleet.gateway.sessions) is the `X-Session-Id` header, else the request's
+`metadata.user_id` (Claude Code puts its session there).
+
 Errors on these routes are in Anthropic's shape: every error response, whoever made it (a
 route, the key check, the body limits, routing), is rewritten by `AnthropicErrors`, so one
 table (messages_replies.ERROR_TYPES) decides the type for each status. Clients send
@@ -40,6 +43,7 @@ from fleet.gateway.messages_replies import (
 )
 from fleet.gateway.messages_requests import CountTokensRequest, MessagesRequest, as_chat
 from fleet.gateway.service import gateway_of, new_task_id, now_utc, task_id_headers
+from fleet.gateway.sessions import session_of
 from fleet.gateway.tenants import tenant_of
 from fleet.gateway.text_requests import ChatCompletionRequest, chat_task, image_urls
 from fleet.wire.cluster import ModelCard
@@ -54,7 +58,9 @@ async def messages(request: Request) -> Response | messages_stream.EarlyStream:
     chat = as_chat(asked, card.id)
     task_id = new_task_id("msg")
     renderer = MessagesRenderer(task_id, card.id)
-    return await _run(request, card, chat, task_id, renderer, stream=asked.stream)
+    user_id = asked.metadata.user_id if asked.metadata else None
+    return await _run(request, card, chat, task_id, renderer, stream=asked.stream,
+                      session_fields={"metadata.user_id": user_id})
 
 
 async def count_tokens(request: Request) -> Response | messages_stream.EarlyStream:
@@ -68,6 +74,7 @@ async def count_tokens(request: Request) -> Response | messages_stream.EarlyStre
 async def _run(
     request: Request, card: ModelCard, chat: ChatCompletionRequest, task_id: str,
     renderer: MessagesRenderer | TokenCountRenderer, *, stream: bool,
+    session_fields: dict[str, object] | None = None,
 ) -> Response | messages_stream.EarlyStream:
     gateway = gateway_of(request)
     urls = image_urls(chat)
@@ -76,6 +83,8 @@ async def _run(
     hashes = {url: await gateway.image_hash(url, tenant_of(request)) for url in urls}
     timeout_s = gateway.timeout_for(chat.timeout)
     task = chat_task(chat, task_id, hashes, now_utc(), timeout_s)
+    # The conversation's session keeps its turns on the runner that holds its prefix.
+    task = task.model_copy(update={"session": session_of(request.headers, session_fields)})
     running = asyncio.ensure_future(gateway.run(
         request, [task], renderer, stream=stream, resumable=False, timeout_s=timeout_s,
         api="messages"))

@@ -113,6 +113,11 @@ class ToolChoiceParam(OpenAIRequest):
     disable_parallel_tool_use: bool | None = None
 
 
+class MetadataParam(OpenAIRequest):
+    user_id: str | None = Field(default=None, description="Fleet: the task's session (its "
+                                "conversation), unless X-Session-Id names one")
+
+
 class MessagesRequest(OpenAIRequest):
     model: str = Field(min_length=1, max_length=256)
     messages: list[MessageParam] = Field(min_length=1)
@@ -125,6 +130,7 @@ class MessagesRequest(OpenAIRequest):
     top_k: int | None = Field(default=None, ge=0, le=1_000_000)
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
+    metadata: MetadataParam | None = None
     timeout: Timeout | None = None
 
 

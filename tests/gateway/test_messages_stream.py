@@ -5,6 +5,7 @@ nats-server, the gateway on a socket, and a stand-in worker that answers when to
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
@@ -97,3 +98,17 @@ async def test_a_client_that_leaves_before_the_first_token_cancels_the_task(
     cancel = decode_model(CancelTask, (await cancels.next_msg(timeout=10)).data)
     assert cancel.task_id == task.task_id
 
+
+
+async def test_metadata_user_id_is_the_tasks_session_unless_the_header_names_one(
+    served: str, worker: StandInWorker
+) -> None:
+    asked = {**ASKED, "stream": False, "metadata": {"user_id": "conversation-7"}}
+    async with httpx.AsyncClient(base_url=served) as http:
+        for headers in ({}, {"x-session-id": "from-header"}):
+            answered, task = await asyncio.gather(
+                http.post("/v1/messages", json=asked, headers=headers),
+                worker.answer(tokens_script("ok")),
+            )
+            assert answered.status_code == 200 and answered.json()["content"][0]["text"] == "ok"
+            assert task.session == headers.get("x-session-id", "conversation-7")
