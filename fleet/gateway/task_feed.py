@@ -23,8 +23,9 @@ import asyncio
 import hashlib
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 from nats.aio.client import Client
@@ -77,8 +78,9 @@ class TaskSubscriptions(EventHub):
         self._followed: dict[str, Followed] = {}
         self._numbers = itertools.count(LIVE_BASE)
         self._reconnects: int | None = None
+        self._refill_due = False  # a read-back failed: tried again at the next check
         self.tap: Callable[[bytes], None] | None = None  # sees every event delivered here
-        self._unsubscribing: set[asyncio.Task[None]] = set()
+        self._chores: set[asyncio.Task[None]] = set()  # unsubscribes and refills, owned here
 
     @property
     def following(self) -> int:
@@ -94,8 +96,10 @@ class TaskSubscriptions(EventHub):
             return
         followed = self._followed[task_id] = Followed()
         try:
-            followed.subscription = await self._client().subscribe(
-                subjects.out(task_id), cb=self._on_message)
+            nc = self._client()
+            if self._reconnects is None:
+                self._reconnects = nc.stats.get("reconnects", 0)
+            followed.subscription = await nc.subscribe(subjects.out(task_id), cb=self._on_message)
         except (NatsError, OSError, TimeoutError) as exc:
             del self._followed[task_id]
             raise NatsUnavailable(f"cannot follow task {task_id}: {exc!r}") from None
@@ -105,6 +109,9 @@ class TaskSubscriptions(EventHub):
         followed = self._followed.get(task_id) if task_id else None
         if task_id is None or followed is None:
             return
+        # The first message after a reconnect: what was published meanwhile is read back
+        # before this one and the next ones are passed on (they are held until then).
+        self._check_reconnects()
         if followed.held is not None:
             followed.held.append(message.data)
             return
@@ -137,10 +144,12 @@ class TaskSubscriptions(EventHub):
         followed = self._followed.pop(task_id, None)
         if followed is None or followed.subscription is None:
             return
-        task = asyncio.get_running_loop().create_task(
-            _unsubscribe(followed.subscription, task_id))
-        self._unsubscribing.add(task)
-        task.add_done_callback(self._unsubscribing.discard)
+        self._chore(_unsubscribe(followed.subscription, task_id))
+
+    def _chore(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
 
     async def unfollow(self, task_id: str) -> None:
         """Stop following a task no reader listens to (a request that failed before its
@@ -149,40 +158,56 @@ class TaskSubscriptions(EventHub):
             self._unfollow_later(task_id)
 
     async def watch_reconnects(self) -> None:
-        """Until cancelled (the backend owns it): after each reconnect, refill every task."""
+        """Until cancelled (the backend owns it): notices a reconnect that no message of a
+        followed task has shown yet (its terminal may have been published meanwhile)."""
         while True:
             await asyncio.sleep(RECONNECT_CHECK_S)  # the check's period
-            try:
-                nc = self._client()
-            except NatsUnavailable:
-                continue
-            count = nc.stats.get("reconnects", 0)
-            if self._reconnects is None or count == self._reconnects:
-                self._reconnects = count
-                continue
+            self._check_reconnects()
+
+    def _check_reconnects(self) -> None:
+        try:
+            count = self._client().stats.get("reconnects", 0)
+        except NatsUnavailable:
+            return  # still reconnecting: checked again by the next message or period
+        if self._reconnects is None:
             self._reconnects = count
-            log.info("reconnected: reading back the events of %d task(s)", len(self._followed))
-            for task_id in list(self._followed):
-                try:
-                    await self.refill(task_id)
-                except NatsUnavailable as exc:
-                    log.warning("events of task %s not read back: %s", task_id, exc.message)
-                    self._reconnects = None  # try again at the next check
+        if count == self._reconnects and not self._refill_due:
+            return
+        self._reconnects, self._refill_due = count, False
+        log.info("reconnected: reading back the events of %d task(s)", len(self._followed))
+        for followed in self._followed.values():
+            if followed.held is None:
+                followed.held = []
+        self._chore(self._refill_all())
+
+    async def _refill_all(self) -> None:
+        for task_id in list(self._followed):
+            try:
+                await self.refill(task_id)
+            except NatsUnavailable as exc:
+                log.warning("events of task %s not read back: %s", task_id, exc.message)
+                self._refill_due = True  # read back at the next check
 
     async def refill(self, task_id: str) -> None:
-        """Pass on what FLEET_OUT holds for the task and its readers have not had."""
+        """Pass on what FLEET_OUT holds for the task and its readers have not had, then what
+        arrived live meanwhile."""
         followed = self._followed.get(task_id)
         if followed is None:
             return
-        followed.held = []
+        if followed.held is None:
+            followed.held = []
+        failure: NatsUnavailable | None = None
         try:
             stored = await read_stored(self._client(), task_id)
-        finally:
-            held, followed.held = followed.held, None
+        except NatsUnavailable as exc:  # what was held still goes on; the gap is retried
+            stored, failure = [], exc
+        held, followed.held = followed.held, None
         for data in missing(stored, followed.delivered):
             self._pass_on(task_id, followed, data)
         for data in held:
             self._pass_on(task_id, followed, data)
+        if failure is not None:
+            raise failure
 
     async def close(self) -> None:
         followed, self._followed = self._followed, {}
@@ -190,7 +215,9 @@ class TaskSubscriptions(EventHub):
             for task_id, item in followed.items():
                 if item.subscription is not None:
                     await _unsubscribe(item.subscription, task_id)
-            await asyncio.gather(*self._unsubscribing, return_exceptions=True)
+            for chore in list(self._chores):
+                chore.cancel()
+            await asyncio.gather(*self._chores, return_exceptions=True)
 
 
 async def _unsubscribe(subscription: Subscription, task_id: str) -> None:
