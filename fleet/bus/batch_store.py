@@ -6,22 +6,26 @@ message a subject). Errors leave as Fleet errors (NatsUnavailable and friends)."
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.js.api import DeliverPolicy
-from nats.js.errors import APIError, NoKeysError, NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
 from fleet.bus.connect import js_publish
 from fleet.bus.kv_calls import kv_create, kv_get, kv_put, kv_update
+from fleet.bus.kv_read import live_entries
 from fleet.bus.objects import ObjectBucket
 from fleet.errors import FleetError, NatsUnavailable, ObjectError
 from fleet.wire.batches import BatchLease, BatchRecord, BatchResult, FileRecord
-from fleet.wire.codec import decode_model, encode
+from fleet.wire.codec import DecodeError, decode_model, encode
+
+log = logging.getLogger(__name__)
 
 FILES_BUCKET = "FLEET_FILES"
 BATCHES_BUCKET = "FLEET_BATCHES"
@@ -108,16 +112,16 @@ class BatchStore:
                 await store.delete(file_id)
 
     async def _all(self, prefix: str, model: type[M]) -> list[M]:
-        kv = await self.bucket(BATCHES_BUCKET)
+        """Every `<prefix>.<id>` record, from one snapshot of the bucket (fleet.bus.kv_read:
+        nats-py's keys() can end a listing early)."""
         with unavailable(f"list {BATCHES_BUCKET}"):
-            try:
-                keys = await kv.keys()
-            except NoKeysError:
-                return []
+            entries = await live_entries(self._client().jetstream(), BATCHES_BUCKET)
         found = []
-        for key in (k for k in keys if k.startswith(f"{prefix}.")):
-            if (read := await self._read(BATCHES_BUCKET, key, model)) is not None:
-                found.append(read[0])
+        for entry in (e for e in entries if e.key.startswith(f"{prefix}.")):
+            try:
+                found.append(decode_model(model, entry.value))
+            except DecodeError:  # another schema version's record must not hide the rest
+                log.warning("skipped %s/%s: not a %s", BATCHES_BUCKET, entry.key, model.__name__)
         return found
 
     async def files(self) -> list[FileRecord]:
@@ -164,12 +168,8 @@ class BatchStore:
 
     async def leased(self) -> list[str]:
         """The ids of the jobs that are not done (each has a lease key)."""
-        kv = await self.bucket(LEASES_BUCKET)
         with unavailable(f"list {LEASES_BUCKET}"):
-            try:
-                return await kv.keys()
-            except NoKeysError:
-                return []
+            return [e.key for e in await live_entries(self._client().jetstream(), LEASES_BUCKET)]
 
     # Results
 
