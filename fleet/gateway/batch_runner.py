@@ -72,6 +72,8 @@ class BatchRunner:
                 await self.scan()
             except FleetError as exc:
                 log.warning("batch scan: %s", exc.message)
+            except Exception:  # a bug: say so, and scan again (jobs must not stall silently)
+                log.exception("batch scan failed")
             await asyncio.sleep(SCAN_S)
 
     async def scan(self) -> None:
