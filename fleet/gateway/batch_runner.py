@@ -103,6 +103,8 @@ class BatchRunner:
         except* FleetError as group_error:
             for exc in group_error.exceptions:
                 log.warning("batch %s stopped here (%s); its lease will lapse", batch_id, exc)
+        except* Exception as group_error:  # a bug: logged whole; the lease lapses, others retry
+            log.error("batch %s failed here", batch_id, exc_info=group_error)
 
     async def _renew(self, batch_id: str, revision: int) -> None:
         while True:
