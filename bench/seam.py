@@ -33,16 +33,17 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from bench.fleet_stack import seed_data_dir, wait_runner_ready
+from bench.fleet_stack import seed_data_dir
 from bench.procs import free_port
 from fleet.bus.connect import connect, js_publish
 from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.provision import provision
 from fleet.errors import InvalidRequest
 from fleet.models.catalog import get_card
-from fleet.placement import place
+from fleet.placement import place, read_instances, remove
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_event
+from fleet.wire.cluster import RunnerRecord
+from fleet.wire.codec import DecodeError, decode_event, decode_model
 from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from fleet.worker.continuation import stored_events
@@ -61,6 +62,8 @@ class SeamPlan:
     ack_wait_s: float = 2.0
     load_tasks: int = 20  # answers run beside the CPU hogs, no fault
     hogs: int = 8
+    load_target: float = 8.0  # the 1-minute load average the hogs reach before the answers
+    load_wait_s: float = 150.0  # at most this long
 
 
 @dataclass
@@ -156,7 +159,6 @@ class SeamStack:
             }))
         self.eos = _eos_ids(path)
         self.nc: Client | None = None
-        self.placed: set[str] = set()
         self.dead_runners: set[str] = set()
 
     async def start(self) -> Client:
@@ -177,20 +179,53 @@ class SeamStack:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"worker {worker.name} never wrote its node id")
             await asyncio.sleep(0.1)  # polling a starting process, bounded by the deadline
-        while worker.name not in self.placed:
+        await self.one_instance_on(worker.node_id, deadline)
+        await self.runner_ready(worker.node_id, deadline)
+
+    async def one_instance_on(self, node_id: str, deadline: float) -> None:
+        """Exactly one instance of the model on each worker's node: a worker dead longer than
+        its heartbeat's TTL has its instance moved to the survivor (failover), which then
+        holds two; the bench moves it back, so every round starts alike."""
+        assert self.nc is not None
+        js = self.nc.jetstream()
+        mine = [i for i in await read_instances(js) if i.model == self.model]
+        on_node = [i for i in mine if i.shard_on(node_id) is not None]
+        for node in {w.node_id for w in self.workers if (w.data_dir / "node_id").exists()}:
+            for extra in [i for i in mine if i.shard_on(node) is not None][1:]:
+                await remove(js, extra.instance_id)
+        while not on_node:
             try:
-                await place(self.nc.jetstream(), get_card(self.model), node_id=worker.node_id,
-                            slots=4)
+                await place(js, get_card(self.model), node_id=node_id, slots=4)
             except InvalidRequest:  # its heartbeat is not in FLEET_NODES yet
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.2)  # polling a starting process, bounded by the deadline
                 continue
-            self.placed.add(worker.name)
-        while (await wait_runner_ready(
-            self.nc, self.model, deadline, node_id=worker.node_id
-        )).runner_id in self.dead_runners:
-            pass  # the killed runner's last record, not the new one's
+            break
+
+    async def runner_ready(self, node_id: str, deadline: float) -> None:
+        """A ready record of the model on `node_id` from a runner that was not killed (the
+        killed ones' last records stay in FLEET_RUNNERS a while)."""
+        assert self.nc is not None
+        kv = await self.nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
+        watcher = await kv.watchall()
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    entry = await watcher.updates(timeout=min(left, 1.0))
+                except TimeoutError:
+                    continue
+                if entry is None or not entry.value:
+                    continue
+                record = decode_model(RunnerRecord, entry.value)
+                if (record.node_id == node_id and record.model == self.model
+                        and record.status.state == "ready"
+                        and record.runner_id not in self.dead_runners):
+                    return
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watcher.stop(), 5)
+        raise TimeoutError(f"no new runner of {self.model} became ready on {node_id}")
 
     def task(self, task_id: str) -> TextGeneration:
         return TextGeneration(
@@ -271,6 +306,9 @@ async def false_takeovers(stack: SeamStack) -> dict[str, Any]:
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(stack.plan.hogs)]
     try:
+        deadline = time.monotonic() + stack.plan.load_wait_s
+        while os.getloadavg()[0] < stack.plan.load_target and time.monotonic() < deadline:
+            await asyncio.sleep(1.0)  # the load average is a 1-minute mean: let it climb
         load_before = os.getloadavg()[0]
         taken_over = 0
         for index in range(stack.plan.load_tasks):
