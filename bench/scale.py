@@ -50,6 +50,7 @@ from fleet.runner.fault_engine import fault_card
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, NodeInfo, ShardAssignment
 from fleet.wire.codec import decode_model, encode
+from fleet.worker.node import node_info
 
 log = logging.getLogger("bench.scale")
 
@@ -183,6 +184,9 @@ async def add_sims(stack: Stack, nc: Client, upto: int) -> None:
     that exists already, instead of a burst of N writes to N watchers)."""
     have = sum(int(str(p.args[p.args.index("--count") + 1]))  # type: ignore[index, union-attr]
                for p in stack.sims)
+    # Until they beat themselves, the harness beats for the new nodes: an instance on a node
+    # without a heartbeat is one the sweeper would move (a fleet starting, not one running).
+    standing_in = asyncio.create_task(stand_in(nc, range(have, upto)))
     kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
     for index in range(have, upto):
         node = sim_node_id(index)
@@ -207,9 +211,26 @@ async def add_sims(stack: Stack, nc: Client, upto: int) -> None:
                  stack.design], cwd=REPO, env={**stack.env(), "PYTHONPATH": str(REPO)},
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         started += 1
-    for _ in range(started):
-        await asyncio.wait_for(ready.get(), 120 + upto / 5)
+    try:
+        for _ in range(started):
+            await asyncio.wait_for(ready.get(), 120 + upto / 5)
+    finally:
+        standing_in.cancel()
     await sub.unsubscribe()
+
+
+async def stand_in(nc: Client, indexes: range) -> None:
+    """Heartbeats for nodes whose process is starting, every 3 s until cancelled."""
+    kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+    template = node_info("template", time.time(), [], [], None)
+    models = sorted(sim_model(i, MODELS) for i in range(MODELS))
+    while True:
+        for index in indexes:
+            node = sim_node_id(index)
+            info = template.model_copy(update={"node_id": node, "models_available": models,
+                                               "runners": [f"{node}-r0"], "at": time.time()})
+            await kv.put(node, encode(info))
+        await asyncio.sleep(3.0)  # the heartbeat period
 
 
 def _ps(process: subprocess.Popen[bytes]) -> psutil.Process:
