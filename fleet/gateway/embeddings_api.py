@@ -24,11 +24,11 @@ from fleet.gateway.errors import PROMPT_PARAM
 from fleet.gateway.service import Gateway, gateway_of, new_task_id, now_utc
 from fleet.wire.cluster import ModelCard
 from fleet.wire.events import EmbeddingChunk, OutputEvent, TaskFinished
-from fleet.wire.tasks import Embeddings
+from fleet.wire.tasks import MAX_TOKEN_ID, Embeddings
 
 MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
 
-TokenArray = list[Annotated[int, Field(ge=0)]]
+TokenArray = list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
 Encoding = Literal["float", "base64"]
 
 

@@ -211,7 +211,10 @@ class ImageEdits(_ImageTaskBase):
 
 
 EmbeddingText = Annotated[str, Field(min_length=1)]
-TokenArray = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+# A token id fits 31 bits in every vocabulary (the schema says so, so a client or a fuzzer
+# knows a larger number is no token).
+MAX_TOKEN_ID = 2**31 - 1
+TokenArray = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]], Field(min_length=1)]
 
 
 class Embeddings(_TaskBase):
