@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 
 from fleet.bus.embedded import EmbeddedNats
 from fleet.models.catalog import get_card
+from fleet.wire.cluster import ModelCard
 from tests.integration.harness import WorkerProcess, client, place_and_wait, seed_models, wait_node
 
 WorkerFactory = Callable[..., WorkerProcess]
@@ -44,6 +46,31 @@ class WarmStack:
     node: str
 
 
+@contextmanager
+def warm_stack(
+    root: Path, models: dict[str, Path], card: ModelCard, slots: int = 4, **env: str
+) -> Iterator[WarmStack]:
+    """A nats-server and one worker (`env` its settings) with `card` placed and its runner
+    ready, for tests that share them: see warm_tiny_llm."""
+    with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as server:
+        seed_models(root / "w1", models)
+        worker = WorkerProcess(server.url, root / "w1", **env).start()
+        try:
+
+            async def ready() -> str:
+                nc = await client(server.url)
+                try:
+                    node = await wait_node(nc, worker.data_dir)
+                    await place_and_wait(nc, card, node, slots=slots)
+                    return node
+                finally:
+                    await nc.close()
+
+            yield WarmStack(server.url, worker, asyncio.run(ready()))
+        finally:
+            worker.kill()
+
+
 @pytest.fixture(scope="module")
 def warm_tiny_llm(
     tmp_path_factory: pytest.TempPathFactory, tiny_llm_dir: Path
@@ -52,20 +79,5 @@ def warm_tiny_llm(
     behind (each waits for its tasks' terminal events, under ids of its own): a worker and
     its runner start once (seconds of CPU each) instead of once per test."""
     root = tmp_path_factory.mktemp("warm")
-    with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as server:
-        seed_models(root / "w1", {"tiny-llm": tiny_llm_dir})
-        worker = WorkerProcess(server.url, root / "w1").start()
-        try:
-
-            async def ready() -> str:
-                nc = await client(server.url)
-                try:
-                    node = await wait_node(nc, worker.data_dir)
-                    await place_and_wait(nc, get_card("tiny-llm"), node, slots=4)
-                    return node
-                finally:
-                    await nc.close()
-
-            yield WarmStack(server.url, worker, asyncio.run(ready()))
-        finally:
-            worker.kill()
+    with warm_stack(root, {"tiny-llm": tiny_llm_dir}, get_card("tiny-llm")) as stack:
+        yield stack

@@ -9,7 +9,7 @@ import io
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -27,7 +27,7 @@ from fleet.wire import subjects
 from fleet.wire.codec import decode_event, encode
 from fleet.wire.events import ErrorChunk, ErrorReason, ImageChunk, OutputEvent, TaskFinished
 from fleet.wire.tasks import CancelTask, ImageEdits, ImageGeneration
-from tests.integration.conftest import WorkerFactory
+from tests.integration.conftest import WarmStack, WorkerFactory, warm_stack
 from tests.integration.harness import (
     REPO,
     WorkerProcess,
@@ -88,6 +88,25 @@ async def nc(nats_url: str) -> AsyncIterator[Client]:
     await connection.close()
 
 
+@pytest.fixture(scope="module")
+def warm_images(
+    tmp_path_factory: pytest.TempPathFactory, tiny_flux2_dir: Path
+) -> Iterator[WarmStack]:
+    """tiny-flux2 served by one worker for the tests that kill and stop nothing (see
+    warm_tiny_llm); its input wait (3 s) is the longest any of them needs."""
+    root = tmp_path_factory.mktemp("warm-images")
+    with warm_stack(root, {MODEL: tiny_flux2_dir}, get_card(MODEL), slots=1,
+                    FLEET_INPUT_WAIT_S="3") as stack:
+        yield stack
+
+
+@pytest.fixture
+async def warm_nc(warm_images: WarmStack) -> AsyncIterator[Client]:
+    connection = await client(warm_images.nats_url)
+    yield connection
+    await connection.close()
+
+
 async def serve_images(
     nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path, name: str = "w1", **env: str
 ) -> WorkerProcess:
@@ -128,12 +147,11 @@ async def _set_on_image(event: asyncio.Event, msg: Msg) -> None:
 
 
 async def test_a_generation_is_stored_by_hash_and_announced_without_its_bytes(
-    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+    warm_nc: Client, warm_images: WarmStack
 ) -> None:
-    await serve_images(nc, start_worker, tiny_flux2_dir)
     task = draw("draw-once")
-    collector = asyncio.create_task(raw_events_of(nc, task.task_id))
-    await submit(nc, task)
+    collector = asyncio.create_task(raw_events_of(warm_nc, task.task_id))
+    await submit(warm_nc, task)
     raw = await collector
     events = [decode_event(body) for body in raw]
 
@@ -144,30 +162,29 @@ async def test_a_generation_is_stored_by_hash_and_announced_without_its_bytes(
     assert (image.width, image.height, image.format) == (SIDE, SIDE, "png")
     assert image.partial_index is None and image.stats is not None and image.stats.steps == 4
 
-    ours = await ObjectBucket(nc).get(image.sha256)
-    stock_store = await nc.jetstream().object_store(subjects.IMAGES_BUCKET)
+    ours = await ObjectBucket(warm_nc).get(image.sha256)
+    stock_store = await warm_nc.jetstream().object_store(subjects.IMAGES_BUCKET)
     stock = (await stock_store.get(image.sha256)).data
     assert ours == stock
     assert sha256_hex(ours) == image.sha256 and len(ours) == image.size_bytes
     with Image.open(io.BytesIO(ours)) as picture:
         assert picture.format == "PNG" and picture.size == (SIDE, SIDE)
 
-    again = images_of(await run_to_end(nc, draw("draw-again")))
+    again = images_of(await run_to_end(warm_nc, draw("draw-again")))
     assert [i.sha256 for i in again] == [image.sha256]  # same seed, same bytes
 
 
 async def test_partial_images_come_as_previews_then_the_final_each_stored(
-    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+    warm_nc: Client, warm_images: WarmStack
 ) -> None:
-    await serve_images(nc, start_worker, tiny_flux2_dir)
-    events = await run_to_end(nc, draw("with-previews", partial_images=2))
+    events = await run_to_end(warm_nc, draw("with-previews", partial_images=2))
 
     assert finished(events).status == "completed"
     assert [e.type for e in events] == ["task_accepted", "image", "image", "image", "task_finished"]
     images = images_of(events)
     assert [(i.partial_index, i.partial_total) for i in images] == [(0, 2), (1, 2), (None, None)]
     assert len({i.sha256 for i in images}) == 3
-    bucket = ObjectBucket(nc)
+    bucket = ObjectBucket(warm_nc)
     for image in images:
         stored = await bucket.find(image.sha256)
         assert stored is not None and stored.size == image.size_bytes
@@ -207,50 +224,48 @@ async def test_a_late_joiner_fetches_the_input_from_the_store_and_completes_the_
 
 
 async def test_an_input_never_uploaded_ends_input_missing_and_the_worker_keeps_serving(
-    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+    warm_nc: Client, warm_images: WarmStack
 ) -> None:
-    await serve_images(nc, start_worker, tiny_flux2_dir, FLEET_INPUT_WAIT_S="1")
     never_uploaded = sha256_hex(b"no client ever uploaded these bytes")
-    events = await run_to_end(nc, edit("missing-input", [never_uploaded]))
+    events = await run_to_end(warm_nc, edit("missing-input", [never_uploaded]))
 
     result = finished(events)
     assert result.status == "failed" and result.reason is ErrorReason.INPUT_MISSING
     errors = [e for e in events if isinstance(e, ErrorChunk)]
     assert [e.reason for e in errors] == [ErrorReason.INPUT_MISSING]
     assert never_uploaded in errors[0].message
-    assert finished(await run_to_end(nc, draw("after-missing"))).status == "completed"
+    assert finished(await run_to_end(warm_nc, draw("after-missing"))).status == "completed"
 
 
 async def test_objects_whose_bytes_are_not_their_name_end_input_corrupt(
-    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+    warm_nc: Client, warm_images: WarmStack
 ) -> None:
-    worker = await serve_images(nc, start_worker, tiny_flux2_dir, FLEET_INPUT_WAIT_S="1")
+    worker = warm_images.worker
     # Two writers, two tampered objects: fleet's own bucket client and nats-py's stock store.
     by_fleet = sha256_hex(b"what fleet's writer claims it stored")
-    await ObjectBucket(nc).put(by_fleet, png_bytes((10, 120, 200)))
+    await ObjectBucket(warm_nc).put(by_fleet, png_bytes((10, 120, 200)))
     by_stock = sha256_hex(b"what the stock writer claims it stored")
-    stock_store = await nc.jetstream().object_store(subjects.IMAGES_BUCKET)
+    stock_store = await warm_nc.jetstream().object_store(subjects.IMAGES_BUCKET)
     await stock_store.put(by_stock, png_bytes((240, 200, 10)))
 
     for name in (by_fleet, by_stock):
-        result = finished(await run_to_end(nc, edit(f"tampered-{name[:8]}", [name])))
+        result = finished(await run_to_end(warm_nc, edit(f"tampered-{name[:8]}", [name])))
         assert result.status == "failed" and result.reason is ErrorReason.INPUT_CORRUPT
         assert not (worker.data_dir / "images" / name).exists()  # nothing untrusted kept
-    assert finished(await run_to_end(nc, draw("after-corrupt"))).status == "completed"
+    assert finished(await run_to_end(warm_nc, draw("after-corrupt"))).status == "completed"
 
 
 async def test_cancel_between_steps_ends_cancelled_and_the_model_serves_on(
-    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+    warm_nc: Client, warm_images: WarmStack
 ) -> None:
-    await serve_images(nc, start_worker, tiny_flux2_dir)
     # 200 steps, a preview every ~22: the cancel lands long before the last step.
     task = draw("cancel-between-steps", steps=200, partial_images=8)
     first_preview = asyncio.Event()
-    await nc.subscribe(subjects.out(task.task_id), cb=partial(_set_on_image, first_preview))
-    collector = asyncio.create_task(events_of(nc, task.task_id))
-    await submit(nc, task)
+    await warm_nc.subscribe(subjects.out(task.task_id), cb=partial(_set_on_image, first_preview))
+    collector = asyncio.create_task(events_of(warm_nc, task.task_id))
+    await submit(warm_nc, task)
     await asyncio.wait_for(first_preview.wait(), 120)
-    await nc.publish(subjects.cancel(task.task_id), encode(CancelTask(task_id=task.task_id)))
+    await warm_nc.publish(subjects.cancel(task.task_id), encode(CancelTask(task_id=task.task_id)))
     events = await collector
 
     result = finished(events)
@@ -258,45 +273,47 @@ async def test_cancel_between_steps_ends_cancelled_and_the_model_serves_on(
     previews = images_of(events)
     assert previews and all(i.partial_index is not None for i in previews)  # no final image
     assert len(previews) < task.partial_images
-    assert finished(await run_to_end(nc, draw("after-cancel"))).status == "completed"
+    assert finished(await run_to_end(warm_nc, draw("after-cancel"))).status == "completed"
 
 
 async def test_an_image_the_store_refuses_fails_its_task_and_the_worker_keeps_serving(
-    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+    warm_nc: Client, warm_images: WarmStack
 ) -> None:
-    await serve_images(nc, start_worker, tiny_flux2_dir)
-    js = nc.jetstream()
+    js = warm_nc.jetstream()
     stream = f"OBJ_{subjects.IMAGES_BUCKET}"
     config = (await js.stream_info(stream)).config
     # Full: the bucket discards new messages past max_bytes, so the upload is refused.
     await js.update_stream(replace(config, max_bytes=1024))
-    events = await run_to_end(nc, draw("store-full"))
+    try:
+        # A seed of its own: bytes already in the store (another test's) need no upload.
+        events = await run_to_end(warm_nc, draw("store-full", seed=4242))
+    finally:  # the stack is shared: the store gets its room back whatever happened
+        await js.update_stream(config)
 
     result = finished(events)
     assert result.status == "failed" and result.reason is ErrorReason.INTERNAL
     assert not images_of(events)  # never announce an image nobody can fetch
-    await js.update_stream(config)
-    assert finished(await run_to_end(nc, draw("store-has-room"))).status == "completed"
+    assert finished(await run_to_end(warm_nc, draw("store-has-room"))).status == "completed"
 
 
 async def test_a_task_cancelled_while_its_input_is_awaited_ends_once(
-    nc: Client, start_worker: WorkerFactory, tiny_flux2_dir: Path
+    warm_nc: Client, warm_images: WarmStack
 ) -> None:
-    await serve_images(nc, start_worker, tiny_flux2_dir, FLEET_INPUT_WAIT_S="3")
     absent = sha256_hex(b"uploaded only after the cancel")
     waiting = edit("cancelled-while-fetching", [absent])
-    collector = asyncio.create_task(events_of(nc, waiting.task_id))
-    await submit(nc, waiting)
-    await until_taken(nc)
-    await nc.publish(subjects.cancel(waiting.task_id), encode(CancelTask(task_id=waiting.task_id)))
+    collector = asyncio.create_task(events_of(warm_nc, waiting.task_id))
+    await submit(warm_nc, waiting)
+    await until_taken(warm_nc)
+    cancel = CancelTask(task_id=waiting.task_id)
+    await warm_nc.publish(subjects.cancel(waiting.task_id), encode(cancel))
     assert finished(await collector).status == "cancelled"
 
     # The same worker fetches this one after the first fetch began, so its bounded wait ends
     # later: once it has failed, whatever the first fetch's end caused is published too.
     follower = edit("fetched-after-the-cancel", [absent])
-    assert finished(await run_to_end(nc, follower)).reason is ErrorReason.INPUT_MISSING
+    assert finished(await run_to_end(warm_nc, follower)).reason is ErrorReason.INPUT_MISSING
     out = subjects.out(waiting.task_id)
-    stored = await nc.jetstream().stream_info(subjects.OUT_STREAM, subjects_filter=out)
+    stored = await warm_nc.jetstream().stream_info(subjects.OUT_STREAM, subjects_filter=out)
     assert stored.state.subjects == {out: 1}  # the cancel's task_finished, nothing after it
 
 
