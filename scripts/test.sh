@@ -25,10 +25,14 @@ export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 # the costly tiers first; tests/conftest.py lets only a few process-starting tests run at once
 # (FLEET_TEST_HEAVY_SLOTS). (xdist's loadgroup is no use here: xdist 3.8 sets a node id that
 # pytest 9 no longer reads.) --durations is CI's table.
+started=$SECONDS
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 \
   -n "${FLEET_TEST_WORKERS:-4}" --dist loadfile --no-loadscope-reorder "$@"
+echo "test: the suite took $((SECONDS - started)) s (README, Tests: the times to compare with)" >&2
 if .venv/bin/fleet bench --help >/dev/null 2>&1; then
   # Bounded twice: the bench limits every wait of its own, and this limit holds even if one
   # is missed (~1 min normally; a hang once cost a whole CI run).
+  started=$SECONDS
   timeout --kill-after=30 900 .venv/bin/fleet bench --quick
+  echo "test: fleet bench --quick took $((SECONDS - started)) s" >&2
 fi
