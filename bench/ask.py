@@ -31,7 +31,7 @@ from bench.cli import RESULTS_DIR, subprocess_env
 from bench.fleet_stack import FleetStack
 from bench.machine import load_average
 from fleet.bus.connect import js_publish
-from fleet.gateway.tenants import TASK_TTL_S, subject_of, task_key
+from fleet.gateway.owners import TASK_TTL_S, subject_of, task_key
 from fleet.models.catalog import custom_cards_dir
 from fleet.runner.fault_engine import fault_card
 from fleet.wire import subjects

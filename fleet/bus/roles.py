@@ -289,7 +289,7 @@ ACTIONS: tuple[Action, ...] = (
     Action("write_state", "write FLEET_NODES / FLEET_RUNNERS", _who("worker")),
     Action("write_instances", "place or remove an instance (write FLEET_INSTANCES)",
            _who("gateway", "worker"),
-           "the gateway only for the dashboard's operator keys (fleet/gateway/tenants.py)"),
+           "the gateway only for the dashboard's operator keys (fleet/gateway/keys.py)"),
     Action("read_dead_letters", "read the dead letters (STREAM.MSG.GET on FLEET_DEAD)",
            _who("gateway"), "the dashboard lists them, to operator keys only"),
     Action("put_image", "write FLEET_IMAGES directly (chunks and descriptions)",

@@ -1,5 +1,5 @@
 """Who may do what on the dashboard: a tenant key sees its own tasks, an operator key (named
-in the keys file, fleet/gateway/tenants.py) sees every task and may change the fleet. An open
+in the keys file, fleet/gateway/keys.py) sees every task and may change the fleet. An open
 gateway (no keys) trusts everyone, as its API does."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from fleet.gateway.tenants import KeyRing, tenant_of
+from fleet.gateway.surface import KeyRing, tenant_of
 
 
 def is_operator(request: Request) -> bool:

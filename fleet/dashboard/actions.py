@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from fleet.dashboard.access import is_operator, operators_only
 from fleet.errors import FleetError
-from fleet.gateway.service import gateway_of
+from fleet.gateway.surface import gateway_of
 from fleet.models.catalog import get_card
 from fleet.placement import place, remove
 from fleet.placement_replicas import place_replicas

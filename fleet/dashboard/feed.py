@@ -33,8 +33,7 @@ from fleet.aio import DetachedSupervisor, Supervisor
 from fleet.bus.kv_mirror import WAIT_CONNECTED_S, Mirror
 from fleet.dashboard.model import RecentTasks, beats, changed, sees, snapshot
 from fleet.errors import FleetError
-from fleet.gateway.backend import Backend
-from fleet.gateway.tenants import TENANTS_BUCKET, record_of, task_key
+from fleet.gateway.surface import TENANTS_BUCKET, Backend, record_of, task_key
 from fleet.wire import subjects
 from fleet.wire.base import Wire
 from fleet.wire.cluster import Instance, NodeInfo, RunnerRecord

@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from fleet.dashboard import actions, task_routes
 from fleet.dashboard.access import is_operator
 from fleet.dashboard.feed import Feed
-from fleet.gateway.tenants import tenant_of
+from fleet.gateway.surface import tenant_of
 
 STATIC = Path(__file__).parent / "static"
 KEEPALIVE_S = 15.0

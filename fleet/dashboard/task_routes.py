@@ -12,9 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fleet.dashboard.access import viewer_tenant
-from fleet.gateway.bodies import image_format
-from fleet.gateway.resume import resume
-from fleet.gateway.service import gateway_of
+from fleet.gateway.surface import gateway_of, image_format, resume
 from fleet.trace.cli import linked_spans, spans_of_trace, trace_id_of_task
 from fleet.trace.render import label, tree_rows
 

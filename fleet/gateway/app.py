@@ -45,6 +45,7 @@ from fleet.config import Settings, settings_of
 from fleet.dashboard import mount as mount_dashboard
 from fleet.errors import FleetError
 from fleet.gateway import docs, embeddings_api, image_api, landing, messages_api, ops_api, text_api
+from fleet.gateway.auth import ApiKeys
 from fleet.gateway.backend import Backend
 from fleet.gateway.batch_routes import batch_routes, batch_runner
 from fleet.gateway.bodies import BodyLimit, BodyTimeout
@@ -55,11 +56,11 @@ from fleet.gateway.errors import (
     on_unexpected_error,
 )
 from fleet.gateway.idempotency import idempotent
+from fleet.gateway.keys import KeyRing, add_key
 from fleet.gateway.observability import AccessLog, TraceOfItsOwn, http_spans
 from fleet.gateway.ollama_api import ollama_routes
 from fleet.gateway.ollama_errors import OllamaErrors
 from fleet.gateway.service import Gateway
-from fleet.gateway.tenants import ApiKeys, KeyRing, add_key
 
 log = logging.getLogger(__name__)
 

@@ -39,8 +39,8 @@ from fleet.errors import (
     PayloadTooLarge,
     QueueFull,
 )
+from fleet.gateway.owners import Owners
 from fleet.gateway.task_feed import StitchedEvents, TaskSubscriptions
-from fleet.gateway.tenants import Owners
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord
 from fleet.wire.codec import encode

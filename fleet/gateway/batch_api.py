@@ -13,12 +13,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fleet.errors import HttpError, InvalidParameter
+from fleet.gateway.auth import tenant_of
 from fleet.gateway.batch_lines import WINDOW_S, openai_batch
 from fleet.gateway.batch_runner import BatchRunner
 from fleet.gateway.bodies import OpenAIRequest, parse, read_json
 from fleet.gateway.files_api import owned_file
 from fleet.gateway.idempotency import new_id
-from fleet.gateway.tenants import tenant_of
 from fleet.wire.batches import FINAL_STATUSES, BatchEndpoint, BatchRecord
 from fleet.wire.tasks import is_task_id
 

@@ -14,9 +14,9 @@ from starlette.responses import JSONResponse, Response
 
 from fleet.bus.batch_store import BatchStore
 from fleet.errors import HttpError, InvalidParameter
+from fleet.gateway.auth import tenant_of
 from fleet.gateway.idempotency import new_id
 from fleet.gateway.service import gateway_of
-from fleet.gateway.tenants import tenant_of
 from fleet.wire.batches import FileRecord
 from fleet.wire.tasks import is_task_id
 

@@ -34,11 +34,11 @@ from starlette.responses import JSONResponse, Response
 from fleet.bus.batch_store import IDEMPOTENCY_BUCKET, BatchStore
 from fleet.bus.kv_calls import kv_create, kv_get
 from fleet.errors import HttpError, failure_of
+from fleet.gateway.auth import tenant_of
 from fleet.gateway.errors import error_response
 from fleet.gateway.idempotency_seed import SEED
 from fleet.gateway.resume import renderer_for, resume
 from fleet.gateway.service import TASK_ID_HEADER, gateway_of, image_url_for
-from fleet.gateway.tenants import tenant_of
 from fleet.wire.batches import IdempotencyRecord
 from fleet.wire.codec import decode_model, encode
 from fleet.wire.events import ErrorChunk

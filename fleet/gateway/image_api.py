@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from fleet.bus.task_events import Indexed
 from fleet.errors import FleetError, HttpError, InvalidParameter, InvalidRequest, NatsUnavailable
+from fleet.gateway.auth import tenant_of
 from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import (
     OpenAIRequest,
@@ -35,7 +36,6 @@ from fleet.gateway.bodies import (
 from fleet.gateway.errors import invalid_from
 from fleet.gateway.relay import sse, sse_error
 from fleet.gateway.service import gateway_of, image_url_for, new_task_id, now_utc
-from fleet.gateway.tenants import tenant_of
 from fleet.wire.cluster import ModelCard
 from fleet.wire.events import (
     ImageChunk,

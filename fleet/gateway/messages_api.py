@@ -19,7 +19,7 @@ A task's session (fleet.gateway.sessions) is the `X-Session-Id` header, else the
 Errors on these routes are in Anthropic's shape: every error response, whoever made it (a
 route, the key check, the body limits, routing), is rewritten by `AnthropicErrors`, so one
 table (messages_replies.ERROR_TYPES) decides the type for each status. Clients send
-`x-api-key` (fleet.gateway.tenants accepts it like a bearer key) and `anthropic-version`,
+`x-api-key` (fleet.gateway.auth accepts it like a bearer key) and `anthropic-version`,
 which is accepted and not checked.
 """
 
@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleet.errors import InvalidParameter
 from fleet.gateway import messages_stream
+from fleet.gateway.auth import tenant_of
 from fleet.gateway.bodies import parse, read_json
 from fleet.gateway.catalogue import refuses_images
 from fleet.gateway.messages_replies import (
@@ -44,7 +45,6 @@ from fleet.gateway.messages_replies import (
 from fleet.gateway.messages_requests import CountTokensRequest, MessagesRequest, as_chat
 from fleet.gateway.service import gateway_of, new_task_id, now_utc, task_id_headers
 from fleet.gateway.sessions import session_of
-from fleet.gateway.tenants import tenant_of
 from fleet.gateway.text_requests import ChatCompletionRequest, chat_task, image_urls
 from fleet.wire.cluster import ModelCard
 

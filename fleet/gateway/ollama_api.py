@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fleet.errors import InvalidParameter, ModelNotFound
+from fleet.gateway.auth import tenant_of
 from fleet.gateway.bodies import parse, read_json
 from fleet.gateway.catalogue import ModelState, refuses_images
 from fleet.gateway.embeddings_api import Embedded, embed
@@ -49,7 +50,6 @@ from fleet.gateway.ollama_requests import (
 from fleet.gateway.relay import EventStream
 from fleet.gateway.service import TASK_ID_HEADER, Gateway, gateway_of, new_task_id, now_utc
 from fleet.gateway.sessions import session_of
-from fleet.gateway.tenants import tenant_of
 from fleet.wire.cluster import ModelCard
 from fleet.wire.tasks import TextGeneration
 

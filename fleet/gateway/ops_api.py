@@ -9,11 +9,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fleet.errors import FleetError, InvalidParameter, ModelNotFound
+from fleet.gateway.auth import authenticated, tenant_of
 from fleet.gateway.catalogue import model_list, model_object
 from fleet.gateway.openapi import openapi_document
 from fleet.gateway.resume import known_record, resume
 from fleet.gateway.service import gateway_of, image_url_for
-from fleet.gateway.tenants import authenticated, tenant_of
 from fleet.meters import PROMETHEUS_TEXT
 
 TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")

@@ -26,9 +26,9 @@ from starlette.types import Receive, Scope, Send
 from fleet.bus.task_events import ChoiceEvents, Indexed, TaskEvents
 from fleet.errors import FleetError, failure_of
 from fleet.gateway.backend import Backend
+from fleet.gateway.capacity import Capacity
 from fleet.gateway.errors import counted_error_response, error_body
 from fleet.gateway.observability import GatewayMetrics, TaskObserver
-from fleet.gateway.tenants import Capacity
 from fleet.wire.events import (
     ErrorChunk,
     ImageChunk,

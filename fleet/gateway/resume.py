@@ -3,7 +3,7 @@ request that made it (chat.completion.chunk, text_completion, the Responses even
 events), or as raw Fleet events with `?format=native` (and always for a task published
 straight on NATS, which no request shaped).
 
-The format comes from the task's TaskRecord (fleet/gateway/tenants.py), which every gateway
+The format comes from the task's TaskRecord (fleet/gateway/owners.py), which every gateway
 writes before publishing, so any gateway can resume any task. An id with neither a record nor
 stored events is unknown: 404, and so is another tenant's task (the same words: nothing
 confirms an id). The stream holds a place in the gateway's capacity (429 when full) and ends
@@ -20,11 +20,11 @@ from starlette.responses import Response
 from fleet.bus.task_events import Indexed
 from fleet.errors import FleetError, InvalidParameter, failure_of
 from fleet.gateway.backend import Backend
+from fleet.gateway.capacity import Capacity
 from fleet.gateway.errors import not_found
 from fleet.gateway.image_api import ImageRenderer
 from fleet.gateway.relay import EventStream, Renderer, claimer, sse_error
 from fleet.gateway.responses_api import ResponseShape, ResponsesRenderer
-from fleet.gateway.tenants import Capacity
 from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
 from fleet.wire.events import ErrorChunk, TaskFinished
 from fleet.wire.records import TaskRecord

@@ -17,13 +17,14 @@ from starlette.responses import Response
 from fleet.bus.denials import permission_errors
 from fleet.config import Settings
 from fleet.errors import FleetError, InvalidRequest, ModelNotFound, ModelUnavailable
+from fleet.gateway.auth import tenant_of
 from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import image_reference
+from fleet.gateway.capacity import Capacity
 from fleet.gateway.catalogue import Catalogue, ModelState, Unavailable, model_states, refuses_task
 from fleet.gateway.idempotency_seed import SEED
 from fleet.gateway.observability import GatewayMetrics
 from fleet.gateway.relay import Renderer, run_task
-from fleet.gateway.tenants import Capacity, tenant_of
 from fleet.wire.cluster import ModelCard
 from fleet.wire.records import TaskApi, TaskRecord
 from fleet.wire.tasks import Task

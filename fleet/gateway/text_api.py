@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from fleet.errors import InvalidParameter
+from fleet.gateway.auth import tenant_of
 from fleet.gateway.bodies import parse, read_json
 from fleet.gateway.catalogue import refuses_images
 from fleet.gateway.errors import PROMPT_PARAM
@@ -16,7 +17,6 @@ from fleet.gateway.relay import Renderer
 from fleet.gateway.responses_api import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
 from fleet.gateway.service import gateway_of, new_task_id, now_utc, request_id
 from fleet.gateway.sessions import session_of
-from fleet.gateway.tenants import tenant_of
 from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
 from fleet.gateway.text_requests import (
     ChatCompletionRequest,

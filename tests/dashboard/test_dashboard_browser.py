@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as Nats
 
-from fleet.gateway.tenants import add_key
+from fleet.gateway.keys import add_key
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import encode

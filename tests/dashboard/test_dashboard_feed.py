@@ -243,7 +243,7 @@ async def test_a_node_card_that_does_not_decode_is_skipped_and_the_feed_goes_on(
 
 
 async def own(nc: Client, task_id: str, tenant: str) -> None:
-    """The record a gateway writes before it publishes a task (fleet/gateway/tenants.py)."""
+    """The record a gateway writes before it publishes a task (fleet/gateway/owners.py)."""
     record = TaskRecord(tenant=tenant, api="chat.completions", model="tiny-llm", created=0)
     await nc.jetstream().publish(f"$KV.FLEET_TENANTS.task.{task_id}", encode(record),
                                  headers={"Nats-TTL": "3600s"})

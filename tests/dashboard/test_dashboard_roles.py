@@ -22,7 +22,7 @@ from fleet.bus.objects import ObjectBucket
 from fleet.bus.provision import provision
 from fleet.config import load_settings
 from fleet.gateway.app import build_app
-from fleet.gateway.tenants import add_key
+from fleet.gateway.keys import add_key
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import encode

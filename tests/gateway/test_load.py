@@ -18,7 +18,7 @@ import orjson
 import pytest
 from load_helpers import GatewayProcess, connect, open_stream, request_bytes, statuses
 
-from fleet.gateway.tenants import TENANTS_BUCKET, task_key
+from fleet.gateway.owners import TENANTS_BUCKET, task_key
 from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.records import TaskRecord

@@ -21,17 +21,9 @@ from fleet.bus.embedded import EmbeddedNats
 from fleet.config import Settings
 from fleet.errors import AtCapacity, InvalidRequest
 from fleet.gateway.app import build_app
-from fleet.gateway.tenants import (
-    STREAM,
-    Capacity,
-    KeyRing,
-    Owners,
-    add_key,
-    key_hash,
-    parse_keys_file,
-    plain_key_tenant,
-    refusal,
-)
+from fleet.gateway.capacity import Capacity, refusal
+from fleet.gateway.keys import KeyRing, add_key, key_hash, parse_keys_file, plain_key_tenant
+from fleet.gateway.owners import STREAM, Owners
 from fleet.wire import subjects
 from fleet.wire.records import TaskRecord
 from tests.prometheus_text import Scrape

@@ -19,7 +19,7 @@ import fleet.bus.denials as denials
 from fleet.bus.provision import provision
 from fleet.config import Settings
 from fleet.gateway.app import build_app
-from fleet.gateway.tenants import add_key
+from fleet.gateway.keys import add_key
 from fleet.wire import subjects
 from tests.secured import PASSWORDS, shipped_auth_server
 
