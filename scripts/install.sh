@@ -43,9 +43,9 @@ fi
 [ -x .venv/bin/uv ] || .venv/bin/python -m pip install -q --disable-pip-version-check 'uv==0.13.9'
 
 case "$accel" in
-  cpu) extras="cpu,image,demo,dev" ;;
-  cuda) extras="cuda,image,demo,dev" ;;
-  metal) extras="image,demo,dev" ;;
+  cpu) extras="cpu,image,vision,demo,dev" ;;
+  cuda) extras="cuda,image,vision,demo,dev" ;;
+  metal) extras="image,vision,demo,dev" ;;
   *) echo "install: FLEET_ACCEL must be cpu, cuda or metal" >&2; exit 2 ;;
 esac
 overrides=ops/overrides-linux.txt

@@ -24,7 +24,7 @@ from fleet.wire.cluster import ModelCard
 if TYPE_CHECKING:  # the bus is imported only by the verbs that talk to the fleet
     from fleet.bus.weights import FleetModels
 
-TINY_MODELS = ("tiny-llm", "tiny-embed", "tiny-flux2")
+TINY_MODELS = ("tiny-llm", "tiny-embed", "tiny-flux2", "tiny-vlm")
 CONVERTIBLE = ("smollm2-135m",)
 
 

@@ -60,6 +60,12 @@ def _build_tiny_embed(dest: Path) -> Path:
     return make_tiny_llm(dest, seed=1)
 
 
+def _build_tiny_vlm(dest: Path) -> Path:
+    from fleet.models.make_tiny_vlm import make_tiny_vlm
+
+    return make_tiny_vlm(dest)
+
+
 def _link_smollm2(dest: Path) -> Path:
     """SmolLM2's embedding card shares the text card's files: hard links, not a second copy
     (and not symlinks: evicting one model must leave the other whole)."""
@@ -80,6 +86,7 @@ BUILDERS: dict[str, Builder] = {
     "tiny-llm": _build_tiny_llm,
     "tiny-embed": _build_tiny_embed,
     "tiny-flux2": _build_tiny_flux2,
+    "tiny-vlm": _build_tiny_vlm,
     "smollm2-135m": _convert_smollm2,
     "smollm2-135m-embed": _link_smollm2,
 }

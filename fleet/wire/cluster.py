@@ -9,7 +9,9 @@ from pydantic import Field
 from fleet.wire.base import InstanceId, ModelId, NodeId, Part, RunnerId, Wire
 from fleet.wire.runners import RunnerStatus
 
-ModelTask = Literal["text_generation", "text_to_image", "image_to_image", "embeddings"]
+ModelTask = Literal[
+    "text_generation", "text_to_image", "image_to_image", "embeddings", "image_text_to_text"
+]
 
 
 class ImageDefaults(Part):
@@ -104,6 +106,11 @@ class ModelCard(Wire):
     @property
     def is_embedding(self) -> bool:
         return "embeddings" in self.tasks
+
+    @property
+    def is_vision(self) -> bool:
+        """A chat model that reads images (mlx-vlm): the vision runner kind serves it."""
+        return "image_text_to_text" in self.tasks
 
     @property
     def embedding_spec(self) -> EmbeddingSpec:

@@ -19,7 +19,7 @@ from fleet.models.catalog import (
 )
 
 BUILT_IN = {
-    "smollm2-135m", "tiny-llm", "tiny-flux2", "tiny-embed", "smollm2-135m-embed",
+    "smollm2-135m", "tiny-llm", "tiny-flux2", "tiny-embed", "smollm2-135m-embed", "tiny-vlm",
     "flux1-schnell", "flux1-dev", "flux2-klein-4b", "qwen-image", "z-image-turbo",
 }  # fmt: skip
 
@@ -32,6 +32,7 @@ def test_built_in_cards_are_the_documented_set():
         assert card.is_image == (card.image_defaults is not None), card.id
         assert card.family.startswith("mflux_") == card.is_image, card.id
         assert card.is_embedding == (card.embedding is not None), card.id
+        assert card.is_vision == ("vision" in card.capabilities), card.id
 
 
 def test_tiny_flux2_card_asks_for_small_fast_images():
