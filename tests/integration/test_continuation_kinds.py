@@ -143,8 +143,10 @@ async def test_structured_and_unseeded_answers_continue_exactly_after_a_runner_k
 ) -> None:
     """One kind at a time, so each is mid-answer when its runner dies whatever the machine's
     load: all three at once needed them in one batch, and on a loaded machine the first could
-    end before the last had started."""
-    worker = start_worker("a", **ENV)
+    end before the last had started. No worker dies here, so AckWait is long: the message is
+    held throughout only if the worker's beats (every AckWait/4) keep up, and beside a CPU hog
+    (load 15-22) a 2 s AckWait ran out once and the task was taken over."""
+    worker = start_worker("a", **{**ENV, "FLEET_ACK_WAIT_S": "30"})
     nc = await client(nats_url)
     await place_on(nc, get_card("tiny-llm"), await wait_node(nc, worker.data_dir))
     live = Live()
