@@ -72,6 +72,12 @@ def tiny_llm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-vlm (random llava built with mlx-vlm's class, a vision card) once per run."""
+    return built(tmp_path_factory, "tiny-vlm")
+
+
+@pytest.fixture(scope="session")
 def tiny_embed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-embed (tiny-llm's shape, weights of its own, an embeddings card) once per run."""
     return built(tmp_path_factory, "tiny-embed")

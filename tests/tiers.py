@@ -21,7 +21,8 @@ TIERS = ("pure", "bus", "process", "faults", "browser")
 BUS_FIXTURES = frozenset({"nats_server", "nats_url", "provisioned_nc"})
 # Fixtures that build or load a model, or start `fleet worker` processes.
 PROCESS_FIXTURES = frozenset(
-    {"start_worker", "tiny_llm_dir", "tiny_embed_dir", "smollm2_dir", "tiny_flux2_dir"}
+    {"start_worker", "tiny_llm_dir", "tiny_embed_dir", "smollm2_dir", "tiny_flux2_dir",
+     "tiny_vlm_dir"}
 )
 # Folders whose tests start processes or servers of their own: the least tier of each.
 FOLDER_TIERS = {"bus": "bus", "integration": "process", "faults": "faults"}

@@ -81,6 +81,10 @@ def make_engine(
     if spec.card.family == FAULT_FAMILY:
         return FaultEngine(config)
     _use_openblas()
+    if spec.card.is_vision and spec.group is None:
+        from fleet.runner.vision import VisionEngine
+
+        return VisionEngine(config)
     if spec.card.is_embedding and spec.group is None:
         from fleet.runner.embed import EmbeddingEngine
 

@@ -1,0 +1,224 @@
+"""The vision engine: chats with images on an mlx-vlm model (the runner kind of a card whose
+tasks include `image_text_to_text`).
+
+The worker has fetched and verified every image of a task before dispatch (Admission.inputs,
+sha256 -> file), as for image edits; the engine turns the chat into a prompt with a run of
+`<image>` placeholders per image (fleet.runner.vision_inputs) and the images into pixels, and
+decodes with mlx-vlm's generation step. Admitted tasks take turns, one token each per `step()`
+(no shared batch yet: mlx-vlm's batch generator is a later step), each ending with exactly
+one TaskFinished, as the text engine's do.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fleet.errors import TaskRejected
+from fleet.runner.engine import Admission, EngineConfig, Progress
+from fleet.runner.vision_inputs import VisionShape, pixels, read_shape, template_messages
+from fleet.wire.events import (
+    ErrorReason,
+    OutputEvent,
+    TaskFinished,
+    TaskStats,
+    TokenChunk,
+    Usage,
+    failed,
+)
+from fleet.wire.tasks import ChatMessage, TextGeneration
+
+# The most images one task may carry into the engine (the gateway's limit is lower).
+MAX_IMAGES = 16
+
+
+@dataclass
+class _Job:
+    task: TextGeneration
+    prompt_tokens: int
+    steps: Iterator[tuple[Any, Any]]
+    stop_tokens: frozenset[int]
+    admitted_at: float
+    queue_wait_s: float
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    first_token_at: float | None = None
+
+
+class VisionEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._shape: VisionShape | None = None
+        self._jobs: list[_Job] = []
+        self._cancel_lock = threading.Lock()
+        self._cancelled: set[str] = set()
+        self._context_length = config.card.context_length
+
+    def load(self, progress: Progress) -> None:
+        path = Path(self.config.model_path)
+        if not (path / "config.json").is_file():
+            # mlx-vlm would take a missing directory for a hub id and try to download it.
+            raise FileNotFoundError(f"no mlx-vlm model directory at {path}")
+        import mlx.core as mx
+        from mlx_vlm import load as load_vlm
+
+        progress(0, 1)
+        self._model, processor = load_vlm(str(path))
+        mx.eval(self._model.parameters())
+        self._tokenizer = processor.tokenizer
+        self._shape = read_shape(path)
+        progress(1, 1)
+
+    def warm_up(self) -> None:
+        """One short decode with an image: the first request pays no first-call costs."""
+        import mlx.core as mx
+        import numpy as np
+
+        shape = self._vision_shape
+        ids = self._encode([{"role": "user", "content": shape.image_token
+                             * shape.tokens_per_image + "Hi"}])
+        blank = np.zeros((1, 3, shape.image_size, shape.image_size), dtype=np.float32)
+        steps = self._generate(ids, mx.array(blank), max_tokens=2, temperature=0.0, top_p=1.0)
+        for _ in steps:
+            pass
+
+    @property
+    def _vision_shape(self) -> VisionShape:
+        if self._shape is None:
+            raise RuntimeError("the vision engine is not loaded")
+        return self._shape
+
+    def admit(self, admission: Admission) -> None:
+        task = admission.task
+        if not isinstance(task, TextGeneration):
+            raise TaskRejected(ErrorReason.UNSUPPORTED,
+                               f"model {self.config.card.id} only answers chats")
+        hashes = task.image_hashes()
+        if len(hashes) > MAX_IMAGES:
+            raise TaskRejected(ErrorReason.INVALID_TASK,
+                               f"{len(hashes)} images; at most {MAX_IMAGES} a task")
+        if missing := [h for h in hashes if h not in admission.inputs]:
+            raise TaskRejected(ErrorReason.INPUT_MISSING,
+                               f"image {missing[0]} did not reach this node")
+        messages = task.messages or [ChatMessage(role="user", content=task.prompt or "")]
+        ids = self._encode(template_messages(messages, self._vision_shape))
+        if len(ids) >= self._context_length:
+            raise TaskRejected(ErrorReason.CONTEXT_LENGTH,
+                               f"the prompt is {len(ids)} tokens with its images, over the "
+                               f"model's maximum of {self._context_length}")
+        import mlx.core as mx
+
+        images = None
+        if hashes:
+            try:
+                images = mx.array(pixels([admission.inputs[h] for h in hashes],
+                                         self._vision_shape))
+            except OSError as exc:  # PIL's UnidentifiedImageError is one
+                raise TaskRejected(ErrorReason.INPUT_CORRUPT,
+                                   f"an image could not be read: {exc}") from None
+        steps = self._generate(ids, images, task.max_tokens, task.temperature, task.top_p)
+        self._jobs.append(_Job(
+            task=task, prompt_tokens=len(ids), steps=steps, stop_tokens=self._stop_tokens(),
+            admitted_at=time.monotonic(), queue_wait_s=admission.queue_wait_s,
+        ))
+
+    def _encode(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self._tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _stop_tokens(self) -> frozenset[int]:
+        eos = getattr(self._model.config, "eos_token_id", None)
+        ids = eos if isinstance(eos, list) else [eos]
+        ids = [*ids, self._tokenizer.eos_token_id]
+        return frozenset(int(i) for i in ids if i is not None)
+
+    def _generate(self, ids: list[int], images: Any, max_tokens: int, temperature: float,
+                  top_p: float) -> Iterator[tuple[Any, Any]]:
+        import mlx.core as mx
+        from mlx_vlm.generate.ar import generate_step
+
+        input_ids = mx.array([ids])
+        return generate_step(
+            input_ids, self._model, images, mx.ones_like(input_ids),
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        )
+
+    def cancel(self, task_id: str) -> None:
+        with self._cancel_lock:
+            self._cancelled.add(task_id)
+
+    @property
+    def active(self) -> int:
+        return len(self._jobs)
+
+    def close(self) -> None:
+        self._jobs.clear()
+
+    def step(self) -> list[OutputEvent]:
+        with self._cancel_lock:
+            cancelled, self._cancelled = self._cancelled, set()
+        events: list[OutputEvent] = []
+        for job in list(self._jobs):
+            if job.task.task_id in cancelled:
+                self._jobs.remove(job)
+                events.append(failed(job.task.task_id, time.time(), ErrorReason.CANCELLED,
+                                     "cancelled"))
+                continue
+            events += self._advance(job)
+        return events
+
+    def _advance(self, job: _Job) -> list[OutputEvent]:
+        """One token of `job`, and its end when that was its last."""
+        try:
+            token, _ = next(job.steps)
+        except StopIteration:
+            return [self._finish(job, "length")]
+        token = int(token)
+        now = time.time()
+        if job.first_token_at is None:
+            job.first_token_at = time.monotonic()
+        if token in job.stop_tokens:
+            return [self._finish(job, "stop")]
+        job.tokens.append(token)
+        text = self._new_text(job)
+        events: list[OutputEvent] = [TokenChunk(
+            task_id=job.task.task_id, at=now, index=len(job.tokens) - 1, token_id=token,
+            text=text,
+        )]
+        if len(job.tokens) >= job.task.max_tokens:
+            events.append(self._finish(job, "length"))
+        return events
+
+    def _new_text(self, job: _Job) -> str:
+        """The text the newest token adds; a character still cut in half waits for its rest."""
+        whole = self._tokenizer.decode(job.tokens)
+        if whole.endswith("\ufffd"):
+            return ""
+        added, job.text = whole[len(job.text):], whole
+        return added
+
+    def _finish(self, job: _Job, reason: str) -> TaskFinished:
+        self._jobs.remove(job)
+        done = time.monotonic()
+        completion = len(job.tokens)
+        first = job.first_token_at
+        return TaskFinished(
+            task_id=job.task.task_id, at=time.time(), status="completed",
+            finish_reason="stop" if reason == "stop" else "length",
+            usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=completion,
+                        total_tokens=job.prompt_tokens + completion),
+            stats=TaskStats(
+                queue_wait_s=job.queue_wait_s,
+                time_to_first_token_s=None if first is None else first - job.admitted_at,
+                tokens_per_s=(completion / (done - first)) if first and done > first else None,
+                total_s=done - job.admitted_at,
+            ),
+        )

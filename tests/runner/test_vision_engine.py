@@ -1,0 +1,112 @@
+"""The vision engine in-process on tiny-vlm: an image changes the answer, each task ends with
+exactly one TaskFinished, a cancel ends its task once, a missing or unreadable image is a
+typed refusal; and the prompt carries one placeholder run per image (a pure table)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from fleet.errors import TaskRejected
+from fleet.models.catalog import get_card
+from fleet.runner.engine import Admission, EngineConfig
+from fleet.runner.vision import VisionEngine
+from fleet.runner.vision_inputs import VisionShape, template_messages
+from fleet.wire.events import OutputEvent, TaskFinished, TokenChunk
+from fleet.wire.tasks import ChatMessage, ImagePart, TextGeneration, TextPart
+
+RED, BLUE = "a" * 64, "b" * 64
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_vlm_dir: Path) -> VisionEngine:
+    vision = VisionEngine(EngineConfig(card=get_card("tiny-vlm"), model_path=tiny_vlm_dir,
+                                       slots=4, images_dir=tiny_vlm_dir))
+    vision.load(lambda done, total: None)
+    return vision
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("vision-images")
+    paths = {}
+    for sha, colour in ((RED, (220, 20, 20)), (BLUE, (10, 40, 230))):
+        paths[sha] = folder / f"{sha}.png"
+        Image.new("RGB", (48, 40), colour).save(paths[sha])
+    return paths
+
+
+def chat(task_id: str, sha: str | None, max_tokens: int = 6) -> TextGeneration:
+    parts: list[TextPart | ImagePart] = [TextPart(text="What is in this picture?")]
+    if sha:
+        parts.insert(0, ImagePart(sha256=sha))
+    return TextGeneration(task_id=task_id, model="tiny-vlm", temperature=0.0,
+                          max_tokens=max_tokens,
+                          messages=[ChatMessage(role="user", content=parts)])
+
+
+def run_all(engine: VisionEngine) -> list[OutputEvent]:
+    events: list[OutputEvent] = []
+    while engine.active:
+        events += engine.step()
+    return events
+
+
+def tokens_of(events: list[OutputEvent], task_id: str) -> list[int]:
+    return [e.token_id for e in events if isinstance(e, TokenChunk) and e.task_id == task_id]
+
+
+def test_the_image_changes_the_answer_and_each_task_ends_once(
+    engine: VisionEngine, images: dict[str, Path]
+) -> None:
+    engine.admit(Admission(task=chat("red", RED), inputs=images))
+    engine.admit(Admission(task=chat("blue", BLUE), inputs=images))
+    events = run_all(engine)
+    finished = [e for e in events if isinstance(e, TaskFinished)]
+    assert sorted(f.task_id for f in finished) == ["blue", "red"]
+    assert all(f.status == "completed" and f.usage for f in finished)
+    red, blue = tokens_of(events, "red"), tokens_of(events, "blue")
+    assert red and blue and red != blue  # random weights, but the image reaches the model
+    prompt = next(f for f in finished if f.task_id == "red").usage
+    assert prompt is not None and prompt.prompt_tokens > 16  # 16 image tokens and the text
+
+
+def test_a_cancel_ends_its_task_once(engine: VisionEngine, images: dict[str, Path]) -> None:
+    engine.admit(Admission(task=chat("gone", RED, max_tokens=50), inputs=images))
+    engine.step()
+    engine.cancel("gone")
+    events = run_all(engine)
+    ends = [e for e in events if isinstance(e, TaskFinished)]
+    assert [(e.task_id, e.status) for e in ends] == [("gone", "cancelled")]
+
+
+def test_a_missing_or_unreadable_image_is_refused(
+    engine: VisionEngine, images: dict[str, Path], tmp_path: Path
+) -> None:
+    with pytest.raises(TaskRejected, match="did not reach this node") as missing:
+        engine.admit(Admission(task=chat("no-input", RED), inputs={}))
+    assert missing.value.code == "input_missing"
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"not an image")
+    with pytest.raises(TaskRejected, match="could not be read") as corrupt:
+        engine.admit(Admission(task=chat("junk", RED), inputs={RED: junk}))
+    assert corrupt.value.code == "input_corrupt" and engine.active == 0
+
+
+SHAPE = VisionShape(image_size=32, tokens_per_image=3, image_token="<i>", image_token_id=9)
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    ("plain text", "plain text"),
+    ([TextPart(text="look "), ImagePart(sha256=RED)], "look <i><i><i>"),
+    ([ImagePart(sha256=RED), ImagePart(sha256=BLUE), TextPart(text="?")],
+     "<i><i><i><i><i><i>?"),
+    (None, ""),
+])
+def test_template_messages_put_one_placeholder_run_per_image(
+    content: str | list[TextPart | ImagePart] | None, expected: str
+) -> None:
+    message = ChatMessage(role="user", content=content)
+    assert template_messages([message], SHAPE) == [{"role": "user", "content": expected}]
