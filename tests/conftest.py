@@ -1,6 +1,12 @@
 """Shared fixtures: a real nats-server per test on a free port with a temporary store, and the
 tiny models built once per run (shared by pytest-xdist's workers). Every test gets its tier
-(tests/tiers.py) here."""
+(tests/tiers.py) here.
+
+A test that needs a worker but kills, stops and changes nothing shares its module's warm stack
+(tests/integration/conftest.py: `warm_tiny_llm`, or `warm_stack` for another model or
+settings) instead of starting one: a worker and its runner cost seconds of CPU each, and
+tests/integration/test_text_flow.py and test_image_flow.py went from a stack per test to one
+per module (their tests use task ids of their own and wait for every task's end)."""
 
 from __future__ import annotations
 
