@@ -27,9 +27,9 @@ COMMAND_MODULES = (
     "fleet.commands.demo",
     "fleet.models.cli",
     "fleet.bus.images_cli",
-    "fleet.gateway.app",
+    "fleet.commands.gateway",
     "fleet.commands.bench",
-    "fleet.trace.cli",
+    "fleet.commands.trace",
 )
 
 # The commands whose processes make spans (a runner sets up its own, exporting via its worker).

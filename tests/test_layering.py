@@ -6,6 +6,8 @@ The layers: the wire types (`fleet.wire`) at the bottom; the libraries every pro
 (`fleet.bus`, `fleet.models`, `fleet.trace` and the top-level modules such as `fleet.errors`);
 the roles, one per process kind (the HTTP side: gateway and the dashboard mounted on it; the
 worker; the runner); and the composition roots that start roles (`fleet.commands`, `fleet.cli`).
+Between packages (a subpackage of fleet, or one of its top-level modules) the imports form no
+cycle: each package can be read, tested and changed knowing only what is below it.
 """
 
 from __future__ import annotations
@@ -96,4 +98,63 @@ def test_a_role_imports_no_other_role_and_no_command(role: str) -> None:
     """Roles meet only through the wire and the bus; commands start them, never the reverse."""
     others = tuple(p for name, packages in ROLES.items() if name != role for p in packages)
     bad = {(a, b) for a, b in edges_from(ROLES[role]) if within(b, (*others, *ROOTS))}
+    assert bad == set()
+
+
+def package_of(name: str) -> str | None:
+    """`fleet.gateway.app` -> `fleet.gateway`; a top-level module is a package of its own."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "fleet" and len(parts) > 1 else None
+
+
+def package_cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
+    """The packages that import each other, directly or around a loop: each strongly
+    connected part of the package graph bigger than one package, sorted (pure)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        pa, pb = package_of(a), package_of(b)
+        if pa and pb and pa != pb:
+            graph.setdefault(pa, set()).add(pb)
+
+    def reachable(start: str) -> set[str]:
+        seen: set[str] = set()
+        stack = [start]
+        while stack:
+            for nxt in graph.get(stack.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return seen
+
+    reach = {package: reachable(package) for package in graph}
+    loops = {tuple(sorted(p for p in reach if p in reach[start] and start in reach[p]))
+             for start in reach if start in reach[start]}
+    return sorted(list(loop) for loop in loops)
+
+
+@pytest.mark.parametrize(("edges", "cycles"), [
+    (set(), []),
+    ({("fleet.a.x", "fleet.b.y"), ("fleet.b.y", "fleet.c")}, []),
+    ({("fleet.a.x", "fleet.a.y"), ("fleet.a.y", "fleet.a.x")}, []),  # within a package
+    ({("fleet.a.x", "fleet.b.y"), ("fleet.b.z", "fleet.a.w")}, [["fleet.a", "fleet.b"]]),
+    ({("fleet.a", "fleet.b.y"), ("fleet.b.y", "fleet.c.z"), ("fleet.c", "fleet.a.Name"),
+      ("fleet.d", "fleet.a")}, [["fleet.a", "fleet.b", "fleet.c"]]),
+    ({("fleet.a.x", "nats.aio"), ("nats", "fleet.a")}, []),  # only fleet's own packages
+])
+def test_package_cycles_finds_every_loop(
+        edges: set[tuple[str, str]], cycles: list[list[str]]) -> None:
+    assert package_cycles(edges) == cycles
+
+
+def test_no_import_cycle_between_packages() -> None:
+    assert package_cycles(EDGES) == []
+
+
+def test_the_dashboard_reaches_the_gateway_only_through_its_surface() -> None:
+    """The gateway never imports the dashboard (fleet/commands/gateway.py mounts it); the
+    dashboard imports one small module of the gateway's."""
+    assert {(a, b) for a, b in edges_from(("fleet.gateway",))
+            if within(b, ("fleet.dashboard",))} == set()
+    bad = {(a, b) for a, b in edges_from(("fleet.dashboard",))
+           if within(b, ("fleet.gateway",)) and not within(b, ("fleet.gateway.surface",))}
     assert bad == set()

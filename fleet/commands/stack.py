@@ -120,7 +120,8 @@ async def stack(
     if fresh and settings.nats_url is not None:
         raise InvalidSetting("--fresh clears the instances of the embedded server only; on "
                              "FLEET_NATS_URL remove them with `fleet instances remove ID`")
-    from fleet.gateway.app import listening_socket, serve
+    from fleet.commands.gateway import serve
+    from fleet.gateway.app import listening_socket
     from fleet.worker.main import Worker
 
     quiet_builders()

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from fleet.dashboard.access import viewer_tenant
 from fleet.gateway.surface import gateway_of, image_format, resume
-from fleet.trace.cli import linked_spans, spans_of_trace, trace_id_of_task
+from fleet.trace.lookup import linked_spans, spans_of_trace, trace_id_of_task
 from fleet.trace.render import label, tree_rows
 
 TASK_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")

@@ -1,5 +1,7 @@
-"""The gateway's process: the ASGI app (route table, middleware stack, error handlers),
-uvicorn's server with the limits it lacks, and the `fleet gateway` command.
+"""The gateway's process: the ASGI app (route table, middleware stack, error handlers) and
+uvicorn's server with the limits it lacks. The `fleet gateway` command, and the packages
+mounted on the app (the dashboard at /ui), are composed in fleet/commands/gateway.py: this
+package never imports them.
 
 uvicorn's httptools protocol has two limits added here:
 
@@ -21,14 +23,12 @@ runs the loop stops the gateway by cancelling it, and the gateway then shuts dow
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -41,8 +41,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from fleet import telemetry
 from fleet.bus.connect import redact_urls
-from fleet.config import Settings, settings_of
-from fleet.dashboard import mount as mount_dashboard
+from fleet.config import Settings
 from fleet.errors import FleetError
 from fleet.gateway import docs, embeddings_api, image_api, landing, messages_api, ops_api, text_api
 from fleet.gateway.auth import ApiKeys
@@ -56,7 +55,7 @@ from fleet.gateway.errors import (
     on_unexpected_error,
 )
 from fleet.gateway.idempotency import idempotent
-from fleet.gateway.keys import KeyRing, add_key
+from fleet.gateway.keys import KeyRing
 from fleet.gateway.observability import AccessLog, TraceOfItsOwn, http_spans
 from fleet.gateway.ollama_api import ollama_routes
 from fleet.gateway.ollama_errors import OllamaErrors
@@ -103,7 +102,12 @@ ROUTES = [
 ]
 
 
-def build_app(settings: Settings) -> Starlette:
+# Adds a package's routes to the app (the dashboard's `mount`); called before the outermost
+# middleware is added, so that the access log and the HTTP spans see its routes too.
+AddRoutes = Callable[[Starlette], None]
+
+
+def build_app(settings: Settings, mounts: Iterable[AddRoutes] = ()) -> Starlette:
     ring = KeyRing.load(settings.api_keys, settings.api_keys_file)
     gateway = Gateway(settings, Backend(settings))
     batches = batch_runner(gateway)
@@ -139,7 +143,8 @@ def build_app(settings: Settings) -> Starlette:
     app.state.gateway = gateway
     app.state.batches = batches  # /v1/files, /v1/batches and the jobs this gateway runs
     app.state.key_ring = ring  # the dashboard asks it who is an operator
-    mount_dashboard(app)  # /ui: fleet/dashboard
+    for mount in mounts:
+        mount(app)  # /ui: fleet/dashboard, mounted by fleet/commands/gateway.py
     # Outside the key check and the body limits: their refusals on /v1/messages too are in
     # Anthropic's shape.
     app.add_middleware(messages_api.AnthropicErrors)
@@ -267,7 +272,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 async def serve(
-    settings: Settings, ready: asyncio.Event | None = None, sock: socket.socket | None = None
+    settings: Settings, ready: asyncio.Event | None = None, sock: socket.socket | None = None,
+    mounts: Iterable[AddRoutes] = (),
 ) -> None:
     """Serve until cancelled, on `sock` when given (bound by the caller before it started
     anything else: `fleet up` fails on a taken port before NATS and the worker start)."""
@@ -286,7 +292,7 @@ async def serve(
         "gateway listening on http://%s:%d/v1 (NATS %s)", host, port, redact_urls(settings.urls)
     )
     config = uvicorn.Config(
-        build_app(settings),
+        build_app(settings, mounts),
         log_level=settings.log_level.lower(),
         # The AccessLog middleware (fleet/gateway/observability.py) writes the one line per request.
         access_log=False,
@@ -307,52 +313,3 @@ async def serve(
         raise
     finally:
         sock.close()
-
-
-async def run_gateway(settings: Settings) -> None:
-    from fleet.proc import Exit
-
-    serving = asyncio.ensure_future(serve(settings))
-    # The first SIGINT/SIGTERM stops it gracefully; a second one, or the deadline, ends it.
-    Exit().install().on_stop(serving.cancel)
-    with contextlib.suppress(asyncio.CancelledError):
-        await serving
-
-
-def cmd_gateway(args: argparse.Namespace) -> int:
-    import uvloop
-
-    uvloop.run(run_gateway(settings_of(args)))
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "gateway", help="the OpenAI-compatible HTTP gateway over the task subjects"
-    )
-    parser.set_defaults(func=cmd_gateway)
-    keys = parser.add_subparsers(dest="gateway_command").add_parser(
-        "keys", help="API keys and their tenants (the keys file)"
-    )
-    add = keys.add_subparsers(dest="keys_command", required=True).add_parser(
-        "add", help="make a key for a tenant, print it once, append its hash to the keys file"
-    )
-    add.add_argument("--tenant", required=True, help="1-64 letters, digits, - or _")
-    add.add_argument("--operator", action="store_true",
-                     help="the tenant may change the fleet from the dashboard and sees all tasks")
-    add.add_argument(
-        "--file", help="the keys file (default: FLEET_API_KEYS_FILE, else DATA_DIR/api_keys.jsonl)"
-    )
-    add.set_defaults(func=cmd_keys_add)
-
-
-def cmd_keys_add(args: argparse.Namespace) -> int:
-    settings = settings_of(args)
-    path = Path(args.file or settings.api_keys_file or settings.data_dir / "api_keys.jsonl")
-    key = add_key(path.expanduser(), args.tenant, args.operator)
-    role = " (operator)" if args.operator else ""
-    print(f"tenant {args.tenant}{role}: key added to {path} (only its sha256 is stored)")
-    print(f"  export FLEET_API_KEYS_FILE={path}   # for the gateway")
-    print(f"  Authorization: Bearer {key}")
-    print("This is the only time the key is shown.")
-    return 0

@@ -20,10 +20,10 @@ from starlette.applications import Starlette
 
 from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.kv_mirror import apply_entry
+from fleet.commands.gateway import build_app
 from fleet.config import Settings, load_settings
 from fleet.dashboard.feed import Feed, Tab
 from fleet.dashboard.model import RecentTasks, beats, changed, sees, snapshot
-from fleet.gateway.app import build_app
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import encode

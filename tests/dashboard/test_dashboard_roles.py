@@ -20,8 +20,8 @@ from nats.aio.client import Client
 import fleet.bus.denials as denials
 from fleet.bus.objects import ObjectBucket
 from fleet.bus.provision import provision
+from fleet.commands.gateway import build_app
 from fleet.config import load_settings
-from fleet.gateway.app import build_app
 from fleet.gateway.keys import add_key
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo

@@ -16,8 +16,8 @@ from gateway_helpers import StandInWorker
 from nats.aio.client import Client
 from starlette.applications import Starlette
 
+from fleet.commands.gateway import build_app
 from fleet.config import Settings, load_settings
-from fleet.gateway.app import build_app
 
 
 @pytest.fixture

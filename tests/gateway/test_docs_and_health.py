@@ -10,8 +10,8 @@ from dataclasses import replace
 import httpx
 from starlette.applications import Starlette
 
+from fleet.commands.gateway import build_app
 from fleet.config import Settings
-from fleet.gateway.app import build_app
 
 
 async def test_health_is_healthz_by_another_name(client: httpx.AsyncClient) -> None:

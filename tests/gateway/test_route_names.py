@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from fleet.commands.gateway import build_app
 from fleet.config import Settings
-from fleet.gateway.app import build_app
 from fleet.gateway.observability import UNTRACED_URLS, route_of
 
 ROUTES = build_app(Settings(nats_url="nats://127.0.0.1:1")).router.routes

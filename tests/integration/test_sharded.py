@@ -18,7 +18,7 @@ from fleet.config import load_settings
 from fleet.gateway.app import build_app
 from fleet.models.catalog import get_card
 from fleet.placement import place, read_instances, remove
-from fleet.trace.cli import spans_of_trace
+from fleet.trace.lookup import spans_of_trace
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, RunnerRecord
 from fleet.wire.codec import decode_event, decode_model

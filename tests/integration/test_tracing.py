@@ -16,7 +16,7 @@ from openai import AsyncOpenAI
 
 from fleet.models.catalog import get_card
 from fleet.placement import place
-from fleet.trace.cli import spans_of_trace, trace_id_of_task
+from fleet.trace.lookup import spans_of_trace, trace_id_of_task
 from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.events import TaskAccepted

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from nats.aio.client import Client
 
-from fleet.trace.cli import trace_id_of_request
+from fleet.trace.lookup import trace_id_of_request
 from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.events import TaskAccepted

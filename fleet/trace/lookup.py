@@ -1,5 +1,6 @@
-"""`fleet trace <task_id> [--chrome FILE]`: a task's trace as a waterfall, from JetStream alone.
-The id of a gateway request with n > 1 choices works too: its choices share its trace.
+"""A task's trace, read from JetStream alone (the `fleet trace` command is
+fleet/commands/trace.py; the dashboard reads traces here too). The id of a gateway request with
+n > 1 choices works too: its choices share its trace.
 
 A task's trace id is in its `task_accepted` on `fleet.out.<task_id>`; a task that ended before
 any runner accepted it still names its trace in the `traceparent` of its events. The spans
@@ -8,23 +9,14 @@ are the `{"spans": [...]}` messages stored on `fleet.traces.<trace_id>`.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import shutil
 from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any
 
 import orjson
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 
-from fleet.bus.connect import connect_with
-from fleet.config import Settings, settings_of
-from fleet.errors import FleetError
 from fleet.trace.records import SpanRecord
-from fleet.trace.render import chrome_trace, waterfall
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
 from fleet.wire.events import TaskAccepted
@@ -108,45 +100,3 @@ async def linked_spans(
         if any(record["end_ns"] > after_ns for record in records):
             found.extend(records)
     return found
-
-
-async def load_trace(settings: Settings, task_or_trace: str) -> tuple[str, list[SpanRecord]]:
-    """The trace's id and its spans, plus those of linked traces that overlap it."""
-    nc = await connect_with(settings, "fleet-trace")
-    try:
-        js = nc.jetstream()
-        trace_id = task_or_trace if is_trace_id(task_or_trace) else None
-        trace_id = trace_id or await trace_id_of_request(js, task_or_trace)
-        if trace_id is None:
-            raise FleetError(f"no trace found for task {task_or_trace}: unknown, or expired")
-        spans = await spans_of_trace(js, trace_id)
-        if spans:
-            spans += await linked_spans(js, spans, min(span["start_ns"] for span in spans))
-    finally:
-        await nc.close()
-    return trace_id, spans
-
-
-def cmd_trace(args: argparse.Namespace) -> int:
-    settings = settings_of(args)
-    trace_id, spans = asyncio.run(load_trace(settings, args.task_id))
-    if not spans:
-        raise FleetError(f"trace {trace_id} has no spans in FLEET_TRACES (expired, or disabled)")
-    columns = shutil.get_terminal_size((140, 40)).columns
-    bar_width = max(20, min(60, columns - 100))
-    for line in waterfall(spans, bar_width=bar_width):
-        print(line)
-    if args.chrome:
-        document: dict[str, Any] = chrome_trace(spans)
-        Path(args.chrome).write_bytes(orjson.dumps(document))
-        print(f"wrote {args.chrome}: open it in https://ui.perfetto.dev or chrome://tracing")
-    return 0
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "trace", help="a task's trace as a waterfall (spans stored in FLEET_TRACES)"
-    )
-    parser.add_argument("task_id", help="a task id, or a trace id (32 hex digits)")
-    parser.add_argument("--chrome", type=Path, help="also write Chrome trace JSON here (Perfetto)")
-    parser.set_defaults(func=cmd_trace)

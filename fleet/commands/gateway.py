@@ -1,0 +1,83 @@
+"""`fleet gateway`: the gateway's app composed with what is mounted on it. The gateway package
+never imports the dashboard; this module does, and hands its `mount` to the app factory, so
+the HTTP side's dependency is one-way (dashboard -> fleet/gateway/surface.py)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import socket
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+
+from fleet.config import Settings, settings_of
+from fleet.dashboard import mount as mount_dashboard
+from fleet.gateway import app as gateway_app
+from fleet.gateway.keys import add_key
+
+# What `fleet gateway` and `fleet up` serve besides the API: the dashboard at /ui.
+MOUNTS: tuple[gateway_app.AddRoutes, ...] = (mount_dashboard,)
+
+
+def build_app(settings: Settings) -> Starlette:
+    """The app `fleet gateway` serves: the API and the dashboard."""
+    return gateway_app.build_app(settings, MOUNTS)
+
+
+async def serve(
+    settings: Settings, ready: asyncio.Event | None = None, sock: socket.socket | None = None
+) -> None:
+    """fleet.gateway.app.serve with the dashboard mounted."""
+    await gateway_app.serve(settings, ready, sock, MOUNTS)
+
+
+async def run_gateway(settings: Settings) -> None:
+    from fleet.proc import Exit
+
+    serving = asyncio.ensure_future(serve(settings))
+    # The first SIGINT/SIGTERM stops it gracefully; a second one, or the deadline, ends it.
+    Exit().install().on_stop(serving.cancel)
+    with contextlib.suppress(asyncio.CancelledError):
+        await serving
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    import uvloop
+
+    uvloop.run(run_gateway(settings_of(args)))
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "gateway", help="the OpenAI-compatible HTTP gateway over the task subjects"
+    )
+    parser.set_defaults(func=cmd_gateway)
+    keys = parser.add_subparsers(dest="gateway_command").add_parser(
+        "keys", help="API keys and their tenants (the keys file)"
+    )
+    add = keys.add_subparsers(dest="keys_command", required=True).add_parser(
+        "add", help="make a key for a tenant, print it once, append its hash to the keys file"
+    )
+    add.add_argument("--tenant", required=True, help="1-64 letters, digits, - or _")
+    add.add_argument("--operator", action="store_true",
+                     help="the tenant may change the fleet from the dashboard and sees all tasks")
+    add.add_argument(
+        "--file", help="the keys file (default: FLEET_API_KEYS_FILE, else DATA_DIR/api_keys.jsonl)"
+    )
+    add.set_defaults(func=cmd_keys_add)
+
+
+def cmd_keys_add(args: argparse.Namespace) -> int:
+    settings = settings_of(args)
+    path = Path(args.file or settings.api_keys_file or settings.data_dir / "api_keys.jsonl")
+    key = add_key(path.expanduser(), args.tenant, args.operator)
+    role = " (operator)" if args.operator else ""
+    print(f"tenant {args.tenant}{role}: key added to {path} (only its sha256 is stored)")
+    print(f"  export FLEET_API_KEYS_FILE={path}   # for the gateway")
+    print(f"  Authorization: Bearer {key}")
+    print("This is the only time the key is shown.")
+    return 0
