@@ -1,7 +1,8 @@
 """The dashboard's live feed: ONE reader per gateway process, shared by every browser tab.
 
-KV watches mirror FLEET_NODES, FLEET_INSTANCES, FLEET_RUNNERS and the task owners of
-FLEET_TENANTS (fleet/bus/kv_mirror.py); the queue counters are read once a second. Task events
+KV watches mirror FLEET_NODES, FLEET_INSTANCES, FLEET_RUNNERS (while a tab is open: they
+grow with the fleet) and the task owners of FLEET_TENANTS (fleet/bus/kv_mirror.py); the queue
+counters are read once a second. Task events
 fold into the recent-tasks table from the gateway's own feed (the events of its requests,
 fleet.gateway.task_feed: no second subscription); only while a tab is open does the feed also
 subscribe to `fleet.out.*`, to show the whole fleet's tasks to whoever watches. A gateway that
@@ -113,9 +114,10 @@ class Feed:
         await self._children.start()
 
     def _add_children(self, supervisor: Supervisor) -> None:
-        for mirror in (self.nodes, self.instances, self.runners, self.owners):
+        for mirror in (self.nodes, self.instances, self.runners):
             supervisor.forever(f"watch {mirror.bucket}",
-                               lambda m=mirror: m.run(self.backend))  # type: ignore[misc]
+                               lambda m=mirror: self._while_watched(m))  # type: ignore[misc]
+        supervisor.forever(f"watch {self.owners.bucket}", lambda: self.owners.run(self.backend))
         supervisor.forever("queues", self._sample_queues)
         supervisor.forever("tasks", self._follow_tasks)
         supervisor.forever("flush", self._flush_forever)
@@ -245,6 +247,24 @@ class Feed:
         if (current := beats(self._decoded(self.nodes, NodeInfo))) != self.beats:
             self.beats = current
             self._broadcast("beats", current)
+
+    async def _while_watched(self, mirror: Mirror) -> None:
+        """The fleet's state grows with the fleet (a heartbeat per node every 3 s): mirrored
+        only while a tab is open, so a gateway nobody watches does not hear it for this."""
+        while True:
+            await self._watched.wait()
+            watching = asyncio.create_task(mirror.run(self.backend))
+            try:
+                while self.tabs and not watching.done():
+                    gone = asyncio.create_task(self._unwatched.wait())
+                    await asyncio.wait({watching, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    gone.cancel()
+            finally:
+                watching.cancel()
+                await asyncio.gather(watching, return_exceptions=True)
+                mirror.ready.clear()  # stale from here on: read afresh by the next tab
+            if not watching.cancelled() and (failure := watching.exception()) is not None:
+                raise failure  # the supervisor logs it and starts this again
 
     def _from_gateway(self, data: bytes) -> None:
         if not self.following.is_set():  # else fleet.out.* brings it too
