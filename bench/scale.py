@@ -331,6 +331,10 @@ async def run_design(src: Path, design: str, plan: ScalePlan, work: Path) -> dic
     return {"design": design, "src": str(src), "steps": steps}
 
 
+def _seconds(value: object) -> object:
+    return "> 60" if value is None else value  # time_failover's timeout
+
+
 def table(result: dict[str, Any]) -> list[str]:
     lines = [f"### {result['design']} ({result['src']})", "",
              "| N | load | worker msgs/s | worker KB/s | worker CPU | worker RSS MB | "
@@ -346,7 +350,7 @@ def table(result: dict[str, Any]) -> list[str]:
                 f"{w['msgs_s']} | {w['kb_s']} | {w['cpu']:.1%} | {w['rss_mb']} | "
                 f"{g.get('msgs_s', '-')} | {g.get('kb_s', '-')} | {g.get('cpu', 0):.1%} | "
                 f"{s['cpu']:.1%} | {step['placement_p50_ms'] if phase == 'idle' else ''} | "
-                f"{step.get('failover_s', '-') if phase == 'idle' else ''} |")
+                f"{_seconds(step.get('failover_s', '-')) if phase == 'idle' else ''} |")
     return lines
 
 
