@@ -27,6 +27,7 @@ from fleet.gateway.text_requests import (
     image_urls,
     refuse_resumable_choices,
 )
+from fleet.gateway.vision import check_chat_images
 from fleet.wire.records import TaskApi
 from fleet.wire.tasks import TextGeneration
 
@@ -62,6 +63,7 @@ async def _chat(
     urls = image_urls(chat)
     if urls and (why := refuses_images(card)):
         raise InvalidParameter(why, "messages")
+    check_chat_images(urls)  # before any image is stored
     hashes = {url: await gateway.image_hash(url, tenant_of(request)) for url in urls}
     timeout_s = gateway.timeout_for(chat.timeout)
     refuse_resumable_choices(chat.n, chat.resumable)

@@ -1,0 +1,94 @@
+"""Vision chat with the official `openai` client against real processes: nats-server,
+`fleet worker` running tiny-vlm in a vision runner, and `fleet gateway`. One stack for the
+module. The image goes into FLEET_IMAGES at the gateway, the task carries its sha256, the node
+fetches it before dispatch; images over the limits or unreadable are refused with a 400."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from load_helpers import GatewayProcess
+from PIL import Image
+
+from fleet.bus.embedded import EmbeddedNats
+from fleet.gateway.vision import MAX_CHAT_IMAGES
+from fleet.models.catalog import get_card
+from tests.integration.harness import WorkerProcess, client, place_and_wait, seed_models, wait_node
+
+MODEL = "tiny-vlm"
+IMAGE_TOKENS = 16  # tiny-vlm: 32x32 pixels in 8x8 patches
+
+
+@pytest.fixture(scope="module")
+def sdk(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterator[openai.OpenAI]:
+    root = tmp_path_factory.mktemp("vision")
+    with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as nats_server:
+        worker_dir = root / "worker"
+        seed_models(worker_dir, {MODEL: tiny_vlm_dir})
+        worker = WorkerProcess(nats_server.url, worker_dir).start()
+        gateway = GatewayProcess(nats_server.url, root / "gateway")
+        try:
+
+            async def start() -> str:
+                nc = await client(nats_server.url)
+                node = await wait_node(nc, worker_dir)
+                await place_and_wait(nc, get_card(MODEL), node, slots=4)
+                await nc.close()
+                return await gateway.listening()
+
+            url = f"http://{asyncio.run(start())}"
+            yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60,
+                                max_retries=0)
+        finally:
+            gateway.stop()
+            worker.kill()
+
+
+def png_url(size: tuple[int, int], colour: tuple[int, int, int] = (200, 30, 30)) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def ask(sdk: openai.OpenAI, *urls: str) -> openai.types.chat.ChatCompletion:
+    content: list[dict[str, object]] = [
+        {"type": "image_url", "image_url": {"url": url}} for url in urls
+    ]
+    content.append({"type": "text", "text": "What is in this picture?"})
+    return sdk.chat.completions.create(
+        model=MODEL, max_tokens=4, temperature=0.0,
+        messages=[{"role": "user", "content": content}],  # type: ignore[list-item,misc]
+    )
+
+
+def test_a_chat_with_a_data_url_image_is_answered(sdk: openai.OpenAI) -> None:
+    with_image = ask(sdk, png_url((40, 30)))
+    without = ask(sdk)
+    choice = with_image.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.role == "assistant"
+    assert with_image.usage and without.usage
+    # The runner saw the image: its placeholders are in the prompt the model read.
+    assert with_image.usage.prompt_tokens == without.usage.prompt_tokens + IMAGE_TOKENS
+
+
+@pytest.mark.parametrize(("urls", "reason"), [
+    (lambda: [png_url((4097, 4096))], "pixels, over the limit"),
+    (lambda: ["data:image/png;base64,"
+              + base64.b64encode(b"\x89PNG\r\n\x1a\nnot a png").decode()],
+     "could not be read"),
+    (lambda: ["data:image/png;base64,@@@"], "not valid base64"),
+    (lambda: [png_url((8, 8))] * (MAX_CHAT_IMAGES + 1), f"at most {MAX_CHAT_IMAGES}"),
+], ids=["too-many-pixels", "not-an-image", "not-base64", "too-many-images"])
+def test_bad_images_get_a_400_with_the_reason(
+    sdk: openai.OpenAI, urls: Callable[[], list[str]], reason: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(sdk, *urls())  # made here: a 16-megapixel PNG is no work for collection
+    assert refused.value.status_code == 400
+    assert reason in str(refused.value.message)
