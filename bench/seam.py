@@ -50,6 +50,7 @@ from fleet.worker.continuation import stored_events
 
 READY_S = 300.0  # a worker start plus a model load, on a loaded machine
 ROUND_S = 120.0
+STORED_WAIT_S = 10.0
 CASES = ("worker_kill", "runner_kill", "worker_pause")
 
 
@@ -258,13 +259,24 @@ class SeamStack:
             await watch.until(watch.done, ROUND_S)
         finally:
             await sub.unsubscribe()
-        stored = await stored_events(self.nc, self.nc.jetstream(), task.task_id)
+        stored = await self.stored(task.task_id)
         row = {"seam_s": round(resumed - faulted_at, 3), **judge(stored, self.plan.max_tokens)}
         accepted = [e for e in stored if isinstance(e, TaskAccepted)]
         row["attempts"] = len(accepted)
         row["moved_from"] = accepted[-1].moved_from if accepted else None
         await self.recover(case, victim)
         return row
+
+    async def stored(self, task_id: str) -> list[OutputEvent]:
+        """The task's stored events, once its terminal is stored: a core subscriber can see
+        the terminal before the stream has stored it (one run counted a task lost that way)."""
+        assert self.nc is not None
+        deadline = time.monotonic() + STORED_WAIT_S
+        while True:
+            events = await stored_events(self.nc, self.nc.jetstream(), task_id)
+            if any(isinstance(e, TaskFinished) for e in events) or time.monotonic() > deadline:
+                return events
+            await asyncio.sleep(0.2)  # polling the stream, bounded by the deadline
 
     async def fault(self, case: str, victim: Worker, runner_id: str) -> None:
         assert victim.process is not None
