@@ -56,6 +56,7 @@ class VisionEngine:
         self._tokenizer: Any = None
         self._shape: VisionShape | None = None
         self._jobs: list[_Job] = []
+        self._ended_at_admission: list[TaskFinished] = []  # continued tasks already done
         self._cancel_lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._context_length = config.card.context_length
@@ -122,11 +123,22 @@ class VisionEngine:
             except OSError as exc:  # PIL's UnidentifiedImageError is one
                 raise TaskRejected(ErrorReason.INPUT_CORRUPT,
                                    f"an image could not be read: {exc}") from None
-        steps = self._generate(ids, images, task.max_tokens, task.temperature, task.top_p)
-        self._jobs.append(_Job(
-            task=task, prompt_tokens=len(ids), steps=steps, stop_tokens=self._stop_tokens(),
+        # A continued task goes on after the tokens its earlier attempts streamed: they
+        # join the prompt, and indexes and usage count on from them.
+        generated = list(admission.generated)
+        job = _Job(
+            task=task, prompt_tokens=len(ids), steps=iter(()), stop_tokens=self._stop_tokens(),
             admitted_at=time.monotonic(), queue_wait_s=admission.queue_wait_s,
-        ))
+            tokens=generated, text=self._tokenizer.decode(generated).rstrip("\ufffd"),
+        )
+        if generated and (generated[-1] in job.stop_tokens or len(generated) >= task.max_tokens):
+            ended = "stop" if generated[-1] in job.stop_tokens else "length"
+            self._jobs.append(job)
+            self._ended_at_admission.append(self._finish(job, ended))
+            return
+        job.steps = self._generate(ids + generated, images, task.max_tokens - len(generated),
+                                   task.temperature, task.top_p)
+        self._jobs.append(job)
 
     def _encode(self, messages: list[dict[str, Any]]) -> list[int]:
         text = self._tokenizer.apply_chat_template(
@@ -157,15 +169,17 @@ class VisionEngine:
 
     @property
     def active(self) -> int:
-        return len(self._jobs)
+        return len(self._jobs) + len(self._ended_at_admission)
 
     def close(self) -> None:
         self._jobs.clear()
+        self._ended_at_admission.clear()
 
     def step(self) -> list[OutputEvent]:
         with self._cancel_lock:
             cancelled, self._cancelled = self._cancelled, set()
-        events: list[OutputEvent] = []
+        events: list[OutputEvent] = list(self._ended_at_admission)
+        self._ended_at_admission.clear()
         for job in list(self._jobs):
             if job.task.task_id in cancelled:
                 self._jobs.remove(job)
@@ -212,6 +226,7 @@ class VisionEngine:
         first = job.first_token_at
         return TaskFinished(
             task_id=job.task.task_id, at=time.time(), status="completed",
+            node_id=self.config.node_id, runner_id=self.config.runner_id,
             finish_reason="stop" if reason == "stop" else "length",
             usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=completion,
                         total_tokens=job.prompt_tokens + completion),

@@ -82,6 +82,28 @@ def test_a_cancel_ends_its_task_once(engine: VisionEngine, images: dict[str, Pat
     assert [(e.task_id, e.status) for e in ends] == [("gone", "cancelled")]
 
 
+def test_a_continued_task_goes_on_after_the_tokens_already_streamed(
+    engine: VisionEngine, images: dict[str, Path]
+) -> None:
+    engine.admit(Admission(task=chat("whole", RED, max_tokens=6), inputs=images))
+    whole = tokens_of(run_all(engine), "whole")
+    assert len(whole) == 6  # tiny-vlm's greedy answer to this image never hits EOS early
+
+    engine.admit(Admission(task=chat("rest", RED, max_tokens=6), inputs=images,
+                           generated=tuple(whole[:3])))
+    events = run_all(engine)
+    chunks = [e for e in events if isinstance(e, TokenChunk)]
+    assert [c.token_id for c in chunks] == whole[3:]
+    assert [c.index for c in chunks] == [3, 4, 5]
+    end = events[-1]
+    assert isinstance(end, TaskFinished) and end.usage and end.usage.completion_tokens == 6
+
+    engine.admit(Admission(task=chat("done", RED, max_tokens=6), inputs=images,
+                           generated=tuple(whole)))
+    assert [(type(e).__name__, getattr(e, "finish_reason", None))
+            for e in run_all(engine)] == [("TaskFinished", "length")]
+
+
 def test_a_missing_or_unreadable_image_is_refused(
     engine: VisionEngine, images: dict[str, Path], tmp_path: Path
 ) -> None:
