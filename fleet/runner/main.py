@@ -90,8 +90,8 @@ def make_engine(
 
         return EmbeddingEngine(config)
     if spec.group is not None:
-        if spec.card.is_image or spec.card.is_embedding:
-            raise ValueError("image and embedding models are not sharded")
+        if spec.card.is_image or spec.card.is_embedding or spec.card.is_vision:
+            raise ValueError("image, embedding and vision models are not sharded")
         from fleet.runner.lockstep import LockstepEngine
         from fleet.runner.text import TextEngine
 
