@@ -100,6 +100,8 @@ class Intake:
                 log.warning("%s: this delivery is dropped", exc)
                 return Settled(None, "superseded", Stage.SUPERSEDED)
         if takes_over and (settled := await self._redelivered(task)):
+            if settled.stage is Stage.REDELIVERED_FINISHED:
+                self.output.forget(task.task_id)  # its fence: nothing more is written here
             return settled
         if await self.cluster.is_cancelled(task.task_id):
             return await self._end(task.task_id, ErrorReason.CANCELLED, "cancelled early")
