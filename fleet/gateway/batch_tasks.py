@@ -20,6 +20,7 @@ from fleet.gateway.text_requests import (
     completion_tasks,
     image_urls,
 )
+from fleet.gateway.vision import check_chat_images
 from fleet.wire.records import TaskApi, TaskRecord
 from fleet.wire.tasks import Task
 
@@ -59,6 +60,7 @@ async def line_task(
                 chat = parse(ChatCompletionRequest, _one(body))
             card = gateway.card_for(chat.model, "text_generation")
             chat = chat.model_copy(update={"model": card.id})
+            check_chat_images(image_urls(chat))  # before any image is stored
             hashes = {url: await gateway.image_hash(url, tenant) for url in image_urls(chat)}
             task = chat_task(chat, task_id, hashes, now, window_s)
             record = record.model_copy(update={"logprobs": chat.logprobs})

@@ -46,6 +46,7 @@ from fleet.gateway.messages_requests import CountTokensRequest, MessagesRequest,
 from fleet.gateway.service import gateway_of, new_task_id, now_utc, task_id_headers
 from fleet.gateway.sessions import session_of
 from fleet.gateway.text_requests import ChatCompletionRequest, chat_task, image_urls
+from fleet.gateway.vision import check_chat_images
 from fleet.wire.cluster import ModelCard
 
 PATH = "/v1/messages"
@@ -80,6 +81,7 @@ async def _run(
     urls = image_urls(chat)
     if urls and (why := refuses_images(card)):
         raise InvalidParameter(why, "messages")
+    check_chat_images(urls)  # before any image is stored
     hashes = {url: await gateway.image_hash(url, tenant_of(request)) for url in urls}
     timeout_s = gateway.timeout_for(chat.timeout)
     task = chat_task(chat, task_id, hashes, now_utc(), timeout_s)

@@ -50,6 +50,7 @@ from fleet.gateway.ollama_requests import (
 from fleet.gateway.relay import EventStream
 from fleet.gateway.service import TASK_ID_HEADER, Gateway, gateway_of, new_task_id, now_utc
 from fleet.gateway.sessions import session_of
+from fleet.gateway.vision import check_chat_images
 from fleet.wire.cluster import ModelCard
 from fleet.wire.tasks import TextGeneration
 
@@ -86,6 +87,7 @@ async def _hashes(gateway: Gateway, request: Request, card: ModelCard,
                   urls: list[str]) -> dict[str, str]:
     if urls and (why := refuses_images(card)):
         raise InvalidParameter(why, "images")
+    check_chat_images(urls, "images")  # before any image is stored
     return {url: await gateway.image_hash(url, tenant_of(request)) for url in urls}
 
 

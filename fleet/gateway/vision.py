@@ -19,19 +19,20 @@ MAX_IMAGE_BYTES = 8 * 1024**2
 MAX_IMAGE_PIXELS = 4096 * 4096
 
 
-def check_chat_images(urls: list[str]) -> None:
-    """Raise InvalidParameter (400) for too many images, or one too large or unreadable."""
+def check_chat_images(urls: list[str], param: str = "messages") -> None:
+    """Raise InvalidParameter (400, naming `param`) for too many images, or one too large or
+    unreadable."""
     if len(urls) > MAX_CHAT_IMAGES:
         raise InvalidParameter(
-            f"{len(urls)} images in the chat; at most {MAX_CHAT_IMAGES} a request", "messages"
+            f"{len(urls)} images in the chat; at most {MAX_CHAT_IMAGES} a request", param
         )
     for index, url in enumerate(urls):
         try:
             reference = image_reference(url)
         except InvalidRequest as exc:
-            raise InvalidParameter(f"image {index}: {exc.message}", "messages") from None
+            raise InvalidParameter(f"image {index}: {exc.message}", param) from None
         if isinstance(reference, bytes) and (why := image_refusal(reference)):
-            raise InvalidParameter(f"image {index}: {why}", "messages")
+            raise InvalidParameter(f"image {index}: {why}", param)
 
 
 def image_refusal(data: bytes) -> str | None:

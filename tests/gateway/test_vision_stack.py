@@ -11,6 +11,8 @@ import io
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import anthropic
+import ollama
 import openai
 import pytest
 from load_helpers import GatewayProcess
@@ -26,7 +28,8 @@ IMAGE_TOKENS = 16  # tiny-vlm: 32x32 pixels in 8x8 patches
 
 
 @pytest.fixture(scope="module")
-def sdk(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterator[openai.OpenAI]:
+def url(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterator[str]:
+    """The gateway's base URL."""
     root = tmp_path_factory.mktemp("vision")
     with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as nats_server:
         worker_dir = root / "worker"
@@ -42,18 +45,25 @@ def sdk(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterato
                 await nc.close()
                 return await gateway.listening()
 
-            url = f"http://{asyncio.run(start())}"
-            yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60,
-                                max_retries=0)
+            yield f"http://{asyncio.run(start())}"
         finally:
             gateway.stop()
             worker.kill()
 
 
-def png_url(size: tuple[int, int], colour: tuple[int, int, int] = (200, 30, 30)) -> str:
+@pytest.fixture(scope="module")
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def png_b64(size: tuple[int, int], colour: tuple[int, int, int] = (200, 30, 30)) -> str:
     buffer = io.BytesIO()
     Image.new("RGB", size, colour).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def png_url(size: tuple[int, int]) -> str:
+    return "data:image/png;base64," + png_b64(size)
 
 
 def ask(sdk: openai.OpenAI, *urls: str) -> openai.types.chat.ChatCompletion:
@@ -92,3 +102,35 @@ def test_bad_images_get_a_400_with_the_reason(
         ask(sdk, *urls())  # made here: a 16-megapixel PNG is no work for collection
     assert refused.value.status_code == 400
     assert reason in str(refused.value.message)
+
+
+def test_anthropic_image_blocks_reach_the_model_and_bad_ones_are_refused(url: str) -> None:
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60)
+
+    def ask_claude(data: str | None) -> anthropic.types.Message:
+        content: list[dict[str, object]] = [{"type": "text", "text": "What is this?"}]
+        if data is not None:
+            content.insert(0, {"type": "image", "source": {
+                "type": "base64", "media_type": "image/png", "data": data}})
+        return claude.messages.create(model=MODEL, max_tokens=4,
+                                      messages=[{"role": "user", "content": content}])  # type: ignore[typeddict-item,list-item,misc]
+
+    seen, plain = ask_claude(png_b64((20, 20))), ask_claude(None)
+    assert seen.usage.input_tokens == plain.usage.input_tokens + IMAGE_TOKENS
+    with pytest.raises(anthropic.BadRequestError, match="pixels, over the limit"):
+        ask_claude(png_b64((4097, 4096)))
+
+
+def test_ollama_images_reach_the_model_and_bad_ones_are_refused(url: str) -> None:
+    local = ollama.Client(host=url, timeout=60)
+
+    def ask_ollama(images: list[str]) -> ollama.ChatResponse:
+        return local.chat(model=MODEL, options={"num_predict": 4, "temperature": 0.0},
+                          messages=[{"role": "user", "content": "What is this?",
+                                     "images": images}])
+
+    seen, plain = ask_ollama([png_b64((20, 20))]), ask_ollama([])
+    assert seen.prompt_eval_count == (plain.prompt_eval_count or 0) + IMAGE_TOKENS
+    with pytest.raises(ollama.ResponseError) as refused:
+        ask_ollama([base64.b64encode(b"\x89PNG\r\n\x1a\nnot a png").decode()])
+    assert refused.value.status_code == 400 and "could not be read" in refused.value.error
