@@ -20,6 +20,7 @@ from typing import Any
 
 from fleet.errors import TaskRejected
 from fleet.runner.engine import Admission, EngineConfig, Progress
+from fleet.runner.visible_text import VisibleText
 from fleet.runner.vision_inputs import VisionShape, pixels, read_shape, template_messages
 from fleet.wire.events import (
     ErrorReason,
@@ -47,6 +48,7 @@ class _Job:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     first_token_at: float | None = None
+    visible: VisibleText | None = None  # the task's stop strings, held back until known
 
 
 class VisionEngine:
@@ -107,6 +109,9 @@ class VisionEngine:
         if missing := [h for h in hashes if h not in admission.inputs]:
             raise TaskRejected(ErrorReason.INPUT_MISSING,
                                f"image {missing[0]} did not reach this node")
+        if why := _unsupported(task):
+            raise TaskRejected(ErrorReason.UNSUPPORTED,
+                               f"{why} is not served on vision models yet")
         messages = task.messages or [ChatMessage(role="user", content=task.prompt or "")]
         ids = self._encode(template_messages(messages, self._vision_shape))
         if len(ids) >= self._context_length:
@@ -130,9 +135,15 @@ class VisionEngine:
             task=task, prompt_tokens=len(ids), steps=iter(()), stop_tokens=self._stop_tokens(),
             admitted_at=time.monotonic(), queue_wait_s=admission.queue_wait_s,
             tokens=generated, text=self._tokenizer.decode(generated).rstrip("\ufffd"),
+            visible=VisibleText(task.stop, None) if task.stop else None,
         )
-        if generated and (generated[-1] in job.stop_tokens or len(generated) >= task.max_tokens):
-            ended = "stop" if generated[-1] in job.stop_tokens else "length"
+        stopped = False
+        if job.visible is not None and generated:
+            job.visible.push(job.text)  # shown before; only whether it already stopped counts
+            stopped = job.visible.stopped
+        if generated and (stopped or generated[-1] in job.stop_tokens
+                          or len(generated) >= task.max_tokens):
+            ended = "stop" if stopped or generated[-1] in job.stop_tokens else "length"
             self._jobs.append(job)
             self._ended_at_admission.append(self._finish(job, ended))
             return
@@ -200,16 +211,32 @@ class VisionEngine:
         if job.first_token_at is None:
             job.first_token_at = time.monotonic()
         if token in job.stop_tokens:
-            return [self._finish(job, "stop")]
+            held = job.visible.flush() if job.visible else ""
+            # Text a stop string's prefix held back is shown after all, on the EOS token.
+            return [*self._chunk(job, token, held, now, len(job.tokens)),
+                    self._finish(job, "stop")]
         job.tokens.append(token)
-        text = self._new_text(job)
-        events: list[OutputEvent] = [TokenChunk(
-            task_id=job.task.task_id, at=now, index=len(job.tokens) - 1, token_id=token,
-            text=text,
-        )]
-        if len(job.tokens) >= job.task.max_tokens:
-            events.append(self._finish(job, "length"))
+        text, ended = self._new_text(job), None
+        if job.visible is not None:
+            text = job.visible.push(text)
+            if job.visible.stopped:
+                ended = "stop"
+            elif len(job.tokens) >= job.task.max_tokens:
+                text += job.visible.flush()
+        if ended is None and len(job.tokens) >= job.task.max_tokens:
+            ended = "length"
+        events = self._chunk(job, token, text, now, len(job.tokens) - 1, always=True)
+        if ended is not None:
+            events.append(self._finish(job, ended))
         return events
+
+    @staticmethod
+    def _chunk(job: _Job, token: int, text: str, now: float, index: int,
+               always: bool = False) -> list[OutputEvent]:
+        if not (always or text):
+            return []
+        return [TokenChunk(task_id=job.task.task_id, at=now, index=index, token_id=token,
+                           text=text)]
 
     def _new_text(self, job: _Job) -> str:
         """The text the newest token adds; a character still cut in half waits for its rest."""
@@ -237,3 +264,14 @@ class VisionEngine:
                 total_s=done - job.admitted_at,
             ),
         )
+
+
+def _unsupported(task: TextGeneration) -> str | None:
+    """What of the task this engine cannot honour (rather than silently ignore). Pure."""
+    if task.response_format is not None and task.response_format.type != "text":
+        return "response_format " + task.response_format.type
+    if task.logprobs or task.top_logprobs:
+        return "logprobs"
+    if task.tool_choice != "auto":
+        return "tool_choice"
+    return None

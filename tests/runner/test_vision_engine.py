@@ -15,7 +15,7 @@ from fleet.runner.engine import Admission, EngineConfig
 from fleet.runner.vision import VisionEngine
 from fleet.runner.vision_inputs import VisionShape, template_messages
 from fleet.wire.events import OutputEvent, TaskFinished, TokenChunk
-from fleet.wire.tasks import ChatMessage, ImagePart, TextGeneration, TextPart
+from fleet.wire.tasks import ChatMessage, ImagePart, ResponseFormat, TextGeneration, TextPart
 
 RED, BLUE = "a" * 64, "b" * 64
 
@@ -102,6 +102,30 @@ def test_a_continued_task_goes_on_after_the_tokens_already_streamed(
                            generated=tuple(whole)))
     assert [(type(e).__name__, getattr(e, "finish_reason", None))
             for e in run_all(engine)] == [("TaskFinished", "length")]
+
+
+def test_a_stop_string_ends_the_answer_before_it(
+    engine: VisionEngine, images: dict[str, Path]
+) -> None:
+    engine.admit(Admission(task=chat("free", BLUE, max_tokens=12), inputs=images))
+    free = "".join(e.text for e in run_all(engine) if isinstance(e, TokenChunk))
+    assert len(free.strip()) >= 4, free  # tiny-vlm's greedy answer to this image
+    middle = len(free) // 2
+    stop = free[middle:middle + 2]
+    stopped = chat("stopped", BLUE, max_tokens=12).model_copy(update={"stop": [stop]})
+    engine.admit(Admission(task=stopped, inputs=images))
+    events = run_all(engine)
+    shown = "".join(e.text for e in events if isinstance(e, TokenChunk))
+    assert shown == free[:free.index(stop)]
+    assert isinstance(events[-1], TaskFinished) and events[-1].finish_reason == "stop"
+
+
+def test_what_the_engine_cannot_honour_is_refused(engine: VisionEngine) -> None:
+    json_mode = chat("json", None).model_copy(
+        update={"response_format": ResponseFormat(type="json_object")})
+    with pytest.raises(TaskRejected, match="response_format json_object") as refused:
+        engine.admit(Admission(task=json_mode))
+    assert refused.value.code == "unsupported" and engine.active == 0
 
 
 def test_a_missing_or_unreadable_image_is_refused(
