@@ -87,7 +87,7 @@ class VisionEngine:
         ids = self._encode([{"role": "user", "content": shape.image_token
                              * shape.tokens_per_image + "Hi"}])
         blank = np.zeros((1, 3, shape.image_size, shape.image_size), dtype=np.float32)
-        steps = self._generate(ids, mx.array(blank), max_tokens=2, temperature=0.0, top_p=1.0)
+        steps = self._generate(ids, mx.array(blank), max_tokens=2, temperature=0.0)
         for _ in steps:
             pass
 
@@ -148,7 +148,7 @@ class VisionEngine:
             self._ended_at_admission.append(self._finish(job, ended))
             return
         job.steps = self._generate(ids + generated, images, task.max_tokens - len(generated),
-                                   task.temperature, task.top_p)
+                                   **_sampling(task))
         self._jobs.append(job)
 
     def _encode(self, messages: list[dict[str, Any]]) -> list[int]:
@@ -163,15 +163,15 @@ class VisionEngine:
         ids = [*ids, self._tokenizer.eos_token_id]
         return frozenset(int(i) for i in ids if i is not None)
 
-    def _generate(self, ids: list[int], images: Any, max_tokens: int, temperature: float,
-                  top_p: float) -> Iterator[tuple[Any, Any]]:
+    def _generate(self, ids: list[int], images: Any, max_tokens: int,
+                  **sampling: Any) -> Iterator[tuple[Any, Any]]:
         import mlx.core as mx
         from mlx_vlm.generate.ar import generate_step
 
         input_ids = mx.array([ids])
         return generate_step(
             input_ids, self._model, images, mx.ones_like(input_ids),
-            max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            max_tokens=max_tokens, **sampling,
         )
 
     def cancel(self, task_id: str) -> None:
@@ -275,3 +275,14 @@ def _unsupported(task: TextGeneration) -> str | None:
     if task.tool_choice != "auto":
         return "tool_choice"
     return None
+
+
+def _sampling(task: TextGeneration) -> dict[str, Any]:
+    """The task's sampling as mlx-vlm's generation step takes it (None: off). Pure."""
+    return {
+        "temperature": task.temperature, "top_p": task.top_p, "top_k": task.top_k,
+        "min_p": task.min_p, "seed": task.seed, "logit_bias": task.logit_bias,
+        "repetition_penalty": task.repetition_penalty,
+        "presence_penalty": task.presence_penalty or None,
+        "frequency_penalty": task.frequency_penalty or None,
+    }

@@ -120,6 +120,16 @@ def test_a_stop_string_ends_the_answer_before_it(
     assert isinstance(events[-1], TaskFinished) and events[-1].finish_reason == "stop"
 
 
+def test_a_seed_repeats_a_sampled_answer(engine: VisionEngine, images: dict[str, Path]) -> None:
+    answers = []
+    for attempt in range(2):
+        sampled = chat(f"seeded-{attempt}", RED, max_tokens=8).model_copy(
+            update={"temperature": 1.0, "seed": 1234})
+        engine.admit(Admission(task=sampled, inputs=images))
+        answers.append(tokens_of(run_all(engine), f"seeded-{attempt}"))
+    assert answers[0] and answers[0] == answers[1]
+
+
 def test_what_the_engine_cannot_honour_is_refused(engine: VisionEngine) -> None:
     json_mode = chat("json", None).model_copy(
         update={"response_format": ResponseFormat(type="json_object")})
