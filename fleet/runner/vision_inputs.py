@@ -39,8 +39,10 @@ def read_shape(model_dir: Path, image_token: str = "<image>") -> VisionShape:
     config = json.loads((model_dir / "config.json").read_text())
     vision = config["vision_config"]
     size, patch = int(vision.get("image_size", 336)), int(vision.get("patch_size", 14))
-    # "default" drops the CLS token: one token per patch; "full" keeps it.
-    extra = 0 if config.get("vision_feature_select_strategy", "default") == "default" else 1
+    # A CLIP tower adds a CLS token, which "default" drops and "full" keeps; SigLIP has none.
+    has_cls = vision.get("model_type", "clip_vision_model") == "clip_vision_model"
+    keeps_cls = config.get("vision_feature_select_strategy", "default") == "full"
+    extra = 1 if has_cls and keeps_cls else 0
     mean, std = CLIP_MEAN, CLIP_STD
     if (pre := model_dir / "preprocessor_config.json").is_file():
         processor = json.loads(pre.read_text())

@@ -4,6 +4,7 @@ typed refusal; and the prompt carries one placeholder run per image (a pure tabl
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from fleet.errors import TaskRejected
 from fleet.models.catalog import get_card
 from fleet.runner.engine import Admission, EngineConfig
 from fleet.runner.vision import VisionEngine
-from fleet.runner.vision_inputs import VisionShape, template_messages
+from fleet.runner.vision_inputs import VisionShape, read_shape, template_messages
 from fleet.wire.events import OutputEvent, TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, ImagePart, ResponseFormat, TextGeneration, TextPart
 
@@ -166,3 +167,19 @@ def test_template_messages_put_one_placeholder_run_per_image(
 ) -> None:
     message = ChatMessage(role="user", content=content)
     assert template_messages([message], SHAPE) == [{"role": "user", "content": expected}]
+
+
+@pytest.mark.parametrize(("vision", "strategy", "tokens"), [
+    ({"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14}, "default", 576),
+    ({"model_type": "clip_vision_model", "image_size": 336, "patch_size": 14}, "full", 577),
+    ({"model_type": "siglip_vision_model", "image_size": 384, "patch_size": 14}, "full", 729),
+    ({"model_type": "clip_vision_model", "image_size": 32, "patch_size": 8}, "default", 16),
+])
+def test_tokens_per_image_follow_the_tower(
+    tmp_path: Path, vision: dict[str, object], strategy: str, tokens: int
+) -> None:
+    config = {"vision_config": vision, "vision_feature_select_strategy": strategy,
+              "image_token_index": 7}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = read_shape(tmp_path)
+    assert (shape.tokens_per_image, shape.image_token_id) == (tokens, 7)
