@@ -34,11 +34,23 @@ def nc(provisioned_nc: Client) -> Client:
     return provisioned_nc
 
 
+# A gateway's shutdown is quick (its connect loop is bounded at 5 s); one that takes longer is
+# a bug that should fail its test at once, not hold an xdist worker until pytest-timeout
+# (300 s: seen twice in one run of the suite).
+SHUTDOWN_LIMIT_S = 30.0
+
+
 @pytest.fixture
 async def app(settings: Settings, nc: Client) -> AsyncIterator[Starlette]:
     application = build_app(settings)
-    async with application.router.lifespan_context(application):
-        yield application
+    lifespan = application.router.lifespan_context(application)
+    await lifespan.__aenter__()
+    yield application
+    try:
+        async with asyncio.timeout(SHUTDOWN_LIMIT_S):
+            await lifespan.__aexit__(None, None, None)
+    except TimeoutError:
+        pytest.fail(f"the gateway did not shut down within {SHUTDOWN_LIMIT_S:.0f} s")
 
 
 @pytest.fixture
