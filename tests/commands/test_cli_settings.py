@@ -19,7 +19,7 @@ FLEET = Path(sys.executable).parent / "fleet"
 # The words each command needs besides settings (a verb, a positional argument).
 REQUIRED: dict[str, list[str]] = {
     "instances": ["list"], "images": ["ls"], "follow": ["t-1"], "cancel": ["t-1"],
-    "trace": ["t-1"], "submit": ["hello"], "models": ["list"],
+    "trace": ["t-1"], "submit": ["hello"], "models": ["list"], "batches": ["list"],
 }
 
 
