@@ -174,7 +174,7 @@ async def test_a_certificate_is_its_role(tmp_path: Path, tls_folder: Path) -> No
     the CA signed for a name that is no role is not let in."""
     with EmbeddedNats(tmp_path / "nats", port=0, config=tls_folder / CONF) as server:
         url = f"tls://127.0.0.1:{server.port}"
-        for role, may_take_tasks in (("worker", True), ("client", False)):
+        for role, may_answer_asks in (("worker", True), ("client", False)):
             env = read_env(tls_folder / f"{role}.env")
             violations: list[str] = []
 
@@ -185,7 +185,7 @@ async def test_a_certificate_is_its_role(tmp_path: Path, tls_folder: Path) -> No
             nc = await _by_certificate(url, _mutual(env), error_cb=on_error,
                                        inbox_prefix=f"_INBOX.{role}")
             try:
-                assert await _permitted(nc, violations, "fleet.tasks.>") is may_take_tasks
+                assert await _permitted(nc, violations, "fleet.ask.*") is may_answer_asks
                 assert await _permitted(nc, violations, "fleet.out.some-task")
             finally:
                 await nc.close()

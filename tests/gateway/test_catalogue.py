@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from gateway_helpers import StandInWorker, tokens_script, vision_card
+from gateway_helpers import StandInWorker, tokens_script
 from nats.aio.client import Client
 from starlette.applications import Starlette
 
@@ -66,13 +66,17 @@ def test_unavailable_reason(nodes: list[NodeInfo], placed: bool, why: str | None
 def test_unknown_models_read_the_data_dir_at_most_once_a_second(tmp_path: Path) -> None:
     now = [100.0]
     catalogue = Catalogue(tmp_path, connection=None, clock=lambda: now[0])  # type: ignore[arg-type]
-    assert catalogue.card("tiny-vlm") is None  # read: no such card
-    vision_card(tmp_path)
+    assert catalogue.card("tiny-later") is None  # read: no such card
+    folder = tmp_path / "models" / "custom"
+    folder.mkdir(parents=True)
+    (folder / "tiny-later.json").write_text(
+        '{"id": "tiny-later", "name": "test", "tasks": ["text_generation"], '
+        '"family": "mlx_lm", "source": "/nowhere"}')
     now[0] += 0.5
-    assert catalogue.card("tiny-vlm") is None  # a second miss within the second: not read
+    assert catalogue.card("tiny-later") is None  # a second miss within the second: not read
     now[0] += 0.5
-    card = catalogue.card("tiny-vlm")  # the card added since is found
-    assert card is not None and card.id == "tiny-vlm"
+    card = catalogue.card("tiny-later")  # the card added since is found
+    assert card is not None and card.id == "tiny-later"
 
 
 def _model_dir(root: Path) -> Path:
