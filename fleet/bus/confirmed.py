@@ -44,7 +44,12 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import APIError, ServiceUnavailableError
 
-from fleet.bus.retry import BROKER_BUDGET_S, is_transient, with_retry
+from fleet.bus.retry import (
+    BROKER_BUDGET_S,
+    IN_FLIGHT_LAST_SEQUENCE_ERR_CODE,
+    is_transient,
+    with_retry,
+)
 from fleet.errors import BrokerUnavailable
 
 log = logging.getLogger(__name__)
@@ -321,6 +326,8 @@ class ConfirmedPublisher:
             if getattr(error, "err_code", None) == WRONG_LAST_SEQUENCE:
                 message.refused = str(error)
                 self._fence(seq)
+            elif getattr(error, "err_code", None) == IN_FLIGHT_LAST_SEQUENCE_ERR_CODE:
+                self._break(seq)  # re-sent in order, one at a time, by the repair
             elif not is_transient(error):
                 message.refused = str(error)
                 log.error("the stream refused an output message on %s: %s", message.subject,

@@ -31,6 +31,12 @@ STORE_FULL_ERR_CODES = (10077, 10078)  # JetStream: maximum messages / bytes exc
 # JetStream 409 "duplicate message id is in process": the first send of this Nats-Msg-Id is
 # still being stored (a re-send raced it during an election); asking again gets its answer.
 DUPLICATE_IN_PROCESS_ERR_CODE = 10158
+# JetStream 400 "wrong last sequence" without a sequence (10164, not 10071's "wrong last
+# sequence: N"): a clustered stream's leader refuses an expected-last-subject-sequence check
+# while other messages of the subject are still being proposed (seen across leader changes:
+# every FLEET_OUT event carries the fence check). Sent again once those are stored, it passes,
+# or fails for real with 10071.
+IN_FLIGHT_LAST_SEQUENCE_ERR_CODE = 10164
 
 # What a server restart, a reconnect or a leader election looks like to nats-py.
 _TRANSIENT: tuple[type[BaseException], ...] = (
@@ -51,7 +57,8 @@ def is_transient(exc: BaseException) -> bool:
     """True for errors that a retry can cure (the broker is restarting or electing)."""
     if getattr(exc, "err_code", None) in STORE_FULL_ERR_CODES:
         return False  # a full stream answers 503 too, but waiting will not empty it
-    if getattr(exc, "err_code", None) == DUPLICATE_IN_PROCESS_ERR_CODE:
+    if getattr(exc, "err_code", None) in (DUPLICATE_IN_PROCESS_ERR_CODE,
+                                          IN_FLIGHT_LAST_SEQUENCE_ERR_CODE):
         return True
     if isinstance(exc, _TRANSIENT):
         return True

@@ -111,7 +111,13 @@ class FaultRun:
         self.nc = await connect_client(self.broker, avoid=self.avoid)
         await until_jetstream(self.nc)
         await provision_with(self.nc, self.replicas)
-        env = {"FLEET_REPLICAS": str(self.replicas), "FLEET_SLOTS": str(self.load.slots)}
+        # These runs stop, pause and kill broker servers, never a worker: a worker whose server
+        # is paused for longer than a 2 s AckWait (the default) is taken over although it
+        # lives (issue 24's seam), which these runs do not measure. A takeover during a paused
+        # FLEET_OUT leader once left a gap at the seam (issue 24, open): with 30 s the broker's
+        # faults are measured alone, as before.
+        env = {"FLEET_REPLICAS": str(self.replicas), "FLEET_SLOTS": str(self.load.slots),
+               "FLEET_ACK_WAIT_S": "30"}
         for index in range(self.load.workers):
             data_dir = self.root / f"w{index + 1}"
             card = add_fault_card(data_dir)
