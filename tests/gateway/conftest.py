@@ -4,6 +4,7 @@ a provisioned nats-server, and a stand-in worker that answers tasks with scripte
 from __future__ import annotations
 
 import asyncio
+import io
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -50,7 +51,11 @@ async def app(settings: Settings, nc: Client) -> AsyncIterator[Starlette]:
         async with asyncio.timeout(SHUTDOWN_LIMIT_S):
             await lifespan.__aexit__(None, None, None)
     except TimeoutError:
-        pytest.fail(f"the gateway did not shut down within {SHUTDOWN_LIMIT_S:.0f} s")
+        stacks = io.StringIO()
+        for task in asyncio.all_tasks():
+            task.print_stack(limit=8, file=stacks)
+        pytest.fail(f"the gateway did not shut down within {SHUTDOWN_LIMIT_S:.0f} s; its "
+                    f"tasks:\n{stacks.getvalue()}")
 
 
 @pytest.fixture
