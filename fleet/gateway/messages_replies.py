@@ -78,12 +78,14 @@ def usage_json(usage: Usage | None) -> dict[str, int]:
 
 
 def stop_reason(finished: TaskFinished, has_tool_calls: bool) -> str:
-    """end_turn, max_tokens or tool_use. A stop sequence ends the text as Anthropic's does,
-    but Fleet's finish event does not say which one matched, so it reads as end_turn."""
+    """end_turn, max_tokens, tool_use or stop_sequence (the runner names the stop string that
+    ended the text on the finish event)."""
     if finished.finish_reason == "length":
         return "max_tokens"
     if has_tool_calls or finished.finish_reason == "tool_calls":
         return "tool_use"
+    if finished.stop_sequence is not None:
+        return "stop_sequence"
     return "end_turn"
 
 
@@ -104,11 +106,11 @@ def tool_use_block(call: ToolCallChunk, with_input: bool = True) -> dict[str, An
 
 def message_json(
     message_id: str, model: str, content: list[dict[str, Any]], reason: str | None,
-    usage: Usage | None,
+    usage: Usage | None, stop_sequence: str | None = None,
 ) -> dict[str, Any]:
     return {
         "id": message_id, "type": "message", "role": "assistant", "model": model,
-        "content": content, "stop_reason": reason, "stop_sequence": None,
+        "content": content, "stop_reason": reason, "stop_sequence": stop_sequence,
         "usage": usage_json(usage),
     }
 
@@ -134,7 +136,8 @@ class MessagesRenderer:
             result.text or not result.tool_calls) else []
         content += [tool_use_block(call) for call in result.tool_calls]
         reason = stop_reason(result.finished, bool(result.tool_calls))
-        return message_json(self.message_id, self.model, content, reason, result.finished.usage)
+        return message_json(self.message_id, self.model, content, reason, result.finished.usage,
+                            result.finished.stop_sequence)
 
     @staticmethod
     def _event(kind: str, **fields: Any) -> bytes:
@@ -177,7 +180,7 @@ class MessagesRenderer:
                     lines += [self._start({"type": "text", "text": ""}),
                               self._event("content_block_stop", index=0)]
                 delta = {"stop_reason": stop_reason(finished, self.tool_calls > 0),
-                         "stop_sequence": None}
+                         "stop_sequence": finished.stop_sequence}
                 return [*lines,
                         self._event("message_delta", delta=delta,
                                     usage=usage_json(finished.usage)),

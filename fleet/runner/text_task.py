@@ -88,6 +88,7 @@ class TextTask:
         between its last token and its terminal): the terminal alone."""
         return TaskFinished(
             task_id=self.task.task_id, at=at, status="completed", finish_reason=finish_reason,
+            stop_sequence=self._visible.stop_sequence if self._visible is not None else None,
             usage=self._usage(), stats=self._stats(now),
             node_id=self._node_id, runner_id=self._runner_id,
         )
@@ -145,6 +146,7 @@ class TextTask:
             at=at,
             status="completed",
             finish_reason=finish_reason,
+            stop_sequence=self._visible.stop_sequence if self._visible is not None else None,
             usage=self._usage(),
             stats=self._stats(now),
             node_id=self._node_id,

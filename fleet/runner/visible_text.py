@@ -48,6 +48,9 @@ class VisibleText:
         self._syntax = tool_calls
         self._tool_text = ""
         self.stopped = False
+        self.stop_sequence: str | None = None  # the stop string that ended the text
+        self._stops = [stop for stop in stops if stop]
+        self._pushed: list[str] = []  # every text pushed, to name the stop that matched
         self.tool_calls: list[ParsedToolCall] = []
         self.made_tool_call = False
 
@@ -55,8 +58,14 @@ class VisibleText:
         """Take newly decoded text; return the part that is now safe to show."""
         if self.stopped or not text:
             return ""
+        if self._stops:
+            self._pushed.append(text)
         self._machine_state, segments = TextStateMachine.split(self._machine_state, text)
-        return self._collect(segments)
+        shown = self._collect(segments)
+        if self.stopped:
+            self.stop_sequence = first_stop("".join(self._pushed), self._stops)
+            self._pushed = []
+        return shown
 
     def flush(self) -> str:
         """The output ended without a stop string: release what was held back."""
@@ -108,3 +117,10 @@ def _as_call(call: Any) -> ParsedToolCall:
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
     return ParsedToolCall(name=name, arguments=arguments)
+
+
+def first_stop(text: str, stops: list[str]) -> str | None:
+    """The stop string that ends first in `text` (the one the automaton stopped at: it stops
+    at the first completed match); the longer one when two end at the same place. Pure."""
+    ends = [(text.find(stop) + len(stop), -len(stop), stop) for stop in stops if stop in text]
+    return min(ends)[2] if ends else None

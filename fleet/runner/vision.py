@@ -255,6 +255,7 @@ class VisionEngine:
             task_id=job.task.task_id, at=time.time(), status="completed",
             node_id=self.config.node_id, runner_id=self.config.runner_id,
             finish_reason="stop" if reason == "stop" else "length",
+            stop_sequence=job.visible.stop_sequence if job.visible is not None else None,
             usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=completion,
                         total_tokens=job.prompt_tokens + completion),
             stats=TaskStats(

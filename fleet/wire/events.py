@@ -213,6 +213,9 @@ class TaskFinished(_Event):
     type: Literal["task_finished"] = "task_finished"
     status: Literal["completed", "failed", "cancelled", "expired"]
     finish_reason: Literal["stop", "length", "tool_calls"] | None = None
+    stop_sequence: str | None = Field(
+        default=None, description="the task's stop string that ended the text (finish_reason "
+        "stop); absent when the model's end of sequence did")
     reason: ErrorReason | None = None
     message: str | None = None
     usage: Usage | None = None

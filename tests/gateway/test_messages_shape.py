@@ -15,6 +15,7 @@ from fleet.gateway.messages_replies import (
     MessagesRenderer,
     anthropic_error,
     error_type,
+    stop_reason,
     tool_input,
 )
 from fleet.gateway.messages_requests import MessagesRequest, as_chat
@@ -159,3 +160,25 @@ def test_a_system_message_inside_the_conversation_stays_where_it_is() -> None:
     ]), "tiny-llm")
     assert [(m.role, m.content) for m in chat.messages] == [
         ("user", "Hi"), ("system", "Now be brief.")]
+
+
+@pytest.mark.parametrize(("finish_reason", "stop_sequence", "tools", "reason"), [
+    ("stop", None, False, "end_turn"),
+    ("stop", "END", False, "stop_sequence"),
+    ("length", None, False, "max_tokens"),
+    ("tool_calls", None, True, "tool_use"),
+    ("stop", None, True, "tool_use"),
+])
+def test_stop_reason(finish_reason: str, stop_sequence: str | None, tools: bool,
+                     reason: str) -> None:
+    finished = TaskFinished(task_id="m", status="completed", at=0.0,
+                            finish_reason=finish_reason, stop_sequence=stop_sequence)
+    assert stop_reason(finished, tools) == reason
+
+
+def test_the_stop_string_that_ended_the_text_is_named() -> None:
+    finished = TaskFinished(task_id="m", status="completed", at=0.0, finish_reason="stop",
+                            stop_sequence="END", usage=Usage(prompt_tokens=3,
+                            completion_tokens=2, total_tokens=5))
+    body = asyncio.run(MessagesRenderer("m", "tiny-llm").body([finished]))
+    assert (body["stop_reason"], body["stop_sequence"]) == ("stop_sequence", "END")

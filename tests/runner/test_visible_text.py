@@ -7,7 +7,7 @@ import json
 import pytest
 from mlx_lm.tool_parsers import json_tools
 
-from fleet.runner.visible_text import ParsedToolCall, ToolCallSyntax, VisibleText
+from fleet.runner.visible_text import ParsedToolCall, ToolCallSyntax, VisibleText, first_stop
 
 TOOLS = ToolCallSyntax(
     start="<tool_call>", end="</tool_call>", parse=json_tools.parse_tool_call, tools=[]
@@ -19,21 +19,37 @@ def feed(visible: VisibleText, pieces: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("pieces", "stops", "shown", "stopped"),
+    ("pieces", "stops", "shown", "matched"),
     [
-        (["Hello", " wor", "ld"], [], ["Hello", " wor", "ld"], False),
+        (["Hello", " wor", "ld"], [], ["Hello", " wor", "ld"], None),
         # "wo" could begin "world": held until the stop string completes, then dropped.
-        (["Hello", " wo", "rld", "!"], ["world"], ["Hello", " ", "", ""], True),
+        (["Hello", " wo", "rld", "!"], ["world"], ["Hello", " ", "", ""], "world"),
         # A partial match that fails is released with the text that broke it.
-        (["Hello", " wo", "nder"], ["world"], ["Hello", " ", "wonder"], False),
+        (["Hello", " wo", "nder"], ["world"], ["Hello", " ", "wonder"], None),
         # The earliest of several stop strings wins; nothing after it is shown.
-        (["a\n", "\nb END"], ["\n\n", "END"], ["a", ""], True),
+        (["a\n", "\nb END"], ["\n\n", "END"], ["a", ""], "\n\n"),
+        (["a END", "\n\n"], ["\n\n", "END"], ["a ", ""], "END"),
     ],
 )
-def test_stop_strings(pieces: list[str], stops: list[str], shown: list[str], stopped: bool) -> None:
+def test_stop_strings(pieces: list[str], stops: list[str], shown: list[str],
+                      matched: str | None) -> None:
     visible = VisibleText(stops, tool_calls=None)
     assert feed(visible, pieces) == shown
-    assert visible.stopped is stopped
+    assert visible.stopped is (matched is not None)
+    assert visible.stop_sequence == matched
+
+
+@pytest.mark.parametrize(
+    ("text", "stops", "first"),
+    [
+        ("abc", ["x"], None),
+        ("xx END yy STOP", ["STOP", "END"], "END"),
+        ("xab", ["b", "ab"], "ab"),  # both end at once: the longer one is the match
+        ("", ["a"], None),
+    ],
+)
+def test_first_stop(text: str, stops: list[str], first: str | None) -> None:
+    assert first_stop(text, stops) == first
 
 
 def test_flush_releases_a_partial_stop_string_when_the_output_ends() -> None:
