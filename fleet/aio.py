@@ -110,6 +110,19 @@ class Supervisor:
             await asyncio.sleep(backoff)  # a restart backoff, not synchronisation
 
 
+def started(coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+    """A task its caller keeps, awaits or cancels itself (the caller is its owner); its
+    failure is logged here when it ends, so that no owner's forgetting drops it silently."""
+    task = asyncio.create_task(coro, name=name)
+    task.add_done_callback(log_failure)
+    return task
+
+
+def log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("%s failed: %r", task.get_name(), exc, exc_info=exc)
+
+
 class TaskSet:
     """Kept for callers not yet under a Supervisor: referenced until done, errors logged."""
 
@@ -124,8 +137,7 @@ class TaskSet:
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("background task failed: %r", exc, exc_info=exc)
+        log_failure(task)
 
     async def cancel_all(self) -> None:
         for task in list(self._tasks):

@@ -30,7 +30,7 @@ import orjson
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from fleet.aio import DetachedSupervisor, Supervisor
+from fleet.aio import DetachedSupervisor, Supervisor, started
 from fleet.bus.kv_mirror import WAIT_CONNECTED_S, Mirror
 from fleet.dashboard.model import RecentTasks, beats, changed, sees, snapshot
 from fleet.errors import FleetError
@@ -253,7 +253,7 @@ class Feed:
         only while a tab is open, so a gateway nobody watches does not hear it for this."""
         while True:
             await self._watched.wait()
-            watching = asyncio.create_task(mirror.run(self.backend))
+            watching = started(mirror.run(self.backend), "dashboard fleet mirror")
             try:
                 while self.tabs and not watching.done():
                     gone = asyncio.create_task(self._unwatched.wait())

@@ -23,6 +23,7 @@ from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
+from fleet.aio import started
 from fleet.bus.connect import connect_with, js_publish, publish, redact_urls
 from fleet.bus.kv_read import live_values
 from fleet.bus.objects import ObjectBucket
@@ -119,7 +120,7 @@ class Backend:
 
     async def start(self) -> None:
         self._connecting = asyncio.create_task(self._connect_until_up())
-        self._refills = asyncio.create_task(self.hub.watch_reconnects())
+        self._refills = started(self.hub.watch_reconnects(), "gateway refills")
         # Give the first attempt a moment so a healthy start answers its first request.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._connecting), timeout=2.0)

@@ -13,6 +13,7 @@ import logging
 import secrets
 import time
 
+from fleet.aio import started
 from fleet.bus.batch_store import BatchStore
 from fleet.errors import FleetError
 from fleet.gateway.batch_job import Job
@@ -46,7 +47,7 @@ class BatchRunner:
         self._scanner: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._scanner = asyncio.create_task(self._scan_forever(), name="batch-scanner")
+        self._scanner = started(self._scan_forever(), "batch-scanner")
 
     async def close(self) -> None:
         """Stops the jobs here; their leases lapse and another gateway goes on."""
@@ -62,7 +63,7 @@ class BatchRunner:
     def start_job(self, batch_id: str, revision: int) -> None:
         """Run a job whose lease this gateway holds at `revision`."""
         if batch_id not in self.jobs:
-            task = asyncio.create_task(self._run(batch_id, revision), name=f"batch-{batch_id}")
+            task = started(self._run(batch_id, revision), f"batch-{batch_id}")
             self.jobs[batch_id] = task
             task.add_done_callback(lambda _: self.jobs.pop(batch_id, None))
 

@@ -34,6 +34,7 @@ from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
+from fleet.aio import started
 from fleet.bus.task_events import (
     CLEANUP_TIMEOUT_S,
     Delivered,
@@ -147,7 +148,7 @@ class TaskSubscriptions(EventHub):
         self._chore(_unsubscribe(followed.subscription, task_id))
 
     def _chore(self, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(work)
+        task = started(work, "task feed chore")
         self._chores.add(task)
         task.add_done_callback(self._chores.discard)
 

@@ -20,6 +20,7 @@ import logging
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from fleet.aio import started
 from fleet.bus.deadlines import STREAM, expires, task_of
 from fleet.wire.events import ErrorReason
 from fleet.worker.claims import Claims
@@ -41,7 +42,7 @@ class DeadlineWatch:
     async def start(self) -> None:
         self.claims = await Claims.open(self.nc, self.js)
         self.markers = await self.js.pull_subscribe("", durable=DURABLE, stream=STREAM)
-        self._loop = asyncio.create_task(self._expire_forever(), name="deadline watch")
+        self._loop = started(self._expire_forever(), "deadline watch")
 
     async def stop(self) -> None:
         self._loop.cancel()

@@ -30,6 +30,7 @@ import orjson
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from fleet.aio import started
 from fleet.bus.kv_calls import kv_delete, kv_put
 from fleet.bus.kv_mirror import Connection, Mirror
 from fleet.wire import subjects
@@ -198,7 +199,8 @@ class ServedPrefixes:
                 for model in start:
                     mirror = Mirror(subjects.PREFIXES_BUCKET, self._changed,
                                     keys=model_filter(model))
-                    self._mirrors[model] = (mirror, asyncio.create_task(mirror.run(link)))
+                    running = started(mirror.run(link), f"prefix mirror {model}")
+                    self._mirrors[model] = (mirror, running)
                 for model in stop:
                     _, task = self._mirrors.pop(model)
                     await _cancelled(task)

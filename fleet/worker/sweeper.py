@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from fleet.aio import started
 from fleet.bus.kv_calls import kv_create, kv_update
 from fleet.bus.retry import with_retry
 from fleet.worker.demand import Demand
@@ -113,7 +114,7 @@ class FleetDuties:
                 if held and self._duties is None:
                     log.info("this worker now holds the sweeper lease: failover and placement "
                              "on demand run here")
-                    self._duties = asyncio.create_task(self._run_duties())
+                    self._duties = started(self._run_duties(), "sweeper duties")
                 elif not held and self._duties is not None:
                     await self._stop_duties()
                 elif self._duties is not None and self._duties.done():
