@@ -48,6 +48,7 @@ from fleet.gateway.auth import ApiKeys
 from fleet.gateway.backend import Backend
 from fleet.gateway.batch_routes import batch_routes, batch_runner
 from fleet.gateway.bodies import BodyLimit, BodyTimeout
+from fleet.gateway.error_shapes import ErrorShapes
 from fleet.gateway.errors import (
     on_client_disconnect,
     on_fleet_error,
@@ -56,9 +57,11 @@ from fleet.gateway.errors import (
 )
 from fleet.gateway.idempotency import idempotent
 from fleet.gateway.keys import KeyRing
+from fleet.gateway.messages_replies import anthropic_error
 from fleet.gateway.observability import AccessLog, TraceOfItsOwn, http_spans
 from fleet.gateway.ollama_api import ollama_routes
-from fleet.gateway.ollama_errors import OllamaErrors
+from fleet.gateway.ollama_errors import PATH as OLLAMA_PATH
+from fleet.gateway.ollama_errors import ollama_error_body
 from fleet.gateway.service import Gateway
 
 log = logging.getLogger(__name__)
@@ -147,8 +150,9 @@ def build_app(settings: Settings, mounts: Iterable[AddRoutes] = ()) -> Starlette
         mount(app)  # /ui: fleet/dashboard, mounted by fleet/commands/gateway.py
     # Outside the key check and the body limits: their refusals on /v1/messages too are in
     # Anthropic's shape.
-    app.add_middleware(messages_api.AnthropicErrors)
-    app.add_middleware(OllamaErrors)  # the same for /api/, in Ollama's shape
+    app.add_middleware(ErrorShapes, path=messages_api.PATH, reshape=anthropic_error)
+    app.add_middleware(ErrorShapes, path=OLLAMA_PATH,  # the same for /api/, in Ollama's shape
+                       reshape=ollama_error_body)
     # Outermost, in this order: the access log sees every request; each request starts with
     # no trace context; the HTTP span is current for everything below it. Added last so that
     # they know every route, /ui's too.

@@ -17,8 +17,9 @@ A task's session (fleet.gateway.sessions) is the `X-Session-Id` header, else the
 `metadata.user_id` (Claude Code puts its session there).
 
 Errors on these routes are in Anthropic's shape: every error response, whoever made it (a
-route, the key check, the body limits, routing), is rewritten by `AnthropicErrors`, so one
-table (messages_replies.ERROR_TYPES) decides the type for each status. Clients send
+route, the key check, the body limits, routing), is rewritten by
+`fleet.gateway.error_shapes`, so one table (messages_replies.ERROR_TYPES) decides the type
+for each status. Clients send
 `x-api-key` (fleet.gateway.auth accepts it like a bearer key) and `anthropic-version`,
 which is accepted and not checked.
 """
@@ -30,7 +31,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleet.errors import InvalidParameter
 from fleet.gateway import messages_stream
@@ -40,7 +40,6 @@ from fleet.gateway.catalogue import refuses_images
 from fleet.gateway.messages_replies import (
     MessagesRenderer,
     TokenCountRenderer,
-    anthropic_error,
 )
 from fleet.gateway.messages_requests import CountTokensRequest, MessagesRequest, as_chat
 from fleet.gateway.service import gateway_of, new_task_id, now_utc, task_id_headers
@@ -102,40 +101,6 @@ async def _run(
         raise
     response.headers["request-id"] = task_id  # where Anthropic's SDKs read a request's id
     return response
-
-
-class AnthropicErrors:
-    """Error responses under /v1/messages in Anthropic's shape. Only responses with an error
-    status are held back (they are small and whole); everything else streams through."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PATH):
-            return await self.app(scope, receive, send)
-        start: Message | None = None
-        body = b""
-
-        async def shaped(message: Message) -> None:
-            nonlocal start, body
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                start = message
-                return
-            if start is None or message["type"] != "http.response.body":
-                return await send(message)
-            body += message.get("body", b"")
-            if message.get("more_body"):
-                return
-            new_body = anthropic_error(start["status"], body)
-            headers = [(k, v) for k, v in start.get("headers", [])
-                       if k.lower() not in (b"content-length", b"content-type")]
-            headers += [(b"content-type", b"application/json"),
-                        (b"content-length", str(len(new_body)).encode())]
-            await send({**start, "headers": headers})
-            await send({"type": "http.response.body", "body": new_body})
-
-        await self.app(scope, receive, shaped)
 
 
 ERROR_SCHEMA = {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicErrorBody"}}}

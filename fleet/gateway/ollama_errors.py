@@ -10,7 +10,6 @@ from __future__ import annotations
 from http import HTTPStatus
 
 import orjson
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PATH = "/api/"
 
@@ -31,34 +30,3 @@ def ollama_error_body(status: int, body: bytes) -> bytes:
         except ValueError:
             error = f"error {status}"
     return orjson.dumps({"error": error})
-
-
-class OllamaErrors:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PATH):
-            return await self.app(scope, receive, send)
-        start: Message | None = None
-        body = b""
-
-        async def reshaped(message: Message) -> None:
-            nonlocal start, body
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                start = message
-                return
-            if start is None or message["type"] != "http.response.body":
-                return await send(message)
-            body += message.get("body", b"")
-            if message.get("more_body"):
-                return
-            new_body = ollama_error_body(start["status"], body)
-            headers = [(name, value) for name, value in start.get("headers", [])
-                       if name.lower() not in (b"content-length", b"content-type")]
-            headers += [(b"content-type", b"application/json"),
-                        (b"content-length", str(len(new_body)).encode())]
-            await send({**start, "headers": headers})
-            await send({"type": "http.response.body", "body": new_body})
-
-        await self.app(scope, receive, reshaped)
