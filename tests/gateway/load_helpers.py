@@ -10,11 +10,22 @@ import subprocess
 import sys
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 
-from tests.integration.harness import REPO
+from fleet.bus.embedded import EmbeddedNats
+from fleet.models.catalog import get_card
+from tests.integration.harness import (
+    REPO,
+    WorkerProcess,
+    client,
+    place_and_wait,
+    seed_models,
+    wait_node,
+)
 
 LISTENING = re.compile(r"gateway listening on http://([^/\s]+)/v1")
 
@@ -112,3 +123,29 @@ async def open_stream(
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")
     return reader, writer, head
+
+
+@contextmanager
+def one_model_stack(
+    root: Path, model: str, model_dir: Path, slots: int
+) -> Iterator[tuple[str, str]]:
+    """nats-server, one `fleet worker` with `model` placed and ready (`slots` wide) and one
+    `fleet gateway` process: (the NATS URL, the gateway's base URL)."""
+    with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as nats_server:
+        worker_dir = root / "worker"
+        seed_models(worker_dir, {model: model_dir})
+        worker = WorkerProcess(nats_server.url, worker_dir).start()
+        gateway = GatewayProcess(nats_server.url, root / "gateway")
+        try:
+
+            async def start() -> str:
+                nc = await client(nats_server.url)
+                node = await wait_node(nc, worker_dir)
+                await place_and_wait(nc, get_card(model), node, slots=slots)
+                await nc.close()
+                return await gateway.listening()
+
+            yield nats_server.url, f"http://{asyncio.run(start())}"
+        finally:
+            gateway.stop()
+            worker.kill()

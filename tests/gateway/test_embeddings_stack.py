@@ -15,18 +15,16 @@ import numpy as np
 import openai
 import orjson
 import pytest
-from load_helpers import GatewayProcess
+from load_helpers import one_model_stack
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from fleet.bus.embedded import EmbeddedNats
 from fleet.config import load_settings
 from fleet.errors import FleetError
 from fleet.gateway.app import build_app
 from fleet.gateway.embeddings_api import embed
-from fleet.models.catalog import get_card
-from tests.integration.harness import WorkerProcess, client, place_and_wait, seed_models, wait_node
+from tests.integration.harness import client
 
 MODEL = "tiny-embed"
 DIMENSIONS = 64  # its card's
@@ -42,27 +40,10 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_embed_dir: Path) -> Iterator[Stack]:
-    root = tmp_path_factory.mktemp("embeddings")
-    with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as nats_server:
-        worker_dir = root / "worker"
-        seed_models(worker_dir, {MODEL: tiny_embed_dir})
-        worker = WorkerProcess(nats_server.url, worker_dir).start()
-        gateway = GatewayProcess(nats_server.url, root / "gateway")
-        try:
-
-            async def start() -> str:
-                nc = await client(nats_server.url)
-                node = await wait_node(nc, worker_dir)
-                await place_and_wait(nc, get_card(MODEL), node, slots=256)
-                await nc.close()
-                return await gateway.listening()
-
-            url = f"http://{asyncio.run(start())}"
-            yield Stack(url, nats_server.url,
-                        openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60))
-        finally:
-            gateway.stop()
-            worker.kill()
+    with one_model_stack(tmp_path_factory.mktemp("embeddings"), MODEL, tiny_embed_dir,
+                         slots=256) as (nats_url, url):
+        yield Stack(url, nats_url,
+                    openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60))
 
 
 def test_float_and_base64_give_the_same_unit_vectors(stack: Stack) -> None:

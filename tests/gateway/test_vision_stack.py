@@ -5,7 +5,6 @@ fetches it before dispatch; images over the limits or unreadable are refused wit
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 from collections.abc import Callable, Iterator
@@ -15,13 +14,10 @@ import anthropic
 import ollama
 import openai
 import pytest
-from load_helpers import GatewayProcess
+from load_helpers import one_model_stack
 from PIL import Image
 
-from fleet.bus.embedded import EmbeddedNats
 from fleet.gateway.vision import MAX_CHAT_IMAGES
-from fleet.models.catalog import get_card
-from tests.integration.harness import WorkerProcess, client, place_and_wait, seed_models, wait_node
 
 MODEL = "tiny-vlm"
 IMAGE_TOKENS = 16  # tiny-vlm: 32x32 pixels in 8x8 patches
@@ -30,25 +26,9 @@ IMAGE_TOKENS = 16  # tiny-vlm: 32x32 pixels in 8x8 patches
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterator[str]:
     """The gateway's base URL."""
-    root = tmp_path_factory.mktemp("vision")
-    with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as nats_server:
-        worker_dir = root / "worker"
-        seed_models(worker_dir, {MODEL: tiny_vlm_dir})
-        worker = WorkerProcess(nats_server.url, worker_dir).start()
-        gateway = GatewayProcess(nats_server.url, root / "gateway")
-        try:
-
-            async def start() -> str:
-                nc = await client(nats_server.url)
-                node = await wait_node(nc, worker_dir)
-                await place_and_wait(nc, get_card(MODEL), node, slots=4)
-                await nc.close()
-                return await gateway.listening()
-
-            yield f"http://{asyncio.run(start())}"
-        finally:
-            gateway.stop()
-            worker.kill()
+    with one_model_stack(tmp_path_factory.mktemp("vision"), MODEL, tiny_vlm_dir,
+                         slots=4) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")
