@@ -105,7 +105,7 @@ texts = st.text(max_size=30)
 times = st.floats(min_value=0, max_value=4e9, allow_nan=False)
 finite = st.floats(allow_nan=False, allow_infinity=False)
 int64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
-counts = st.integers(min_value=0, max_value=2**31)
+counts = st.integers(min_value=0, max_value=2**31 - 1)  # a token id fits 31 bits (MAX_TOKEN_ID)
 aware = st.datetimes(
     min_value=datetime(2000, 1, 1), max_value=datetime(2100, 1, 1), timezones=st.just(UTC)
 )
@@ -196,7 +196,7 @@ any_task = st.one_of(
         tasks.Embeddings,
         **task_base,
         input=st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=4)
-        | st.lists(st.lists(st.integers(0, 2**31), min_size=1, max_size=5), min_size=1,
+        | st.lists(st.lists(st.integers(0, tasks.MAX_TOKEN_ID), min_size=1, max_size=5), min_size=1,
                    max_size=4),
         dimensions=opt(st.integers(1, 4096)),
         encoding_format=st.sampled_from(["float", "base64"]),
