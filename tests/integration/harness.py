@@ -59,13 +59,21 @@ def add_fault_card(data_dir: Path, model_id: str = "fault-llm") -> ModelCard:
     return card
 
 
+# A test's worker holds a task this long before JetStream hands it to another. The default
+# (fleet/config.py, seconds) is short so a dead worker's tasks move on soon; under a CPU hog a
+# live worker's beats (every AckWait/4) were once late for it, and a test that kills nothing
+# saw its task delivered twice (two trace ids, a takeover). Tests of takeovers ask for a short
+# one (FLEET_ACK_WAIT_S, e.g. tests/integration/continuing.ENV).
+STEADY_ACK_WAIT = {"FLEET_ACK_WAIT_S": "30"}
+
+
 class WorkerProcess:
     def __init__(self, nats_url: str, data_dir: Path, **env: str) -> None:
         self.data_dir = data_dir
         self.env = {
             **os.environ, "FLEET_NATS_URL": nats_url, "FLEET_DATA_DIR": str(data_dir),
             # Tests place what they need; the demand tests turn placement on demand back on.
-            "MLX_DISABLE_COMPILE": "1", "FLEET_AUTO_PLACE": "0", **env,
+            "MLX_DISABLE_COMPILE": "1", "FLEET_AUTO_PLACE": "0", **STEADY_ACK_WAIT, **env,
         }
         self.process: subprocess.Popen[bytes] | None = None
 
