@@ -157,3 +157,13 @@ async def test_a_continuation_after_a_hole_leaves_no_gap(provisioned_nc: Client)
     async with TaskEvents(js, task_id, deadline) as events:
         seen = [item.event async for item in events]
     assert [t for e in seen if isinstance(e, TokenChunk) for t in e.ids] == want
+
+
+def test_an_asks_answer_is_the_text_a_client_read() -> None:
+    """fleet.ask answers join the tokens in index order, superseded ones left out."""
+    from fleet.worker.ask_answer import answer_of
+
+    stored = [accept(0), tok(0), tok(1), tok(3), accept(1, 2), tok(2, 3, NEW), done()]
+    answer = answer_of(text_task("t1"), stored)
+    assert answer is not None
+    assert answer.text == f" {OLD} {OLD + 1} {NEW + 2} {NEW + 3} {NEW + 4}"
