@@ -58,9 +58,14 @@ def definitions(directory: Path | None = None) -> list[dict[str, Any]]:
     return [json.loads(path.read_text()) for path in sorted(directory.glob("*.json"))]
 
 
-def consumer_definition(model: str, max_deliver: int, ack_wait_s: float) -> dict[str, Any]:
+def consumer_definition(
+    model: str, max_deliver: int, ack_wait_s: float, priority: str = "default"
+) -> dict[str, Any]:
+    """The durable of one model's tasks of one priority class (fleet.worker.priority)."""
     template = (ops_dir() / "jetstream" / "consumers" / "tasks.json").read_text()
     config = json.loads(template.replace("MODEL", model))
+    config["durable_name"] = subjects.durable(model, priority)
+    config["filter_subject"] = subjects.tasks(model, priority)
     config["max_deliver"] = max_deliver
     config["ack_wait"] = int(ack_wait_s * 1e9)
     return config
@@ -217,11 +222,12 @@ async def provision(
 
 async def ensure_task_consumer(
     nc: Client, model: str, *, max_deliver: int = 5, ack_wait_s: float = 30.0,
-    budget_s: float = BROKER_BUDGET_S,
+    budget_s: float = BROKER_BUDGET_S, priority: str = "default",
 ) -> Outcome:
-    """The one durable pull consumer of a model's tasks, shared by every worker serving it."""
-    config = consumer_definition(model, max_deliver, ack_wait_s)
-    name = subjects.durable(model)
+    """The one durable pull consumer of a model's tasks of one priority class, shared by
+    every worker serving it."""
+    config = consumer_definition(model, max_deliver, ack_wait_s, priority)
+    name = subjects.durable(model, priority)
     info = await jetstream_api(
         nc, f"CONSUMER.INFO.{subjects.TASKS_STREAM}.{name}", budget_s=budget_s
     )

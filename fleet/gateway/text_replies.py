@@ -56,14 +56,11 @@ def finish_reason(finished: TaskFinished, has_tool_calls: bool) -> str:
 def usage_json(usage: Usage | None) -> dict[str, Any]:
     """OpenAI's usage object; cached prompt tokens go where OpenAI reports its prompt cache."""
     usage = usage or Usage()
-    details: dict[str, int] = {"cached_tokens": usage.cached_tokens}
-    if usage.images:  # Fleet's own: how many input images the vision cache saved encoding
-        details |= {"images": usage.images, "cached_images": usage.cached_images}
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": details,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
 
 

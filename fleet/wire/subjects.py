@@ -30,12 +30,15 @@ ASK_ALL = "fleet.ask.*"
 ASK_QUEUE = "fleet-ask"
 
 
-def tasks(model: str) -> str:
-    return f"fleet.tasks.{model}"
+def tasks(model: str, priority: str = "default") -> str:
+    """A model's tasks of one priority class (fleet.worker.priority): the default class on
+    `fleet.tasks.<model>` (as before classes existed), the others on
+    `fleet.tasks.<model>.<class>`; a model id has no dots, so the model is the 3rd token."""
+    return f"fleet.tasks.{model}" if priority == "default" else f"fleet.tasks.{model}.{priority}"
 
 
 def model_of_task_subject(subject: str) -> str:
-    return subject.removeprefix("fleet.tasks.")
+    return subject.removeprefix("fleet.tasks.").split(".", 1)[0]
 
 
 def ask(model: str) -> str:
@@ -84,9 +87,10 @@ def model_of_dead_letter(subject: str) -> str:
     return subject.removeprefix("fleet.dead.")
 
 
-def durable(model: str) -> str:
-    """One durable pull consumer per model: every worker serving it shares the queue."""
-    return f"tasks-{model}"
+def durable(model: str, priority: str = "default") -> str:
+    """One durable pull consumer per model and priority class: every worker serving it
+    shares the queue (`tasks-<model>` for the default class, `<class>-tasks-<model>`)."""
+    return f"tasks-{model}" if priority == "default" else f"{priority}-tasks-{model}"
 
 
 def model_of_durable(name: str) -> str | None:

@@ -71,9 +71,23 @@ class NamedFunction(Part):
 ToolChoice = Literal["auto", "required"] | NamedFunction
 
 
+# Priority classes, highest first (fleet.worker.priority has the dispatch rules).
+Priority = Literal["interactive", "default", "batch"]
+
+
 class _TaskBase(Wire):
     task_id: TaskId
     model: ModelId
+    priority: Priority = Field(
+        default="default",
+        description="Its priority class, published on fleet.tasks.<model>[.<class>]: workers "
+        "pull interactive before default before batch (a batch job's lines are batch)",
+    )
+    tenant: str | None = Field(
+        default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="The tenant that asked (gateway API keys); tokens served are counted "
+        "per tenant for fair sharing",
+    )
     deadline: AwareDatetime | None = Field(
         default=None, description="The task expires if it has not started by then"
     )

@@ -43,10 +43,10 @@ class Feeds:
         """Subscribe before the worker says it is ready, so no early cancel is missed."""
         self._first_sub = await self.nc.subscribe(subjects.cancel("*"))
 
-    async def pull(self, model: str, batch: int) -> None:
+    async def pull(self, model: str, batch: int, reserve: int = 0) -> None:
         msgs: list[Msg] = []
         try:
-            msgs = await self.puller.fetch(model, batch)
+            msgs = await self.puller.fetch(model, batch, reserve)
         finally:  # always: the planner pulls again only after PullEnded
             self.inbox.put_nowait(Fetched(model, msgs))
 

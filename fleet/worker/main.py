@@ -202,7 +202,7 @@ class Worker(RunnerReports, Stopping):
             case CrashJudged() as judged:
                 await self._crash_judged(judged)
             case RunnerReported() as reported:
-                if self._admit(reported):
+                if self.images.admit(reported):
                     await self._report(reported)
             case ImageUploaded() as done:
                 for ready in self.images.uploaded(done):
@@ -318,9 +318,9 @@ class Worker(RunnerReports, Stopping):
                                  self.handoffs.send(task_id, node_id, runner_id, msg))
             case rules.HandBack(task_id=task_id):
                 self._hand_back(task_id)
-            case rules.Pull(model=model, batch=batch):
+            case rules.Pull(model=model, batch=batch, reserve=reserve):
                 self._apply(ev.PullStarted(model))
-                self.owner.spawn(f"pull {model}", self.feeds.pull(model, batch))
+                self.owner.spawn(f"pull {model}", self.feeds.pull(model, batch, reserve))
 
     # ---- actions ----------------------------------------------------------------------
 
@@ -374,7 +374,7 @@ class Worker(RunnerReports, Stopping):
 
     def _hand_off_ended(self, ended: ev.HandOffEnded) -> None:
         task_id = ended.task_id
-        cancelled = self.state.task(task_id).cancel is ev.CancelOrigin.WHILE_OFFERED
+        cancelled = self.state.notes_of(task_id).cancel is ev.CancelOrigin.WHILE_OFFERED
         self._apply(ev.CancelNoted(task_id, None))  # spent: whoever holds it now ends it
         if ended.taken is False:  # still ours: run it here
             self._apply(ended)
@@ -412,7 +412,7 @@ class Worker(RunnerReports, Stopping):
 
     def _release(self, task_id: str) -> None:
         self.intake.book.released(task_id)
-        if pinned := self.state.task(task_id).pinned:
+        if pinned := self.state.notes_of(task_id).pinned:
             self.cluster.release_inputs(list(pinned))
         self._apply(ev.TaskReleased(task_id))
 

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from fleet.wire.cluster import Instance
 from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import is_past
+from fleet.worker.priority import reserve_for
 from fleet.worker.routes import routes, waits_for_a_full_runner
 from fleet.worker.routing import Wait
 from fleet.worker.state import WorkerState, group_layout
@@ -80,6 +81,7 @@ class HandBack:
 class Pull:
     model: str
     batch: int
+    reserve: int = 0  # slots batch-class work must leave free (fleet.worker.priority)
 
 
 Action = (
@@ -194,14 +196,17 @@ def declines_hand_off(state: WorkerState, model: str) -> str | None:
 
 def pull(state: WorkerState, now: float) -> Action | None:
     """Fetch as many tasks of a model as its runners have free slots, less the tasks already
-    waiting here for them. A task waiting for a runner with no free slot (its prefix is there)
-    leaves the others' slots free, but the tasks waiting here never outnumber the slots."""
+    waiting here for them; batch-class tasks leave one slot free when there are several. A
+    task waiting for a runner with no free slot (its prefix is there) leaves the others'
+    slots free, but the tasks waiting here never outnumber the slots."""
     if state.stopping:
         return None
     free: dict[str, int] = {}
     room: dict[str, int] = {}
+    capacity: dict[str, int] = {}  # every slot of the model's runners, busy or not
     for runner in state.runners.values():
         if not runner.shutting_down:
+            capacity[runner.model] = capacity.get(runner.model, 0) + runner.slots
             free[runner.model] = free.get(runner.model, 0) + runner.free_slots
             room[runner.model] = room.get(runner.model, 0) + (
                 runner.slots if runner.takes_tasks else 0)
@@ -218,7 +223,7 @@ def pull(state: WorkerState, now: float) -> Action | None:
     for model, slots in sorted(free.items()):
         slots = min(slots, room.get(model, 0))
         if slots > 0 and model not in state.pulling:
-            return Pull(model, slots)
+            return Pull(model, slots, reserve_for(capacity.get(model, 0)))
     return None
 
 

@@ -1,4 +1,11 @@
-"""Pulling tasks: one bound pull subscription per model on its shared durable consumer.
+"""Pulling tasks: one bound pull subscription per model and priority class on its shared
+durable consumer, taken highest class first (fleet.worker.priority: order, batch slack,
+starvation promotion).
+
+A pull asks each class in turn for what its quota allows, each ask bounded by PROBE_S when
+the class has nothing waiting; when no class had anything, it waits (up to FETCH_WAIT_S) on
+every class that may be served at once and returns the first that answers, so a task of
+any class starts as soon as it is published.
 
 The durable `tasks-<model>` can vanish under a running worker (someone deleted it, a stream
 was recreated). A fetch then fails with 503 (no responders), exactly as it does during a
@@ -11,7 +18,9 @@ pulling (fleet.worker.consumer_guard); one that cannot be restored stops this mo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -23,11 +32,14 @@ from fleet.bus.provision import ensure_task_consumer
 from fleet.bus.retry import is_transient
 from fleet.config import Settings
 from fleet.wire import subjects
+from fleet.wire.tasks import Priority
 from fleet.worker.consumer_guard import ConsumerGuard
+from fleet.worker.priority import CLASSES, Turn, pull_order, quota
 
 log = logging.getLogger(__name__)
 
 FETCH_WAIT_S = 2.0
+PROBE_S = 0.05  # the longest a class with nothing waiting holds up the classes after it
 ERROR_PAUSE_S = 0.5
 
 
@@ -50,25 +62,73 @@ class TaskPuller:
         self.subs: dict[str, JetStreamContext.PullSubscription] = {}
         self.recreated: dict[str, int] = {}  # model -> times its consumer was recreated
         self.stopped: dict[str, str] = {}  # model -> why its pulls stopped (a changed consumer)
+        # the other classes' subscriptions (the guard watches the default class's durable)
+        self.class_subs: dict[tuple[str, str], JetStreamContext.PullSubscription] = {}
+        self.last_served: dict[str, dict[str, float]] = {}  # model -> class -> last turn
         self.guard = ConsumerGuard(nc, self, settings.max_deliver, settings.ack_wait_s, meter)
 
-    async def fetch(self, model: str, batch: int) -> list[Msg]:
-        """Up to `batch` tasks of `model`, waiting at most FETCH_WAIT_S; never raises."""
+    async def fetch(self, model: str, batch: int, reserve: int = 0) -> list[Msg]:
+        """Up to `batch` tasks of `model`, highest class first, batch work leaving `reserve`
+        slots free; waiting at most about FETCH_WAIT_S; never raises."""
         if model in self.stopped:
             return []
+        now = time.monotonic()
+        served = self.last_served.setdefault(model, dict.fromkeys(CLASSES, now))
+        got: list[Msg] = []
+        turns = []
         try:
-            sub = self.subs.get(model) or await self._subscribe(model)
-            return await sub.fetch(batch, timeout=FETCH_WAIT_S)
-        except TimeoutError:
-            return []
+            for turn in pull_order(served, now):
+                wanted = min(quota(turn, batch - len(got), reserve), batch - len(got))
+                if wanted <= 0:
+                    continue
+                turns.append(turn)
+                served[turn.priority] = now  # it had its turn: not starved
+                got += await self._pull(model, turn.priority, wanted, PROBE_S)
+            if not got and turns:
+                got = await self._first_of(model, turns)
+            return got
         except Exception as exc:  # the loop must go on; the next plan pulls again
             log.warning("fetch for %s failed: %s", model, type(exc).__name__ + f" {exc}".rstrip())
             await self._recover(model)
             await asyncio.sleep(ERROR_PAUSE_S)  # pacing a retry after a broker error
+            return got
+
+    async def _pull(self, model: str, priority: Priority, batch: int, wait_s: float) -> list[Msg]:
+        sub = self._bound(model, priority) or await self._subscribe(model, priority)
+        try:
+            return await sub.fetch(batch, timeout=wait_s)
+        except TimeoutError:
             return []
 
+    async def _first_of(self, model: str, turns: list[Turn]) -> list[Msg]:
+        """Wait on every class that may be served at once; the first to answer wins. The
+        others are cancelled: a message that reaches a cancelled fetch stays in that
+        subscription's queue and the next pull of its class takes it first."""
+        waits = [asyncio.ensure_future(self._pull(model, t.priority, 1, FETCH_WAIT_S))
+                 for t in turns]
+        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for wait in pending:
+            wait.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await wait
+        got: list[Msg] = []
+        for wait in done:
+            got += wait.result()
+        return got
+
+    def _bound(
+        self, model: str, priority: Priority
+    ) -> JetStreamContext.PullSubscription | None:
+        return self.subs.get(model) if priority == "default" else self.class_subs.get(
+            (model, priority))
+
     async def _recover(self, model: str) -> None:
-        """After a failed fetch: recreate the durable consumer if it is gone."""
+        """After a failed fetch: recreate the durable consumer if it is gone. The other
+        classes' subscriptions are dropped, to be bound again (their durables made again if
+        gone) at their next turn."""
+        for priority in CLASSES:
+            if sub := self.class_subs.pop((model, priority), None):
+                await unsubscribe_pull(sub)
         if model not in self.subs:
             return
         try:
@@ -92,19 +152,28 @@ class TaskPuller:
         self.stopped[model] = reason
         if sub := self.subs.pop(model, None):
             await unsubscribe_pull(sub)
+        for priority in CLASSES:
+            if sub := self.class_subs.pop((model, priority), None):
+                await unsubscribe_pull(sub)
 
-    async def _subscribe(self, model: str) -> JetStreamContext.PullSubscription:
-        await self.guard.check(model, binding=True)
+    async def _subscribe(
+        self, model: str, priority: Priority = "default"
+    ) -> JetStreamContext.PullSubscription:
+        if priority == "default":
+            await self.guard.check(model, binding=True)
         await ensure_task_consumer(
             self.nc, model, max_deliver=self.settings.max_deliver,
-            ack_wait_s=self.settings.ack_wait_s,
+            ack_wait_s=self.settings.ack_wait_s, priority=priority,
         )
         sub = await self.js.pull_subscribe_bind(
-            subjects.durable(model), stream=subjects.TASKS_STREAM
+            subjects.durable(model, priority), stream=subjects.TASKS_STREAM
         )
-        self.subs[model] = sub
+        if priority == "default":
+            self.subs[model] = sub
+        else:
+            self.class_subs[(model, priority)] = sub
         return sub
 
     async def close(self) -> None:
-        for sub in self.subs.values():
+        for sub in [*self.subs.values(), *self.class_subs.values()]:
             await unsubscribe_pull(sub)
