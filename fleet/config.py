@@ -125,10 +125,14 @@ class Settings:
     # three times mid-answer still ends worker_lost, not max_deliveries; one spare for a
     # death before its output began.
     max_deliver: int = setting(5, groups=_W, help="deliveries of a task before it is given up")
+    # A dead worker is seen from its connection in ~1-2 s (fleet/worker/deathwatch.py);
+    # AckWait guards the rest (a paused or cut-off worker), so it can be long and never
+    # hand a loaded worker's tasks over.
     ack_wait_s: float = setting(
-        2.0, groups=_W,
+        30.0, groups=_W,
         help="seconds a silent worker holds a task before JetStream redelivers it (its beats "
-        "come every AckWait/4)")
+        "come every AckWait/4, at most 5 s); a dead worker's tasks move sooner, when its "
+        "connection is seen gone")
     auto_place: bool = setting(
         True, groups=_W, help="place a model when tasks wait for one nobody serves")
     prefix_routing: bool = setting(

@@ -186,6 +186,7 @@ GRANTS: dict[str, Grant] = {
             inbox("client"), inbox("operator"), inbox("worker"),
             "fleet.tasks.>",  # an ask on fleet.ask.<model> is published as a task
             "fleet.handoff.*",  # a held task message passed to the node that should run it
+            "fleet.alive.*",  # probing whether a node's process lives (worker/deathwatch.py)
             *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS, PREFIXES, LEASES)),
             "$O.FLEET_IMAGES.>", "$O.FLEET_WEIGHTS.>", FLOW_CONTROL, _api("INFO"),
             *_acks(TASKS), *_acks(ADVISORIES),
@@ -220,7 +221,7 @@ GRANTS: dict[str, Grant] = {
         # No fleet.tasks.>: a task reaches workers only through its model's pull consumer
         # (the triage of unknown models reads FLEET_TASKS' counts, fleet/worker/janitor.py).
         subscribe=[inbox("worker"), "fleet.cancel.*", "fleet.ask.*", "fleet.out.>",
-                   "fleet.handoff.*", IMAGE_UPLOAD],
+                   "fleet.handoff.*", "fleet.alive.*", IMAGE_UPLOAD],
     ),
     # Provisions streams, buckets and consumers, and repairs: everything.
     "operator": _grant(publish=[">"], subscribe=[">"]),

@@ -151,6 +151,11 @@ class NodeInfo(Wire):
         "(mx.distributed); null: this node takes no shards",
     )
     blas: str | None = None
+    held_acks: list[str] = Field(
+        default_factory=list,
+        description="Ack subjects of the FLEET_TASKS deliveries this node holds: the sweeper "
+        "naks them when the node is seen dead (fleet/worker/deathwatch.py)",
+    )
     started_at: float
     at: float
 

@@ -66,6 +66,11 @@ def runner_event(node_id: str, runner_id: str) -> str:
     return f"fleet.events.runner.{node_id}.{runner_id}"
 
 
+def alive(node_id: str) -> str:
+    """A worker answers requests here while its process lives (fleet.worker.deathwatch)."""
+    return f"fleet.alive.{node_id}"
+
+
 def node_event(node_id: str) -> str:
     return f"fleet.events.node.{node_id}"
 

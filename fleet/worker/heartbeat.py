@@ -1,6 +1,11 @@
 """This node's heartbeat in FLEET_NODES, and the record of its own KV round trips that
 liveness decisions weigh (fleet.worker.liveness): a worker that could not write its own key
-lately judges no other node dead."""
+lately judges no other node dead.
+
+The heartbeat also lists the ack subjects of the task messages this node holds
+(`NodeInfo.held_acks`), beaten again within HELD_CHECK_S of a new one, and the worker answers
+probes on `fleet.alive.<node>` while its process lives: together they let the sweeper see
+this node die within a second or two and hand its tasks on (fleet.worker.deathwatch)."""
 
 from __future__ import annotations
 
@@ -11,10 +16,12 @@ import time
 from collections.abc import Callable
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from fleet.bus.kv_calls import kv_put
+from fleet.bus.replies import inbox_reply
 from fleet.bus.retry import with_retry
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo, RunnerRecord
@@ -30,6 +37,7 @@ from fleet.worker.liveness import (
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 3.0
+HELD_CHECK_S = 0.5  # a task message held since the last beat is listed within this
 NODE_TTL_S = 15.0  # FLEET_NODES' max age in ops/jetstream; read from the bucket at start
 
 
@@ -48,6 +56,9 @@ class Heartbeat:
         self.ttl_s = NODE_TTL_S
         self.wake = asyncio.Event()  # set to beat now (our own key was seen to expire)
         self._reconnects = 0
+        # The ack subjects of the task messages this node holds (set by the worker).
+        self.held: Callable[[], list[str]] = list
+        self._listed: frozenset[str] = frozenset()  # what the last beat listed
 
     async def read_ttl(self, js: JetStreamContext) -> None:
         """How long a silent node's key lives: the bucket's max age (the TTL of record)."""
@@ -78,7 +89,10 @@ class Heartbeat:
         try:
             if not self.nc.is_connected:
                 raise ConnectionError("not connected to NATS")
-            await kv_put(self.nodes, self.node_id, encode(self.info()), budget_s=budget_s)
+            held = self.held()
+            info = self.info().model_copy(update={"held_acks": held})
+            await kv_put(self.nodes, self.node_id, encode(info), budget_s=budget_s)
+            self._listed = frozenset(held)
         except Exception as exc:
             if self.health.failures == 0:
                 log.warning("heartbeat failed (%s); no node is judged dead until it is back "
@@ -95,9 +109,32 @@ class Heartbeat:
                 log.warning("runner record %s not refreshed: %s", record.runner_id, exc)
 
     async def forever(self) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                # The heartbeat period, or at once when our own key was seen to expire.
-                await asyncio.wait_for(self.wake.wait(), HEARTBEAT_S)
-            self.wake.clear()
-            await self.beat()
+        """Beat every HEARTBEAT_S, at once when our own key was seen to expire, and within
+        HELD_CHECK_S of a newly held task message; answer probes meanwhile."""
+        alive = await self.nc.subscribe(subjects.alive(self.node_id), cb=self._answer)
+        last = time.monotonic()
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.wake.wait(), HELD_CHECK_S)
+                now = time.monotonic()
+                if (self.wake.is_set() or now - last >= HEARTBEAT_S
+                        or newly_held(self.held(), self._listed)):
+                    self.wake.clear()
+                    last = now
+                    await self.beat()
+        finally:
+            with contextlib.suppress(Exception):
+                await alive.unsubscribe()
+
+    async def _answer(self, msg: Msg) -> None:
+        """A probe: any answer says this process lives (only on an inbox: a capability)."""
+        if (reply := inbox_reply(msg.reply)) is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(reply, b"")
+
+
+def newly_held(held: list[str], listed: frozenset[str]) -> bool:
+    """Pure. Whether a message is held that the last beat did not list (one that ended since
+    is harmless there: a nak of a settled message does nothing)."""
+    return any(subject not in listed for subject in held)

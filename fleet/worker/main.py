@@ -96,6 +96,10 @@ class Worker(RunnerReports, Stopping):
         self.unsent_chunks = 0  # task events the broker would not take (logged each time)
         self.plan_due = False  # a streamed report changed what the planner reads
 
+    def _held_acks(self) -> list[str]:
+        msgs = (self.acks.message(key) for key in self.acks.held())
+        return [msg.reply for msg in msgs if msg is not None and msg.reply]
+
     async def run(self) -> None:
         """Serve until stopped; /metrics (when a port is set) from before the connection to
         after the drain, and the metrics' last OTLP export at the end."""
@@ -119,6 +123,8 @@ class Worker(RunnerReports, Stopping):
             self.owner = owner
             self.cluster = ClusterLink(settings, self.nc, self.js, self.inbox)
             await self.cluster.start(owner)
+            # The heartbeat lists what we hold, for the death watch (fleet.worker.deathwatch).
+            self.cluster.heartbeat.held = self._held_acks
             node = self.cluster.node_id
             self.state = WorkerState(
                 node_id=node, cards=self.cluster.cards,

@@ -12,6 +12,12 @@ the lease: each move is a compare-and-set on the instance's revision (exactly on
 and a holder that was cut off and comes back finds its revision stale, so it stops; two
 holders for a moment can only race for the same compare-and-set, as every worker did before.
 A worker that could not renew stops its duties at once.
+
+Seeing a node die (fleet.worker.deathwatch) is a duty too: the sweeper's holder probes every
+busy node. Its own death is watched by the holder of a second lease, the sentinel, which a
+worker without the sweeper lease contends for and which probes the sweeper's holder alone.
+A worker that takes the sweeper lease while it holds the sentinel's stops its sentinel watch
+and lets that lease lapse (at most its max age, 10 s, without a sentinel).
 """
 
 from __future__ import annotations
@@ -22,12 +28,16 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from fleet.aio import started
-from fleet.bus.kv_calls import kv_create, kv_update
+from fleet.bus.kv_calls import kv_create, kv_get, kv_update
 from fleet.bus.retry import with_retry
+from fleet.wire.cluster import NodeInfo
+from fleet.wire.codec import DecodeError, decode_model
+from fleet.worker.deathwatch import DeathWatch
 from fleet.worker.demand import Demand
 from fleet.worker.failover import Failover
 from fleet.worker.janitor import Janitor
@@ -36,6 +46,7 @@ log = logging.getLogger(__name__)
 
 LEASES_BUCKET = "FLEET_LEASES"
 SWEEPER = "sweeper"
+SENTINEL = "sentinel"  # watches the sweeper's holder
 RENEW_S = 2.0  # the bucket's max age is 10 s: five renewals may fail before the lease goes
 # How often a worker without the lease tries to take it: a create refused by the server is
 # an API call, and every worker of the fleet makes one (1,000 nodes: 200 a second).
@@ -94,20 +105,24 @@ class FleetDuties:
     not."""
 
     def __init__(self, js: JetStreamContext, node_id: str, failover: Failover,
-                 demand: Demand | None = None, janitor: Janitor | None = None) -> None:
+                 demand: Demand | None = None, janitor: Janitor | None = None,
+                 nc: Client | None = None) -> None:
         self.js = js
+        self.nc = nc  # None: no death watch (tests of the other duties)
         self.node_id = node_id
         self.failover = failover
         self.demand = demand
         self.janitor = janitor
         self.leading = asyncio.Event()  # set while the duties run here
         self._duties: asyncio.Task[None] | None = None
+        self._sentinel: asyncio.Task[None] | None = None
 
     async def forever(self) -> None:
         """Until cancelled (a Supervisor child): take or renew the lease every RENEW_S."""
         kv = await with_retry(lambda: self.js.key_value(LEASES_BUCKET),
                               what=f"open bucket {LEASES_BUCKET}")
         lease = Lease(kv, SWEEPER, self.node_id)
+        sentinel = Lease(kv, SENTINEL, self.node_id)
         try:
             while True:
                 held = await lease.attempt()
@@ -119,15 +134,58 @@ class FleetDuties:
                     await self._stop_duties()
                 elif self._duties is not None and self._duties.done():
                     self._duties = None  # failed (logged by _run_duties); started next round
-                await asyncio.sleep(RENEW_S if held else CONTEND_S)  # the lease's periods
+                watching = await self._sentinel_round(sentinel, kv, sweeping=held)
+                # The lease's periods: renew what is held, contend for the rest.
+                await asyncio.sleep(RENEW_S if held or watching else CONTEND_S)
         finally:
             await self._stop_duties()
+            await _stop(self._sentinel)
+
+    async def _sentinel_round(self, sentinel: Lease, kv: KeyValue, *, sweeping: bool) -> bool:
+        """Hold the sentinel lease (and watch the sweeper's holder) unless this worker sweeps."""
+        if self.nc is None:
+            return False
+        held = False if sweeping else await sentinel.attempt()
+        if sweeping:
+            sentinel.state = LeaseState()  # let it lapse: another worker takes it
+        if held and (self._sentinel is None or self._sentinel.done()):
+            log.info("this worker now holds the sentinel lease: it watches the sweeper's holder")
+            watch = DeathWatch(self.nc, self.node_id, lambda: self._sweeper_holder(kv),
+                               "sentinel")
+            self._sentinel = started(watch.forever(), "sentinel death watch")
+        elif not held and self._sentinel is not None:
+            task, self._sentinel = self._sentinel, None
+            await _stop(task)
+        return held
+
+    async def _sweeper_holder(self, kv: KeyValue) -> dict[str, list[str]]:
+        """The sweeper's holder and what it holds, when it holds task messages."""
+        lease = await kv_get(kv, SWEEPER, budget_s=RENEW_BUDGET_S)
+        holder = lease.value.decode() if lease is not None and lease.value else ""
+        if not holder or holder == self.node_id:
+            return {}
+        entry = await kv_get(self.failover.nodes, holder, budget_s=RENEW_BUDGET_S)
+        if entry is None or not entry.value:
+            return {}
+        try:
+            info = decode_model(NodeInfo, entry.value)
+        except DecodeError:
+            return {}
+        return {holder: info.held_acks} if info.held_acks else {}
+
+    def _busy_nodes(self) -> dict[str, list[str]]:
+        """Every node whose heartbeat lists held task messages, as the watch last saw it."""
+        return {node: info.held_acks for node, info in self.failover.live.items()
+                if info.held_acks}
 
     async def _run_duties(self) -> None:
         self.leading.set()
         jobs: list[Callable[[], Awaitable[None]]] = [
             self.failover.watch, self.failover.sweep_forever,
         ]
+        if self.nc is not None:
+            watch = DeathWatch(self.nc, self.node_id, _now(self._busy_nodes), "sweeper")
+            jobs.append(watch.forever)
         if self.demand is not None:
             jobs.append(self.demand.sweep_forever)
         if self.janitor is not None:
@@ -145,7 +203,22 @@ class FleetDuties:
         task, self._duties = self._duties, None
         if task is None:
             return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await _stop(task)
         self.failover.forget()  # its view of the nodes is stale from here on
+
+
+async def _stop(task: asyncio.Task[None] | None) -> None:
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _now(
+    read: Callable[[], dict[str, list[str]]],
+) -> Callable[[], Awaitable[dict[str, list[str]]]]:
+    """An in-memory reading as the awaitable a death watch's targets are."""
+    async def targets() -> dict[str, list[str]]:
+        return read()
+    return targets
