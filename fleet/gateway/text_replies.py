@@ -56,11 +56,14 @@ def finish_reason(finished: TaskFinished, has_tool_calls: bool) -> str:
 def usage_json(usage: Usage | None) -> dict[str, Any]:
     """OpenAI's usage object; cached prompt tokens go where OpenAI reports its prompt cache."""
     usage = usage or Usage()
+    details: dict[str, int] = {"cached_tokens": usage.cached_tokens}
+    if usage.images:  # Fleet's own: how many input images the vision cache saved encoding
+        details |= {"images": usage.images, "cached_images": usage.cached_images}
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "prompt_tokens_details": details,
     }
 
 
@@ -111,7 +114,9 @@ def merged_usage(usages: Iterable[Usage | None], per_prompt: int | None = None) 
     cached = sum(usage.cached_tokens for usage in firsts)
     completion = sum(usage.completion_tokens for usage in present)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
-                 total_tokens=prompt + completion, cached_tokens=cached)
+                 total_tokens=prompt + completion, cached_tokens=cached,
+                 images=sum(usage.images for usage in firsts),
+                 cached_images=sum(usage.cached_images for usage in firsts))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,10 @@ tasks include `image_text_to_text`).
 The worker has fetched and verified every image of a task before dispatch (Admission.inputs,
 sha256 -> file), as for image edits; the engine turns the chat into a prompt with a run of
 `<image>` placeholders per image (fleet.runner.vision_inputs) and the images into pixels, and
-decodes with mlx-vlm's generation step. Admitted tasks take turns, one token each per `step()`
+decodes with mlx-vlm's generation step. Each image's features
+(vision tower and projector) come from the vision cache when any node encoded the image for this
+model before (fleet.runner.vision_cache), else are encoded here and kept. Admitted tasks take
+turns, one token each per `step()`
 (no shared batch yet: mlx-vlm's batch generator is a later step), each ending with exactly
 one TaskFinished, as the text engine's do.
 """
@@ -18,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fleet.bus.vision_layout import features_dir
 from fleet.errors import TaskRejected
 from fleet.runner.engine import Admission, EngineConfig, Progress
 from fleet.runner.visible_text import VisibleText
+from fleet.runner.vision_cache import VisionCache, budget_bytes, fingerprint
 from fleet.runner.vision_inputs import VisionShape, pixels, read_shape, template_messages
 from fleet.wire.events import (
     ErrorReason,
@@ -48,6 +53,8 @@ class _Job:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     first_token_at: float | None = None
+    images: int = 0
+    cached_images: int = 0  # of them, how many the vision cache saved an encode
     visible: VisibleText | None = None  # the task's stop strings, held back until known
 
 
@@ -62,6 +69,7 @@ class VisionEngine:
         self._cancel_lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._context_length = config.card.context_length
+        self.cache: VisionCache | None = None
 
     def load(self, progress: Progress) -> None:
         path = Path(self.config.model_path)
@@ -76,6 +84,10 @@ class VisionEngine:
         mx.eval(self._model.parameters())
         self._tokenizer = processor.tokenizer
         self._shape = read_shape(path)
+        self.cache = VisionCache(
+            features_dir(self.config.images_dir), self.config.card.id,
+            fingerprint(self._model, repr(self._shape)), budget_bytes(),
+        )
         progress(1, 1)
 
     def warm_up(self) -> None:
@@ -118,16 +130,7 @@ class VisionEngine:
             raise TaskRejected(ErrorReason.CONTEXT_LENGTH,
                                f"the prompt is {len(ids)} tokens with its images, over the "
                                f"model's maximum of {self._context_length}")
-        import mlx.core as mx
-
-        images = None
-        if hashes:
-            try:
-                images = mx.array(pixels([admission.inputs[h] for h in hashes],
-                                         self._vision_shape))
-            except OSError as exc:  # PIL's UnidentifiedImageError is one
-                raise TaskRejected(ErrorReason.INPUT_CORRUPT,
-                                   f"an image could not be read: {exc}") from None
+        images, features, cached = self._images(hashes, admission.inputs)
         # A continued task goes on after the tokens its earlier attempts streamed: they
         # join the prompt, and indexes and usage count on from them.
         generated = list(admission.generated)
@@ -136,6 +139,7 @@ class VisionEngine:
             admitted_at=time.monotonic(), queue_wait_s=admission.queue_wait_s,
             tokens=generated, text=self._tokenizer.decode(generated).rstrip("\ufffd"),
             visible=VisibleText(task.stop, None) if task.stop else None,
+            images=len(hashes), cached_images=cached,
         )
         stopped = False
         if job.visible is not None and generated:
@@ -147,9 +151,47 @@ class VisionEngine:
             self._jobs.append(job)
             self._ended_at_admission.append(self._finish(job, ended))
             return
+        extra = {} if features is None else {"cached_image_features": features}
         job.steps = self._generate(ids + generated, images, task.max_tokens - len(generated),
-                                   **_sampling(task))
+                                   **_sampling(task), **extra)
         self._jobs.append(job)
+
+    def _images(self, hashes: list[str], inputs: dict[str, Path]) -> tuple[Any, Any, int]:
+        """(pixel values, features or None, cache hits) for the task's images in order.
+        Without a cache: the pixels alone, the model encodes them. With one: each image's
+        features from the cache or encoded here one at a time (and kept); the model is then
+        given the features and a placeholder for the pixels it no longer reads."""
+        import mlx.core as mx
+
+        if not hashes:
+            return None, None, 0
+        cache = self.cache
+        try:
+            if cache is None or not cache.enabled:
+                return mx.array(pixels([inputs[h] for h in hashes], self._vision_shape)), None, 0
+            found = [cache.get(h) for h in hashes]
+            hits = sum(1 for features in found if features is not None)
+            for index, sha in enumerate(hashes):
+                if found[index] is None:
+                    found[index] = self._encode_image(inputs[sha])
+                    cache.put(sha, found[index])
+        except OSError as exc:  # PIL's UnidentifiedImageError is one
+            raise TaskRejected(ErrorReason.INPUT_CORRUPT,
+                               f"an image could not be read: {exc}") from None
+        placeholder = mx.zeros((len(hashes), 3, 1, 1), dtype=mx.float32)
+        return placeholder, mx.concatenate(found, axis=0), hits
+
+    def _encode_image(self, path: Path) -> Any:
+        """One image's features: the model's own input-embedding step over a prompt of its
+        placeholders alone, which places exactly the projected features there."""
+        import mlx.core as mx
+
+        shape = self._vision_shape
+        one = mx.array(pixels([path], shape))
+        ids = mx.array([[shape.image_token_id] * shape.tokens_per_image])
+        features = self._model.get_input_embeddings(ids, one).inputs_embeds
+        mx.eval(features)
+        return features
 
     def _encode(self, messages: list[dict[str, Any]]) -> list[int]:
         text = self._tokenizer.apply_chat_template(
@@ -257,7 +299,8 @@ class VisionEngine:
             finish_reason="stop" if reason == "stop" else "length",
             stop_sequence=job.visible.stop_sequence if job.visible is not None else None,
             usage=Usage(prompt_tokens=job.prompt_tokens, completion_tokens=completion,
-                        total_tokens=job.prompt_tokens + completion),
+                        total_tokens=job.prompt_tokens + completion, images=job.images,
+                        cached_images=job.cached_images),
             stats=TaskStats(
                 queue_wait_s=job.queue_wait_s,
                 time_to_first_token_s=None if first is None else first - job.admitted_at,

@@ -19,6 +19,7 @@ from fleet.bus.connect import publish
 from fleet.bus.kv_calls import kv_delete, kv_get, kv_put, kv_update
 from fleet.bus.objects import ObjectBucket
 from fleet.bus.retry import with_retry
+from fleet.bus.vision_store import VisionShare
 from fleet.bus.weights import MODELS_BUCKET, FleetModels
 from fleet.config import Settings
 from fleet.errors import ObjectCorrupt
@@ -100,6 +101,7 @@ class ClusterLink:
         await self._load_fleet_models()
         await self.rescan_models()
         self.cache = ImageCache(self.settings.images_dir, self.settings.image_cache_bytes)
+        self.vision = VisionShare(self.nc, self.settings.images_dir)  # the vision cache's store
         self.heartbeat = Heartbeat(
             self.nc, self.nodes, self.runners, self.node_id, self._node_info,
             lambda: list(self.records.values()),
@@ -342,10 +344,13 @@ class ClusterLink:
 
     async def fetch_inputs(self, hashes: tuple[str, ...]) -> dict[str, Path]:
         """Local paths of a task's input images, pinned until `release_inputs`."""
-        return await self.cache.ensure(hashes, self.store, self.settings.input_wait_s)
+        paths = await self.cache.ensure(hashes, self.store, self.settings.input_wait_s)
+        await self.vision.prefetch(hashes)  # features another node encoded, if any
+        return paths
 
     def release_inputs(self, hashes: list[str]) -> None:
         self.cache.release(hashes)
+        self.vision.share(hashes)  # features this node encoded for them, once each
 
     async def upload_output(self, sha256: str) -> None:
         """A runner wrote an image into the cache dir; store it by hash (never re-put).

@@ -114,3 +114,14 @@ def test_ollama_images_reach_the_model_and_bad_ones_are_refused(url: str) -> Non
     with pytest.raises(ollama.ResponseError) as refused:
         ask_ollama([base64.b64encode(b"\x89PNG\r\n\x1a\nnot a png").decode()])
     assert refused.value.status_code == 400 and "could not be read" in refused.value.error
+
+
+def test_the_same_image_twice_is_a_vision_cache_hit_with_the_same_answer(
+    sdk: openai.OpenAI,
+) -> None:
+    image = "data:image/png;base64," + png_b64((24, 24), (12, 200, 90))  # new to this stack
+    first, second = ask(sdk, image), ask(sdk, image)
+    assert first.choices[0].message.content == second.choices[0].message.content
+    details = [reply.usage.prompt_tokens_details for reply in (first, second)]  # type: ignore[union-attr]
+    counts = [(d.model_extra or {}) if d else {} for d in details]
+    assert [(c.get("images"), c.get("cached_images")) for c in counts] == [(1, 0), (1, 1)]
