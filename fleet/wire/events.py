@@ -194,6 +194,10 @@ class Usage(Part):
     cached_tokens: int = Field(
         default=0, description="Prompt tokens whose prefill the runner's prefix cache saved"
     )
+    images: int = Field(default=0, description="Input images of a vision task")
+    cached_images: int = Field(
+        default=0, description="Of them, images whose encoding the vision cache saved"
+    )
 
 
 class TaskStats(Part):

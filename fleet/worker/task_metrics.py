@@ -49,11 +49,26 @@ class TaskMetrics:
             "fleet.prefix_cache.hit_ratio", callbacks=[self._hit_ratios], unit="1",
             description="Cached / prompt tokens of the text tasks this worker finished",
         )
+        # The vision cache (fleet/runner/vision_cache.py): images whose encode it saved.
+        self._images = meter.create_counter(
+            "fleet.vision_cache.images", unit="{image}",
+            description="Input images of finished vision tasks")
+        self._cached_images = meter.create_counter(
+            "fleet.vision_cache.hits", unit="{image}",
+            description="Input images whose encoding the vision cache saved")
+        self.image_totals: dict[str, tuple[int, int]] = {}  # model -> (cached, images)
+        meter.create_observable_gauge(
+            "fleet.vision_cache.hit_ratio", callbacks=[self._image_hit_ratios], unit="1",
+            description="Cached / input images of the vision tasks this worker finished")
 
     def _hit_ratios(self, options: CallbackOptions) -> Iterable[Observation]:
         for model, (cached, prompt) in self.prompt_totals.items():
             if prompt:
                 yield Observation(cached / prompt, {MODEL: model})
+
+    def _image_hit_ratios(self, options: CallbackOptions) -> Iterable[Observation]:
+        for model, (cached, images) in self.image_totals.items():
+            yield Observation(cached / images, {MODEL: model})
 
     def hit_ratio(self, model: str) -> float | None:
         cached, prompt = self.prompt_totals.get(model, (0, 0))
@@ -67,6 +82,12 @@ class TaskMetrics:
             self._cached_tokens.add(usage.cached_tokens, {MODEL: model})
             cached, prompt = self.prompt_totals.get(model, (0, 0))
             self.prompt_totals[model] = (cached + usage.cached_tokens, prompt + usage.prompt_tokens)
+        if (usage := event.usage) is not None and usage.images:
+            model = attributes[MODEL]
+            self._images.add(usage.images, {MODEL: model})
+            self._cached_images.add(usage.cached_images, {MODEL: model})
+            cached, images = self.image_totals.get(model, (0, 0))
+            self.image_totals[model] = (cached + usage.cached_images, images + usage.images)
         stats = event.stats
         if stats is not None:
             if stats.time_to_first_token_s is not None:

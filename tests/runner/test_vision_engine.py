@@ -148,7 +148,8 @@ def test_a_missing_or_unreadable_image_is_refused(
     junk = tmp_path / "junk.png"
     junk.write_bytes(b"not an image")
     with pytest.raises(TaskRejected, match="could not be read") as corrupt:
-        engine.admit(Admission(task=chat("junk", RED), inputs={RED: junk}))
+        # An image never encoded here (the cache keys on the sha256 the worker verified).
+        engine.admit(Admission(task=chat("junk", "c" * 64), inputs={"c" * 64: junk}))
     assert corrupt.value.code == "input_corrupt" and engine.active == 0
 
 
@@ -183,3 +184,38 @@ def test_tokens_per_image_follow_the_tower(
     (tmp_path / "config.json").write_text(json.dumps(config))
     shape = read_shape(tmp_path)
     assert (shape.tokens_per_image, shape.image_token_id) == (tokens, 7)
+
+
+def test_a_second_encode_of_an_image_is_a_cache_hit_with_the_same_answer(
+    tiny_vlm_dir: Path, images: dict[str, Path], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Greedy tokens with the vision cache equal those without it; the second task with an
+    image is a counted hit, and a new engine (another runner) finds the entry on disk."""
+
+    def fresh(cache_mb: str) -> VisionEngine:
+        monkeypatch.setenv("FLEET_VISION_CACHE_MB", cache_mb)
+        vision = VisionEngine(EngineConfig(card=get_card("tiny-vlm"), model_path=tiny_vlm_dir,
+                                           slots=4, images_dir=tmp_path / "images"))
+        vision.load(lambda done, total: None)
+        return vision
+
+    def answer(vision: VisionEngine, task_id: str, *shas: str) -> tuple[list[int], int, int]:
+        parts: list[TextPart | ImagePart] = [ImagePart(sha256=s) for s in shas]
+        task = TextGeneration(task_id=task_id, model="tiny-vlm", temperature=0.0, max_tokens=6,
+                              messages=[ChatMessage(role="user", content=[
+                                  *parts, TextPart(text="What is in this picture?")])])
+        vision.admit(Admission(task=task, inputs=images))
+        events = run_all(vision)
+        usage = next(e for e in events if isinstance(e, TaskFinished)).usage
+        assert usage is not None
+        return tokens_of(events, task_id), usage.images, usage.cached_images
+
+    uncached, images_seen, hits = answer(fresh("0"), "off", RED, BLUE)
+    assert (images_seen, hits) == (2, 0)
+    cached = fresh("64")
+    assert answer(cached, "first", RED, BLUE) == (uncached, 2, 0)
+    assert answer(cached, "second", RED, BLUE) == (uncached, 2, 2)
+    assert (cached.cache.counts.hits, cached.cache.counts.misses) == (2, 2)  # type: ignore[union-attr]
+    # Another runner of the same model on this node reads what the first wrote.
+    assert answer(fresh("64"), "other", BLUE, RED)[1:] == (2, 2)
