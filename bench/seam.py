@@ -8,8 +8,10 @@ client has seen `kill_at` tokens, then applies the fault to whatever serves it:
     worker_kill    SIGKILL of the worker's process group (worker and runner, a power loss);
                    the other worker's runner of the model is ready
     runner_kill    SIGKILL of the runner only (its worker alive)
-    worker_pause   SIGSTOP of the worker process for `pause_s`, then SIGCONT: another worker
-                   takes the task over, the resumed one must write nothing more
+    worker_pause   SIGSTOP of the worker process for `pause_s`, then SIGCONT: with AckWait
+                   (30 s) longer than the pause nobody takes it over (the death watch sees a
+                   paused worker as alive), and the seam is the pause; with a shorter AckWait
+                   another worker takes it over and the resumed one must write nothing more
 
 and reads the task's whole stored stream back to count gaps, duplicates and lost answers. The
 killed process is restarted (and its runner waited for) before the next round. `false
@@ -60,7 +62,7 @@ class SeamPlan:
     max_tokens: int = 120
     kill_at: int = 30  # tokens the client has seen when the fault comes
     pause_s: float = 10.0
-    ack_wait_s: float = 2.0
+    ack_wait_s: float = 30.0  # the default: a dead worker is seen by the death watch
     load_tasks: int = 20  # answers run beside the CPU hogs, no fault
     hogs: int = 8
     load_target: float = 8.0  # the 1-minute load average the hogs reach before the answers
@@ -130,6 +132,11 @@ class Watch:
             elif isinstance(event, TokenChunk) and arrived > at and seen > attempts:
                 return arrived
         return None
+
+    def next_token_any_after(self, at: float) -> float | None:
+        """The first token after `at`, of whichever attempt."""
+        return next((arrived for arrived, event in self.events
+                     if isinstance(event, TokenChunk) and arrived > at), None)
 
 
 def judge(events: list[OutputEvent], max_tokens: int) -> dict[str, int]:
@@ -253,9 +260,16 @@ class SeamStack:
             await self.fault(case, victim, running.runner_id)
             if case != "worker_pause":
                 self.dead_runners.add(running.runner_id)
-            resumed = await watch.until(lambda: watch.next_token_after(faulted_at), ROUND_S)
-            if case == "worker_pause":
+            if case == "worker_pause" and self.plan.ack_wait_s > self.plan.pause_s:
+                # Nobody takes a paused worker's task: it streams on when it resumes.
                 await self.resume(victim, faulted_at)
+                resumed = await watch.until(lambda: watch.next_token_any_after(faulted_at),
+                                            ROUND_S)
+            else:
+                resumed = await watch.until(lambda: watch.next_token_after(faulted_at),
+                                            ROUND_S)
+                if case == "worker_pause":
+                    await self.resume(victim, faulted_at)
             await watch.until(watch.done, ROUND_S)
         finally:
             await sub.unsubscribe()

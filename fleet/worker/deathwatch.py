@@ -122,8 +122,10 @@ class DeathWatch:
     """Probes `targets()` every PROBE_S and naks the held messages of each node found dead.
     Runs while this worker holds a lease that makes it a watcher (fleet.worker.sweeper)."""
 
-    def __init__(self, nc: Client, node_id: str, targets: Targets, name: str) -> None:
+    def __init__(self, nc: Client, node_id: str, targets: Targets, name: str,
+                 on_dead: Callable[[str], None] = lambda node: None) -> None:
         self.nc, self.node_id, self.targets, self.name = nc, node_id, targets, name
+        self.on_dead = on_dead  # the sweeper's failover moves its instances at once
         self.absences: dict[str, Absence] = {}
         self.declared: set[str] = set()  # dead, its messages nak'd: not again
         self.naks = 0  # sent (for tests and logs)
@@ -163,6 +165,7 @@ class DeathWatch:
         self.declared &= set(absences)  # a node seen again may be declared again later
         dead = dead_nodes(absences, len(nodes), now, link_since, self.node_id) - self.declared
         for node in sorted(dead):
+            self.on_dead(node)
             await self._hand_on(node, targets[node], now - absences[node].since)
         self.declared |= dead
         return dead

@@ -26,7 +26,7 @@ from fleet.bus.kv_read import live_entries, live_values
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
 from fleet.wire.codec import DecodeError, decode_model, encode
-from fleet.worker.liveness import Move, Placed, Stranded, plan_moves
+from fleet.worker.liveness import Move, Placed, Stranded, plan_moves, seen_dead
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,11 @@ class Failover:
         self.loaded = asyncio.Event()  # set once the node table's first reading is in `live`
         self._wake = asyncio.Event()
         self._stranded: set[str] = set()  # logged once each, until it moves or heals
+        # Nodes the death watch saw die (wall time): gone before their heartbeat key expires.
+        self.declared: dict[str, float] = {}
+        # Nodes running a rank of a sharded instance, as the last sweep read them: the death
+        # watch probes them even when they hold no task message (a rank > 0 never does).
+        self.ranked: set[str] = set()
 
     async def watch(self) -> None:
         """Follow FLEET_NODES for `live` (demand placement reads it) and to sweep at once
@@ -95,10 +100,16 @@ class Failover:
             log.info("heartbeat of node %s is gone; checking whether it left", node)
             self._wake.set()
 
+    def declare_dead(self, node: str) -> None:
+        """The death watch saw `node`'s connection gone: sweep now, as if its key expired."""
+        self.declared[node] = time.time()
+        self._wake.set()
+
     def forget(self) -> None:
         """No longer watching (the lease went elsewhere): what `live` says is stale."""
         self.live = {}
         self.loaded.clear()
+        self.declared = {}
 
     async def refresh(self) -> list[NodeInfo]:
         nodes = await live_values(self.js, subjects.NODES_BUCKET, NodeInfo)
@@ -121,13 +132,15 @@ class Failover:
         trusted = self.trusted()  # before the reads: evidence is what was true all along
         if not trusted:
             return []
-        nodes = await self.refresh()
+        nodes = seen_dead(await self.refresh(), self.declared)
         placed = []
         for entry in await live_entries(self.js, subjects.INSTANCES_BUCKET):
             try:
                 placed.append(Placed(decode_model(Instance, entry.value), entry.revision))
             except DecodeError:
                 continue
+        self.ranked = {shard.node_id for p in placed if p.instance.sharded
+                       for shard in p.instance.shards}
         # Re-checked after the reads: a gap while reading makes the snapshot suspect.
         decisions = plan_moves(placed, nodes, self.self_id, trusted and self.trusted(),
                                self.cards, time.time())

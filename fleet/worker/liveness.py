@@ -67,6 +67,16 @@ def dead_nodes(
     return {node for node in placed_on if node not in alive_set and node != self_id}
 
 
+def seen_dead(
+    nodes: Iterable[NodeInfo], declared: dict[str, float]
+) -> list[NodeInfo]:
+    """Pure. `nodes` less those the death watch declared dead (fleet.worker.deathwatch) at a
+    wall time `declared[node]` later than their last heartbeat: a dead process writes none,
+    so a heartbeat written since says the node (restarted, or reconnected) lives."""
+    return [node for node in nodes
+            if node.node_id not in declared or node.at > declared[node.node_id]]
+
+
 @dataclass(frozen=True)
 class Placed:
     """An instance as read from the bucket, with the revision a compare-and-set needs."""

@@ -174,9 +174,10 @@ class FleetDuties:
         return {holder: info.held_acks} if info.held_acks else {}
 
     def _busy_nodes(self) -> dict[str, list[str]]:
-        """Every node whose heartbeat lists held task messages, as the watch last saw it."""
+        """Every node whose heartbeat lists held task messages, as the watch last saw it, and
+        every node running a rank of a sharded instance (its death stalls its group)."""
         return {node: info.held_acks for node, info in self.failover.live.items()
-                if info.held_acks}
+                if info.held_acks or node in self.failover.ranked}
 
     async def _run_duties(self) -> None:
         self.leading.set()
@@ -184,7 +185,8 @@ class FleetDuties:
             self.failover.watch, self.failover.sweep_forever,
         ]
         if self.nc is not None:
-            watch = DeathWatch(self.nc, self.node_id, _now(self._busy_nodes), "sweeper")
+            watch = DeathWatch(self.nc, self.node_id, _now(self._busy_nodes), "sweeper",
+                               on_dead=self.failover.declare_dead)
             jobs.append(watch.forever)
         if self.demand is not None:
             jobs.append(self.demand.sweep_forever)

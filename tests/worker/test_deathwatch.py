@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from fleet.wire.cluster import NodeInfo
 from fleet.worker.deathwatch import (
     CONFIRM_S,
     LINK_STABLE_S,
@@ -15,6 +16,7 @@ from fleet.worker.deathwatch import (
     observe,
 )
 from fleet.worker.heartbeat import newly_held
+from fleet.worker.liveness import seen_dead
 
 ACK = "$JS.ACK.FLEET_TASKS.tasks-tiny-llm.1.12.7.1733300000000000000.0"
 
@@ -100,3 +102,23 @@ def test_a_new_held_message_is_listed_at_once(
     held: list[str], listed: frozenset[str], beat: bool
 ) -> None:
     assert newly_held(held, listed) is beat
+
+
+def _node(node_id: str, at: float) -> NodeInfo:
+    return NodeInfo(node_id=node_id, hostname="h", memory_total_bytes=1,
+                    memory_available_bytes=1, cpu_count=1, started_at=0.0, at=at)
+
+
+@pytest.mark.parametrize(
+    ("declared", "live"),
+    [
+        ({}, {"a", "b"}),
+        ({"b": 50.0}, {"a"}),  # seen dead after its last heartbeat: gone now
+        ({"b": 10.0}, {"a", "b"}),  # a heartbeat since: restarted or back, alive
+    ],
+)
+def test_a_node_seen_dead_is_gone_until_it_beats_again(
+    declared: dict[str, float], live: set[str]
+) -> None:
+    nodes = [_node("a", 40.0), _node("b", 40.0)]
+    assert {n.node_id for n in seen_dead(nodes, declared)} == live

@@ -97,6 +97,11 @@ export function mount(view, store, taskId) {
           imageUrl(event.sha256).then((url) => images.append(h("img", { src: url, alt: `${detail} of task ${taskId}` })));
         } else if (event.type === "task_accepted") {
           detail = `${event.model} on ${event.node_id} (${event.runner_id})`;
+          // The seam of a continued attempt: which, from which token, taken from which node.
+          if (event.attempt > 0) {
+            detail += ` · attempt ${event.attempt}, continued from token ${event.continued_from}`
+              + (event.moved_from ? `, moved from ${event.moved_from}` : "");
+          }
           // A shard names its runner once placed; until then its runner record and node say.
           const record = (store.fleet?.runners || []).find((r) => r.runner_id === event.runner_id);
           const shard = (store.fleet?.instances || []).flatMap((i) => i.shards.map((sh) => ({ ...sh, i })))
