@@ -47,7 +47,7 @@ from fleet.worker.heartbeat import Heartbeat
 from fleet.worker.inputs import ImageCache
 from fleet.worker.janitor import Janitor
 from fleet.worker.node import free_port, node_id, node_info
-from fleet.worker.state import InstancesChanged, RunnerView, group_layout
+from fleet.worker.state import CardsChanged, InstancesChanged, RunnerView, group_layout
 from fleet.worker.sweeper import FleetDuties
 
 log = logging.getLogger(__name__)
@@ -253,7 +253,9 @@ class ClusterLink:
             except DecodeError as exc:
                 log.warning("ignoring model card %s in %s: %s", entry.key, MODELS_BUCKET, exc)
                 continue
-            self.cards[card.id] = card  # in place: WorkerState and Demand share this dict
+            self.cards[card.id] = card  # in place: Demand and Failover share this dict
+            # The loop's state takes a snapshot, changed only by apply.
+            await self.inbox.put(CardsChanged(dict(self.cards)))
 
     async def _watch_instances(self) -> None:
         table: dict[str, Instance] = {}

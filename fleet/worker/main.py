@@ -127,7 +127,7 @@ class Worker(RunnerReports, Stopping):
             self.cluster.heartbeat.held = self._held_acks
             node = self.cluster.node_id
             self.state = WorkerState(
-                node_id=node, cards=self.cluster.cards,
+                node_id=node, cards=dict(self.cluster.cards),  # CardsChanged after
                 routing=Weights(prefix=settings.prefix_routing),
                 prefix_capacity=settings.prefix_index_blocks,
             )
@@ -208,7 +208,7 @@ class Worker(RunnerReports, Stopping):
             case CrashJudged() as judged:
                 await self._crash_judged(judged)
             case RunnerReported() as reported:
-                if self.images.admit(reported):
+                if self._admit(reported):
                     await self._report(reported)
             case ImageUploaded() as done:
                 for ready in self.images.uploaded(done):
@@ -380,7 +380,7 @@ class Worker(RunnerReports, Stopping):
 
     def _hand_off_ended(self, ended: ev.HandOffEnded) -> None:
         task_id = ended.task_id
-        cancelled = self.state.notes_of(task_id).cancel is ev.CancelOrigin.WHILE_OFFERED
+        cancelled = self.state.task(task_id).cancel is ev.CancelOrigin.WHILE_OFFERED
         self._apply(ev.CancelNoted(task_id, None))  # spent: whoever holds it now ends it
         if ended.taken is False:  # still ours: run it here
             self._apply(ended)
@@ -418,7 +418,7 @@ class Worker(RunnerReports, Stopping):
 
     def _release(self, task_id: str) -> None:
         self.intake.book.released(task_id)
-        if pinned := self.state.notes_of(task_id).pinned:
+        if pinned := self.state.task(task_id).pinned:
             self.cluster.release_inputs(list(pinned))
         self._apply(ev.TaskReleased(task_id))
 

@@ -45,7 +45,7 @@ class RunnerReports:
         image that could not be stored (its terminal becomes that failure)."""
         return (
             report.status == "cancelled"
-            and self.state.notes_of(report.task_id).cancel is not ev.CancelOrigin.WHILE_RUNNING
+            and self.state.task(report.task_id).cancel is not ev.CancelOrigin.WHILE_RUNNING
             and report.task_id not in self.images.unstored
         )
 
@@ -60,7 +60,7 @@ class RunnerReports:
                 self._apply(ev.RunnerStatusSeen(runner_id, status))
                 self.cluster.runner_status(self.state.runners.get(runner_id), status)
             case TaskFinished() if (
-                self.state.notes_of(report.task_id).cancel is ev.CancelOrigin.FENCED
+                self.state.task(report.task_id).cancel is ev.CancelOrigin.FENCED
             ):
                 self._give_up(report.task_id)  # taken over elsewhere: nothing more is ours
             case TaskFinished() if self._cut_short(report):
@@ -116,7 +116,7 @@ class RunnerReports:
         view = self.state.runners.get(runner_id)
         crashed = self.runners.exited(exited)
         for task_id in sorted(view.in_flight if view else ()):
-            fate = crash_fate(terminal_waiting=self.images.ending(task_id),
+            fate = crash_fate(terminal_waiting=self.state.task(task_id).ending,
                               held_for_continuation=task_id in self.intake.book.running)
             if fate is CrashFate.ENDING:
                 continue  # its terminal follows its images (ImageOutputs), then its ack
@@ -182,5 +182,14 @@ class RunnerReports:
     async def _crashed(self: Worker, task_id: str, exited: RunnerExited) -> None:
         lost = crashed_terminal(task_id, exited, self.state.node_id)
         item = RunnerReported(exited.runner_id, lost)
-        if self.images.admit(item):
+        if self._admit(item):
             await self._report(item)
+
+    def _admit(self: Worker, item: RunnerReported) -> bool:
+        """Whether the loop handles `item` now (ImageOutputs.admit); a terminal that waits
+        behind an upload instead makes its task `ending` in WorkerState."""
+        if self.images.admit(item):
+            return True
+        if isinstance(item.report, TaskFinished) and self.images.ending(item.report.task_id):
+            self._apply(ev.TerminalQueued(item.report.task_id))
+        return False
