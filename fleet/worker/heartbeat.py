@@ -37,7 +37,10 @@ from fleet.worker.liveness import (
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 3.0
-HELD_CHECK_S = 0.5  # a task message held since the last beat is listed within this
+# A task message held since the last beat is listed within HELD_CHECK_S (a death in that
+# window leaves it to AckWait); a burst of new ones is listed at most every HELD_GAP_S.
+HELD_CHECK_S = 0.05
+HELD_GAP_S = 0.25
 NODE_TTL_S = 15.0  # FLEET_NODES' max age in ops/jetstream; read from the bucket at start
 
 
@@ -79,8 +82,9 @@ class Heartbeat:
         """A reconnect or a restarted watch: what we saw before may have holes."""
         self.health = gap_seen(self.health)
 
-    async def beat(self, budget_s: float = HEARTBEAT_S) -> None:
-        """One round; its outcome is the evidence `trusts_absences` weighs."""
+    async def beat(self, budget_s: float = HEARTBEAT_S, *, records: bool = True) -> None:
+        """One round; its outcome is the evidence `trusts_absences` weighs. `records`: the
+        runner records are re-put too (every HEARTBEAT_S)."""
         reconnects = self.nc.stats.get("reconnects", 0)
         if reconnects != self._reconnects:
             # Reconnected since the last round, however briefly: what we watched has holes.
@@ -102,7 +106,7 @@ class Heartbeat:
         if self.health.failures:
             log.info("heartbeat back after %d failed round(s)", self.health.failures)
         self.health = beat_succeeded(self.health, time.monotonic())
-        for record in self.records():
+        for record in self.records() if records else ():
             try:
                 await kv_put(self.runners, record.runner_id, encode(record), budget_s=budget_s)
             except Exception as exc:
@@ -112,17 +116,19 @@ class Heartbeat:
         """Beat every HEARTBEAT_S, at once when our own key was seen to expire, and within
         HELD_CHECK_S of a newly held task message; answer probes meanwhile."""
         alive = await self.nc.subscribe(subjects.alive(self.node_id), cb=self._answer)
-        last = time.monotonic()
+        last = last_full = time.monotonic()
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.wake.wait(), HELD_CHECK_S)
                 now = time.monotonic()
-                if (self.wake.is_set() or now - last >= HEARTBEAT_S
-                        or newly_held(self.held(), self._listed)):
+                full = self.wake.is_set() or now - last_full >= HEARTBEAT_S
+                if full or (now - last >= HELD_GAP_S
+                            and newly_held(self.held(), self._listed)):
                     self.wake.clear()
                     last = now
-                    await self.beat()
+                    last_full = now if full else last_full
+                    await self.beat(records=full)  # a new hold: the node's key alone
         finally:
             with contextlib.suppress(Exception):
                 await alive.unsubscribe()
