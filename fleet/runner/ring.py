@@ -66,15 +66,27 @@ def join_ring(group: GroupSpec, last_words: Callable[[str], None]) -> Any:
     return ring
 
 
+WATCHDOG_POLL_S = 0.1  # how soon the watchdog follows its runner when the runner is killed
+
+
 @contextlib.contextmanager
 def _watchdog(seconds: float, last_words: Callable[[], None]) -> Iterator[None]:
     """Unless the block ends within `seconds`, a forked child says `last_words` (it shares
-    the report pipe, which nothing else writes to meanwhile) and SIGKILLs this process."""
+    the report pipe, which nothing else writes to meanwhile) and SIGKILLs this process.
+
+    The child holds the runner's report pipe open, and the worker learns that a runner ended
+    from that pipe's end: so the child leaves at once when the runner dies (its parent is no
+    longer this process). A worker that kills a shard stuck in a ring that will not form (a
+    rank moved) then sees it gone at once, not after the ring timeout (120 s)."""
     parent = os.getpid()
     child = os.fork()
     if child == 0:  # pragma: no cover - the child process
         try:
-            time.sleep(seconds)
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline:
+                if os.getppid() != parent:
+                    return  # the runner was killed: nothing to say, nobody to kill
+                time.sleep(WATCHDOG_POLL_S)  # a watchdog's timer (nothing to wait on)
             last_words()
             os.kill(parent, signal.SIGKILL)
         finally:
