@@ -143,7 +143,8 @@ def image_reference(url: str) -> str | bytes:
     match = _DATA_URL.match(url)
     if not match:
         raise InvalidRequest(
-            "image_url must be a base64 data: URL or a /v1/images/<sha256> URL of this gateway"
+            "image_url must be an http(s) URL (chat), a base64 data: URL or a "
+            "/v1/images/<sha256> URL of this gateway"
         )
     try:
         data = base64.b64decode(match["data"], validate=True)

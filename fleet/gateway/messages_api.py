@@ -37,6 +37,7 @@ from fleet.gateway import messages_stream
 from fleet.gateway.auth import tenant_of
 from fleet.gateway.bodies import parse, read_json
 from fleet.gateway.catalogue import refuses_images
+from fleet.gateway.image_fetch import fetch_chat_images
 from fleet.gateway.messages_replies import (
     MessagesRenderer,
     TokenCountRenderer,
@@ -80,8 +81,10 @@ async def _run(
     urls = image_urls(chat)
     if urls and (why := refuses_images(card)):
         raise InvalidParameter(why, "messages")
-    check_chat_images(urls)  # before any image is stored
-    hashes = {url: await gateway.image_hash(url, tenant_of(request)) for url in urls}
+    sent = await fetch_chat_images(urls)  # http(s) URLs read here, within the limits
+    check_chat_images(sent)  # before any image is stored
+    hashes = {url: await gateway.image_hash(image, tenant_of(request))
+              for url, image in zip(urls, sent, strict=True)}
     timeout_s = gateway.timeout_for(chat.timeout)
     task = chat_task(chat, task_id, hashes, now_utc(), timeout_s)
     # The conversation's session keeps its turns on the runner that holds its prefix.

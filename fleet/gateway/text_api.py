@@ -13,6 +13,7 @@ from fleet.gateway.auth import tenant_of
 from fleet.gateway.bodies import parse, read_json
 from fleet.gateway.catalogue import refuses_images
 from fleet.gateway.errors import PROMPT_PARAM
+from fleet.gateway.image_fetch import fetch_chat_images
 from fleet.gateway.relay import Renderer
 from fleet.gateway.responses_api import ResponsesRenderer, ResponsesRequest, as_chat, shape_of
 from fleet.gateway.service import gateway_of, new_task_id, now_utc, request_id
@@ -63,8 +64,10 @@ async def _chat(
     urls = image_urls(chat)
     if urls and (why := refuses_images(card)):
         raise InvalidParameter(why, "messages")
-    check_chat_images(urls)  # before any image is stored
-    hashes = {url: await gateway.image_hash(url, tenant_of(request)) for url in urls}
+    sent = await fetch_chat_images(urls)  # http(s) URLs read here, within the limits
+    check_chat_images(sent)  # before any image is stored
+    hashes = {url: await gateway.image_hash(image, tenant_of(request))
+              for url, image in zip(urls, sent, strict=True)}
     timeout_s = gateway.timeout_for(chat.timeout)
     refuse_resumable_choices(chat.n, chat.resumable)
     task = chat_task(chat, new_task_id(prefix), hashes, now_utc(), timeout_s)

@@ -25,10 +25,12 @@ IMAGE_TOKENS = 16  # tiny-vlm: 32x32 pixels in 8x8 patches
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterator[str]:
-    """The gateway's base URL."""
-    with one_model_stack(tmp_path_factory.mktemp("vision"), MODEL, tiny_vlm_dir,
-                         slots=4) as (_, url):
-        yield url
+    """The gateway's base URL. Its image URLs may point at loopback (the test's server)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("FLEET_IMAGE_FETCH", "private")
+        with one_model_stack(tmp_path_factory.mktemp("vision"), MODEL, tiny_vlm_dir,
+                             slots=4) as (_, url):
+            yield url
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +127,67 @@ def test_the_same_image_twice_is_a_vision_cache_hit_with_the_same_answer(
     details = [reply.usage.prompt_tokens_details for reply in (first, second)]  # type: ignore[union-attr]
     counts = [(d.model_extra or {}) if d else {} for d in details]
     assert [(c.get("images"), c.get("cached_images")) for c in counts] == [(1, 0), (1, 1)]
+
+
+@pytest.fixture(scope="module")
+def image_server() -> Iterator[str]:
+    """A plain HTTP server on loopback with one PNG at /cat.png and a page at /page.html."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    cat = base64.b64decode(png_b64((30, 20), (90, 90, 200)))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body, kind = (cat, "image/png") if self.path == "/cat.png" else (b"<p>hi</p>",
+                                                                            "text/html")
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_an_http_image_url_is_fetched_by_the_gateway(
+    sdk: openai.OpenAI, image_server: str
+) -> None:
+    fetched, plain = ask(sdk, f"{image_server}/cat.png"), ask(sdk)
+    assert fetched.usage and plain.usage
+    assert fetched.usage.prompt_tokens == plain.usage.prompt_tokens + IMAGE_TOKENS
+    with pytest.raises(openai.BadRequestError, match="not a PNG, JPEG or WebP image"):
+        ask(sdk, f"{image_server}/page.html")
+    with pytest.raises(openai.BadRequestError, match=r"must be an http\(s\) URL"):
+        ask(sdk, "ftp://127.0.0.1/cat.png")
+
+
+def test_a_responses_input_image_and_an_anthropic_url_image_reach_the_model(
+    sdk: openai.OpenAI, url: str, image_server: str
+) -> None:
+    def respond(*parts: dict[str, object]) -> int:
+        reply = sdk.responses.create(model=MODEL, max_output_tokens=4, temperature=0.0,
+                                     input=[{"role": "user", "content": [  # type: ignore[list-item,misc]
+                                         *parts, {"type": "input_text", "text": "What is it?"}]}])
+        assert reply.usage is not None
+        return reply.usage.input_tokens
+
+    plain = respond()
+    assert respond({"type": "input_image", "image_url": png_url((16, 16))}) \
+        == plain + IMAGE_TOKENS
+    assert respond({"type": "input_image", "image_url": f"{image_server}/cat.png"}) \
+        == plain + IMAGE_TOKENS
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60)
+    seen = claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [  # type: ignore[typeddict-item,list-item,misc]
+        {"type": "image", "source": {"type": "url", "url": f"{image_server}/cat.png"}},
+        {"type": "text", "text": "What is this?"}]}])
+    assert seen.usage.input_tokens > IMAGE_TOKENS
