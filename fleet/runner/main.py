@@ -31,6 +31,7 @@ from fleet.runner.fault_engine import FAULT_FAMILY, FaultEngine
 from fleet.runner.image_steps import StepHook
 from fleet.runner.machine import RunnerMachine
 from fleet.runner.spans import RunnerSpans, SpanBuffer
+from fleet.runner.vision_cache import EncodeHook
 from fleet.telemetry import setup
 from fleet.wire.codec import DecodeError, decode_model
 from fleet.wire.framing import FrameError, FrameReader, FrameWriter, decode_command
@@ -74,6 +75,7 @@ def engine_config(spec: RunnerSpec) -> EngineConfig:
 def make_engine(
     spec: RunnerSpec, on_step: StepHook | None = None,
     last_words: Callable[[str], None] = lambda reason: None,
+    on_encode: EncodeHook | None = None,
 ) -> Engine:
     """The engine for the card; imported lazily so the fault engine never imports mlx.
     `last_words(reason)` is a sharded runner's Failed report when its ring never forms."""
@@ -84,7 +86,7 @@ def make_engine(
     if spec.card.is_vision and spec.group is None:
         from fleet.runner.vision import VisionEngine
 
-        return VisionEngine(config)
+        return VisionEngine(config, on_encode=on_encode)
     if spec.card.is_embedding and spec.group is None:
         from fleet.runner.embed import EmbeddingEngine
 
@@ -254,7 +256,8 @@ def run_runner(spec_json: str) -> int:
         writer.write(RunnerStatusReport(status=RunnerFailed(error=reason)))
 
     try:
-        engine = make_engine(spec, on_step=spans.on_step, last_words=last_words)
+        engine = make_engine(spec, on_step=spans.on_step, last_words=last_words,
+                             on_encode=spans.on_encode)
     except Exception as exc:
         log.exception("no engine for %s", spec.card.id)
         report(RunnerStatusReport(status=RunnerFailed(error=f"no engine: {exc}")))

@@ -5,7 +5,9 @@
   task's work, so each task's generation span links to it instead of containing it.
 - Per task, a child of the context SubmitTask carries (the worker's process span): the
   generation span `<operation> <model>` with the GenAI attributes; under it, for text,
-  `prefill` (submit → first token) and `decode` (first token → finished); for images one
+  `prefill` (submit → first token) and `decode` (first token → finished), and for a vision
+  task `encode images` (its images made features, from the vision cache or the encoder,
+  inside prefill's time); for images one
   `diffusion step` span per StepTiming the engine's step hook reported.
 
 A task's spans are all made after its TaskFinished is written, from the times recorded on the
@@ -27,6 +29,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.trace import Link, Span, Status, StatusCode, TracerProvider
 
 from fleet.runner.image_steps import StepTiming
+from fleet.runner.vision_cache import EncodeTiming
 from fleet.telemetry import context_of, operation_of
 from fleet.trace.records import SpanRecord, record_of
 from fleet.wire.events import ImageChunk, TaskFinished, TokenChunk
@@ -97,6 +100,7 @@ class _TaskTimes:
     submitted_ns: int
     first_token_ns: int | None = None
     images: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (at, attributes)
+    encode: EncodeTiming | None = None  # a vision task's images made features
 
 
 class RunnerSpans:
@@ -127,6 +131,11 @@ class RunnerSpans:
     def on_step(self, timing: StepTiming) -> None:
         """The image engine's step hook (its model thread): queued for the main thread."""
         self._steps.put(timing)
+
+    def on_encode(self, timing: EncodeTiming) -> None:
+        """The vision engine's hook, on the main thread (inside admission)."""
+        if times := self._tasks.get(timing.task_id):
+            times.encode = timing
 
     def on_command(self, command: RunnerCommand) -> None:
         if isinstance(command, SubmitTask) and command.task.task_id not in self._tasks:
@@ -221,6 +230,12 @@ class RunnerSpans:
         if finished.stats and finished.stats.prompt_tokens_per_s:
             prefill.set_attribute("fleet.prompt_tokens_per_s", finished.stats.prompt_tokens_per_s)
         prefill.end(end_time=prefill_end)
+        if (encode := times.encode) is not None:
+            span = self._tracer.start_span(
+                "encode images", context=inside, start_time=_ns(encode.started),
+                attributes={"fleet.vision.images": encode.images,
+                            "fleet.vision.cached_images": encode.cached})
+            span.end(end_time=_ns(encode.ended))
         if first is None:
             return
         decode = self._tracer.start_span("decode", context=inside, start_time=prefill_end)

@@ -25,7 +25,13 @@ from fleet.bus.vision_layout import features_dir
 from fleet.errors import TaskRejected
 from fleet.runner.engine import Admission, EngineConfig, Progress
 from fleet.runner.visible_text import VisibleText
-from fleet.runner.vision_cache import VisionCache, budget_bytes, fingerprint
+from fleet.runner.vision_cache import (
+    EncodeHook,
+    EncodeTiming,
+    VisionCache,
+    budget_bytes,
+    fingerprint,
+)
 from fleet.runner.vision_inputs import VisionShape, pixels, read_shape, template_messages
 from fleet.wire.events import (
     ErrorReason,
@@ -59,8 +65,10 @@ class _Job:
 
 
 class VisionEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, on_encode: EncodeHook | None = None) -> None:
+        """`on_encode` sees how long each task's images took to become features."""
         self.config = config
+        self._on_encode = on_encode
         self._model: Any = None
         self._tokenizer: Any = None
         self._shape: VisionShape | None = None
@@ -130,7 +138,10 @@ class VisionEngine:
             raise TaskRejected(ErrorReason.CONTEXT_LENGTH,
                                f"the prompt is {len(ids)} tokens with its images, over the "
                                f"model's maximum of {self._context_length}")
+        started = time.time()
         images, features, cached = self._images(hashes, admission.inputs)
+        if hashes and self._on_encode is not None:
+            self._on_encode(EncodeTiming(task.task_id, started, time.time(), len(hashes), cached))
         # A continued task goes on after the tokens its earlier attempts streamed: they
         # join the prompt, and indexes and usage count on from them.
         generated = list(admission.generated)

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,21 @@ def fingerprint(model: Any, preparation: str) -> str:
         digest.update(str(value.dtype).encode())
         digest.update(memoryview(value))
     return digest.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class EncodeTiming:
+    """How long a task's images took to become features (cache reads and encodes), for the
+    runner's `encode images` span."""
+
+    task_id: str
+    started: float  # unix seconds
+    ended: float
+    images: int
+    cached: int
+
+
+EncodeHook = Callable[[EncodeTiming], None]
 
 
 @dataclass

@@ -14,6 +14,7 @@ from fleet.errors import TaskRejected
 from fleet.models.catalog import get_card
 from fleet.runner.engine import Admission, EngineConfig
 from fleet.runner.vision import VisionEngine
+from fleet.runner.vision_cache import EncodeTiming
 from fleet.runner.vision_inputs import VisionShape, read_shape, template_messages
 from fleet.wire.events import OutputEvent, TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, ImagePart, ResponseFormat, TextGeneration, TextPart
@@ -193,10 +194,13 @@ def test_a_second_encode_of_an_image_is_a_cache_hit_with_the_same_answer(
     """Greedy tokens with the vision cache equal those without it; the second task with an
     image is a counted hit, and a new engine (another runner) finds the entry on disk."""
 
+    encodes: list[EncodeTiming] = []  # what the runner's `encode images` span is made from
+
     def fresh(cache_mb: str) -> VisionEngine:
         monkeypatch.setenv("FLEET_VISION_CACHE_MB", cache_mb)
         vision = VisionEngine(EngineConfig(card=get_card("tiny-vlm"), model_path=tiny_vlm_dir,
-                                           slots=4, images_dir=tmp_path / "images"))
+                                           slots=4, images_dir=tmp_path / "images"),
+                              on_encode=encodes.append)
         vision.load(lambda done, total: None)
         return vision
 
@@ -219,3 +223,6 @@ def test_a_second_encode_of_an_image_is_a_cache_hit_with_the_same_answer(
     assert (cached.cache.counts.hits, cached.cache.counts.misses) == (2, 2)  # type: ignore[union-attr]
     # Another runner of the same model on this node reads what the first wrote.
     assert answer(fresh("64"), "other", BLUE, RED)[1:] == (2, 2)
+    assert [(e.task_id, e.images, e.cached) for e in encodes] == [
+        ("off", 2, 0), ("first", 2, 0), ("second", 2, 2), ("other", 2, 2)]
+    assert all(e.started <= e.ended for e in encodes)
