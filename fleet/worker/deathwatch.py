@@ -52,6 +52,7 @@ CONFIRM_S = 1.0  # "no responders" for this long (and twice at least) means dead
 LINK_STABLE_S = 5.0  # the prober's own connection must be this old to trust an absence
 MASS_SHARE = 0.5  # more than this share of the probed nodes missing together: suspect NATS
 MASS_CONFIRM_S = 15.0  # then they must stay missing this long (a node's heartbeat TTL)
+MAX_PROBES_PER_S = 500  # one watcher's budget: a larger fleet is probed less often
 
 
 class Probe(StrEnum):
@@ -96,6 +97,12 @@ def dead_nodes(
     }
 
 
+def probe_period(targets: int) -> float:
+    """Pure. Seconds between probe rounds: PROBE_S, or longer where the busy nodes would
+    cost the watcher more than MAX_PROBES_PER_S requests (2 s at 1,000 busy nodes)."""
+    return max(PROBE_S, targets / MAX_PROBES_PER_S)
+
+
 def acks_to_nak(held_acks: Iterable[str]) -> list[str]:
     """Pure. The subjects of a dead node's heartbeat that are acks of FLEET_TASKS deliveries
     (a subject read from a message is a capability: nothing else is published to)."""
@@ -129,6 +136,7 @@ class DeathWatch:
         self.absences: dict[str, Absence] = {}
         self.declared: set[str] = set()  # dead, its messages nak'd: not again
         self.naks = 0  # sent (for tests and logs)
+        self.probed = 0  # nodes probed in the last round
         self._reconnects = nc.stats.get("reconnects", 0)
         self._link_since: float | None = time.monotonic()
 
@@ -138,7 +146,8 @@ class DeathWatch:
                 await self.round(time.monotonic())
             except Exception as exc:  # a broker outage: the next round tries again
                 log.warning("%s: death watch round failed: %s", self.name, exc)
-            await asyncio.sleep(PROBE_S)  # the probe period, not synchronisation
+            # The probe period, not synchronisation.
+            await asyncio.sleep(probe_period(self.probed))
 
     def _link(self, now: float) -> float | None:
         """When this prober's own connection last came up (None: down now)."""
@@ -154,6 +163,7 @@ class DeathWatch:
         targets = {node: acks for node, acks in (await self.targets()).items()
                    if node != self.node_id}
         nodes = list(targets)
+        self.probed = len(nodes)
         outcomes = await asyncio.gather(*(probe(self.nc, node) for node in nodes))
         now = time.monotonic()
         link_since = self._link(now)

@@ -14,6 +14,7 @@ from fleet.worker.deathwatch import (
     acks_to_nak,
     dead_nodes,
     observe,
+    probe_period,
 )
 from fleet.worker.heartbeat import newly_held
 from fleet.worker.liveness import seen_dead
@@ -122,3 +123,8 @@ def test_a_node_seen_dead_is_gone_until_it_beats_again(
 ) -> None:
     nodes = [_node("a", 40.0), _node("b", 40.0)]
     assert {n.node_id for n in seen_dead(nodes, declared)} == live
+
+
+@pytest.mark.parametrize(("targets", "period"), [(0, 0.5), (10, 0.5), (250, 0.5), (1000, 2.0)])
+def test_a_larger_fleet_is_probed_less_often(targets: int, period: float) -> None:
+    assert probe_period(targets) == period
