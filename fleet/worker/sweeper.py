@@ -150,8 +150,10 @@ class FleetDuties:
             sentinel.state = LeaseState()  # let it lapse: another worker takes it
         if held and (self._sentinel is None or self._sentinel.done()):
             log.info("this worker now holds the sentinel lease: it watches the sweeper's holder")
+            # A dead sweeper's instances move once this worker takes its lease over (at most
+            # the lease's max age later), without waiting for the heartbeat key's TTL.
             watch = DeathWatch(self.nc, self.node_id, lambda: self._sweeper_holder(kv),
-                               "sentinel")
+                               "sentinel", on_dead=self.failover.declare_dead)
             self._sentinel = started(watch.forever(), "sentinel death watch")
         elif not held and self._sentinel is not None:
             task, self._sentinel = self._sentinel, None
