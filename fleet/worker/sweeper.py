@@ -161,19 +161,18 @@ class FleetDuties:
         return held
 
     async def _sweeper_holder(self, kv: KeyValue) -> dict[str, list[str]]:
-        """The sweeper's holder and what it holds, when it holds task messages."""
+        """The sweeper's holder and the task messages it holds (probed even when it holds
+        none: its death also stalls failover and any sharded group it runs a rank of)."""
         lease = await kv_get(kv, SWEEPER, budget_s=RENEW_BUDGET_S)
         holder = lease.value.decode() if lease is not None and lease.value else ""
         if not holder or holder == self.node_id:
             return {}
         entry = await kv_get(self.failover.nodes, holder, budget_s=RENEW_BUDGET_S)
-        if entry is None or not entry.value:
-            return {}
         try:
-            info = decode_model(NodeInfo, entry.value)
+            info = decode_model(NodeInfo, entry.value) if entry and entry.value else None
         except DecodeError:
-            return {}
-        return {holder: info.held_acks} if info.held_acks else {}
+            info = None
+        return {holder: info.held_acks if info else []}
 
     def _busy_nodes(self) -> dict[str, list[str]]:
         """Every node whose heartbeat lists held task messages, as the watch last saw it, and
