@@ -224,6 +224,12 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
         result["embeddings"] = uvloop.run(run_embeddings(
             models_dir, workdir / "embeddings", env, args.quick, chosen, args.blas_threads))
         print("\n".join(embeddings_table(result["embeddings"])))
+    if args.only == "vision":
+        from bench.vision import run_vision, vision_table
+
+        result["vision"] = uvloop.run(run_vision(models_dir, workdir / "vision", env,
+                                                 args.quick))
+        print("\n".join(vision_table(result["vision"])))
     if args.only in (None, "plumbing", "plumbing-rate"):
         from bench.plumbing_rate import QUICK, RatePlan, rate_table, run_rate
 

@@ -29,10 +29,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 64)")
     p.add_argument("--no-peer", action="store_true", help="leave mlx_lm.server out")
     p.add_argument("--only", choices=("text", "plumbing", "plumbing-rate", "weights", "routing",
-                                      "ask", "sharded", "queue", "seam", "embeddings", "scale"),
+                                      "ask", "sharded", "queue", "seam", "embeddings", "scale",
+                                      "vision"),
                    help="run one part only (routing: the multi-turn prefix-routing workload; "
                    "embeddings: /v1/embeddings at 1, 16, 256 clients against the model "
-                   "in-process; "
+                   "in-process; vision: repeated images, the vision cache off, on and on a "
+                   "second node, and the image fetch per MB; "
                    "sharded: a 2-shard pipeline against the unsharded model; plumbing-rate: "
                    "the fault-engine rate part of plumbing alone; queue: batch acceptance "
                    "and idempotent retries; seam: kill -> next token when a worker or runner "

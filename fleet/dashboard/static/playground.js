@@ -1,6 +1,7 @@
 // Playground: pick a model and chat over several turns (a system prompt, temperature and
-// max tokens; "New chat" starts over), streaming; or make an image, with previews. Cancel a
-// request and jump to its task's page. Requests go to the same /v1 API any client uses.
+// max tokens; "New chat" starts over), streaming; attach an image to a turn for a vision model
+// (sent as a data URL image part, kept in the conversation); or make an image, with previews.
+// Cancel a request and jump to its task's page. Requests go to the same /v1 API any client uses.
 import { call, fillModels, h, sse } from "./api.js";
 import { imageUrl } from "./task.js";
 
@@ -13,6 +14,9 @@ export function mount(view, store) {
   const maxTokens = h("input", { id: "pg-max-tokens", type: "number", min: 1, max: 4096,
     value: 256 });
   const prompt = h("textarea", { id: "pg-prompt", rows: 3 }, "Say hello in five words.");
+  const attach = h("input", { id: "pg-attach", type: "file",
+    accept: "image/png,image/jpeg,image/webp" });
+  const attached = h("div", { class: "images", id: "pg-attached" });
   const send = h("button", { type: "submit", id: "pg-send" }, "Send");
   const cancel = h("button", { type: "button", class: "danger", id: "pg-cancel", disabled: true }, "Cancel");
   const fresh = h("button", { type: "button", id: "pg-new" }, "New chat");
@@ -28,6 +32,7 @@ export function mount(view, store) {
       h("div", {}, h("label", { for: "pg-max-tokens" }, "Max tokens"), maxTokens)),
     h("label", { for: "pg-system" }, "System prompt"), system,
     h("label", { for: "pg-prompt" }, "Prompt"), prompt,
+    h("label", { for: "pg-attach" }, "Image (vision models)"), attach, attached,
     h("div", { class: "row" }, send, cancel, fresh));
   view.append(h("h1", {}, "Playground"), form, note, history, answer, images, link);
   const cards = new Map();
@@ -38,10 +43,29 @@ export function mount(view, store) {
 
   // The conversation so far: user and assistant turns, sent again with each new prompt.
   let turns = [];
-  const turnView = (role, text) => h("div", { class: `turn ${role}`, "data-role": role },
-    h("span", { class: "muted" }, role === "user" ? "you" : "assistant"), text);
+  const turnView = (role, text, picture) => h("div", { class: `turn ${role}`, "data-role": role },
+    h("span", { class: "muted" }, role === "user" ? "you" : "assistant"),
+    ...(picture ? [h("img", { class: "attached", src: picture, alt: "attached image" })] : []),
+    text);
+
+  // The image attached to the next turn, as a data URL (the gateway stores it by its hash).
+  let picture = null;
+  attach.addEventListener("change", () => {
+    const file = attach.files[0];
+    picture = null;
+    attached.replaceChildren();
+    if (!file) return;
+    const reader = new FileReader();
+    reader.onload = () => {
+      picture = reader.result;
+      attached.replaceChildren(h("img", { src: picture, alt: `attached: ${file.name}` }));
+    };
+    reader.readAsDataURL(file);
+  });
+  const detach = () => { picture = null; attach.value = ""; attached.replaceChildren(); };
   fresh.addEventListener("click", () => {
     turns = [];
+    detach();
     history.replaceChildren();
     answer.replaceChildren();
     link.replaceChildren();
@@ -63,11 +87,15 @@ export function mount(view, store) {
 
   async function chat() {
     const asked = prompt.value;
+    const content = picture
+      ? [{ type: "image_url", image_url: { url: picture } }, { type: "text", text: asked }]
+      : asked;
     const messages = [...(system.value.trim() ? [{ role: "system", content: system.value }] : []),
-      ...turns, { role: "user", content: asked }];
+      ...turns, { role: "user", content }];
     const body = { model: model.value, stream: true, messages,
       temperature: Number(temperature.value), max_tokens: Number(maxTokens.value) };
-    history.append(turnView("user", asked));
+    history.append(turnView("user", asked, picture));
+    detach();
     let said = "";
     for await (const message of sse("/v1/chat/completions", { method: "POST", body, signal: controller.signal })) {
       if (message.data === "[DONE]") break;
@@ -78,7 +106,7 @@ export function mount(view, store) {
         answer.append(choice.delta?.content || "");
       }
     }
-    turns.push({ role: "user", content: asked }, { role: "assistant", content: said });
+    turns.push({ role: "user", content }, { role: "assistant", content: said });
     prompt.value = "";
   }
 
