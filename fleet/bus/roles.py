@@ -29,6 +29,7 @@ ADVISORIES = "FLEET_ADVISORIES"
 REFUSED = "FLEET_REFUSED"
 IMAGES = "OBJ_FLEET_IMAGES"
 WEIGHTS = "OBJ_FLEET_WEIGHTS"
+VISION = "OBJ_FLEET_VISION"  # the vision cache's encoded images (fleet/bus/vision_store.py)
 MODELS = "FLEET_MODELS"
 INSTANCES = "FLEET_INSTANCES"
 STATE_BUCKETS = ("FLEET_NODES", INSTANCES, "FLEET_RUNNERS")
@@ -43,7 +44,7 @@ BATCH_BUCKETS = ("FLEET_BATCHES", "FLEET_BATCH_LEASES", "FLEET_IDEMPOTENCY")
 DEADLINES = "FLEET_DEADLINES"  # a sentinel per task with a deadline (fleet/worker/deadlines.py)
 LEASES = "FLEET_LEASES"  # fleet-wide duties held by one worker (fleet.worker.sweeper)
 ALL_STREAMS = (
-    TASKS, OUT, EVENTS, TRACES, DEAD, ADVISORIES, REFUSED, IMAGES, WEIGHTS,
+    TASKS, OUT, EVENTS, TRACES, DEAD, ADVISORIES, REFUSED, IMAGES, WEIGHTS, VISION,
     *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS, MODELS, PREFIXES, LEASES)),
     FILES, BATCH_RESULTS, *(f"KV_{b}" for b in BATCH_BUCKETS), DEADLINES,
 )
@@ -188,8 +189,8 @@ GRANTS: dict[str, Grant] = {
             "fleet.handoff.*",  # a held task message passed to the node that should run it
             "fleet.alive.*",  # probing whether a node's process lives (worker/deathwatch.py)
             *(f"$KV.{b}.>" for b in (*STATE_BUCKETS, CLAIMS, MODELS, PREFIXES, LEASES)),
-            "$O.FLEET_IMAGES.>", "$O.FLEET_WEIGHTS.>", FLOW_CONTROL, _api("INFO"),
-            *_acks(TASKS), *_acks(ADVISORIES),
+            "$O.FLEET_IMAGES.>", "$O.FLEET_WEIGHTS.>", "$O.FLEET_VISION.>", FLOW_CONTROL,
+            _api("INFO"), *_acks(TASKS), *_acks(ADVISORIES),
             *_info(*ALL_STREAMS),
             # The per-model durable is made when a model is placed, so a worker may create
             # (or update) consumers on FLEET_TASKS; it may not delete them.
@@ -214,6 +215,7 @@ GRANTS: dict[str, Grant] = {
             *(s for b in (*STATE_BUCKETS, CANCELS, CLAIMS, MODELS, PREFIXES, LEASES)
               for s in _kv_read(b)),
             *_images_read(), *_weights_read(),
+            _api("STREAM", "MSG", "GET", VISION), *_readers(VISION),
         ],
         # fleet.ask.*: the asks a worker answers (queue group fleet-ask); fleet.out.>: the
         # asked task's terminal, watched live; fleet.handoff.*: tasks other nodes pass here;

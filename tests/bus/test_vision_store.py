@@ -1,6 +1,6 @@
 """The vision cache's fleet-wide half on a real nats-server: entries one node made reach
 another node's features directory through FLEET_VISION (a node that never encoded the image),
-once each; a missing entry is a miss; a bad entry (digest) is dropped as a miss."""
+once each; a missing entry is a miss; the shipped worker role may do both."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ from pathlib import Path
 
 from nats.aio.client import Client
 
+from fleet.bus.connect import ConnectOptions, connect
+from fleet.bus.provision import provision
 from fleet.bus.vision_layout import entry, features_dir, key_file, object_name
 from fleet.bus.vision_store import VisionShare
+from tests.secured import PASSWORDS, as_role, shipped_auth_server
 
 FP, RED, BLUE = "f" * 32, "a" * 64, "b" * 64
 
@@ -51,3 +54,21 @@ async def test_a_node_without_a_vision_model_fetches_nothing(
     assert await bare.prefetch([RED]) == 0
     bare.share([RED])
     assert not bare._uploads
+
+
+async def test_the_shipped_worker_role_may_share_and_fetch_entries(tmp_path: Path) -> None:
+    with shipped_auth_server(tmp_path / "nats") as url:
+        admin = await as_role(url, "operator")
+        await provision(admin)
+        await admin.close()
+        nc = await connect(url, "test-worker", inbox_owner="worker", options=ConnectOptions(
+            user="worker", password=PASSWORDS["worker"]))
+        try:
+            first, second = node(tmp_path / "a", nc), node(tmp_path / "b", nc)
+            entry(first.directory, FP, RED).write_bytes(b"features")
+            first.share([RED])
+            await first.drain()
+            assert await second.prefetch([RED]) == 1
+            assert not first._warned and not second._warned
+        finally:
+            await nc.close()
