@@ -126,7 +126,8 @@ class ClusterLink:
         # answered by one worker of the fleet at a time: the holder of the sweeper lease.
         self.duties = FleetDuties(self.js, self.node_id, self.failover,
                                   self.demand if self.settings.auto_place else None,
-                                  self.janitor, nc=self.nc)
+                                  self.janitor, nc=self.nc,
+                                  link_since=lambda: self.heartbeat.health.ok_since)
         await self.heartbeat.beat(budget_s=30.0)
         await publish(self.nc, subjects.node_event(self.node_id), NodeJoined(
             node_id=self.node_id, hostname=node_info(self.node_id, 0, [], [], None).hostname,

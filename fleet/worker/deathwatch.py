@@ -130,15 +130,21 @@ class DeathWatch:
     Runs while this worker holds a lease that makes it a watcher (fleet.worker.sweeper)."""
 
     def __init__(self, nc: Client, node_id: str, targets: Targets, name: str,
-                 on_dead: Callable[[str], None] = lambda node: None) -> None:
+                 on_dead: Callable[[str], None] = lambda node: None,
+                 link_since: Callable[[], float | None] | None = None) -> None:
         self.nc, self.node_id, self.targets, self.name = nc, node_id, targets, name
         self.on_dead = on_dead  # the sweeper's failover moves its instances at once
+        # Since when this worker's own KV round trips have gone through (its heartbeat's
+        # LinkHealth.ok_since; None: failing now), so a watch that starts on a long-settled
+        # link (a lease changing hands) trusts absences at once. Without it, from the start.
+        self.link_since = link_since
         self.absences: dict[str, Absence] = {}
         self.declared: set[str] = set()  # dead, its messages nak'd: not again
         self.naks = 0  # sent (for tests and logs)
         self.probed = 0  # nodes probed in the last round
         self._reconnects = nc.stats.get("reconnects", 0)
-        self._link_since: float | None = time.monotonic()
+        self._down = False
+        self._own_since = float("-inf") if link_since is not None else time.monotonic()
 
     async def forever(self) -> None:
         while True:
@@ -153,10 +159,14 @@ class DeathWatch:
         """When this prober's own connection last came up (None: down now)."""
         reconnects = self.nc.stats.get("reconnects", 0)
         if not self.nc.is_connected:
-            self._link_since = None
-        elif reconnects != self._reconnects or self._link_since is None:
-            self._reconnects, self._link_since = reconnects, now
-        return self._link_since
+            self._down = True
+            return None
+        if self._down or reconnects != self._reconnects:
+            self._down, self._reconnects, self._own_since = False, reconnects, now
+        if self.link_since is None:
+            return self._own_since
+        settled = self.link_since()
+        return None if settled is None else max(self._own_since, settled)
 
     async def round(self, now: float) -> set[str]:
         """One probe of every target; the nodes declared dead in this round."""

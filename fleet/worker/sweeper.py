@@ -106,9 +106,13 @@ class FleetDuties:
 
     def __init__(self, js: JetStreamContext, node_id: str, failover: Failover,
                  demand: Demand | None = None, janitor: Janitor | None = None,
-                 nc: Client | None = None) -> None:
+                 nc: Client | None = None,
+                 link_since: Callable[[], float | None] | None = None) -> None:
         self.js = js
         self.nc = nc  # None: no death watch (tests of the other duties)
+        self.link_since = link_since  # the heartbeat's: since when our KV trips go through
+        self._leases: KeyValue | None = None
+        self._freeing: set[asyncio.Task[None]] = set()
         self.node_id = node_id
         self.failover = failover
         self.demand = demand
@@ -121,6 +125,7 @@ class FleetDuties:
         """Until cancelled (a Supervisor child): take or renew the lease every RENEW_S."""
         kv = await with_retry(lambda: self.js.key_value(LEASES_BUCKET),
                               what=f"open bucket {LEASES_BUCKET}")
+        self._leases = kv
         lease = Lease(kv, SWEEPER, self.node_id)
         sentinel = Lease(kv, SENTINEL, self.node_id)
         try:
@@ -153,7 +158,7 @@ class FleetDuties:
             # A dead sweeper's instances move once this worker takes its lease over (at most
             # the lease's max age later), without waiting for the heartbeat key's TTL.
             watch = DeathWatch(self.nc, self.node_id, lambda: self._sweeper_holder(kv),
-                               "sentinel", on_dead=self.failover.declare_dead)
+                               "sentinel", on_dead=self._seen_dead, link_since=self.link_since)
             self._sentinel = started(watch.forever(), "sentinel death watch")
         elif not held and self._sentinel is not None:
             task, self._sentinel = self._sentinel, None
@@ -174,6 +179,16 @@ class FleetDuties:
             info = None
         return {holder: info.held_acks if info else []}
 
+    def _seen_dead(self, node: str) -> None:
+        """A watch saw `node` die: its instances move at once, and a lease it held is freed
+        for another worker now rather than at the lease's max age (10 s without a sweeper,
+        or without a sentinel)."""
+        self.failover.declare_dead(node)
+        if self._leases is not None:  # kept until done (a task nobody holds may be collected)
+            task = started(_free_leases_of(self._leases, node), f"free the leases of {node}")
+            self._freeing.add(task)
+            task.add_done_callback(self._freeing.discard)
+
     def _busy_nodes(self) -> dict[str, list[str]]:
         """Every node whose heartbeat lists held task messages, as the watch last saw it, and
         every node running a rank of a sharded instance (its death stalls its group)."""
@@ -187,7 +202,7 @@ class FleetDuties:
         ]
         if self.nc is not None:
             watch = DeathWatch(self.nc, self.node_id, _now(self._busy_nodes), "sweeper",
-                               on_dead=self.failover.declare_dead)
+                               on_dead=self._seen_dead, link_since=self.link_since)
             jobs.append(watch.forever)
         if self.demand is not None:
             jobs.append(self.demand.sweep_forever)
@@ -208,6 +223,21 @@ class FleetDuties:
             return
         await _stop(task)
         self.failover.forget()  # its view of the nodes is stale from here on
+
+
+async def _free_leases_of(kv: KeyValue, node: str) -> None:
+    """Delete each lease `node` holds, by compare-and-set (a renewal or a new holder since
+    wins, and nothing is deleted)."""
+    for name in (SWEEPER, SENTINEL):
+        entry = await kv_get(kv, name, budget_s=RENEW_BUDGET_S)
+        if entry is None or entry.value != node.encode():
+            continue
+        try:
+            await kv.delete(name, last=entry.revision)
+        except Exception as exc:  # renewed or taken meanwhile: it lives, or has a holder
+            log.info("lease %s of %s not freed: %s", name, node, exc)
+            continue
+        log.warning("lease %s of dead node %s freed for another worker", name, node)
 
 
 async def _stop(task: asyncio.Task[None] | None) -> None:
