@@ -51,7 +51,8 @@ class ApiKeys:
             state.update(tenant=None, authenticated=True)
             return await self.app(scope, receive, send)
         tenant = self._tenant(scope)
-        state.update(tenant=tenant, authenticated=tenant is not None)
+        state.update(tenant=tenant, authenticated=tenant is not None,
+                     policy=self.ring.policy(tenant))  # priority ceiling, fair weight
         path = scope["path"]
         if tenant is None and path not in self.open_paths and not docs.is_open(path) and (
                 path != landing.PAGE):

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -25,6 +26,7 @@ from pydantic import BaseModel
 
 from fleet.aio import started
 from fleet.bus.connect import connect_with, js_publish, publish, redact_urls
+from fleet.bus.deadlines import publish_deadline, ttl_header
 from fleet.bus.kv_read import live_values
 from fleet.bus.objects import ObjectBucket
 from fleet.bus.provision import provision
@@ -176,10 +178,14 @@ class Backend:
         return self._buckets[name]
 
     async def publish_task(self, task: Task) -> None:
+        """On its class's subject; with a deadline, the broker drops it unstarted then
+        (`Nats-TTL`) and its sentinel has a worker end it `expired` (fleet.bus.deadlines)."""
         try:
             await js_publish(
-                self.jetstream(), subjects.tasks(task.model), task, msg_id=task.task_id
+                self.jetstream(), subjects.tasks(task.model, task.priority), task,
+                msg_id=task.task_id, extra_headers=ttl_header(task.deadline, time.time()),
             )
+            await publish_deadline(self.jetstream(), task)
         except APIError as exc:
             if exc.err_code in (MAXIMUM_MESSAGES_EXCEEDED, MAXIMUM_BYTES_EXCEEDED):
                 raise QueueFull(f"the queue of model {task.model} is full; retry later") from None

@@ -173,7 +173,8 @@ class Job:
         await self.slack.room(task.model)  # batch work fills slack (fleet.gateway.batch_slack)
         while True:
             try:
-                await js_publish(self.gateway.backend.jetstream(), subjects.tasks(task.model),
+                await js_publish(self.gateway.backend.jetstream(),
+                                 subjects.tasks(task.model, task.priority),
                                  task, msg_id=task.task_id, extra_headers={"Nats-TTL": f"{ttl}s"})
                 await publish_deadline(self.gateway.backend.jetstream(), task)
                 return

@@ -11,7 +11,8 @@ the queue means every slot is busy. The rule (`lines_to_feed`, pure):
 - starvation is bounded: a job that has fed nothing for PROMOTE_S seconds (the queue never
   drained, e.g. under a steady interactive flood) feeds one line anyway, then waits again.
 
-The count is JetStream's own (`num_pending` of the model's durable `tasks-<model>`), read at
+The count is JetStream's own (`num_pending` of the model's batch-class durable
+`batch-tasks-<model>`: workers pull batch lines only into slack, fleet.worker.priority), read at
 most every REFRESH_S; lines fed since the last read count as waiting until the next one.
 """
 
@@ -59,7 +60,7 @@ class Slack:
     async def _waiting(self, model: str) -> int:
         try:
             info = await self.jetstream().consumer_info(
-                subjects.TASKS_STREAM, subjects.durable(model))
+                subjects.TASKS_STREAM, subjects.durable(model, "batch"))
         except NotFoundError:
             return 0  # no worker has made the model's consumer yet: the queue decides
         return info.num_pending or 0

@@ -80,5 +80,6 @@ async def line_task(
             ask = ask.model_copy(update={"model": card.id})
             size = card.image_defaults.size if card.image_defaults else None
             task = image_generation_task(ask, task_id, now, window_s, size)
-    task = task.model_copy(update={"deadline": deadline, "batch_id": batch_id})
+    task = task.model_copy(update={"deadline": deadline, "batch_id": batch_id,
+                                   "priority": "batch", "tenant": tenant})
     return task, record.model_copy(update={"model": task.model})

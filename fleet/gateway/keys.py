@@ -5,6 +5,10 @@ A keys file (`FLEET_API_KEYS_FILE`) holds one JSON object a line, `#` lines are 
 
     {"tenant": "team-a", "sha256": "<hex sha256 of the key>"}
     {"tenant": "ops", "sha256": "<hex sha256>", "operator": true}
+    {"tenant": "bulk", "sha256": "<hex>", "max_priority": "batch", "weight": 0.5}
+
+`max_priority` and `weight` (priority classes and fair shares: fleet.gateway.priority) are
+properties of the tenant too: the first line of a tenant that names them decides.
 
 An operator tenant may change the fleet from the dashboard (place and remove instances, read
 dead letters) and sees every tenant's tasks there; the others see only their own. It is a
@@ -28,12 +32,13 @@ import hashlib
 import re
 import secrets
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 
 from fleet.errors import InvalidRequest
+from fleet.gateway.priority import OPEN, TenantPolicy, policy_of_line
 
 TENANT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -90,6 +95,20 @@ def parse_keys(text: str, source: str = "keys file") -> tuple[dict[str, str], fr
     return found, frozenset(t for t, operator in operator_of.items() if operator)
 
 
+def parse_policies(text: str, source: str = "keys file") -> dict[str, TenantPolicy]:
+    """Tenant → its priority ceiling and weight, from the lines that name them (the lines are
+    checked by parse_keys first)."""
+    found: dict[str, TenantPolicy] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        entry = orjson.loads(line)
+        if {"max_priority", "weight"} & entry.keys() and entry["tenant"] not in found:
+            found[entry["tenant"]] = policy_of_line(entry, f"{source}:{number}")
+    return found
+
+
 def key_line(tenant: str, key: str, operator: bool = False) -> str:
     if not TENANT.match(tenant):
         raise InvalidRequest("a tenant is 1-64 letters, digits, - or _")
@@ -106,6 +125,7 @@ class KeyRing:
 
     by_hash: dict[str, str]
     operators: frozenset[str] = frozenset()
+    policies: dict[str, TenantPolicy] = field(default_factory=dict)
 
     @classmethod
     def load(cls, plain_keys: Iterable[str], keys_file: str = "") -> KeyRing:
@@ -119,7 +139,11 @@ class KeyRing:
                 raise InvalidRequest(f"cannot read the keys file {path}: {exc.strerror}") from None
             from_file, operators = parse_keys(text, str(path))
             by_hash.update(from_file)
+            return cls(by_hash, operators, parse_policies(text, str(path)))
         return cls(by_hash, operators)
+
+    def policy(self, tenant: str | None) -> TenantPolicy:
+        return self.policies.get(tenant, OPEN) if tenant is not None else OPEN
 
     @property
     def open(self) -> bool:

@@ -24,6 +24,7 @@ from fleet.gateway.capacity import Capacity
 from fleet.gateway.catalogue import Catalogue, ModelState, Unavailable, model_states, refuses_task
 from fleet.gateway.idempotency_seed import SEED
 from fleet.gateway.observability import GatewayMetrics
+from fleet.gateway.priority import priority_of, stamped
 from fleet.gateway.relay import Renderer, run_task
 from fleet.wire.cluster import ModelCard
 from fleet.wire.records import TaskApi, TaskRecord
@@ -138,6 +139,8 @@ class Gateway:
         """Run the request's tasks and answer; every response carries the request's task id
         (TASK_ID_HEADER), and each task gets its TaskRecord first (with its prompt, when a
         completion asked for `echo`: one per task, in order)."""
+        # Its class (Fleet-Priority, clamped per tenant) and tenant travel in the task.
+        tasks = stamped(tasks, priority_of(request), tenant_of(request))
         asked = TaskRecord(tenant=tenant_of(request), api=api, model=tasks[0].model,
                            created=int(time.time()), logprobs=logprobs,
                            include_usage=include_usage)

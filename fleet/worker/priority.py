@@ -25,16 +25,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from fleet.priorities import CLASSES, RANK
 from fleet.wire.tasks import Priority
 
-CLASSES: tuple[Priority, ...] = ("interactive", "default", "batch")
-RANK: dict[str, int] = {name: rank for rank, name in enumerate(CLASSES)}
+__all__ = ["CLASSES", "PROMOTE_AFTER_S", "Running", "Turn", "pull_order", "quota",
+           "reserve_for", "yields_to"]
+
 PROMOTE_AFTER_S: dict[str, float] = {"default": 30.0, "batch": 120.0}
-
-
-def clamp(asked: Priority, ceiling: Priority) -> Priority:
-    """The class a request gets: what it asked for, never above its tenant's ceiling."""
-    return asked if RANK[asked] >= RANK[ceiling] else ceiling
 
 
 def reserve_for(slots: int) -> int:

@@ -48,11 +48,13 @@ class StandInWorker:
         self.tasks: list[Task] = []
         self.headers: list[dict[str, str]] = []  # each task message's, in order
 
-    async def answer(self, script: Script, timeout: float = 10.0) -> Task:
-        await ensure_task_consumer(self.nc, self.model)
+    async def answer(
+        self, script: Script, timeout: float = 10.0, priority: str = "default"
+    ) -> Task:
+        await ensure_task_consumer(self.nc, self.model, priority=priority)
         js = self.nc.jetstream()
         sub = await js.pull_subscribe_bind(
-            subjects.durable(self.model), stream=subjects.TASKS_STREAM
+            subjects.durable(self.model, priority), stream=subjects.TASKS_STREAM
         )
         [message] = await sub.fetch(1, timeout=timeout)
         task = decode_task(message.data)

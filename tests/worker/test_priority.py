@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from fleet.priorities import clamp
 from fleet.wire import subjects
 from fleet.worker.priority import (
     PROMOTE_AFTER_S,
     Running,
     Turn,
-    clamp,
     pull_order,
     quota,
     reserve_for,

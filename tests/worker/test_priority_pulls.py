@@ -1,0 +1,43 @@
+"""The priority pull against a real nats-server: highest class first, batch leaves the
+reserve, and a pull waiting on an empty queue takes the first task of any class."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import Client
+
+from fleet.config import Settings
+from fleet.wire import subjects
+from fleet.worker.pulls import TaskPuller
+
+
+async def test_a_pull_takes_the_highest_class_first_and_batch_only_slack(
+    provisioned_nc: Client,
+) -> None:
+    js = provisioned_nc.jetstream()
+    puller = TaskPuller(provisioned_nc, js, Settings())
+    try:
+        for priority in ("batch", "default", "interactive"):  # published lowest first
+            for n in range(2):
+                await js.publish(subjects.tasks("m", priority), f"{priority}-{n}".encode())
+        got = await puller.fetch("m", 3, reserve=1)
+        assert [m.data for m in got] == [b"interactive-0", b"interactive-1", b"default-0"]
+        got += await puller.fetch("m", 3, reserve=1)  # batch may take 3 - 1 (default) - 1
+        assert [m.data for m in got[3:]] == [b"default-1", b"batch-0"]
+        got += await puller.fetch("m", 1, reserve=1)  # the last free slot is not batch's
+        assert len(got) == 5
+        for msg in got:
+            await msg.ack()
+
+        waiting = asyncio.ensure_future(puller.fetch("m", 1, reserve=1))
+        await asyncio.sleep(0)  # only to let the pull start; the wait below is on the task
+        await js.publish(subjects.tasks("m", "interactive"), b"late")
+        late = await asyncio.wait_for(waiting, 30)
+        if not late:  # published before the wait began: the next pull finds it at once
+            late = await puller.fetch("m", 1, reserve=1)
+        assert [m.data for m in late] == [b"late"]
+        info = await js.consumer_info(subjects.TASKS_STREAM, subjects.durable("m", "batch"))
+        assert info.num_pending == 1  # batch-1 still queued
+    finally:
+        await puller.close()
