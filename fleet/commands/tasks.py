@@ -80,12 +80,9 @@ async def follow_task(
 
 async def stored_events(js: JetStreamContext, task_id: str) -> int:
     """How many events FLEET_OUT holds for the task (0: unknown, expired or not yet taken)."""
-    subject = subjects.out(task_id)
-    info = await with_retry(
-        lambda: js.stream_info(subjects.OUT_STREAM, subjects_filter=subject),
-        what=f"count the events of {task_id}", budget_s=5.0,
-    )
-    return (info.state.subjects or {}).get(subject, 0)
+    from fleet.bus.task_log import TaskLog
+
+    return await TaskLog(js._nc, js).count(task_id, budget_s=5.0)
 
 
 def response_format(json_mode: bool, schema_file: str | None) -> ResponseFormat | None:

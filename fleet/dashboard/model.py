@@ -57,7 +57,9 @@ class RecentTasks:
         if isinstance(event, TaskAccepted):
             row.model, row.node = event.model, event.node_id
         elif isinstance(event, TokenChunk):
-            row.tokens += event.count
+            # By index, not by event: fleet.out.* also carries re-sent copies, events stored
+            # out of order and a continuation's superseding ones (fleet.bus.task_log).
+            row.tokens = max(row.tokens, event.next_index)
         elif event.type == "image":
             row.images += 1
         elif isinstance(event, TaskFinished):

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response
 
 from fleet.bus.task_events import Indexed
+from fleet.bus.task_log import TaskLog
 from fleet.errors import FleetError, InvalidParameter, failure_of
 from fleet.gateway.backend import Backend
 from fleet.gateway.capacity import Capacity
@@ -29,6 +30,15 @@ from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
 from fleet.wire.events import ErrorChunk, TaskFinished
 from fleet.wire.records import TaskRecord
 
+STORED_COUNT_BUDGET_S = 5.0  # a request waits out a FLEET_OUT election, not an outage
+
+
+async def stored_count(backend: Backend, task_id: str) -> int:
+    """How many events FLEET_OUT holds for the task, through the task log (fleet.bus.task_log),
+    retried within its own short budget; NatsUnavailable (503) after it."""
+    js = backend.jetstream()  # NatsUnavailable when not connected
+    return await TaskLog(js._nc, js, budget_s=STORED_COUNT_BUDGET_S).count(task_id)
+
 
 async def known_record(backend: Backend, task_id: str, tenant: str | None) -> TaskRecord | None:
     """The task's record (None for a task published on NATS), or 404 when the caller may not
@@ -36,7 +46,7 @@ async def known_record(backend: Backend, task_id: str, tenant: str | None) -> Ta
     record = await backend.owners.task_record(task_id)
     if tenant is not None and (record is None or record.tenant != tenant):
         raise not_found(task_id)
-    if record is None and await backend.stored_events(task_id) == 0:
+    if record is None and await stored_count(backend, task_id) == 0:
         raise not_found(task_id)
     return record
 
@@ -85,7 +95,7 @@ async def resume(
             f"task_id: {task_id} is a request with {len(record.choices)} choices, each a task "
             f"of its own: resume each of {', '.join(record.choices)}", "task_id",
         )
-    if after > 0 and await backend.stored_events(task_id) == 0:
+    if after > 0 and await stored_count(backend, task_id) == 0:
         raise not_found(task_id)
     renderer = None if native or record is None else renderer_for(
         record, task_id, backend, url_of)

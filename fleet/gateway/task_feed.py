@@ -32,7 +32,6 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
-from nats.js.errors import NotFoundError
 
 from fleet.aio import started
 from fleet.bus.task_events import (
@@ -43,6 +42,7 @@ from fleet.bus.task_events import (
     TaskEvents,
     task_of,
 )
+from fleet.bus.task_log import TaskLog
 from fleet.errors import NatsUnavailable
 from fleet.wire import subjects
 
@@ -229,21 +229,9 @@ async def _unsubscribe(subscription: Subscription, task_id: str) -> None:
 
 
 async def read_stored(nc: Client, task_id: str, after_seq: int = 0) -> list[bytes]:
-    """Every event FLEET_OUT holds for the task, in stored order (one message at a time by
-    sequence, no consumer)."""
-    js = nc.jetstream()
-    subject = subjects.out(task_id)
-    found: list[bytes] = []
-    cursor = after_seq + 1
-    while True:
-        try:
-            stored = await js.get_msg(subjects.OUT_STREAM, seq=cursor, subject=subject, next=True)
-        except NotFoundError:
-            return found
-        except (NatsError, OSError, TimeoutError) as exc:
-            raise NatsUnavailable(f"cannot read {subjects.OUT_STREAM}: {exc!r}") from None
-        found.append(stored.data or b"")
-        cursor = (stored.seq or cursor) + 1
+    """Every event FLEET_OUT holds for the task, in stored order (the task log, one message at
+    a time by sequence, no consumer); the reader puts them in index order."""
+    return [data for _, data in await TaskLog(nc).raw(task_id, after_seq)]
 
 
 class StitchedEvents(TaskEvents):

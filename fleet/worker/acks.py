@@ -135,18 +135,22 @@ def intake_key(msg: Msg) -> str:
         return f"intake-local-{id(msg)}"
 
 
+def ack_stage(state: WorkerState, key: str) -> Stage:
+    """Where a held message stands, derived from the task's record in `state`: being taken
+    in (under its intake key), waiting (for inputs or a slot), or on a runner (running, or
+    ending behind an image upload: its terminal is not stored yet, so it is still held)."""
+    if key in state.receiving:
+        return Stage.RECEIVING
+    if (pending := state.pending.get(key)) is not None:
+        return Stage.WAITING_INPUTS if pending.inputs is None else Stage.WAITING_SLOT
+    # Dispatched, ending behind an upload (TaskRecord.ending), or read back after its
+    # runner's crash: a runner has it, or had it and this node still answers for it.
+    return Stage.STOPPING_RUNNING if state.stopping else Stage.RUNNING
+
+
 def held_stages(state: WorkerState, held: list[str]) -> dict[str, Stage]:
-    """Where each held message stands: being taken in, waiting (for inputs or a slot) or
-    running."""
-    stages: dict[str, Stage] = {}
-    for task_id in held:
-        if task_id in state.receiving:
-            stages[task_id] = Stage.RECEIVING
-        elif (pending := state.pending.get(task_id)) is not None:
-            stages[task_id] = Stage.WAITING_INPUTS if pending.inputs is None else Stage.WAITING_SLOT
-        else:  # dispatched, or ending behind an image upload: a runner still has it
-            stages[task_id] = Stage.STOPPING_RUNNING if state.stopping else Stage.RUNNING
-    return stages
+    """The ack stage of each held message (`ack_stage`): the beats' snapshot."""
+    return {key: ack_stage(state, key) for key in held}
 
 
 async def beat_forever(acks: AckPolicy, stages: Callable[[], Mapping[str, Stage]]) -> None:

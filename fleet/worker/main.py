@@ -85,7 +85,7 @@ from fleet.worker.uploads import ImageUploads
 
 log = logging.getLogger(__name__)
 
-class Worker(RunnerReports, Stopping):
+class Worker:
     def __init__(self, settings: Settings, ready: asyncio.Event | None = None) -> None:
         self.settings = settings
         self.ready = ready or asyncio.Event()
@@ -93,8 +93,6 @@ class Worker(RunnerReports, Stopping):
         self.acks = AckPolicy(settings.ack_wait_s)
         self.spans = TaskSpans()
         self.handler_failures = 0  # inbox items whose handling raised (logged each time)
-        self.unsent_chunks = 0  # task events the broker would not take (logged each time)
-        self.plan_due = False  # a streamed report changed what the planner reads
 
     def _held_acks(self) -> list[str]:
         msgs = (self.acks.message(key) for key in self.acks.held())
@@ -127,7 +125,7 @@ class Worker(RunnerReports, Stopping):
             self.cluster.heartbeat.held = self._held_acks
             node = self.cluster.node_id
             self.state = WorkerState(
-                node_id=node, cards=self.cluster.cards,
+                node_id=node, cards=dict(self.cluster.cards),  # CardsChanged after
                 routing=Weights(prefix=settings.prefix_routing),
                 prefix_capacity=settings.prefix_index_blocks,
             )
@@ -136,6 +134,11 @@ class Worker(RunnerReports, Stopping):
             self.runners = RunnerPool(settings, node, self.inbox, owner, self.cluster)
             self.images = ImageOutputs(
                 self.cluster, self.spans, self.runners.send, self.inbox, owner
+            )
+            self.reports = RunnerReports(
+                self, images=self.images, output=self.output, intake=self.intake,
+                cluster=self.cluster, runners=self.runners, spans=self.spans,
+                inbox=self.inbox, owner=owner,
             )
             self.puller = TaskPuller(
                 self.nc, self.js, settings, self.spans.metrics.meters.meter("fleet.worker")
@@ -163,14 +166,20 @@ class Worker(RunnerReports, Stopping):
             await self.asks.start()
             self.uploads = ImageUploads(self.nc, self.cluster.store, owner)
             await self.uploads.start()
+            self.stopping = Stopping(
+                self, nc=self.nc, inbox=self.inbox, asks=self.asks, uploads=self.uploads,
+                handoffs=self.handoffs, acks=self.acks, spans=self.spans,
+                endings=self.endings, runners=self.runners, puller=self.puller,
+                output=self.output, cluster=self.cluster,
+            )
             log.info("worker %s serving on %s", node, redact_urls(settings.urls))
             self.ready.set()
             try:
                 await self._loop()
             finally:
-                await self._shutdown()
+                await self.stopping.shutdown()
                 await owner.cancel_all()
-        await self._disconnect()
+        await self.stopping.disconnect()
 
     def stop(self) -> None:
         """Ask the loop to end and shut down cleanly. A message, not a cancel: nats-py
@@ -182,44 +191,44 @@ class Worker(RunnerReports, Stopping):
     async def _loop(self) -> None:
         while not isinstance(item := await self.inbox.get(), Stop):
             try:
-                await self._handle(item)
-                if self.plan_due or not _streams_only(item):
+                await self.handle(item)
+                if self.reports.plan_due or not _streams_only(item):
                     await self._drive()
             except Exception:  # one item's trouble must not end the node's work
                 self.handler_failures += 1
                 log.exception("worker: handling %s failed; going on", type(item).__name__)
 
-    def _apply(self, event: ev.StateEvent) -> None:
+    def apply(self, event: ev.StateEvent) -> None:
         self.state = apply(self.state, event)
 
     async def _drive(self) -> None:
-        self.plan_due = False
+        self.reports.plan_due = False
         while (action := rules.plan(self.state, time.time())) is not None:
             await self._act(action)
 
-    async def _handle(self, item: InboxItem) -> None:
+    async def handle(self, item: InboxItem) -> None:
         match item:
             case Fetched(model=model, msgs=msgs):
-                self._apply(ev.PullEnded(model))
+                self.apply(ev.PullEnded(model))
                 for msg in msgs:
                     self._take(msg)
             case TakenIn() as taken:
                 self._taken_in(taken)
             case CrashJudged() as judged:
-                await self._crash_judged(judged)
+                await self.reports.crash_judged(judged)
             case RunnerReported() as reported:
-                if self.images.admit(reported):
-                    await self._report(reported)
+                if self.reports.admit(reported):
+                    await self.reports.report(reported)
             case ImageUploaded() as done:
                 for ready in self.images.uploaded(done):
-                    await self._report(ready)
+                    await self.reports.report(ready)
             case RunnerExited() as exited:
-                await self._runner_exited(exited)
+                await self.reports.runner_exited(exited)
             case InputsFetched(task_id=task_id, paths=paths):
                 self._inputs_fetched(task_id, paths)
             case InputsFailed(task_id=task_id, reason=reason, message=message):
                 if task_id in self.state.pending:  # else it already ended (cancel, deadline)
-                    self._end(task_id, reason, message)
+                    self.end(task_id, reason, message)
             case CancelSeen(task_id=task_id):
                 await self._cancel(task_id)
             case Fenced(task_id=task_id):
@@ -231,7 +240,7 @@ class Worker(RunnerReports, Stopping):
             case Tick() | Stop():
                 pass  # a tick only makes the loop plan again
             case _:
-                self._apply(item)
+                self.apply(item)
 
     def _take(self, msg: Msg, *, handed_in: bool = False) -> None:
         """Hold a fetched (or handed-in) message and take it in in a child (`_receive`): its
@@ -249,7 +258,7 @@ class Worker(RunnerReports, Stopping):
             self._renew(key, msg, now)
         else:
             self.acks.hold(key, msg, now)  # the beats keep it alive while it is taken in
-        self._apply(ev.IntakeStarted(key, subjects.model_of_task_subject(msg.subject)))
+        self.apply(ev.IntakeStarted(key, subjects.model_of_task_subject(msg.subject)))
         self.owner.spawn(f"intake {key}", self._receive(key, msg, span, handed_in))
 
     def _renew(self, key: str, msg: Msg, now: float) -> None:
@@ -269,7 +278,7 @@ class Worker(RunnerReports, Stopping):
 
     def _taken_in(self, taken: TakenIn) -> None:
         """An intake answered: queue the task under its id, or settle its message."""
-        self._apply(ev.IntakeEnded(taken.key))
+        self.apply(ev.IntakeEnded(taken.key))
         outcome, span = taken.outcome, taken.span
         if isinstance(outcome, Queued):
             task = outcome.pending.task
@@ -279,9 +288,9 @@ class Worker(RunnerReports, Stopping):
             pending = outcome.pending
             if taken.handed_in:
                 pending = replace(pending, local_only=True)
-            self._apply(ev.TaskQueued(pending))
+            self.apply(ev.TaskQueued(pending))
             if task.task_id in self.cluster.cancelled:  # cancelled while it was taken in
-                self._end(task.task_id, ErrorReason.CANCELLED, "cancelled before it started")
+                self.end(task.task_id, ErrorReason.CANCELLED, "cancelled before it started")
             return
         msg = self.acks.release(taken.key) or taken.msg  # the newest delivery of it
         if outcome is None:
@@ -297,18 +306,18 @@ class Worker(RunnerReports, Stopping):
     async def _act(self, action: rules.Action) -> None:
         match action:
             case rules.StopRunner(runner_id=runner_id, now=now):
-                self._apply(ev.CommandSent(runner_id, "shutdown"))
+                self.apply(ev.CommandSent(runner_id, "shutdown"))
                 self.runners.stop(runner_id, kill=now)
             case rules.SpawnRunner(instance=instance):
-                self._apply(ev.RunnerStarting(instance.instance_id))
+                self.apply(ev.RunnerStarting(instance.instance_id))
                 self.runners.spawn(instance, self.state.cards.get(instance.model))
             case rules.AdvanceRunner(runner_id=runner_id, command=command):
-                self._apply(ev.CommandSent(runner_id, command))
+                self.apply(ev.CommandSent(runner_id, command))
                 await self.runners.send(runner_id, _LIFECYCLE[command]())  # gone: RunnerExited
             case rules.FinishPending(task_id=task_id, reason=reason, message=message):
-                self._end(task_id, reason, message)
+                self.end(task_id, reason, message)
             case rules.FetchInputs(task_id=task_id, hashes=hashes):
-                self._apply(ev.InputsFetching(task_id))
+                self.apply(ev.InputsFetching(task_id))
                 self.owner.spawn(
                     f"fetch inputs {task_id}", self.feeds.fetch_inputs(task_id, hashes)
                 )
@@ -317,15 +326,15 @@ class Worker(RunnerReports, Stopping):
             case rules.HandOff(task_id=task_id, node_id=node_id, runner_id=runner_id):
                 msg = self.acks.message(task_id)
                 if msg is None:  # not held (cannot happen for a pending task): run it here
-                    self._apply(ev.HandOffEnded(task_id, node_id, runner_id, False, time.time()))
+                    self.apply(ev.HandOffEnded(task_id, node_id, runner_id, False, time.time()))
                     return
-                self._apply(ev.HandOffStarted(task_id, node_id))
+                self.apply(ev.HandOffStarted(task_id, node_id))
                 self.owner.spawn(f"hand off {task_id}",
                                  self.handoffs.send(task_id, node_id, runner_id, msg))
             case rules.HandBack(task_id=task_id):
-                self._hand_back(task_id)
+                self.hand_back(task_id)
             case rules.Pull(model=model, batch=batch, reserve=reserve):
-                self._apply(ev.PullStarted(model))
+                self.apply(ev.PullStarted(model))
                 self.owner.spawn(f"pull {model}", self.feeds.pull(model, batch, reserve))
 
     # ---- actions ----------------------------------------------------------------------
@@ -334,8 +343,8 @@ class Worker(RunnerReports, Stopping):
         if task_id not in self.state.pending:  # it ended while they were fetched: unpin
             self.cluster.release_inputs(list(paths))
             return
-        self._apply(ev.InputsPinned(task_id, tuple(paths)))
-        self._apply(ev.InputsReady(task_id, {sha: str(path) for sha, path in paths.items()}))
+        self.apply(ev.InputsPinned(task_id, tuple(paths)))
+        self.apply(ev.InputsReady(task_id, {sha: str(path) for sha, path in paths.items()}))
 
     async def _dispatch(self, task_id: str, runner_id: str) -> None:
         pending = self.state.pending[task_id]
@@ -350,7 +359,7 @@ class Worker(RunnerReports, Stopping):
         traceparent, tracestate = self.spans.dispatched(task_id, runner_id)
         # In flight from here on, in WorkerState only: if the send fails (the runner has just
         # died) its RunnerExited, which always follows, ends this task runner_crashed.
-        self._apply(ev.TaskDispatched(task_id, runner_id))
+        self.apply(ev.TaskDispatched(task_id, runner_id))
         sent = await self.runners.send(runner_id, pipe.SubmitTask(
             task=with_seed(pending.task, earlier.seed), inputs=pending.inputs or {},
             delivery=pending.delivery,
@@ -380,47 +389,47 @@ class Worker(RunnerReports, Stopping):
 
     def _hand_off_ended(self, ended: ev.HandOffEnded) -> None:
         task_id = ended.task_id
-        cancelled = self.state.notes_of(task_id).cancel is ev.CancelOrigin.WHILE_OFFERED
-        self._apply(ev.CancelNoted(task_id, None))  # spent: whoever holds it now ends it
+        cancelled = self.state.task(task_id).cancel is ev.CancelOrigin.WHILE_OFFERED
+        self.apply(ev.CancelNoted(task_id, None))  # spent: whoever holds it now ends it
         if ended.taken is False:  # still ours: run it here
-            self._apply(ended)
+            self.apply(ended)
             if cancelled:
-                self._end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
+                self.end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
             return
         # Taken, or perhaps taken: the message is not ours to verb any more, nor its output
         # ours to write (its taker fences it, fleet.worker.takeover).
-        self._release(task_id)
+        self.release(task_id)
         self.output.forget(task_id)
-        self._apply(ended)
+        self.apply(ended)
         self.acks.release(task_id)
         self.spans.settled(task_id, "handed_off" if ended.taken else "hand_off_unanswered")
 
-    def _hand_back(self, task_id: str, stage: Stage = Stage.HANDED_BACK) -> None:
+    def hand_back(self, task_id: str, stage: Stage = Stage.HANDED_BACK) -> None:
         """Give a task back to JetStream (nak): no terminal is written for it here."""
         log.info("task %s given back (%s)", task_id, stage)
-        self._release(task_id)
-        self._apply(ev.TaskEnded(task_id))
+        self.release(task_id)
+        self.apply(ev.TaskEnded(task_id))
         self.spans.settled(task_id, "nak")
         if (msg := self.acks.release(task_id)) is not None:
             self.endings.settle(task_id, msg, stage)
 
-    def _end(self, task_id: str, reason: ErrorReason, message: str) -> None:
+    def end(self, task_id: str, reason: ErrorReason, message: str) -> None:
         """End a task that never reached a runner; its slot is free at once."""
-        self._release(task_id)
-        self._apply(ev.TaskEnded(task_id))
+        self.release(task_id)
+        self.apply(ev.TaskEnded(task_id))
         with self.spans.active(task_id):  # the ending child inherits the task's context
             self.endings.fail(task_id, reason, message, self.acks.release(task_id))
 
-    def _finish(self, report: TaskFinished) -> None:
-        self._release(report.task_id)
-        self._apply(ev.TaskEnded(report.task_id))
+    def finish(self, report: TaskFinished) -> None:
+        self.release(report.task_id)
+        self.apply(ev.TaskEnded(report.task_id))
         self.endings.finish(report, self.acks.release(report.task_id))
 
-    def _release(self, task_id: str) -> None:
+    def release(self, task_id: str) -> None:
         self.intake.book.released(task_id)
-        if pinned := self.state.notes_of(task_id).pinned:
+        if pinned := self.state.task(task_id).pinned:
             self.cluster.release_inputs(list(pinned))
-        self._apply(ev.TaskReleased(task_id))
+        self.apply(ev.TaskReleased(task_id))
 
     async def _fenced(self, task_id: str) -> None:
         """Another attempt has taken this task over (this node was paused past AckWait, or
@@ -432,15 +441,15 @@ class Worker(RunnerReports, Stopping):
         log.warning("task %s was taken over by another attempt: given up here (%s)",
                     task_id, fate)
         if fate is FencedFate.CANCEL_RUNNER and runner_id is not None:
-            self._apply(ev.CancelNoted(task_id, ev.CancelOrigin.FENCED))
+            self.apply(ev.CancelNoted(task_id, ev.CancelOrigin.FENCED))
             await self.runners.send(runner_id, CancelTask(task_id=task_id))
         elif fate is FencedFate.RELEASE:
-            self._give_up(task_id)
+            self.give_up(task_id)
 
-    def _give_up(self, task_id: str) -> None:
+    def give_up(self, task_id: str) -> None:
         """Let a fenced task go: no terminal, no verb (its message is another holder's)."""
-        self._release(task_id)
-        self._apply(ev.TaskEnded(task_id))
+        self.release(task_id)
+        self.apply(ev.TaskEnded(task_id))
         self.acks.release(task_id)
         self.output.forget(task_id)
         self.spans.settled(task_id, "fenced")
@@ -449,14 +458,14 @@ class Worker(RunnerReports, Stopping):
         if (pending := self.state.pending.get(task_id)) and pending.handing_off is not None:
             # Offered to another node: whoever holds it after the answer ends it (the other
             # node heard this cancel too, or reads it from FLEET_CANCELS at its intake).
-            self._apply(ev.CancelNoted(task_id, ev.CancelOrigin.WHILE_OFFERED))
+            self.apply(ev.CancelNoted(task_id, ev.CancelOrigin.WHILE_OFFERED))
             return
         if task_id in self.state.pending:
-            self._end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
+            self.end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
             return
         for runner in self.state.runners.values():
             if task_id in runner.in_flight:
-                self._apply(ev.CancelNoted(task_id, ev.CancelOrigin.WHILE_RUNNING))
+                self.apply(ev.CancelNoted(task_id, ev.CancelOrigin.WHILE_RUNNING))
                 await self.runners.send(runner.runner_id, CancelTask(task_id=task_id))
                 return
         # Not taken in yet (a fetch still on its way here, or not fetched at all): remembered,

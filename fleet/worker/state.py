@@ -95,16 +95,20 @@ class CancelOrigin(StrEnum):
 
 
 @dataclass(frozen=True)
-class TaskNotes:
+class TaskRecord:
     """What the node keeps of a task beside its place (queued, or on a runner), from its
-    intake to its release: the input images it holds in the node's cache, and a cancel that
-    must shape its end."""
+    intake to its release: the input images it holds in the node's cache, a cancel that must
+    shape its end, and whether its runner's terminal already came and waits behind an image
+    upload (fleet.worker.image_outputs). Its ack stage is derived from it (`ack_stage`)."""
 
     pinned: tuple[str, ...] = ()  # input image hashes pinned in the node's cache
     cancel: CancelOrigin | None = None
+    # The runner ended it; its terminal is queued behind its images: a runner exit now must
+    # neither restart nor crash it (it ends once, after its images), and it is still held.
+    ending: bool = False
 
 
-NO_NOTES = TaskNotes()
+NO_RECORD = TaskRecord()
 
 
 @dataclass(frozen=True)
@@ -134,10 +138,10 @@ class WorkerState:
     # advertises again after that (a dead node's summaries outlive it by up to the TTL)
     silent: dict[str, float] = field(default_factory=dict)
     spare_cores: float | None = None  # this node's idle CPU in cores, measured (None: not yet)
-    notes: Mapping[str, TaskNotes] = field(default_factory=dict)  # by task id, until released
+    tasks: Mapping[str, TaskRecord] = field(default_factory=dict)  # by task id, until released
 
-    def notes_of(self, task_id: str) -> TaskNotes:
-        return self.notes.get(task_id, NO_NOTES)
+    def task(self, task_id: str) -> TaskRecord:
+        return self.tasks.get(task_id, NO_RECORD)
 
     def hosted_instances(self) -> list[Instance]:
         return [
@@ -166,6 +170,14 @@ def group_layout(instance: Instance) -> tuple[object, ...]:
 @dataclass(frozen=True)
 class InstancesChanged:
     instances: dict[str, Instance]
+
+
+@dataclass(frozen=True)
+class CardsChanged:
+    """The fleet's model cards as the cluster link holds them now (a card came or changed):
+    the state's own snapshot, replaced whole."""
+
+    cards: dict[str, ModelCard]
 
 
 @dataclass(frozen=True)
@@ -282,8 +294,16 @@ class CancelNoted:
 
 
 @dataclass(frozen=True)
+class TerminalQueued:
+    """A running task's terminal report came while an image of it is still uploading: it
+    waits there, in order, and the task is ending (TaskRecord.ending) until it is released."""
+
+    task_id: str
+
+
+@dataclass(frozen=True)
 class TaskReleased:
-    """The task left this node for good (ended, handed back or handed off): its notes go
+    """The task left this node for good (ended, handed back or handed off): its record goes
     (the caller unpins its inputs)."""
 
     task_id: str
@@ -327,10 +347,12 @@ class HandOffEnded:
 
 
 StateEvent = (
-    InstancesChanged | RunnerStarting | RunnerSpawned | RunnerStartFailed | CommandSent
+    InstancesChanged | CardsChanged | RunnerStarting | RunnerSpawned | RunnerStartFailed
+    | CommandSent
     | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | IntakeStarted | IntakeEnded
     | TaskQueued | InputsFetching
-    | InputsReady | TaskDispatched | TaskEnded | InputsPinned | CancelNoted | TaskReleased
+    | InputsReady | TaskDispatched | TaskEnded | InputsPinned | CancelNoted | TerminalQueued
+    | TaskReleased
     | Stopping | RemoteRunnersSeen | HandOffStarted
     | HandOffEnded | FirstOutput | CoresSampled
 )
@@ -356,6 +378,11 @@ def _with_runner(state: WorkerState, runner_id: str, **changes: object) -> Worke
 @_apply.register
 def _(event: InstancesChanged, state: WorkerState) -> WorkerState:
     return replace(state, instances=dict(event.instances))
+
+
+@_apply.register
+def _(event: CardsChanged, state: WorkerState) -> WorkerState:
+    return replace(state, cards=dict(event.cards))
 
 
 @_apply.register
@@ -420,28 +447,35 @@ def _(event: PullEnded, state: WorkerState) -> WorkerState:
     return replace(state, pulling=state.pulling - {event.model})
 
 
-def _with_notes(state: WorkerState, task_id: str, **changes: object) -> WorkerState:
-    notes = replace(state.notes_of(task_id), **changes)
-    return replace(state, notes={**state.notes, task_id: notes})
+def _with_record(state: WorkerState, task_id: str, **changes: object) -> WorkerState:
+    record = replace(state.task(task_id), **changes)
+    return replace(state, tasks={**state.tasks, task_id: record})
 
 
 @_apply.register
 def _(event: InputsPinned, state: WorkerState) -> WorkerState:
-    return _with_notes(state, event.task_id, pinned=event.hashes)
+    return _with_record(state, event.task_id, pinned=event.hashes)
 
 
 @_apply.register
 def _(event: CancelNoted, state: WorkerState) -> WorkerState:
-    if event.origin is None and event.task_id not in state.notes:
+    if event.origin is None and event.task_id not in state.tasks:
         return state
-    return _with_notes(state, event.task_id, cancel=event.origin)
+    return _with_record(state, event.task_id, cancel=event.origin)
+
+
+@_apply.register
+def _(event: TerminalQueued, state: WorkerState) -> WorkerState:
+    if not any(event.task_id in r.in_flight for r in state.runners.values()):
+        return state  # not running here (given up, or already ended): nothing waits for it
+    return _with_record(state, event.task_id, ending=True)
 
 
 @_apply.register
 def _(event: TaskReleased, state: WorkerState) -> WorkerState:
-    if event.task_id not in state.notes:
+    if event.task_id not in state.tasks:
         return state
-    return replace(state, notes={k: v for k, v in state.notes.items() if k != event.task_id})
+    return replace(state, tasks={k: v for k, v in state.tasks.items() if k != event.task_id})
 
 
 @_apply.register

@@ -37,8 +37,8 @@ def accepted(task_id: str, at: float = 1.0) -> TaskAccepted:
     return TaskAccepted(task_id=task_id, at=at, model="m", node_id="n1", runner_id="r1")
 
 
-def token(task_id: str) -> TokenChunk:
-    return TokenChunk(task_id=task_id, at=2.0, index=0, token_id=1, text="a")
+def token(task_id: str, index: int = 0) -> TokenChunk:
+    return TokenChunk(task_id=task_id, at=2.0, index=index, token_id=1, text="a")
 
 
 def finished(task_id: str, status: str = "completed") -> TaskFinished:
@@ -51,7 +51,9 @@ def finished(task_id: str, status: str = "completed") -> TaskFinished:
 
 @pytest.mark.parametrize(("events", "expected"), [
     ([accepted("t")], {"model": "m", "node": "n1", "status": "running", "tokens": 0}),
-    ([accepted("t"), token("t"), token("t")], {"tokens": 2, "status": "running"}),
+    ([accepted("t"), token("t"), token("t", 1)], {"tokens": 2, "status": "running"}),
+    # A re-sent copy, and a token stored out of order, count once: tokens are counted by index.
+    ([accepted("t"), token("t"), token("t", 2), token("t", 1), token("t", 1)], {"tokens": 3}),
     ([accepted("t"), token("t"), finished("t")],
      {"status": "completed", "reason": "stop", "tokens": 5, "ttft_s": 0.1, "duration_s": 0.2}),
     ([accepted("t"), finished("t", "cancelled")], {"status": "cancelled", "reason": None}),

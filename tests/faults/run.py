@@ -89,6 +89,9 @@ class FaultRun:
         """`avoid`: a server the workers and the test's client do not connect to (a scenario
         that hurts only the broker's groups there, not the connections)."""
         self.avoid = avoid
+        # The workers' AckWait: 30 s measures the broker alone; a scenario that wants paused
+        # connections taken over (the seam under a broker fault) sets the default 2 s.
+        self.ack_wait_s = 30.0
         self.broker = broker
         self.root = root
         self.load = load
@@ -113,11 +116,11 @@ class FaultRun:
         await provision_with(self.nc, self.replicas)
         # These runs stop, pause and kill broker servers, never a worker: a worker whose server
         # is paused for longer than a 2 s AckWait (the default) is taken over although it
-        # lives (issue 24's seam), which these runs do not measure. A takeover during a paused
-        # FLEET_OUT leader once left a gap at the seam (issue 24, open): with 30 s the broker's
-        # faults are measured alone, as before.
+        # lives (issue 24's seam), which most of these runs do not measure: with 30 s the
+        # broker's faults are measured alone. The seam under a paused FLEET_OUT leader (once a
+        # gap, fixed) has its own run at 2 s (`ack_wait_s`).
         env = {"FLEET_REPLICAS": str(self.replicas), "FLEET_SLOTS": str(self.load.slots),
-               "FLEET_ACK_WAIT_S": "30"}
+               "FLEET_ACK_WAIT_S": str(self.ack_wait_s)}
         for index in range(self.load.workers):
             data_dir = self.root / f"w{index + 1}"
             card = add_fault_card(data_dir)

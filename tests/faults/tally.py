@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
+from fleet.bus.task_log import ordered
+from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk, token_indexes
 
 # Failures a broker fault may cause without breaking the bar: the task ends, honestly, once.
 ALLOWED_FAILURES = ("worker_lost", "runner_crashed", "output_lost")
@@ -44,6 +45,7 @@ class FaultCounts:
     # output was there, so ending it failed was avoidable), and tokens stored out of order.
     output_lost_but_whole: int = 0
     tokens_out_of_order: int = 0
+    tokens_superseded: int = 0  # a continuation made again what an attempt stored past a hole
     output_after_terminal: int = 0  # tokens stored after the task's terminal (a second runner)
     workers_dead: int = 0  # worker processes that are not running at the end
     last_terminal_after_return_s: float | None = None
@@ -89,18 +91,38 @@ def tally(
         counts.last_terminal_after_return_s = after if latest is None else max(latest, after)
         if first.stored_at > deadline:
             counts.note("late", task_id)
-        # Every token index stored (a token event may carry several tokens).
-        indexes = [s.event.index + k for s in events if isinstance(s.event, TokenChunk)
-                   for k in range(s.event.count)]
-        if len(indexes) != len(set(indexes)):
+        # Every token index stored (a token event may carry several tokens), and as a client
+        # reads them (fleet.bus.task_log.ordered): a continuation supersedes what an earlier
+        # attempt stored beyond the hole it resumes at, and that is no duplicate.
+        raw = token_indexes(s.event for s in events)
+        indexes = token_indexes(ordered((s.event for s in events), release_held=True))
+        if len(indexes) != len(set(indexes)) or stored_twice([s.event for s in events]):
             counts.note("duplicate_tokens", task_id)
-        if indexes != sorted(indexes):
+        elif len(raw) != len(indexes):
+            counts.note("tokens_superseded", task_id)
+        if raw != sorted(raw):
             counts.note("tokens_out_of_order", task_id)
         after_end = events[events.index(first) + 1:]
         if any(isinstance(s.event, TokenChunk) for s in after_end):
             counts.note("output_after_terminal", task_id)
         _judge(counts, task_id, first.event, indexes, tokens)
     return counts
+
+
+def stored_twice(events: list[OutputEvent]) -> bool:
+    """Whether some token index is stored twice by one attempt, or a continuation stored an
+    index below the one it resumed at (both a failed dedupe). An index a continuation makes
+    again at or past where it resumed supersedes the earlier attempt's copy: no duplicate."""
+    resumed, seen = 0, set[int]()
+    for event in events:
+        if isinstance(event, TaskAccepted) and event.attempt > 0:
+            resumed, seen = event.continued_from, set()
+        elif isinstance(event, TokenChunk):
+            for index in range(event.index, event.next_index):
+                if index in seen or index < resumed:
+                    return True
+                seen.add(index)
+    return False
 
 
 def _judge(

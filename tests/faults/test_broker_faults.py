@@ -6,7 +6,8 @@
 3. the leader of KV_FLEET_NODES partitioned (SIGSTOP, then SIGCONT) for 20 s;
 4. the leader of FLEET_OUT paused and resumed while tasks stream: its return re-elects
    leaders, and output stored whole but out of order must still end `completed`, read in
-   index order (issue 27);
+   index order (issue 27); again at a 2 s AckWait with one worker paused inside the election,
+   so its running tasks are taken over while FLEET_OUT elects (issue 24's seam: no gap);
 5. the server leading only KV_FLEET_CLAIMS (or KV_FLEET_CANCELS) paused while long tasks
    stream and new ones arrive: no running stream goes silent, nothing is run twice (issue 27).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -60,6 +62,7 @@ else:
 OUT_PAUSE = Load(tasks=150, tokens=1000, delay_ms=10) if LONG else Load(
     tasks=40, tokens=400, delay_ms=15)
 OUT_PAUSE_S = 20.0 if LONG else 8.0
+SEAM_AT_S, WORKER_PAUSE_S = 1.0, 4.0  # a worker paused past a 2 s AckWait, in the election
 # Long streams on 2 x 6 slots, then new tasks into the 4 free slots while a KV leader is away.
 KV_PAUSE = Load(tasks=13, tokens=500, delay_ms=40, slots=6)
 KV_PAUSE_LONG_TASKS = 8
@@ -199,6 +202,57 @@ async def test_out_leader_paused_and_resumed_mid_stream_ends_every_task_complete
     await run.until_finished(returned)
     report = await run.report(returned)
     check(report, replicas=3)
+    assert report.counts.output_lost == 0, describe(report.counts)
+    assert report.counts.completed == OUT_PAUSE.tasks, describe(report.counts)
+    await read_in_index_order(run)
+
+
+async def test_out_leader_paused_with_takeovers_leaves_no_gap_at_a_seam(
+    cluster_broker: Broker, fault_run: RunFactory
+) -> None:
+    """Issue 24's seam under a broker fault: workers at a 2 s AckWait; while the server
+    leading FLEET_OUT is paused, one worker is paused too (the worker process only: its runner
+    streams on) for longer than AckWait, so the tasks' consumers (led elsewhere) hand its
+    running tasks to the other worker, which fences them while FLEET_OUT elects, and the paused
+    attempts' last events are lost, late or refused. Every task still ends `completed`, read in
+    index order 0..n-1 once each (a continuation resumes at the first hole and supersedes what
+    the old attempt stored past it; tests/bus/test_task_log.py forces that hole)."""
+    run = fault_run(cluster_broker, OUT_PAUSE, 3)
+    meta = await meta_leader(cluster_broker)  # JetStream's API must stay up: not that one
+    paused, node = next((n, s) for n, s in cluster_broker.nodes.items() if n != meta)
+    run.avoid = paused
+    run.ack_wait_s = 2.0
+    await run.start()
+    # Only FLEET_OUT is hurt: the tasks' consumers must hand the paused worker's tasks over.
+    assert await move_leader(run.nc, subjects.OUT_STREAM, paused)
+    await leaders_off(run.nc, cluster_broker, paused, keep=(subjects.OUT_STREAM,))
+    await run.publish()
+    await run.until_busy()
+    run.fault_now(f"pause {paused} (leads {subjects.OUT_STREAM}; no worker connected)")
+    node.pause()
+    worker = run.workers[0].process
+    try:
+        await asyncio.sleep(SEAM_AT_S)  # into the election: the timing under test
+        run.mark("pause worker w1")
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(WORKER_PAUSE_S)  # longer than AckWait: its tasks move
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        run.mark("resumed worker w1")
+        await asyncio.sleep(max(0.0, OUT_PAUSE_S - SEAM_AT_S - WORKER_PAUSE_S))
+    finally:
+        node.resume()
+    returned = time.time()
+    run.fault_now(f"resumed {paused}")
+    await run.until_finished(returned)
+    report = await run.report(returned)
+    stored = await run.read_out()
+    taken = sum(isinstance(s.event, TaskAccepted) and s.event.attempt > 0
+                for events in stored.values() for s in events)
+    print(f"continuations (takeovers after output began): {taken}")
+    check(report, replicas=3)
+    assert taken > 0, "no task was taken over: the seam was not exercised"
     assert report.counts.output_lost == 0, describe(report.counts)
     assert report.counts.completed == OUT_PAUSE.tasks, describe(report.counts)
     await read_in_index_order(run)

@@ -14,6 +14,11 @@ def accepted(task: str) -> Stored:
     return Stored(TaskAccepted(task_id=task, at=T0, model="m", node_id="n", runner_id="r"), T0)
 
 
+def continued(task: str, resumed: int) -> Stored:
+    return Stored(TaskAccepted(task_id=task, at=T0, model="m", node_id="n", runner_id="r",
+                               attempt=1, delivery=2, continued_from=resumed), T0)
+
+
 def token(task: str, index: int) -> Stored:
     return Stored(TokenChunk(task_id=task, at=T0, index=index, token_id=index, text="x"), T0)
 
@@ -59,6 +64,13 @@ CASES = [
     ("tokens after the terminal",
      [accepted("a"), token("a", 0), ended("a", ErrorReason.WORKER_LOST), token("a", 1)],
      {"worker_lost": 1, "output_after_terminal": 1}),
+    ("a continuation from the hole at 1 supersedes the 2 stored past it: no duplicate",
+     [accepted("a"), token("a", 0), token("a", 2), continued("a", 1), token("a", 1),
+      token("a", 2), done("a")],
+     {"completed": 1, "tokens_out_of_order": 1, "tokens_superseded": 1}),
+    ("a continuation stores an index below where it resumed",
+     [*whole("a"), continued("a", 2), token("a", 1), done("a")],
+     {"completed": 1, "tokens_out_of_order": 1, "duplicate_tokens": 1}),
     ("failed otherwise", [ended("a", ErrorReason.INTERNAL)], {"other_failed": 1}),
     ("ended after the deadline", [*whole("a"), done("a", at=T0 + 61)], {"completed": 1, "late": 1}),
 ]
@@ -70,7 +82,7 @@ def test_tally(events: list[Stored], want: dict[str, int]) -> None:
     fields = ("completed", "lost", "hung", "late", "duplicate_terminals", "completed_with_gap",
               "duplicate_tokens", "spurious_cancelled", "worker_lost", "runner_crashed",
               "output_lost", "other_failed", "output_lost_but_whole", "tokens_out_of_order",
-              "output_after_terminal")
+              "output_after_terminal", "tokens_superseded")
     assert {f: getattr(counts, f) for f in fields if getattr(counts, f)} == want
     assert counts.tasks == 1
 

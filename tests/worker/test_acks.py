@@ -17,12 +17,14 @@ from fleet.worker.acks import (
     Kind,
     Stage,
     Verb,
+    ack_stage,
     decide,
     held_stages,
     progress_every,
     tick_every,
 )
-from fleet.worker.state import PendingTask, WorkerState
+from fleet.worker.continuation import CrashFate, crash_fate
+from fleet.worker.state import PendingTask, RunnerView, TaskRecord, WorkerState
 
 ACK_WAIT = 30.0
 DUE = progress_every(ACK_WAIT)
@@ -177,3 +179,25 @@ def test_held_stages_say_where_each_held_message_stands() -> None:
     }
     stopping = replace(state, stopping=True, pending={})
     assert held_stages(stopping, ["r"]) == {"r": Stage.STOPPING_RUNNING}
+
+
+@pytest.mark.parametrize(
+    ("record", "stopping", "stage", "fate"),
+    [
+        (TaskRecord(), False, Stage.RUNNING, CrashFate.READ_BACK),
+        (TaskRecord(ending=True), False, Stage.RUNNING, CrashFate.ENDING),
+        (TaskRecord(ending=True), True, Stage.STOPPING_RUNNING, CrashFate.ENDING),
+    ],
+)
+def test_a_task_ending_behind_an_upload_is_held_and_never_restarted(
+    record: TaskRecord, stopping: bool, stage: Stage, fate: CrashFate
+) -> None:
+    """The record says what its held message gets (in_progress: its terminal is not stored)
+    and what its runner's exit does to it (nothing: it ends once, after its images)."""
+    runner = RunnerView("r-1", "i-1", "m", in_flight=frozenset({"t"}))
+    state = WorkerState(node_id="n", runners={"r-1": runner}, tasks={"t": record},
+                        stopping=stopping)
+    assert ack_stage(state, "t") is stage
+    assert decide(stage, progress_every(2.0), 2.0).kind is Kind.IN_PROGRESS
+    ending = state.task("t").ending
+    assert crash_fate(terminal_waiting=ending, held_for_continuation=True) is fate

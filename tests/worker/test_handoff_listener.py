@@ -5,7 +5,6 @@ a stopping worker closes it, an offer finds no responder, so its sender runs the
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 from typing import cast
 
 import nats
@@ -14,9 +13,8 @@ from nats.aio.msg import Msg
 from fleet.wire import subjects
 from fleet.worker.handoff import HandOffs
 from fleet.worker.inbox import HandedIn, Inbox, Tick
-from fleet.worker.main import Worker
 from fleet.worker.state import HandOffEnded
-from fleet.worker.stopping import Stopping
+from fleet.worker.stopping import decline_queued_offers
 
 ACK_SUBJECT = "$JS.ACK.FLEET_TASKS.tasks-tiny-llm.1.7.7.1764700000000000000.0"
 
@@ -87,9 +85,8 @@ async def test_offers_queued_before_the_stop_are_declined_and_the_rest_keep_thei
         sending = asyncio.create_task(sender.send("t-1", "node-b", "run-b", held_message(nc)))
         await asyncio.wait_for(inbox.offered.wait(), timeout=10)  # queued behind the first
         inbox.put_nowait(second)
-        worker = cast(Worker, SimpleNamespace(inbox=inbox, handoffs=receiver))
         await receiver.close()
-        await Stopping._decline_queued_offers(worker)
+        await decline_queued_offers(cast(Inbox, inbox), receiver)
         await sending
         assert (await ended(sender_inbox)).taken is False
         kept = [inbox.get_nowait() for _ in range(inbox.qsize())]

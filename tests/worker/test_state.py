@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from fleet.wire.cluster import Instance, ShardAssignment
+from fleet.wire.cluster import Instance, ModelCard, ShardAssignment
 from fleet.wire.runners import RunnerConnected, RunnerFailed, RunnerLoading, RunnerReady
 from fleet.wire.tasks import ImageEdits, TextGeneration
 from fleet.worker import state as ev
@@ -15,7 +15,7 @@ from fleet.worker.state import (
     Failure,
     PendingTask,
     RunnerView,
-    TaskNotes,
+    TaskRecord,
     WorkerState,
     apply,
 )
@@ -41,6 +41,10 @@ EDIT = PendingTask(
     received_at=6.0,
 )
 
+CARD = ModelCard(id="tiny-llm", name="tiny", tasks=["text_generation"], family="mlx_lm",
+                 source="built-in")
+CARD_B = CARD.model_copy(update={"id": "b"})
+
 EMPTY = WorkerState(node_id=HERE)
 WITH_RUNNER = replace(EMPTY, instances={"inst-1": INST}, runners={"run-1": RUNNER})
 
@@ -53,6 +57,10 @@ ROWS = [
     # ---- instances and runners -------------------------------------------------------------
     pytest.param(given(instances={"inst-1": INST}), ev.InstancesChanged({"inst-2": INST_2}),
                  given(instances={"inst-2": INST_2}), id="instances-are-replaced-whole"),
+    pytest.param(given(cards={"tiny-llm": CARD}),
+                 ev.CardsChanged({"tiny-llm": CARD, "b": CARD_B}),
+                 given(cards={"tiny-llm": CARD, "b": CARD_B}),
+                 id="cards-are-a-snapshot-replaced-whole"),
     pytest.param(EMPTY, ev.RunnerStarting("inst-1"), given(starting=frozenset({"inst-1"})),
                  id="starting-is-recorded"),
     pytest.param(given(starting=frozenset({"inst-1"})), ev.RunnerSpawned(RUNNER),
@@ -94,25 +102,51 @@ ROWS = [
                  id="pull-started"),
     pytest.param(given(pulling=frozenset({"tiny-llm", "tiny-flux2"})), ev.PullEnded("tiny-llm"),
                  given(pulling=frozenset({"tiny-flux2"})), id="pull-ended-for-that-model-only"),
-    # ---- a task's notes: pins and cancels, until it is released ----------------------------
+    # ---- a task's record: pins, cancels, its ending, until it is released ------------------
     pytest.param(EMPTY, ev.InputsPinned("t-2", (SHA,)),
-                 given(notes={"t-2": TaskNotes(pinned=(SHA,))}), id="inputs-pinned"),
-    pytest.param(given(notes={"t-2": TaskNotes(pinned=(SHA,))}),
+                 given(tasks={"t-2": TaskRecord(pinned=(SHA,))}), id="inputs-pinned"),
+    pytest.param(given(tasks={"t-2": TaskRecord(pinned=(SHA,))}),
                  ev.CancelNoted("t-2", CancelOrigin.WHILE_RUNNING),
-                 given(notes={"t-2": TaskNotes((SHA,), CancelOrigin.WHILE_RUNNING)}),
+                 given(tasks={"t-2": TaskRecord((SHA,), CancelOrigin.WHILE_RUNNING)}),
                  id="a-cancel-joins-the-pins"),
     pytest.param(EMPTY, ev.CancelNoted("t-1", CancelOrigin.WHILE_OFFERED),
-                 given(notes={"t-1": TaskNotes(cancel=CancelOrigin.WHILE_OFFERED)}),
+                 given(tasks={"t-1": TaskRecord(cancel=CancelOrigin.WHILE_OFFERED)}),
                  id="cancel-while-offered-noted"),
-    pytest.param(given(notes={"t-1": TaskNotes(cancel=CancelOrigin.WHILE_OFFERED)}),
-                 ev.CancelNoted("t-1", None), given(notes={"t-1": TaskNotes()}),
+    pytest.param(given(tasks={"t-1": TaskRecord(cancel=CancelOrigin.WHILE_OFFERED)}),
+                 ev.CancelNoted("t-1", None), given(tasks={"t-1": TaskRecord()}),
                  id="a-spent-cancel-is-cleared"),
     pytest.param(EMPTY, ev.CancelNoted("t-9", None), EMPTY, id="clearing-no-note-adds-none"),
-    pytest.param(given(notes={"t-1": TaskNotes(cancel=CancelOrigin.WHILE_RUNNING),
-                              "t-2": TaskNotes(pinned=(SHA,))}),
-                 ev.TaskReleased("t-1"), given(notes={"t-2": TaskNotes(pinned=(SHA,))}),
-                 id="released-drops-that-tasks-notes-only"),
+    pytest.param(given(tasks={"t-1": TaskRecord(cancel=CancelOrigin.WHILE_RUNNING),
+                              "t-2": TaskRecord(pinned=(SHA,))}),
+                 ev.TaskReleased("t-1"), given(tasks={"t-2": TaskRecord(pinned=(SHA,))}),
+                 id="released-drops-that-tasks-record-only"),
     pytest.param(EMPTY, ev.TaskReleased("t-9"), EMPTY, id="releasing-unknown-task-is-harmless"),
+    # A terminal queued behind an image upload: the task is ending, still on its runner's
+    # books (its slot and its held message) until its images are stored and it is released.
+    pytest.param(replace(WITH_RUNNER, runners={"run-1": BUSY}), ev.TerminalQueued("t-1"),
+                 replace(WITH_RUNNER, runners={"run-1": BUSY},
+                         tasks={"t-1": TaskRecord(ending=True)}),
+                 id="terminal-queued-behind-an-upload-makes-a-running-task-ending"),
+    pytest.param(replace(WITH_RUNNER, runners={"run-1": BUSY},
+                         tasks={"t-1": TaskRecord(cancel=CancelOrigin.WHILE_RUNNING)}),
+                 ev.TerminalQueued("t-1"),
+                 replace(WITH_RUNNER, runners={"run-1": BUSY},
+                         tasks={"t-1": TaskRecord(cancel=CancelOrigin.WHILE_RUNNING,
+                                                  ending=True)}),
+                 id="ending-keeps-the-cancel-that-shapes-the-terminal"),
+    pytest.param(given(pending={"t-1": TEXT}), ev.TerminalQueued("t-1"),
+                 given(pending={"t-1": TEXT}), id="a-queued-task-cannot-be-ending"),
+    pytest.param(WITH_RUNNER, ev.TerminalQueued("t-9"), WITH_RUNNER,
+                 id="terminal-of-a-task-not-running-here-changes-nothing"),
+    pytest.param(replace(WITH_RUNNER, runners={"run-1": BUSY},
+                         tasks={"t-1": TaskRecord(ending=True)}),
+                 ev.TaskEnded("t-1"),
+                 replace(WITH_RUNNER,
+                         runners={"run-1": replace(BUSY, in_flight=frozenset({"t-0"}))},
+                         tasks={"t-1": TaskRecord(ending=True)}),
+                 id="an-ending-task-frees-its-slot-and-keeps-its-record-to-release"),
+    pytest.param(given(tasks={"t-1": TaskRecord(ending=True)}), ev.TaskReleased("t-1"), EMPTY,
+                 id="an-ended-task-is-released-once-its-terminal-went"),
     # ---- intakes ---------------------------------------------------------------------------
     pytest.param(EMPTY, ev.IntakeStarted("intake-7", "tiny-llm"),
                  given(receiving={"intake-7": "tiny-llm"}), id="intake-started"),
@@ -189,3 +223,11 @@ def test_runner_for_finds_the_runner_of_an_instance() -> None:
 )
 def test_free_slots_count_only_runners_that_accept_tasks(runner: RunnerView, free: int) -> None:
     assert runner.free_slots == free
+
+
+def test_a_card_snapshot_is_not_the_dict_it_came_from() -> None:
+    """The cluster link keeps changing its own dict; the state sees only what apply gave it."""
+    source = {"tiny-llm": CARD}
+    state = apply(EMPTY, ev.CardsChanged(source))
+    source["b"] = CARD_B
+    assert set(state.cards) == {"tiny-llm"}

@@ -1,0 +1,152 @@
+"""A task's log: its events on `fleet.out.<task_id>` in FLEET_OUT, read through one facade.
+
+Readers of a task's stored output ask this module (the worker's continuation read-back and its
+last-event check, the gateway's resume check); live readers go through
+fleet.bus.task_events.TaskEvents, which applies the same ordering rule (`IndexOrder`) as it
+reads. Writing stays with the worker's TaskOutput (fleet.worker.outputs): confirmed, ordered
+appends, fenced, with one terminal per task.
+
+What a reader gets: the stream's order is the order the server stored the events in, which is
+not always the order they were produced in:
+- a re-send whose first ack was lost in a leader change (or a reconnect flushing nats-py's
+  pending buffer) lands after later tokens: the same event, out of place (fleet.bus.confirmed);
+- a continuation (an attempt that took the task over, fleet.worker.takeover) resumes at the
+  first index missing from the contiguous run from 0 (fleet.worker.continuation); tokens the
+  earlier attempt had stored beyond that hole are *superseded*: the continuation produces those
+  indexes again, from its own context, and they may be batched (coalesced) differently.
+Every token and tool-call event carries its index (a token event covers `count` indexes), and
+every attempt's task_accepted says where it resumed (`continued_from`), so `ordered` recovers
+the produced order from the stored order alone: a reader of the raw stream (the NATS CLI, any
+client) does the same by sorting token events by index, keeping the first copy of an index,
+and, at a task_accepted with attempt > 0, forgetting tokens it holds at or beyond that accept's
+`continued_from` that have not come out yet (they sat behind the hole the continuation fills).
+
+Each call has its own retry budget (`budget_s`): a broker election delays a read, a longer
+outage raises BrokerUnavailable (fleet.bus.retry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterable
+
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from fleet.bus.chunks import read_in_order
+from fleet.bus.retry import BROKER_BUDGET_S, with_retry
+from fleet.bus.task_events import IndexOrder
+from fleet.errors import NatsUnavailable
+from fleet.wire import subjects
+from fleet.wire.codec import DecodeError, decode_event
+from fleet.wire.events import OutputEvent
+
+log = logging.getLogger(__name__)
+
+READ_IDLE_S = 10.0  # a read-back that receives nothing for this long fails
+
+
+def ordered(events: Iterable[OutputEvent], *, release_held: bool = False) -> list[OutputEvent]:
+    """Pure: a task's events in stored order, out in index order (`IndexOrder`): a copy of an
+    index already out is dropped, a continuation's accept drops the earlier attempt's tokens
+    behind the hole it resumes at. Tokens still waiting behind a hole at the end are left out
+    (the contiguous run is what a reader has seen), unless `release_held` (a finished task
+    releases them at its terminal anyway)."""
+    order: IndexOrder[OutputEvent] = IndexOrder()
+    out: list[OutputEvent] = []
+    for event in events:
+        out.extend(order.push(event, event))
+    if release_held:
+        out.extend(order.release())
+    return out
+
+
+class TaskLog:
+    """FLEET_OUT as a log of tasks, over one connection."""
+
+    def __init__(self, nc: Client, js: JetStreamContext | None = None,
+                 *, budget_s: float = BROKER_BUDGET_S) -> None:
+        self.nc = nc
+        self.js = js or nc.jetstream()
+        self.budget_s = budget_s
+
+    async def count(self, task_id: str, *, budget_s: float | None = None) -> int:
+        """How many events the stream holds for the task (every copy, in any order)."""
+        subject = subjects.out(task_id)
+
+        async def once() -> int:
+            info = await self.js.stream_info(subjects.OUT_STREAM, subjects_filter=subject)
+            return int((info.state.subjects or {}).get(subject, 0))
+
+        return await with_retry(once, what=f"count the stored events of {task_id}",
+                                budget_s=self._budget(budget_s))
+
+    async def last_event(self, task_id: str, *, budget_s: float | None = None
+                         ) -> OutputEvent | None:
+        """The event stored last for the task (None when none is, or it is undecodable).
+        Stored last, not produced last: enough to tell whether output began or ended."""
+        subject = subjects.out(task_id)
+
+        async def once() -> OutputEvent | None:
+            try:
+                raw = await self.js.get_last_msg(subjects.OUT_STREAM, subject)
+            except NotFoundError:
+                return None
+            try:
+                return decode_event(raw.data or b"")
+            except DecodeError:
+                log.warning("undecodable event on %s", subject)
+                return None
+
+        return await with_retry(once, what=f"read the last event of {task_id}",
+                                budget_s=self._budget(budget_s))
+
+    async def stored(self, task_id: str, *, budget_s: float | None = None
+                     ) -> list[OutputEvent]:
+        """Every event stored for the task, in stored order (undecodable ones skipped)."""
+        total = await self.count(task_id, budget_s=budget_s)
+        subject = subjects.out(task_id)
+        events: list[OutputEvent] = []
+        if total == 0:
+            return events
+        # delete=False: the worker role may not delete FLEET_OUT consumers
+        # (docs/permissions.md); the server drops the reader's consumer when it goes idle.
+        reader = read_in_order(self.nc, self.js, subjects.OUT_STREAM, subject, READ_IDLE_S,
+                               count=total, delete=False)
+        async with contextlib.aclosing(reader) as messages:
+            async for data in messages:
+                try:
+                    events.append(decode_event(data))
+                except DecodeError:
+                    log.warning("undecodable stored event on %s", subject)
+        return events
+
+    async def raw(self, task_id: str, after_seq: int = 0) -> list[tuple[int, bytes]]:
+        """The task's stored messages after stream sequence `after_seq` as (sequence, bytes), in
+        stored order, one get by sequence at a time (no consumer): for a reader that stitches
+        them to a live subscription and orders them itself (IndexOrder). No retry: such a reader
+        fails with NatsUnavailable and its client resumes."""
+        subject = subjects.out(task_id)
+        found: list[tuple[int, bytes]] = []
+        cursor = after_seq + 1
+        while True:
+            try:
+                stored = await self.js.get_msg(subjects.OUT_STREAM, seq=cursor, subject=subject,
+                                               next=True)
+            except NotFoundError:
+                return found
+            except (NatsError, OSError, TimeoutError) as exc:
+                raise NatsUnavailable(f"cannot read {subjects.OUT_STREAM}: {exc!r}") from None
+            seq = stored.seq or cursor
+            found.append((seq, stored.data or b""))
+            cursor = seq + 1
+
+    async def read(self, task_id: str, *, budget_s: float | None = None) -> list[OutputEvent]:
+        """The task's events in index order (`ordered`): what a client reading it has seen."""
+        return ordered(await self.stored(task_id, budget_s=budget_s))
+
+    def _budget(self, budget_s: float | None) -> float:
+        return self.budget_s if budget_s is None else budget_s
