@@ -29,8 +29,9 @@ from nats.js.errors import NotFoundError
 
 from fleet.bus.connect import headers_for, js_publish
 from fleet.bus.retry import with_retry
+from fleet.bus.task_log import TaskLog
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_event, decode_task, sent_task_id
+from fleet.wire.codec import DecodeError, decode_task, sent_task_id
 from fleet.wire.events import ErrorReason, TaskFinished, failed
 from fleet.worker.claims import Claims, one_off_owner
 from fleet.worker.pulls import unsubscribe_pull
@@ -223,14 +224,5 @@ class Janitor:
         )
 
     async def _already_finished(self, task_id: str) -> bool:
-        try:
-            raw = await with_retry(
-                lambda: self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id)),
-                what=f"read the last event of task {task_id}",
-            )
-        except NotFoundError:
-            return False
-        try:
-            return isinstance(decode_event(raw.data or b""), TaskFinished)
-        except DecodeError:
-            return False
+        last = await TaskLog(self.nc, self.js).last_event(task_id)  # the terminal is stored last
+        return isinstance(last, TaskFinished)
