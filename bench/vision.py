@@ -12,7 +12,8 @@ arrival. Runs:
   the model over (the first node's instance removed) and the workload runs again: its runner
   never encoded these images; hits come from FLEET_VISION, fetched before dispatch.
 Image fetch per MB: the gateway's http fetch (fleet.gateway.image_fetch) from a loopback
-server, and a node's read of FLEET_IMAGES (ObjectBucket.get_to_file), 1-8 MB noise PNGs.
+server, and a node's read of FLEET_IMAGES (ObjectBucket.get_to_file), 1-8 MB noise PNGs, the
+median of FETCH_REPS reads each.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,13 @@ MODEL = "tiny-vlm"
 SIDE, MAX_TOKENS, CLIENTS = 384, 8, 4
 FULL, QUICK = (16, 4), (4, 2)  # (images, questions)
 FETCH_MB = (1, 4, 8)
+FETCH_REPS = 5  # the median of as many reads: one read on a shared box is noise
+
+
+async def _timed(call: Awaitable[object]) -> float:
+    began = time.perf_counter()
+    await call
+    return time.perf_counter() - began
 
 
 def noise_png(side: int, seed: int) -> bytes:
@@ -173,10 +182,8 @@ async def store_fetch(nc: Client, workdir: Path) -> list[dict[str, Any]]:
     for mb in FETCH_MB:
         image = await asyncio.to_thread(_noise_png, mb * 1000 * 1000)
         sha = await bucket.put_by_hash(image)
-        target = workdir / f"fetched-{mb}"
-        began = time.perf_counter()
-        await bucket.get_to_file(sha, target)
-        took = time.perf_counter() - began
+        took = statistics.median([await _timed(bucket.get_to_file(sha, workdir / f"got-{mb}"))
+                                  for _ in range(FETCH_REPS)])
         rows.append({"mb": round(len(image) / 1e6, 2), "ms": round(took * 1000, 1),
                      "ms_per_mb": round(took * 1000 / (len(image) / 1e6), 1)})
     return rows
@@ -205,9 +212,9 @@ async def http_fetch() -> list[dict[str, Any]]:
     try:
         for mb, image in images.items():
             url = f"http://127.0.0.1:{httpd.server_address[1]}/{mb}"
-            began = time.perf_counter()
-            await fetch_image(url, "private", max_bytes=16 * 1024**2)
-            took = time.perf_counter() - began
+            took = statistics.median([
+                await _timed(fetch_image(url, "private", max_bytes=16 * 1024**2))
+                for _ in range(FETCH_REPS)])
             rows.append({"mb": round(len(image) / 1e6, 2), "ms": round(took * 1000, 1),
                          "ms_per_mb": round(took * 1000 / (len(image) / 1e6), 1)})
     finally:
