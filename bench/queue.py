@@ -4,8 +4,8 @@ fault engine.
 - accept: a 50,000-request batch job (chat completions) through the gateway: seconds from the
   first byte of the upload to the job's answer (accepted), and to `in_progress` (its file
   validated), then the lines it finishes in `run_s` seconds; the job is then cancelled.
-- mixed: a chat every 2 s (streamed: time to first token) on an idle fleet, then beside a
-  5,000-line batch job whose lines each hold a slot for ~1 s.
+- mixed: a chat every 2 s (streamed: time to first token, `Fleet-Priority: interactive`) on
+  an idle fleet, then beside a 5,000-line batch job whose lines each hold a slot for ~1 s.
 - retries: 1,000 chat POSTs, each sent twice with the same Idempotency-Key (the second one to
   a replay of the first): how many tasks the fleet ran (workers' task_accepted events) and how
   many distinct task ids the answers named.
@@ -62,7 +62,8 @@ async def _ttft(client: httpx.AsyncClient, base: str) -> float:
     body = {"model": MODEL, "max_tokens": 8, "stream": True,
             "messages": [{"role": "user", "content": CHAT_PROMPT}]}
     began = time.perf_counter()
-    async with client.stream("POST", f"{base}/chat/completions", json=body) as response:
+    async with client.stream("POST", f"{base}/chat/completions", json=body,
+                             headers={"Fleet-Priority": "interactive"}) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if '"content":"' in line:

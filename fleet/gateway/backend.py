@@ -293,7 +293,11 @@ class Backend:
                 subjects.TASKS_STREAM, subjects_filter=subjects.TASKS_ALL
             )
         per_subject = info.state.subjects or {}
-        return {subjects.model_of_task_subject(s): n for s, n in per_subject.items()}
+        depths: dict[str, int] = {}
+        for subject, count in per_subject.items():  # a model's classes summed
+            model = subjects.model_of_task_subject(subject)
+            depths[model] = depths.get(model, 0) + count
+        return depths
 
     async def queue_stats(self) -> dict[str, ModelQueue]:
         """Per model: tasks queued, handed out, handed out more than once, dead-lettered."""

@@ -4,10 +4,10 @@ tasks wait there undelivered, so an interactive request never queues behind a jo
 Workers pull only as many tasks as they have free slots, so a task that waits undelivered in
 the queue means every slot is busy. The rule (`lines_to_feed`, pure):
 
-- while fewer than LOW_WATER tasks wait undelivered, a line may go in (the few waiting keep
+- while fewer than LOW_WATER lines wait undelivered, a line may go in (those waiting keep
   the slots fed the moment one frees: no idle step between two lines);
-- otherwise the job waits; an interactive task published meanwhile has at most LOW_WATER
-  batch lines ahead of it in the queue, whatever the job's size;
+- otherwise the job waits; lines wait on their own subject (the batch class), which workers
+  pull only after the interactive and default ones, so none of them is ahead of a chat;
 - starvation is bounded: a job that has fed nothing for PROMOTE_S seconds (the queue never
   drained, e.g. under a steady interactive flood) feeds one line anyway, then waits again.
 
@@ -28,7 +28,10 @@ from nats.js.errors import NotFoundError
 
 from fleet.wire import subjects
 
-LOW_WATER = 2
+# Lines waiting on the batch subject delay no interactive or default task (workers pull them
+# only into slack, fleet.worker.priority): enough wait to refill a worker's free slots in one
+# pull (with 2, a 16-slot job ran at 7 lines/s of 15), never so many that a job fills the queue.
+LOW_WATER = 16
 PROMOTE_S = 30.0
 REFRESH_S = 0.02
 

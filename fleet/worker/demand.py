@@ -100,7 +100,7 @@ class Demand:
             what="queued models",
         )
         counts = info.state.subjects or {}
-        return sorted(subjects.model_of_task_subject(s) for s, count in counts.items() if count)
+        return sorted({subjects.model_of_task_subject(s) for s, count in counts.items() if count})
 
     async def sweep_forever(self) -> None:
         await self.nodes_known.wait()  # until then every node would look absent

@@ -2,8 +2,8 @@
 durable consumer, taken highest class first (fleet.worker.priority: order, batch slack,
 starvation promotion).
 
-A pull asks each class in turn for what its quota allows, each ask bounded by PROBE_S when
-the class has nothing waiting; when no class had anything, it waits (up to FETCH_WAIT_S) on
+A pull asks each class in turn for what its quota allows and the durable holds now (a
+`no_wait` pull, answered at once); when no class had anything, it waits (up to FETCH_WAIT_S) on
 every class that may be served at once and returns the first that answers, so a task of
 any class starts as soon as it is published.
 
@@ -35,11 +35,11 @@ from fleet.wire import subjects
 from fleet.wire.tasks import Priority
 from fleet.worker.consumer_guard import ConsumerGuard
 from fleet.worker.priority import CLASSES, Turn, pull_order, quota
+from fleet.worker.pull_now import pull_now
 
 log = logging.getLogger(__name__)
 
 FETCH_WAIT_S = 2.0
-PROBE_S = 0.05  # the longest a class with nothing waiting holds up the classes after it
 ERROR_PAUSE_S = 0.5
 
 
@@ -83,7 +83,7 @@ class TaskPuller:
                     continue
                 turns.append(turn)
                 served[turn.priority] = now  # it had its turn: not starved
-                got += await self._pull(model, turn.priority, wanted, PROBE_S)
+                got += await self._pull(model, turn.priority, wanted, None)
             if not got and turns:
                 got = await self._first_of(model, turns)
             return got
@@ -93,8 +93,13 @@ class TaskPuller:
             await asyncio.sleep(ERROR_PAUSE_S)  # pacing a retry after a broker error
             return got
 
-    async def _pull(self, model: str, priority: Priority, batch: int, wait_s: float) -> list[Msg]:
+    async def _pull(
+        self, model: str, priority: Priority, batch: int, wait_s: float | None
+    ) -> list[Msg]:
+        """`wait_s` None: only what the durable holds now (fleet.worker.pull_now)."""
         sub = self._bound(model, priority) or await self._subscribe(model, priority)
+        if wait_s is None:
+            return await pull_now(sub, batch)
         try:
             return await sub.fetch(batch, timeout=wait_s)
         except TimeoutError:

@@ -146,12 +146,12 @@ def test_keys_are_per_tenant_and_ids_follow_the_seed() -> None:
 
 
 @pytest.mark.parametrize(("waiting", "since_fed_s", "lines"), [
-    (0, 0.0, 2),  # the queue is drained: fill it up to the low water
-    (1, 0.0, 1),
-    (2, 0.0, 0),  # every slot busy and tasks waiting: batch work waits
+    (0, 0.0, 16),  # the queue is drained: fill it up to the low water
+    (15, 0.0, 1),
+    (16, 0.0, 0),  # every slot busy and lines waiting: the job waits
     (40, 29.9, 0),
     (40, 30.0, 1),  # starvation bound: one line after 30 s without feeding
-    (2, 31.0, 1),
+    (16, 31.0, 1),
 ])
 def test_batch_work_fills_slack(waiting: int, since_fed_s: float, lines: int) -> None:
     assert lines_to_feed(waiting, since_fed_s) == lines
