@@ -53,6 +53,7 @@ from fleet.wire.events import (
     ErrorChunk,
     ImageChunk,
     OutputEvent,
+    TaskAccepted,
     TaskFinished,
     TokenChunk,
     ToolCallChunk,
@@ -186,7 +187,10 @@ class IndexOrder(Generic[Item]):
     ahead of its turn is held until the ones before it arrive (a token event of n tokens
     covers n indexes: the next one's turn is n further); one whose index went out already
     (a copy of an event stored twice) is dropped. An error or the terminal first lets out what
-    is held (the output before it is all there is), then itself. Any other event goes out as it
+    is held (the output before it is all there is), then itself. A continuation's task_accepted
+    (attempt > 0) drops the tokens held at or beyond its `continued_from`: they sat behind the
+    hole that attempt resumes at, it produces those indexes again, and the earlier attempt (now
+    fenced) can never fill the hole (fleet.bus.task_log). Any other event goes out as it
     comes. `Item` is what the caller keeps with each event (its raw bytes, its sequence)."""
 
     def __init__(self) -> None:
@@ -206,8 +210,16 @@ class IndexOrder(Generic[Item]):
             case ToolCallChunk():
                 return self._indexed(event.type, event.index, item)
             case ErrorChunk() | TaskFinished():
-                return [*self._release(), item]
+                return [*self.release(), item]
+            case TaskAccepted(attempt=attempt, continued_from=resumed) if attempt > 0:
+                self._supersede("token", resumed)
         return [item]
+
+    def _supersede(self, kind: str, resumed: int) -> None:
+        held = self._held.get(kind, {})
+        for index in [i for i in held if i >= resumed]:
+            log.debug("%s %d superseded by a continuation from %d", kind, index, resumed)
+            del held[index]
 
     def _indexed(self, kind: str, index: int, item: Item, span: int = 1) -> list[Item]:
         turn = self._next.get(kind, 0)
@@ -224,7 +236,7 @@ class IndexOrder(Generic[Item]):
         self._next[kind] = turn
         return out
 
-    def _release(self) -> list[Item]:
+    def release(self) -> list[Item]:
         """Everything held, each kind in index order (a gap no later event will fill)."""
         out: list[Item] = []
         for kind, held in self._held.items():

@@ -16,6 +16,7 @@ from datetime import datetime, timedelta
 
 import orjson
 
+from fleet.bus.task_log import ordered
 from fleet.wire.ask import AskAnswer, AskedImage
 from fleet.wire.codec import DecodeError, decode_task
 from fleet.wire.events import (
@@ -72,12 +73,14 @@ def seen_whole(live: list[OutputEvent], stored: int) -> bool:
 def answer_of(task: Task, events: Iterable[OutputEvent]) -> AskAnswer | None:
     """The answer a task's stored events make, or None while they hold no terminal. A token
     index seen twice (a continuation re-sending a dead worker's last tokens) counts once."""
-    tokens: dict[int, str] = {}
+    tokens: dict[int, str] = {}  # by first index, in index order (coalesced events differ)
     calls: dict[int, ToolCall] = {}
     images: dict[int, AskedImage] = {}
     vectors: dict[int, list[float] | str] = {}
     finished: TaskFinished | None = None
-    for event in events:
+    # In index order: a copy stored twice once, an earlier attempt's tokens that a
+    # continuation superseded not at all (fleet.bus.task_log).
+    for event in ordered(events, release_held=True):
         match event:
             case TokenChunk(index=index, text=text):
                 tokens.setdefault(index, text)

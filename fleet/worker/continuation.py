@@ -7,9 +7,13 @@ to do: continue from the next index with the generated token ids (the runner pre
 when the stream cannot be continued exactly or the task used up its `max_continuations`.
 
 Only the contiguous run of tokens from index 0 counts as generated: a client reading
-FLEET_OUT sees the stream in order, so what it has seen is exactly that run, and the next
-attempt's first token takes the next index (the Msg-Id of every token is its index, so a token
-the dead attempt published late is stored once, never twice).
+FLEET_OUT sees the stream in index order (fleet.bus.task_log), so what it has seen is exactly
+that run, and the next attempt's first token takes the next index. Tokens the dead attempt
+stored beyond a hole in that run (a message lost in a leader change while later ones were
+stored, and the fence refused its re-send) are superseded: this attempt makes those indexes
+again, under Msg-Ids of its own (fleet.worker.outputs.event_msg_id), and readers drop the old
+copies at this attempt's task_accepted. The dead attempt's late events are refused by the fence
+(fleet.worker.takeover), so nothing is stored twice by two live attempts.
 
 A sampled task draws token i from a key that is a pure function of (seed, i)
 (fleet.runner.sampling), so it continues exactly only with the seed its first attempt used: a
@@ -20,7 +24,6 @@ continuation.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import secrets
 from dataclasses import dataclass
@@ -29,10 +32,7 @@ from enum import StrEnum
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from fleet.bus.chunks import read_in_order
-from fleet.bus.retry import with_retry
-from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_event
+from fleet.bus.task_log import TaskLog
 from fleet.wire.events import (
     ImageChunk,
     OutputEvent,
@@ -45,9 +45,6 @@ from fleet.wire.tasks import Task, TextGeneration
 from fleet.worker.state import PendingTask
 
 log = logging.getLogger(__name__)
-
-
-READ_IDLE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -200,24 +197,7 @@ class ContinuationBook:
 
 
 async def stored_events(nc: Client, js: JetStreamContext, task_id: str) -> list[OutputEvent]:
-    """Every event stored for a task in FLEET_OUT, in order."""
-    subject = subjects.out(task_id)
-
-    async def count() -> int:
-        info = await js.stream_info(subjects.OUT_STREAM, subjects_filter=subject)
-        return int((info.state.subjects or {}).get(subject, 0))
-
-    total = await with_retry(count, what=f"count the stored events of {task_id}")
-    events: list[OutputEvent] = []
-    if total == 0:
-        return events
-    # delete=False: the worker role may not delete FLEET_OUT consumers (docs/permissions.md).
-    reader = read_in_order(nc, js, subjects.OUT_STREAM, subject, READ_IDLE_S, count=total,
-                           delete=False)
-    async with contextlib.aclosing(reader) as stored:
-        async for data in stored:
-            try:
-                events.append(decode_event(data))
-            except DecodeError:
-                log.warning("undecodable stored event on %s", subject)
-    return events
+    """Every event stored for a task in FLEET_OUT, in index order (fleet.bus.task_log): the
+    earlier attempt's tokens behind a hole that a later continuation resumed at are left out,
+    so a second continuation builds on the tokens a client has seen, not on superseded ones."""
+    return await TaskLog(nc, js).read(task_id)

@@ -30,13 +30,14 @@ from collections.abc import Callable
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError
 
 from fleet.bus.confirmed import ConfirmedPublisher
 from fleet.bus.connect import headers_for, js_publish
-from fleet.bus.retry import BROKER_BUDGET_S, with_retry
+from fleet.bus.retry import BROKER_BUDGET_S
+from fleet.bus.task_log import TaskLog
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_event, encode
+from fleet.wire.codec import encode
 from fleet.wire.events import (
     EmbeddingChunk,
     ErrorChunk,
@@ -57,8 +58,15 @@ log = logging.getLogger(__name__)
 ERROR_CHUNK_BUDGET_S = 5.0  # the words before an output_lost terminal are a courtesy
 
 
-def event_msg_id(event: OutputEvent) -> str:
-    """`<task_id>-<kind>-<index>`: the same event published twice is stored once."""
+def event_msg_id(event: OutputEvent, fence: int = 0) -> str:
+    """`<task_id>-<kind>-<index>`: the same event published twice is stored once. An attempt
+    that took the task over (`fence` > 0, its fence's sequence) adds `@<fence>`: it re-makes
+    indexes an earlier attempt may have stored beyond a hole, batched otherwise (one event of 16
+    tokens where the earlier had one of 1 at the same first index), and such an event deduped
+    against the earlier copy would leave the indexes only it carried missing (issue 24's gap
+    at a seam). The earlier attempt's copies are superseded (fleet.bus.task_log); its late
+    events are refused by the fence, so nothing needs deduplicating across attempts."""
+    suffix = f"@{fence}" if fence else ""
     match event:
         case TokenChunk() | ToolCallChunk() | EmbeddingChunk():
             index = str(event.index)
@@ -73,7 +81,7 @@ def event_msg_id(event: OutputEvent) -> str:
             index = event.reason.value
         case TaskFinished():
             return finished_msg_id(event.task_id)
-    return f"{event.task_id}-{event.type}-{index}"
+    return f"{event.task_id}-{event.type}-{index}{suffix}"
 
 
 def finished_msg_id(task_id: str) -> str:
@@ -90,6 +98,7 @@ class TaskOutput:
         self.js = js
         self.budget_s = budget_s
         self.confirmed = ConfirmedPublisher(nc, budget_s=budget_s, on_fenced=on_fenced)
+        self.log = TaskLog(nc, js, budget_s=budget_s)  # the reading side of FLEET_OUT
         self.fences: dict[str, int] = {}  # task id -> this node's fence (absent: 0)
         self.taken_from: dict[str, TaskFence | None] = {}  # task id -> the fence replaced
 
@@ -110,7 +119,7 @@ class TaskOutput:
     async def chunk(self, event: OutputEvent) -> None:
         """Queue the event behind the task's earlier ones; returns once it is sent (or waits,
         in order, for the connection), not when it is stored."""
-        msg_id = event_msg_id(event)
+        msg_id = event_msg_id(event, self.fences.get(event.task_id, 0))
         await self.confirmed.send(
             event.task_id, subjects.out(event.task_id), encode(event),
             self._headers(event.task_id, msg_id),
@@ -164,7 +173,8 @@ class TaskOutput:
                            ErrorReason.OUTPUT_LOST, message=message)
         with contextlib.suppress(Exception):  # the terminal below is what counts
             await js_publish(self.js, subjects.out(event.task_id), error,
-                             msg_id=event_msg_id(error), budget_s=ERROR_CHUNK_BUDGET_S,
+                             msg_id=event_msg_id(error, self.fences.get(event.task_id, 0)),
+                             budget_s=ERROR_CHUNK_BUDGET_S,
                              extra_headers=self._fence_of(event.task_id))
         return lost
 
@@ -186,20 +196,7 @@ class TaskOutput:
         must read back every event its earlier attempt sent, because token events are batched
         by timing and a continuation's batches need not start where a late one would land."""
         await self.confirmed.settle(task_id)
-
-        async def once() -> OutputEvent | None:
-            try:
-                raw = await self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id))
-            except NotFoundError:
-                return None
-            try:
-                return decode_event(raw.data or b"")
-            except DecodeError:
-                log.warning("undecodable event on %s", subjects.out(task_id))
-                return None
-
-        return await with_retry(once, what=f"read the last event of {task_id}",
-                                budget_s=self.budget_s)
+        return await self.log.last_event(task_id)
 
     async def close(self) -> None:
         await self.confirmed.close()
