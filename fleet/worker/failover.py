@@ -130,9 +130,13 @@ class Failover:
     async def sweep(self) -> list[Move | Stranded]:
         """Move every instance whose nodes are dead to a live node that can serve it."""
         trusted = self.trusted()  # before the reads: evidence is what was true all along
-        if not trusted:
+        if not trusted and not self.declared:
             return []
         nodes = seen_dead(await self.refresh(), self.declared)
+        # Seen dead by the death watch and not beating since: gone, even while this
+        # worker's KV view is not trusted yet (a sweeper that just took the lease over).
+        beating = {node.node_id for node in nodes}
+        seen_gone = {node for node in self.declared if node not in beating}
         placed = []
         for entry in await live_entries(self.js, subjects.INSTANCES_BUCKET):
             try:
@@ -143,7 +147,7 @@ class Failover:
                        for shard in p.instance.shards}
         # Re-checked after the reads: a gap while reading makes the snapshot suspect.
         decisions = plan_moves(placed, nodes, self.self_id, trusted and self.trusted(),
-                               self.cards, time.time())
+                               self.cards, time.time(), seen_gone)
         for decision in decisions:
             if isinstance(decision, Stranded):
                 if decision.instance_id not in self._stranded:

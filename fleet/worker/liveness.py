@@ -58,13 +58,16 @@ def trusts_absences(health: LinkHealth, now: float, ttl_s: float, beat_s: float)
 
 
 def dead_nodes(
-    placed_on: Iterable[str], alive: Iterable[str], self_id: str, trusted: bool
+    placed_on: Iterable[str], alive: Iterable[str], self_id: str, trusted: bool,
+    seen_gone: Iterable[str] = (),
 ) -> set[str]:
-    """The nodes among `placed_on` to treat as dead: absent from `alive`, never this one."""
-    if not trusted:
-        return set()
+    """The nodes among `placed_on` to treat as dead: absent from `alive` (when absences are
+    trusted), or `seen_gone` by the death watch (its own evidence, whatever the KV view),
+    never this one."""
+    gone = set(seen_gone)
     alive_set = set(alive)
-    return {node for node in placed_on if node not in alive_set and node != self_id}
+    return {node for node in placed_on if node != self_id
+            and (node in gone or (trusted and node not in alive_set))}
 
 
 def seen_dead(
@@ -110,6 +113,7 @@ def plan_moves(
     trusted: bool,
     cards: dict[str, ModelCard],
     now: float,
+    seen_gone: Iterable[str] = (),
 ) -> list[Move | Stranded]:
     """For every instance with a shard on a dead node, where to move it (or why it cannot
     move). `nodes` are the live heartbeats as just read; `now` is wall time for their `at`."""
@@ -119,7 +123,7 @@ def plan_moves(
     for item in placed:
         instance = item.instance
         shard_nodes = [shard.node_id for shard in instance.shards]
-        gone = tuple(sorted(dead_nodes(shard_nodes, live, self_id, trusted)))
+        gone = tuple(sorted(dead_nodes(shard_nodes, live, self_id, trusted, seen_gone)))
         if not gone:
             continue
         card = cards.get(instance.model) or unknown_card(instance.model)

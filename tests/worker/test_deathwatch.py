@@ -17,6 +17,7 @@ from fleet.worker.deathwatch import (
     probe_period,
 )
 from fleet.worker.heartbeat import newly_held
+from fleet.worker.liveness import dead_nodes as failover_dead
 from fleet.worker.liveness import seen_dead
 
 ACK = "$JS.ACK.FLEET_TASKS.tasks-tiny-llm.1.12.7.1733300000000000000.0"
@@ -128,3 +129,20 @@ def test_a_node_seen_dead_is_gone_until_it_beats_again(
 @pytest.mark.parametrize(("targets", "period"), [(0, 0.5), (10, 0.5), (250, 0.5), (1000, 2.0)])
 def test_a_larger_fleet_is_probed_less_often(targets: int, period: float) -> None:
     assert probe_period(targets) == period
+
+
+@pytest.mark.parametrize(
+    ("placed_on", "alive", "trusted", "seen_gone", "dead"),
+    [
+        (["a", "b"], ["a", "b"], True, ["b"], {"b"}),  # key not expired yet: seen gone
+        (["a", "b"], ["a"], False, ["b"], {"b"}),  # the KV view untrusted: the watch's own
+        (["a", "b"], ["a"], False, [], set()),  # no evidence at all
+        (["me", "b"], ["b"], False, ["me"], set()),  # never itself
+        (["a"], ["a"], True, ["z"], set()),  # seen gone but placed nowhere here
+    ],
+)
+def test_a_node_seen_gone_is_dead_for_failover_whatever_the_kv_view(
+    placed_on: list[str], alive: list[str], trusted: bool, seen_gone: list[str],
+    dead: set[str],
+) -> None:
+    assert failover_dead(placed_on, alive, "me", trusted, seen_gone) == dead
