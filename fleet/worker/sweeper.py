@@ -192,8 +192,10 @@ class FleetDuties:
     def _busy_nodes(self) -> dict[str, list[str]]:
         """Every node whose heartbeat lists held task messages, as the watch last saw it, and
         every node running a rank of a sharded instance (its death stalls its group)."""
+        declared = self.failover.declared  # handled already (the sentinel saw it die)
         return {node: info.held_acks for node, info in self.failover.live.items()
-                if info.held_acks or node in self.failover.ranked}
+                if (info.held_acks or node in self.failover.ranked)
+                and not (node in declared and info.at <= declared[node])}
 
     async def _run_duties(self) -> None:
         self.leading.set()
