@@ -30,7 +30,7 @@ from fleet.wire import subjects
 
 # Lines waiting on the batch subject delay no interactive or default task (workers pull them
 # only into slack, fleet.worker.priority): enough wait to refill a worker's free slots in one
-# pull (with 2, a 16-slot job ran at 7 lines/s of 15), never so many that a job fills the queue.
+# pull, never so many that a job fills the queue.
 LOW_WATER = 16
 PROMOTE_S = 30.0
 REFRESH_S = 0.02

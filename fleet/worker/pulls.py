@@ -40,6 +40,9 @@ from fleet.worker.pull_now import pull_now
 log = logging.getLogger(__name__)
 
 FETCH_WAIT_S = 2.0
+# While batch work is held back by the reserve: a slot that frees meanwhile is only seen by
+# the next pull, so the wait on the other classes is short (a round of 4 small requests).
+SLACK_WAIT_S = 0.2
 ERROR_PAUSE_S = 0.5
 
 
@@ -85,7 +88,11 @@ class TaskPuller:
                 served[turn.priority] = now  # it had its turn: not starved
                 got += await self._pull(model, turn.priority, wanted, None)
             if not got and turns:
-                got = await self._first_of(model, turns)
+                # A class held back by the reserve (batch) waits for a slot to free, which
+                # this pull cannot see: wait briefly, so the next pull can give it that slot.
+                held_back = len(turns) < len(CLASSES)
+                got = await self._first_of(model, turns, SLACK_WAIT_S if held_back
+                                           else FETCH_WAIT_S)
             return got
         except Exception as exc:  # the loop must go on; the next plan pulls again
             log.warning("fetch for %s failed: %s", model, type(exc).__name__ + f" {exc}".rstrip())
@@ -105,11 +112,11 @@ class TaskPuller:
         except TimeoutError:
             return []
 
-    async def _first_of(self, model: str, turns: list[Turn]) -> list[Msg]:
+    async def _first_of(self, model: str, turns: list[Turn], wait_s: float) -> list[Msg]:
         """Wait on every class that may be served at once; the first to answer wins. The
         others are cancelled: a message that reaches a cancelled fetch stays in that
         subscription's queue and the next pull of its class takes it first."""
-        waits = [asyncio.ensure_future(self._pull(model, t.priority, 1, FETCH_WAIT_S))
+        waits = [asyncio.ensure_future(self._pull(model, t.priority, 1, wait_s))
                  for t in turns]
         done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for wait in pending:
