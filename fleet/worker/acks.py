@@ -45,7 +45,7 @@ from nats.aio.msg import Msg
 from nats.errors import MsgAlreadyAckdError
 
 from fleet.bus.retry import BROKER_BUDGET_S, with_retry
-from fleet.worker.state import WorkerState
+from fleet.worker.state import Place, WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -136,15 +136,16 @@ def intake_key(msg: Msg) -> str:
 
 
 def ack_stage(state: WorkerState, key: str) -> Stage:
-    """Where a held message stands, derived from the task's record in `state`: being taken
-    in (under its intake key), waiting (for inputs or a slot), or on a runner (running, or
-    ending behind an image upload: its terminal is not stored yet, so it is still held)."""
-    if key in state.receiving:
-        return Stage.RECEIVING
-    if (pending := state.pending.get(key)) is not None:
-        return Stage.WAITING_INPUTS if pending.inputs is None else Stage.WAITING_SLOT
-    # Dispatched, ending behind an upload (TaskRecord.ending), or read back after its
-    # runner's crash: a runner has it, or had it and this node still answers for it.
+    """A held message's stage, from where its task is (`WorkerState.place_of`). A task on a
+    runner, ending behind an image upload, or off a dead runner until its read-back decides
+    is still this node's to answer for: running (or running while stopping)."""
+    match state.place_of(key):
+        case Place.RECEIVING:
+            return Stage.RECEIVING
+        case Place.WAITING_INPUTS:
+            return Stage.WAITING_INPUTS
+        case Place.WAITING_SLOT | Place.OFFERED:  # offered: only once its inputs are here
+            return Stage.WAITING_SLOT
     return Stage.STOPPING_RUNNING if state.stopping else Stage.RUNNING
 
 

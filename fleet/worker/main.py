@@ -434,8 +434,8 @@ class Worker:
     async def _fenced(self, task_id: str) -> None:
         """Another attempt has taken this task over (this node was paused past AckWait, or
         its beats were lost): stop it here without a word on its stream or its message."""
-        runner_id = next((r.runner_id for r in self.state.runners.values()
-                          if task_id in r.in_flight), None)
+        runner = self.state.runner_of(task_id)
+        runner_id = runner.runner_id if runner is not None else None
         fate = fenced_fate(in_flight=runner_id is not None,
                            pending=task_id in self.state.pending)
         log.warning("task %s was taken over by another attempt: given up here (%s)",
@@ -455,22 +455,22 @@ class Worker:
         self.spans.settled(task_id, "fenced")
 
     async def _cancel(self, task_id: str) -> None:
-        if (pending := self.state.pending.get(task_id)) and pending.handing_off is not None:
-            # Offered to another node: whoever holds it after the answer ends it (the other
-            # node heard this cancel too, or reads it from FLEET_CANCELS at its intake).
-            self.apply(ev.CancelNoted(task_id, ev.CancelOrigin.WHILE_OFFERED))
-            return
-        if task_id in self.state.pending:
-            self.end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
-            return
-        for runner in self.state.runners.values():
-            if task_id in runner.in_flight:
+        match self.state.place_of(task_id):
+            case ev.Place.OFFERED:
+                # Offered to another node: whoever holds it after the answer ends it (the other
+                # node heard this cancel too, or reads it from FLEET_CANCELS at its intake).
+                self.apply(ev.CancelNoted(task_id, ev.CancelOrigin.WHILE_OFFERED))
+            case ev.Place.WAITING_INPUTS | ev.Place.WAITING_SLOT:
+                self.end(task_id, ErrorReason.CANCELLED, "cancelled before it started")
+            case ev.Place.RUNNING if (runner := self.state.runner_of(task_id)) is not None:
                 self.apply(ev.CancelNoted(task_id, ev.CancelOrigin.WHILE_RUNNING))
                 await self.runners.send(runner.runner_id, CancelTask(task_id=task_id))
-                return
-        # Not taken in yet (a fetch still on its way here, or not fetched at all): remembered,
-        # so the intake ends the task cancelled as soon as it arrives.
-        self.cluster.remember_cancel(task_id)
+            case ev.Place.ENDING:
+                pass  # its runner has ended it: its terminal follows its images
+            case _:
+                # Not taken in yet (a fetch still on its way here, or not fetched at all):
+                # remembered, so the intake ends the task cancelled as soon as it arrives.
+                self.cluster.remember_cancel(task_id)
 
 
 class _Link:

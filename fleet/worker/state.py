@@ -111,6 +111,19 @@ class TaskRecord:
 NO_RECORD = TaskRecord()
 
 
+class Place(StrEnum):
+    """Where a task is on this node, derived from the state (`WorkerState.place_of`): what
+    its held message's ack stage, a cancel and a runner's exit are decided by."""
+
+    RECEIVING = "receiving"  # its message is being taken in (by its intake key)
+    WAITING_INPUTS = "waiting_inputs"
+    WAITING_SLOT = "waiting_slot"
+    OFFERED = "offered"  # being handed to another node, until it answers
+    RUNNING = "running"
+    ENDING = "ending"  # its terminal came and waits behind an image upload (TaskRecord)
+    NOT_HERE = "not_here"  # not taken in, released, or off a dead runner until its read-back
+
+
 @dataclass(frozen=True)
 class Failure:
     attempts: int
@@ -142,6 +155,22 @@ class WorkerState:
 
     def task(self, task_id: str) -> TaskRecord:
         return self.tasks.get(task_id, NO_RECORD)
+
+    def place_of(self, key: str) -> Place:
+        """Where the task (or the message being taken in) under `key` is now."""
+        if key in self.receiving:
+            return Place.RECEIVING
+        if (pending := self.pending.get(key)) is not None:
+            if pending.handing_off is not None:
+                return Place.OFFERED
+            return Place.WAITING_INPUTS if pending.inputs is None else Place.WAITING_SLOT
+        if self.runner_of(key) is not None:
+            return Place.ENDING if self.task(key).ending else Place.RUNNING
+        return Place.NOT_HERE
+
+    def runner_of(self, task_id: str) -> RunnerView | None:
+        """The runner that has the task in flight, if one here has."""
+        return next((r for r in self.runners.values() if task_id in r.in_flight), None)
 
     def hosted_instances(self) -> list[Instance]:
         return [

@@ -201,3 +201,9 @@ def test_a_task_ending_behind_an_upload_is_held_and_never_restarted(
     assert decide(stage, progress_every(2.0), 2.0).kind is Kind.IN_PROGRESS
     ending = state.task("t").ending
     assert crash_fate(terminal_waiting=ending, held_for_continuation=True) is fate
+
+
+def test_a_task_offered_to_another_node_is_still_held_waiting_for_a_slot() -> None:
+    text = TextGeneration(task_id="o", model="m", prompt="hi")
+    offered = PendingTask(text, 0.0, inputs={}, handing_off="node-b")
+    assert ack_stage(WorkerState(node_id="n", pending={"o": offered}), "o") is Stage.WAITING_SLOT

@@ -14,6 +14,7 @@ from fleet.worker.state import (
     CancelOrigin,
     Failure,
     PendingTask,
+    Place,
     RunnerView,
     TaskRecord,
     WorkerState,
@@ -231,3 +232,25 @@ def test_a_card_snapshot_is_not_the_dict_it_came_from() -> None:
     state = apply(EMPTY, ev.CardsChanged(source))
     source["b"] = CARD_B
     assert set(state.cards) == {"tiny-llm"}
+
+
+OFFERED = replace(TEXT, handing_off="node-b")
+ON_RUNNER = replace(WITH_RUNNER, runners={"run-1": BUSY})
+
+
+@pytest.mark.parametrize(
+    ("state", "key", "place"),
+    [
+        (given(receiving={"intake-7": "tiny-llm"}), "intake-7", Place.RECEIVING),
+        (given(pending={"t-2": EDIT}), "t-2", Place.WAITING_INPUTS),
+        (given(pending={"t-1": TEXT}), "t-1", Place.WAITING_SLOT),
+        (given(pending={"t-1": OFFERED}), "t-1", Place.OFFERED),
+        (ON_RUNNER, "t-1", Place.RUNNING),
+        (replace(ON_RUNNER, tasks={"t-1": TaskRecord(ending=True)}), "t-1", Place.ENDING),
+        # Off a dead runner (its record kept until its read-back decides), or never here.
+        (given(tasks={"t-1": TaskRecord(ending=True)}), "t-1", Place.NOT_HERE),
+        (EMPTY, "t-9", Place.NOT_HERE),
+    ],
+)
+def test_where_a_task_is_comes_from_the_state(state: WorkerState, key: str, place: Place) -> None:
+    assert state.place_of(key) is place
