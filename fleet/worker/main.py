@@ -12,6 +12,9 @@ lookup, read-backs, refusals) and the read-back of a task whose runner crashed r
 children that post their outcome (`TakenIn`, `CrashJudged`); the beats that keep held
 messages alive run on their own timer. What the loop still awaits is the runner pipes and the
 token path's core publish (fleet.bus.confirmed: never an ack; a full window queues).
+Two parts of the loop are composed, not mixed in: `RunnerReports` (reports.py: what a runner
+says) and `Stopping` (stopping.py); each asks the loop only what its protocol names. Where a
+task is comes from `WorkerState.place_of` (state.py), changed only by `apply`.
 The task tree and the ack table are drawn in docs/architecture.md.
 """
 
