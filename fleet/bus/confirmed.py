@@ -17,9 +17,9 @@ stored after all is acked as a duplicate at its first place.
 or a duplicate of a copy already stored) and none refused. Whole but out of order counts as
 whole (`stored_whole`): a repair re-sends a message whose ack was lost after later ones were
 stored (a leader change, or a reconnect that flushes nats-py's buffer before the re-send), so
-its copy lands after them. Every event a reader puts in order carries its index
-(fleet.bus.task_events reads them in index order), so only a message that is truly missing
-fails the task's output.
+its copy lands after them. Every event a reader puts in order carries its index (readers
+read a task in index order: fleet.bus.task_log, whose docstring says how a raw NATS reader does
+the same), so only a message that is truly missing fails the task's output.
 
 A sequence whose message the stream refuses for a wrong expected last sequence is fenced: its
 writer lost it to another (fleet.worker.takeover). It sends nothing more, `on_fenced` hears of
