@@ -18,7 +18,7 @@ import os
 from dataclasses import MISSING, dataclass, field, fields, replace
 from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, get_type_hints
+from typing import Annotated, Any, Literal, get_type_hints
 
 from pydantic import AfterValidator, BeforeValidator, TypeAdapter, ValidationError
 
@@ -68,6 +68,11 @@ KeyList = Annotated[
     AfterValidator(lambda keys: tuple(key for key in keys if key)),
 ]
 AbsolutePath = Annotated[Path, AfterValidator(lambda path: path.expanduser().resolve())]
+# Whom the gateway fetches image URLs from (fleet/gateway/image_fetch.py), any case.
+FetchPolicy = Annotated[
+    Literal["public", "private", "off"],
+    BeforeValidator(lambda raw: raw.strip().lower() if isinstance(raw, str) else raw),
+]
 
 _W, _G = WORKER_GROUP, GATEWAY_GROUP
 
@@ -144,6 +149,9 @@ class Settings:
         "127.0.0.1", groups=_W, help="address a worker serves /metrics on")
     metrics_port: int = setting(
         0, groups=_W, help="port a worker serves Prometheus /metrics on (0: not served)")
+    vision_cache_mb: float = setting(
+        512.0, groups=_W,
+        help="MB of image features a vision runner keeps (least recently used out; 0: off)")
     ask_timeout_s: float = setting(
         300.0, groups=_W,
         help="seconds a worker waits for the end of a task asked on fleet.ask.<model> "
@@ -176,6 +184,10 @@ class Settings:
         60.0, groups=_G, help="seconds to send a request's whole body (then 408)")
     gateway_keep_alive_s: float = setting(
         15.0, groups=_G, help="an idle keep-alive connection is closed after this")
+    image_fetch: FetchPolicy = setting(
+        "public", groups=_G,
+        help="http(s) image URLs the gateway fetches: public (global addresses), private "
+        "(also LAN and loopback, never link-local), off")
 
     @property
     def models_dir(self) -> Path:

@@ -5,8 +5,8 @@ fetch, redirects included, at most MAX_REDIRECTS of them, each to http or https 
 passes on its bytes exactly as if the client had sent them as a data URL: the same image
 checks, the same store. Whatever goes wrong is a 400 that names the image and the reason.
 
-Whom the gateway may be made to call (server-side request forgery) is a policy,
-`FLEET_IMAGE_FETCH`:
+Whom the gateway may be made to call (server-side request forgery) is a policy, the setting
+`image_fetch` (`FLEET_IMAGE_FETCH`, `--image-fetch`; fleet/config.py checks it at start):
 - `public` (the default): only global addresses. A client of the gateway cannot make it read
   the loopback (NATS monitoring, the dashboard), the LAN, or a cloud's metadata service.
 - `private`: any unicast address but link-local ones (169.254.0.0/16, fe80::/10: the
@@ -23,10 +23,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import ipaddress
-import os
 import socket
 import ssl
-from collections.abc import Mapping
 from functools import cache
 from urllib.parse import urljoin, urlsplit
 
@@ -50,13 +48,6 @@ def _tls() -> ssl.SSLContext:
 
 class FetchRefused(Exception):
     """Why an image URL was not read (the 400's reason)."""
-
-
-def fetch_policy(environ: Mapping[str, str] = os.environ) -> str:
-    policy = environ.get("FLEET_IMAGE_FETCH", "public").strip().lower() or "public"
-    if policy not in POLICIES:
-        raise FetchRefused(f"FLEET_IMAGE_FETCH={policy!r} is not one of {', '.join(POLICIES)}")
-    return policy
 
 
 def is_remote(url: str) -> bool:
@@ -89,16 +80,13 @@ def address_refusal(address: Address, policy: str) -> str | None:
     return None
 
 
-async def fetch_chat_images(urls: list[str], param: str = "messages") -> list[str]:
-    """Each URL as the gateway's image checks take it: http(s) ones fetched and turned into
-    data URLs, the rest as they are. Raises InvalidParameter (400) naming the image."""
+async def fetch_chat_images(urls: list[str], policy: str, param: str = "messages") -> list[str]:
+    """Each URL as the gateway's image checks take it: http(s) ones fetched (under `policy`,
+    one of POLICIES) and turned into data URLs, the rest as they are. Raises
+    InvalidParameter (400) naming the image."""
     remote = [(i, url) for i, url in enumerate(urls) if is_remote(url)]
     if not remote or len(urls) > MAX_CHAT_IMAGES:  # too many: refused unread by the checks
         return urls
-    try:
-        policy = fetch_policy()
-    except FetchRefused as exc:
-        raise InvalidParameter(str(exc), param) from None
     if policy == "off":
         raise InvalidParameter(f"image {remote[0][0]}: fetching image URLs is off on this "
                                "gateway (FLEET_IMAGE_FETCH=off)", param)

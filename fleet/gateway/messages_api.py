@@ -81,7 +81,7 @@ async def _run(
     urls = image_urls(chat)
     if urls and (why := refuses_images(card)):
         raise InvalidParameter(why, "messages")
-    sent = await fetch_chat_images(urls)  # http(s) URLs read here, within the limits
+    sent = await fetch_chat_images(urls, gateway.settings.image_fetch)  # http(s), in limits
     check_chat_images(sent)  # before any image is stored
     hashes = {url: await gateway.image_hash(image, tenant_of(request))
               for url, image in zip(urls, sent, strict=True)}

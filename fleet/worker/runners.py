@@ -96,7 +96,9 @@ class RunnerPool:
             logs = self.settings.data_dir / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             process = RunnerProcess(
-                spec, self.inbox, env=runner_env(self._runners_here(instance)),
+                spec, self.inbox, env=runner_env(self._runners_here(instance))
+                # read by a vision runner (fleet/runner/vision_cache.py)
+                | {"FLEET_VISION_CACHE_MB": str(self.settings.vision_cache_mb)},
                 log_path=logs / f"{runner_id}.log",
             )
             await process.start(self.owner)

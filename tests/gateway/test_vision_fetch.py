@@ -14,11 +14,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from PIL import Image
 
+from fleet.config import load_settings
+from fleet.errors import InvalidSetting
 from fleet.gateway.image_fetch import (
     FetchRefused,
     address_refusal,
     fetch_image,
-    fetch_policy,
     url_refusal,
 )
 
@@ -70,12 +71,16 @@ def test_which_addresses_may_be_called(address: str, policy: str, reason: str | 
 
 @pytest.mark.parametrize(("value", "policy"), [
     ({}, "public"), ({"FLEET_IMAGE_FETCH": "Private"}, "private"),
-    ({"FLEET_IMAGE_FETCH": "off"}, "off"),
+    ({"FLEET_IMAGE_FETCH": " off"}, "off"),
 ])
 def test_the_policy_setting(value: dict[str, str], policy: str) -> None:
-    assert fetch_policy(value) == policy
-    with pytest.raises(FetchRefused, match="not one of"):
-        fetch_policy({"FLEET_IMAGE_FETCH": "everything"})
+    assert load_settings(env=value).image_fetch == policy
+
+
+def test_an_unknown_policy_stops_the_gateway_at_start() -> None:
+    """Checked with the other settings, before the gateway serves: not a 400 per request."""
+    with pytest.raises(InvalidSetting, match="FLEET_IMAGE_FETCH: 'everything'"):
+        load_settings(env={"FLEET_IMAGE_FETCH": "everything"})
 
 
 class Handler(BaseHTTPRequestHandler):
