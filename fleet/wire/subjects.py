@@ -99,5 +99,9 @@ def durable(model: str, priority: str = "default") -> str:
 
 
 def model_of_durable(name: str) -> str | None:
-    """The model a FLEET_TASKS consumer serves, or None for a consumer Fleet did not make."""
-    return name.removeprefix("tasks-") if name.startswith("tasks-") else None
+    """The model a FLEET_TASKS consumer serves (any class), or None for a consumer Fleet did
+    not make. `tasks-` is tried first: a class's prefix never starts with it."""
+    for prefix in ("tasks-", "interactive-tasks-", "batch-tasks-"):
+        if name.startswith(prefix):
+            return name.removeprefix(prefix)
+    return None

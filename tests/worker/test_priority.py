@@ -94,7 +94,8 @@ def test_yields_to(running: list[Running], waiting: str, victim: str | None) -> 
     ("batch", "fleet.tasks.m-1.batch", "batch-tasks-m-1"),
 ])
 def test_class_subjects_and_durables(priority: str, subject: str, durable: str) -> None:
+    assert subjects.model_of_durable("tasks-interactive-tasks-x") == "interactive-tasks-x"
     assert subjects.tasks("m-1", priority) == subject
     assert subjects.model_of_task_subject(subject) == "m-1"
     assert subjects.durable("m-1", priority) == durable
-    assert subjects.model_of_durable(durable) == ("m-1" if priority == "default" else None)
+    assert subjects.model_of_durable(durable) == "m-1"
