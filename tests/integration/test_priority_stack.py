@@ -5,6 +5,7 @@ job runs starts at once and ends before the job's next line; the lines still all
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 from collections.abc import Iterator
 
@@ -82,6 +83,6 @@ async def test_an_interactive_task_overtakes_a_batch_job(
         await nc.close()
     finished = [task_id for task_id, kind in order if kind == "finished"]
     assert finished.index(chat.task_id) <= 1, order  # before the job's second line ended
-    for earlier, later in zip(lines, lines[1:], strict=False):  # one line at a time
+    for earlier, later in itertools.pairwise(lines):  # one line at a time
         assert order.index((earlier.task_id, "finished")) < order.index(
             (later.task_id, "accepted")), order
