@@ -1,10 +1,12 @@
 """Taking over a task whose worker is gone, and fencing the worker that was only paused.
 
-A worker holds a task message with in_progress beats every AckWait/4 (fleet.worker.acks);
-when it dies the beats stop and JetStream hands the message to another worker after AckWait
-(a few seconds by default). A worker that was only paused (SIGSTOP, a long GC, a frozen VM)
-looks the same from outside, and when it resumes it still believes it runs the task. So the
-takeover is made safe on the write path, not by guessing who is dead:
+A worker holds a task message with in_progress beats every AckWait/4 (fleet.worker.acks).
+When it dies, the death watch sees its connection gone within a second or two and naks the
+message (fleet.worker.deathwatch), so JetStream hands it to another worker at once; a worker
+paused or cut off with its connection open (SIGSTOP, a frozen VM, a partition) keeps it until
+AckWait (30 s by default) runs out, and when it resumes it still believes it runs the task.
+Either verdict may be wrong, so the takeover is made safe on the write path, not by guessing
+who is dead:
 
 - Every event a worker writes on `fleet.out.<task_id>` carries
   `Nats-Expected-Last-Subject-Sequence: <fence>` for the subject `fleet.out.<task_id>.fence`
