@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -146,6 +146,28 @@ class TaskSet:
 
 
 CLOSE_WAIT_S = 5.0
+RECANCEL_S = 0.1
+
+
+async def cancel_and_wait(
+    tasks: Iterable[asyncio.Task[Any]], wait_s: float = CLOSE_WAIT_S
+) -> set[asyncio.Task[Any]]:
+    """Cancel `tasks` and wait up to `wait_s` for them to end; those still running are
+    returned. The cancel is repeated until each ends: Python 3.11's asyncio.wait_for, inside
+    every nats-py request, drops a cancel that lands as its answer arrives (gh-86296, fixed
+    in 3.12), and a loop around such a call then runs on (one cancel in two was lost so in a
+    loop of KV reads; gateway shutdowns in the tests took 5 s or hung)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    pending = {task for task in tasks if not task.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        _, pending = await asyncio.wait(pending, timeout=min(RECANCEL_S, left))
+    return pending
 
 
 class DetachedSupervisor:
@@ -183,6 +205,10 @@ class DetachedSupervisor:
         if self._owner is None:
             return
         self._owner.cancel()
+        # The children too, again and again (cancel_and_wait): the owner's TaskGroup cancels
+        # them once, and a child whose cancel was dropped would hold the owner forever.
+        children = set(self.supervisor._tasks) if self.supervisor else set()
+        await cancel_and_wait(children, wait_s)
         done, _ = await asyncio.wait({self._owner}, timeout=wait_s)
         if not done:
             log.warning("%s did not stop within %.0f s; left behind", self.name, wait_s)

@@ -24,7 +24,7 @@ from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
-from fleet.aio import started
+from fleet.aio import cancel_and_wait, started
 from fleet.bus.connect import connect_with, js_publish, publish, redact_urls
 from fleet.bus.deadlines import publish_deadline, ttl_header
 from fleet.bus.kv_read import live_values
@@ -145,16 +145,11 @@ class Backend:
 
     async def close(self) -> None:
         if self._refills is not None:
-            self._refills.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refills
+            await cancel_and_wait([self._refills])
         await self.hub.close()
-        if self._connecting:
-            self._connecting.cancel()
-            # Bounded: should a library call ever swallow the cancel again, the app still stops.
-            done, _ = await asyncio.wait({self._connecting}, timeout=CLOSE_WAIT_S)
-            if not done:
-                log.warning("the NATS connect loop did not stop within %.0f s", CLOSE_WAIT_S)
+        # Bounded: should a library call ever swallow the cancel again, the app still stops.
+        if self._connecting and await cancel_and_wait([self._connecting], CLOSE_WAIT_S):
+            log.warning("the NATS connect loop did not stop within %.0f s", CLOSE_WAIT_S)
         if self.nc is not None:
             with contextlib.suppress(NatsError, OSError):
                 await self.nc.close()

@@ -8,12 +8,11 @@ A holder renews every RENEW_S; one that cannot (it lost the lease, or NATS) stop
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
 
-from fleet.aio import started
+from fleet.aio import CLOSE_WAIT_S, cancel_and_wait, started
 from fleet.bus.batch_store import BatchStore
 from fleet.errors import FleetError
 from fleet.gateway.batch_job import Job
@@ -51,11 +50,9 @@ class BatchRunner:
 
     async def close(self) -> None:
         """Stops the jobs here; their leases lapse and another gateway goes on."""
-        for task in [*self.jobs.values(), *([self._scanner] if self._scanner else [])]:
-            task.cancel()
-        for task in [*self.jobs.values(), *([self._scanner] if self._scanner else [])]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        left = await cancel_and_wait([*self.jobs.values(), *filter(None, [self._scanner])])
+        if left:
+            log.warning("%d batch task(s) did not stop within %.0f s", len(left), CLOSE_WAIT_S)
 
     def lease_for(self, batch_id: str) -> BatchLease:
         return BatchLease(batch_id=batch_id, owner=self.owner, until=time.time() + LEASE_S)
