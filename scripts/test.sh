@@ -26,7 +26,7 @@ export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 # (FLEET_TEST_HEAVY_SLOTS). (xdist's loadgroup is no use here: xdist 3.8 sets a node id that
 # pytest 9 no longer reads.) --durations is CI's table.
 started=$SECONDS
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 \
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 \
   -n "${FLEET_TEST_WORKERS:-4}" --dist loadfile --no-loadscope-reorder "$@"
 echo "test: the suite took $((SECONDS - started)) s (README, Tests: the times to compare with)" >&2
 if .venv/bin/fleet bench --help >/dev/null 2>&1; then
