@@ -74,7 +74,8 @@ async def test_a_batch_job_runs_under_the_gateway_role(
                 "completion_window": "24h"})
             assert created.status_code == 200, created.text
             batch_id = created.json()["id"]
-            answered = [await worker.answer(tokens_script("o", "k")) for _ in range(2)]
+            answered = [await worker.answer(tokens_script("o", "k"), priority="batch")
+                        for _ in range(2)]
             assert {t.batch_id for t in answered} == {batch_id}
             assert all("Nats-TTL" in h for h in worker.headers)
             sentinel = await operator.jetstream().get_last_msg(
