@@ -118,11 +118,12 @@ async def submit_task(settings: Settings, args: argparse.Namespace) -> int:
     nc = await connect_with(settings, "fleet-cli")
     telemetry.export_to_nats(lambda: nc)
     try:
-        await js_publish(nc.jetstream(), subjects.tasks(task.model), task, msg_id=task.task_id)
+        await js_publish(nc.jetstream(), subjects.tasks(task.model, task.priority), task,
+                         msg_id=task.task_id)
         await telemetry.flush()  # the send span, before the connection closes
     finally:
         await nc.close()
-    print(f"task {task.task_id} on {subjects.tasks(task.model)}", file=sys.stderr)
+    print(f"task {task.task_id} on {subjects.tasks(task.model, task.priority)}", file=sys.stderr)
     if args.no_follow:
         return 0
     return await follow_task(settings, task.task_id, args.json, args.timeout, wait=True)
