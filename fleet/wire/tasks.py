@@ -85,8 +85,8 @@ class _TaskBase(Wire):
     )
     tenant: str | None = Field(
         default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$",
-        description="The tenant that asked (gateway API keys); tokens served are counted "
-        "per tenant for fair sharing",
+        description="The tenant that asked (set by the gateway from the request's API key): "
+        "the unit of fair sharing within a class (fleet/bus/fairness.py)",
     )
     deadline: AwareDatetime | None = Field(
         default=None, description="The task expires if it has not started by then"
