@@ -4,12 +4,16 @@ tasks include `image_text_to_text`).
 The worker has fetched and verified every image of a task before dispatch (Admission.inputs,
 sha256 -> file), as for image edits; the engine turns the chat into a prompt with a run of
 `<image>` placeholders per image (fleet.runner.vision_inputs) and the images into pixels, and
-decodes with mlx-vlm's generation step. Each image's features
+decodes. Each image's features
 (vision tower and projector) come from the vision cache when any node encoded the image for this
-model before (fleet.runner.vision_cache), else are encoded here and kept. Admitted tasks take
-turns, one token each per `step()`
-(no shared batch yet: mlx-vlm's batch generator is a later step), each ending with exactly
-one TaskFinished, as the text engine's do.
+model before (fleet.runner.vision_cache), else are encoded here and kept.
+
+Greedy tasks decode together (continuous batching): their prompt with the image features
+merged in is one row of input embeddings for mlx-vlm's BatchGenerator over the language
+model, which prefills a newcomer while the others decode and steps every row in one forward.
+Its sampler is one for the whole batch, so a task that samples (temperature, penalties, logit
+bias) decodes on its own with mlx-vlm's generation step, one token per `step()`, beside the
+batch. Every task ends with exactly one TaskFinished, as the text engine's do.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ MAX_IMAGES = 16
 class _Job:
     task: TextGeneration
     prompt_tokens: int
-    steps: Iterator[tuple[Any, Any]]
+    steps: Iterator[tuple[Any, Any]] | None  # None: a row of the shared batch
     stop_tokens: frozenset[int]
     admitted_at: float
     queue_wait_s: float
@@ -62,6 +66,29 @@ class _Job:
     images: int = 0
     cached_images: int = 0  # of them, how many the vision cache saved an encode
     visible: VisibleText | None = None  # the task's stop strings, held back until known
+    uid: int | None = None  # its row in the shared batch
+
+
+class _Masked:
+    """mlx-vlm 0.7.6's llama (llava's language model) makes its attention mask with
+    `create_attention_mask(h, cache)` over the *list* of layer caches (models/llava/language.py),
+    which has no `make_mask`: a BatchKVCache's left padding is never masked, so a shorter
+    prompt's row attends to its padding and its greedy tokens differ from its own decode
+    (measured: 3 of 4 rows). This passes the first layer cache's mask explicitly."""
+
+    def __init__(self, language_model: Any) -> None:
+        self._language_model = language_model
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._language_model, name)
+
+    def __call__(self, inputs: Any, cache: Any = None, inputs_embeds: Any = None,
+                 **kwargs: Any) -> Any:
+        width = (inputs if inputs_embeds is None else inputs_embeds).shape[1]
+        if cache and hasattr(cache[0], "make_mask") and kwargs.get("mask") is None:
+            kwargs["mask"] = cache[0].make_mask(width, return_array=True)
+        kwargs.pop("n_to_process", None)
+        return self._language_model(inputs, cache=cache, inputs_embeds=inputs_embeds, **kwargs)
 
 
 class VisionEngine:
@@ -70,7 +97,9 @@ class VisionEngine:
         self.config = config
         self._on_encode = on_encode
         self._model: Any = None
+        self._processor: Any = None
         self._tokenizer: Any = None
+        self._batch: Any = None  # mlx-vlm's BatchGenerator, made at the first greedy task
         self._shape: VisionShape | None = None
         self._jobs: list[_Job] = []
         self._ended_at_admission: list[TaskFinished] = []  # continued tasks already done
@@ -88,9 +117,9 @@ class VisionEngine:
         from mlx_vlm import load as load_vlm
 
         progress(0, 1)
-        self._model, processor = load_vlm(str(path))
+        self._model, self._processor = load_vlm(str(path))
         mx.eval(self._model.parameters())
-        self._tokenizer = processor.tokenizer
+        self._tokenizer = self._processor.tokenizer
         self._shape = read_shape(path)
         self.cache = VisionCache(
             features_dir(self.config.images_dir), self.config.card.id,
@@ -110,6 +139,9 @@ class VisionEngine:
         steps = self._generate(ids, mx.array(blank), max_tokens=2, temperature=0.0)
         for _ in steps:
             pass
+        self._insert(ids, mx.array(blank), 2, {})  # and the shared batch's prefill and decode
+        while self._batch.has_work:
+            self._batch.next()
 
     @property
     def _vision_shape(self) -> VisionShape:
@@ -163,9 +195,33 @@ class VisionEngine:
             self._ended_at_admission.append(self._finish(job, ended))
             return
         extra = {} if features is None else {"cached_image_features": features}
-        job.steps = self._generate(ids + generated, images, task.max_tokens - len(generated),
-                                   **_sampling(task), **extra)
+        left = task.max_tokens - len(generated)
+        if is_greedy(task):
+            job.steps = None
+            job.uid = self._insert(ids + generated, images, left, extra)
+        else:
+            job.steps = self._generate(ids + generated, images, left, **_sampling(task), **extra)
         self._jobs.append(job)
+
+    def _insert(self, ids: list[int], images: Any, max_tokens: int,
+                extra: dict[str, Any]) -> int:
+        """The prompt as a row of the shared batch: its embeddings with the images merged."""
+        import mlx.core as mx
+        from mlx_vlm.generate.ar import BatchGenerator
+
+        if self._batch is None:
+            width = max(1, self.config.slots)
+            # prefill_batch_size 1: a newcomer is prefilled while up to `width` rows decode
+            # (the generator admits a prefill batch only when that many rows are free).
+            self._batch = BatchGenerator(
+                _Masked(self._model.language_model), self._processor, stop_tokens=set(),
+                sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
+                completion_batch_size=width, prefill_batch_size=1, compute_logprobs=False,
+            )
+        embeds = self._model.get_input_embeddings(mx.array([ids]), images, **extra).inputs_embeds
+        [uid] = self._batch.insert([ids], max_tokens=max_tokens,
+                                   prompt_kwargs=[{"inputs_embeds": embeds}])
+        return int(uid)
 
     def _images(self, hashes: list[str], inputs: dict[str, Path]) -> tuple[Any, Any, int]:
         """(pixel values, features or None, cache hits) for the task's images in order.
@@ -238,6 +294,9 @@ class VisionEngine:
     def close(self) -> None:
         self._jobs.clear()
         self._ended_at_admission.clear()
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
 
     def step(self) -> list[OutputEvent]:
         with self._cancel_lock:
@@ -246,20 +305,36 @@ class VisionEngine:
         self._ended_at_admission.clear()
         for job in list(self._jobs):
             if job.task.task_id in cancelled:
-                self._jobs.remove(job)
+                self._drop(job)
                 events.append(failed(job.task.task_id, time.time(), ErrorReason.CANCELLED,
                                      "cancelled"))
+        for job in [job for job in self._jobs if job.steps is not None]:
+            try:
+                token, _ = next(job.steps)
+            except StopIteration:
+                events.append(self._finish(job, "length"))
                 continue
-            events += self._advance(job)
+            events += self._advance(job, int(token))
+        if self._batch is not None and any(job.uid is not None for job in self._jobs):
+            rows = {job.uid: job for job in self._jobs if job.uid is not None}
+            _, responses = self._batch.next()
+            for response in responses:
+                if (job := rows.get(response.uid)) is None or job not in self._jobs:
+                    continue
+                events += self._advance(job, int(response.token))
+                if job in self._jobs and response.finish_reason is not None:
+                    # The generator ended the row (its own stop list): ended here too.
+                    events.append(self._finish(job, "stop" if response.finish_reason == "stop"
+                                               else "length"))
         return events
 
-    def _advance(self, job: _Job) -> list[OutputEvent]:
-        """One token of `job`, and its end when that was its last."""
-        try:
-            token, _ = next(job.steps)
-        except StopIteration:
-            return [self._finish(job, "length")]
-        token = int(token)
+    def _drop(self, job: _Job) -> None:
+        self._jobs.remove(job)
+        if job.uid is not None and self._batch is not None:
+            self._batch.remove(job.uid)
+
+    def _advance(self, job: _Job, token: int) -> list[OutputEvent]:
+        """`job`'s next token, and its end when that was its last."""
         now = time.time()
         if job.first_token_at is None:
             job.first_token_at = time.monotonic()
@@ -300,7 +375,7 @@ class VisionEngine:
         return added
 
     def _finish(self, job: _Job, reason: str) -> TaskFinished:
-        self._jobs.remove(job)
+        self._drop(job)
         done = time.monotonic()
         completion = len(job.tokens)
         first = job.first_token_at
@@ -330,6 +405,14 @@ def _unsupported(task: TextGeneration) -> str | None:
     if task.tool_choice != "auto":
         return "tool_choice"
     return None
+
+
+def is_greedy(task: TextGeneration) -> bool:
+    """Whether the task's tokens are the argmax of the model's logits alone, so that it can
+    share the batch's one greedy sampler. Pure."""
+    penalised = (task.logit_bias or task.presence_penalty or task.frequency_penalty
+                 or task.repetition_penalty not in (None, 1.0))
+    return task.temperature == 0.0 and not penalised
 
 
 def _sampling(task: TextGeneration) -> dict[str, Any]:
