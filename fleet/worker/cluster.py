@@ -347,8 +347,16 @@ class ClusterLink:
 
     async def fetch_inputs(self, hashes: tuple[str, ...]) -> dict[str, Path]:
         """Local paths of a task's input images, pinned until `release_inputs`."""
-        paths = await self.cache.ensure(hashes, self.store, self.settings.input_wait_s)
-        await self.vision.prefetch(hashes)  # features another node encoded, if any
+        # Features another node encoded, if any, read beside the images (one after the other
+        # they were two store round trips before every dispatch of a vision task). The
+        # prefetch is bounded (PREFETCH_S) and logs its own failures; it ends with this call.
+        features = asyncio.create_task(self.vision.prefetch(hashes))
+        try:
+            paths = await self.cache.ensure(hashes, self.store, self.settings.input_wait_s)
+        except BaseException:
+            features.cancel()
+            raise
+        await features
         return paths
 
     def release_inputs(self, hashes: list[str]) -> None:
