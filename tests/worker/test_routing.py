@@ -312,7 +312,7 @@ def test_the_plan_holds_a_returning_turn_for_its_full_home_and_pulls_for_the_oth
                                 task_id="o1"), "run-b")
     state = queue(state, NEXT_TURN, at=1.0)
     # c1-2 waits for run-a, and run-b's free slot is pulled for all the same.
-    assert plan(state, 1.0) == Pull("tiny-llm", 1)
+    assert plan(state, 1.0) == Pull("tiny-llm", 1, 1)
     state = step(state, TaskEnded("c1"))  # a slot of home frees: the turn goes home
     assert plan(state, 1.0) == Dispatch("c1-2", "run-a")
 
@@ -337,7 +337,7 @@ def test_tasks_waiting_for_a_full_runner_never_outnumber_the_slots() -> None:
         actions.append(plan(state, 1.0))
         state = queue(state, chat(("system", system), ("user", f"{n} " * 150),
                                   task_id=f"w{n}"), at=1.0 + n)
-    assert actions == [Pull("tiny-llm", 1)] * 4
+    assert actions == [Pull("tiny-llm", 1, 1)] * 4
     assert plan(state, 1.0) is None  # four waiting, four slots: no more
     state = step(state, TaskEnded("x1"))
     assert plan(state, 1.0) == Dispatch("w0", "run-a")  # the oldest goes home first
