@@ -136,10 +136,16 @@ _DATA_URL = re.compile(
 _STORED_URL = re.compile(r"(?:^|/v1/images/)(?P<sha>[0-9a-f]{64})$")
 
 
+def stored_image(url: str) -> str | None:
+    """The sha256 a /v1/images/<sha256> URL (or a bare hash) names, else None."""
+    stored = _STORED_URL.search(url)
+    return stored["sha"] if stored else None
+
+
 def image_reference(url: str) -> str | bytes:
     """The sha256 of an image this gateway already stores, or the bytes of a data URL."""
-    if stored := _STORED_URL.search(url):
-        return stored["sha"]
+    if (sha := stored_image(url)) is not None:
+        return sha
     match = _DATA_URL.match(url)
     if not match:
         raise InvalidRequest(

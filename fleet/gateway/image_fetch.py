@@ -31,7 +31,7 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from fleet.errors import InvalidParameter
-from fleet.gateway.bodies import image_format
+from fleet.gateway.bodies import image_format, stored_image
 from fleet.gateway.vision import MAX_CHAT_IMAGES, MAX_IMAGE_BYTES
 
 FETCH_TIMEOUT_S = 10.0
@@ -51,7 +51,11 @@ class FetchRefused(Exception):
 
 
 def is_remote(url: str) -> bool:
-    return url[:8].lower().startswith(("http://", "https://"))
+    """An http(s) URL to fetch; a /v1/images/<sha256> URL names an image this fleet stores,
+    read from the store under the tenant's rights, never fetched (a gateway may not resolve
+    its own public name, and a fetch would bypass the owner check)."""
+    return (url[:8].lower().startswith(("http://", "https://"))
+            and stored_image(url) is None)
 
 
 def url_refusal(url: str) -> str | None:
