@@ -9,6 +9,8 @@ and the worker can be driven without mlx. Knobs written anywhere in the task's t
     tokens_per_s:R  the task makes at most R tokens a second (a measurement knob: it paces
                     the plumbing at a chosen rate; without it, tokens come as fast as steps)
     crash_after:K   after K tokens the next step raises, as a broken engine would
+    first_token_ms:X  the first token comes X ms after admission at the earliest (a slow
+                    prefill: the task is running and has sent nothing)
     reject:REASON   admit refuses the task with that ErrorReason (e.g. reject:unsupported)
 
 Load-time knobs come from the environment the worker gives the runner:
@@ -33,7 +35,8 @@ from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TokenChunk
 from fleet.wire.tasks import TextGeneration
 
 FAULT_FAMILY = "fault"
-_KNOB = re.compile(r"\b(tokens|tokens_per_s|delay_ms|crash_after|reject):([A-Za-z0-9_]+)")
+_KNOB = re.compile(
+    r"\b(tokens|tokens_per_s|delay_ms|crash_after|reject|first_token_ms):([A-Za-z0-9_]+)")
 
 
 def fault_card(model_id: str = "fault-llm", n_layers: int = 2) -> ModelCard:
@@ -55,6 +58,7 @@ class Knobs:
     crash_after: int | None = None
     reject: ErrorReason | None = None
     tokens_per_s: int | None = None
+    first_token_ms: int = 0
 
 
 def parse_knobs(text: str) -> Knobs:
@@ -65,6 +69,7 @@ def parse_knobs(text: str) -> Knobs:
         crash_after=int(found["crash_after"]) if "crash_after" in found else None,
         reject=ErrorReason(found["reject"]) if "reject" in found else None,
         tokens_per_s=int(found["tokens_per_s"]) if "tokens_per_s" in found else None,
+        first_token_ms=int(found.get("first_token_ms", Knobs.first_token_ms)),
     )
 
 
@@ -87,6 +92,7 @@ class _Run:
     prompt_tokens: int
     produced: int = 0
     next_at: float = 0.0  # a paced task (tokens_per_s) makes its next token at this time
+    first_at: float = 0.0  # no token before this time (first_token_ms: a slow prefill)
 
 
 class FaultEngine:
@@ -128,7 +134,8 @@ class FaultEngine:
             raise TaskRejected(ErrorReason.QUEUE_FULL, f"all {self._config.slots} slots busy")
         # A continued task goes on from the token after those its earlier attempts streamed.
         self._runs[task.task_id] = _Run(
-            task, knobs, prompt_tokens=len(text.split()), produced=len(admission.generated)
+            task, knobs, prompt_tokens=len(text.split()), produced=len(admission.generated),
+            first_at=self._clock() + knobs.first_token_ms / 1000,
         )
 
     def step(self) -> list[OutputEvent]:
@@ -168,6 +175,8 @@ class FaultEngine:
 
     def _due(self, run: _Run) -> bool:
         """Whether a task makes a token in this step; a paced one books its next one."""
+        if self._clock() < run.first_at:
+            return False
         rate = run.knobs.tokens_per_s
         if not rate:
             return True

@@ -13,6 +13,7 @@ from nats.aio.subscription import Subscription
 
 from fleet.wire import subjects
 from fleet.wire.events import ErrorReason
+from fleet.wire.tasks import Priority
 from fleet.worker.acks import tick_every
 from fleet.worker.cluster import ClusterLink
 from fleet.worker.inbox import CancelSeen, Fetched, Inbox, InputsFailed, InputsFetched, Tick
@@ -43,10 +44,12 @@ class Feeds:
         """Subscribe before the worker says it is ready, so no early cancel is missed."""
         self._first_sub = await self.nc.subscribe(subjects.cancel("*"))
 
-    async def pull(self, model: str, batch: int, reserve: int = 0) -> None:
+    async def pull(
+        self, model: str, batch: int, reserve: int = 0, only: Priority | None = None
+    ) -> None:
         msgs: list[Msg] = []
         try:
-            msgs = await self.puller.fetch(model, batch, reserve)
+            msgs = await self.puller.fetch(model, batch, reserve, only)
         finally:  # always: the planner pulls again only after PullEnded
             self.inbox.put_nowait(Fetched(model, msgs))
 

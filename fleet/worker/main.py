@@ -75,6 +75,7 @@ from fleet.worker.inbox import (
 )
 from fleet.worker.intake import Intake, Queued
 from fleet.worker.outputs import TaskOutput
+from fleet.worker.preemption import Preempt
 from fleet.worker.prefix_adverts import PrefixAdverts, ServedPrefixes
 from fleet.worker.pulls import TaskPuller
 from fleet.worker.reports import RunnerReports
@@ -336,9 +337,11 @@ class Worker:
                                  self.handoffs.send(task_id, node_id, runner_id, msg))
             case rules.HandBack(task_id=task_id):
                 self.hand_back(task_id)
-            case rules.Pull(model=model, batch=batch, reserve=reserve):
+            case rules.Pull(model=model, batch=batch, reserve=reserve, only=only):
                 self.apply(ev.PullStarted(model))
-                self.owner.spawn(f"pull {model}", self.feeds.pull(model, batch, reserve))
+                self.owner.spawn(f"pull {model}", self.feeds.pull(model, batch, reserve, only))
+            case Preempt(task_id=task_id, runner_id=runner_id):
+                await self._preempt(task_id, runner_id)
 
     # ---- actions ----------------------------------------------------------------------
 
@@ -359,12 +362,15 @@ class Worker:
                     "fleet.continued_from": len(earlier.generated),
                     "fleet.moved_from": earlier.moved_from or "",
                 })
+        task = with_seed(pending.task, earlier.seed)
+        # Queued again after a preemption, it runs with this seed (its accept recorded it).
+        self.intake.book.running[task_id] = replace(pending, task=task)
         traceparent, tracestate = self.spans.dispatched(task_id, runner_id)
         # In flight from here on, in WorkerState only: if the send fails (the runner has just
         # died) its RunnerExited, which always follows, ends this task runner_crashed.
         self.apply(ev.TaskDispatched(task_id, runner_id))
         sent = await self.runners.send(runner_id, pipe.SubmitTask(
-            task=with_seed(pending.task, earlier.seed), inputs=pending.inputs or {},
+            task=task, inputs=pending.inputs or {},
             delivery=pending.delivery,
             generated=list(earlier.generated), attempt=earlier.attempt,
             delivered_images=sorted(earlier.delivered_images),
@@ -406,6 +412,26 @@ class Worker:
         self.apply(ended)
         self.acks.release(task_id)
         self.spans.settled(task_id, "handed_off" if ended.taken else "hand_off_unanswered")
+
+    async def _preempt(self, task_id: str, runner_id: str) -> None:
+        """A waiting interactive task takes this task's slot (fleet.worker.preemption): its
+        runner stops it; its cancelled terminal queues it here again (`requeue`)."""
+        log.info("task %s preempted on runner %s before its first token", task_id, runner_id)
+        self.apply(ev.CancelNoted(task_id, ev.CancelOrigin.PREEMPTED))
+        with self.spans.active(task_id):
+            trace.get_current_span().add_event("preempted", {"fleet.runner": runner_id})
+        await self.runners.send(runner_id, CancelTask(task_id=task_id))
+
+    def requeue(self, task_id: str) -> None:
+        """A preempted task's runner stopped it before its first token: it waits here again
+        for a slot, its message still held (no verb: no delivery spent), from the start."""
+        pending = self.intake.book.running.pop(task_id, None)
+        self.apply(ev.CancelNoted(task_id, None))
+        self.apply(ev.TaskEnded(task_id))  # off the runner: its slot is free
+        if pending is None or self.state.stopping:  # cannot happen / the shutdown has it
+            self.hand_back(task_id, Stage.STOPPED_MID_RUN)
+            return
+        self.apply(ev.TaskQueued(pending))
 
     def hand_back(self, task_id: str, stage: Stage = Stage.HANDED_BACK) -> None:
         """Give a task back to JetStream (nak): no terminal is written for it here."""

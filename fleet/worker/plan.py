@@ -10,7 +10,8 @@ from datetime import UTC, datetime
 
 from fleet.wire.cluster import Instance
 from fleet.wire.events import ErrorReason
-from fleet.wire.tasks import is_past
+from fleet.wire.tasks import Priority, is_past
+from fleet.worker.preemption import Preempt, preempt, pull_to_preempt
 from fleet.worker.priority import reserve_for
 from fleet.worker.routes import routes, waits_for_a_full_runner
 from fleet.worker.routing import Wait
@@ -82,11 +83,12 @@ class Pull:
     model: str
     batch: int
     reserve: int = 0  # slots batch-class work must leave free (fleet.worker.priority)
+    only: Priority | None = None  # pull this class only (fleet.worker.preemption)
 
 
 Action = (
     StopRunner | SpawnRunner | AdvanceRunner | FinishPending | FetchInputs | Dispatch | HandOff
-    | HandBack | Pull
+    | HandBack | Pull | Preempt
 )
 
 
@@ -224,12 +226,15 @@ def pull(state: WorkerState, now: float) -> Action | None:
         slots = min(slots, room.get(model, 0))
         if slots > 0 and model not in state.pulling:
             return Pull(model, slots, reserve_for(capacity.get(model, 0)))
+    for model in sorted(capacity):
+        if pull_to_preempt(state, model):
+            return Pull(model, 1, only="interactive")
     return None
 
 
 RULES = (
     stop_orphan_runner, spawn_runner, advance_runner, expire_pending, hand_back, fetch_inputs,
-    dispatch, pull,
+    dispatch, preempt, pull,
 )
 
 

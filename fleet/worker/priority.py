@@ -11,7 +11,7 @@ broker keeps them apart and a worker chooses by pulling:
   batch work runs finds a free slot and joins the running batch at the next engine step,
   so batch delays it by at most one step. A single-slot runner has no slack to keep; there
   batch runs only when nothing else waits, and a batch task that has not sent its first
-  token yields to a waiting higher class (`yields_to`).
+  token yields to a waiting interactive task (`yields_to`; fleet.worker.preemption wires it).
 - Starvation: a lower class this worker has not served for PROMOTE_AFTER_S seconds is pulled
   ahead of the class above it (and ignores the reserve) for one pull; serving it resets the
   clock. So a queued batch task waits at most PROMOTE_AFTER_S["batch"] plus one task's run on

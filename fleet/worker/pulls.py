@@ -70,9 +70,12 @@ class TaskPuller:
         self.last_served: dict[str, dict[str, float]] = {}  # model -> class -> last turn
         self.guard = ConsumerGuard(nc, self, settings.max_deliver, settings.ack_wait_s, meter)
 
-    async def fetch(self, model: str, batch: int, reserve: int = 0) -> list[Msg]:
+    async def fetch(
+        self, model: str, batch: int, reserve: int = 0, only: Priority | None = None
+    ) -> list[Msg]:
         """Up to `batch` tasks of `model`, highest class first, batch work leaving `reserve`
-        slots free; waiting at most about FETCH_WAIT_S; never raises."""
+        slots free (`only`: of that class alone); waiting at most about FETCH_WAIT_S; never
+        raises."""
         if model in self.stopped:
             return []
         now = time.monotonic()
@@ -81,6 +84,8 @@ class TaskPuller:
         turns = []
         try:
             for turn in pull_order(served, now):
+                if only is not None and turn.priority != only:
+                    continue
                 wanted = min(quota(turn, batch - len(got), reserve), batch - len(got))
                 if wanted <= 0:
                     continue
@@ -90,7 +95,7 @@ class TaskPuller:
             if not got and turns:
                 # A class held back by the reserve (batch) waits for a slot to free, which
                 # this pull cannot see: wait briefly, so the next pull can give it that slot.
-                held_back = len(turns) < len(CLASSES)
+                held_back = only is None and len(turns) < len(CLASSES)
                 got = await self._first_of(model, turns, SLACK_WAIT_S if held_back
                                            else FETCH_WAIT_S)
             return got

@@ -60,6 +60,8 @@ class TaskDesk(Protocol):
 
     def give_up(self, task_id: str) -> None: ...
 
+    def requeue(self, task_id: str) -> None: ...
+
 
 class RunnerReports:
     def __init__(
@@ -94,6 +96,16 @@ class RunnerReports:
             and report.task_id not in self.images.unstored
         )
 
+    def _preempted_unseen(self, report: TaskFinished, runner_id: str) -> bool:
+        """Preempted and stopped before its first output: it starts again from nothing. One
+        whose first token came meanwhile is cut short (`_cut_short`): its redelivery
+        continues from what was stored."""
+        return (
+            report.status == "cancelled"
+            and self.state.task(report.task_id).cancel is ev.CancelOrigin.PREEMPTED
+            and report.task_id in self._prefilling(runner_id)
+        )
+
     async def report(self, reported: RunnerReported) -> None:
         report = reported.report
         with self.spans.active(getattr(report, "task_id", None)):
@@ -108,6 +120,8 @@ class RunnerReports:
                 self.state.task(report.task_id).cancel is ev.CancelOrigin.FENCED
             ):
                 self.desk.give_up(report.task_id)  # taken over elsewhere: nothing more is ours
+            case TaskFinished() if self._preempted_unseen(report, runner_id):
+                self.desk.requeue(report.task_id)  # fleet.worker.preemption
             case TaskFinished() if self._cut_short(report):
                 self.desk.hand_back(report.task_id, Stage.STOPPED_MID_RUN)
             case TaskFinished():

@@ -1,10 +1,10 @@
 """Every waiting task's routing decision at once, oldest first: pure, `routes(state, now)`.
 
-Tasks are decided in the order they came, and a task that waits for a runner adds what it
-will cost there to that runner's `waiting_blocks`, so the next task sees the queue forming in
-front of it (fleet.worker.routing). `dispatch` acts on the first task that
-can go; `pull` counts the tasks waiting for a runner without a free slot, since they do not
-take the free slots of others.
+Tasks are decided by class (interactive first), then in the order they came, and a task that
+waits for a runner adds what it will cost there to that runner's `waiting_blocks`, so the next
+task sees the queue forming in front of it (fleet.worker.routing). `dispatch` acts on the first
+task that can go; `pull` counts the tasks waiting for a runner without a free slot, since they
+do not take the free slots of others.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 
+from fleet.priorities import RANK
 from fleet.worker.routing import Candidate, Wait, choose
 from fleet.worker.state import PendingTask, WorkerState
 
@@ -24,7 +25,11 @@ Decision = Candidate | Wait | None
 def routes(state: WorkerState, now: float) -> Iterator[tuple[str, PendingTask, Decision]]:
     """(task id, task, decision) for each task ready to be routed, oldest first."""
     waiting: dict[str, float] = {}
-    for task_id, pending in sorted(state.pending.items(), key=lambda kv: kv[1].received_at):
+    # Highest class first (a preempted task must not take back the slot it yielded), then
+    # oldest first.
+    order = sorted(state.pending.items(),
+                   key=lambda kv: (RANK[kv[1].task.priority], kv[1].received_at))
+    for task_id, pending in order:
         if pending.inputs is None or pending.handing_off is not None:
             continue
         candidates = [replace(c, waiting_blocks=waiting.get(c.runner_id, 0))

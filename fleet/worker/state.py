@@ -12,7 +12,7 @@ from functools import singledispatch
 
 from fleet.wire.cluster import Instance, ModelCard
 from fleet.wire.runners import ACCEPTS_TASKS, RunnerIdle, RunnerStatus
-from fleet.wire.tasks import Task
+from fleet.wire.tasks import Priority, Task
 from fleet.worker.routing import PrefixHeld, Weights
 
 
@@ -32,6 +32,8 @@ class RunnerView:
     prefill: Mapping[str, int] = field(default_factory=dict)
     # task -> blocks it brought here that were new (not yet cached), until its first output
     warming: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    # task -> (its class, when it was queued here): what preemption chooses by
+    classes: Mapping[str, tuple[Priority, float]] = field(default_factory=dict)
 
     @property
     def prefill_blocks(self) -> int:
@@ -92,6 +94,9 @@ class CancelOrigin(StrEnum):
     WHILE_RUNNING = "while_running"  # a user's cancel, sent to the runner that runs it
     WHILE_OFFERED = "while_offered"  # heard while it was offered to another node
     FENCED = "fenced"  # another attempt took it over: its runner stops, nothing more is written
+    # a waiting higher class took its slot before its first token (fleet.worker.preemption):
+    # its runner stops it, and it waits here again, its message still held
+    PREEMPTED = "preempted"
 
 
 @dataclass(frozen=True)
@@ -551,9 +556,11 @@ def _(event: TaskDispatched, state: WorkerState) -> WorkerState:
     pending = {k: v for k, v in state.pending.items() if k != event.task_id}
     state = replace(state, pending=pending)
     warming = {**runner.warming, event.task_id: new} if new else runner.warming
+    classes = ({**runner.classes, event.task_id: (task.task.priority, task.received_at)}
+               if task else runner.classes)
     return _with_runner(
         state, event.runner_id, in_flight=runner.in_flight | {event.task_id}, held=held,
-        prefill={**runner.prefill, event.task_id: uncached}, warming=warming,
+        prefill={**runner.prefill, event.task_id: uncached}, warming=warming, classes=classes,
     )
 
 
@@ -573,7 +580,8 @@ def _(event: TaskEnded, state: WorkerState) -> WorkerState:
     runners = {
         rid: replace(r, in_flight=r.in_flight - {event.task_id},
                      prefill={k: v for k, v in r.prefill.items() if k != event.task_id},
-                     warming={k: v for k, v in r.warming.items() if k != event.task_id})
+                     warming={k: v for k, v in r.warming.items() if k != event.task_id},
+                     classes={k: v for k, v in r.classes.items() if k != event.task_id})
         if event.task_id in r.in_flight else r
         for rid, r in state.runners.items()
     }

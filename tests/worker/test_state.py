@@ -167,8 +167,9 @@ ROWS = [
     pytest.param(EMPTY, ev.InputsReady("t-9", {}), EMPTY, id="inputs-of-unknown-task-are-harmless"),
     pytest.param(replace(WITH_RUNNER, pending={"t-1": TEXT}), ev.TaskDispatched("t-1", "run-1"),
                  replace(WITH_RUNNER,
-                         runners={"run-1": replace(RUNNER, in_flight=frozenset({"t-1"}),
-                                                   prefill={"t-1": 0})}),
+                         runners={"run-1": replace(
+                             RUNNER, in_flight=frozenset({"t-1"}), prefill={"t-1": 0},
+                             classes={"t-1": (TEXT.task.priority, TEXT.received_at)})}),
                  id="dispatch-moves-task-from-pending-to-runner"),
     pytest.param(replace(WITH_RUNNER, runners={"run-1": BUSY}), ev.TaskEnded("t-1"),
                  replace(WITH_RUNNER,
