@@ -41,12 +41,13 @@ PREFIXES = "FLEET_PREFIXES"
 FILES = "OBJ_FLEET_FILES"
 BATCH_RESULTS = "FLEET_BATCH_RESULTS"
 BATCH_BUCKETS = ("FLEET_BATCHES", "FLEET_BATCH_LEASES", "FLEET_IDEMPOTENCY")
+FAIRNESS = "FLEET_FAIRNESS"  # tenants' virtual token counters (fleet/gateway/fair_share.py)
 DEADLINES = "FLEET_DEADLINES"  # a sentinel per task with a deadline (fleet/worker/deadlines.py)
 LEASES = "FLEET_LEASES"  # fleet-wide duties held by one worker (fleet.worker.sweeper)
 ALL_STREAMS = (
     TASKS, OUT, EVENTS, TRACES, DEAD, ADVISORIES, REFUSED, IMAGES, WEIGHTS, VISION,
     *(f"KV_{b}" for b in (*STATE_BUCKETS, CANCELS, CLAIMS, TENANTS, MODELS, PREFIXES, LEASES)),
-    FILES, BATCH_RESULTS, *(f"KV_{b}" for b in BATCH_BUCKETS), DEADLINES,
+    FILES, BATCH_RESULTS, *(f"KV_{b}" for b in BATCH_BUCKETS), DEADLINES, f"KV_{FAIRNESS}",
 )
 
 
@@ -171,8 +172,11 @@ GRANTS: dict[str, Grant] = {
             "fleet.batches.>", *_readers(BATCH_RESULTS),
             _api("STREAM", "MSG", "GET", BATCH_RESULTS),
             "fleet.deadlines.>",  # the sentinel of a task it publishes with a deadline
+            f"$KV.{FAIRNESS}.>", *_kv_read(FAIRNESS),  # fair tenants: counters it keeps
         ],
-        subscribe=[inbox("gateway"), "fleet.out.>"],
+        # and the fair-share counters' changes as they are put (a core subscription: a
+        # request held for its tenant's turn wakes on them without a consumer of its own)
+        subscribe=[inbox("gateway"), "fleet.out.>", f"$KV.{FAIRNESS}.>"],
         deny=NO_DURABLES,
     ),
     # A node: consumes tasks, writes outputs, state, images; purges one model's tasks
@@ -337,6 +341,9 @@ ACTIONS: tuple[Action, ...] = (
            "idempotency keys (FLEET_BATCHES, FLEET_BATCH_LEASES, FLEET_IDEMPOTENCY), results "
            "(`fleet.batches.<id>.<line>`)", _who("gateway"),
            "the /v1/files and /v1/batches of every gateway replica share them"),
+    Action("fair_share", "keep tenants' fair-share counters (FLEET_FAIRNESS) and follow "
+           "their changes (`$KV.FLEET_FAIRNESS.>`)", _who("gateway"),
+           "every gateway replica holds a tenant back by the same counters"),
     Action("set_deadline", "set a task's deadline sentinel (`fleet.deadlines.<model>.<id>`, "
            "per-message TTL)", _who("gateway"),
            "its expiry ends the task if it never started: only trusted publishers, since a "

@@ -202,11 +202,13 @@ async def run_task(
     records: Mapping[str, TaskRecord],
     tenant: str | None = None,
     capacity: Capacity | None = None,
+    settle: Settle | None = None,
 ) -> Response:
     """One request: one task, or one per choice (their events merged). `records` (task id →
     TaskRecord) are written before anything is published.
 
-    It holds a place in `capacity` (429 when there is none) until its response ends."""
+    It holds a place in `capacity` (429 when there is none) until its response ends, and then
+    calls `settle` with the tokens it served (fleet.gateway.fair_share charges them)."""
     capacity = capacity or Capacity(2**31, 2**31)
     who = capacity.take(tenant)
     released = False
@@ -221,9 +223,12 @@ async def run_task(
         response = await _run_task(
             backend, metrics, tasks, renderer, receive, stream=stream, resumable=resumable,
             timeout_s=timeout_s, records=records, tenant=tenant, release=release,
+            settle=settle or _no_settle,
         )
     except BaseException:
         release()
+        if settle is not None:
+            await settle(0)  # nothing published, or settled already (it runs once)
         raise
     if not isinstance(response, EventStream):
         release()
@@ -243,6 +248,7 @@ async def _run_task(
     records: Mapping[str, TaskRecord],
     tenant: str | None,
     release: Callable[[], None],
+    settle: Settle,
 ) -> Response:
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -288,10 +294,12 @@ async def _run_task(
             await events.close()
             for task_id in set(events.unfinished()) & set(published):
                 await backend.cancel_quietly(task_id, "the request ended before the task")
+            await settle(served_tokens(events.finished))
 
     async def on_close(hung_up: bool) -> None:
         release()
         await events.close()
+        await settle(served_tokens(events.finished))
         if resumable and hung_up:
             return
         why = "the client disconnected" if hung_up else "the stream ended before the task"
@@ -299,6 +307,19 @@ async def _run_task(
             await backend.cancel_quietly(task_id, why)
 
     return EventStream(_relay(head, events, renderer, observers, claim), on_close)
+
+
+Settle = Callable[[int], Awaitable[None]]
+
+
+async def _no_settle(tokens: int) -> None:
+    return None
+
+
+def served_tokens(finished: TaskFinished | None) -> int:
+    """What a request served, for fair sharing: its prompt and completion tokens."""
+    usage = finished.usage if finished is not None else None
+    return usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
 
 
 async def _open_events(backend: Backend, tasks: Sequence[Task], deadline: float) -> Events:

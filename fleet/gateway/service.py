@@ -4,6 +4,7 @@ small lookups every route makes (model cards, images named in requests, task ids
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -22,13 +23,17 @@ from fleet.gateway.backend import Backend
 from fleet.gateway.bodies import image_reference
 from fleet.gateway.capacity import Capacity
 from fleet.gateway.catalogue import Catalogue, ModelState, Unavailable, model_states, refuses_task
+from fleet.gateway.fair_share import BUCKET as FAIRNESS_BUCKET
+from fleet.gateway.fair_share import FairShare, Ticket
 from fleet.gateway.idempotency_seed import SEED
 from fleet.gateway.observability import GatewayMetrics
-from fleet.gateway.priority import priority_of, stamped
+from fleet.gateway.priority import OPEN, priority_of, stamped
 from fleet.gateway.relay import Renderer, run_task
 from fleet.wire.cluster import ModelCard
 from fleet.wire.records import TaskApi, TaskRecord
 from fleet.wire.tasks import Task
+
+log = logging.getLogger(__name__)
 
 
 def new_task_id(prefix: str) -> str:
@@ -48,6 +53,7 @@ class Gateway:
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     capacity: Capacity = field(init=False)
     catalogue: Catalogue = field(init=False)
+    fair: FairShare | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.capacity = Capacity(
@@ -89,6 +95,26 @@ class Gateway:
         if not owned or not await self.backend.has_image(reference):
             raise InvalidRequest(f"image {reference} is not stored in this fleet")
         return reference
+
+    async def fair_turn(self, request: Request, tasks: Sequence[Task]) -> Ticket | None:
+        """Wait for the tenant's turn in its task's (model, class) (fleet.gateway.fair_share);
+        None on an open gateway (no tenants to be fair among)."""
+        tenant = tenant_of(request)
+        if tenant is None:
+            return None
+        nc = self.backend.nc
+        if self.fair is None or self.fair.nc is not nc:  # first use, or a new connection
+            if nc is None:
+                return None
+            try:
+                self.fair = FairShare(nc, await self.backend._bucket(FAIRNESS_BUCKET))
+            except Exception as exc:  # an older fleet without the bucket: unfair, not down
+                log.warning("fair tenants not applied: %s", exc)
+                return None
+        policy = request.scope.get("state", {}).get("policy") or OPEN
+        estimate = sum(getattr(task, "max_tokens", 0) or 0 for task in tasks)
+        return await self.fair.admit(tasks[0].model, tasks[0].priority, tenant,
+                                     policy.weight, estimate)
 
     async def model_states(self) -> dict[str, ModelState] | None:
         """Placement and readiness per model, or None while NATS cannot tell."""
@@ -144,6 +170,8 @@ class Gateway:
         asked = TaskRecord(tenant=tenant_of(request), api=api, model=tasks[0].model,
                            created=int(time.time()), logprobs=logprobs,
                            include_usage=include_usage)
+        # Within its class, a tenant ahead of the others waiting is held here.
+        ticket = await self.fair_turn(request, tasks)
         response = await run_task(
             self.backend,
             self.metrics,
@@ -156,6 +184,7 @@ class Gateway:
             records=task_records(asked, [task.task_id for task in tasks], echo),
             tenant=tenant_of(request),
             capacity=self.capacity,
+            settle=ticket.settle if ticket is not None else None,
         )
         response.headers.update(task_id_headers([task.task_id for task in tasks]))
         return response

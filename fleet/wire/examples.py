@@ -11,6 +11,7 @@ from fleet.wire import (
     batches,
     cluster,
     events,
+    fairness,
     handoff,
     pipe,
     prefixes,
@@ -143,6 +144,7 @@ def examples() -> dict[str, BaseModel]:
             path="/v1/chat/completions", fingerprint="ab" * 32, seed="Xk3pQz9RfL2mYv8T",
             created_at=1764495000.0,
         ),
+        "tenant_share": fairness.TenantShare(counter=1840.5, waiting=3, at=1764495000.0),
         "task_record": records.TaskRecord(
             tenant="team-a", api="chat.completions", model="smollm2-135m", created=1764495000,
             choices=["chatcmpl-x-0", "chatcmpl-x-1"], include_usage=True,

@@ -13,6 +13,7 @@ from fleet.wire import (
     cluster,
     codec,
     events,
+    fairness,
     handoff,
     pipe,
     prefixes,
@@ -50,6 +51,7 @@ FAMILIES: dict[str, TypeAdapter[Any]] = {
     "batch-lease": TypeAdapter(batches.BatchLease),
     "idempotency-record": TypeAdapter(batches.IdempotencyRecord),
     "image-upload-reply": uploads.UPLOAD_REPLY,
+    "tenant-share": TypeAdapter(fairness.TenantShare),
 }
 
 _SUBJECTS = {
@@ -75,6 +77,7 @@ _SUBJECTS = {
     "batch-lease": "KV FLEET_BATCH_LEASES, key = batch id (present while the job is not done)",
     "idempotency-record": "KV FLEET_IDEMPOTENCY, key = <tenant>.<sha256 of the key>",
     "image-upload-reply": "the reply to a request on fleet.images.put (whose body is the image)",
+    "tenant-share": "KV FLEET_FAIRNESS, key = <model>.<class>.<tenant>",
 }
 
 

@@ -233,6 +233,13 @@ async def _batch_jobs(p: Probe) -> None:
     await p.js.publish(f"fleet.batches.by-{p.role}.0", b"{}")
 
 
+async def _fair_share(p: Probe) -> None:
+    kv = await p.js.key_value("FLEET_FAIRNESS")
+    await kv.put(f"m.default.by-{p.role}", b"{}")
+    await kv.get(f"m.default.by-{p.role}")
+    await p.subscribed("$KV.FLEET_FAIRNESS.m.default.*")
+
+
 async def _set_deadline(p: Probe) -> None:
     await p.js.publish(f"fleet.deadlines.{MODEL}.probe-{p.role}", b"", headers={"Nats-TTL": "60s"})
 
@@ -299,6 +306,7 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "claim_task_id": _claim_task_id,
     "tenant_records": _tenant_records,
     "batch_jobs": _batch_jobs,
+    "fair_share": _fair_share,
     "expire_deadlines": _expire_deadlines,
     "set_deadline": _set_deadline,
     "hand_off_task": _hand_off_task,

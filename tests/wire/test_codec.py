@@ -20,6 +20,7 @@ from fleet.wire.ask import AskReply
 from fleet.wire.batches import BatchLease, BatchRecord, BatchResult, FileRecord, IdempotencyRecord
 from fleet.wire.codec import DecodeError, decode_model, decode_with, encode
 from fleet.wire.examples import NATS_CLI_TASK, examples
+from fleet.wire.fairness import TenantShare
 from fleet.wire.handoff import HandOffAnswer, TaskHandOff
 from fleet.wire.prefixes import PrefixSummary
 from fleet.wire.records import TaskRecord
@@ -69,7 +70,7 @@ def test_every_example_round_trips_through_each_union_that_holds_it(stem: str) -
         cluster.RunnerRecord, pipe.RunnerSpec, events.TaskRefused, events.TaskFence,
         PrefixSummary,
         TaskHandOff, HandOffAnswer, StepPlan, TaskRecord,
-        FileRecord, BatchRecord, BatchResult, BatchLease, IdempotencyRecord,
+        FileRecord, BatchRecord, BatchResult, BatchLease, IdempotencyRecord, TenantShare,
     }
     assert unions or standalone, f"{stem}: no union and no standalone family decodes it"
 

@@ -1,0 +1,106 @@
+"""Fair tenants at admission against a real nats-server: two FairShare objects stand for two
+gateway replicas sharing KV FLEET_FAIRNESS. A tenant ahead of a waiting one is held until
+the other is charged; a run where A asks 10x as often as B gives B about its weight."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+
+from fleet.bus.embedded import EmbeddedNats
+from fleet.bus.fairness import shares
+from fleet.bus.provision import provision
+from fleet.gateway.fair_share import BUCKET, FairShare, backlogged, tenant_token
+from fleet.wire.fairness import TenantShare
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+async def replicas(tmp_path: Path) -> AsyncIterator[tuple[FairShare, FairShare]]:
+    with EmbeddedNats(tmp_path / "nats", port=0) as server:
+        nc = Client()
+        await nc.connect(server.url)
+        try:
+            await provision(nc)
+            kv = await nc.jetstream().key_value(BUCKET)
+            nc2 = Client()
+            await nc2.connect(server.url)
+            one, two = FairShare(nc, kv, quantum=100.0), FairShare(nc2, kv, quantum=100.0)
+            yield one, two
+            await one.close()
+            await two.close()
+            await nc2.close()
+        finally:
+            await nc.close()
+
+
+@pytest.mark.parametrize(("entries", "now", "waiting"), [
+    ({"a": TenantShare(counter=1, waiting=2, at=100.0)}, 110.0, ["a"]),
+    ({"a": TenantShare(counter=1, waiting=0, at=100.0)}, 110.0, []),
+    ({"a": TenantShare(counter=1, waiting=2, at=100.0)}, 161.0, []),  # stale: a dead gateway
+])
+def test_backlogged(entries: dict[str, TenantShare], now: float, waiting: list[str]) -> None:
+    assert backlogged(entries, now) == waiting
+
+
+def test_tenant_token() -> None:
+    assert tenant_token("team-a") == "team-a"
+    assert tenant_token("a.b c").startswith("b64-") and "." not in tenant_token("a.b c")
+
+
+async def test_a_tenant_ahead_waits_for_the_other_across_replicas(
+    replicas: tuple[FairShare, FairShare],
+) -> None:
+    one, two = replicas
+    a = await one.admit("m", "default", "a", 1.0, 0)
+    await a.settle(500)  # A was served 500 tokens; B never
+    b = await two.admit("m", "default", "b", 1.0, 0)  # B waits now (on the other replica)
+    held = asyncio.ensure_future(one.admit("m", "default", "a", 1.0, 0))
+    done, _ = await asyncio.wait([held], timeout=1.5)
+    assert not done  # A is 500 ahead of B, who waits: held
+    await b.settle(450)  # B served: within the quantum of A again
+    second = await asyncio.wait_for(held, 10)
+    await second.settle(0)
+
+
+async def test_a_flooding_tenant_gets_its_weight(replicas: tuple[FairShare, FairShare]) -> None:
+    """A keeps 60 requests going, B 6 (both always backlogged), through one server of 2 slots
+    taking what was admitted in order; 40 tokens each, weights 1 and 3. A floods first, alone
+    (its 60 requests all queue: the slack is its), then B comes: once A's queued requests are
+    served, B's share of the tokens served is near 3/4 (first come, first served: 6/66)."""
+    one, two = replicas
+    served = {"a": 0, "b": 0}
+    weights = {"a": 1.0, "b": 3.0}
+    slots = asyncio.Semaphore(2)  # the worker: admitted requests wait their turn in order
+    stop = asyncio.Event()
+    marks: dict[str, dict[str, int]] = {}
+    done = asyncio.Event()
+
+    async def client(fair: FairShare, tenant: str) -> None:
+        while not stop.is_set():
+            ticket = await fair.admit("m", "batch", tenant, weights[tenant], 40)
+            async with slots:
+                await asyncio.sleep(0.03)  # stands for the engine serving the request
+            served[tenant] += 40
+            await ticket.settle(40)
+            if served["b"] >= 40 * 10:  # A's head start is served: measure from here
+                marks.setdefault("from", dict(served))
+            if served["b"] >= 40 * 50:
+                marks.setdefault("to", dict(served))
+                done.set()
+
+    clients = [asyncio.ensure_future(client(one if i % 2 else two, "a")) for i in range(60)]
+    await asyncio.sleep(0.5)  # A alone for a while (a head start, not a synchronisation)
+    clients += [asyncio.ensure_future(client(two if i % 2 else one, "b")) for i in range(6)]
+    try:
+        await asyncio.wait_for(done.wait(), 90)
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*clients), 60)
+    window = {t: marks["to"][t] - marks["from"][t] for t in served}
+    assert 0.6 < shares(window)["b"] < 0.9, (window, served)
