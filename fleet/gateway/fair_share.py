@@ -114,7 +114,7 @@ class FairShare:
         self.views.clear()
 
     async def _change(self, prefix: str, tenant: str, change: str, tokens: float = 0.0,
-                      weight: float = 1.0) -> bool:
+                      weight: float = 1.0, force: bool = False) -> bool:
         """Compare-and-set one tenant's entry; False only for a `start` that must wait.
         `join`: waiting + 1, lifted to the least waiting counter when it was idle.
         `start`: unless the tenant is held, charge the request's estimate now, so the
@@ -140,7 +140,7 @@ class FairShare:
                     counter=mine.counter if fresh else lift(counters, tenant, waiting)[tenant],
                     waiting=(mine.waiting if fresh else 0) + 1, at=now)
             elif change == "start":
-                if holds(counters, tenant, [*waiting, tenant], self.quantum):
+                if not force and holds(counters, tenant, [*waiting, tenant], self.quantum):
                     return False
                 new = mine.model_copy(update={"at": now, "counter": charge(
                     counters, tenant, int(tokens), weight)[tenant]})
@@ -175,18 +175,11 @@ class FairShare:
             left = deadline - time.monotonic()
             if left <= 0:
                 log.info("fair share: %s held %.0f s, released", prefix, HOLD_MAX_S)
-                await self._force_start(prefix, tenant, estimate, weight)
+                await self._change(prefix, tenant, "start", estimate, weight, force=True)
                 return
             # nothing changed within RECHECK_S: re-read anyway, for entries gone stale
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), min(RECHECK_S, left))
-
-    async def _force_start(self, prefix: str, tenant: str, estimate: int, weight: float) -> None:
-        quantum, self.quantum = self.quantum, float("inf")
-        try:
-            await self._change(prefix, tenant, "start", estimate, weight)
-        finally:
-            self.quantum = quantum
 
     async def admit(
         self, model: str, priority: str, tenant: str, weight: float, estimate: int
