@@ -82,6 +82,7 @@ class TaskPuller:
         served = self.last_served.setdefault(model, dict.fromkeys(CLASSES, now))
         got: list[Msg] = []
         turns = []
+        failed = False
         try:
             for turn in pull_order(served, now):
                 if only is not None and turn.priority != only:
@@ -89,9 +90,22 @@ class TaskPuller:
                 wanted = min(quota(turn, batch - len(got), reserve), batch - len(got))
                 if wanted <= 0:
                     continue
-                turns.append(turn)
                 served[turn.priority] = now  # it had its turn: not starved
-                got += await self._pull(model, turn.priority, wanted, None)
+                try:
+                    got += await self._pull(model, turn.priority, wanted, None)
+                except Exception as exc:
+                    # One class's consumer unreachable (its leader paused or electing) must not
+                    # stop the others: a fault test saw a worker pull nothing for seconds so.
+                    log.warning("fetch of %s's %s class failed: %s", model, turn.priority,
+                                type(exc).__name__ + f" {exc}".rstrip())
+                    failed = True
+                    continue
+                turns.append(turn)
+            if failed:
+                await self._recover(model)
+                if not got:
+                    await asyncio.sleep(ERROR_PAUSE_S)  # pacing a retry after a broker error
+                return got
             if not got and turns:
                 # A class held back by the reserve (batch) waits for a slot to free, which
                 # this pull cannot see: wait briefly, so the next pull can give it that slot.

@@ -63,6 +63,11 @@ OUT_PAUSE = Load(tasks=150, tokens=1000, delay_ms=10) if LONG else Load(
     tasks=40, tokens=400, delay_ms=15)
 OUT_PAUSE_S = 20.0 if LONG else 8.0
 SEAM_AT_S, WORKER_PAUSE_S = 1.0, 4.0  # a worker paused past a 2 s AckWait, in the election
+# The seam case: fewer tasks than slots, so the worker that stays up has free slots to take the
+# paused worker's tasks when AckWait runs out (with every slot full it took none while
+# FLEET_OUT elected: its own tasks could not end, and the seam was not exercised).
+SEAM = Load(tasks=24, tokens=3000, delay_ms=10, slots=16) if LONG else Load(
+    tasks=12, tokens=1200, delay_ms=15, slots=8)
 # Long streams on 2 x 6 slots, then new tasks into the 4 free slots while a KV leader is away.
 # The streams outlast the pause (20 s at CI size, 60 s at the issue's), so it is resumed while
 # they still stream.
@@ -219,7 +224,7 @@ async def test_out_leader_paused_with_takeovers_leaves_no_gap_at_a_seam(
     attempts' last events are lost, late or refused. Every task still ends `completed`, read in
     index order 0..n-1 once each (a continuation resumes at the first hole and supersedes what
     the old attempt stored past it; tests/bus/test_task_log.py forces that hole)."""
-    run = fault_run(cluster_broker, OUT_PAUSE, 3)
+    run = fault_run(cluster_broker, SEAM, 3)
     meta = await meta_leader(cluster_broker)  # JetStream's API must stay up: not that one
     paused, node = next((n, s) for n, s in cluster_broker.nodes.items() if n != meta)
     run.avoid = paused
@@ -256,7 +261,7 @@ async def test_out_leader_paused_with_takeovers_leaves_no_gap_at_a_seam(
     check(report, replicas=3)
     assert taken > 0, "no task was taken over: the seam was not exercised"
     assert report.counts.output_lost == 0, describe(report.counts)
-    assert report.counts.completed == OUT_PAUSE.tasks, describe(report.counts)
+    assert report.counts.completed == SEAM.tasks, describe(report.counts)
     await read_in_index_order(run)
 
 

@@ -12,13 +12,15 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
+from fleet.bus.connect import js_publish
 from fleet.config import Settings
 from fleet.wire import subjects
 from fleet.wire.cluster import ModelCard
-from fleet.wire.events import ErrorReason, TaskAccepted
+from fleet.wire.events import ErrorReason, TaskAccepted, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from fleet.worker.main import Worker
 from fleet.worker.state import PendingTask, TaskQueued
@@ -123,37 +125,50 @@ async def test_a_child_loop_that_ends_is_restarted_and_logged(
 async def test_a_task_waiting_for_a_slot_past_ack_wait_is_delivered_once(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
-    """One slot. A crashes its runner; B, published as A ends, is fetched by the pull that
-    A's end started and waits for the runner's restart (backoff + a 5 s load) - longer than
-    AckWait (2 s). Its in_progress heartbeats keep it: a second consumer on the same durable
-    gets nothing, and B runs once, delivery 1."""
-    worker = start_worker(
-        "w", FLEET_ACK_WAIT_S=str(ACK_WAIT_S), FLEET_FAULT_LOAD_MS="5000", FLEET_SLOTS="1"
-    )
+    """One slot. A batch task still prefilling yields it to an interactive one (preemption) and
+    waits on the worker, its message held, while the interactive task streams for longer than
+    AckWait (2 s). Its in_progress beats keep it: a second consumer on the batch durable gets
+    nothing, and it runs once, delivery 1, nothing redelivered.
+
+    (This test once made the wait with a runner crash and a pull racing the runner's exit:
+    whether the pull came first depended on the load, so the task was sometimes never held.)"""
+    worker = start_worker("w", FLEET_ACK_WAIT_S=str(ACK_WAIT_S), FLEET_SLOTS="1")
     card = add_fault_card(worker.data_dir)
     nc = await client(nats_url)
     await place_and_wait(nc, card, await wait_node(nc, worker.data_dir), slots=1)
-    a, b = fault_task("a", "tokens:50 delay_ms:50 crash_after:2"), fault_task("b", "tokens:3")
-    b_events = asyncio.create_task(events_of(nc, b.task_id, timeout=90))
-    assert finished(await run_task(nc, a, timeout=60)).status == "failed"
-    await submit(nc, b)  # the runner is dead or dying: B cannot start before its restart
+    line = fault_task("line", "tokens:3 first_token_ms:8000 delay_ms:10")
+    line = line.model_copy(update={"priority": "batch"})
+    chat = fault_task("chat", f"tokens:{int(4 * ACK_WAIT_S / 0.05)} delay_ms:50")  # ~4 AckWaits
+    chat = chat.model_copy(update={"priority": "interactive"})
+    line_events = asyncio.create_task(events_of(nc, line.task_id, timeout=120))
+    chat_events = asyncio.create_task(events_of(nc, chat.task_id, timeout=120))
     js = nc.jetstream()
-    durable = subjects.durable("fault-llm")
-    async with asyncio.timeout(20):  # until the worker holds B (delivered, not acked)
+    await js_publish(js, subjects.tasks("fault-llm", "batch"), line, msg_id=line.task_id)
+    durable = subjects.durable("fault-llm", "batch")
+    async with asyncio.timeout(30):  # until the worker holds the line (delivered, not acked)
         while True:
-            info = await js.consumer_info(subjects.TASKS_STREAM, durable)
-            if info.num_pending == 0 and info.num_ack_pending == 1:
-                break
+            try:
+                info = await js.consumer_info(subjects.TASKS_STREAM, durable)
+            except nats.js.errors.NotFoundError:
+                pass  # the worker makes a class's durable at its first pull of that class
+            else:
+                if info.num_pending == 0 and info.num_ack_pending == 1:
+                    break
             await asyncio.sleep(0.1)  # polling the consumer's state, bounded
+    await js_publish(js, subjects.tasks("fault-llm", "interactive"), chat, msg_id=chat.task_id)
     rival = await js.pull_subscribe_bind(durable, stream=subjects.TASKS_STREAM)
     with pytest.raises(nats.errors.TimeoutError):
         await rival.fetch(1, timeout=3 * ACK_WAIT_S)  # a redelivery would land here
     await rival.unsubscribe()
-    events = await b_events
+    chat_done, events = finished(await chat_events), await line_events
+    assert chat_done.status == "completed"
     assert finished(events).status == "completed"
-    [accepted] = [e for e in events if isinstance(e, TaskAccepted)]
-    assert accepted.delivery == 1
-    assert accepted.queue_wait_s > ACK_WAIT_S  # it did wait for the slot past AckWait
+    accepted = [e for e in events if isinstance(e, TaskAccepted)]
+    assert accepted and {e.delivery for e in accepted} == {1}, accepted
+    # It did wait on the worker past AckWait: its first token came after the chat's end.
+    first_token = min(e.at for e in events if isinstance(e, TokenChunk))
+    assert first_token - accepted[0].at > 2 * ACK_WAIT_S, (first_token, accepted)
+    assert first_token >= chat_done.at
     info = await js.consumer_info(subjects.TASKS_STREAM, durable)
     assert info.num_redelivered == 0
     await nc.close()
