@@ -80,10 +80,12 @@ class CancelSeen:
 
 @dataclass(frozen=True)
 class RunnerReported:
-    """One report a runner wrote on its pipe."""
+    """One report a runner wrote on its pipe; `frame`: its bytes as written, kept for a
+    report the worker publishes unchanged (fleet.worker.outputs.published_as_written)."""
 
     runner_id: str
     report: RunnerReport
+    frame: bytes | None = None
 
 
 @dataclass(frozen=True)

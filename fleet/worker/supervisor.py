@@ -35,6 +35,7 @@ from fleet.wire.pipe import (
 )
 from fleet.wire.runners import RunnerFailed, RunnerShutdown, RunnerStatus
 from fleet.worker.inbox import Inbox, RunnerExited, RunnerReported
+from fleet.worker.outputs import published_as_written
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,8 @@ class RunnerProcess:
             while (body := await read_frame(self._process.stdout)) is not None:
                 report = decode_report(body)
                 self._observe(report)
-                self._reports.put_nowait(RunnerReported(self.runner_id, report))
+                frame = body if published_as_written(report) else None
+                self._reports.put_nowait(RunnerReported(self.runner_id, report, frame))
         except (FrameError, DecodeError) as exc:
             log.error("runner %s wrote an invalid frame (%s): killing it", self.runner_id, exc)
             self._process.kill()

@@ -54,7 +54,7 @@ class Output:
     def __init__(self) -> None:
         self.sent: list[OutputEvent] = []
 
-    async def chunk(self, event: OutputEvent) -> None:
+    async def chunk(self, event: OutputEvent, body: bytes | None = None) -> None:
         self.sent.append(event)
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from fleet.runner.fault_engine import fault_card
 from fleet.wire.cluster import ModelCard
+from fleet.wire.codec import encode
 from fleet.wire.events import ErrorReason, TaskFinished, TokenChunk
 from fleet.wire.pipe import (
     ConnectToGroup,
@@ -66,6 +67,7 @@ class Runner:
         self.process = process
         self._reports = reports
         self.seen: list[Any] = []
+        self.frames: list[tuple[Any, bytes | None]] = []  # each report and the bytes it kept
 
     async def until(self, done: Callable[[Any], bool]) -> list[Any]:
         """Reports up to and including the first one for which `done` holds."""
@@ -74,6 +76,8 @@ class Runner:
             item = await asyncio.wait_for(self._reports.get(), WAIT_S)
             assert item.runner_id == "run-1"
             report = item.report if isinstance(item, RunnerReported) else item
+            if isinstance(item, RunnerReported):
+                self.frames.append((report, item.frame))
             if isinstance(report, SpanBatch):
                 continue  # telemetry, interleaved; tests/runner/test_spans.py checks it
             got.append(report)
@@ -153,6 +157,12 @@ async def test_lifecycle_one_task_and_a_clean_stop(runner: Runner, log_path: Pat
         "task_finished",
     ]
     assert task[-1].status == "completed" and task[-1].runner_id == "run-1"
+    # A token event keeps the runner's bytes, which the worker publishes as they are: the
+    # very bytes re-encoding it gave. Nothing else keeps them.
+    kept = [(report, frame) for report, frame in runner.frames if frame is not None]
+    assert kept and all(isinstance(report, TokenChunk) for report, _ in kept)
+    assert all(frame == encode(report) for report, frame in kept)
+    assert len(kept) == len([r for r, _ in runner.frames if isinstance(r, TokenChunk)])
     assert await runner.until_status("ready")
     assert await runner.process.stop(timeout=WAIT_S) == 0
     assert statuses(await runner.until_exit()) == ["shutting_down", "shutdown"]
