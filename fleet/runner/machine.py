@@ -15,10 +15,11 @@ fails the runner, and the worker restarts it into a state both sides agree on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from fleet.errors import TaskRejected
@@ -117,15 +118,18 @@ class RunnerMachine:
         match command, self.state:
             case ConnectToGroup(), RunnerIdle():
                 self._become(RunnerConnecting())
-                self._connect()
+                with _timed("joined its group" if self._spec.group else "connected"):
+                    self._connect()
                 self._become(RunnerConnected())
             case LoadModel(), RunnerConnected():
                 self._become(RunnerLoading(layers_total=self._spec.card.n_layers))
-                self._engine.load(self._loading)
+                with _timed("loaded the model"):
+                    self._engine.load(self._loading)
                 self._become(RunnerLoaded())
             case WarmUp(), RunnerLoaded():
                 self._become(RunnerWarmingUp())
-                self._engine.warm_up()
+                with _timed("warmed up"):
+                    self._engine.warm_up()
                 self._become(RunnerReady())
             case SubmitTask(task=task), RunnerReady() | RunnerRunning() if (
                 task.task_id in self._in_flight
@@ -259,6 +263,15 @@ class RunnerMachine:
     def _become(self, status: RunnerStatus) -> None:
         self.state = status
         self._emit(RunnerStatusReport(status=status))
+
+
+@contextlib.contextmanager
+def _timed(what: str) -> Iterator[None]:
+    """Log how long a lifecycle step took: a runner's start (a restarted shard's above all)
+    is the sum of these, and the log is where an operator finds which one was slow."""
+    began = time.monotonic()
+    yield
+    log.info("%s in %.2f s", what, time.monotonic() - began)
 
 
 def sampling_seed(task: Task) -> int | None:

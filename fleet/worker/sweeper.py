@@ -120,6 +120,9 @@ class FleetDuties:
         self.leading = asyncio.Event()  # set while the duties run here
         self._duties: asyncio.Task[None] | None = None
         self._sentinel: asyncio.Task[None] | None = None
+        # Set when a dead holder's lease was freed: contend now, not at the next period
+        # (the sentinel's 2 s period was 2 s of a sharded group's seam, issue 24).
+        self._contend_now = asyncio.Event()
 
     async def forever(self) -> None:
         """Until cancelled (a Supervisor child): take or renew the lease every RENEW_S."""
@@ -141,7 +144,10 @@ class FleetDuties:
                     self._duties = None  # failed (logged by _run_duties); started next round
                 watching = await self._sentinel_round(sentinel, kv, sweeping=held)
                 # The lease's periods: renew what is held, contend for the rest.
-                await asyncio.sleep(RENEW_S if held or watching else CONTEND_S)
+                with contextlib.suppress(TimeoutError):  # the period, not synchronisation
+                    await asyncio.wait_for(self._contend_now.wait(),
+                                           RENEW_S if held or watching else CONTEND_S)
+                self._contend_now.clear()
         finally:
             await self._stop_duties()
             await _stop(self._sentinel)
@@ -185,7 +191,8 @@ class FleetDuties:
         or without a sentinel)."""
         self.failover.declare_dead(node)
         if self._leases is not None:  # kept until done (a task nobody holds may be collected)
-            task = started(_free_leases_of(self._leases, node), f"free the leases of {node}")
+            task = started(_free_leases_of(self._leases, node, self._contend_now.set),
+                           f"free the leases of {node}")
             self._freeing.add(task)
             task.add_done_callback(self._freeing.discard)
 
@@ -227,9 +234,9 @@ class FleetDuties:
         self.failover.forget()  # its view of the nodes is stale from here on
 
 
-async def _free_leases_of(kv: KeyValue, node: str) -> None:
+async def _free_leases_of(kv: KeyValue, node: str, on_freed: Callable[[], None]) -> None:
     """Delete each lease `node` holds, by compare-and-set (a renewal or a new holder since
-    wins, and nothing is deleted)."""
+    wins, and nothing is deleted); `on_freed` after each one deleted."""
     for name in (SWEEPER, SENTINEL):
         entry = await kv_get(kv, name, budget_s=RENEW_BUDGET_S)
         if entry is None or entry.value != node.encode():
@@ -240,6 +247,7 @@ async def _free_leases_of(kv: KeyValue, node: str) -> None:
             log.info("lease %s of %s not freed: %s", name, node, exc)
             continue
         log.warning("lease %s of dead node %s freed for another worker", name, node)
+        on_freed()
 
 
 async def _stop(task: asyncio.Task[None] | None) -> None:
