@@ -337,6 +337,12 @@ ACTIONS: tuple[Action, ...] = (
     Action("hand_off_task", "pass a held task message to another node (`fleet.handoff.<node>`)",
            _who("worker"), "it carries the message's ack subject: only workers may send or "
            "receive one"),
+    Action("liveness_probes", "answer and send liveness probes (`fleet.alive.<node>`)",
+           _who("worker"), "every worker answers on its own node's subject while its process "
+           "lives; the holders of the sweeper and sentinel leases probe the others, and 'no "
+           "responders' there declares a node dead (fleet/worker/deathwatch.py): another role "
+           "that could answer there would keep a dead node's tasks waiting for AckWait, and "
+           "one that could send only wastes a worker's answer"),
     Action("batch_jobs", "run batch jobs: files (FLEET_FILES), job records, leases and "
            "idempotency keys (FLEET_BATCHES, FLEET_BATCH_LEASES, FLEET_IDEMPOTENCY), results "
            "(`fleet.batches.<id>.<line>`)", _who("gateway"),

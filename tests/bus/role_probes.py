@@ -256,6 +256,11 @@ async def _hand_off_task(p: Probe) -> None:
     await p.sent("fleet.handoff.probe")
 
 
+async def _liveness_probes(p: Probe) -> None:
+    await p.subscribed("fleet.alive.probe")
+    await p.sent("fleet.alive.probe")
+
+
 def _another_role(role: str) -> str:
     return "client" if role == "worker" else "worker"
 
@@ -310,6 +315,7 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "expire_deadlines": _expire_deadlines,
     "set_deadline": _set_deadline,
     "hand_off_task": _hand_off_task,
+    "liveness_probes": _liveness_probes,
     "own_inbox": lambda p: p.subscribed(f"{inbox_prefix(p.role)}.probe.>"),
     "all_inboxes": lambda p: p.subscribed("_INBOX.>"),
     "other_inbox": lambda p: p.subscribed(f"{inbox_prefix(_another_role(p.role))}.>"),
