@@ -29,6 +29,7 @@ from fleet.gateway.backend import Backend
 from fleet.gateway.capacity import Capacity
 from fleet.gateway.errors import counted_error_response, error_body
 from fleet.gateway.observability import GatewayMetrics, TaskObserver
+from fleet.gateway.token_runs import MAX_RUN, joins, mergeable, merged
 from fleet.wire.events import (
     ErrorChunk,
     ImageChunk,
@@ -113,28 +114,47 @@ class EventStream(StreamingResponse):
             await self.on_close(hung_up)
 
 
+def merges_tokens(renderer: Renderer) -> bool:
+    """Whether the renderer takes token events that arrived together as one
+    (fleet.gateway.token_runs): a renderer says so with `merges_tokens = True`."""
+    return getattr(renderer, "merges_tokens", False) is True
+
+
 async def _relay(
     head: list[Indexed], events: Events, renderer: Renderer, observers: Observers,
     claim: Claim,
 ) -> AsyncIterator[bytes]:
     loop = asyncio.get_running_loop()
     last_error: ErrorChunk | None = None
+    merging = merges_tokens(renderer)
 
-    async def each() -> AsyncIterator[Indexed]:
-        for item in head:
-            yield item
+    async def each() -> AsyncIterator[tuple[Indexed, bool]]:
+        """Each item, and whether the next one is here already (reading it will not wait)."""
+        for n, item in enumerate(head):
+            yield item, n + 1 < len(head) or events.ready()
         async for item in events:
-            yield item
+            yield item, events.ready()
 
     for line in renderer.opening():
         yield line
     # The SSE lines of events that arrived together leave in one write (one ASGI send):
-    # at GPU rates a response writes per batch of events, not per event.
+    # at GPU rates a response writes per batch of events, not per event. Token events that
+    # arrived together are rendered as one, for a renderer that takes them so.
     pending: list[bytes] = []
+    run: list[Indexed] = []
     try:
-        async for item in each():
+        async for item, more in each():
             observers.see(item.event, loop.time())
             await claim(item)
+            if merging:
+                if run and not joins(run[-1], item):
+                    pending += await renderer.lines(merged(run))
+                    run = []
+                if mergeable(item):
+                    run.append(item)
+                    if more and len(run) < MAX_RUN:
+                        continue
+                    item, run = merged(run), []
             if isinstance(item.event, ErrorChunk):
                 last_error = item.event
             finished = item.event if isinstance(item.event, TaskFinished) else None
@@ -144,11 +164,15 @@ async def _relay(
                     yield out
                 return
             pending += await renderer.lines(item)
-            if pending and (len(pending) >= MAX_LINES_A_WRITE or not events.ready()):
+            if pending and (len(pending) >= MAX_LINES_A_WRITE or not more):
                 yield b"".join(pending)
                 pending.clear()
+        if run:  # a reader ends after a terminal, which no run holds: kept for safety
+            pending += await renderer.lines(merged(run))
     except FleetError as exc:  # deadline, NATS gone: the headers are out, so say it in-band
         observers.metrics.error(exc.code)
+        if run:
+            pending += await renderer.lines(merged(run))
         if out := b"".join([*pending, *renderer.failed(exc)]):
             yield out
         return

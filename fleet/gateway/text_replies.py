@@ -258,6 +258,9 @@ class _TextRenderer:
     `id:`: event indexes are per task, and a resumable stream has one choice."""
 
     kind = ""
+    # Token events that arrived together render as one chunk (fleet.gateway.token_runs): a
+    # chunk's text is any piece of the answer, and its `id:` the last event it covers.
+    merges_tokens = True
 
     def __init__(self, reply: Reply) -> None:
         self.reply = reply
