@@ -124,6 +124,10 @@ class Settings:
     ring_port: int = setting(
         0, groups=_W,
         help="TCP port of this node's shard runner in a ring (0: a free one at start)")
+    standby_runner: bool = setting(
+        True, groups=_W,
+        help="keep a runner process with mlx-lm imported, waiting, on a node with no model or "
+        "with a shard of one, so a runner moved or restarted there skips ~10 s of imports")
     input_wait_s: float = setting(
         10.0, groups=_W, help="seconds a task waits for a missing input image")
     # One delivery more than the first plus max_continuations (3): a task whose worker dies

@@ -44,3 +44,13 @@ def enable_openblas() -> str | None:
             _loaded = description
             return description
     return None
+
+
+def set_openblas_threads(threads: int) -> bool:
+    """Set the loaded OpenBLAS's thread count (a standby runner loaded it before it knew how
+    many runners would share the node); False where none was loaded by `enable_openblas`."""
+    if _loaded is None or threads <= 0:
+        return False
+    path = next(p for name, p in OPENBLAS_CANDIDATES if name == _loaded and p.exists())
+    ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL).openblas_set_num_threads(threads)
+    return True

@@ -13,6 +13,8 @@ Closed stdin means the worker is gone: shut down and exit.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import json
 import logging
 import os
 import queue
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from fleet.models.blas import set_openblas_threads
 from fleet.runner.coalesce import TokenCoalescer
 from fleet.runner.engine import Engine, EngineConfig, GroupLost
 from fleet.runner.fault_engine import FAULT_FAMILY, FaultEngine
@@ -43,7 +46,7 @@ from fleet.wire.pipe import (
     Shutdown,
     SpanBatch,
 )
-from fleet.wire.runners import RunnerFailed, RunnerReady
+from fleet.wire.runners import RunnerFailed, RunnerIdle, RunnerReady
 from fleet.wire.tasks import CancelTask
 
 log = logging.getLogger("fleet.runner")
@@ -228,8 +231,9 @@ def _traced(spec: RunnerSpec) -> RunnerSpans:
     return RunnerSpans(spec, buffer)
 
 
-def run_runner(spec_json: str) -> int:
-    frames = _claim_stdout()
+def run_runner(spec_json: str, frames: BinaryIO | None = None) -> int:
+    """`frames`: stdout already claimed (a standby claims it before its imports)."""
+    frames = frames or _claim_stdout()
     # The worker decides when a runner stops; a Ctrl-C meant for the terminal's foreground
     # process group must not kill runners mid-task behind the worker's back.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -312,5 +316,29 @@ def exit_runner(code: int) -> None:
     os._exit(code)
 
 
+STANDBY = "--standby"
+
+
+def run_standby() -> int:
+    """A runner started before it has a job (fleet.worker.standby): do a text runner's slow
+    imports (mlx-lm, transformers) now, then wait on stdin for one frame, `{"spec", "env"}`,
+    and run as `run_runner` would. A closed stdin before it: the worker dropped it."""
+    frames = _claim_stdout()  # before the imports: nothing they print may reach the frames
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _use_openblas()
+    importlib.import_module("fleet.runner.lockstep")  # the slow imports (and fleet.runner.text)
+    FrameWriter(frames).write(RunnerStatusReport(status=RunnerIdle()))  # warm: the worker knows
+
+    with open(0, "rb", buffering=0, closefd=False) as stdin:  # unbuffered: reads one frame
+        body = FrameReader(stdin).read()
+    if body is None:
+        return 0
+    job = json.loads(body)
+    os.environ.update(job["env"])
+    # OpenBLAS read its thread count when the standby loaded it; the job's may differ.
+    set_openblas_threads(int(job["env"].get("OPENBLAS_NUM_THREADS") or 0))
+    return run_runner(job["spec"], frames)
+
+
 if __name__ == "__main__":
-    exit_runner(run_runner(sys.argv[1]))
+    exit_runner(run_standby() if sys.argv[1] == STANDBY else run_runner(sys.argv[1]))

@@ -151,6 +151,11 @@ class NodeInfo(Wire):
         "(mx.distributed); null: this node takes no shards",
     )
     blas: str | None = None
+    standby_runner: bool = Field(
+        default=False,
+        description="A runner process with a text runner's imports done waits here for a job: "
+        "a runner started here skips them (fleet/worker/standby.py)",
+    )
     held_acks: list[str] = Field(
         default_factory=list,
         description="Ack subjects of the FLEET_TASKS deliveries this node holds: the sweeper "

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,8 @@ class ClusterLink:
         # What the models dir holds, scanned when a model comes or goes (not per heartbeat).
         self.on_disk: set[str] = set()
         self.held: list[Held] = []
+        # Whether a warm standby runner waits here (set by the RunnerPool, which holds it).
+        self.standby_warm: Callable[[], bool] = lambda: False
 
     async def start(self, supervisor: Supervisor | None = None) -> None:
         """Register this node and start its loops as children of `supervisor` (each restarted
@@ -184,6 +187,7 @@ class ClusterLink:
             self.node_id, self.started_at, sorted(self.on_disk), sorted(self.records), self.blas,
             available, room, memory_limit=self.settings.memory_limit,
             memory_placed=self.memory_placed_here(), ring_address=self.ring_address,
+            standby_runner=self.standby_warm(),
         )
 
     async def restart_group(self, instance_id: str, layout: tuple[object, ...]) -> None:

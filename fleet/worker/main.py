@@ -209,6 +209,7 @@ class Worker:
         self.reports.plan_due = False
         while (action := rules.plan(self.state, time.time())) is not None:
             await self._act(action)
+        self.runners.tend_standby(self.state)
 
     async def handle(self, item: InboxItem) -> None:
         match item:

@@ -51,6 +51,7 @@ def node_info(
     memory_limit: int = 0,
     memory_placed: int = 0,
     ring_address: str | None = None,
+    standby_runner: bool = False,
 ) -> NodeInfo:
     """`memory_limit` (bytes, 0: none) caps what the node offers: the limit less
     `memory_placed`, what the models placed here take, when that is less than what is free."""
@@ -71,6 +72,7 @@ def node_info(
         runners=runners,
         ring_address=ring_address,
         blas=blas,
+        standby_runner=standby_runner,
         started_at=started_at,
         at=time.time(),
     )

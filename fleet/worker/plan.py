@@ -15,7 +15,7 @@ from fleet.worker.preemption import Preempt, preempt, pull_to_preempt
 from fleet.worker.priority import reserve_for
 from fleet.worker.routes import routes, waits_for_a_full_runner
 from fleet.worker.routing import Wait
-from fleet.worker.state import WorkerState, group_layout
+from fleet.worker.state import WorkerState, group_layout, ranks_of
 from fleet.worker.supervisor import compute_backoff
 
 RESTART_BASE_S = 1.0
@@ -121,6 +121,8 @@ def spawn_runner(state: WorkerState, now: float) -> Action | None:
         if instance.instance_id in state.starting or state.runner_for(instance.instance_id):
             continue
         failure = state.failures.get(instance.instance_id)
+        if failure and failure.ranks != ranks_of(group_layout(instance)):
+            failure = None  # its group broke because a rank moved: restart into it at once
         wait = compute_backoff(failure.attempts, RESTART_BASE_S, RESTART_CAP_S) if failure else 0
         if failure and now < failure.last_at + wait:
             continue

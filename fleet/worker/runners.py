@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from pathlib import Path
@@ -27,7 +28,20 @@ from fleet.wire.ring import GroupSpec
 from fleet.wire.runners import RunnerDownloading, RunnerFailed
 from fleet.worker.inbox import Inbox, RunnerExited
 from fleet.worker.runner_env import runner_env
-from fleet.worker.state import RunnerSpawned, RunnerStartFailed, RunnerView, group_layout
+from fleet.worker.standby import (
+    StandbyRunner,
+    runners_starting,
+    standby_fits,
+    standby_may_start,
+    standby_wanted,
+)
+from fleet.worker.state import (
+    RunnerSpawned,
+    RunnerStartFailed,
+    RunnerView,
+    WorkerState,
+    group_layout,
+)
 from fleet.worker.supervisor import RunnerNotRunning, RunnerProcess
 
 if TYPE_CHECKING:
@@ -74,6 +88,12 @@ class RunnerPool:
         self.processes: dict[str, RunnerProcess] = {}
         self.stopping: set[str] = set()
         self.building = asyncio.Lock()
+        self.standby: StandbyRunner | None = None  # fleet.worker.standby
+        self._standby_busy = False  # a standby's start or discard is under way
+        self._standby_broken = False  # one ended by itself: its imports fail here
+        self._last_starting = -math.inf  # monotonic: when a runner here was last seen starting
+        if cluster is not None:
+            cluster.standby_warm = lambda: self.standby is not None and self.standby.warm
 
     def spawn(self, instance: Instance, card: ModelCard | None) -> None:
         """Prepare weights (a first SmolLM2 conversion takes seconds) off the loop, then start."""
@@ -85,7 +105,8 @@ class RunnerPool:
                 raise LookupError(f"no model card {instance.model!r} on this node")
             group = group_spec(instance, self.node_id)
             path = await self._prepare(instance, card)
-            runner_id = f"run-{uuid.uuid4().hex[:10]}"
+            standby = self._take_standby(card)
+            runner_id = standby.runner_id if standby else f"run-{uuid.uuid4().hex[:10]}"
             slots = 1 if card.is_image else instance.slots
             spec = RunnerSpec(
                 runner_id=runner_id, instance_id=instance.instance_id, node_id=self.node_id,
@@ -101,7 +122,7 @@ class RunnerPool:
                 | {"FLEET_VISION_CACHE_MB": str(self.settings.vision_cache_mb)},
                 log_path=logs / f"{runner_id}.log",
             )
-            await process.start(self.owner)
+            await process.start(self.owner, standby)
         except Exception as exc:
             log.error("cannot start a runner for %s: %s", instance.instance_id, exc)
             self.inbox.put_nowait(RunnerStartFailed(instance.instance_id, time.time()))
@@ -112,6 +133,56 @@ class RunnerPool:
             slots=slots, rank=group.rank if group else 0, layout=group_layout(instance),
         )
         self.inbox.put_nowait(RunnerSpawned(view))
+
+    def _take_standby(self, card: ModelCard) -> StandbyRunner | None:
+        standby = self.standby
+        if standby is None or not standby.alive or not standby_fits(card):
+            return None
+        self.standby = None
+        return standby
+
+    def tend_standby(self, state: WorkerState) -> None:
+        """Start a standby runner when this node wants one and holds none; drop one it no
+        longer wants (fleet.worker.standby decides). Called after every change of state."""
+        now = time.monotonic()
+        if runners_starting(state):
+            self._last_starting = now
+        if not self.settings.standby_runner or self._standby_busy:
+            return
+        standby = self.standby
+        if standby is not None and not standby.alive:
+            log.warning("standby runner %s ended by itself (see its log): no more standbys "
+                        "on this node", standby.runner_id)
+            self._standby_broken = True
+        if standby is not None and (not standby.alive or not standby_wanted(state)):
+            self.standby = None
+            self._standby_busy = True
+            self.owner.spawn(f"discard standby {standby.runner_id}", self._discard(standby))
+        elif standby is None and not self._standby_broken and standby_may_start(
+                state, now - self._last_starting):
+            self._standby_busy = True
+            threads = runner_env(max(1, len(state.hosted_instances())))
+            self.owner.spawn("start a standby runner", self._start_standby(threads))
+
+    async def _start_standby(self, env: dict[str, str]) -> None:
+        try:
+            self.standby = await StandbyRunner.start(self.settings.data_dir / "logs", env,
+                                                     on_warm=self._standby_warm)
+        except Exception as exc:
+            log.warning("no standby runner: %s", exc)
+            self._standby_broken = True
+        finally:
+            self._standby_busy = False
+
+    def _standby_warm(self) -> None:
+        if self.cluster is not None:  # heartbeat now: `fleet nodes` and tests see it
+            self.cluster.heartbeat.wake.set()
+
+    async def _discard(self, standby: StandbyRunner) -> None:
+        try:
+            await standby.discard()
+        finally:
+            self._standby_busy = False
 
     def _runners_here(self, instance: Instance) -> int:
         """How many runners this node hosts once `instance`'s runs (its BLAS share)."""
@@ -231,6 +302,10 @@ class RunnerPool:
         return not asked and exited.returncode != 0
 
     async def stop_all(self, timeout: float) -> None:
+        standby, self.standby = self.standby, None
+        self._standby_broken = True  # none is started after this
+        if standby is not None:
+            await standby.discard()
         await asyncio.gather(
             *(p.stop(timeout=timeout) for p in self.processes.values()), return_exceptions=True
         )

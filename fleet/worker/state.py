@@ -133,6 +133,10 @@ class Place(StrEnum):
 class Failure:
     attempts: int
     last_at: float
+    # Where a sharded instance's ranks were when it failed (`ranks_of`): a restart into ranks
+    # placed otherwise since (a dead node's shard moved) is no crash loop, and waits for no
+    # backoff. () for a one-node instance.
+    ranks: tuple[object, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -430,9 +434,21 @@ def _(event: RunnerSpawned, state: WorkerState) -> WorkerState:
     return replace(state, runners=runners, starting=state.starting - {event.runner.instance_id})
 
 
-def _count_failure(state: WorkerState, instance_id: str, at: float) -> dict[str, Failure]:
+def ranks_of(layout: tuple[object, ...]) -> tuple[object, ...]:
+    """A group layout less its generation: where the ranks are. Pure."""
+    return layout[1:]
+
+
+def _count_failure(
+    state: WorkerState, instance_id: str, at: float, ranks: tuple[object, ...] | None = None,
+) -> dict[str, Failure]:
+    """`ranks`: where the failed runner's group was (None: where the instance is now)."""
+    if ranks is None:
+        instance = state.instances.get(instance_id)
+        ranks = ranks_of(group_layout(instance)) if instance else ()
     previous = state.failures.get(instance_id)
-    return {**state.failures, instance_id: Failure((previous.attempts if previous else 0) + 1, at)}
+    attempts = previous.attempts if previous and previous.ranks == ranks else 0
+    return {**state.failures, instance_id: Failure(attempts + 1, at, ranks)}
 
 
 @_apply.register
@@ -467,7 +483,7 @@ def _(event: RunnerGone, state: WorkerState) -> WorkerState:
     runners = {k: v for k, v in state.runners.items() if k != event.runner_id}
     failures = state.failures
     if event.crashed:
-        failures = _count_failure(state, runner.instance_id, event.at)
+        failures = _count_failure(state, runner.instance_id, event.at, ranks_of(runner.layout))
     return replace(state, runners=runners, failures=failures)
 
 

@@ -36,6 +36,7 @@ from fleet.wire.pipe import (
 from fleet.wire.runners import RunnerFailed, RunnerShutdown, RunnerStatus
 from fleet.worker.inbox import Inbox, RunnerExited, RunnerReported
 from fleet.worker.outputs import published_as_written
+from fleet.worker.standby import StandbyRunner
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +109,25 @@ class RunnerProcess:
     def exited(self) -> bool:
         return self._exited
 
-    async def start(self, owner: Owner) -> None:
+    async def start(self, owner: Owner, standby: StandbyRunner | None = None) -> None:
+        """Start the runner's process, or hand its job to `standby` (a process of this
+        runner's id that has done a text runner's imports); a standby that is gone is
+        replaced by a fresh start."""
+        if standby is not None and await standby.hand(self.spec, self._env or {}):
+            self._process = standby.process
+            log.info("runner %s started from its standby, pid %d", self.runner_id,
+                     self._process.pid)
+        else:
+            self._process = await self._spawn()
+            log.info("runner %s started, pid %d", self.runner_id, self._process.pid)
+        self._pump = owner.spawn(f"runner {self.runner_id} reports", self._pump_reports())
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
         env = {**os.environ, **(self._env or {})}
         args = [sys.executable, "-m", "fleet.runner.main", encode(self.spec).decode()]
         stderr = self._log_path.open("ab") if self._log_path else None
         try:
-            self._process = await asyncio.create_subprocess_exec(
+            return await asyncio.create_subprocess_exec(
                 *args,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
@@ -123,8 +137,6 @@ class RunnerProcess:
         finally:
             if stderr is not None:
                 stderr.close()  # the child holds its own copy
-        log.info("runner %s started, pid %d", self.runner_id, self._process.pid)
-        self._pump = owner.spawn(f"runner {self.runner_id} reports", self._pump_reports())
 
     async def send(self, command: RunnerCommand) -> None:
         """Write one command. Raises RunnerNotRunning when the process has exited or its pipe

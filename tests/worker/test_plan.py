@@ -38,7 +38,15 @@ from fleet.worker.plan import (
     StopRunner,
     plan,
 )
-from fleet.worker.state import Failure, PendingTask, RunnerView, WorkerState, apply
+from fleet.worker.state import (
+    Failure,
+    PendingTask,
+    RunnerView,
+    WorkerState,
+    apply,
+    group_layout,
+    ranks_of,
+)
 
 HERE = "node-a"
 THERE = "node-b"
@@ -121,6 +129,21 @@ def world(
 INST = instance()
 READY = runner()
 
+
+def two_shards(rank_1_on: str, generation: int = 0) -> Instance:
+    """inst-s: rank 0 here, rank 1 on `rank_1_on`."""
+    shards = [ShardAssignment(node_id=node, runner_id=f"run-s{rank}", rank=rank, world_size=2,
+                              start_layer=rank * 15, end_layer=rank * 15 + 15,
+                              ring_address=f"{node}:5000")
+              for rank, node in enumerate((HERE, rank_1_on))]
+    return Instance(instance_id="inst-s", model=SMOL, shards=shards, created_at=0.0,
+                    generation=generation)
+
+
+SHARDED = two_shards(THERE)
+# Its rank 1 moved to a spare after the dead node's rank took this node's runner down.
+MOVED = two_shards("node-spare", generation=1)
+
 ROWS = [
     # ---- spawning ----------------------------------------------------------------------
     pytest.param(world([INST]), T0, SpawnRunner(INST), id="spawn-for-hosted-instance"),
@@ -143,6 +166,14 @@ ROWS = [
     pytest.param(world([INST, instance("inst-2")], failures={"inst-1": Failure(1, T0)}), T0,
                  SpawnRunner(instance("inst-2")), id="backoff-of-one-instance-not-another"),
     pytest.param(world([INST], stopping=True), T0, None, id="no-spawn-while-stopping"),
+    pytest.param(world([MOVED], failures={"inst-s": Failure(1, T0, ranks_of(
+        group_layout(SHARDED)))}), T0, SpawnRunner(MOVED),
+                 id="a-rank-moved-since-the-crash-restarts-at-once"),
+    pytest.param(world([MOVED], failures={"inst-s": Failure(1, T0, ranks_of(
+        group_layout(MOVED)))}), T0, None, id="a-crash-in-the-moved-group-backs-off"),
+    pytest.param(world([two_shards(THERE, generation=1)], failures={"inst-s": Failure(
+        1, T0, ranks_of(group_layout(SHARDED)))}), T0, None,
+                 id="a-generation-bump-alone-backs-off"),
     # ---- lifecycle -----------------------------------------------------------------------
     pytest.param(world([INST], [runner(status=RunnerIdle())]), T0,
                  AdvanceRunner("run-1", "connect_to_group"), id="idle-connects-to-group"),
