@@ -32,8 +32,8 @@ from fleet.worker.standby import (
     StandbyRunner,
     runners_starting,
     standby_fits,
+    standby_kept,
     standby_may_start,
-    standby_wanted,
 )
 from fleet.worker.state import (
     RunnerSpawned,
@@ -154,7 +154,7 @@ class RunnerPool:
             log.warning("standby runner %s ended by itself (see its log): no more standbys "
                         "on this node", standby.runner_id)
             self._standby_broken = True
-        if standby is not None and (not standby.alive or not standby_wanted(state)):
+        if standby is not None and (not standby.alive or not standby_kept(state)):
             self.standby = None
             self._standby_busy = True
             self.owner.spawn(f"discard standby {standby.runner_id}", self._discard(standby))

@@ -70,6 +70,13 @@ def runners_starting(state: WorkerState) -> bool:
     )
 
 
+def standby_kept(state: WorkerState) -> bool:
+    """Whether a standby held here is kept: wanted, or a runner of this node is starting (it
+    may be about to take the standby: a spare given a one-node instance by failover no longer
+    wants one, but its runner's start does). Pure."""
+    return not state.stopping and (standby_wanted(state) or runners_starting(state))
+
+
 def standby_may_start(state: WorkerState, quiet_s: float) -> bool:
     """Whether a new standby may start now: wanted, and no runner of this node starting now
     nor in the last STANDBY_AFTER_S (`quiet_s`: seconds since one was). Pure."""

@@ -23,6 +23,7 @@ from fleet.worker.standby import (
     StandbyRunner,
     standby_fits,
     standby_job,
+    standby_kept,
     standby_may_start,
     standby_wanted,
 )
@@ -59,26 +60,35 @@ def state(*instances: Instance, runner: RunnerStatus | None = None, starting: bo
     )
 
 
-@pytest.mark.parametrize(("case", "worker", "wanted", "may_start"), [
-    ("a spare: no instance here", state(), True, True),
-    ("an instance elsewhere only", state(one_node("i1", node="node-b")), True, True),
-    ("a one-node instance here", state(one_node("i1"), runner=RunnerReady()), False, False),
+@pytest.mark.parametrize(("case", "worker", "wanted", "kept", "may_start"), [
+    ("a spare: no instance here", state(), True, True, True),
+    ("an instance elsewhere only", state(one_node("i1", node="node-b")), True, True, True),
+    ("a one-node instance here", state(one_node("i1"), runner=RunnerReady()), False, False,
+     False),
+    # Failover gave a spare a one-node instance: its runner's start may take the standby.
+    ("a one-node instance here, its runner being prepared",
+     state(one_node("i1"), starting=True), False, True, False),
+    ("a one-node instance here, its runner loading",
+     state(one_node("i1"), runner=RunnerLoading()), False, True, False),
     ("a rank of a sharded instance, ready", state(two_shards("s1"), runner=RunnerReady()),
-     True, True),
+     True, True, True),
     ("a rank whose runner is loading", state(two_shards("s1"), runner=RunnerLoading()),
-     True, False),
+     True, True, False),
     ("a rank whose runner was just spawned", state(two_shards("s1"), runner=RunnerIdle()),
-     True, False),
+     True, True, False),
     ("a rank whose runner is being prepared", state(two_shards("s1"), starting=True),
-     True, False),
+     True, True, False),
     ("a rank of a sharded instance beside a one-node one",
-     state(two_shards("s1"), one_node("i1"), runner=RunnerReady()), True, True),
-    ("stopping", state(stopping=True), False, False),
+     state(two_shards("s1"), one_node("i1"), runner=RunnerReady()), True, True, True),
+    ("stopping", state(stopping=True), False, False, False),
+    ("stopping while a runner starts", state(two_shards("s1"), starting=True, stopping=True),
+     False, False, False),
 ])
 def test_which_nodes_keep_a_standby(
-    case: str, worker: WorkerState, wanted: bool, may_start: bool,
+    case: str, worker: WorkerState, wanted: bool, kept: bool, may_start: bool,
 ) -> None:
     assert standby_wanted(worker) is wanted, case
+    assert standby_kept(worker) is kept, case
     assert standby_may_start(worker, quiet_s=math.inf) is may_start, case
 
 
