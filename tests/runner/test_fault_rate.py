@@ -55,3 +55,17 @@ def test_paced_tasks_make_tokens_at_their_rate(tmp_path: Path) -> None:
         gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
         assert min(gaps) >= 1 / rate - 1e-9, (task_id, gaps)
         assert max(gaps) <= 1 / rate + 1e-9, (task_id, gaps)
+
+
+def test_a_continuation_that_had_every_token_ends_without_another(tmp_path: Path) -> None:
+    """The worker lost before its terminal, after the last token was stored: the continued
+    attempt ends at once (the text engine's `_ended_before`), never with token `tokens`."""
+    clock = FakeClock()
+    config = EngineConfig(card=fault_card(), model_path=tmp_path, slots=4, images_dir=tmp_path)
+    engine = FaultEngine(config, clock=clock, sleep=clock.sleep)
+    task = TextGeneration(task_id="t", model="fault-llm", prompt="tokens:3", max_tokens=100)
+    engine.admit(Admission(task=task, generated=(0, 1, 2)))
+    events = engine.step()
+    assert [type(e) for e in events] == [TaskFinished]
+    assert events[0].usage is not None and events[0].usage.completion_tokens == 3
+    assert engine.active == 0
