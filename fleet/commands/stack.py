@@ -167,6 +167,7 @@ async def stack(
             )
             try:
                 await _first(gateway_ready.wait(), gateway_task, stopping)
+                await _first(serves_requests(settings), gateway_task, stopping)
                 yield as_role(settings, "operator", secured)
             finally:
                 gateway_task.cancel()
@@ -241,6 +242,33 @@ async def _first(
         raise RuntimeError("a role ended before it was ready")
     if ready not in done:
         raise StopRequested()
+
+
+# How long `fleet up` waits for its gateway's /healthz before it says it serves anyway.
+GATEWAY_HEALTHY_S = 60.0
+
+
+async def serves_requests(settings: Settings) -> None:
+    """Until the gateway's own /healthz answers 200 (connected to NATS, streams present):
+    `fleet up` announces that it serves only then. Its listening socket accepts at once, but
+    under load its NATS connection came a second later and a first request got 503 (a test
+    of `fleet up --auth` did). Past GATEWAY_HEALTHY_S it warns and goes on: /healthz says why."""
+    import httpx
+
+    host = settings.gateway_host if settings.gateway_host not in ("", "0.0.0.0", "::") \
+        else "127.0.0.1"
+    url = f"http://{host}:{settings.gateway_port}/healthz"
+    deadline = asyncio.get_running_loop().time() + GATEWAY_HEALTHY_S
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await http.get(url)).status_code == 200:
+                    return
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning("the gateway is not healthy after %.0f s: see %s", GATEWAY_HEALTHY_S,
+                            url)
+                return
+            await asyncio.sleep(0.1)  # a readiness probe's pace
 
 
 def settings_with_url(settings: Settings, url: str) -> Settings:

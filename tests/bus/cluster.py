@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
 from fleet.bus.embedded import EmbeddedNats
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.ports import free_port
 
 
 def cluster_config(name: str, cluster_port: int, route_ports: list[int]) -> str:

@@ -4,7 +4,6 @@ a hint; `fleet submit` without a prompt is refused."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from fleet import config
 from fleet.cli import COMMAND_SETTINGS, build_parser, fleet_version, subcommand_parsers
+from tests.ports import free_port
 
 FLEET = Path(sys.executable).parent / "fleet"
 
@@ -25,12 +25,6 @@ REQUIRED: dict[str, list[str]] = {
 
 def settings_for(argv: list[str]) -> config.Settings:
     return config.settings_of(build_parser().parse_args(argv), )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.parametrize("command", sorted(COMMAND_SETTINGS))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from fleet.bus.embedded import EmbeddedNats
 from fleet.models.catalog import get_card
 from fleet.placement import place
 from tests.integration.harness import client, seed_models, wait_node
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EXIT_WITHIN_S = 10.0  # the Exit deadline is 8 s; a clean stop is usually far quicker
@@ -79,12 +79,6 @@ def commands(tmp_path: Path) -> Iterator[list[Command]]:
     yield started
     for command in started:
         command.kill()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def assert_clean(command: Command, code: int, took: float) -> None:

@@ -9,7 +9,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +20,7 @@ from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
 from fleet.bus.embedded import EmbeddedNats, ops_dir
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.ports import free_port
 
 
 @dataclass
