@@ -87,12 +87,14 @@ class RawEvents:
         self.accepted: dict[str, float] = {}
         self.waiters: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self.latencies: list[float] | None = None
+        self.token_events = 0  # events of type token (one carries one token or several)
 
     async def on_msg(self, msg: Msg) -> None:
         event = orjson.loads(msg.data)
         kind = event.get("type")
         task_id = event.get("task_id", "")
         if kind == "token":
+            self.token_events += 1
             if self.latencies is not None:
                 self.latencies.append(time.time() - event["at"])
             self.tokens[task_id] = self.tokens.get(task_id, 0) + len(event.get("token_ids") or (0,))
@@ -123,17 +125,24 @@ async def _nats_task(nc: Client, events: RawEvents, tokens: int, rate: int | Non
     return got
 
 
-async def _http_stream(client: httpx.AsyncClient, base_url: str, tokens: int) -> int:
+async def _http_stream(client: httpx.AsyncClient, base_url: str, tokens: int,
+                       frames: list[int] | None = None) -> int:
+    """One streamed chat of `tokens` tokens; `frames` (one counter) adds the SSE events it
+    got: the gateway joins token events that wait together, so fewer than events made."""
     body = {"model": MODEL, "max_tokens": tokens, "stream": True,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": _prompt(tokens)}]}
     tail = b""
+    count = 0
     async with client.stream("POST", f"{base_url}/chat/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
             raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
         async for piece in response.aiter_bytes():
+            count += (tail[-1:] + piece).count(b"\n\n")  # an event ends with a blank line
             tail = (tail + piece)[-4096:]
+    if frames is not None:
+        frames[0] += count
     datas = [frame.rsplit(b"data: ", 1)[-1] for frame in tail.split(b"\n\n")]
     usages = [data for data in datas if data.startswith(b"{") and b'"usage":{' in data]
     got = int(orjson.loads(usages[-1])["usage"]["completion_tokens"]) if usages else 0
@@ -167,11 +176,14 @@ async def measure_http(stack: FleetStack, procs: dict[str, psutil.Process], plan
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         await asyncio.gather(*(_http_stream(client, stack.base_url, 20) for _ in range(8)))
         before = cpu_seconds(procs)
+        frames = [0]
         tokens, wall, errors = await _for_duration(
-            plan.duration_s, lambda: _http_stream(client, stack.base_url, plan.stream_tokens))
+            plan.duration_s,
+            lambda: _http_stream(client, stack.base_url, plan.stream_tokens, frames))
         after = cpu_seconds(procs)
     return {"streams": STREAMS, "tokens": tokens, "wall_s": round(wall, 2),
             "tok_s": round(tokens / wall, 1), **_per_token(before, after, tokens, wall),
+            "sse_events_per_token": round(frames[0] / max(tokens, 1), 3),
             "errors": len(errors), "first_errors": errors[:3]}
 
 
@@ -179,11 +191,16 @@ async def measure_nats(nc: Client, events: RawEvents, procs: dict[str, psutil.Pr
                        plan: RatePlan) -> dict[str, Any]:
     await asyncio.gather(*(_nats_task(nc, events, 20) for _ in range(8)))
     before = cpu_seconds(procs)
+    events_before = events.token_events
     tokens, wall, errors = await _for_duration(
         plan.duration_s, lambda: _nats_task(nc, events, plan.stream_tokens))
     after = cpu_seconds(procs)
+    # CPU per token moves with how many tokens an event carries (the runner's coalescing
+    # window fills more when it is starved of CPU): this says how many it did.
+    made = events.token_events - events_before
     return {"streams": STREAMS, "tokens": tokens, "wall_s": round(wall, 2),
             "tok_s": round(tokens / wall, 1), **_per_token(before, after, tokens, wall),
+            "tokens_per_event": round(tokens / max(made, 1), 2),
             "errors": len(errors), "first_errors": errors[:3]}
 
 
@@ -262,7 +279,11 @@ def rate_table(rate: dict[str, Any]) -> list[str]:
         row = rate[path]
         cpu = ", ".join(f"{k} {v}" for k, v in row["cpu_us_per_token"].items())
         lines.append(f"  {path:5} {row['tok_s']:>10,.0f} tok/s  ({row['tokens']} tokens, "
-                     f"{row['wall_s']} s, {row['errors']} failed)  CPU us/token: {cpu}")
+                     f"{row['wall_s']} s, {row['errors']} failed)  CPU us/token: {cpu}"
+                     + (f"; SSE events/token {row['sse_events_per_token']}"
+                        if "sse_events_per_token" in row else "")
+                     + (f"; tokens/event {row['tokens_per_event']}"
+                        if "tokens_per_event" in row else ""))
     c1, tasks = rate["c1"], rate["tasks"]
     lines.append(f"  c=1 added latency per token: p50 {c1.get('p50_ms')} ms, "
                  f"p99 {c1.get('p99_ms')} ms {c1.get('error', '')}")
