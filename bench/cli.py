@@ -185,7 +185,7 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
         baseline = Path(args.baseline_src) if args.baseline_src else None
         result["scale"] = run_scale(args.quick, baseline, workdir / "scale", steps)
     if args.only == "seam":
-        from bench.seam import SeamPlan, run_seam, seam_table
+        from bench.seam import CASES, SeamPlan, run_seam, seam_table
 
         # Kill -> next token at the client: workers and runners killed or paused mid-answer.
         seam_plan = SeamPlan(rounds=args.faults or (2 if args.quick else 20))
@@ -195,7 +195,11 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
         seams = []
         for model_id in models if args.models else ["tiny-llm", "smollm2-135m"]:
             path, _ = model_dir(model_id, models_dir)
-            seams.append(uvloop.run(run_seam(model_id, path, seam_plan, workdir, env)))
+            cases = tuple(args.seam_cases.split(",")) if args.seam_cases else CASES
+            if args.seam_cases and "false_takeovers" not in cases:  # chosen cases only
+                seam_plan = replace(seam_plan, load_tasks=0)
+            cases = tuple(c for c in cases if c != "false_takeovers")
+            seams.append(uvloop.run(run_seam(model_id, path, seam_plan, workdir, env, cases)))
         result["seam"] = seams
         print("\n".join(seam_table(seams)))
     if args.only in (None, "weights"):

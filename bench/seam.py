@@ -7,6 +7,10 @@ client has seen `kill_at` tokens, then applies the fault to whatever serves it:
 
     worker_kill    SIGKILL of the worker's process group (worker and runner, a power loss);
                    the other worker's runner of the model is ready
+    worker_kill_cold  the same, with the model placed on the victim alone: failover moves it
+                   to the other node (no model there, its standby runner warm: a spare), whose
+                   runner must start and load it first. Each row also says when that runner
+                   was ready (`spare_ready_s`): the target is the seam <= that start + 3 s
     runner_kill    SIGKILL of the runner only (its worker alive)
     worker_pause   SIGSTOP of the worker process for `pause_s`, then SIGCONT: with AckWait
                    (30 s) longer than the pause nobody takes it over (the death watch sees a
@@ -44,7 +48,7 @@ from fleet.errors import InvalidRequest
 from fleet.models.catalog import get_card
 from fleet.placement import place, read_instances, remove
 from fleet.wire import subjects
-from fleet.wire.cluster import RunnerRecord
+from fleet.wire.cluster import NodeInfo, RunnerRecord
 from fleet.wire.codec import DecodeError, decode_event, decode_model
 from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
@@ -53,7 +57,8 @@ from fleet.worker.continuation import stored_events
 READY_S = 300.0  # a worker start plus a model load, on a loaded machine
 ROUND_S = 120.0
 STORED_WAIT_S = 10.0
-CASES = ("worker_kill", "runner_kill", "worker_pause")
+CASES = ("worker_kill", "runner_kill", "worker_pause", "worker_kill_cold")
+COLD = "worker_kill_cold"
 
 
 @dataclass
@@ -211,9 +216,10 @@ class SeamStack:
                 continue
             break
 
-    async def runner_ready(self, node_id: str, deadline: float) -> None:
-        """A ready record of the model on `node_id` from a runner that was not killed (the
-        killed ones' last records stay in FLEET_RUNNERS a while)."""
+    async def runner_ready(self, node_id: str, deadline: float, since: float = 0.0) -> float:
+        """When a ready record of the model on `node_id` came from a runner that was not
+        killed (the killed ones' last records stay in FLEET_RUNNERS a while), written at or
+        after `since` (unix time)."""
         assert self.nc is not None
         kv = await self.nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
         watcher = await kv.watchall()
@@ -227,9 +233,9 @@ class SeamStack:
                     continue
                 record = decode_model(RunnerRecord, entry.value)
                 if (record.node_id == node_id and record.model == self.model
-                        and record.status.state == "ready"
+                        and record.status.state == "ready" and record.at >= since
                         and record.runner_id not in self.dead_runners):
-                    return
+                    return time.monotonic()
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(watcher.stop(), 5)
@@ -242,8 +248,72 @@ class SeamStack:
             messages=[ChatMessage(role="user", content="Tell me a long story about the sea")],
         )
 
+    async def only_on_one_node(self) -> None:
+        """The cold case's start: the model on one node, the other a spare (no model, its
+        standby runner warm, as on a node that has been up a while)."""
+        assert self.nc is not None
+        js = self.nc.jetstream()
+        mine = [i for i in await read_instances(js) if i.model == self.model]
+        for extra in mine[1:]:
+            await remove(js, extra.instance_id)
+        spare = next(w for w in self.workers if not any(
+            i.shard_on(w.node_id) for i in mine[:1]))
+        await self.standby_warm(spare.node_id, time.monotonic() + READY_S)
+        await self.both_leases_held(time.monotonic() + READY_S)
+
+    async def both_leases_held(self, deadline: float) -> None:
+        """Until the sweeper and the sentinel leases are both held, as in a fleet up a while:
+        a kill of the sweeper's holder right after the other worker's restart, before that
+        one took the sentinel lease, is seen only when the heartbeat and lease expire (~40 s
+        in a first run: two of four tiny-llm rounds)."""
+        assert self.nc is not None
+        kv = await self.nc.jetstream().key_value("FLEET_LEASES")
+        watcher = await kv.watchall()
+        held: dict[str, bytes] = {}
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    entry = await watcher.updates(timeout=min(left, 1.0))
+                except TimeoutError:
+                    continue
+                if entry is None:
+                    continue
+                if entry.value and entry.operation not in ("DEL", "PURGE"):
+                    held[entry.key] = entry.value
+                else:
+                    held.pop(entry.key, None)
+                # Two holders: the sweeper's own stale sentinel key (given up since, but a
+                # first run saw it lapse) watches nobody.
+                if {"sweeper", "sentinel"} <= set(held) and held["sweeper"] != held["sentinel"]:
+                    return
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watcher.stop(), 5)
+        raise TimeoutError("the sweeper and sentinel leases were not both held")
+
+    async def standby_warm(self, node_id: str, deadline: float) -> None:
+        """Until `node_id`'s heartbeat says a warm standby runner waits there."""
+        assert self.nc is not None
+        kv = await self.nc.jetstream().key_value(subjects.NODES_BUCKET)
+        watcher = await kv.watchall()
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    entry = await watcher.updates(timeout=min(left, 1.0))
+                except TimeoutError:
+                    continue
+                if (entry is not None and entry.value and entry.key == node_id
+                        and decode_model(NodeInfo, entry.value).standby_runner):
+                    return
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watcher.stop(), 5)
+        raise TimeoutError(f"no warm standby runner on {node_id}")
+
     async def round(self, case: str, index: int) -> dict[str, Any]:
         assert self.nc is not None
+        if case == COLD:
+            await self.only_on_one_node()
         task = self.task(f"seam-{case}-{index}-{time.time_ns()}")
         watch = Watch()
         sub = await self.nc.subscribe(subjects.out(task.task_id), cb=watch.on_msg)
@@ -256,6 +326,9 @@ class SeamStack:
                 return {"error": "finished before the fault"}
             running = watch.accepted()[-1]
             victim = next(w for w in self.workers if w.node_id == running.node_id)
+            spare = next(w for w in self.workers if w is not victim)
+            spare_ready = asyncio.create_task(self.runner_ready(
+                spare.node_id, time.monotonic() + ROUND_S, since=time.time()))
             faulted_at = time.monotonic()
             await self.fault(case, victim, running.runner_id)
             if case != "worker_pause":
@@ -275,6 +348,10 @@ class SeamStack:
             await sub.unsubscribe()
         stored = await self.stored(task.task_id)
         row = {"seam_s": round(resumed - faulted_at, 3), **judge(stored, self.plan.max_tokens)}
+        if case == COLD:  # when the spare's new runner was ready, from the kill
+            row["spare_ready_s"] = round(await spare_ready - faulted_at, 3)
+        else:
+            spare_ready.cancel()
         accepted = [e for e in stored if isinstance(e, TaskAccepted)]
         row["attempts"] = len(accepted)
         row["moved_from"] = accepted[-1].moved_from if accepted else None
@@ -295,7 +372,7 @@ class SeamStack:
     async def fault(self, case: str, victim: Worker, runner_id: str) -> None:
         assert victim.process is not None
         match case:
-            case "worker_kill":
+            case "worker_kill" | "worker_kill_cold":
                 victim.kill()
             case "runner_kill":
                 os.kill(_runner_pid(runner_id), signal.SIGKILL)
@@ -309,7 +386,7 @@ class SeamStack:
         os.kill(victim.process.pid, signal.SIGCONT)
 
     async def recover(self, case: str, victim: Worker) -> None:
-        if case == "worker_kill":
+        if case in ("worker_kill", COLD):
             victim.start()
         if case in ("worker_kill", "runner_kill"):
             await self.serving(victim)
@@ -373,6 +450,9 @@ async def run_seam(
                 except Exception as exc:  # a round that broke is a finding, not the end
                     rows.append({"error": f"{type(exc).__name__}: {exc}"})
             result["cases"][case] = summarise(rows)
+            if case == COLD:  # back to one instance on each node for what follows
+                for worker in stack.workers:
+                    await stack.serving(worker)
         if plan.load_tasks:
             result["false_takeovers"] = await false_takeovers(stack)
     finally:
@@ -391,6 +471,11 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "duplicates": sum(r.get("duplicates", 0) for r in rows),
         "lost": sum(r.get("lost", 0) for r in rows if "seam_s" in r),
         "errors": [r["error"] for r in rows if "error" in r],
+        # The cold case: the spare's runner start (kill -> ready) and what the seam added.
+        **({"spare_ready_p50_s": round(statistics.median(ready), 2),
+            "over_spare_ready_p50_s": round(statistics.median(
+                r["seam_s"] - r["spare_ready_s"] for r in rows if "spare_ready_s" in r), 2)}
+           if (ready := [r["spare_ready_s"] for r in rows if "spare_ready_s" in r]) else {}),
         "rows": rows,
     }
 
@@ -402,8 +487,12 @@ def seam_table(results: list[dict[str, Any]]) -> list[str]:
     ]
     for result in results:
         for case, row in result["cases"].items():
+            label = case
+            if "spare_ready_p50_s" in row:
+                label += (f" (spare's runner ready p50 {row['spare_ready_p50_s']} s after the "
+                          f"kill; seam - that p50 {row['over_spare_ready_p50_s']} s)")
             lines.append(
-                f"| {result['model']} | {case} | {row['rounds']} | {row['p50_s']} | "
+                f"| {result['model']} | {label} | {row['rounds']} | {row['p50_s']} | "
                 f"{row['p99_s']} | {row['max_s']} | {row['gaps']} | {row['duplicates']} | "
                 f"{row['lost']} | {len(row['errors'])} |"
             )
