@@ -124,7 +124,9 @@ class StandbyRunner:
                     on_warm: Callable[[], None] = lambda: None) -> StandbyRunner:
         runner_id = f"run-{uuid.uuid4().hex[:10]}"
         logs.mkdir(parents=True, exist_ok=True)
-        log_path = logs / f"{runner_id}.log"
+        # Named as a standby's until a runner takes it (`adopt_log`): tools that read a
+        # node's runner logs (`run-*.log`) see no log of a process that never ran a model.
+        log_path = logs / f"standby-{runner_id}.log"
         with log_path.open("ab") as stderr:  # the child holds its own copy
             process = await asyncio.create_subprocess_exec(
                 # Its id on its command line, as a runner's spec puts it there: tools and
@@ -152,16 +154,23 @@ class StandbyRunner:
             return False
         return True
 
+    def adopt_log(self, runner_log: Path | None) -> None:
+        """Its log becomes the runner's (the process keeps writing to it: a rename)."""
+        if runner_log is not None:
+            with contextlib.suppress(OSError):
+                self.log_path.rename(runner_log)
+
     async def discard(self) -> None:
-        """Kill it and collect it (it holds no task and nothing of the fleet's)."""
+        """Kill it and collect it (it holds no task and nothing of the fleet's). The log of
+        one killed here goes (its imports' noise); one that ended by itself keeps it."""
         await _stop(self._watch)
-        if self.alive:
+        killed = self.alive
+        if killed:
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
         await self.process.wait()
-        with contextlib.suppress(OSError):
-            if self.log_path.stat().st_size == 0:
-                self.log_path.unlink()  # a standby that said nothing leaves no empty log
+        if killed:
+            self.log_path.unlink(missing_ok=True)
 
 
 async def _stop(task: asyncio.Task[None]) -> None:

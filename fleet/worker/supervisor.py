@@ -114,6 +114,7 @@ class RunnerProcess:
         runner's id that has done a text runner's imports); a standby that is gone is
         replaced by a fresh start."""
         if standby is not None and await standby.hand(self.spec, self._env or {}):
+            standby.adopt_log(self._log_path)
             self._process = standby.process
             log.info("runner %s started from its standby, pid %d", self.runner_id,
                      self._process.pid)

@@ -134,8 +134,10 @@ async def test_a_standby_takes_a_tiny_llm_job_and_becomes_ready(
     as the runner of the standby's id, loads and warms up on the worker's commands."""
     standby = await StandbyRunner.start(tmp_path / "logs", {"OPENBLAS_NUM_THREADS": "1"})
     inbox: asyncio.Queue[object] = asyncio.Queue()
+    runner_log = tmp_path / "logs" / f"{standby.runner_id}.log"
     process = RunnerProcess(spec_for(standby.runner_id, tiny_llm_dir, tmp_path / "images"),
-                            inbox, env={"OPENBLAS_NUM_THREADS": "1"})  # type: ignore[arg-type]
+                            inbox, env={"OPENBLAS_NUM_THREADS": "1"},  # type: ignore[arg-type]
+                            log_path=runner_log)
     async with Supervisor("test") as owner:
         await process.start(owner, standby)
         assert process.pid == standby.process.pid
@@ -152,5 +154,12 @@ async def test_a_standby_takes_a_tiny_llm_job_and_becomes_ready(
                         break
         finally:
             await process.stop(timeout=10.0)
-    log = (tmp_path / "logs" / f"{standby.runner_id}.log").read_text()
+    log = runner_log.read_text()  # the standby's log, renamed as the runner's
     assert f"runner {standby.runner_id}" in log and "warmed up in" in log
+    assert list((tmp_path / "logs").glob("standby-*.log")) == []
+
+
+async def test_a_discarded_standby_leaves_no_log(tmp_path: Path) -> None:
+    standby = await StandbyRunner.start(tmp_path / "logs", {"OPENBLAS_NUM_THREADS": "1"})
+    await standby.discard()
+    assert not standby.alive and list((tmp_path / "logs").iterdir()) == []
