@@ -159,6 +159,7 @@ async def test_a_standby_takes_a_tiny_llm_job_and_becomes_ready(
     assert list((tmp_path / "logs").glob("standby-*.log")) == []
 
 
+@pytest.mark.process  # a standby process, started by hand (tests/tiers.py)
 async def test_a_discarded_standby_leaves_no_log(tmp_path: Path) -> None:
     standby = await StandbyRunner.start(tmp_path / "logs", {"OPENBLAS_NUM_THREADS": "1"})
     await standby.discard()
