@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 import uuid
 from pathlib import Path
@@ -91,7 +90,10 @@ class RunnerPool:
         self.standby: StandbyRunner | None = None  # fleet.worker.standby
         self._standby_busy = False  # a standby's start or discard is under way
         self._standby_broken = False  # one ended by itself: its imports fail here
-        self._last_starting = -math.inf  # monotonic: when a runner here was last seen starting
+        # Monotonic: when a runner here was last seen starting. The worker's own start counts:
+        # a model placed in its first seconds (every test, `fleet up`) starts a runner anyway,
+        # and a standby imported beside it would take its cores, then go unused.
+        self._last_starting = time.monotonic()
         if cluster is not None:
             cluster.standby_warm = lambda: self.standby is not None and self.standby.warm
 

@@ -14,8 +14,9 @@ or demand may place a model here) and a node hosting a rank of a sharded instanc
 restarts whenever the group changes). A node serving only one-node instances keeps none: its
 runner's crash hands the task to another runner of the model, and an idle import would cost
 memory for nothing. A new standby is started only once no runner of the node has been starting
-for STANDBY_AFTER_S (`standby_may_start`): it would take cores from the start it is meant to
-speed up, and from the continuation's prefill that follows a restarted group's ready.
+for STANDBY_AFTER_S, nor the worker itself (`standby_may_start`): it would take cores from the
+start it is meant to speed up, and from the continuation's prefill that follows a restarted
+group's ready.
 """
 
 from __future__ import annotations
