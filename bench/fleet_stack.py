@@ -67,6 +67,9 @@ class FleetStack:
         self.nc: Client | None = None
         self.startup_s: float | None = None
         self.stop_s: float | None = None
+        # runner id -> model, from the ready records: a runner started from a standby process
+        # (fleet/worker/standby.py) has only its id on its command line, not its spec.
+        self.runner_models: dict[str, str] = {}
 
     @property
     def nats_url(self) -> str:
@@ -90,7 +93,8 @@ class FleetStack:
         deadline = time.monotonic() + READY_TIMEOUT_S
         self.nc = await self._connect(deadline)
         for model in self.models:
-            await wait_runner_ready(self.nc, model, deadline, alive=self.check_alive)
+            record = await wait_runner_ready(self.nc, model, deadline, alive=self.check_alive)
+            self.runner_models[record.runner_id] = model
         await self._gateway_up(deadline)
         self.startup_s = time.perf_counter() - began
         return self.nc
@@ -130,7 +134,8 @@ class FleetStack:
                 if "nats-server" in cmdline:
                     found["nats"] = child
                 elif "fleet.runner.main" in cmdline:
-                    model = next((m for m in self.models if f'"id":"{m}"' in cmdline), "?")
+                    model = next((m for m in self.models if f'"id":"{m}"' in cmdline), None) \
+                        or next((m for r, m in self.runner_models.items() if r in cmdline), "?")
                     found.setdefault(f"runner:{model}", child)
         return found
 
