@@ -59,7 +59,11 @@ class Supervisor:
 
     def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """A one-shot child: its failure is logged with the traceback, the owner goes on."""
-        return self._start(name, self._logged(name, coro))
+        task = self._start(name, self._logged(name, coro))
+        # Cancelled before its first step, the wrapper never awaited `coro`: close it, or
+        # Python warns "coroutine ... was never awaited" (a standby's watch cancelled at once).
+        task.add_done_callback(lambda _: coro.close())
+        return task
 
     async def cancel_all(self) -> None:
         """Cancel every child and wait for them (the group itself stays usable)."""

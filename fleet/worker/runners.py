@@ -169,7 +169,7 @@ class RunnerPool:
     async def _start_standby(self, env: dict[str, str]) -> None:
         try:
             self.standby = await StandbyRunner.start(self.settings.data_dir / "logs", env,
-                                                     on_warm=self._standby_warm)
+                                                     self.owner, on_warm=self._standby_warm)
         except Exception as exc:
             log.warning("no standby runner: %s", exc)
             self._standby_broken = True

@@ -32,6 +32,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from fleet.aio import Supervisor
 from fleet.wire.cluster import ModelCard
 from fleet.wire.codec import encode
 from fleet.wire.framing import encode_frame, encode_message
@@ -99,7 +100,7 @@ class StandbyRunner:
     """One started standby process; its runner id and log file are chosen at its start."""
 
     def __init__(self, runner_id: str, log_path: Path,
-                 process: asyncio.subprocess.Process,
+                 process: asyncio.subprocess.Process, owner: Supervisor,
                  on_warm: Callable[[], None] = lambda: None) -> None:
         self.runner_id = runner_id
         self.log_path = log_path
@@ -107,7 +108,8 @@ class StandbyRunner:
         self.warm = False  # its imports are done: a job handed now starts at once
         self._on_warm = on_warm
         self._started = time.monotonic()
-        self._watch = asyncio.create_task(self._until_warm())
+        # A child of the worker's supervisor: a failure of the watch is logged there.
+        self._watch = owner.spawn(f"standby {runner_id} warm watch", self._until_warm())
 
     async def _until_warm(self) -> None:
         assert self.process.stdout is not None
@@ -121,7 +123,7 @@ class StandbyRunner:
                 self._on_warm()
 
     @classmethod
-    async def start(cls, logs: Path, env: dict[str, str],
+    async def start(cls, logs: Path, env: dict[str, str], owner: Supervisor,
                     on_warm: Callable[[], None] = lambda: None) -> StandbyRunner:
         runner_id = f"run-{uuid.uuid4().hex[:10]}"
         logs.mkdir(parents=True, exist_ok=True)
@@ -137,7 +139,7 @@ class StandbyRunner:
                 env={**os.environ, **env},
             )
         log.info("standby runner %s started, pid %d", runner_id, process.pid)
-        return cls(runner_id, log_path, process, on_warm)
+        return cls(runner_id, log_path, process, owner, on_warm)
 
     @property
     def alive(self) -> bool:

@@ -132,13 +132,14 @@ async def test_a_standby_takes_a_tiny_llm_job_and_becomes_ready(
 ) -> None:
     """A real standby process: its imports done ahead, it reads its spec from stdin, reports
     as the runner of the standby's id, loads and warms up on the worker's commands."""
-    standby = await StandbyRunner.start(tmp_path / "logs", {"OPENBLAS_NUM_THREADS": "1"})
     inbox: asyncio.Queue[object] = asyncio.Queue()
-    runner_log = tmp_path / "logs" / f"{standby.runner_id}.log"
-    process = RunnerProcess(spec_for(standby.runner_id, tiny_llm_dir, tmp_path / "images"),
-                            inbox, env={"OPENBLAS_NUM_THREADS": "1"},  # type: ignore[arg-type]
-                            log_path=runner_log)
     async with Supervisor("test") as owner:
+        standby = await StandbyRunner.start(
+            tmp_path / "logs", {"OPENBLAS_NUM_THREADS": "1"}, owner)
+        runner_log = tmp_path / "logs" / f"{standby.runner_id}.log"
+        process = RunnerProcess(spec_for(standby.runner_id, tiny_llm_dir, tmp_path / "images"),
+                                inbox, env={"OPENBLAS_NUM_THREADS": "1"},  # type: ignore[arg-type]
+                                log_path=runner_log)
         await process.start(owner, standby)
         assert process.pid == standby.process.pid
         try:
@@ -161,6 +162,8 @@ async def test_a_standby_takes_a_tiny_llm_job_and_becomes_ready(
 
 @pytest.mark.process  # a standby process, started by hand (tests/tiers.py)
 async def test_a_discarded_standby_leaves_no_log(tmp_path: Path) -> None:
-    standby = await StandbyRunner.start(tmp_path / "logs", {"OPENBLAS_NUM_THREADS": "1"})
-    await standby.discard()
+    async with Supervisor("test") as owner:
+        standby = await StandbyRunner.start(
+            tmp_path / "logs", {"OPENBLAS_NUM_THREADS": "1"}, owner)
+        await standby.discard()
     assert not standby.alive and list((tmp_path / "logs").iterdir()) == []
