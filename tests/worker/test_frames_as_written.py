@@ -5,15 +5,10 @@ they are under the event's Nats-Msg-Id."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
-import nats
 import pytest
+from nats.aio.client import Client
 
 from fleet.bus.connect import connect
-from fleet.bus.embedded import EmbeddedNats
-from fleet.bus.provision import provision
 from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.events import (
@@ -78,20 +73,10 @@ def test_the_runners_bytes_are_the_bytes_re_encoding_gave(event: TokenChunk) -> 
     assert encode(decoded) == frame
 
 
-@pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[EmbeddedNats]:
-    server = EmbeddedNats(tmp_path / "store", port=0, log_file=tmp_path / "nats.log").start()
-    nc = await nats.connect(server.url)
-    await provision(nc)
-    await nc.close()
-    yield server
-    server.stop()
-
-
 async def test_a_frame_is_stored_as_written_under_its_events_msg_id(
-    server: EmbeddedNats,
+    nats_url: str, provisioned_nc: Client,  # the streams in place; the test's own client
 ) -> None:
-    nc = await connect(server.url, "test-frames")
+    nc = await connect(nats_url, "test-frames")
     output = TaskOutput(nc, nc.jetstream())
     events = [token(), token(index=1, token_id=8, token_ids=[8, 9], text="yz é")]
     frames = [encode(event) for event in events]
