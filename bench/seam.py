@@ -32,12 +32,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 
 from bench.fleet_stack import seed_data_dir
 from bench.procs import free_port
@@ -157,6 +159,28 @@ def judge(events: list[OutputEvent], max_tokens: int) -> dict[str, int]:
     }
 
 
+async def until_entry(
+    nc: Client, bucket: str, matches: Callable[[KeyValue.Entry], bool], deadline: float,
+    failure: str,
+) -> None:
+    """Watch `bucket` (its current entries, then its updates) until `matches` says yes to one;
+    TimeoutError(`failure`) at `deadline` (monotonic)."""
+    kv = await nc.jetstream().key_value(bucket)
+    watcher = await kv.watchall()
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                entry = await watcher.updates(timeout=min(left, 1.0))
+            except TimeoutError:
+                continue
+            if entry is not None and matches(entry):
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(watcher.stop(), 5)
+    raise TimeoutError(failure)
+
+
 class SeamStack:
     def __init__(self, workdir: Path, env: dict[str, str], model: str, path: Path,
                  plan: SeamPlan) -> None:
@@ -221,25 +245,22 @@ class SeamStack:
         killed (the killed ones' last records stay in FLEET_RUNNERS a while), written at or
         after `since` (unix time)."""
         assert self.nc is not None
-        kv = await self.nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
-        watcher = await kv.watchall()
-        try:
-            while (left := deadline - time.monotonic()) > 0:
-                try:
-                    entry = await watcher.updates(timeout=min(left, 1.0))
-                except TimeoutError:
-                    continue
-                if entry is None or not entry.value:
-                    continue
-                record = decode_model(RunnerRecord, entry.value)
-                if (record.node_id == node_id and record.model == self.model
-                        and record.status.state == "ready" and record.at >= since
-                        and record.runner_id not in self.dead_runners):
-                    return time.monotonic()
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(watcher.stop(), 5)
-        raise TimeoutError(f"no new runner of {self.model} became ready on {node_id}")
+
+        seen_at: list[float] = []  # as the record arrives, not after the watcher's stop
+
+        def ready(entry: KeyValue.Entry) -> bool:
+            if not entry.value:
+                return False
+            record = decode_model(RunnerRecord, entry.value)
+            if (record.node_id == node_id and record.model == self.model
+                    and record.status.state == "ready" and record.at >= since
+                    and record.runner_id not in self.dead_runners):
+                seen_at.append(time.monotonic())
+            return bool(seen_at)
+
+        await until_entry(self.nc, subjects.RUNNERS_BUCKET, ready, deadline,
+                          f"no new runner of {self.model} became ready on {node_id}")
+        return seen_at[0]
 
     def task(self, task_id: str) -> TextGeneration:
         return TextGeneration(
@@ -267,48 +288,28 @@ class SeamStack:
         one took the sentinel lease, is seen only when the heartbeat and lease expire (~40 s
         in a first run: two of four tiny-llm rounds)."""
         assert self.nc is not None
-        kv = await self.nc.jetstream().key_value("FLEET_LEASES")
-        watcher = await kv.watchall()
         held: dict[str, bytes] = {}
-        try:
-            while (left := deadline - time.monotonic()) > 0:
-                try:
-                    entry = await watcher.updates(timeout=min(left, 1.0))
-                except TimeoutError:
-                    continue
-                if entry is None:
-                    continue
-                if entry.value and entry.operation not in ("DEL", "PURGE"):
-                    held[entry.key] = entry.value
-                else:
-                    held.pop(entry.key, None)
-                # Two holders: the sweeper's own stale sentinel key (given up since, but a
-                # first run saw it lapse) watches nobody.
-                if {"sweeper", "sentinel"} <= set(held) and held["sweeper"] != held["sentinel"]:
-                    return
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(watcher.stop(), 5)
-        raise TimeoutError("the sweeper and sentinel leases were not both held")
+
+        def both(entry: KeyValue.Entry) -> bool:
+            if entry.value and entry.operation not in ("DEL", "PURGE"):
+                held[entry.key] = entry.value
+            else:
+                held.pop(entry.key, None)
+            # Two holders: the sweeper's own stale sentinel key (given up since, but a
+            # first run saw it lapse) watches nobody.
+            return {"sweeper", "sentinel"} <= set(held) and held["sweeper"] != held["sentinel"]
+
+        await until_entry(self.nc, "FLEET_LEASES", both, deadline,
+                          "the sweeper and sentinel leases were not both held")
 
     async def standby_warm(self, node_id: str, deadline: float) -> None:
         """Until `node_id`'s heartbeat says a warm standby runner waits there."""
         assert self.nc is not None
-        kv = await self.nc.jetstream().key_value(subjects.NODES_BUCKET)
-        watcher = await kv.watchall()
-        try:
-            while (left := deadline - time.monotonic()) > 0:
-                try:
-                    entry = await watcher.updates(timeout=min(left, 1.0))
-                except TimeoutError:
-                    continue
-                if (entry is not None and entry.value and entry.key == node_id
-                        and decode_model(NodeInfo, entry.value).standby_runner):
-                    return
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(watcher.stop(), 5)
-        raise TimeoutError(f"no warm standby runner on {node_id}")
+        await until_entry(
+            self.nc, subjects.NODES_BUCKET,
+            lambda entry: bool(entry.value) and entry.key == node_id
+            and decode_model(NodeInfo, entry.value).standby_runner,
+            deadline, f"no warm standby runner on {node_id}")
 
     async def round(self, case: str, index: int) -> dict[str, Any]:
         assert self.nc is not None
