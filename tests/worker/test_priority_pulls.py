@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from fleet.config import Settings
 from fleet.wire import subjects
+from fleet.wire.tasks import Priority
 from fleet.worker.pulls import TaskPuller
 
 
@@ -39,5 +42,32 @@ async def test_a_pull_takes_the_highest_class_first_and_batch_only_slack(
         assert [m.data for m in late] == [b"late"]
         info = await js.consumer_info(subjects.TASKS_STREAM, subjects.durable("m", "batch"))
         assert info.num_pending == 1  # batch-1 still queued
+    finally:
+        await puller.close()
+
+
+async def test_a_class_that_cannot_be_pulled_leaves_the_others_pulled(
+    provisioned_nc: Client, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The interactive class's pull fails (fault injected: as when its consumer's leader is
+    paused, the broker does not answer): the default class's tasks still come (a fault test
+    once saw a worker pull nothing at all while one class's consumer was away)."""
+    js = provisioned_nc.jetstream()
+    puller = TaskPuller(provisioned_nc, js, Settings())
+    real_pull = puller._pull
+
+    async def pull(model: str, priority: Priority, batch: int,
+                   wait_s: float | None) -> list[Msg]:
+        if priority == "interactive":
+            raise TimeoutError("fault injected: the interactive consumer does not answer")
+        return await real_pull(model, priority, batch, wait_s)
+
+    monkeypatch.setattr(puller, "_pull", pull)
+    try:
+        await js.publish(subjects.tasks("m", "default"), b"default-0")
+        got = await puller.fetch("m", 2)
+        assert [m.data for m in got] == [b"default-0"]
+        for msg in got:
+            await msg.ack()
     finally:
         await puller.close()
