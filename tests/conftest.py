@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import resource
+import time
 from collections.abc import AsyncIterator, Generator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -145,11 +147,38 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, None, None]:
     heavy = os.environ.get("PYTEST_XDIST_WORKER") and any(
         item.get_closest_marker(tier) for tier in HEAVY)
     if not heavy:
-        yield
+        with cpu_logged(item):
+            yield
         return
     slots = run_dir(item.config._tmp_path_factory) / "heavy-slots"  # type: ignore[attr-defined]
-    with heavy_slot(slots, HEAVY_SLOTS):
+    with heavy_slot(slots, HEAVY_SLOTS), cpu_logged(item):
         yield
+
+
+# FLEET_TEST_CPU_LOG=file appends a line per test: its wall seconds and the CPU seconds of the
+# test process and of the processes it started and reaped (workers, runners, servers). A test
+# that waits far more than it computes can share a heavy slot (README, "Tests").
+CPU_LOG = os.environ.get("FLEET_TEST_CPU_LOG", "")
+
+
+@contextmanager
+def cpu_logged(item: pytest.Item) -> Iterator[None]:
+    if not CPU_LOG:
+        yield
+        return
+    started, own, children = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF), (
+        resource.getrusage(resource.RUSAGE_CHILDREN))
+    try:
+        yield
+    finally:
+        own_now = resource.getrusage(resource.RUSAGE_SELF)
+        children_now = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu_own = own_now.ru_utime + own_now.ru_stime - own.ru_utime - own.ru_stime
+        cpu_children = (children_now.ru_utime + children_now.ru_stime - children.ru_utime
+                        - children.ru_stime)
+        with open(CPU_LOG, "a") as log:
+            log.write(f"{item.nodeid}\t{time.monotonic() - started:.2f}\t{cpu_own:.2f}\t"
+                      f"{cpu_children:.2f}\n")
 
 
 @contextmanager
