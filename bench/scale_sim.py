@@ -10,7 +10,8 @@ swept). Hand-offs and ask responders are left out: they cost per task, not per n
 runner is the fault engine's plumbing only: a busy node publishes token events for its streams on
 `fleet.out.<task>` (stored by FLEET_OUT, as a runner's are) and advertises its prefix blocks
 as a loaded worker does (its load changes four times a second, its blocks with each new
-prompt); an idle one refreshes them every 20 s.
+prompt); an idle one writes nothing (its advert lasts: fleet.bus.kv_lasting), where the
+baseline refreshed it every 20 s.
 
 Control (core NATS, from the harness): `bench.scale.kill` with a node id closes that node's
 connection without a goodbye (its heartbeat key expires, as after a SIGKILL);
@@ -34,6 +35,7 @@ from nats.js import JetStreamContext
 
 from fleet.bus.connect import connect
 from fleet.bus.kv_calls import kv_put
+from fleet.bus.kv_lasting import put_lasting
 from fleet.bus.kv_mirror import Mirror
 from fleet.wire import subjects
 from fleet.wire.cluster import ModelCard, NodeInfo, RunnerRecord
@@ -96,7 +98,7 @@ class SimNode:
 
     async def start(self) -> None:
         self.nc = nc = await connect(self.url, f"sim-node-{self.node_id}", inbox_owner="worker")
-        js = nc.jetstream()
+        self.js = js = nc.jetstream()
         nodes = await js.key_value(subjects.NODES_BUCKET)
         runners = await js.key_value(subjects.RUNNERS_BUCKET)
         self.prefixes = await js.key_value(subjects.PREFIXES_BUCKET)
@@ -167,7 +169,10 @@ class SimNode:
                        else advert_key(self.model, self.runner_id))
                 key += LOAD_SUFFIX if due == "load" else ""
                 with contextlib.suppress(Exception):
-                    await kv_put(self.prefixes, key, encode(summary))
+                    if self.design == "baseline":
+                        await kv_put(self.prefixes, key, encode(summary))
+                    else:  # as a worker writes them: on change only, never expiring by age
+                        await put_lasting(self.js, self.prefixes, key, encode(summary))
                 last = (Written(blocks_mark, load, now, now) if due == "whole" or last is None
                         else Written(last.blocks, load, last.whole_at, now))
             await asyncio.sleep(ADVERT_EVERY_S)  # the advert period of a worker

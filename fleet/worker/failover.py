@@ -8,6 +8,11 @@ is healed by whichever worker runs next, by the same rule as a departure seen li
 One worker sweeps for the whole fleet, the holder of the sweeper lease (fleet.worker.sweeper);
 should two sweep the same instance for a moment (a lease changing hands), the write is a
 compare-and-set on the instance's revision, so exactly one wins.
+
+The one that wins also deletes the prefix adverts of the dead node's runners of that model
+(the runners its last heartbeat named): adverts are written never to expire by age
+(fleet.worker.prefix_adverts), and readers ignore them as soon as the instance moved
+(fleet.worker.routes.advert_live), so this only keeps the bucket from keeping them for ever.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from collections.abc import Callable
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from fleet.bus.kv_calls import kv_update
+from fleet.bus.kv_calls import kv_delete, kv_update
 from fleet.bus.kv_read import live_entries, live_values
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
 from fleet.wire.codec import DecodeError, decode_model, encode
 from fleet.worker.liveness import Move, Placed, Stranded, plan_moves, seen_dead
+from fleet.worker.prefix_adverts import LOAD_SUFFIX, advert_key
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,9 @@ class Failover:
         # Nodes running a rank of a sharded instance, as the last sweep read them: the death
         # watch probes them even when they hold no task message (a rank > 0 never does).
         self.ranked: set[str] = set()
+        # Each node's runners as its last heartbeat named them, kept after its key went:
+        # whose adverts to delete when its instances move.
+        self.runners_seen: dict[str, tuple[str, ...]] = {}
 
     async def watch(self) -> None:
         """Follow FLEET_NODES for `live` (demand placement reads it) and to sweep at once
@@ -81,9 +90,11 @@ class Failover:
                     self._gone(entry.key)
                     continue
                 try:
-                    self.live[entry.key] = decode_model(NodeInfo, entry.value)
+                    info = decode_model(NodeInfo, entry.value)
                 except DecodeError:
                     continue
+                self.live[entry.key] = info
+                self.runners_seen[entry.key] = tuple(info.runners)
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(watcher.stop(), 2.0)
@@ -114,6 +125,7 @@ class Failover:
     async def refresh(self) -> list[NodeInfo]:
         nodes = await live_values(self.js, subjects.NODES_BUCKET, NodeInfo)
         self.live = {node.node_id: node for node in nodes}
+        self.runners_seen.update((node.node_id, tuple(node.runners)) for node in nodes)
         return nodes
 
     async def sweep_forever(self) -> None:
@@ -169,3 +181,17 @@ class Failover:
         else:
             log.warning("node(s) %s left: moved %s to %s", ",".join(move.gone),
                         move.instance_id, move.target)
+            await self._forget_adverts(move)
+
+    async def _forget_adverts(self, move: Move) -> None:
+        """The moved instance's model's adverts of the runners its dead nodes last named."""
+        keys = [advert_key(move.instance.model, runner) + suffix for node in move.gone
+                for runner in self.runners_seen.get(node, ()) for suffix in ("", LOAD_SUFFIX)]
+        if not keys:
+            return
+        try:
+            prefixes = await self.js.key_value(subjects.PREFIXES_BUCKET)
+            for key in keys:
+                await kv_delete(prefixes, key)
+        except Exception as exc:  # readers ignore them already; the next move tries no more
+            log.info("adverts of %s not deleted: %s", ",".join(move.gone), exc)

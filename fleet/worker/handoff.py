@@ -207,4 +207,6 @@ class RemoteRunners:
                 continue
             if summary.node_id != self.node_id:
                 self.runners[name] = remote_runner(summary)
-        self.inbox.put_nowait(RemoteRunnersSeen(dict(self.runners)))
+        # By runner id, as the loop looks them up (a hand-off's answer names the runner),
+        # not by the advert's key (`<model>.<runner id>`).
+        self.inbox.put_nowait(RemoteRunnersSeen({r.runner_id: r for r in self.runners.values()}))

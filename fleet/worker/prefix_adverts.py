@@ -5,16 +5,20 @@ The worker's own dispatch reads its state directly; the bucket is what the rest 
 sees (operators, and other workers, which hand tasks over to a runner here when it holds more
 of the prompt: fleet.worker.handoff). A runner's summary is written when its blocks or its
 load changed, at most once per `every_s` (a quarter second: other workers weigh its load by
-it), and at least once per REFRESH_S so the bucket's TTL keeps only runners whose worker is
-alive; a runner that left is deleted. Compact: its blocks (up to ~70 KB for 4,096) go in a
-whole summary at most once a second, and a change of load alone goes as a load update of a
-few hundred bytes under `<model>.<runner id>.load`, merged with the whole one by the reader.
+it), and only then: it is written never to expire by age (fleet.bus.kv_lasting), so an idle
+runner costs its readers nothing. Readers judge whether a runner is alive by the instance
+table, not by the advert's age (fleet.worker.routes.advert_live); a runner that left is
+deleted by its worker. On a bucket that does not allow per-message TTLs (provisioned before),
+a summary is refreshed every REFRESH_S as before, so the bucket's TTL keeps only live ones.
+Compact: its blocks (up to ~70 KB for 4,096) go in a whole summary at most once a second,
+and a change of load alone goes as a load update of a few hundred bytes under
+`<model>.<runner id>.load`, merged with the whole one by the reader.
 
 Who hears an advert: only a worker that serves the same model. A task is only ever handed
 over between runners of its model, so a worker watches `<model>.>` for each model placed on
 it (`ServedPrefixes`), and a summary of up to ~70 KB rewritten four times a second reaches the
-few nodes that could use it, not the whole fleet: a node's cost no longer grows with the
-number of nodes serving other models.
+few nodes that could use it, not the whole fleet; idle, nothing at all: a node's cost does
+not grow with the number of nodes serving any model.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from nats.js.kv import KeyValue
 
 from fleet.aio import started
 from fleet.bus.kv_calls import kv_delete, kv_put
+from fleet.bus.kv_lasting import put_lasting
 from fleet.bus.kv_mirror import Connection, Mirror
 from fleet.wire import subjects
 from fleet.wire.codec import encode
@@ -42,7 +47,7 @@ from fleet.worker.state import RunnerView, WorkerState
 
 log = logging.getLogger(__name__)
 
-REFRESH_S = 20.0  # the bucket's TTL is 60 s
+REFRESH_S = 20.0  # the bucket's TTL is 60 s: only where adverts cannot be written to last
 BLOCKS_EVERY_S = 1.0  # a whole summary (its blocks) at most this often; load updates 4/s
 MODELS_CHECK_S = 1.0  # how often the set of served models is compared with the watches
 LOAD_SUFFIX = ".load"
@@ -59,10 +64,11 @@ class Written:
 
 
 def advert_due(last: Written | None, blocks: int, load: tuple[int, int, bool],
-               now: float) -> str | None:
+               now: float, refresh_s: float | None = None) -> str | None:
     """Pure: what to write for a runner now: "whole" (blocks changed, at most once per
-    BLOCKS_EVERY_S, or the REFRESH_S refresh), "load" (only its load changed), or None."""
-    if last is None or now - last.whole_at >= REFRESH_S:
+    BLOCKS_EVERY_S, or a refresh every `refresh_s` where adverts expire by age), "load"
+    (only its load changed), or None."""
+    if last is None or (refresh_s is not None and now - last.whole_at >= refresh_s):
         return "whole"
     if blocks != last.blocks and now - last.whole_at >= BLOCKS_EVERY_S:
         return "whole"
@@ -120,6 +126,17 @@ class PrefixAdverts:
         self._written: dict[str, Written] = {}
         self._keys: dict[str, str] = {}  # runner -> its key (under its model)
         self._kv: KeyValue | None = None
+        self.lasting = True  # adverts written never to expire; False: refreshed instead
+
+    async def _put(self, kv: KeyValue, key: str, value: bytes) -> None:
+        if self.lasting and await put_lasting(self.js, kv, key, value):
+            return
+        if self.lasting:
+            log.warning("FLEET_PREFIXES does not allow per-message TTLs (provisioned before "
+                        "they were used): adverts are refreshed every %.0f s instead; run "
+                        "`fleet nats --provision` as the operator", REFRESH_S)
+            self.lasting = False
+        await kv_put(kv, key, value)
 
     async def forever(self) -> None:
         self._kv = self._kv or await self.js.key_value(subjects.PREFIXES_BUCKET)
@@ -136,18 +153,18 @@ class PrefixAdverts:
             load = (len(runner.in_flight), runner.prefill_blocks,
                     has_spare_core(state.spare_cores))
             last = self._written.get(runner.runner_id)
-            due = advert_due(last, blocks, load, now)
+            due = advert_due(last, blocks, load, now, None if self.lasting else REFRESH_S)
             if due is None:
                 continue
             key = advert_key(runner.model, runner.runner_id)
             self._keys[runner.runner_id] = key
             if due == "whole":
-                await kv_put(kv, key, encode(summary(runner, state.node_id, now,
-                                                     state.spare_cores)))
+                await self._put(kv, key, encode(summary(runner, state.node_id, now,
+                                                        state.spare_cores)))
                 self._written[runner.runner_id] = Written(blocks, load, now, now)
             else:
                 assert last is not None
-                await kv_put(kv, key + LOAD_SUFFIX, encode(summary(
+                await self._put(kv, key + LOAD_SUFFIX, encode(summary(
                     runner, state.node_id, now, state.spare_cores, load_only=True)))
                 self._written[runner.runner_id] = Written(last.blocks, load, last.whole_at, now)
         for gone in set(self._written) - {r for r, v in state.runners.items() if v.rank == 0}:

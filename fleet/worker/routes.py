@@ -9,14 +9,17 @@ do not take the free slots of others.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 
 from fleet.priorities import RANK
+from fleet.wire.cluster import Instance
 from fleet.worker.routing import Candidate, Wait, choose
-from fleet.worker.state import PendingTask, WorkerState
+from fleet.worker.state import PendingTask, RemoteRunner, WorkerState
 
-ADVERT_STALE_S = 45.0  # a runner summary older than this is ignored (refreshed every 20 s)
+# A node that left a hand-off unanswered is tried again once it advertises again, or after
+# this long (adverts are written on change only: an idle node's may never come).
+SILENT_S = 45.0
 SPARE_CORE = 0.5  # idle CPU, in cores, from which a node counts as having one to spare
 
 Decision = Candidate | Wait | None
@@ -25,6 +28,7 @@ Decision = Candidate | Wait | None
 def routes(state: WorkerState, now: float) -> Iterator[tuple[str, PendingTask, Decision]]:
     """(task id, task, decision) for each task ready to be routed, oldest first."""
     waiting: dict[str, float] = {}
+    hosts = hosted(state.instances)
     # Highest class first (a preempted task must not take back the slot it yielded), then
     # oldest first.
     order = sorted(state.pending.items(),
@@ -34,7 +38,7 @@ def routes(state: WorkerState, now: float) -> Iterator[tuple[str, PendingTask, D
             continue
         candidates = [replace(c, waiting_blocks=waiting.get(c.runner_id, 0))
                       for c in local_candidates(state, pending)]
-        candidates += remote_candidates(state, pending, now)
+        candidates += remote_candidates(state, pending, now, hosts)
         decision = choose(pending.blocks, candidates, state.routing)
         if isinstance(decision, Wait):
             waiting[decision.runner_id] = (waiting.get(decision.runner_id, 0.0)
@@ -69,20 +73,40 @@ def local_candidates(state: WorkerState, pending: PendingTask) -> list[Candidate
     ]
 
 
-def remote_candidates(state: WorkerState, pending: PendingTask, now: float) -> list[Candidate]:
-    """Other nodes' runners of the task's model with room, by their fresh summaries. None for
+def hosted(instances: Mapping[str, Instance]) -> frozenset[tuple[str, str]]:
+    """Pure: (model, node) for each node that takes an instance's tasks (its rank 0)."""
+    return frozenset((i.model, s.node_id) for i in instances.values()
+                     for s in i.shards if s.rank == 0)
+
+
+def advert_live(runner: RemoteRunner, hosts: frozenset[tuple[str, str]],
+                silent_at: float | None, now: float) -> bool:
+    """Pure: whether another node's advertised runner may be offered a task. An advert is
+    written on change only and never expires by age (an idle runner's stays as written), so
+    its age says nothing: its node must hold an instance of its model in the instance table
+    (the sweeper moves a dead node's instances elsewhere), and a node that left a hand-off
+    unanswered is left out until it advertises again or SILENT_S has passed."""
+    if (runner.model, runner.node_id) not in hosts:
+        return False
+    return silent_at is None or runner.at > silent_at or now - silent_at >= SILENT_S
+
+
+def remote_candidates(state: WorkerState, pending: PendingTask, now: float,
+                      hosts: frozenset[tuple[str, str]] | None = None) -> list[Candidate]:
+    """Other nodes' runners of the task's model with room, by their live adverts. None for
     a task that must stay (handed in, or declined once), carries input images (fetched here
     already), has no whole prompt block to route by, or while this node is stopping."""
     if (pending.local_only or pending.inputs or not pending.blocks or state.stopping
             or not state.routing.prefix):
         return []
+    hosts = hosted(state.instances) if hosts is None else hosts
     return [
         Candidate(r.runner_id, r.slots - r.in_flight, r.in_flight, r.held, r.node_id,
                   r.prefill_blocks, r.prefilling,
                   spare_core=has_spare_core(r.spare_cores))
         for r in state.remote.values()
         if r.model == pending.task.model and r.in_flight < r.slots
-        and now - r.at <= ADVERT_STALE_S and r.at > state.silent.get(r.node_id, 0.0)
+        and advert_live(r, hosts, state.silent.get(r.node_id), now)
     ]
 
 

@@ -98,3 +98,22 @@ async def test_our_own_key_going_away_asks_for_a_heartbeat_and_moves_nothing(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_the_move_deletes_the_dead_nodes_adverts_of_that_model(nc: Client) -> None:
+    """Adverts are written never to expire by age: the sweep that moves a dead node's
+    instance deletes the adverts of the runners its last heartbeat named, and no other."""
+    js = nc.jetstream()
+    await setup(nc, ["me", "doomed"], {"i-doomed": "doomed"})
+    nodes = await js.key_value(subjects.NODES_BUCKET)
+    await nodes.put("doomed", encode(node("doomed").model_copy(update={"runners": ["run-d"]})))
+    prefixes = await js.key_value(subjects.PREFIXES_BUCKET)
+    for key in ("tiny-llm.run-d", "tiny-llm.run-d.load", "tiny-llm.run-live"):
+        await prefixes.put(key, b"{}")
+    sweeper = await failover(nc, "me")
+    await sweeper.refresh()  # it saw the node alive, with its runner
+    await nodes.delete("doomed")
+    moves = [d for d in await sweeper.sweep() if isinstance(d, Move)]
+    assert [m.instance_id for m in moves] == ["i-doomed"]
+    left = set(await prefixes.keys())
+    assert left == {"tiny-llm.run-live"}

@@ -20,7 +20,7 @@ from fleet.worker.plan import (
     declines_hand_off,
     plan,
 )
-from fleet.worker.routes import ADVERT_STALE_S
+from fleet.worker.routes import SILENT_S, advert_live, hosted
 from fleet.worker.routing import Candidate, PrefixHeld, Weights, choose
 from fleet.worker.state import (
     HandOffEnded,
@@ -97,13 +97,16 @@ def remote(runner_id: str = "run-b", *, blocks: tuple[int, ...] = PROMPT, in_fli
 
 
 def world(tasks: list[PendingTask], remotes: list[RemoteRunner], *, local_busy: int = 0,
-          prefix: bool = True, stopping: bool = False) -> WorkerState:
+          prefix: bool = True, stopping: bool = False, placed_there: bool = True) -> WorkerState:
     instance = Instance(instance_id="inst-a", model="tiny-llm", slots=4, created_at=0.0,
                         shards=[ShardAssignment(node_id=HERE, runner_id="run-a")])
+    there = Instance(instance_id="inst-b", model="tiny-llm", slots=4, created_at=0.0,
+                     shards=[ShardAssignment(node_id=THERE, runner_id="pending")])
     local = RunnerView("run-a", "inst-a", "tiny-llm", status=RunnerReady(), slots=4,
                        in_flight=frozenset(f"busy-{i}" for i in range(local_busy)))
     return WorkerState(
-        node_id=HERE, instances={"inst-a": instance}, runners={"run-a": local},
+        node_id=HERE, instances={"inst-a": instance, **({"inst-b": there} if placed_there else {})},
+        runners={"run-a": local},
         pending={p.task.task_id: p for p in tasks},
         remote={r.runner_id: r for r in remotes}, routing=Weights(prefix=prefix),
         stopping=stopping,
@@ -129,8 +132,10 @@ HERE_NOW = Dispatch("t-1", "run-a")
                      id="a-full-remote-runner-is-no-candidate"),
         pytest.param(world([pending()], [remote(slots=0)]), T0, HERE_NOW,
                      id="a-summary-without-slots-is-no-candidate"),
-        pytest.param(world([pending()], [remote(at=T0 - ADVERT_STALE_S - 1)]), T0, HERE_NOW,
-                     id="a-stale-summary-is-ignored"),
+        pytest.param(world([pending()], [remote(at=T0 - 3600)]), T0, HAND_OFF,
+                     id="an-old-summary-of-a-placed-node-counts-adverts-change-only"),
+        pytest.param(world([pending()], [remote()], placed_there=False), T0, HERE_NOW,
+                     id="a-runner-whose-node-holds-no-instance-of-its-model-is-ignored"),
         pytest.param(world([pending()], [remote(model="smollm2-135m")]), T0, HERE_NOW,
                      id="another-models-runner-is-no-candidate"),
         pytest.param(world([pending(local_only=True)], [remote()]), T0, HERE_NOW,
@@ -168,6 +173,44 @@ def test_plan_across_nodes(state: WorkerState, now: float, expected: object) -> 
 )
 def test_a_hand_off_is_taken_only_into_a_free_slot(state: WorkerState, reason: str | None) -> None:
     assert declines_hand_off(state, "tiny-llm") == reason
+
+
+def _shard(node: str, rank: int = 0) -> ShardAssignment:
+    return ShardAssignment(node_id=node, runner_id="pending", rank=rank, world_size=2)
+
+
+@pytest.mark.parametrize(("instances", "hosts"), [
+    ({}, frozenset()),
+    ({"i": Instance(instance_id="i", model="m", slots=1, created_at=0.0,
+                    shards=[_shard("a"), _shard("b", 1)])},
+     frozenset({("m", "a")})),  # rank 1 takes no tasks: not a host
+    ({"i": Instance(instance_id="i", model="m", slots=1, created_at=0.0, shards=[_shard("a")]),
+      "j": Instance(instance_id="j", model="n", slots=1, created_at=0.0, shards=[_shard("a")])},
+     frozenset({("m", "a"), ("n", "a")})),
+])
+def test_hosts_are_the_rank_0_nodes_of_each_model(
+    instances: dict[str, Instance], hosts: frozenset[tuple[str, str]]
+) -> None:
+    assert hosted(instances) == hosts
+
+
+HOSTS = frozenset({("tiny-llm", THERE)})
+
+
+@pytest.mark.parametrize(("runner", "hosts", "silent_at", "now", "live"), [
+    (remote(), HOSTS, None, T0, True),
+    (remote(at=T0 - 86_400), HOSTS, None, T0, True),  # idle a day: its advert still holds
+    (remote(), frozenset(), None, T0, False),  # its node's instance moved (dead, or removed)
+    (remote(model="other"), HOSTS, None, T0, False),  # its node serves another model now
+    (remote(at=T0), HOSTS, T0 + 1, T0 + 2, False),  # silent since, no advert after
+    (remote(at=T0 + 3), HOSTS, T0 + 1, T0 + 4, True),  # it advertised again
+    (remote(at=T0), HOSTS, T0 + 1, T0 + 1 + SILENT_S, True),  # silent long enough: try again
+])
+def test_an_advert_is_live_while_its_node_holds_its_model(
+    runner: RemoteRunner, hosts: frozenset[tuple[str, str]], silent_at: float | None,
+    now: float, live: bool
+) -> None:
+    assert advert_live(runner, hosts, silent_at, now) is live
 
 
 def test_a_runner_not_ready_declines() -> None:

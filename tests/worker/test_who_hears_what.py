@@ -108,12 +108,20 @@ LAST = Written(blocks=1, load=LOAD, whole_at=100.0, load_at=100.0)
     (LAST, 2, LOAD, 100.5, None),  # new blocks within the second: they wait
     (LAST, 2, (2, 0, True), 100.5, "load"),  # ...and the load goes alone meanwhile
     (LAST, 2, LOAD, 101.0, "whole"),  # a second later, the blocks go
-    (LAST, 1, LOAD, 120.0, "whole"),  # the refresh that keeps the key alive
+    (LAST, 1, LOAD, 100_000.0, None),  # idle: nothing, ever (the advert lasts, no refresh)
 ])
 def test_blocks_go_at_most_once_a_second_and_load_alone_when_only_it_changed(
     last: Written | None, blocks: int, load: tuple[int, int, bool], now: float, due: str | None
 ) -> None:
     assert advert_due(last, blocks, load, now) == due
+
+
+@pytest.mark.parametrize(("now", "due"), [
+    (119.0, None),
+    (120.0, "whole"),  # the refresh that keeps the key alive in a bucket without TTLs
+])
+def test_where_adverts_expire_by_age_an_idle_one_is_refreshed(now: float, due: str | None) -> None:
+    assert advert_due(LAST, 1, LOAD, now, refresh_s=20.0) == due
 
 
 def test_a_reader_merges_a_newer_load_update_into_the_whole_summary() -> None:
