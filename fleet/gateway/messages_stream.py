@@ -16,24 +16,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from starlette.responses import Response
-from starlette.types import Message, Receive, Scope, Send
 
 from fleet.errors import FleetError
 from fleet.gateway.errors import CLIENT_CLOSED_REQUEST
 from fleet.gateway.messages_replies import MessagesRenderer, anthropic_error, error_json
-from fleet.gateway.relay import EventStream, sse
+from fleet.gateway.sse import EventStream, sse
 
 log = logging.getLogger(__name__)
 
 EARLY_COMMIT_S = 2.0
 PING_S = 10.0
+PING = sse({"type": "ping"}, event="ping")  # Anthropic's keep-alive, for the kit to send
 
 
-class EarlyStream:
-    """An ASGI response over `running` (the request's gateway.run), owned from here on: it is
-    awaited, and the stream it gives is run or closed, whatever the client does."""
+class EarlyStream(EventStream):
+    """An SSE response (fleet.gateway.sse) over `running` (the request's gateway.run), owned
+    from here on: it is awaited, and the stream it gives is relayed and closed, whatever the
+    client does. The kit sends the pings while `running` is not done, and its hang-up watcher
+    cancels `running` (the request's task with it) when the client leaves first."""
 
     def __init__(
         self, running: asyncio.Future[Response], renderer: MessagesRenderer,
@@ -41,54 +44,45 @@ class EarlyStream:
     ) -> None:
         self.running = running
         self.renderer = renderer
-        self.headers = headers
+        self.relayed: EventStream | None = None
+        super().__init__(self._lines(), self._closed, keepalive=PING, keepalive_s=PING_S,
+                         headers=headers)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = {"content-type": "text/event-stream; charset=utf-8",
-                   "cache-control": "no-cache", "x-accel-buffering": "no", **self.headers}
+    async def _lines(self) -> AsyncIterator[bytes]:
+        yield b"".join(self.renderer.opening())
+        self.renderer.opened = True  # the relay's stream starts without its opening
         try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
-            await self._body(send, b"".join(self.renderer.opening()))
-            self.renderer.opened = True  # the relay's stream starts without its opening
-            while not self.running.done():
-                done, _ = await asyncio.wait({self.running}, timeout=PING_S)
-                if not done:
-                    await self._body(send, sse({"type": "ping"}, event="ping"))
-        except BaseException:
-            await self._abandon()
-            raise
-        await self._finish(scope, receive, send)
-
-    async def _finish(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ending = b""
-        try:
-            response = self.running.result()
+            response = await self.running
         except FleetError as exc:
-            ending = sse(error_json(exc.http_status, exc.message, exc.code), event="error")
+            yield sse(error_json(exc.http_status, exc.message, exc.code), event="error")
+            return
         except Exception as exc:
             log.exception("a Messages stream failed before its first token")
-            ending = sse(error_json(500, f"internal error: {type(exc).__name__}"), event="error")
-        else:
-            if isinstance(response, EventStream):
-                await response(scope, receive, _without_start(send))
-                return
-            ending = _error_event(response)  # answered, not streamed: an error, or a 499
-        await send({"type": "http.response.body", "body": ending, "more_body": False})
+            yield sse(error_json(500, f"internal error: {type(exc).__name__}"), event="error")
+            return
+        if not isinstance(response, EventStream):
+            if ending := _error_event(response):  # answered, not streamed: an error, or a 499
+                yield ending
+            return
+        self.relayed = response
+        async for chunk in response.lines:
+            yield chunk
 
-    async def _abandon(self) -> None:
-        """The client left (or the server stops) before the stream was handed on: the task's
-        stream is closed as a hang-up, so its task is cancelled and its place given back."""
+    async def _closed(self, hung_up: bool) -> None:
+        if self.relayed is not None:
+            with contextlib.suppress(RuntimeError):  # a producer left running: its close
+                await self.relayed.lines.aclose()  # type: ignore[attr-defined]
+            if self.relayed.on_close is not None:
+                await self.relayed.on_close(hung_up)
+            return
+        # The client left (or the server stops) before the stream was handed on: the task's
+        # stream is closed as a hang-up, so its task is cancelled and its place given back.
         if not self.running.done():
             self.running.cancel()
         with contextlib.suppress(BaseException):
             response = await self.running
-            if isinstance(response, EventStream):
+            if isinstance(response, EventStream) and response.on_close is not None:
                 await response.on_close(True)
-
-    @staticmethod
-    async def _body(send: Send, body: bytes) -> None:
-        await send({"type": "http.response.body", "body": body, "more_body": True})
 
 
 def _error_event(response: Response) -> bytes:
@@ -96,11 +90,3 @@ def _error_event(response: Response) -> bytes:
         return b""
     body = anthropic_error(response.status_code, bytes(response.body))
     return b"event: error\ndata: " + body + b"\n\n"
-
-
-def _without_start(send: Send) -> Send:
-    async def forward(message: Message) -> None:
-        if message["type"] != "http.response.start":
-            await send(message)
-
-    return forward

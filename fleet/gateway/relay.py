@@ -14,21 +14,19 @@ idle time with an in-band `error` event whose code is `idle`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
-import anyio
-import orjson
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import JSONResponse, Response
+from starlette.types import Receive
 
 from fleet.bus.task_events import ChoiceEvents, Indexed, TaskEvents
 from fleet.errors import FleetError, failure_of
 from fleet.gateway.backend import Backend
 from fleet.gateway.capacity import Capacity
-from fleet.gateway.errors import counted_error_response, error_body
+from fleet.gateway.errors import counted_error_response
 from fleet.gateway.observability import GatewayMetrics, TaskObserver
+from fleet.gateway.sse import EventStream, sse, sse_error, unless_hung_up
 from fleet.gateway.token_runs import MAX_RUN, joins, mergeable, merged
 from fleet.wire.events import (
     ErrorChunk,
@@ -55,23 +53,11 @@ class Renderer(Protocol):
         ...
 
 
+# sse and sse_error are the kit's (fleet.gateway.sse), imported from here by the renderers too.
+__all__ = ["SSE_DONE", "EventStream", "Renderer", "claimer", "run_task", "sse", "sse_error"]
+
 SSE_DONE = b"data: [DONE]\n\n"
 MAX_LINES_A_WRITE = 64
-
-
-def sse(data: Any, event: str | None = None, event_id: int | None = None) -> bytes:
-    head = f"event: {event}\n" if event else ""
-    if event_id is not None:
-        head += f"id: {event_id}\n"
-    return head.encode() + b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-def sse_error(exc: FleetError) -> bytes:
-    """Mid-stream failure: OpenAI's SDKs raise on an `error` event whose data has `error`."""
-    return sse(error_body(exc), event="error")
-
-
-R = TypeVar("R")
 
 
 Events = TaskEvents | ChoiceEvents
@@ -81,37 +67,6 @@ Claim = Callable[[Indexed], Awaitable[None]]
 
 
 CLIENT_CLOSED_REQUEST = 499  # nobody reads it; /metrics counts it
-
-
-class EventStream(StreamingResponse):
-    """An SSE response that tells `on_close` whether the client hung up before the end."""
-
-    def __init__(
-        self, lines: AsyncIterator[bytes], on_close: Callable[[bool], Awaitable[None]]
-    ) -> None:
-        headers = {"cache-control": "no-cache", "x-accel-buffering": "no"}
-        super().__init__(lines, headers=headers, media_type="text/event-stream")
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        hung_up = False
-        try:
-            async with anyio.create_task_group() as group:
-
-                async def watch_for_disconnect() -> None:
-                    nonlocal hung_up
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    hung_up = True
-                    group.cancel_scope.cancel()
-
-                group.start_soon(watch_for_disconnect)
-                await self.stream_response(send)
-                group.cancel_scope.cancel()
-        except* OSError:  # the server noticed the hang-up on a write first
-            hung_up = True
-        finally:
-            await self.on_close(hung_up)
 
 
 def merges_tokens(renderer: Renderer) -> bool:
@@ -178,29 +133,6 @@ async def _relay(
         return
     if out := b"".join([*pending, *renderer.closing()]):
         yield out
-
-
-async def _hang_up(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_hung_up(receive: Receive, waiting: Awaitable[R]) -> R | None:
-    """What `waiting` gives, or None when the client hangs up first (and `waiting` is dropped).
-
-    Before any byte of the response is out, only this notices a client that gave up: an SDK
-    that timed out and retries would otherwise leave its first task running for nobody."""
-    work = asyncio.ensure_future(waiting)
-    watcher = asyncio.ensure_future(_hang_up(receive))
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not work.done():
-            work.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await work
-    return work.result() if not work.cancelled() else None
 
 
 def claimer(backend: Backend, tenant: str | None) -> Claim:
@@ -292,7 +224,7 @@ async def _run_task(
             await backend.publish_task(task)
             published.append(task.task_id)
         if not stream:
-            items = await _unless_hung_up(receive, events.rest())
+            items = await unless_hung_up(receive, events.rest())
             if items is None:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             for item in items:
@@ -301,7 +233,7 @@ async def _run_task(
             if events.finished and (failed := failure_of(events.finished, _last_error(items))):
                 raise failed
             return JSONResponse(await renderer.body([item.event for item in items]))
-        head = await _unless_hung_up(receive, events.until_committed())
+        head = await unless_hung_up(receive, events.until_committed())
         if head is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         if events.finished and (failed := failure_of(events.finished, _last_error(head))):

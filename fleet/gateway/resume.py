@@ -24,8 +24,9 @@ from fleet.gateway.backend import Backend
 from fleet.gateway.capacity import Capacity
 from fleet.gateway.errors import not_found
 from fleet.gateway.image_api import ImageRenderer
-from fleet.gateway.relay import EventStream, Renderer, claimer, sse_error
+from fleet.gateway.relay import Renderer, claimer
 from fleet.gateway.responses_api import ResponseShape, ResponsesRenderer
+from fleet.gateway.sse import EventStream, sse_error
 from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
 from fleet.wire.events import ErrorChunk, TaskFinished
 from fleet.wire.records import TaskRecord
