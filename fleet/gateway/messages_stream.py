@@ -52,7 +52,9 @@ class EarlyStream(EventStream):
         yield b"".join(self.renderer.opening())
         self.renderer.opened = True  # the relay's stream starts without its opening
         try:
-            response = await self.running
+            # Shielded: when the client leaves, `_closed` cancels it, once (a second cancel
+            # would cut short its clean-up: closing its events, cancelling its task).
+            response = await asyncio.shield(self.running)
         except FleetError as exc:
             yield sse(error_json(exc.http_status, exc.message, exc.code), event="error")
             return
@@ -77,7 +79,10 @@ class EarlyStream(EventStream):
             return
         # The client left (or the server stops) before the stream was handed on: the task's
         # stream is closed as a hang-up, so its task is cancelled and its place given back.
-        if not self.running.done():
+        # After a hang-up the relay, which watches for it too, ends by itself and cancels
+        # what it published (cancelled from here, it could be cut inside a publish that
+        # stored its task); a stopping server cancels it.
+        if not hung_up and not self.running.done():
             self.running.cancel()
         with contextlib.suppress(BaseException):
             response = await self.running

@@ -221,7 +221,11 @@ async def _run_task(
     handed_over = False
     try:
         for task in tasks:
-            await backend.publish_task(task)
+            try:
+                await backend.publish_task(task)
+            except asyncio.CancelledError:
+                published.append(task.task_id)  # perhaps stored: cancelled with the others
+                raise
             published.append(task.task_id)
         if not stream:
             items = await unless_hung_up(receive, events.rest())

@@ -31,7 +31,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from fleet.aio import cancel_and_wait
+from fleet.aio import CLOSE_WAIT_S
 from fleet.errors import FleetError
 from fleet.gateway.errors import error_body
 
@@ -147,8 +147,11 @@ class EventStream(Response):
         finally:
             watcher.cancel()
             if upcoming is not None and not upcoming.done():
-                # Bounded: a producer inside a nats-py call may swallow a cancel.
-                await cancel_and_wait({upcoming})  # type: ignore[arg-type]
+                # Cancelled once: the producer's own clean-up (closing its events, cancelling
+                # its task on NATS) must not be cancelled in turn. Waited for within a bound:
+                # a producer inside a nats-py call may swallow the cancel.
+                upcoming.cancel()
+                await asyncio.wait({upcoming}, timeout=CLOSE_WAIT_S)
             aclose = getattr(self.lines, "aclose", None)
             if aclose is not None and (upcoming is None or upcoming.done()):
                 with contextlib.suppress(RuntimeError):  # still running: left behind
