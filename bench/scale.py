@@ -201,22 +201,39 @@ async def add_sims(stack: Stack, nc: Client, upto: int) -> None:
         ready.put_nowait(msg.data.decode())
 
     sub = await nc.subscribe(READY, cb=on_ready)
-    started = 0
-    for first in range(have, upto, NODES_PER_PROCESS):
-        count = min(NODES_PER_PROCESS, upto - first)
-        with (stack.work / f"sim-{first}.log").open("ab") as out:
-            stack.sims.append(subprocess.Popen(
-                [sys.executable, "-m", "bench.scale_sim", "--url", stack.url, "--first",
-                 str(first), "--count", str(count), "--models", str(MODELS), "--design",
-                 stack.design], cwd=REPO, env={**stack.env(), "PYTHONPATH": str(REPO)},
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        started += 1
     try:
+        if have == 0 and stack.design != "baseline":
+            # The first node alone in a process of its own, started before the others: it
+            # takes the sweeper lease, so the sweeper is measured as one machine of the
+            # fleet would run it, not starved by the other nodes simulated beside it (at
+            # N = 1,000 a sweeper among 249 nodes at load 21 moved nothing within 60 s).
+            stack.sims.append(_sim(stack, 0, 1))
+            stack.procs["sweeper"] = stack.sims[-1]  # measured: CPU and RSS
+            await asyncio.wait_for(ready.get(), 120)
+            await _wait(lambda: _holds_sweeper(nc, sim_node_id(0)), 30, "the sweeper lease")
+            have = 1
+        started = 0
+        for first in range(have, upto, NODES_PER_PROCESS):
+            stack.sims.append(_sim(stack, first, min(NODES_PER_PROCESS, upto - first)))
+            started += 1
         for _ in range(started):
             await asyncio.wait_for(ready.get(), 120 + upto / 5)
     finally:
         standing_in.cancel()
     await sub.unsubscribe()
+
+
+def _sim(stack: Stack, first: int, count: int) -> subprocess.Popen[bytes]:
+    with (stack.work / f"sim-{first}.log").open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "bench.scale_sim", "--url", stack.url, "--first",
+             str(first), "--count", str(count), "--models", str(MODELS), "--design",
+             stack.design], cwd=REPO, env={**stack.env(), "PYTHONPATH": str(REPO)},
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+async def _holds_sweeper(nc: Client, node: str) -> bool:
+    return await sweeper_holder(nc) == node
 
 
 async def stand_in(nc: Client, indexes: range) -> None:
@@ -258,7 +275,7 @@ async def measure(stack: Stack, window_s: float) -> dict[str, Any]:
             "cpu": round((_cpu(stack.procs[name]) - cpu0[name]) / took, 4),
             "rss_mb": round(_ps(stack.procs[name]).memory_info().rss / 2**20, 1),
         }
-        if name != "nats":
+        if name == "worker" or name.startswith("gateway"):
             # Every gateway's connection has the same name: a gateway's share is the mean.
             conn, share = ("fleet-worker", 1) if name == "worker" else ("fleet-gateway", gateways)
             got: Received = received_by(connz1, conn) - received_by(connz0, conn)
@@ -331,6 +348,10 @@ async def run_design(src: Path, design: str, plan: ScalePlan, work: Path) -> dic
     return {"design": design, "src": str(src), "steps": steps}
 
 
+def _share(row: dict[str, Any] | None) -> str:
+    return "-" if row is None else f"{row['cpu']:.1%}"  # the baseline has no sweeper process
+
+
 def _seconds(value: object) -> object:
     return "> 60" if value is None else value  # time_failover's timeout
 
@@ -338,9 +359,9 @@ def _seconds(value: object) -> object:
 def table(result: dict[str, Any]) -> list[str]:
     lines = [f"### {result['design']} ({result['src']})", "",
              "| N | load | worker msgs/s | worker KB/s | worker CPU | worker RSS MB | "
-             "gateway msgs/s | gateway KB/s | gateway CPU | nats CPU | placement p50 ms | "
-             "failover s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "gateway msgs/s | gateway KB/s | gateway CPU | nats CPU | sweeper CPU | "
+             "placement p50 ms | failover s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, step in result["steps"].items():
         for phase in ("idle", "load"):
             row = step[phase]
@@ -349,7 +370,8 @@ def table(result: dict[str, Any]) -> list[str]:
                 f"| {n} | {phase if phase == 'idle' else str(step['busy_nodes']) + ' busy'} | "
                 f"{w['msgs_s']} | {w['kb_s']} | {w['cpu']:.1%} | {w['rss_mb']} | "
                 f"{g.get('msgs_s', '-')} | {g.get('kb_s', '-')} | {g.get('cpu', 0):.1%} | "
-                f"{s['cpu']:.1%} | {step['placement_p50_ms'] if phase == 'idle' else ''} | "
+                f"{s['cpu']:.1%} | {_share(row.get('sweeper'))} | "
+                f"{step['placement_p50_ms'] if phase == 'idle' else ''} | "
                 f"{_seconds(step.get('failover_s', '-')) if phase == 'idle' else ''} |")
     return lines
 
