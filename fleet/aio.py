@@ -10,6 +10,7 @@ whose failure is logged with its traceback, never swallowed.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
@@ -32,8 +33,13 @@ def next_backoff(previous_s: float | None, ran_for_s: float) -> float:
 class Supervisor:
     """The owner of a process's (or a component's) children. Use as `async with`."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, bounded_s: float | None = None) -> None:
+        """`bounded_s`: each child, cancelled, gets this long to end (its cancel repeated,
+        cancel_and_wait) before it is left behind, logged, so that the owner's end is bounded
+        even when a child inside a nats-py call swallows its cancel (the gateway's lifespan:
+        without it a shutdown with NATS down took 5 s or hung, README "Tests")."""
         self.name = name
+        self.bounded_s = bounded_s
         self._group: asyncio.TaskGroup | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self.restarts: dict[str, int] = {}  # child name -> restarts so far (for logs and tests)
@@ -62,7 +68,7 @@ class Supervisor:
         task = self._start(name, self._logged(name, coro))
         # Cancelled before its first step, the wrapper never awaited `coro`: close it, or
         # Python warns "coroutine ... was never awaited" (a standby's watch cancelled at once).
-        task.add_done_callback(lambda _: coro.close())
+        task.add_done_callback(lambda _: _close_unstarted(coro))
         return task
 
     async def cancel_all(self) -> None:
@@ -79,10 +85,27 @@ class Supervisor:
     def _start(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         if self._group is None:
             raise RuntimeError(f"{self.name}: supervisor used outside `async with`")
+        inner = coro
+        if self.bounded_s is not None:
+            coro = self._bounded(name, inner, self.bounded_s)
         task = self._group.create_task(coro, name=f"{self.name}/{name}")
+        if inner is not coro:
+            task.add_done_callback(lambda _: _close_unstarted(inner))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    async def _bounded(
+        self, name: str, coro: Coroutine[Any, Any, Any], wait_s: float
+    ) -> Any:
+        work = asyncio.create_task(coro, name=f"{self.name}/{name} (work)")
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            if await cancel_and_wait({work}, wait_s):
+                log.warning("%s/%s did not stop within %.0f s; left behind",
+                            self.name, name, wait_s)
+            raise
 
     async def _logged(self, name: str, coro: Coroutine[Any, Any, Any]) -> Any:
         try:
@@ -112,6 +135,13 @@ class Supervisor:
             backoff = next_backoff(backoff, time.monotonic() - started)
             self.restarts[name] = self.restarts.get(name, 0) + 1
             await asyncio.sleep(backoff)  # a restart backoff, not synchronisation
+
+
+def _close_unstarted(coro: Coroutine[Any, Any, Any]) -> None:
+    """Close a coroutine its task never started (else Python warns it was never awaited);
+    one that started is its task's, even one left behind still running."""
+    if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+        coro.close()
 
 
 def started(coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -172,47 +202,3 @@ async def cancel_and_wait(
             break
         _, pending = await asyncio.wait(pending, timeout=min(RECANCEL_S, left))
     return pending
-
-
-class DetachedSupervisor:
-    """A Supervisor in a task of its own, for a component that one task starts and another
-    stops (an ASGI lifespan may run its start and its end in different tasks, and a TaskGroup
-    must be entered and left by the same one). `setup` adds the children; the owner's end by
-    anything but `close` is logged, and `close` is bounded: a child inside a nats-py call can
-    swallow its cancel (seen hanging a gateway's shutdown with no NATS), and the app must
-    still stop."""
-
-    def __init__(self, name: str, setup: Callable[[Supervisor], None]) -> None:
-        self.name = name
-        self._setup = setup
-        self._owner: asyncio.Task[None] | None = None
-        self.supervisor: Supervisor | None = None  # while it runs: its children, for tests
-
-    async def start(self) -> None:
-        started = asyncio.Event()
-        self._owner = asyncio.create_task(self._own(started), name=self.name)
-        self._owner.add_done_callback(self._ended)
-        await started.wait()
-
-    async def _own(self, started: asyncio.Event) -> None:
-        async with Supervisor(self.name) as supervisor:
-            self.supervisor = supervisor
-            self._setup(supervisor)
-            started.set()
-            await asyncio.Event().wait()  # until close() cancels it
-
-    def _ended(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("%s stopped", self.name, exc_info=exc)
-
-    async def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
-        if self._owner is None:
-            return
-        self._owner.cancel()
-        # The children too, again and again (cancel_and_wait): the owner's TaskGroup cancels
-        # them once, and a child whose cancel was dropped would hold the owner forever.
-        children = set(self.supervisor._tasks) if self.supervisor else set()
-        await cancel_and_wait(children, wait_s)
-        done, _ = await asyncio.wait({self._owner}, timeout=wait_s)
-        if not done:
-            log.warning("%s did not stop within %.0f s; left behind", self.name, wait_s)

@@ -30,7 +30,7 @@ import orjson
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from fleet.aio import DetachedSupervisor, Supervisor, started
+from fleet.aio import Supervisor, started
 from fleet.bus.kv_mirror import WAIT_CONNECTED_S, Mirror
 from fleet.dashboard.model import RecentTasks, beats, changed, sees, snapshot
 from fleet.errors import FleetError
@@ -105,25 +105,24 @@ class Feed:
         self.runners = Mirror(subjects.RUNNERS_BUCKET, self._fleet_changed)
         self.owners = Mirror(TENANTS_BUCKET, self._owner_changed, keys=task_key(">"),
                              limit=OWNERS_KEPT)
-        self._children = DetachedSupervisor("dashboard feed", self._add_children)
+        self.children: list[asyncio.Task[None]] = []  # its loops (for tests)
 
-    async def start(self) -> None:
+    def start(self, owner: Supervisor) -> None:
+        """Its loops as children of `owner` (the gateway's lifespan, which stops them)."""
         hub = self.backend.hub
         if hasattr(hub, "tap"):  # the gateway's own tasks' events, as its requests read them
             hub.tap = self._from_gateway
-        await self._children.start()
-
-    def _add_children(self, supervisor: Supervisor) -> None:
         for mirror in (self.nodes, self.instances, self.runners):
-            supervisor.forever(f"watch {mirror.bucket}",
-                               lambda m=mirror: self._while_watched(m))  # type: ignore[misc]
-        supervisor.forever(f"watch {self.owners.bucket}", lambda: self.owners.run(self.backend))
-        supervisor.forever("queues", self._sample_queues)
-        supervisor.forever("tasks", self._follow_tasks)
-        supervisor.forever("flush", self._flush_forever)
-
-    async def close(self) -> None:
-        await self._children.close()
+            self.children.append(owner.forever(
+                f"feed: watch {mirror.bucket}",
+                lambda m=mirror: self._while_watched(m)))  # type: ignore[misc]
+        self.children += [
+            owner.forever(f"feed: watch {self.owners.bucket}",
+                          lambda: self.owners.run(self.backend)),
+            owner.forever("feed: queues", self._sample_queues),
+            owner.forever("feed: tasks", self._follow_tasks),
+            owner.forever("feed: flush", self._flush_forever),
+        ]
 
     def _decoded(self, mirror: Mirror, model: type[Wire]) -> list[dict[str, Any]]:
         return _decoded(mirror, model, self._skipped)

@@ -7,7 +7,6 @@ could make the browser send on the operator's behalf."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fleet.aio import Supervisor
 from fleet.dashboard import actions, task_routes
 from fleet.dashboard.access import is_operator
 from fleet.dashboard.feed import Feed
@@ -91,20 +91,13 @@ def mount(app: Starlette) -> None:
     middleware stack, and its one feed, started and stopped with the app."""
     app.router.routes.extend(API_ROUTES)
     app.add_middleware(OpenPages)
-    inner = app.router.lifespan_context
 
-    @asynccontextmanager
-    async def lifespan(app_: Starlette) -> AsyncIterator[Any]:
-        async with inner(app_) as state:
-            hub = Feed(gateway_of_app(app_).backend)
-            app_.state.dashboard_feed = hub
-            await hub.start()
-            try:
-                yield state
-            finally:
-                await hub.close()
+    async def start_feed(app_: Starlette, owner: Supervisor) -> None:
+        hub = Feed(gateway_of_app(app_).backend)
+        app_.state.dashboard_feed = hub
+        hub.start(owner)  # its loops: children of the gateway lifespan's Supervisor
 
-    app.router.lifespan_context = lifespan
+    app.state.lifespan_children.append(start_feed)
 
 
 def gateway_of_app(app: Starlette) -> Any:

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -40,6 +40,7 @@ from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from fleet import telemetry
+from fleet.aio import CLOSE_WAIT_S, Supervisor
 from fleet.bus.connect import redact_urls
 from fleet.config import Settings
 from fleet.errors import FleetError
@@ -108,6 +109,9 @@ ROUTES = [
 # Adds a package's routes to the app (the dashboard's `mount`); called before the outermost
 # middleware is added, so that the access log and the HTTP spans see its routes too.
 AddRoutes = Callable[[Starlette], None]
+# What a mount starts with the app: appended to `app.state.lifespan_children`, called in the
+# lifespan with its Supervisor, to which it adds its children (stopped with the app).
+AddChildren = Callable[[Starlette, Supervisor], Awaitable[None]]
 
 
 def build_app(settings: Settings, mounts: Iterable[AddRoutes] = ()) -> Starlette:
@@ -117,16 +121,32 @@ def build_app(settings: Settings, mounts: Iterable[AddRoutes] = ()) -> Starlette
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await gateway.backend.start()
-        await gateway.catalogue.start(wait_s=2.0 if gateway.backend.connected else 0.0)
-        await batches.start()
-        try:
-            yield
-        finally:
-            await batches.close()
-            await gateway.catalogue.close()
-            await gateway.backend.close()
-            gateway.metrics.meters.shutdown()
+        # One owner for the gateway's long-lived tasks: the NATS connect loop, the refills,
+        # the catalogue's watches, and what mounts add (`app.state.lifespan_children`: the
+        # dashboard's feed). A TaskGroup is left by the task that entered it: uvicorn runs the
+        # lifespan as one task (LifespanOn.main awaits the app, whose router does `async with
+        # lifespan_context(app)` and then `await receive()` until shutdown), and so do
+        # Starlette's TestClient (one portal task) and asgi-lifespan's LifespanManager (one
+        # background task); httpx's ASGITransport runs no lifespan. The suite's fixtures that
+        # enter it in a fixture's setup and leave it in its teardown use two tasks: that works
+        # because no child raises out of the group (each is `spawn`ed or `forever`, failures
+        # logged), so the group never cancels the task that entered it.
+        async with Supervisor("gateway", bounded_s=CLOSE_WAIT_S) as owner:
+            try:
+                await gateway.backend.start(owner)
+                await gateway.catalogue.start(
+                    owner, wait_s=2.0 if gateway.backend.connected else 0.0)
+                await batches.start()
+                for add_children in app.state.lifespan_children:
+                    await add_children(app, owner)
+                yield
+            finally:
+                await batches.close()
+                # Bounded: a child inside a nats-py call may swallow its cancel (each gets
+                # CLOSE_WAIT_S, then is left behind, logged).
+                await owner.cancel_all()
+                await gateway.backend.close()
+                gateway.metrics.meters.shutdown()
 
     app = Starlette(
         routes=[*ROUTES, *ollama_routes(), *landing.routes(), *docs.routes()],
@@ -146,6 +166,8 @@ def build_app(settings: Settings, mounts: Iterable[AddRoutes] = ()) -> Starlette
     app.state.gateway = gateway
     app.state.batches = batches  # /v1/files, /v1/batches and the jobs this gateway runs
     app.state.key_ring = ring  # the dashboard asks it who is an operator
+    # What a mount starts with the app, as children of the lifespan's Supervisor.
+    app.state.lifespan_children = []
     for mount in mounts:
         mount(app)  # /ui: fleet/dashboard, mounted by fleet/commands/gateway.py
     # Outside the key check and the body limits: their refusals on /v1/messages too are in

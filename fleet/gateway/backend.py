@@ -24,7 +24,7 @@ from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
-from fleet.aio import cancel_and_wait, started
+from fleet.aio import Supervisor
 from fleet.bus.connect import connect_with, js_publish, publish, redact_urls
 from fleet.bus.deadlines import publish_deadline, ttl_header
 from fleet.bus.kv_read import live_values
@@ -76,9 +76,6 @@ MAXIMUM_BYTES_EXCEEDED = 10078
 RECONNECT_WAIT_S = 1.0
 
 
-CLOSE_WAIT_S = 5.0
-
-
 # Room for the headers a task is published with (Nats-Msg-Id, traceparent, tracestate).
 HEADER_ALLOWANCE = 1024
 
@@ -117,12 +114,13 @@ class Backend:
         self._buckets: dict[str, KeyValue] = {}
         # A core subscription per task read here (fleet.gateway.task_feed), not every task's.
         self.hub = TaskSubscriptions(self._client)
-        self._refills: asyncio.Task[None] | None = None
         self.owners = Owners(self._client)
 
-    async def start(self) -> None:
-        self._connecting = asyncio.create_task(self._connect_until_up())
-        self._refills = started(self.hub.watch_reconnects(), "gateway refills")
+    async def start(self, owner: Supervisor) -> None:
+        """The connect loop and the refills as children of `owner` (the gateway's lifespan,
+        fleet/gateway/app.py), which cancels them before `close`."""
+        self._connecting = owner.spawn("nats connect", self._connect_until_up())
+        owner.spawn("refills", self.hub.watch_reconnects())
         # Give the first attempt a moment so a healthy start answers its first request.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._connecting), timeout=2.0)
@@ -144,12 +142,8 @@ class Backend:
         log.info("connected to NATS at %s", self.url)
 
     async def close(self) -> None:
-        if self._refills is not None:
-            await cancel_and_wait([self._refills])
+        """After the owner's children ended: the subscriptions, then the connection."""
         await self.hub.close()
-        # Bounded: should a library call ever swallow the cancel again, the app still stops.
-        if self._connecting and await cancel_and_wait([self._connecting], CLOSE_WAIT_S):
-            log.warning("the NATS connect loop did not stop within %.0f s", CLOSE_WAIT_S)
         if self.nc is not None:
             with contextlib.suppress(NatsError, OSError):
                 await self.nc.close()

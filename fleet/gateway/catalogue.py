@@ -13,7 +13,7 @@ A request may name a model by an alias (a card's `aliases`, or this data dir's
 lists each model with the aliases that name it (so /v1/models shows them).
 
 Each bucket is a `Mirror` (fleet/bus/kv_mirror.py: a fresh watch after every reconnect, since
-nats-py's own stopped delivering after a server restart), a child of a DetachedSupervisor: a
+nats-py's own stopped delivering after a server restart), a child of the gateway's Supervisor: a
 watch that fails is logged and restarted with backoff.
 
 Which models are placed and ready is a pure function of the cards and the KV state (table-
@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from fleet.aio import DetachedSupervisor, Supervisor
+from fleet.aio import Supervisor
 from fleet.bus.kv_mirror import Connection, Mirror
 from fleet.bus.weights import MODELS_BUCKET
 from fleet.errors import FleetError, PlacementError
@@ -86,7 +86,6 @@ class Catalogue:
         self._cards = Mirror(MODELS_BUCKET, self._cards_changed)
         self._nodes = Mirror(subjects.NODES_BUCKET, self._nodes_changed)
         self._instances = Mirror(subjects.INSTANCES_BUCKET, self._instances_changed)
-        self._children = DetachedSupervisor("gateway catalogue", self._add_children)
 
     # ---- reading (from memory) -----------------------------------------------------------
 
@@ -138,10 +137,13 @@ class Catalogue:
 
     # ---- the watches ---------------------------------------------------------------------
 
-    async def start(self, wait_s: float) -> None:
-        """Start the watches; wait up to `wait_s` for their first load, so that a healthy
-        start knows the fleet's models before its first request."""
-        await self._children.start()
+    async def start(self, owner: Supervisor, wait_s: float) -> None:
+        """Start the watches as children of `owner` (the gateway's lifespan, which stops
+        them); wait up to `wait_s` for their first load, so that a healthy start knows the
+        fleet's models before its first request."""
+        for mirror in (self._cards, self._nodes, self._instances):
+            owner.forever(f"watch {mirror.bucket}",
+                          lambda m=mirror: m.run(self.connection))  # type: ignore[misc]
         with contextlib.suppress(TimeoutError):
             await self.until(lambda: self.cards_loaded and self.nodes_loaded, wait_s)
 
@@ -150,14 +152,6 @@ class Catalogue:
         async with asyncio.timeout(timeout):
             while not done():
                 await self._changed.wait()
-
-    async def close(self) -> None:
-        await self._children.close()
-
-    def _add_children(self, supervisor: Supervisor) -> None:
-        for mirror in (self._cards, self._nodes, self._instances):
-            supervisor.forever(f"watch {mirror.bucket}",
-                               lambda m=mirror: m.run(self.connection))  # type: ignore[misc]
 
     def _cards_changed(self, key: str | None) -> None:
         self.fleet = {card.id: card for card in _decoded(self._cards, ModelCard).values()}

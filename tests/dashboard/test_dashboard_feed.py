@@ -183,7 +183,7 @@ async def test_every_tab_shares_one_reader_and_sees_a_node_join(
     assert all(f["nodes"] == [] for f in first)
     # three state watches, the owners' watch, the queue sampler, the task follower and the
     # flusher: the same seven for five tabs as for one
-    assert feed._children.supervisor.children == 7
+    assert sum(not child.done() for child in feed.children) == 7
     kv = await provisioned_nc.jetstream().key_value(subjects.NODES_BUCKET)
     info = NodeInfo(node_id="n-dash", hostname="h", memory_total_bytes=8, memory_available_bytes=4,
                     cpu_count=2, started_at=time.time(), at=time.time())
@@ -241,7 +241,7 @@ async def test_a_node_card_that_does_not_decode_is_skipped_and_the_feed_goes_on(
     assert [n["node_id"] for n in seen["nodes"]] == ["n-real"]
     await kv.delete("n-real")
     assert (await next_fleet(tab))["nodes"] == []  # still flowing after the bad ones
-    assert feed._children.supervisor.children == 7  # no child died and was restarted
+    assert sum(not child.done() for child in feed.children) == 7  # no child died and was restarted
 
 
 async def own(nc: Client, task_id: str, tenant: str) -> None:
