@@ -16,6 +16,11 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
   fi
 fi
 export MLX_DISABLE_COMPILE=1  # CPU kernel compilation shells out to g++: +20 s, no gain here
+# Some machines (this project's CI among them) set PYTHONDONTWRITEBYTECODE=1: then no .pyc is
+# ever written and every process compiles what it imports from source, each xdist worker its
+# test modules and every runner mlx-lm and transformers again (1.7 s of CPU a runner start,
+# measured; the suite starts hundreds). Bytecode is written once, then read.
+unset PYTHONDONTWRITEBYTECODE
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 .venv/bin/ruff check fleet tests bench
 .venv/bin/fleet schemas --check
