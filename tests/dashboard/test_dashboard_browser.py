@@ -100,17 +100,21 @@ def test_model_pickers_default_to_a_ready_model_and_mark_the_unavailable_ones(
     rates = wait(page, lambda d: [e.text for e in css(d, "#nodes .rate") if "tok/s" in e.text],
                  20, "the node's token rate")
     assert rates and all(r.endswith(" tok/s") for r in rates), rates
-    cards = css(page, ".instance .placement")
-    assert cards and all("rank 0/1" not in c.text and " on " in c.text for c in cards), [
-        c.text for c in cards]  # an unsharded instance names its node, not "shards: rank 0/1"
+    # The texts in one read of the page: the live feed redraws the cards (a card held across
+    # a redraw is stale).
+    cards = page.execute_script(
+        "return [...document.querySelectorAll('.instance .placement')].map(e => e.innerText)")
+    assert cards and all("rank 0/1" not in c and " on " in c for c in cards), cards
+    # an unsharded instance names its node, not "shards: rank 0/1"
     for where, picker in (("fleet", "place-model"), ("playground", "pg-model")):
         go(page, stack, where)
         page.refresh()  # the model list is read when the page opens
-        options = wait(page, lambda d, p=picker: css(d, f"#{p} option"), 20, "the models")
+        wait(page, lambda d, p=picker: css(d, f"#{p} option"), 20, "the models")
         chosen = page.execute_script(f"return document.getElementById('{picker}').value")
-        marks = {o.get_attribute("value"): (o.get_attribute("data-ready"),
-                                            o.get_attribute("data-available"), o.text)
-                 for o in options}
+        marks = {value: (ready, available, text) for value, ready, available, text in
+                 page.execute_script(  # one read: the options may be redrawn meanwhile
+                     f"return [...document.querySelectorAll('#{picker} option')].map(o => "
+                     "[o.value, o.dataset.ready, o.dataset.available, o.innerText])")}
         assert chosen in ("tiny-llm", "tiny-flux2") and marks[chosen][0] == "true", marks
         unavailable = [m for m, (_, available, _) in marks.items() if available == "false"]
         assert "flux1-dev" in unavailable, marks  # 33.7 GB on no disk: marked, not the default
