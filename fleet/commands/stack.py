@@ -149,6 +149,7 @@ async def stack(
         settings = settings_with_url(settings, server.url)
     worker: Worker | None = None
     worker_task: asyncio.Task[None] | None = None
+    ending = asyncio.Event()  # set when `fleet up` stops its roles: their end is no failure
     try:
         secured = config is not None
         nc = await connect_with(as_role(settings, "operator", secured), "fleet-up")
@@ -156,25 +157,33 @@ async def stack(
             await provision(nc, replicas=settings.replicas)
             if server is not None:
                 await _restore_or_clear(nc, fresh)
-            worker = Worker(as_role(settings, "worker", secured))
-            worker_task = asyncio.create_task(worker.run())
-            await _first(worker.ready.wait(), worker_task, stopping)
-            for model in models:
-                await _place_here(nc, settings, model, worker.cluster.node_id)
-            gateway_ready = asyncio.Event()
-            gateway_task = asyncio.create_task(
-                serve(as_role(settings, "gateway", secured), gateway_ready, gateway_socket)
-            )
-            try:
-                await _first(gateway_ready.wait(), gateway_task, stopping)
-                await _first(serves_requests(settings), gateway_task, stopping)
-                yield as_role(settings, "operator", secured)
-            finally:
-                gateway_task.cancel()
-                await asyncio.gather(gateway_task, return_exceptions=True)
+            # The worker and the gateway are children of one task group: one that fails (or
+            # ends) at any time, before it is ready or while it serves, cancels what waits
+            # here and fails `fleet up` with its error (_roles).
+            async with _roles() as roles:
+                gateway_task: asyncio.Task[None] | None = None
+                try:
+                    worker = Worker(as_role(settings, "worker", secured))
+                    worker_task = roles.create_task(_worker_role(worker, ending))
+                    await _ready(worker.ready.wait(), stopping)
+                    for model in models:
+                        await _place_here(nc, settings, model, worker.cluster.node_id)
+                    gateway_ready = asyncio.Event()
+                    gateway_task = roles.create_task(_role("gateway", serve(
+                        as_role(settings, "gateway", secured), gateway_ready, gateway_socket),
+                        ending))
+                    await _ready(gateway_ready.wait(), stopping)
+                    await _ready(serves_requests(settings), stopping)
+                    yield as_role(settings, "operator", secured)
+                finally:  # before the group ends: the worker stops cleanly, not cancelled
+                    ending.set()
+                    if gateway_task is not None:
+                        gateway_task.cancel()
+                        await asyncio.gather(gateway_task, return_exceptions=True)
+                    if worker_task is not None:  # cancelled, it stops cleanly (_worker_role)
+                        worker_task.cancel()
+                        await asyncio.gather(worker_task, return_exceptions=True)
         finally:
-            if worker is not None and worker_task is not None:
-                await stop_worker(worker, worker_task)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(nc.close(), 2.0)
     finally:
@@ -227,21 +236,62 @@ async def card_of(nc: Client, model: str, settings: Settings) -> ModelCard:
     return await FleetModels(nc).get(model) or get_card(model, settings.data_dir)
 
 
-async def _first(
-    waiting: Awaitable[object], task: asyncio.Task[None], stopping: asyncio.Event
-) -> None:
-    """Wait for readiness, but surface the role's own error if it dies first, and give up
-    when a stop is requested meanwhile."""
-    ready = asyncio.ensure_future(waiting)
-    stop = asyncio.ensure_future(stopping.wait())
-    done, _ = await asyncio.wait({ready, task, stop}, return_when=asyncio.FIRST_COMPLETED)
-    ready.cancel()
-    stop.cancel()
-    if task in done:
-        task.result()
-        raise RuntimeError("a role ended before it was ready")
-    if ready not in done:
+@contextlib.asynccontextmanager
+async def _roles() -> AsyncIterator[asyncio.TaskGroup]:
+    """An asyncio.TaskGroup whose failure is raised as the one error that caused it (a
+    role's FleetError, StopRequested), not as an ExceptionGroup; any other is logged."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            yield group
+    except BaseExceptionGroup as failed:
+        first, *others = _leaves(failed)
+        for other in others:
+            log.error("fleet up: also failed: %r", other, exc_info=other)
+        raise first from None
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    found: list[BaseException] = []
+    for exc in group.exceptions:
+        found += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return found
+
+
+async def _role(name: str, run: Awaitable[None], ending: asyncio.Event) -> None:
+    """A role of the group: its end before `fleet up` stops it is a failure."""
+    await run
+    if not ending.is_set():
+        raise RuntimeError(f"the {name} ended while `fleet up` ran")
+
+
+async def _worker_role(worker: Worker, ending: asyncio.Event) -> None:
+    """The worker as a role: cancelled by its group (the gateway failed), it still stops
+    cleanly once it got as far as its loop (stop_worker: runners stopped, tasks handed back)."""
+    running = asyncio.create_task(_role("worker", worker.run(), ending), name="fleet-up worker")
+    try:
+        await asyncio.shield(running)
+    except asyncio.CancelledError:
+        ending.set()  # its end from here on is the stop's, not a failure
+        await stop_worker(worker, running)
+        raise
+
+
+async def _ready(waiting: Awaitable[object], stopping: asyncio.Event) -> None:
+    """Until `waiting` is done (a role's readiness); StopRequested when a stop is requested
+    first. A role that fails meanwhile cancels this (its task group does)."""
+    async with asyncio.TaskGroup() as group:
+        ready = group.create_task(_awaited(waiting))
+        stop = group.create_task(stopping.wait())
+        await asyncio.wait({ready, stop}, return_when=asyncio.FIRST_COMPLETED)
+        ready_first = ready.done()
+        ready.cancel()
+        stop.cancel()
+    if not ready_first:
         raise StopRequested()
+
+
+async def _awaited(waiting: Awaitable[object]) -> None:
+    await waiting
 
 
 # How long `fleet up` waits for its gateway's /healthz before it says it serves anyway.
