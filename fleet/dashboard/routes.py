@@ -13,8 +13,6 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Mount, Route
-from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleet.aio import Supervisor
@@ -22,7 +20,7 @@ from fleet.dashboard import actions, task_routes
 from fleet.dashboard.access import is_operator
 from fleet.dashboard.feed import Feed
 from fleet.gateway.sse import EventStream
-from fleet.gateway.surface import tenant_of
+from fleet.gateway.surface import Endpoint, Row, routes, tenant_of
 
 STATIC = Path(__file__).parent / "static"
 
@@ -56,17 +54,29 @@ async def feed(request: Request) -> Response:
     return EventStream(lines(), on_close)
 
 
-API_ROUTES = [
-    Route("/ui/api/whoami", whoami, methods=["GET"]),
-    Route("/ui/api/feed", feed, methods=["GET"]),
-    Route("/ui/api/tasks/{task_id}/events", task_routes.events, methods=["GET"]),
-    Route("/ui/api/tasks/{task_id}/trace", task_routes.trace, methods=["GET"]),
-    Route("/ui/api/tasks/{task_id}/cancel", task_routes.cancel, methods=["POST"]),
-    Route("/ui/api/images/{sha256}", task_routes.image, methods=["GET"]),
-    Route("/ui/api/dead", actions.dead_letters, methods=["GET"]),
-    Route("/ui/api/instances", actions.place_instance, methods=["POST"]),
-    Route("/ui/api/instances/{instance_id}", actions.remove_instance, methods=["DELETE"]),
-]
+def _ui(method: str, path: str, handler: Endpoint) -> Row:
+    """A /ui route: served, and left out of the gateway's OpenAPI document (the page's own
+    API, not the fleet's)."""
+    return Row(method, path, handler, public=False)
+
+
+API_ROWS = (
+    _ui("GET", "/ui/api/whoami", whoami),
+    _ui("GET", "/ui/api/feed", feed),
+    _ui("GET", "/ui/api/tasks/{task_id}/events", task_routes.events),
+    _ui("GET", "/ui/api/tasks/{task_id}/trace", task_routes.trace),
+    _ui("POST", "/ui/api/tasks/{task_id}/cancel", task_routes.cancel),
+    _ui("GET", "/ui/api/images/{sha256}", task_routes.image),
+    _ui("GET", "/ui/api/dead", actions.dead_letters),
+    _ui("POST", "/ui/api/instances", actions.place_instance),
+    _ui("DELETE", "/ui/api/instances/{instance_id}", actions.remove_instance),
+)
+# Served by OpenPages, before the key check.
+PAGE_ROWS = (
+    _ui("GET", "/ui", index),
+    _ui("GET", "/ui/", index),
+    Row("GET", "/ui/static", static=STATIC, public=False),
+)
 
 
 class OpenPages:
@@ -74,10 +84,7 @@ class OpenPages:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.pages = Starlette(routes=[
-            Route("/ui", index), Route("/ui/", index),
-            Mount("/ui/static", app=StaticFiles(directory=STATIC)),
-        ])
+        self.pages = Starlette(routes=routes(PAGE_ROWS))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -89,7 +96,7 @@ class OpenPages:
 def mount(app: Starlette) -> None:
     """Add the dashboard to the gateway's app: its routes, the open pages in front of the
     middleware stack, and its one feed, started and stopped with the app."""
-    app.router.routes.extend(API_ROUTES)
+    app.router.routes.extend(routes(API_ROWS))
     app.add_middleware(OpenPages)
 
     async def start_feed(app_: Starlette, owner: Supervisor) -> None:

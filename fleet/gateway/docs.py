@@ -10,8 +10,8 @@ from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
-from starlette.routing import BaseRoute, Mount, Route
-from starlette.staticfiles import StaticFiles
+
+from fleet.gateway.route_table import Row
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ async def page(request: Request) -> HTMLResponse:
     return HTMLResponse(_HTML.format(assets=ASSETS))
 
 
-def routes() -> list[BaseRoute]:
+def rows() -> tuple[Row, ...]:
     """/docs and its files; none when the package is missing (an install without it), which is
     logged: the API itself does not need the page."""
     try:
@@ -59,6 +59,8 @@ def routes() -> list[BaseRoute]:
     except ImportError:
         log.warning("no /docs: the package swagger-ui-bundle-v2 is not installed "
                     "(the OpenAPI document is still at /openapi.json)")
-        return []
-    return [Route(PAGE, page, methods=["GET"]),
-            Mount(ASSETS, app=StaticFiles(directory=Path(str(swagger_ui_path))))]
+        return ()
+    return (Row("GET", PAGE, page, summary="This document in Swagger UI (served by the gateway:"
+                " no CDN)", operation_id="docs", ok="An HTML page",
+                content={"text/html": {"type": "string"}}, errors=("400", "401")),
+            Row("GET", ASSETS, static=Path(str(swagger_ui_path)), public=False))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from starlette.requests import Request
 from starlette.responses import HTMLResponse
-from starlette.routing import Route
+
+from fleet.gateway.route_table import Row
 
 PAGE = "/"
 
@@ -44,5 +45,6 @@ async def page(request: Request) -> HTMLResponse:
     return HTMLResponse(_HTML.format(base=base))
 
 
-def routes() -> list[Route]:
-    return [Route(PAGE, page, methods=["GET"])]
+def rows() -> tuple[Row, ...]:
+    """A page, not an API: served, and left out of the OpenAPI document."""
+    return (Row("GET", PAGE, page, public=False),)

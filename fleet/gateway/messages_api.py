@@ -27,7 +27,6 @@ which is accepted and not checked.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -105,19 +104,3 @@ async def _run(
     response.headers["request-id"] = task_id  # where Anthropic's SDKs read a request's id
     return response
 
-
-ERROR_SCHEMA = {"application/json": {"schema": {"$ref": "#/components/schemas/AnthropicErrorBody"}}}
-
-
-def anthropic_operation(operation: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAPI operation of these routes: errors in Anthropic's shape, and the
-    `anthropic-version` header its clients send (accepted, not checked)."""
-    post = operation["post"]
-    for status, response in post["responses"].items():
-        if status != "200":
-            response["content"] = ERROR_SCHEMA
-    post["parameters"] = [{
-        "name": "anthropic-version", "in": "header", "required": False,
-        "schema": {"type": "string"}, "description": "Accepted and not checked",
-    }]
-    return operation

@@ -22,7 +22,6 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from fleet.errors import InvalidParameter, ModelNotFound
 from fleet.gateway.auth import tenant_of
@@ -239,15 +238,3 @@ async def embeddings(request: Request) -> Response:
 async def version(request: Request) -> Response:
     return JSONResponse({"version": OLLAMA_VERSION})
 
-
-def ollama_routes() -> list[Route]:
-    return [
-        Route("/api/chat", chat, methods=["POST"]),
-        Route("/api/generate", generate, methods=["POST"]),
-        Route("/api/tags", tags, methods=["GET"]),
-        Route("/api/show", show, methods=["POST"]),
-        Route("/api/ps", ps, methods=["GET"]),
-        Route("/api/embed", embed_texts, methods=["POST"]),
-        Route("/api/embeddings", embeddings, methods=["POST"]),
-        Route("/api/version", version, methods=["GET"]),
-    ]

@@ -1,5 +1,5 @@
-"""The routes around the APIs: tasks (cancel, resume), models, health, metrics, and the
-OpenAPI document (built in fleet/gateway/openapi.py)."""
+"""The routes around the APIs: tasks (cancel, resume), models, health and metrics (the
+OpenAPI document is served by fleet/gateway/api_table.py, from the route table)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from starlette.responses import JSONResponse, Response
 from fleet.errors import FleetError, InvalidParameter, ModelNotFound
 from fleet.gateway.auth import authenticated, tenant_of
 from fleet.gateway.catalogue import model_list, model_object
-from fleet.gateway.openapi import openapi_document
 from fleet.gateway.resume import known_record, resume
 from fleet.gateway.service import gateway_of, image_url_for
 from fleet.meters import PROMETHEUS_TEXT
@@ -112,7 +111,3 @@ async def metrics(request: Request) -> Response:
     return Response(
         gateway.metrics.render(queues, gateway.capacity.waiting), media_type=PROMETHEUS_TEXT
     )
-
-
-async def openapi(request: Request) -> Response:
-    return JSONResponse(openapi_document())

@@ -8,16 +8,20 @@ from fleet.gateway.bodies import image_format
 from fleet.gateway.keys import KeyRing
 from fleet.gateway.owners import TENANTS_BUCKET, record_of, task_key
 from fleet.gateway.resume import resume
+from fleet.gateway.route_table import Endpoint, Row, routes
 from fleet.gateway.service import gateway_of
 
 __all__ = [
     "TENANTS_BUCKET",
     "Backend",
+    "Endpoint",
     "KeyRing",
+    "Row",
     "gateway_of",
     "image_format",
     "record_of",
     "resume",
+    "routes",
     "task_key",
     "tenant_of",
 ]

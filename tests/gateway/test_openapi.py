@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from fleet.config import Settings
+from fleet.gateway.api_table import openapi_document
 from fleet.gateway.app import build_app, listening_socket
-from fleet.gateway.openapi import openapi_document
 
 
 def test_the_document_is_valid_openapi_3_1() -> None:
