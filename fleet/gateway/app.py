@@ -32,9 +32,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
+from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from fleet import telemetry
@@ -42,11 +44,10 @@ from fleet.aio import CLOSE_WAIT_S, Supervisor
 from fleet.bus.connect import redact_urls
 from fleet.config import Settings
 from fleet.errors import FleetError
-from fleet.gateway import messages_api
-from fleet.gateway.api_table import gateway_rows
+from fleet.gateway import docs, embeddings_api, image_api, landing, messages_api, ops_api, text_api
 from fleet.gateway.auth import ApiKeys
 from fleet.gateway.backend import Backend
-from fleet.gateway.batch_routes import batch_runner
+from fleet.gateway.batch_routes import batch_routes, batch_runner
 from fleet.gateway.bodies import BodyLimit, BodyTimeout
 from fleet.gateway.error_shapes import ErrorShapes
 from fleet.gateway.errors import (
@@ -55,15 +56,54 @@ from fleet.gateway.errors import (
     on_http_error,
     on_unexpected_error,
 )
+from fleet.gateway.idempotency import idempotent
 from fleet.gateway.keys import KeyRing
 from fleet.gateway.messages_replies import anthropic_error
 from fleet.gateway.observability import AccessLog, TraceOfItsOwn, http_spans
+from fleet.gateway.ollama_api import ollama_routes
 from fleet.gateway.ollama_errors import PATH as OLLAMA_PATH
 from fleet.gateway.ollama_errors import ollama_error_body
-from fleet.gateway.route_table import routes
 from fleet.gateway.service import Gateway
 
 log = logging.getLogger(__name__)
+
+
+class Sha256Convertor(Convertor[str]):
+    """Only a hash names an image, so GET /v1/images/edits is a 405, not a bad image name."""
+
+    regex = "[0-9a-f]{64}"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("sha256", Sha256Convertor())
+
+
+ROUTES = [
+    # Idempotency-Key: a retry attaches to the first request's task (fleet/gateway/idempotency.py)
+    Route("/v1/chat/completions", idempotent(text_api.chat_completions), methods=["POST"]),
+    Route("/v1/completions", idempotent(text_api.completions), methods=["POST"]),
+    Route("/v1/responses", idempotent(text_api.responses), methods=["POST"]),
+    Route("/v1/messages", messages_api.messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", messages_api.count_tokens, methods=["POST"]),
+    Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
+    Route("/v1/images/generations", idempotent(image_api.image_generations), methods=["POST"]),
+    Route("/v1/images/edits", idempotent(image_api.image_edits), methods=["POST"]),
+    Route("/v1/images/{sha256:sha256}", image_api.get_image, methods=["GET"]),
+    Route("/v1/models", ops_api.list_models, methods=["GET"]),
+    Route("/v1/models/{model:path}", ops_api.get_model, methods=["GET"]),
+    Route("/v1/tasks/{task_id}/cancel", ops_api.cancel_task, methods=["POST"]),
+    Route("/v1/tasks/{task_id}/events", ops_api.task_events, methods=["GET"]),
+    Route("/healthz", ops_api.healthz, methods=["GET"]),
+    Route("/health", ops_api.healthz, methods=["GET"]),  # the name many probes expect
+    Route("/metrics", ops_api.metrics, methods=["GET"]),
+    Route("/openapi.json", ops_api.openapi, methods=["GET"]),
+    *batch_routes(),
+]
 
 
 # Adds a package's routes to the app (the dashboard's `mount`); called before the outermost
@@ -82,10 +122,11 @@ def build_app(settings: Settings, mounts: Iterable[AddRoutes] = ()) -> Starlette
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         # One owner for the gateway's long-lived tasks: the NATS connect loop, the refills,
-        # the catalogue's watches, and what mounts add (`app.state.lifespan_children`: the
-        # dashboard's feed). A TaskGroup is left by the task that entered it: uvicorn runs the
-        # lifespan as one task (LifespanOn.main awaits the app, whose router does `async with
-        # lifespan_context(app)` and then `await receive()` until shutdown), and so do
+        # the catalogue's watches, the batch scanner and jobs, and what mounts add
+        # (`app.state.lifespan_children`: the dashboard's feed). A TaskGroup is left by the
+        # task that entered it: uvicorn runs the lifespan as one task (LifespanOn.main
+        # awaits the app, whose router does `async with lifespan_context(app)` and then
+        # `await receive()` until shutdown), and so do
         # Starlette's TestClient (one portal task) and asgi-lifespan's LifespanManager (one
         # background task); httpx's ASGITransport runs no lifespan. The suite's fixtures that
         # enter it in a fixture's setup and leave it in its teardown use two tasks: that works
@@ -96,7 +137,7 @@ def build_app(settings: Settings, mounts: Iterable[AddRoutes] = ()) -> Starlette
                 await gateway.backend.start(owner)
                 await gateway.catalogue.start(
                     owner, wait_s=2.0 if gateway.backend.connected else 0.0)
-                await batches.start()
+                await batches.start(owner)
                 for add_children in app.state.lifespan_children:
                     await add_children(app, owner)
                 yield
@@ -109,9 +150,7 @@ def build_app(settings: Settings, mounts: Iterable[AddRoutes] = ()) -> Starlette
                 gateway.metrics.meters.shutdown()
 
     app = Starlette(
-        # Every route, declared once as data (fleet/gateway/api_table.py): the same rows make
-        # /openapi.json.
-        routes=routes(gateway_rows()),
+        routes=[*ROUTES, *ollama_routes(), *landing.routes(), *docs.routes()],
         middleware=[
             Middleware(ApiKeys, ring=ring, protect_metrics=settings.gateway_protect_metrics),
             Middleware(BodyTimeout, seconds=settings.gateway_body_timeout_s),

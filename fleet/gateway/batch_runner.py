@@ -11,8 +11,10 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Coroutine
+from typing import Any
 
-from fleet.aio import CLOSE_WAIT_S, cancel_and_wait, started
+from fleet.aio import CLOSE_WAIT_S, Supervisor, cancel_and_wait, started
 from fleet.bus.batch_store import BatchStore
 from fleet.errors import FleetError
 from fleet.gateway.batch_job import Job
@@ -44,9 +46,13 @@ class BatchRunner:
         self.jobs: dict[str, asyncio.Task[None]] = {}
         self.slack = Slack(gateway.backend.jetstream)
         self._scanner: asyncio.Task[None] | None = None
+        self._supervisor: Supervisor | None = None
 
-    async def start(self) -> None:
-        self._scanner = started(self._scan_forever(), "batch-scanner")
+    async def start(self, owner: Supervisor | None = None) -> None:
+        """The scanner, and the jobs from here on, as children of `owner` (the gateway's
+        lifespan); without one, tasks of their own."""
+        self._supervisor = owner
+        self._scanner = self._spawn("batch scanner", self._scan_forever())
 
     async def close(self) -> None:
         """Stops the jobs here; their leases lapse and another gateway goes on."""
@@ -60,9 +66,14 @@ class BatchRunner:
     def start_job(self, batch_id: str, revision: int) -> None:
         """Run a job whose lease this gateway holds at `revision`."""
         if batch_id not in self.jobs:
-            task = started(self._run(batch_id, revision), f"batch-{batch_id}")
+            task = self._spawn(f"batch {batch_id}", self._run(batch_id, revision))
             self.jobs[batch_id] = task
             task.add_done_callback(lambda _: self.jobs.pop(batch_id, None))
+
+    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        if self._supervisor is not None:
+            return self._supervisor.spawn(name, coro)
+        return started(coro, name)
 
     async def _scan_forever(self) -> None:
         while True:
