@@ -19,8 +19,7 @@ from fleet.aio import Supervisor
 from fleet.dashboard import actions, task_routes
 from fleet.dashboard.access import is_operator
 from fleet.dashboard.feed import Feed
-from fleet.gateway.sse import EventStream
-from fleet.gateway.surface import Endpoint, Row, routes, tenant_of
+from fleet.gateway.surface import Endpoint, EventStream, Row, routes, tenant_of
 
 STATIC = Path(__file__).parent / "static"
 

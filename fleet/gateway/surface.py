@@ -10,11 +10,13 @@ from fleet.gateway.owners import TENANTS_BUCKET, record_of, task_key
 from fleet.gateway.resume import resume
 from fleet.gateway.route_table import Endpoint, Row, routes
 from fleet.gateway.service import gateway_of
+from fleet.gateway.sse import EventStream
 
 __all__ = [
     "TENANTS_BUCKET",
     "Backend",
     "Endpoint",
+    "EventStream",
     "KeyRing",
     "Row",
     "gateway_of",
