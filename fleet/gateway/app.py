@@ -32,11 +32,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
-from starlette.convertors import Convertor, register_url_convertor
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect
-from starlette.routing import Route
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from fleet import telemetry
@@ -44,10 +42,11 @@ from fleet.aio import CLOSE_WAIT_S, Supervisor
 from fleet.bus.connect import redact_urls
 from fleet.config import Settings
 from fleet.errors import FleetError
-from fleet.gateway import docs, embeddings_api, image_api, landing, messages_api, ops_api, text_api
+from fleet.gateway import messages_api
+from fleet.gateway.api_table import gateway_rows
 from fleet.gateway.auth import ApiKeys
 from fleet.gateway.backend import Backend
-from fleet.gateway.batch_routes import batch_routes, batch_runner
+from fleet.gateway.batch_routes import batch_runner
 from fleet.gateway.bodies import BodyLimit, BodyTimeout
 from fleet.gateway.error_shapes import ErrorShapes
 from fleet.gateway.errors import (
@@ -56,54 +55,15 @@ from fleet.gateway.errors import (
     on_http_error,
     on_unexpected_error,
 )
-from fleet.gateway.idempotency import idempotent
 from fleet.gateway.keys import KeyRing
 from fleet.gateway.messages_replies import anthropic_error
 from fleet.gateway.observability import AccessLog, TraceOfItsOwn, http_spans
-from fleet.gateway.ollama_api import ollama_routes
 from fleet.gateway.ollama_errors import PATH as OLLAMA_PATH
 from fleet.gateway.ollama_errors import ollama_error_body
+from fleet.gateway.route_table import routes
 from fleet.gateway.service import Gateway
 
 log = logging.getLogger(__name__)
-
-
-class Sha256Convertor(Convertor[str]):
-    """Only a hash names an image, so GET /v1/images/edits is a 405, not a bad image name."""
-
-    regex = "[0-9a-f]{64}"
-
-    def convert(self, value: str) -> str:
-        return value
-
-    def to_string(self, value: str) -> str:
-        return value
-
-
-register_url_convertor("sha256", Sha256Convertor())
-
-
-ROUTES = [
-    # Idempotency-Key: a retry attaches to the first request's task (fleet/gateway/idempotency.py)
-    Route("/v1/chat/completions", idempotent(text_api.chat_completions), methods=["POST"]),
-    Route("/v1/completions", idempotent(text_api.completions), methods=["POST"]),
-    Route("/v1/responses", idempotent(text_api.responses), methods=["POST"]),
-    Route("/v1/messages", messages_api.messages, methods=["POST"]),
-    Route("/v1/messages/count_tokens", messages_api.count_tokens, methods=["POST"]),
-    Route("/v1/embeddings", embeddings_api.embeddings, methods=["POST"]),
-    Route("/v1/images/generations", idempotent(image_api.image_generations), methods=["POST"]),
-    Route("/v1/images/edits", idempotent(image_api.image_edits), methods=["POST"]),
-    Route("/v1/images/{sha256:sha256}", image_api.get_image, methods=["GET"]),
-    Route("/v1/models", ops_api.list_models, methods=["GET"]),
-    Route("/v1/models/{model:path}", ops_api.get_model, methods=["GET"]),
-    Route("/v1/tasks/{task_id}/cancel", ops_api.cancel_task, methods=["POST"]),
-    Route("/v1/tasks/{task_id}/events", ops_api.task_events, methods=["GET"]),
-    Route("/healthz", ops_api.healthz, methods=["GET"]),
-    Route("/health", ops_api.healthz, methods=["GET"]),  # the name many probes expect
-    Route("/metrics", ops_api.metrics, methods=["GET"]),
-    Route("/openapi.json", ops_api.openapi, methods=["GET"]),
-    *batch_routes(),
-]
 
 
 # Adds a package's routes to the app (the dashboard's `mount`); called before the outermost
@@ -150,7 +110,9 @@ def build_app(settings: Settings, mounts: Iterable[AddRoutes] = ()) -> Starlette
                 gateway.metrics.meters.shutdown()
 
     app = Starlette(
-        routes=[*ROUTES, *ollama_routes(), *landing.routes(), *docs.routes()],
+        # Every route, declared once as data (fleet/gateway/api_table.py): the same rows make
+        # /openapi.json.
+        routes=routes(gateway_rows()),
         middleware=[
             Middleware(ApiKeys, ring=ring, protect_metrics=settings.gateway_protect_metrics),
             Middleware(BodyTimeout, seconds=settings.gateway_body_timeout_s),
