@@ -29,6 +29,9 @@ from fleet.wire.tasks import MAX_TOKEN_ID, Embeddings
 MAX_INPUTS = 2048  # OpenAI's limit on one request's inputs
 
 TokenArray = list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]]
+# A vector's length, bounded as a token id is: the OpenAPI fuzz sent 9e35, schema-valid, and
+# the task refused it with a 400.
+MAX_DIMENSIONS = 2**31 - 1
 Encoding = Literal["float", "base64"]
 
 
@@ -39,7 +42,8 @@ class EmbeddingsRequest(OpenAIRequest):
     )
     encoding_format: Encoding = "float"
     dimensions: int | None = Field(
-        default=None, ge=1, description="Shorter vectors; only for models whose card allows it"
+        default=None, ge=1, le=MAX_DIMENSIONS,
+        description="Shorter vectors; only for models whose card allows it"
     )
     user: str | None = None
     timeout: Timeout | None = None

@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from fleet.errors import InvalidParameter
 from fleet.gateway.bodies import OpenAIRequest, Seed, deadline_after
+from fleet.gateway.embeddings_api import MAX_DIMENSIONS
 from fleet.gateway.errors import invalid_from
 from fleet.gateway.text_requests import ToolIn
 from fleet.grammar import grammar_for
@@ -100,7 +101,7 @@ class OllamaEmbedRequest(OpenAIRequest):
         list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=2048)]
     truncate: bool = Field(default=True, description="Cut an input longer than the model's "
                            "context to fit (Ollama's default); false: such an input is a 400")
-    dimensions: int | None = Field(default=None, ge=1)
+    dimensions: int | None = Field(default=None, ge=1, le=MAX_DIMENSIONS)
     options: dict[str, Any] | None = None
     keep_alive: float | str | None = None
 
