@@ -224,12 +224,20 @@ async def add_sims(stack: Stack, nc: Client, upto: int) -> None:
 
 
 def _sim(stack: Stack, first: int, count: int) -> subprocess.Popen[bytes]:
+    # The sweeper's process logs its decisions (lease, departures seen, moves): a failover
+    # that times out prints them (`sweeper_log`).
+    logs = {"SIM_LOG": "INFO"} if (first, count) == (0, 1) else {}
     with (stack.work / f"sim-{first}.log").open("ab") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "bench.scale_sim", "--url", stack.url, "--first",
              str(first), "--count", str(count), "--models", str(MODELS), "--design",
-             stack.design], cwd=REPO, env={**stack.env(), "PYTHONPATH": str(REPO)},
+             stack.design], cwd=REPO, env={**stack.env(), "PYTHONPATH": str(REPO), **logs},
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def sweeper_log(stack: Stack, lines: int = 30) -> str:
+    path = stack.work / "sim-0.log"
+    return "\n".join(path.read_text().splitlines()[-lines:]) if path.exists() else ""
 
 
 async def _holds_sweeper(nc: Client, node: str) -> bool:
@@ -336,6 +344,10 @@ async def run_design(src: Path, design: str, plan: ScalePlan, work: Path) -> dic
                                     "sweeper": await sweeper_holder(nc)}
             if plan.failover:
                 step["failover_s"] = await time_failover(nc, n - 1)
+                step["sweeper_after"] = await sweeper_holder(nc)
+                if step["failover_s"] is None:
+                    log.warning("scale: N = %d: node %s not moved; the sweeper's log:\n%s", n,
+                                sim_node_id(n - 1), sweeper_log(stack))
             steps[str(n)] = step
         await nc.close()
     except BaseException:
