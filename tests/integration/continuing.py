@@ -86,7 +86,13 @@ def assert_one_clean_stream(events: list[OutputEvent], reference: list[OutputEve
     # token by token, not event by event.
     indexes = [t.index + k for t in tokens for k in range(t.count)]
     assert indexes == list(range(len(indexes))), "a repeated or missing index"
-    assert [i for t in tokens for i in t.ids] == [i for t in expected for i in t.ids]
+    got_ids, want_ids = [i for t in tokens for i in t.ids], [i for t in expected for i in t.ids]
+    split = next((n for n, (a, b) in enumerate(zip(got_ids, want_ids, strict=False)) if a != b),
+                 min(len(got_ids), len(want_ids)))
+    continued = [e.continued_from for e in events if isinstance(e, TaskAccepted)]
+    assert got_ids == want_ids, (
+        f"tokens differ from index {split} of {len(got_ids)} (reference {len(want_ids)}); "
+        f"attempts continued from {continued}")
     assert "".join(t.text for t in tokens) == "".join(t.text for t in expected)
     # Logprobs continue; batches of other shapes move them by float rounding only. (Tokens
     # with logprobs travel one to an event.)
