@@ -142,10 +142,12 @@ class Row:
 
 
 def by_method(endpoints: Mapping[str, Endpoint]) -> Endpoint:
-    """One endpoint per path for several methods: a 405 then lists every allowed method."""
+    """One endpoint per path for several methods: a 405 then lists every allowed method.
+    Starlette lets HEAD through wherever GET is allowed: it is answered as GET."""
 
     async def route(request: Request) -> Response:
-        return await endpoints[request.method](request)
+        method = "GET" if request.method == "HEAD" else request.method
+        return await endpoints[method](request)
 
     return route
 

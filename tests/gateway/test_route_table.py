@@ -93,6 +93,7 @@ async def test_one_path_with_two_methods_is_one_route_whose_405_lists_both() -> 
         assert (await http.get("/things/a")).text == "GET {'name': 'a'}"
         deleted = await http.delete("/things/a")
         assert deleted.text == "DELETE {'name': 'a'}" and deleted.headers["x-wrapped"] == "yes"
+        assert (await http.head("/things/a")).status_code == 200  # as GET, no body
         refused = await http.post("/things/a")
         assert refused.status_code == 405
         assert set(refused.headers["allow"].split(", ")) >= {"GET", "DELETE"}
