@@ -28,7 +28,8 @@ Decision = Candidate | Wait | None
 def routes(state: WorkerState, now: float) -> Iterator[tuple[str, PendingTask, Decision]]:
     """(task id, task, decision) for each task ready to be routed, oldest first."""
     waiting: dict[str, float] = {}
-    hosts = hosted(state.instances)
+    # Read once per call, and only when another node's runner could be chosen.
+    hosts = hosted(state.instances) if state.remote and state.pending else frozenset()
     # Highest class first (a preempted task must not take back the slot it yielded), then
     # oldest first.
     order = sorted(state.pending.items(),
