@@ -155,7 +155,7 @@ async def test_a_rank_whose_worker_is_killed_mid_task_is_re_placed_and_the_group
         return healed
 
     # rank 1's worker and its runner, as a power loss would
-    await kill_mid_task(nc, "killed-1", follower.kill, heal, before.values())
+    await kill_a_rank_mid_task(nc, "killed-1", follower.kill, heal, before.values())
     await nc.close()
 
 
@@ -181,18 +181,18 @@ async def test_a_rank_whose_runner_dies_mid_task_restarts_the_whole_group(
         assert instance.shards == sharded.shards and instance.generation == 1
         return instance
 
-    await kill_mid_task(nc, "crashed-1", kill_rank_1_runner, regrouped, runners.values())
+    await kill_a_rank_mid_task(nc, "crashed-1", kill_rank_1_runner, regrouped, runners.values())
     await nc.close()
 
 
-async def kill_mid_task(
+async def kill_a_rank_mid_task(
     nc: Client, task_id: str, kill: Callable[[], None],
     regrouped: Callable[[], Awaitable[Instance]], before: Iterable[str],
 ) -> None:
     """Start a task, `kill` once its first token is out, then: exactly one terminal (the
     task continued, or ended runner_crashed), the group ready again, the next task served."""
     task = paris(task_id).model_copy(update={"max_tokens": 64})
-    first_token = asyncio.Event()
+    first_token, ended = asyncio.Event(), asyncio.Event()
     got: list[object] = []
 
     async def on_event(msg: Msg) -> None:
@@ -200,6 +200,8 @@ async def kill_mid_task(
         got.append(event)
         if isinstance(event, TokenChunk):
             first_token.set()
+        if isinstance(event, TaskFinished):
+            ended.set()
 
     sub = await nc.jetstream().subscribe(
         subjects.out(task.task_id), stream=subjects.OUT_STREAM, ordered_consumer=True,
@@ -209,9 +211,7 @@ async def kill_mid_task(
     await asyncio.wait_for(first_token.wait(), 120)
     kill()
     await ready_ranks(nc, await regrouped(), before=before)
-    async with asyncio.timeout(240):
-        while not any(isinstance(e, TaskFinished) for e in got):
-            await asyncio.sleep(0.1)  # polling what the subscription collected, bounded
+    await asyncio.wait_for(ended.wait(), 240)
     await sub.unsubscribe()
     terminal = finished(got)  # exactly one
     assert terminal.status == "completed" or terminal.reason == "runner_crashed"
