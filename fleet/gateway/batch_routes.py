@@ -1,4 +1,4 @@
-"""The rows of /v1/files and /v1/batches in the gateway's route table (fleet.gateway.routes),
+"""The rows of /v1/files and /v1/batches in the gateway's route table (fleet.gateway.api_table),
 and the runner of batch jobs an app owns."""
 
 from __future__ import annotations

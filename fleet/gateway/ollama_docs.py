@@ -1,4 +1,4 @@
-"""The Ollama routes as rows of the gateway's route table (fleet.gateway.routes): their
+"""The Ollama routes as rows of the gateway's route table (fleet.gateway.api_table): their
 handlers (fleet.gateway.ollama_api), request models, NDJSON or JSON answers, and Ollama's
 error shape."""
 

@@ -1,4 +1,4 @@
-"""The OpenAPI 3.1 document of the gateway, made from its route table (fleet.gateway.routes)
+"""The OpenAPI 3.1 document of the gateway, made from its route table (fleet.gateway.api_table)
 and the same pydantic models that parse the requests, so the document cannot drift from what
 the routes serve or accept. Here: the parts no row owns (the OpenAI error body, the edit
 form's schema, the document's frame)."""

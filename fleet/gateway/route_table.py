@@ -1,7 +1,7 @@
 """The HTTP surface as data: one `Row` per operation (method, path, handler and what the OpenAPI
 document says of it), declared once, from which both the Starlette routes (`routes`) and the
 document's `paths` and `components.schemas` (`paths_and_schemas`) are made. The gateway's table
-is fleet.gateway.routes; the dashboard declares its /ui rows with the same type (through
+is fleet.gateway.api_table; the dashboard declares its /ui rows with the same type (through
 fleet.gateway.surface). A route cannot be served without being described, nor described
 without being served: tests/gateway/test_route_table.py holds both sides to the table."""
 
