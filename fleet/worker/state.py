@@ -189,7 +189,7 @@ class WorkerState:
         """The instances with a shard on this node. Read several times a plan, many plans a
         second, over the whole fleet's table (1,000 instances: 4 % of a core idle in `fleet
         bench --only scale`), so kept for as long as the table is the same object: every
-        change of it is a new dict (`InstancesSeen`), never one changed in place."""
+        change of it is a new dict (`InstancesChanged`), never one changed in place."""
         memo = _HOSTED_MEMO
         if memo and memo[0][0] is self.instances and memo[0][1] == self.node_id:
             return list(memo[0][2])
