@@ -299,7 +299,18 @@ async def time_failover(nc: Client, index: int, timeout: float = 60.0) -> float 
     node = sim_node_id(index)
     kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
     began = time.monotonic()
-    await nc.publish(KILL, node.encode())
+    # A request, answered by the node's process once the node is gone: a kill that never
+    # arrived (a loaded simulator's control connection dropped it) is told from a slow
+    # failover, and sent again.
+    for _ in range(3):
+        try:
+            await nc.request(KILL, node.encode(), timeout=10.0)
+            break
+        except Exception as exc:
+            log.warning("scale: the kill of %s not confirmed (%s); again", node, exc)
+    else:
+        log.warning("scale: the kill of %s never confirmed", node)
+        return None
     while time.monotonic() - began < timeout:
         entry = await kv.get(f"{node}-i")
         if entry.value and all(s.node_id != node

@@ -14,7 +14,8 @@ prompt); an idle one writes nothing (its advert lasts: fleet.bus.kv_lasting), wh
 baseline refreshed it every 20 s.
 
 Control (core NATS, from the harness): `bench.scale.kill` with a node id closes that node's
-connection without a goodbye (its heartbeat key expires, as after a SIGKILL);
+connection without a goodbye (its heartbeat key expires, as after a SIGKILL), answered once
+done when sent as a request (a starved process's control connection may drop a publish);
 `bench.scale.load` with `{"busy": [node ids]}` sets which nodes carry streams.
 """
 
@@ -227,6 +228,8 @@ async def run(url: str, first: int, count: int, models: int, design: str) -> Non
         node = nodes.pop(msg.data.decode(), None)
         if node is not None:
             await node.kill()
+            if msg.reply:  # the harness's request: the node is gone (its beats have stopped)
+                await control.publish(msg.reply, b"killed")
 
     async def on_load(msg: Msg) -> None:
         busy = set(orjson.loads(msg.data)["busy"])
