@@ -24,7 +24,7 @@ from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import encode
 from tests.commands.test_exits import Command, free_port
 from tests.dashboard.browser import browser, screenshot, wait
-from tests.dashboard.test_dashboard_feed import accepted, finished
+from tests.dashboard.test_dashboard_feed import accepted, finished, token
 from tests.integration.harness import WorkerProcess, seed_models
 
 NODE_TTL_S = 15.0  # fleet/worker/heartbeat.py NODE_TTL_S, the FLEET_NODES max age
@@ -154,6 +154,57 @@ def test_a_playground_chat_streams_and_its_task_page_shows_tokens_and_the_trace(
     go(page, stack, "queues")
     wait(page, lambda d: css(d, 'tr[data-model="tiny-llm"]'), 20, "tiny-llm's queue")
     screenshot(page, "dashboard-queues")
+
+
+async def continued(url: str, task_id: str) -> None:
+    """A task continued once, stored as its workers would have stored it: attempt 0 on
+    seam-a streamed tokens 0-2 and died; attempt 1 went on from token 3 on seam-b."""
+    nc = Nats()
+    await nc.connect(url)
+    try:
+        js = nc.jetstream()
+        first = accepted(task_id).model_copy(update={"node_id": "seam-a", "runner_id": "ra"})
+        second = accepted(task_id, at=2.5).model_copy(update={
+            "node_id": "seam-b", "runner_id": "rb", "attempt": 1, "continued_from": 3,
+            "moved_from": "seam-a", "delivery": 2})
+        events = [first, *(token(task_id, i) for i in range(3)), second,
+                  *(token(task_id, i) for i in range(3, 5)), finished(task_id)]
+        for event in events:  # stored before the page asks (the page reads FLEET_OUT)
+            await js.publish(subjects.out(task_id), encode(event))
+    finally:
+        await nc.close()
+
+
+def test_a_continued_tasks_page_lists_its_attempts_with_the_seam(
+    page: Any, stack: dict[str, Any]
+) -> None:
+    task_id = f"seam-{time.time_ns()}"
+    asyncio.run(continued(stack["nats"], task_id))
+    use_key(page, stack, stack["key"], f"task/{task_id}")  # the operator's (runs alone too)
+    wait(page, lambda d: css(d, 'tr[data-event="task_finished"]'), 30, "the task's end")
+    rows = wait(page, lambda d: css(d, "#task-attempts tr[data-attempt]"), 10, "the attempts")
+    cells = [[td.text for td in row.find_elements("tag name", "td")] for row in rows]
+    assert cells == [["0", "0", "–", "seam-a ra"], ["1", "3", "seam-a", "seam-b rb"]], cells
+    assert page.find_element("id", "task-text").text == "a" * 5  # no gap, no duplicate
+    screenshot(page, "dashboard-task-attempts")
+
+
+def test_a_single_attempt_draws_no_attempts_table(page: Any, stack: dict[str, Any]) -> None:
+    task_id = f"once-{time.time_ns()}"
+    asyncio.run(crowd_one(stack["nats"], task_id))
+    use_key(page, stack, stack["key"], f"task/{task_id}")
+    wait(page, lambda d: css(d, 'tr[data-event="task_finished"]'), 30, "the task's end")
+    assert not page.find_element("id", "task-attempts").is_displayed()
+
+
+async def crowd_one(url: str, task_id: str) -> None:
+    nc = Nats()
+    await nc.connect(url)
+    try:
+        for event in (accepted(task_id), token(task_id), finished(task_id)):
+            await nc.jetstream().publish(subjects.out(task_id), encode(event))
+    finally:
+        await nc.close()
 
 
 def test_a_playground_conversation_sends_its_turns_system_prompt_and_sampling(

@@ -40,13 +40,29 @@ export function mount(view, store, taskId) {
   const images = h("div", { class: "images", id: "task-images" });
   const log = h("tbody");
   const trace = h("div", { id: "task-trace" }, h("p", { class: "muted" }, "the trace appears when the task ends"));
+  // A continued task's attempts, one row each (drawn once there is a second): the token
+  // each went on from and the node it moved from and to, the seam the events below also show.
+  const attemptRows = h("tbody");
+  const attempts = h("section", { id: "task-attempts", hidden: true }, h("h2", {}, "Attempts"),
+    h("div", { class: "scroll" }, h("table", { "aria-label": "attempts" }, h("thead", {}, h("tr", {},
+      h("th", { scope: "col" }, "Attempt"), h("th", { scope: "col" }, "From token"),
+      h("th", { scope: "col" }, "Moved from"), h("th", { scope: "col" }, "To"))), attemptRows)));
+  const seen = new Map();  // attempt number -> its task_accepted (a re-sent one replaces it)
+  function attemptRow(event) {
+    seen.set(event.attempt || 0, event);
+    if (seen.size < 2) return;
+    attempts.hidden = false;
+    attemptRows.replaceChildren(...[...seen.entries()].sort((a, b) => a[0] - b[0]).map(([n, e]) =>
+      h("tr", { "data-attempt": n }, h("td", {}, `${n}`), h("td", {}, `${e.continued_from || 0}`),
+        h("td", {}, e.moved_from || "–"), h("td", {}, `${e.node_id} `, h("span", { class: "muted" }, e.runner_id)))));
+  }
   const cancel = h("button", { class: "danger", type: "button" }, "Cancel task");
   cancel.addEventListener("click", async () => {
     try { await call(`/ui/api/tasks/${encodeURIComponent(taskId)}/cancel`, { method: "POST" }); }
     catch (error) { status.textContent = error.message; }
   });
   view.append(h("h1", {}, "Task ", h("code", {}, taskId)), status, cancel,
-    h("h2", {}, "Output"), text, images,
+    attempts, h("h2", {}, "Output"), text, images,
     h("h2", {}, "Trace"), trace,
     h("h2", {}, "Events"),
     h("div", { class: "scroll" }, h("table", {}, h("thead", {}, h("tr", {},
@@ -97,6 +113,7 @@ export function mount(view, store, taskId) {
           imageUrl(event.sha256).then((url) => images.append(h("img", { src: url, alt: `${detail} of task ${taskId}` })));
         } else if (event.type === "task_accepted") {
           detail = `${event.model} on ${event.node_id} (${event.runner_id})`;
+          attemptRow(event);
           // The seam of a continued attempt: which, from which token, taken from which node.
           if (event.attempt > 0) {
             detail += ` · attempt ${event.attempt}, continued from token ${event.continued_from}`
