@@ -138,7 +138,9 @@ async def _write_state(p: Probe) -> None:
 
 
 async def _advertise_prefixes(p: Probe) -> None:
-    await p.js.publish(f"$KV.FLEET_PREFIXES.written-by-{p.role}", b"{}")
+    """As fleet.worker.prefix_adverts does it: an advert never to expire by age."""
+    await p.js.publish(f"$KV.FLEET_PREFIXES.written-by-{p.role}", b"{}",
+                       headers={"Nats-TTL": "never"})
     kv = await p.js.key_value("FLEET_PREFIXES")
     with contextlib.suppress(KeyNotFoundError):
         await kv.get("probe")
