@@ -32,7 +32,7 @@ export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 # pytest 9 no longer reads.) --durations is CI's table.
 started=$SECONDS
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 \
-  -n "${FLEET_TEST_WORKERS:-4}" --dist loadfile --no-loadscope-reorder "$@"
+  -n "${FLEET_TEST_WORKERS:-5}" --dist loadfile --no-loadscope-reorder "$@"
 echo "test: the suite took $((SECONDS - started)) s (README, Tests: the times to compare with)" >&2
 if .venv/bin/fleet bench --help >/dev/null 2>&1; then
   # Bounded twice: the bench limits every wait of its own, and this limit holds even if one
