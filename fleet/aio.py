@@ -202,3 +202,17 @@ async def cancel_and_wait(
             break
         _, pending = await asyncio.wait(pending, timeout=min(RECANCEL_S, left))
     return pending
+
+
+async def set_within(event: asyncio.Event, seconds: float) -> bool:
+    """Whether `event` is set within `seconds` (a loop's period, or a wake that cuts it
+    short). Not `asyncio.wait_for`: on Python 3.11 it drops a cancel that lands as the event
+    is set (it returns instead of raising), and a loop waiting on its period so ran on after
+    its owner cancelled it: a worker's failover sweep hung a test's teardown 1 run in 2-3.
+    `asyncio.timeout` keeps the cancel."""
+    try:
+        async with asyncio.timeout(seconds):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True

@@ -30,6 +30,7 @@ from nats.aio.subscription import Subscription
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from fleet.aio import set_within
 from fleet.bus.fairness import charge, holds, lift
 from fleet.wire.fairness import TenantShare
 
@@ -178,8 +179,7 @@ class FairShare:
                 await self._change(prefix, tenant, "start", estimate, weight, force=True)
                 return
             # nothing changed within RECHECK_S: re-read anyway, for entries gone stale
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), min(RECHECK_S, left))
+            await set_within(changed, min(RECHECK_S, left))
 
     async def admit(
         self, model: str, priority: str, tenant: str, weight: float, estimate: int

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from fleet.aio import set_within
 from fleet.bus.kv_calls import kv_delete, kv_update
 from fleet.bus.kv_read import live_entries, live_values
 from fleet.wire import subjects
@@ -136,8 +137,7 @@ class Failover:
                 await self.sweep()
             except Exception as exc:  # the next period tries again; a broker outage is logged
                 log.warning("failover sweep failed: %s", exc)
-            with contextlib.suppress(TimeoutError):  # the period, not synchronisation
-                await asyncio.wait_for(self._wake.wait(), SWEEP_S)
+            await set_within(self._wake, SWEEP_S)  # the period, not synchronisation
 
     async def sweep(self) -> list[Move | Stranded]:
         """Move every instance whose nodes are dead to a live node that can serve it."""

@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from fleet.aio import set_within
 from fleet.bus.kv_calls import kv_put
 from fleet.bus.replies import inbox_reply
 from fleet.bus.retry import with_retry
@@ -119,8 +120,7 @@ class Heartbeat:
         last = last_full = time.monotonic()
         try:
             while True:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.wake.wait(), HELD_CHECK_S)
+                await set_within(self.wake, HELD_CHECK_S)
                 now = time.monotonic()
                 full = self.wake.is_set() or now - last_full >= HEARTBEAT_S
                 if full or (now - last >= HELD_GAP_S

@@ -32,7 +32,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from fleet.aio import started
+from fleet.aio import CLOSE_WAIT_S, Supervisor, set_within, started
 from fleet.bus.kv_calls import kv_create, kv_get, kv_update
 from fleet.bus.retry import with_retry
 from fleet.wire.cluster import NodeInfo
@@ -144,9 +144,8 @@ class FleetDuties:
                     self._duties = None  # failed (logged by _run_duties); started next round
                 watching = await self._sentinel_round(sentinel, kv, sweeping=held)
                 # The lease's periods: renew what is held, contend for the rest.
-                with contextlib.suppress(TimeoutError):  # the period, not synchronisation
-                    await asyncio.wait_for(self._contend_now.wait(),
-                                           RENEW_S if held or watching else CONTEND_S)
+                await set_within(self._contend_now,  # the period, not synchronisation
+                                 RENEW_S if held or watching else CONTEND_S)
                 self._contend_now.clear()
         finally:
             await self._stop_duties()
@@ -225,9 +224,13 @@ class FleetDuties:
         if self.janitor is not None:
             jobs.append(self.janitor.triage_forever)
         try:
-            async with asyncio.TaskGroup() as group:
+            # Bounded: a job inside a nats-py call may drop its cancel (Python 3.11's
+            # wait_for), and a plain TaskGroup then waited on it for ever when the lease was
+            # lost or the worker stopped (a test's teardown hung 1 run in 3); the Supervisor
+            # repeats the cancel (fleet.aio.cancel_and_wait). A job that fails stops them all.
+            async with Supervisor("sweeper duties", bounded_s=CLOSE_WAIT_S) as duties:
                 for job in jobs:
-                    group.create_task(job())
+                    duties.forever(getattr(job, "__qualname__", "duty"), job, critical=True)
         except Exception as exc:
             log.warning("fleet-wide duties failed (%s); restarted at the next renewal", exc)
         finally:
