@@ -210,10 +210,12 @@ async def test_slow_clients_are_closed_by_timeouts_with_bounded_memory(
     # the upload was unread), a slow header silently. Under a flood a body's headers may
     # arrive past the header timeout (the test's one client process sends them late): then
     # it is closed like a slow header.
-    cut = [a for a in answers if a.startswith(b"HTTP/1.1 408")]
+    # How many bodies' headers made it in time depends on the machine's load (at load 10 one
+    # run saw 236 of 500): what is certain is that only a body is answered 408, that some
+    # were, and that every other connection was closed.
+    cut = [i for i, a in enumerate(answers) if a.startswith(b"HTTP/1.1 408")]
     assert all(a in (b"", b"reset") for a in answers if not a.startswith(b"HTTP/1.1 408"))
-    if clients <= 1000:  # at the long size this test's own client is too slow to tell
-        assert len(cut) == clients // 2
+    assert cut and all(i % 2 == 0 for i in cut), cut  # the even clients sent the uploads
     assert after - baseline < 64 + clients / 100, (baseline, after)
     assert "Traceback" not in gateway.log()
 
