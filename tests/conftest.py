@@ -25,6 +25,7 @@ from nats.aio.client import Client
 from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.provision import provision
 from tests.tiers import COST_ORDER, HEAVY, TIERS, tier_of
+from tests.tiers import cost_rank as rank_of  # the item's, below, is made from it
 
 TESTS = Path(__file__).resolve().parent
 
@@ -129,11 +130,13 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: cost_rank(item))  # stable: file order within a tier
+        items.sort(key=cost_rank)  # stable: file order within a tier and rank
 
 
-def cost_rank(item: pytest.Item) -> int:
-    return min(COST_ORDER[tier] for tier in TIERS if item.get_closest_marker(tier))
+def cost_rank(item: pytest.Item) -> tuple[int, int]:
+    tier = min((tier for tier in TIERS if item.get_closest_marker(tier)), key=COST_ORDER.get)
+    path = item.path.resolve()
+    return rank_of(tier, path.relative_to(TESTS).as_posix() if TESTS in path.parents else "")
 
 
 # At most this many tests of the heavy tiers run at once across xdist's workers (the others

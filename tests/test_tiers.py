@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiers import tier_of
+from tests.tiers import cost_rank, tier_of
 
 
 @pytest.mark.parametrize(
@@ -38,3 +38,20 @@ def test_one_test_of_a_module_can_have_its_own_tier() -> None:
     fuzz = "test_fuzzed_requests_never_get_a_server_error"
     assert tier_of(("gateway", "test_openapi.py"), ["nats_url"], name=fuzz) == "process"
     assert tier_of(("gateway", "test_openapi.py"), ["nats_url"], name="test_other") == "bus"
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        (("browser", "dashboard/test_dashboard_browser.py"), ("faults", "faults/test_x.py")),
+        (("faults", "faults/test_broker_faults.py"), ("faults", "faults/test_full_rate.py")),
+        (("process", "integration/test_sharded.py"), ("process", "bench/test_scale_hearing.py")),
+        (("process", "integration/test_sharded.py"), ("process", "integration/test_routing.py")),
+        (("process", "bench/test_other.py"), ("bus", "faults/test_broker_faults.py")),
+        (("bus", "bus/test_roles.py"), ("pure", "integration/test_sharded.py")),
+    ],
+)
+def test_costly_tiers_then_long_files_come_first(
+    first: tuple[str, str], then: tuple[str, str]
+) -> None:
+    assert cost_rank(*first) < cost_rank(*then)

@@ -54,6 +54,35 @@ HEAVY = ("process", "faults", "browser")
 # The order in which xdist hands tests out: the longest first, so the short ones fill the
 # gaps at the end instead of one worker finishing a minute-long test alone.
 COST_ORDER = {"browser": 0, "faults": 1, "process": 2, "bus": 3, "pure": 4}
+# Within a tier, the files that take minutes go first, longest first (`--durations` of the
+# clean-clone runs, 2026-12-04): handed out last, as their folder's place in the alphabet had
+# them (tests/integration/test_sharded*.py after everything else), they ran on alone at the
+# end while the other workers had nothing left.
+LONG_FILES = (
+    "faults/test_broker_faults.py",
+    "integration/test_sharded.py",
+    "integration/test_sharded_reform.py",
+    "integration/test_routing.py",
+    "integration/test_continuation.py",
+    "integration/test_continuation_kinds.py",
+    "integration/test_text_flow.py",
+    "integration/test_fair_stack.py",
+    "integration/test_weights_flow.py",
+    "integration/test_liveness.py",
+    "gateway/test_load.py",
+    "gateway/test_openai_stack.py",
+    "integration/test_tracing.py",
+    "integration/test_image_flow.py",
+    "integration/test_continuation_chaos.py",
+    "bench/test_sweeper_lease.py",
+)
+
+
+def cost_rank(tier: str, path: str) -> tuple[int, int]:
+    """Where a test of `tier` in `path` (under tests/) comes in the run: costly tiers first,
+    and within a tier the long files first. Pure."""
+    long = LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES)
+    return COST_ORDER[tier], long
 
 
 def tier_of(
