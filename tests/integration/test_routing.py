@@ -347,11 +347,13 @@ async def test_tasks_handed_to_a_killed_worker_complete_elsewhere_once(
     await ready_runners(nc, survivor_node, 1, slots=4)
     await advertising(nc, [prompt_blocks(hot_task("warm", 2))])
     collectors, handed = await hand_one_over(nc, doomed_node, lambda i: hot_task(f"hot-{i}", 300))
+    # At once: 300 tokens take tiny-llm under a second, and beside a CPU hog the handed task
+    # once ended on the doomed node while the test was still publishing the others.
+    doomed.kill()
     more = [hot_task(f"more-{i}", 300) for i in range(4)]  # more on their way meanwhile
     for task in more:
         collectors[task.task_id] = asyncio.create_task(events_of(nc, task.task_id, 180))
         await submit(nc, task)
-    doomed.kill()
     for task_id, collector in collectors.items():
         events = await collector
         result = finished(events)  # exactly one terminal each
