@@ -80,8 +80,12 @@ class Janitor:
     async def start(self) -> None:
         self.claims = await Claims.open(self.nc, self.js)
         # Advisories are fire-and-forget; FLEET_ADVISORIES keeps them until a worker is there.
-        self.advisories = await self.js.pull_subscribe(
-            "", durable="janitor", stream=subjects.ADVISORIES_STREAM
+        # Retried like every broker call at start: a consumer-info request that timed out once
+        # (a 3-node cluster beside a CPU hog) ended the worker before its first heartbeat.
+        self.advisories = await with_retry(
+            lambda: self.js.pull_subscribe("", durable="janitor",
+                                           stream=subjects.ADVISORIES_STREAM),
+            what="the janitor's advisories consumer",
         )
         self._sweeper = asyncio.create_task(self._sweep_forever())
 
