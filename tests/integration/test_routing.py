@@ -296,9 +296,12 @@ async def test_a_returning_conversation_finds_its_runner_on_another_node(
         assert result.status == "completed"
         assert result.runner_id == home[i], f"conversation {i} left its runner"
         assert result.usage is not None and result.usage.cached_tokens > 0
-    # The pulls are shared, so some next turns were pulled on the other node.
-    assert {t for t in hand_offs.taken if t.endswith("-turn2")}, (
-        f"no next turn was handed over (offers: {sorted(hand_offs.asked.values())})")
+    # The pulls are shared, so some next turns were pulled on the other node and offered to
+    # their home. (Whether an offer is taken, or declined and the task pulled again by its
+    # home, depends on the load: beside a CPU hog 8 turns were offered and none taken, and
+    # every one still ended on its home runner, as asserted above.)
+    assert {t for _, t in hand_offs.asked.values() if t.endswith("-turn2")}, (
+        f"no next turn was offered to its home (offers: {sorted(hand_offs.asked.values())})")
     # The receivers acked the messages handed to them (well inside AckWait, 30 s).
     await until_queue_empty(nc.jetstream(), timeout=10)
     await nc.close()
