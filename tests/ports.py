@@ -14,13 +14,23 @@ import socket
 LOW, HIGH = 20000, 32000  # under net.ipv4.ip_local_port_range's default start
 
 
+# Ports this process handed out: free at the pick but bound later (a cluster's three routes and
+# monitoring ports are all picked before its first server starts), so a second pick must not
+# return one. A route's "bind: address already in use" was seen once beside a CPU hog; another
+# process picking the same port at random is still possible, if rare (1 in 12,000 a pick).
+_handed: set[int] = set()
+
+
 def free_port() -> int:
     for _ in range(200):
         port = random.randrange(LOW, HIGH)
+        if port in _handed:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue  # in use: pick again
+            _handed.add(port)
             return port
     raise RuntimeError(f"no free port in {LOW}-{HIGH} after 200 tries")
