@@ -26,10 +26,10 @@ export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-1}
 .venv/bin/fleet schemas --check
 # The suite over pytest-xdist workers (README, "Tests"): most tests wait on processes and the
 # bus, so more workers than cores pays (FLEET_TEST_WORKERS). A file's tests run on one worker
-# (a module's shared stack is built once; the fault tests run one at a time), the files of
-# the costly tiers first; tests/conftest.py lets only a few process-starting tests run at once
-# (FLEET_TEST_HEAVY_SLOTS). (xdist's loadgroup is no use here: xdist 3.8 sets a node id that
-# pytest 9 no longer reads.) --durations is CI's table.
+# (a module's shared stack is built once; the fault tests run one at a time), the costly
+# tiers and the long files first; tests/conftest.py lets only a few process-starting tests
+# run at once (FLEET_TEST_HEAVY_SLOTS). (xdist's loadgroup is no use here: xdist 3.8 sets a
+# node id that pytest 9 no longer reads.) --durations is CI's table.
 started=$SECONDS
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=40 \
   -n "${FLEET_TEST_WORKERS:-5}" --dist loadfile --no-loadscope-reorder "$@"
