@@ -98,6 +98,8 @@ class Supervisor:
     async def _bounded(
         self, name: str, coro: Coroutine[Any, Any, Any], wait_s: float
     ) -> Any:
+        # This wrapper owns `work` (it is the group's child): `coro` is the `_logged` or
+        # `_keep_running` wrapper, which logs the failure, even of work left behind.
         work = asyncio.create_task(coro, name=f"{self.name}/{name} (work)")
         try:
             return await asyncio.shield(work)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from fleet.aio import log_failure
 from fleet.bus.auth_gen import as_role, ensure_auth
 from fleet.bus.connect import connect_with, redact_urls
 from fleet.bus.embedded import EmbeddedNats
@@ -267,11 +268,14 @@ async def _role(name: str, run: Awaitable[None], ending: asyncio.Event) -> None:
 async def _worker_role(worker: Worker, ending: asyncio.Event) -> None:
     """The worker as a role: cancelled by its group (the gateway failed), it still stops
     cleanly once it got as far as its loop (stop_worker: runners stopped, tasks handed back)."""
+    # Owned by this role: awaited here, so its failure fails the group; during the stop,
+    # where stop_worker does not raise what it ended with, a failure is logged.
     running = asyncio.create_task(_role("worker", worker.run(), ending), name="fleet-up worker")
     try:
         await asyncio.shield(running)
     except asyncio.CancelledError:
         ending.set()  # its end from here on is the stop's, not a failure
+        running.add_done_callback(log_failure)
         await stop_worker(worker, running)
         raise
 

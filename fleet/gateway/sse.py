@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -31,9 +32,11 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from fleet.aio import CLOSE_WAIT_S
+from fleet.aio import CLOSE_WAIT_S, log_failure
 from fleet.errors import FleetError
 from fleet.gateway.errors import error_body
+
+log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 15.0  # under the 30-60 s that proxies and SDKs allow a silent connection
 SEND_TIMEOUT_S = 30.0  # a client that reads nothing for this long is gone
@@ -57,9 +60,14 @@ def sse_error(exc: FleetError) -> bytes:
 
 
 async def hung_up(receive: Receive) -> None:
-    """Returns when the client hangs up (the request's body has been read already)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+    """Returns when the client hangs up (the request's body has been read already). A
+    `receive` that fails is logged and counts as a hang-up: the watcher's task ends without
+    an error nobody would read."""
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:
+        log.exception("the server's receive failed: the client is taken for gone")
 
 
 async def unless_hung_up(receive: Receive, waiting: Awaitable[R]) -> R | None:
@@ -157,9 +165,11 @@ class EventStream(Response):
             if not feeding.done():
                 # Cancelled once: the producer's own clean-up (closing its events, cancelling
                 # its task on NATS) must not be cancelled in turn. Waited for within a bound:
-                # a producer inside a nats-py call may swallow the cancel.
+                # a producer inside a nats-py call may swallow the cancel; one left behind is
+                # logged if it fails.
                 feeding.cancel()
                 await asyncio.wait({feeding}, timeout=CLOSE_WAIT_S)
+                feeding.add_done_callback(log_failure)
             aclose = getattr(self.lines, "aclose", None)
             if aclose is not None and feeding.done():
                 with contextlib.suppress(RuntimeError):  # still running: left behind

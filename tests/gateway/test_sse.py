@@ -6,6 +6,7 @@ buffers, so that a few hundred KiB of tokens fill them."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 from collections.abc import AsyncIterator
 
@@ -91,3 +92,14 @@ async def test_an_idle_stream_gets_keepalive_comments(
                 break
     assert any(line.startswith("event: task_accepted") for line in seen)
     assert seen[-1] == ": keep-alive"
+
+
+async def test_a_receive_that_fails_is_logged_and_counts_as_a_hang_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def broken_receive() -> dict[str, object]:
+        raise RuntimeError("the connection's state is gone")
+
+    with caplog.at_level(logging.ERROR, logger="fleet.gateway.sse"):
+        await asyncio.wait_for(sse.hung_up(broken_receive), 5.0)  # returns: the client is gone
+    assert any("receive failed" in r.getMessage() and r.exc_info for r in caplog.records)
