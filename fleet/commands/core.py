@@ -73,12 +73,14 @@ def cmd_nats(args: argparse.Namespace) -> int:
         return asyncio.run(provision_as(settings))
     config = secured_config(settings.data_dir)
     server = EmbeddedNats(settings.nats_store_dir, port=settings.nats_port, config=config).start()
+    # Only pass SIGTERM on: the main thread below is inside process.wait() and holds its lock,
+    # so a handler that waits too (server.stop) would time out and end in a traceback. It is
+    # set before the line below: whoever reads that line may signal at once (CI saw a SIGTERM
+    # sent in that window end the process with -15).
+    signal.signal(signal.SIGTERM, lambda *_: server.process and server.process.terminate())
     secured = f", users and secrets from {config}" if config else ", open (no users)"
     print(f"nats-server (JetStream) on {server.url}, store {settings.nats_store_dir}{secured}",
           flush=True)
-    # Only pass SIGTERM on: the main thread below is inside process.wait() and holds its lock,
-    # so a handler that waits too (server.stop) would time out and end in a traceback.
-    signal.signal(signal.SIGTERM, lambda *_: server.process and server.process.terminate())
     try:
         code = server.process.wait() if server.process else 0
     except KeyboardInterrupt:
