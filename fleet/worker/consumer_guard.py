@@ -1,15 +1,19 @@
-"""Every model's durable `tasks-<model>` keeps the configuration Fleet gave it.
+"""Every model's durables keep the configuration Fleet gave them: `tasks-<model>` (the
+default class) and the other priority classes' `interactive-tasks-<model>` and
+`batch-tasks-<model>` (fleet.worker.priority), each checked once this worker has bound it.
 
 Workers may create and update consumers on FLEET_TASKS (a model's durable is made when it is
 placed), so one compromised worker could update `tasks-<model>` with another filter, a
 1-message ack window or an inactive threshold and halt the model for every node. Each worker
 compares the durables it pulls from with the definition (ops/jetstream/consumers/tasks.json
-with its --max-deliver and --ack-wait) when it binds one and every CHECK_INTERVAL_S, restores
+with its --max-deliver and --ack-wait, the class's filter) when it binds one and every
+CHECK_INTERVAL_S, restores
 what differs, and when the server refuses the restore stops pulling that model: an error log
 line naming the consumer and each difference, and the counter
 `fleet.worker.consumer_repairs{model, outcome}` (restored | stopped | passed_over: tasks it
 will not deliver stayed for two checks), are the operator's alert. Tasks passed over while a
-filter pointed elsewhere are delivered again (`ConsumerGuard.passed_over`).
+filter pointed elsewhere are delivered again (`ConsumerGuard.passed_over`). A durable deleted
+outright is the puller's to make again (fleet.worker.pulls: its next pull of that class fails).
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ def passed_over_at(info: dict[str, Any], seq: int) -> bool:
 
 
 class Puller(Protocol):
-    subs: dict[str, Any]
+    subs: dict[str, Any]  # model -> the default class's subscription
+    class_subs: dict[tuple[str, str], Any]  # (model, class) -> the other classes'
 
     async def stop_pulling(self, model: str, reason: str) -> None: ...
 
@@ -91,25 +96,30 @@ class ConsumerGuard:
         self.max_deliver = max_deliver
         self.ack_wait_s = ack_wait_s
         self.interval_s = interval_s
-        self.streaks: dict[str, int] = {}  # model -> checks in a row with tasks passed over
+        self.streaks: dict[str, int] = {}  # durable -> checks in a row with tasks passed over
         self.repairs = meter.create_counter(
             "fleet.worker.consumer_repairs", unit="{repair}",
             description="Durable task consumers found changed: restored, or pulling stopped",
         ) if meter else None
 
-    def wanted(self, model: str) -> dict[str, Any]:
-        return consumer_definition(model, self.max_deliver, self.ack_wait_s)
+    def wanted(self, model: str, priority: str = "default") -> dict[str, Any]:
+        return consumer_definition(model, self.max_deliver, self.ack_wait_s, priority)
 
-    async def check(self, model: str, *, binding: bool = False) -> str:
+    def bound(self, model: str) -> list[str]:
+        """The classes of `model` whose durables this worker has bound, default first."""
+        return ([*(["default"] if model in self.puller.subs else []),
+                 *(p for (m, p) in self.puller.class_subs if m == model)])
+
+    async def check(self, model: str, priority: str = "default", *, binding: bool = False) -> str:
         """"ok", "restored" or "stopped" (the restore was refused: pulling that model ends).
         `binding`: before this worker pulls, its SETTINGS are left to ensure_task_consumer."""
-        name = subjects.durable(model)
+        name = subjects.durable(model, priority)
         info = await jetstream_api(self.nc, f"CONSUMER.INFO.{subjects.TASKS_STREAM}.{name}")
         if "error" in info:
             return "ok"  # gone: the puller recreates it on its next failed fetch
         actual = info["config"]
         skip = SETTINGS if binding else frozenset()
-        wanted = {**self.wanted(model), **{k: actual[k] for k in skip if k in actual}}
+        wanted = {**self.wanted(model, priority), **{k: actual[k] for k in skip if k in actual}}
         drift = consumer_drift(wanted, actual)
         if not drift:
             return "ok"
@@ -121,7 +131,7 @@ class ConsumerGuard:
         if "error" not in restored and not left:
             log.error("consumer %s was changed (%s): restored; a NATS user with worker or "
                       "operator credentials did it", name, "; ".join(drift))
-            await self.passed_over(model)
+            await self.passed_over(model, priority)
             self._count(model, "restored")
             return "restored"
         why = restored.get("error", {}).get("description") or "; ".join(left)
@@ -132,7 +142,7 @@ class ConsumerGuard:
         self._count(model, "stopped")
         return "stopped"
 
-    async def passed_over(self, model: str) -> int | None:
+    async def passed_over(self, model: str, priority: str = "default") -> int | None:
         """Tasks of `model` in FLEET_TASKS that its durable will not deliver; those after its
         last delivery are delivered again by a reset, and the count of the rest is returned.
 
@@ -147,7 +157,7 @@ class ConsumerGuard:
         told from tasks past MaxDeliver that the janitor has not moved yet: they are counted
         (skipped_tasks) for `round` to report when they stay; None when the consumer moved
         while they were counted (tasks flowing), so the count would mean nothing."""
-        name, subject = subjects.durable(model), subjects.tasks(model)
+        name, subject = subjects.durable(model, priority), subjects.tasks(model, priority)
         stream = subjects.TASKS_STREAM
         info = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
         if "error" in info:
@@ -189,26 +199,33 @@ class ConsumerGuard:
             self.repairs.add(1, {"model": model, "outcome": outcome})
 
     async def round(self, model: str) -> None:
-        """One check of a bound durable: its configuration, then the tasks it passes over,
-        reported once when they stay for two checks in a row (the janitor moves tasks past
-        MaxDeliver within one)."""
-        await self.check(model)
-        skipped = await self.passed_over(model)
+        """One check of each bound durable of `model` (default first, then the other classes
+        bound): its configuration, then the tasks it passes over, reported once when they
+        stay for two checks in a row (the janitor moves tasks past MaxDeliver within one)."""
+        for priority in self.bound(model) or ["default"]:
+            if await self.check(model, priority) == "stopped":
+                return  # pulls of the whole model stopped: nothing more to look after
+            await self._count_passed_over(model, priority)
+
+    async def _count_passed_over(self, model: str, priority: str) -> None:
+        skipped = await self.passed_over(model, priority)
         if skipped is None:
             return  # tasks flowing: no count this time
-        streak = self.streaks[model] = self.streaks.get(model, 0) + 1 if skipped else 0
+        name = subjects.durable(model, priority)
+        streak = self.streaks[name] = self.streaks.get(name, 0) + 1 if skipped else 0
         if streak == 2:
             log.error("consumer %s: %d task(s) of %s stay in %s and will not be delivered "
                       "(its position was moved past them); the operator can deliver them by "
                       "a reset of the consumer ($JS.API.CONSUMER.RESET) to the first of them",
-                      subjects.durable(model), skipped, model, subjects.TASKS_STREAM)
+                      name, skipped, model, subjects.TASKS_STREAM)
             self._count(model, "passed_over")
 
     async def forever(self) -> None:
         """Check every bound durable each interval; a broker outage only skips a round."""
         while True:
             await asyncio.sleep(self.interval_s)
-            for model in list(self.puller.subs):
+            bound = [*self.puller.subs, *(model for model, _ in self.puller.class_subs)]
+            for model in dict.fromkeys(bound):
                 try:
                     await self.round(model)
                 except Exception as exc:

@@ -4,7 +4,10 @@ nats-py's `fetch` always sends its first request with `expires`, and the server 
 it as a lingering pull for that long when the consumer is empty: probing three priority
 classes in turn cost three such waits a pull. This sends JetStream's own `no_wait` request
 (no `expires`): the server answers at once with what it has, then a status (404 none, 408
-fewer than asked). It reads the subscription nats-py made for the bound durable (its next-
+fewer than asked). A 503 (no responders: the durable is gone, or its leader is being elected)
+raises, so the puller looks the durable up and makes it again (fleet.worker.pulls); read as
+"none now" it would leave a deleted class's durable unnoticed while its other classes kept
+the worker busy. It reads the subscription nats-py made for the bound durable (its next-
 message subject and inbox); messages a cancelled fetch left in that inbox come first.
 """
 
@@ -13,9 +16,11 @@ from __future__ import annotations
 import orjson
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.errors import ServiceUnavailableError
 
 ANSWER_S = 2.0  # the server answers a no_wait pull at once; longer is an election or a stall
 HEARTBEAT = "100"
+NO_RESPONDERS = "503"
 
 
 async def pull_now(sub: JetStreamContext.PullSubscription, batch: int) -> list[Msg]:
@@ -37,6 +42,8 @@ async def pull_now(sub: JetStreamContext.PullSubscription, batch: int) -> list[M
         status = JetStreamContext.is_status_msg(msg)
         if status == HEARTBEAT:
             continue
+        if status == NO_RESPONDERS and not got:
+            raise ServiceUnavailableError(description=f"no responders on {sub._nms}")
         if status:  # no more now (404, 408), or a stale status of an earlier pull: done
             break
         got.append(msg)

@@ -7,12 +7,14 @@ A pull asks each class in turn for what its quota allows and the durable holds n
 every class that may be served at once and returns the first that answers, so a task of
 any class starts as soon as it is published.
 
-The durable `tasks-<model>` can vanish under a running worker (someone deleted it, a stream
-was recreated). A fetch then fails with 503 (no responders), exactly as it does during a
-leader election; so after a failed fetch the consumer is looked up, and when the server says
-it does not exist it is created again (`ensure_task_consumer`) and the subscription rebound.
-A durable whose configuration was changed is restored before binding, and checked while
-pulling (fleet.worker.consumer_guard); one that cannot be restored stops this model's pulls.
+Any class's durable (`tasks-<model>`, `interactive-tasks-<model>`, `batch-tasks-<model>`) can
+vanish under a running worker (someone deleted it, a stream was recreated). A pull then fails
+with 503 (no responders), exactly as it does during a leader election; so after a failed pull
+each durable this worker bound for the model is looked up, and one the server says does not
+exist is created again (`ensure_task_consumer`, logged, counted in `recreated`) and its
+subscription rebound. A durable whose configuration was changed is restored before binding,
+and checked while pulling (fleet.worker.consumer_guard); one that cannot be restored stops
+this model's pulls.
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ class TaskPuller:
         self.js = js
         self.settings = settings
         self.subs: dict[str, JetStreamContext.PullSubscription] = {}
-        self.recreated: dict[str, int] = {}  # model -> times its consumer was recreated
+        self.recreated: dict[str, int] = {}  # durable -> times it was recreated
         self.stopped: dict[str, str] = {}  # model -> why its pulls stopped (a changed consumer)
-        # the other classes' subscriptions (the guard watches the default class's durable)
+        # the other classes' subscriptions (the guard watches these durables too)
         self.class_subs: dict[tuple[str, str], JetStreamContext.PullSubscription] = {}
         self.last_served: dict[str, dict[str, float]] = {}  # model -> class -> last turn
         self.guard = ConsumerGuard(nc, self, settings.max_deliver, settings.ack_wait_s, meter)
@@ -154,30 +156,35 @@ class TaskPuller:
             (model, priority))
 
     async def _recover(self, model: str) -> None:
-        """After a failed fetch: recreate the durable consumer if it is gone. The other
-        classes' subscriptions are dropped, to be bound again (their durables made again if
-        gone) at their next turn."""
-        for priority in CLASSES:
-            if sub := self.class_subs.pop((model, priority), None):
-                await unsubscribe_pull(sub)
-        if model not in self.subs:
-            return
-        try:
-            await self.js.consumer_info(subjects.TASKS_STREAM, subjects.durable(model))
-        except NotFoundError:
-            log.warning(
-                "consumer %s is gone (deleted under this worker): recreating it",
-                subjects.durable(model),
-            )
-            self.recreated[model] = self.recreated.get(model, 0) + 1
-            await unsubscribe_pull(self.subs.pop(model))
+        """After a failed fetch: recreate each durable of `model` this worker bound that is
+        gone. A class other than the default is dropped either way, to be bound again (its
+        durable made again) at its next turn; the default one is rebound here."""
+        bound = [("default", self.subs)] if model in self.subs else []
+        bound += [(p, self.class_subs) for (m, p) in list(self.class_subs) if m == model]
+        for priority, _ in bound:
+            name = subjects.durable(model, priority)
             try:
-                await self._subscribe(model)
+                await self.js.consumer_info(subjects.TASKS_STREAM, name)
+                gone = False
+            except NotFoundError:
+                gone = True
+                log.warning("consumer %s is gone (deleted under this worker): recreating it",
+                            name)
+                self.recreated[name] = self.recreated.get(name, 0) + 1
             except Exception as exc:
-                log.warning("consumer %s not recreated yet: %s", subjects.durable(model), exc)
-        except Exception as exc:
-            if not is_transient(exc):
-                log.warning("consumer %s not checked: %s", subjects.durable(model), exc)
+                gone = False
+                if not is_transient(exc):
+                    log.warning("consumer %s not checked: %s", name, exc)
+            if priority != "default":
+                if sub := self.class_subs.pop((model, priority), None):
+                    await unsubscribe_pull(sub)
+                continue
+            if gone:
+                await unsubscribe_pull(self.subs.pop(model))
+                try:
+                    await self._subscribe(model)
+                except Exception as exc:
+                    log.warning("consumer %s not recreated yet: %s", name, exc)
 
     async def stop_pulling(self, model: str, reason: str) -> None:
         self.stopped[model] = reason
@@ -190,8 +197,7 @@ class TaskPuller:
     async def _subscribe(
         self, model: str, priority: Priority = "default"
     ) -> JetStreamContext.PullSubscription:
-        if priority == "default":
-            await self.guard.check(model, binding=True)
+        await self.guard.check(model, priority, binding=True)
         await ensure_task_consumer(
             self.nc, model, max_deliver=self.settings.max_deliver,
             ack_wait_s=self.settings.ack_wait_s, priority=priority,

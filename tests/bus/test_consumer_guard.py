@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 
+from fleet.bus.connect import js_publish
 from fleet.bus.provision import consumer_definition, ensure_task_consumer, provision
+from fleet.wire import subjects
 from fleet.worker.consumer_guard import (
     SETTINGS,
     ConsumerGuard,
@@ -25,6 +27,7 @@ from fleet.worker.consumer_guard import (
 from tests.integration.harness import (
     WorkerProcess,
     add_fault_card,
+    events_of,
     finished,
     hello,
     run_task,
@@ -82,6 +85,7 @@ def test_a_binding_worker_leaves_its_settings_to_the_conflict_check() -> None:
 class StoppedPulls:
     def __init__(self) -> None:
         self.subs: dict[str, object] = {MODEL: object()}
+        self.class_subs: dict[tuple[str, str], object] = {}
         self.stopped: dict[str, str] = {}
 
     async def stop_pulling(self, model: str, reason: str) -> None:
@@ -285,3 +289,98 @@ async def test_checks_beside_a_busy_healthy_durable_change_nothing(
     assert sorted(int(data) for data, _ in seen) == list(range(200))
     assert {delivered for _, delivered in seen} == {1}
     assert "passed over" not in caplog.text and "will not be delivered" not in caplog.text
+
+
+async def test_a_changed_class_durable_is_restored_and_its_tasks_flow_again(
+    workers: tuple[Client, Client], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The interactive class's durable gets the same guard as the default one: a bound
+    `interactive-tasks-<model>` pointed elsewhere is restored by the round, and the task
+    published meanwhile is delivered."""
+    honest, rogue = workers
+    model = "classy"
+    await ensure_task_consumer(honest, model)
+    await ensure_task_consumer(honest, model, priority="interactive")
+    name = f"interactive-tasks-{model}"
+    wanted = consumer_definition(model, 5, 30.0, "interactive")
+    assert wanted["filter_subject"] == f"fleet.tasks.{model}.interactive"
+    sub = await honest.jetstream().pull_subscribe_bind(name, stream="FLEET_TASKS")
+    await _update(rogue, name, {**wanted, "filter_subject": "fleet.tasks.nowhere"})
+    await honest.jetstream().publish(f"fleet.tasks.{model}.interactive", b"chat")
+    with pytest.raises(TimeoutError):
+        await sub.fetch(1, timeout=1)  # passed over while changed
+
+    pulls = StoppedPulls()
+    pulls.subs = {model: object()}
+    pulls.class_subs = {(model, "interactive"): sub}
+    guard = ConsumerGuard(honest, pulls, 5, 30.0)
+    assert guard.bound(model) == ["default", "interactive"]
+    with caplog.at_level(logging.ERROR, logger="fleet.worker.consumer_guard"):
+        await guard.round(model)
+    assert f"consumer {name} was changed" in caplog.text
+    assert consumer_drift(wanted, await _config(honest, name)) == []
+    [msg] = await sub.fetch(1, timeout=5)
+    assert msg.data == b"chat"
+    await msg.term()
+    assert await guard.check(model, "interactive") == "ok"
+
+
+async def test_a_class_durable_that_cannot_be_restored_stops_the_model(
+    workers: tuple[Client, Client], caplog: pytest.LogCaptureFixture
+) -> None:
+    honest, rogue = workers
+    model = "pre-made-batch"
+    made = await _update(rogue, f"batch-tasks-{model}", {
+        **consumer_definition(model, 5, 30.0, "batch"), "max_waiting": 1})
+    assert "error" not in made, made
+    pulls = StoppedPulls()
+    pulls.subs = {model: object()}
+    guard = ConsumerGuard(honest, pulls, 5, 30.0)
+    with caplog.at_level(logging.ERROR, logger="fleet.worker.consumer_guard"):
+        assert await guard.check(model, "batch") == "stopped"
+    assert f"stops pulling {model}" in caplog.text and "max_waiting" in caplog.text
+    assert model in pulls.stopped
+
+
+def _classed(card_id: str, task_id: str, priority: str) -> Any:
+    return hello(task_id).model_copy(update={"model": card_id, "priority": priority})
+
+
+async def _run_classed(nc: Client, task: Any) -> list[Any]:
+    collector = asyncio.create_task(events_of(nc, task.task_id, 60))
+    await js_publish(nc.jetstream(), subjects.tasks(task.model, task.priority), task,
+                     msg_id=task.task_id)
+    return await collector
+
+
+async def test_a_running_worker_recreates_and_restores_its_class_durables(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """Issue 25: a class durable deleted under a serving worker is made again (logged) and
+    the class's tasks are served; one changed is restored within the guard's interval."""
+    data = tmp_path / "w"
+    card = add_fault_card(data)
+    worker = WorkerProcess(nats_url, data).start()
+    nc, _ = await serving(nats_url, worker, card, slots=1)
+    try:
+        for priority in ("interactive", "batch"):  # the worker binds both class durables
+            done = await _run_classed(nc, _classed(card.id, f"first-{priority}", priority))
+            assert finished(done).status == "completed"
+        js = nc.jetstream()
+        interactive = f"interactive-tasks-{card.id}"
+        assert await js.delete_consumer("FLEET_TASKS", interactive)
+        after = await _run_classed(nc, _classed(card.id, "after-delete", "interactive"))
+        assert finished(after).status == "completed"
+        assert f"consumer {interactive} is gone (deleted under this worker): recreating it" \
+            in (data / "worker.log").read_text()
+
+        batch = f"batch-tasks-{card.id}"
+        wanted = await _config(nc, batch)
+        await _update(nc, batch, {**wanted, "filter_subject": "fleet.tasks.nowhere"})
+        later = await _run_classed(nc, _classed(card.id, "after-change", "batch"))
+        assert finished(later).status == "completed"
+        assert (await _config(nc, batch))["filter_subject"] == f"fleet.tasks.{card.id}.batch"
+        assert f"consumer {batch} was changed" in (data / "worker.log").read_text()
+    finally:
+        worker.kill()
+        await nc.close()
