@@ -92,8 +92,9 @@ async def connect(address: str) -> tuple[asyncio.StreamReader, asyncio.StreamWri
     return await asyncio.open_connection(host, int(port))
 
 
-async def status_of(address: str, raw: bytes) -> int:
-    """Send one request on a fresh connection; its status (0 if the connection failed)."""
+async def status_of(address: str, raw: bytes, bodies: dict[int, bytes] | None = None) -> int:
+    """Send one request on a fresh connection; its status (0 if the connection failed).
+    `bodies` keeps the first answer seen for each status, to say why in a failure."""
     try:
         reader, writer = await connect(address)
     except OSError:
@@ -107,11 +108,16 @@ async def status_of(address: str, raw: bytes) -> int:
     finally:
         writer.close()
     parts = answer.split(b" ", 2)
-    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+    status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+    if bodies is not None:
+        bodies.setdefault(status, answer[-600:])
+    return status
 
 
-async def statuses(address: str, raws: list[bytes]) -> Counter[int]:
-    return Counter(await asyncio.gather(*(status_of(address, raw) for raw in raws)))
+async def statuses(
+    address: str, raws: list[bytes], bodies: dict[int, bytes] | None = None
+) -> Counter[int]:
+    return Counter(await asyncio.gather(*(status_of(address, raw, bodies) for raw in raws)))
 
 
 async def open_stream(

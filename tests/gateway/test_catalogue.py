@@ -63,6 +63,21 @@ def test_unavailable_reason(nodes: list[NodeInfo], placed: bool, why: str | None
     assert found == why if why is None else why in (found or "")
 
 
+def test_a_placed_model_is_not_refused_before_the_instances_are_known(tmp_path: Path) -> None:
+    # Its node's free memory no longer counts the model it holds, so without the instance
+    # table the model looks unplaceable: the catalogue says nothing until it has both.
+    catalogue = Catalogue(tmp_path, connection=None)  # type: ignore[arg-type]
+    catalogue.nodes = {"a": node("a", ("tiny-llm",), at=time.time(),
+                                 memory_available_bytes=10)}
+    catalogue.nodes_loaded = True
+    card = get_card("tiny-llm")
+    assert catalogue.unavailable(card) is None
+    catalogue.instances_loaded = True
+    assert "10 bytes of free" in (catalogue.unavailable(card) or "")
+    catalogue.placed = {"tiny-llm"}
+    assert catalogue.unavailable(card) is None
+
+
 def test_unknown_models_read_the_data_dir_at_most_once_a_second(tmp_path: Path) -> None:
     now = [100.0]
     catalogue = Catalogue(tmp_path, connection=None, clock=lambda: now[0])  # type: ignore[arg-type]
