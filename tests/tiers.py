@@ -45,6 +45,7 @@ FILE_TIERS = {
     "gateway/test_load.py": "process",
     "models/test_tiny_flux.py": "process",
     "runner/test_image_engine.py": "process",
+    "runner/test_ring_watchdog.py": "process",  # its child imports mlx-lm: 2.5 s of CPU
     "test_layering.py": "process",
     "wire/test_schemas.py": "process",
     "worker/test_supervisor.py": "process",
