@@ -40,8 +40,10 @@ from nats.aio.msg import Msg
 from bench.procs import free_port
 from bench.scale_connz import Received, read_connz, received_by
 from bench.scale_sim import KILL, LOAD, READY, sim_model, sim_node_id
+from fleet.aio import cancel_and_wait
 from fleet.bus.connect import connect
 from fleet.bus.embedded import ops_dir, server_binary
+from fleet.bus.kv_calls import kv_get
 from fleet.bus.kv_read import live_values
 from fleet.bus.provision import provision
 from fleet.models.catalog import custom_cards_dir
@@ -187,6 +189,18 @@ async def add_sims(stack: Stack, nc: Client, upto: int) -> None:
     # Until they beat themselves, the harness beats for the new nodes: an instance on a node
     # without a heartbeat is one the sweeper would move (a fleet starting, not one running).
     standing_in = asyncio.create_task(stand_in(nc, range(have, upto)))
+    try:
+        await _start_sims(stack, nc, have, upto)
+    finally:
+        # Ended for sure, not only cancelled: a plain cancel that lands as one of its puts is
+        # answered is dropped (Python 3.11's wait_for inside nats-py, fleet.aio), and at
+        # N = 1,000 (900 puts a round) the stand-in then beat on for every node, the killed
+        # one too: its key never expired and its failover was never seen within 60 s.
+        if await cancel_and_wait([standing_in]):
+            raise RuntimeError("scale: the stand-in heartbeats did not stop")
+
+
+async def _start_sims(stack: Stack, nc: Client, have: int, upto: int) -> None:
     kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
     for index in range(have, upto):
         node = sim_node_id(index)
@@ -219,8 +233,7 @@ async def add_sims(stack: Stack, nc: Client, upto: int) -> None:
         for _ in range(started):
             await asyncio.wait_for(ready.get(), 120 + upto / 5)
     finally:
-        standing_in.cancel()
-    await sub.unsubscribe()
+        await sub.unsubscribe()
 
 
 def _sim(stack: Stack, first: int, count: int) -> subprocess.Popen[bytes]:
@@ -291,6 +304,7 @@ async def measure(stack: Stack, window_s: float) -> dict[str, Any]:
             row["msgs_s"] = round(got.msgs / took, 1)
             row["kb_s"] = round(got.bytes / took / 1024, 2)
         out[name] = row
+    out["loadavg"] = round(os.getloadavg()[0], 1)  # the machine's, shared: read with the numbers
     return out
 
 
@@ -311,12 +325,21 @@ async def time_failover(nc: Client, index: int, timeout: float = 60.0) -> float 
     else:
         log.warning("scale: the kill of %s never confirmed", node)
         return None
+    nodes = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+    key_gone: float | None = None
     while time.monotonic() - began < timeout:
+        if key_gone is None and await kv_get(nodes, node) is None:
+            key_gone = time.monotonic() - began
+            log.info("scale: %s's heartbeat key gone %.1f s after the kill", node, key_gone)
         entry = await kv.get(f"{node}-i")
         if entry.value and all(s.node_id != node
                                for s in decode_model(Instance, entry.value).shards):
             return round(time.monotonic() - began, 2)
         await asyncio.sleep(0.2)  # polling the instance: the resolution of the measurement
+    # Which side failed: a key still there is a node still beating (or its TTL not applied);
+    # a key gone and the instance not moved is the sweeper's.
+    log.warning("scale: %s not moved within %.0f s; its heartbeat key %s", node, timeout,
+                "still there" if key_gone is None else f"gone after {key_gone:.1f} s")
     return None
 
 
@@ -383,8 +406,8 @@ def table(result: dict[str, Any]) -> list[str]:
     lines = [f"### {result['design']} ({result['src']})", "",
              "| N | load | worker msgs/s | worker KB/s | worker CPU | worker RSS MB | "
              "gateway msgs/s | gateway KB/s | gateway CPU | nats CPU | sweeper CPU | "
-             "placement p50 ms | failover s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "placement p50 ms | failover s | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, step in result["steps"].items():
         for phase in ("idle", "load"):
             row = step[phase]
@@ -395,18 +418,21 @@ def table(result: dict[str, Any]) -> list[str]:
                 f"{g.get('msgs_s', '-')} | {g.get('kb_s', '-')} | {g.get('cpu', 0):.1%} | "
                 f"{s['cpu']:.1%} | {_share(row.get('sweeper'))} | "
                 f"{step['placement_p50_ms'] if phase == 'idle' else ''} | "
-                f"{_seconds(step.get('failover_s', '-')) if phase == 'idle' else ''} |")
+                f"{_seconds(step.get('failover_s', '-')) if phase == 'idle' else ''} | "
+                f"{row.get('loadavg', '-')} |")
     return lines
 
 
 def run_scale(quick: bool, baseline_src: Path | None, workdir: Path,
-              steps: tuple[int, ...] | None = None) -> dict[str, Any]:
+              steps: tuple[int, ...] | None = None, gateways: int | None = None,
+              ) -> dict[str, Any]:
     import uvloop
 
     plan = QUICK if quick else ScalePlan()
-    if steps:
-        plan = ScalePlan(steps=steps, gateways=plan.gateways, window_s=plan.window_s,
-                         settle_s=plan.settle_s, failover=plan.failover)
+    if steps or gateways:
+        plan = ScalePlan(steps=steps or plan.steps, gateways=gateways or plan.gateways,
+                         window_s=plan.window_s, settle_s=plan.settle_s,
+                         failover=plan.failover)
     results = []
     if baseline_src is not None:
         capped = ScalePlan(steps=tuple(n for n in plan.steps if n <= BASELINE_MAX_N),
@@ -428,12 +454,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--baseline-src", type=Path)
     parser.add_argument("--steps", help="comma-separated N, e.g. 10,100,1000")
+    parser.add_argument("--gateways", type=int, help="G real gateways (default 1)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     steps = tuple(int(s) for s in args.steps.split(",")) if args.steps else None
     with tempfile.TemporaryDirectory(prefix="fleet-scale-") as tmp:
-        result = run_scale(args.quick, args.baseline_src, Path(tmp), steps)
+        result = run_scale(args.quick, args.baseline_src, Path(tmp), steps, args.gateways)
     out = args.out or REPO / "bench" / "results" / f"scale-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
