@@ -17,6 +17,7 @@ from opentelemetry.trace import Span
 from fleet.wire.events import ErrorReason, ImageChunk
 from fleet.wire.handoff import TaskHandOff
 from fleet.wire.pipe import RunnerReport
+from fleet.wire.token_frames import TokenFrame
 from fleet.worker.continuation import Continue
 from fleet.worker.intake import Queued, Settled
 from fleet.worker.state import PendingTask, StateEvent
@@ -80,12 +81,11 @@ class CancelSeen:
 
 @dataclass(frozen=True)
 class RunnerReported:
-    """One report a runner wrote on its pipe; `frame`: its bytes as written, kept for a
-    report the worker publishes unchanged (fleet.worker.outputs.published_as_written)."""
+    """One report a runner wrote on its pipe; a token event as its bytes (TokenFrame), which
+    the worker publishes unchanged."""
 
     runner_id: str
-    report: RunnerReport
-    frame: bytes | None = None
+    report: RunnerReport | TokenFrame
 
 
 @dataclass(frozen=True)

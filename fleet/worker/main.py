@@ -45,6 +45,7 @@ from fleet.wire.events import (
     ToolCallChunk,
 )
 from fleet.wire.tasks import CancelTask
+from fleet.wire.token_frames import TokenFrame
 from fleet.worker import cores
 from fleet.worker import plan as rules
 from fleet.worker import state as ev
@@ -523,7 +524,9 @@ def _streams_only(item: InboxItem) -> bool:
     return isinstance(item, RunnerReported) and isinstance(item.report, STREAMED_REPORTS)
 
 
-STREAMED_REPORTS = (TaskAccepted, TokenChunk, ToolCallChunk, pipe.TaskRunning, pipe.SpanBatch)
+STREAMED_REPORTS = (
+    TaskAccepted, TokenFrame, TokenChunk, ToolCallChunk, pipe.TaskRunning, pipe.SpanBatch,
+)
 
 _LIFECYCLE = {
     "connect_to_group": pipe.ConnectToGroup,

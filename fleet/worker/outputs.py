@@ -51,6 +51,7 @@ from fleet.wire.events import (
     ToolCallChunk,
     failed,
 )
+from fleet.wire.token_frames import TokenFrame
 from fleet.worker.takeover import TaskFenced, fence_headers, is_fenced, take_fence
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ log = logging.getLogger(__name__)
 ERROR_CHUNK_BUDGET_S = 5.0  # the words before an output_lost terminal are a courtesy
 
 
-def event_msg_id(event: OutputEvent, fence: int = 0) -> str:
+def event_msg_id(event: OutputEvent | TokenFrame, fence: int = 0) -> str:
     """`<task_id>-<kind>-<index>`: the same event published twice is stored once. An attempt
     that took the task over (`fence` > 0, its fence's sequence) adds `@<fence>`: it re-makes
     indexes an earlier attempt may have stored beyond a hole, batched otherwise (one event of 16
@@ -68,7 +69,7 @@ def event_msg_id(event: OutputEvent, fence: int = 0) -> str:
     events are refused by the fence, so nothing needs deduplicating across attempts."""
     suffix = f"@{fence}" if fence else ""
     match event:
-        case TokenChunk() | ToolCallChunk() | EmbeddingChunk():
+        case TokenFrame() | TokenChunk() | ToolCallChunk() | EmbeddingChunk():
             index = str(event.index)
         case ImageChunk():
             partial = "final" if event.partial_index is None else event.partial_index
@@ -82,17 +83,6 @@ def event_msg_id(event: OutputEvent, fence: int = 0) -> str:
         case TaskFinished():
             return finished_msg_id(event.task_id)
     return f"{event.task_id}-{event.type}-{index}{suffix}"
-
-
-def published_as_written(event: object) -> bool:
-    """Whether the worker publishes this runner report with the very bytes the runner wrote:
-    a token event, which it republishes unchanged (index, text, time as the runner made them;
-    fencing travels in headers). The codec writes one JSON for one event (orjson of the
-    model's fields in order, floats and text round-tripping exactly), so the stream gets the
-    bytes re-encoding the decoded event gave before, without the encode: ~4.6 us of an event's
-    CPU in the worker (py-spy at full rate: `encode` 2.9 % of `fleet up`). Every other report
-    is re-encoded: a seam's task_accepted is changed on the way, the rest are rare."""
-    return isinstance(event, TokenChunk)
 
 
 def finished_msg_id(task_id: str) -> str:
@@ -127,14 +117,20 @@ class TaskOutput:
     def _headers(self, task_id: str, msg_id: str) -> dict[str, str]:
         return headers_for(msg_id, fence_headers(task_id, self.fences.get(task_id, 0)))
 
-    async def chunk(self, event: OutputEvent, body: bytes | None = None) -> None:
+    async def chunk(self, event: OutputEvent | TokenFrame) -> None:
         """Queue the event behind the task's earlier ones; returns once it is sent (or waits,
-        in order, for the connection), not when it is stored. `body`: the event's JSON as the
-        runner wrote it (`published_as_written`), sent as is; else the event is encoded."""
+        in order, for the connection), not when it is stored.
+
+        A token event (TokenFrame) goes out with the very bytes its runner wrote: index, text
+        and time as the runner made them, fencing in headers. The codec writes one JSON for one
+        event (orjson of the fields in order, floats and text round-tripping exactly), so these
+        are the bytes re-encoding the decoded event gave before, without the model or the encode
+        (~4.6 us an event; tests/worker/test_frames_as_written.py). Every other event is
+        encoded: a seam's task_accepted is changed on the way, the rest are rare."""
+        body = event.body if isinstance(event, TokenFrame) else encode(event)
         msg_id = event_msg_id(event, self.fences.get(event.task_id, 0))
         await self.confirmed.send(
-            event.task_id, subjects.out(event.task_id), encode(event) if body is None else body,
-            self._headers(event.task_id, msg_id),
+            event.task_id, subjects.out(event.task_id), body, self._headers(event.task_id, msg_id),
         )
 
     async def finish(self, event: TaskFinished) -> TaskFinished:

@@ -21,6 +21,7 @@ from fleet.aio import Supervisor
 from fleet.wire import pipe
 from fleet.wire.events import ErrorChunk, ErrorReason, OutputEvent, TaskAccepted, TaskFinished
 from fleet.wire.tasks import TextGeneration
+from fleet.wire.token_frames import TokenFrame
 from fleet.worker import state as ev
 from fleet.worker.acks import Stage
 from fleet.worker.cluster import ClusterLink
@@ -109,11 +110,9 @@ class RunnerReports:
     async def report(self, reported: RunnerReported) -> None:
         report = reported.report
         with self.spans.active(getattr(report, "task_id", None)):
-            await self._on_report(reported.runner_id, report, reported.frame)
+            await self._on_report(reported.runner_id, report)
 
-    async def _on_report(
-        self, runner_id: str, report: pipe.RunnerReport, frame: bytes | None = None
-    ) -> None:
+    async def _on_report(self, runner_id: str, report: pipe.RunnerReport | TokenFrame) -> None:
         match report:
             case pipe.RunnerStatusReport(status=status):
                 self.desk.apply(ev.RunnerStatusSeen(runner_id, status))
@@ -151,19 +150,19 @@ class RunnerReports:
                 if report.type != "task_accepted" and report.task_id in self._prefilling(runner_id):
                     self.desk.apply(ev.FirstOutput(report.task_id, runner_id))  # once a task
                     self.plan_due = True  # a task may wait for this prefill
-                await self._chunk(report, frame)
+                await self._chunk(report)
 
     def _prefilling(self, runner_id: str) -> Mapping[str, int]:
         runner = self.state.runners.get(runner_id)
         return runner.prefill if runner is not None else {}
 
-    async def _chunk(self, event: OutputEvent, frame: bytes | None = None) -> None:
-        """A task's event, in order behind its earlier ones (`frame`: its bytes as the runner
-        wrote them, published as they are). One that cannot be sent is logged and counted;
-        the terminal still comes, and TaskOutput.finish does not let a task with a hole in
-        its output end completed."""
+    async def _chunk(self, event: OutputEvent | TokenFrame) -> None:
+        """A task's event, in order behind its earlier ones (a TokenFrame: published as its
+        runner wrote it). One that cannot be sent is logged and counted; the terminal still
+        comes, and TaskOutput.finish does not let a task with a hole in its output end
+        completed."""
         try:
-            await self.output.chunk(event, frame)
+            await self.output.chunk(event)
         except Exception as exc:
             self.unsent_chunks += 1
             log.warning("task %s: %s event not sent (%s: %s)", event.task_id, event.type,

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from fleet.wire.codec import DecodeError, encode
 from fleet.wire.events import ErrorReason, TaskFinished, failed
-from fleet.wire.framing import FrameError, decode_report, read_frame, write_frame
+from fleet.wire.framing import FrameError, read_frame, write_frame
 from fleet.wire.pipe import (
     RunnerCommand,
     RunnerReport,
@@ -34,8 +34,8 @@ from fleet.wire.pipe import (
     Shutdown,
 )
 from fleet.wire.runners import RunnerFailed, RunnerShutdown, RunnerStatus
+from fleet.wire.token_frames import TokenFrame, read_report
 from fleet.worker.inbox import Inbox, RunnerExited, RunnerReported
-from fleet.worker.outputs import published_as_written
 from fleet.worker.standby import StandbyRunner
 
 log = logging.getLogger(__name__)
@@ -187,10 +187,9 @@ class RunnerProcess:
         assert self._process is not None and self._process.stdout is not None
         try:
             while (body := await read_frame(self._process.stdout)) is not None:
-                report = decode_report(body)
+                report = read_report(body)  # a token event: its bytes, no model built
                 self._observe(report)
-                frame = body if published_as_written(report) else None
-                self._reports.put_nowait(RunnerReported(self.runner_id, report, frame))
+                self._reports.put_nowait(RunnerReported(self.runner_id, report))
         except (FrameError, DecodeError) as exc:
             log.error("runner %s wrote an invalid frame (%s): killing it", self.runner_id, exc)
             self._process.kill()
@@ -201,7 +200,7 @@ class RunnerProcess:
         returncode = await self._process.wait()
         self._report_exit(returncode)
 
-    def _observe(self, report: RunnerReport) -> None:
+    def _observe(self, report: RunnerReport | TokenFrame) -> None:
         if isinstance(report, RunnerStatusReport):
             self.status = report.status
 

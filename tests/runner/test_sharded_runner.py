@@ -12,6 +12,7 @@ import pytest
 
 from fleet.models.catalog import get_card
 from fleet.wire.events import TaskFinished, TokenChunk
+from fleet.wire.framing import decode_report
 from fleet.wire.pipe import (
     ConnectToGroup,
     LoadModel,
@@ -23,6 +24,7 @@ from fleet.wire.pipe import (
 from fleet.wire.ring import GroupSpec
 from fleet.wire.runners import RunnerFailed
 from fleet.wire.tasks import TextGeneration
+from fleet.wire.token_frames import TokenFrame
 from fleet.worker.inbox import RunnerExited, RunnerReported
 from fleet.worker.node import free_port
 from fleet.worker.supervisor import RunnerProcess
@@ -53,6 +55,8 @@ class Rank:
     async def next(self) -> Any:
         item = await asyncio.wait_for(self.reports.get(), WAIT_S)
         report = item.report if isinstance(item, RunnerReported) else item
+        if isinstance(report, TokenFrame):  # a token event reaches the worker as its bytes
+            report = decode_report(report.body)
         if isinstance(report, TokenChunk):  # an event may carry several tokens
             self.tokens.setdefault(report.task_id, []).extend(report.ids)
         if isinstance(report, TaskFinished):

@@ -1,9 +1,11 @@
-"""A token event goes from the runner's pipe to FLEET_OUT with the runner's bytes: which
-reports do (a table), that those bytes are the ones re-encoding the decoded event gave (so
-the wire did not change), and, against a real nats-server, that the stream stores them as
-they are under the event's Nats-Msg-Id."""
+"""A token event goes from the runner's pipe to FLEET_OUT with the runner's bytes, never
+made a TokenChunk in the worker: which reports do (a table), that those bytes are the ones
+re-encoding the decoded event gave (so the wire did not change), and, against a real
+nats-server, that the stream stores them as they are under the event's Nats-Msg-Id."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
@@ -24,7 +26,8 @@ from fleet.wire.events import (
 from fleet.wire.framing import decode_report
 from fleet.wire.pipe import RunnerStatusReport, TaskRunning
 from fleet.wire.runners import RunnerReady
-from fleet.worker.outputs import TaskOutput, event_msg_id, published_as_written
+from fleet.wire.token_frames import TokenFrame, read_report, token_frame
+from fleet.worker.outputs import TaskOutput, event_msg_id
 
 AT = 1796379206.3148346  # a time as the runner writes one: every digit must survive
 
@@ -35,9 +38,13 @@ def token(**fields: object) -> TokenChunk:
     return TokenChunk(**{**base, **fields})  # type: ignore[arg-type]
 
 
+WITH_LOGPROBS = token(logprob=-0.5, top_logprobs=[TopLogprob(token="x", token_id=7, logprob=-0.5)])
+
+
 @pytest.mark.parametrize(("report", "as_written"), [
     (token(), True),
     (token(index=5, token_ids=[7, 8, 9], text="abc"), True),
+    (WITH_LOGPROBS, True),  # checked by the model, still sent as written
     (TaskAccepted(task_id="t1", at=AT, model="m", node_id="n", runner_id="r"), False),
     (ToolCallChunk(task_id="t1", at=AT, index=0, id="c", name="f", arguments="{}"), False),
     (EmbeddingChunk(task_id="t1", at=AT, index=0, encoding_format="float",
@@ -47,8 +54,25 @@ def token(**fields: object) -> TokenChunk:
     (TaskRunning(task_id="t1"), False),
     (RunnerStatusReport(status=RunnerReady()), False),
 ])
-def test_which_reports_are_published_as_written(report: object, as_written: bool) -> None:
-    assert published_as_written(report) is as_written
+def test_which_reports_are_published_as_written(report: Any, as_written: bool) -> None:
+    """A token event reaches the worker's loop as its bytes (TokenFrame), every other report
+    as its model."""
+    frame = encode(report)
+    read = read_report(frame)
+    if as_written:
+        assert read == TokenFrame(report.task_id, report.index, frame)
+    else:
+        assert read == report
+
+
+@pytest.mark.parametrize(("event", "vouched"), [
+    (token(), True),
+    (token(index=5, token_ids=[7, 8, 9], text="abc"), True),
+    (token(schema_version=1, at=12), True),
+    (WITH_LOGPROBS, False),  # left to the model
+])
+def test_the_cheap_check_vouches_for_plain_token_events(event: TokenChunk, vouched: bool) -> None:
+    assert (token_frame(encode(event)) is not None) is vouched
 
 
 @pytest.mark.parametrize("event", [
@@ -81,7 +105,7 @@ async def test_a_frame_is_stored_as_written_under_its_events_msg_id(
     events = [token(), token(index=1, token_id=8, token_ids=[8, 9], text="yz é")]
     frames = [encode(event) for event in events]
     for event, frame in zip(events, frames, strict=True):
-        await output.chunk(event, frame)
+        await output.chunk(TokenFrame(event.task_id, event.index, frame))
     await output.finish(TaskFinished(task_id="t1", at=AT, status="completed"))
     sub = await nc.jetstream().subscribe(subjects.out("t1"), ordered_consumer=True)
     stored = [await sub.next_msg(timeout=10) for _ in range(3)]

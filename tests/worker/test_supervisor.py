@@ -15,6 +15,7 @@ from fleet.runner.fault_engine import fault_card
 from fleet.wire.cluster import ModelCard
 from fleet.wire.codec import encode
 from fleet.wire.events import ErrorReason, TaskFinished, TokenChunk
+from fleet.wire.framing import decode_report
 from fleet.wire.pipe import (
     ConnectToGroup,
     LoadModel,
@@ -32,6 +33,7 @@ from fleet.wire.runners import (
     RunnerShuttingDown,
 )
 from fleet.wire.tasks import CancelTask, TextGeneration
+from fleet.wire.token_frames import TokenFrame
 from fleet.worker.inbox import RunnerExited, RunnerReported
 from fleet.worker.supervisor import (
     RunnerNotRunning,
@@ -77,7 +79,10 @@ class Runner:
             assert item.runner_id == "run-1"
             report = item.report if isinstance(item, RunnerReported) else item
             if isinstance(item, RunnerReported):
-                self.frames.append((report, item.frame))
+                frame = report.body if isinstance(report, TokenFrame) else None
+                if frame is not None:  # a token event reaches the worker as its bytes
+                    report = decode_report(frame)
+                self.frames.append((report, frame))
             if isinstance(report, SpanBatch):
                 continue  # telemetry, interleaved; tests/runner/test_spans.py checks it
             got.append(report)

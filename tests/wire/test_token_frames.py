@@ -1,0 +1,158 @@
+"""The worker's cheap check of a runner's token event (fleet.wire.token_frames) never vouches
+for a frame TokenChunk refuses: a table of malformed frames (each a typed DecodeError, never a
+TokenFrame), generated frames near the token event's shape and frames with bytes changed,
+checked by both; and it does vouch for every plain token event the runner's codec writes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fleet.wire.codec import DecodeError, encode
+from fleet.wire.events import TokenChunk
+from fleet.wire.framing import decode_report
+from fleet.wire.token_frames import TokenFrame, read_report, token_frame
+
+GOOD: dict[str, Any] = {"schema_version": 1, "task_id": "t-1", "at": 1.5, "type": "token",
+                        "index": 3, "token_id": 7, "text": "ab", "token_ids": [7, 8]}
+
+
+def body(**changes: Any) -> bytes:
+    event = {**GOOD, **changes}
+    return orjson.dumps({k: v for k, v in event.items() if v is not DROP})
+
+
+DROP = object()
+
+
+def test_a_plain_token_event_is_vouched_for_with_its_bytes() -> None:
+    frame = body()
+    assert token_frame(frame) == TokenFrame("t-1", 3, frame)
+    assert read_report(frame) == TokenFrame("t-1", 3, frame)
+
+
+@pytest.mark.parametrize("frame", [
+    b"not json",
+    b"[1, 2]",
+    body(type="tokens"),
+    body(task_id="a.b"),  # not subject-safe
+    body(task_id="t\n"),  # a `$` in Python's re would have let this through
+    body(task_id=""),
+    body(task_id="x" * 129),
+    body(task_id=7),
+    body(index=-1),
+    body(index=True),  # a JSON bool is no int to the strict model
+    body(index=1.0),
+    body(token_id="7"),
+    body(token_id=None),
+    body(text=None),
+    body(text=1),
+    body(at="now"),
+    body(at=False),
+    body(schema_version=2),
+    body(schema_version="1"),
+    body(token_ids=[7]),  # several tokens are two or more
+    body(token_ids=[8, 9]),  # must start with token_id
+    body(token_ids=[7, "8"]),
+    body(token_ids=[7, 8.0]),
+    body(extra=1),
+    body(index=DROP),
+    body(at=DROP),
+    body(text=DROP),
+    body(token_ids=[7, 8], logprob=-0.5),  # several tokens carry no logprobs
+    body(index=3).replace(b'"index":3', b'"index":03'),  # not JSON
+    body(text="a").replace(b'"a"', b'"\\ud800"'),  # a lone surrogate
+    body(text="a").replace(b'"a"', b'"\xff"'),  # not UTF-8
+    body(text="a").replace(b'"a"', b'"\x01"'),  # a raw control character
+    body(text="a").replace(b'"a"', b'"\\x"'),  # no such escape
+])
+def test_a_malformed_frame_is_a_decode_error_never_a_token_frame(frame: bytes) -> None:
+    assert frame != body()
+    assert token_frame(frame) is None
+    with pytest.raises(DecodeError):
+        read_report(frame)
+
+
+VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 2**63 - 1), st.floats(allow_nan=False),
+    st.text(max_size=4), st.sampled_from(["token", "t-1", "a.b", "", "x" * 129]),
+    st.lists(st.integers(0, 9), max_size=3), st.lists(st.one_of(st.integers(-(2**63), 2**63 - 1),
+                                                               st.text()), max_size=3),
+)
+FIELDS = [*GOOD, "logprob", "top_logprobs", "extra"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=4),
+       st.lists(st.sampled_from(list(GOOD)), max_size=2))
+def test_the_cheap_check_never_accepts_what_the_model_refuses(
+    changed: dict[str, Any], dropped: list[str]
+) -> None:
+    event = {**GOOD, **changed}
+    for name in dropped:
+        event.pop(name, None)
+    frame = orjson.dumps(event)
+    vouched = token_frame(frame)
+    try:
+        model = decode_report(frame)
+    except DecodeError:
+        assert vouched is None
+        return
+    if vouched is not None:
+        assert isinstance(model, TokenChunk)
+        assert (vouched.task_id, vouched.index) == (model.task_id, model.index)
+
+
+@pytest.mark.parametrize("frame", [
+    body().replace(b'"index":3', b'"index": 3'),  # whitespace: JSON, not the codec's
+    orjson.dumps({**dict(reversed(GOOD.items()))}),  # another order
+    body().replace(b'"text":"ab"', b'"text":"\\u0061b"'),  # an escape orjson never writes
+])
+def test_a_valid_frame_the_check_cannot_vouch_for_is_decoded_fully(frame: bytes) -> None:
+    assert token_frame(frame) is None
+    assert read_report(frame) == TokenFrame("t-1", 3, frame)
+
+
+def ok_token(draw: Any) -> TokenChunk:
+    several = draw(st.booleans())
+    first = draw(st.integers(-(2**40), 2**40))
+    return TokenChunk(
+        task_id=draw(st.from_regex(r"[A-Za-z0-9_-]{1,128}", fullmatch=True)),
+        at=draw(st.floats(allow_nan=False, allow_infinity=False)),
+        index=draw(st.integers(0, 10**18 - 1)), token_id=first, text=draw(st.text(max_size=40)),
+        token_ids=[first, *draw(st.lists(st.integers(-(2**40), 2**40), min_size=1,
+                                         max_size=20))] if several else None,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_every_plain_event_the_codec_writes_is_vouched_for(data: st.DataObject) -> None:
+    event = ok_token(data.draw)
+    frame = encode(event)
+    assert token_frame(frame) == TokenFrame(event.task_id, event.index, frame)
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.data(), st.lists(st.tuples(st.integers(0, 10_000), st.binary(max_size=3)),
+                           min_size=1, max_size=3))
+def test_changed_bytes_are_vouched_for_only_when_the_model_accepts_them(
+    data: st.DataObject, edits: list[tuple[int, bytes]]
+) -> None:
+    frame = encode(ok_token(data.draw))
+    for at, new in edits:
+        at %= len(frame)
+        frame = frame[:at] + new + frame[at + len(new) % 2:]
+    vouched = token_frame(frame)
+    try:
+        model = decode_report(frame)
+    except DecodeError:
+        assert vouched is None
+        return
+    if vouched is not None:
+        assert isinstance(model, TokenChunk)
+        assert (vouched.task_id, vouched.index) == (model.task_id, model.index)
