@@ -77,7 +77,7 @@ AddChildren = Callable[[Starlette, Supervisor], Awaitable[None]]
 def build_app(settings: Settings, mounts: Iterable[AddRoutes] = ()) -> Starlette:
     ring = KeyRing.load(settings.api_keys, settings.api_keys_file)
     gateway = Gateway(settings, Backend(settings))
-    batches = batch_runner(gateway)
+    batches = batch_runner(gateway, ring.policy)  # a job's lines weigh as its tenant
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

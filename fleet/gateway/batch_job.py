@@ -7,6 +7,14 @@ from what is recorded: lines with a result are skipped; a line published before 
 again under the same task id (`<batch_id>-<line>`): JetStream drops it as a duplicate within
 its window, and after that the worker's FLEET_CLAIMS claim refuses it, so no line runs
 twice; its events are read back from FLEET_OUT (replay) either way.
+
+A line waits for its tenant's turn in the model's batch class before it is published, by the
+rule gateway requests follow (fleet.gateway.fair_share, state in KV FLEET_FAIRNESS): one
+tenant's big job is held while it is ahead of another tenant's job, or requests, waiting in
+the same class, and each line is charged the tokens it served. A job's lines take that turn
+one at a time (`feeding`), each then waiting for slack and published before the next asks: a
+job admits nothing ahead of what it can publish, so a tenant whose job starts first cannot
+have all its window's lines admitted before another tenant's job has joined.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nats.js.errors import APIError
@@ -37,6 +46,9 @@ from fleet.gateway.batch_lines import (
 from fleet.gateway.batch_slack import Slack
 from fleet.gateway.batch_tasks import line_task
 from fleet.gateway.errors import error_body
+from fleet.gateway.fair_share import Ticket
+from fleet.gateway.priority import OPEN, TenantPolicy
+from fleet.gateway.relay import served_tokens
 from fleet.gateway.resume import renderer_for
 from fleet.gateway.service import Gateway
 from fleet.wire import subjects
@@ -49,6 +61,8 @@ log = logging.getLogger(__name__)
 WINDOW = 64  # lines of one job in flight at once (FLEET_TASKS holds 1,000 a model)
 PROGRESS_S = 1.0  # how often the record's counts are written
 QUEUE_FULL_WAIT_S = 0.5
+
+Policies = Callable[[str | None], TenantPolicy]  # a tenant's record (fleet.gateway.keys)
 
 
 class JobEnded(FleetError):
@@ -66,8 +80,10 @@ class Job:
     store: BatchStore
     batch_id: str
     slack: Slack
+    policy: Policies = lambda _: OPEN
     recorded: dict[int, BatchResult] = field(default_factory=dict)
     cancelling: asyncio.Event = field(default_factory=asyncio.Event)
+    feeding: asyncio.Lock = field(default_factory=asyncio.Lock)  # one line's turn at a time
 
     async def run(self) -> None:
         found = await self.store.batch(self.batch_id)
@@ -140,18 +156,31 @@ class Job:
         loop = asyncio.get_running_loop()
         events = await backend.events(task_id, deadline=loop.time() + record.expires_at
                                       - time.time(), replay=replay)
+        ticket: Ticket | None = None
         try:
-            await self._publish(task, record.expires_at)
+            async with self.feeding:
+                ticket = await self._turn(task, record)
+                await self._publish(task, record.expires_at)
             items = await self._until_end(events.rest(), task_id)
         except DeadlineExceeded:
             await backend.cancel_quietly(task_id, "the batch's completion window closed")
             return result(408, expired_body(record.id))
         finally:
             await events.close()
+            if ticket is not None:
+                await ticket.settle(served_tokens(events.finished))
         if events.finished and (failed := failure_of(events.finished, _last_error(items))):
             return result(failed.http_status, error_body(failed))
         renderer = renderer_for(task_record, task_id, backend, lambda sha: f"/v1/images/{sha}")
         return result(200, await renderer.body([item.event for item in items]))
+
+    async def _turn(self, task: Task, record: BatchRecord) -> Ticket | None:
+        """Wait for the job's tenant's turn in the model's batch class (none for a job made
+        on an open gateway: no tenants to be fair among)."""
+        if record.tenant is None:
+            return None
+        return await self.gateway.fair_admit(record.tenant, self.policy(record.tenant).weight,
+                                             [task])
 
     async def _until_end(self, rest: object, task_id: str) -> list[Indexed]:
         """The task's events to its end; a cancel of the job cancels the task (its terminal

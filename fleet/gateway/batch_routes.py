@@ -8,8 +8,10 @@ from typing import Any
 from fleet.bus.batch_store import BatchStore
 from fleet.gateway import batch_api, files_api
 from fleet.gateway.batch_api import CreateBatch
+from fleet.gateway.batch_job import Policies
 from fleet.gateway.batch_runner import BatchRunner
 from fleet.gateway.idempotency import idempotent
+from fleet.gateway.priority import OPEN
 from fleet.gateway.route_table import ID_PATTERN, Body, Endpoint, Errors, Param, Row
 from fleet.gateway.service import Gateway
 
@@ -75,6 +77,7 @@ def batch_rows() -> tuple[Row, ...]:
     )
 
 
-def batch_runner(gateway: Gateway) -> BatchRunner:
-    """Started and closed with the app (its lifespan): see fleet.gateway.batch_runner."""
-    return BatchRunner(gateway, BatchStore(gateway.backend._client))
+def batch_runner(gateway: Gateway, policy: Policies = lambda _: OPEN) -> BatchRunner:
+    """Started and closed with the app (its lifespan): see fleet.gateway.batch_runner.
+    `policy`: a tenant's record (its fair-share weight), from the keys file."""
+    return BatchRunner(gateway, BatchStore(gateway.backend._client), policy)

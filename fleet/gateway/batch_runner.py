@@ -17,8 +17,9 @@ from typing import Any
 from fleet.aio import CLOSE_WAIT_S, Supervisor, cancel_and_wait, started
 from fleet.bus.batch_store import BatchStore
 from fleet.errors import FleetError
-from fleet.gateway.batch_job import Job
+from fleet.gateway.batch_job import Job, Policies
 from fleet.gateway.batch_slack import Slack
+from fleet.gateway.priority import OPEN
 from fleet.gateway.service import Gateway
 from fleet.wire.batches import BatchLease
 
@@ -39,9 +40,11 @@ class LeaseLost(Exception):
 
 
 class BatchRunner:
-    def __init__(self, gateway: Gateway, store: BatchStore) -> None:
+    def __init__(self, gateway: Gateway, store: BatchStore,
+                 policy: Policies = lambda _: OPEN) -> None:
         self.gateway = gateway
         self.store = store
+        self.policy = policy
         self.owner = f"gw-{secrets.token_hex(6)}"
         self.jobs: dict[str, asyncio.Task[None]] = {}
         self.slack = Slack(gateway.backend.jetstream)
@@ -100,7 +103,7 @@ class BatchRunner:
                 self.start_job(batch_id, revision)
 
     async def _run(self, batch_id: str, revision: int) -> None:
-        job = Job(self.gateway, self.store, batch_id, self.slack)
+        job = Job(self.gateway, self.store, batch_id, self.slack, self.policy)
         try:
             async with asyncio.TaskGroup() as group:
                 renewing = group.create_task(self._renew(batch_id, revision))

@@ -102,6 +102,11 @@ class Gateway:
         tenant = tenant_of(request)
         if tenant is None:
             return None
+        policy = request.scope.get("state", {}).get("policy") or OPEN
+        return await self.fair_admit(tenant, policy.weight, tasks)
+
+    async def fair_admit(self, tenant: str, weight: float, tasks: Sequence[Task]) -> Ticket | None:
+        """`fair_turn` for a tenant by name: a request's, or a batch job's for its lines."""
         nc = self.backend.nc
         if self.fair is None or self.fair.nc is not nc:  # first use, or a new connection
             if nc is None:
@@ -111,10 +116,9 @@ class Gateway:
             except Exception as exc:  # an older fleet without the bucket: unfair, not down
                 log.warning("fair tenants not applied: %s", exc)
                 return None
-        policy = request.scope.get("state", {}).get("policy") or OPEN
         estimate = sum(getattr(task, "max_tokens", 0) or 0 for task in tasks)
         return await self.fair.admit(tasks[0].model, tasks[0].priority, tenant,
-                                     policy.weight, estimate)
+                                     weight, estimate)
 
     async def model_states(self) -> dict[str, ModelState] | None:
         """Placement and readiness per model, or None while NATS cannot tell."""
