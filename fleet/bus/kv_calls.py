@@ -9,13 +9,22 @@ Which calls are safe to repeat, and why:
 - `kv_update` is a compare-and-set on a revision: a lost answer to a stored update makes the
   retry fail as a wrong revision, reported as None (the caller re-reads and decides again).
 - `kv_get` and `kv_delete` are naturally repeatable.
+- `put_with_ttl` writes the same value again, with the same per-message TTL; `get_direct`
+  reads (any replica answers: a direct get).
+- `open_bucket` and `bucket_max_age` only read the bucket's stream info.
 
 A write the server refuses by permission fails at once as NotPermitted (fleet.bus.denials).
 """
 
 from __future__ import annotations
 
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js import JetStreamContext
+from nats.js.errors import (
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+    NotFoundError,
+)
 from nats.js.kv import KeyValue
 
 from fleet.bus.denials import refused_by_permission
@@ -81,6 +90,52 @@ async def kv_delete(kv: KeyValue, key: str, *, budget_s: float = BROKER_BUDGET_S
         lambda: refused_by_permission(lambda: kv.delete(key), _subject(kv, key)),
         what=f"delete {kv._name}/{key}", budget_s=budget_s,
     )
+
+
+async def open_bucket(js: JetStreamContext, bucket: str, *,
+                      budget_s: float = BROKER_BUDGET_S) -> KeyValue:
+    """The bucket (BucketNotFoundError, not retried, when it was never provisioned)."""
+    return await with_retry(lambda: js.key_value(bucket), what=f"open bucket {bucket}",
+                            budget_s=budget_s)
+
+
+async def bucket_max_age(js: JetStreamContext, bucket: str, *,
+                         budget_s: float = BROKER_BUDGET_S) -> float | None:
+    """How long the bucket keeps a key nobody rewrites (its stream's max age); None: for ever."""
+    info = await with_retry(lambda: js.stream_info(f"KV_{bucket}"),
+                            what=f"read bucket {bucket}", budget_s=budget_s)
+    return float(info.config.max_age) if info.config.max_age else None
+
+
+async def put_with_ttl(js: JetStreamContext, bucket: str, key: str, value: bytes, ttl_s: int,
+                       *, budget_s: float = BROKER_BUDGET_S) -> int:
+    """Write the key to live `ttl_s` seconds (`Nats-TTL`, on a bucket that allows per-message
+    TTLs, so one bucket keeps keys for different times); its new revision."""
+    subject = f"$KV.{bucket}.{key}"
+    headers = {"Nats-TTL": f"{ttl_s}s"}
+
+    async def once() -> int:
+        ack = await refused_by_permission(
+            lambda: js.publish(subject, value, headers=headers), subject)
+        return int(ack.seq)
+
+    return await with_retry(once, what=f"write {bucket}/{key}", budget_s=budget_s)
+
+
+async def get_direct(js: JetStreamContext, bucket: str, key: str, *,
+                     budget_s: float = BROKER_BUDGET_S) -> bytes | None:
+    """The key's value by a direct get; None when absent, deleted or expired (a delete or
+    TTL marker has no value)."""
+
+    async def once() -> bytes | None:
+        try:
+            stored = await js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}",
+                                      direct=True)
+        except NotFoundError:
+            return None
+        return stored.data or None
+
+    return await with_retry(once, what=f"read {bucket}/{key}", budget_s=budget_s)
 
 
 def _subject(kv: KeyValue, key: str) -> str:

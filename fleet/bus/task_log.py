@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterable
+from functools import partial
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
@@ -41,12 +42,20 @@ from fleet.bus.retry import BROKER_BUDGET_S, with_retry
 from fleet.bus.task_events import IndexOrder
 from fleet.errors import NatsUnavailable
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_event
-from fleet.wire.events import OutputEvent
+from fleet.wire.codec import DecodeError, decode_event, encode
+from fleet.wire.events import OutputEvent, TaskFence
 
 log = logging.getLogger(__name__)
 
 READ_IDLE_S = 10.0  # a read-back that receives nothing for this long fails
+EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+
+
+def fence_subject(task_id: str) -> str:
+    """One token below the task's events, so no reader of `fleet.out.<id>` or `fleet.out.*`
+    sees it, and still in FLEET_OUT (`fleet.out.>`), where the expected-sequence check runs
+    (fleet.worker.takeover)."""
+    return f"{subjects.out(task_id)}.fence"
 
 
 def ordered(events: Iterable[OutputEvent], *, release_held: bool = False) -> list[OutputEvent]:
@@ -72,6 +81,11 @@ class TaskLog:
         self.nc = nc
         self.js = js or nc.jetstream()
         self.budget_s = budget_s
+
+    @classmethod
+    def of(cls, js: JetStreamContext, *, budget_s: float = BROKER_BUDGET_S) -> TaskLog:
+        """The log over the connection `js` was made from (nats-py keeps it as `_nc`)."""
+        return cls(js._nc, js, budget_s=budget_s)
 
     async def count(self, task_id: str, *, budget_s: float | None = None) -> int:
         """How many events the stream holds for the task (every copy, in any order)."""
@@ -104,6 +118,52 @@ class TaskLog:
         return await with_retry(once, what=f"read the last event of {task_id}",
                                 budget_s=self._budget(budget_s))
 
+    async def has_events(self, task_id: str, *, budget_s: float | None = None) -> bool:
+        """Whether the stream holds any event of the task."""
+
+        async def once() -> bool:
+            try:
+                await self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id))
+            except NotFoundError:
+                return False
+            return True
+
+        return await with_retry(once, what=f"look for events of task {task_id}",
+                                budget_s=self._budget(budget_s))
+
+    async def last_fence(self, task_id: str, *, budget_s: float | None = None
+                         ) -> tuple[int, TaskFence | None]:
+        """The task's last fence: its stream sequence (0: none) and the fence (None when
+        none, or undecodable)."""
+        subject = fence_subject(task_id)
+
+        async def once() -> tuple[int, TaskFence | None]:
+            try:
+                raw = await self.js.get_last_msg(subjects.OUT_STREAM, subject)
+            except NotFoundError:
+                return 0, None
+            try:
+                return raw.seq or 0, TaskFence.model_validate_json(raw.data or b"")
+            except ValueError:
+                log.warning("undecodable fence on %s", subject)
+                return raw.seq or 0, None
+
+        return await with_retry(once, what=f"read the fence {subject}",
+                                budget_s=self._budget(budget_s))
+
+    async def put_fence(self, fence: TaskFence, last_seq: int, *,
+                        budget_s: float | None = None) -> int:
+        """Write `fence` only if the task's last fence is still at `last_seq` (compare-and-
+        set); its stream sequence. A fence written meanwhile fails it with JetStream's 10071
+        (an APIError, not retried)."""
+        body = encode(fence)
+        headers = {EXPECTED_LAST_SUBJECT_SEQ: str(last_seq)}
+        subject = fence_subject(fence.task_id)
+        ack = await with_retry(lambda: self.js.publish(subject, body, headers=headers),
+                               what=f"fence task {fence.task_id}",
+                               budget_s=self._budget(budget_s))
+        return int(ack.seq)
+
     async def stored(self, task_id: str, *, budget_s: float | None = None
                      ) -> list[OutputEvent]:
         """Every event stored for the task, in stored order (undecodable ones skipped)."""
@@ -124,18 +184,25 @@ class TaskLog:
                     log.warning("undecodable stored event on %s", subject)
         return events
 
-    async def raw(self, task_id: str, after_seq: int = 0) -> list[tuple[int, bytes]]:
+    async def raw(self, task_id: str, after_seq: int = 0, *, budget_s: float | None = None
+                  ) -> list[tuple[int, bytes]]:
         """The task's stored messages after stream sequence `after_seq` as (sequence, bytes), in
         stored order, one get by sequence at a time (no consumer): for a reader that stitches
-        them to a live subscription and orders them itself (IndexOrder). No retry: such a reader
-        fails with NatsUnavailable and its client resumes."""
+        them to a live subscription and orders them itself (IndexOrder), or that must not
+        open a consumer (an ask). Without `budget_s` no retry: such a reader fails with
+        NatsUnavailable and its client resumes; with one, each get is retried within it."""
         subject = subjects.out(task_id)
         found: list[tuple[int, bytes]] = []
         cursor = after_seq + 1
         while True:
+            get = partial(self.js.get_msg, subjects.OUT_STREAM, seq=cursor, subject=subject,
+                          next=True)
             try:
-                stored = await self.js.get_msg(subjects.OUT_STREAM, seq=cursor, subject=subject,
-                                               next=True)
+                if budget_s is None:
+                    stored = await get()
+                else:
+                    stored = await with_retry(get, what=f"read the events of task {task_id}",
+                                              budget_s=budget_s)
             except NotFoundError:
                 return found
             except (NatsError, OSError, TimeoutError) as exc:

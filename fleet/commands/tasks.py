@@ -14,7 +14,7 @@ from nats.js import JetStreamContext
 
 from fleet import telemetry
 from fleet.bus.connect import connect_with, js_publish, publish
-from fleet.bus.retry import with_retry
+from fleet.bus.records import CancelRecords
 from fleet.config import Settings, settings_of
 from fleet.errors import InvalidRequest
 from fleet.wire import subjects
@@ -133,10 +133,9 @@ async def cancel_task(settings: Settings, task_id: str) -> int:
     nc = await connect_with(settings, "fleet-cli")
     try:
         cancel = CancelTask(task_id=task_id, reason="fleet cancel")
-        kv = await nc.jetstream().key_value(subjects.CANCELS_BUCKET)
+        records = await CancelRecords.open(nc.jetstream(), budget_s=5.0)
         # Recorded as well as announced: honoured even if the task is still queued.
-        await with_retry(lambda: kv.put(task_id, encode(cancel)),
-                         what=f"record the cancel of {task_id}", budget_s=5.0)
+        await records.record(cancel)
         await publish(nc, subjects.cancel(task_id), cancel)
         await nc.flush()
         started = await stored_events(nc.jetstream(), task_id) > 0

@@ -17,9 +17,8 @@ from collections.abc import Callable
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
-from nats.js.errors import NotFoundError
 
-from fleet.bus.retry import with_retry
+from fleet.bus.kv_calls import get_direct, put_with_ttl
 from fleet.errors import FleetError, NatsUnavailable
 from fleet.wire.codec import DecodeError, decode_model, encode
 from fleet.wire.records import TaskRecord
@@ -71,14 +70,10 @@ class Owners:
 
     async def _put(self, key: str, value: bytes, ttl_s: int) -> None:
         js = self._nc().jetstream()
-        headers = {"Nats-TTL": f"{ttl_s}s"}
         try:
             # The broker's whole budget, as every other call has: a KV election (4-8 s)
             # must delay the request, not fail it.
-            await with_retry(
-                lambda: js.publish(subject_of(key), value, headers=headers),
-                what=f"record the owner of {key}",
-            )
+            await put_with_ttl(js, TENANTS_BUCKET, key, value, ttl_s)
         except FleetError:
             raise
         except (NatsError, OSError, TimeoutError) as exc:
@@ -87,17 +82,11 @@ class Owners:
     async def _get(self, key: str) -> bytes | None:
         js = self._nc().jetstream()
         try:
-            stored = await with_retry(
-                lambda: js.get_msg(STREAM, subject=subject_of(key), direct=True),
-                what=f"read the owner of {key}",
-            )
-        except NotFoundError:
-            return None
+            return await get_direct(js, TENANTS_BUCKET, key)  # a TTL marker reads as None
         except FleetError:
             raise
         except (NatsError, OSError, TimeoutError) as exc:
             raise NatsUnavailable(f"could not read the owner of {key}: {exc!r}") from None
-        return stored.data or None  # a delete or TTL marker has no value: absent
 
     async def record_task(self, task_id: str, record: TaskRecord) -> None:
         await self._put(task_key(task_id), encode(record), TASK_TTL_S)

@@ -44,7 +44,8 @@ from enum import StrEnum
 from nats.aio.msg import Msg
 from nats.errors import MsgAlreadyAckdError
 
-from fleet.bus.retry import BROKER_BUDGET_S, with_retry
+from fleet.bus.retry import BROKER_BUDGET_S
+from fleet.bus.task_queue import settle
 from fleet.worker.state import Place, WorkerState
 
 log = logging.getLogger(__name__)
@@ -250,10 +251,8 @@ class AckPolicy:
         if verb.kind is Kind.NOTHING:
             return True
         try:
-            await with_retry(
-                lambda: _send(msg, verb), what=f"{verb.kind} task {task_id}",
-                budget_s=self.budget_s,
-            )
+            await settle(lambda: _send(msg, verb), what=f"{verb.kind} task {task_id}",
+                         budget_s=self.budget_s)
         except MsgAlreadyAckdError:
             log.debug("task %s: already settled, %s not sent again", task_id, verb.kind)
             return True

@@ -24,7 +24,6 @@ import asyncio
 import logging
 from collections.abc import Coroutine
 from datetime import UTC, datetime
-from functools import partial
 from typing import Any, Protocol
 
 from nats.aio.client import Client
@@ -32,11 +31,12 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError
 
 from fleet.bus.connect import js_publish
 from fleet.bus.replies import INBOX_ROOT, MAX_SUBJECT, inbox_reply
-from fleet.bus.retry import STORE_FULL_ERR_CODES, with_retry
+from fleet.bus.retry import STORE_FULL_ERR_CODES
+from fleet.bus.task_log import TaskLog
 from fleet.errors import FleetError, http_answer
 from fleet.wire import subjects
 from fleet.wire.ask import AskAnswer, AskError, AskErrorReason
@@ -79,6 +79,7 @@ class AskResponder:
     def __init__(self, nc: Client, js: JetStreamContext, timeout_s: float, owner: Owner) -> None:
         self.nc = nc
         self.js = js
+        self.log = TaskLog(nc, js, budget_s=BROKER_BUDGET_S)  # an ask's retries stay short
         self.timeout_s = timeout_s
         self.owner = owner
         self.open: set[asyncio.Task[Any]] = set()
@@ -245,52 +246,34 @@ class AskResponder:
 
     async def _finished_stored(self, task_id: str) -> bool:
         try:
-            last = await with_retry(
-                lambda: self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id)),
-                what=f"read the last event of task {task_id}", budget_s=BROKER_BUDGET_S,
-            )
-        except NotFoundError:
-            return False
+            last = await self.log.last_event(task_id)
         except (FleetError, NatsError, OSError, TimeoutError) as exc:
             log.warning("asks: %s; still waiting for task %s", exc, task_id)
             return False
-        return _is_terminal(last.data or b"")
+        return isinstance(last, TaskFinished)
 
     async def stored_count(self, task_id: str) -> int:
         """How many events FLEET_OUT holds for the task (-1: unknown; then read them all)."""
-        subject = subjects.out(task_id)
         try:
-            info = await with_retry(
-                lambda: self.js.stream_info(subjects.OUT_STREAM, subjects_filter=subject),
-                what=f"count the events of task {task_id}", budget_s=BROKER_BUDGET_S,
-            )
+            return await self.log.count(task_id)
         except (FleetError, NatsError, OSError, TimeoutError) as exc:
             log.warning("asks: %s; reading the events of task %s back", exc, task_id)
             return -1
-        return int((info.state.subjects or {}).get(subject, 0))
 
     async def stored_events(self, task_id: str) -> list[OutputEvent]:
         """Every event FLEET_OUT holds for the task, in order (by sequence, no consumer)."""
-        subject = subjects.out(task_id)
+        try:
+            stored = await self.log.raw(task_id, budget_s=BROKER_BUDGET_S)
+        except (FleetError, NatsError, OSError, TimeoutError) as exc:
+            raise _failed("unavailable", f"could not read the events of task {task_id}: "
+                          f"{exc}", task_id) from None
         events: list[OutputEvent] = []
-        cursor = 1
-        while True:
+        for _, data in stored:
             try:
-                stored = await with_retry(
-                    partial(self.js.get_msg, subjects.OUT_STREAM, seq=cursor, subject=subject,
-                            next=True),
-                    what=f"read the events of task {task_id}", budget_s=BROKER_BUDGET_S,
-                )
-            except NotFoundError:
-                return events
-            except (FleetError, NatsError, OSError, TimeoutError) as exc:
-                raise _failed("unavailable", f"could not read the events of task {task_id}: "
-                              f"{exc}", task_id) from None
-            try:
-                events.append(decode_event(stored.data or b""))
+                events.append(decode_event(data))
             except DecodeError:
                 log.warning("asks: an undecodable stored event of task %s", task_id)
-            cursor = (stored.seq or cursor) + 1
+        return events
 
     async def _reply(self, msg: Msg, reply: AskAnswer | AskError) -> None:
         headers = None
@@ -307,12 +290,3 @@ class AskResponder:
             await self.nc.publish(inbox, encode(reply), headers=headers)
         except (NatsError, OSError) as exc:
             log.warning("asks: could not answer on %s: %r", msg.reply, exc)
-
-
-def _is_terminal(data: bytes) -> bool:
-    if b"task_finished" not in data:  # most events are tokens: no decode for them
-        return False
-    try:
-        return isinstance(decode_event(data), TaskFinished)
-    except DecodeError:
-        return False

@@ -35,25 +35,15 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 from nats.js import JetStreamContext
-from nats.js.errors import (
-    BucketNotFoundError,
-    KeyNotFoundError,
-    KeyWrongLastSequenceError,
-    NotFoundError,
-)
-from nats.js.kv import KeyValue
 
-from fleet.bus.connect import MSG_ID
+from fleet.bus.records import ClaimRecords
 from fleet.bus.replies import inbox_reply
-from fleet.bus.retry import with_retry
-from fleet.errors import ProvisioningConflict
+from fleet.bus.task_log import TaskLog
+from fleet.bus.task_queue import TaskQueue
 from fleet.wire import subjects
-from fleet.wire.codec import encode
 from fleet.wire.events import RefusedReason, TaskRefused
 
 log = logging.getLogger(__name__)
-
-
 
 REPORTED_ID_CHARS = 256
 USED = "used-"  # a claim's value once an id is found with events and no owner
@@ -114,62 +104,30 @@ _EXPLAIN: dict[str, str] = {
 
 
 class Claims:
-    def __init__(self, nc: Client, js: JetStreamContext, kv: KeyValue) -> None:
-        self.nc = nc
-        self.js = js
-        self.kv = kv
+    """The claim rules over the claim records (fleet.bus.records), the task log (events
+    already there?) and the task queue (where a refusal is recorded)."""
+
+    def __init__(self, nc: Client, js: JetStreamContext, records: ClaimRecords) -> None:
+        self.records = records
+        self.log = TaskLog(nc, js)
+        self.queue = TaskQueue(nc, js)
         self.refused = 0
 
     @classmethod
     async def open(cls, nc: Client, js: JetStreamContext) -> Claims:
-        try:
-            kv = await with_retry(
-                lambda: js.key_value(subjects.CLAIMS_BUCKET), what="open FLEET_CLAIMS"
-            )
-        except BucketNotFoundError:
-            raise ProvisioningConflict(
-                "KV bucket FLEET_CLAIMS is missing (ops/jetstream/KV_FLEET_CLAIMS.json): "
-                "run `fleet nats --provision` as the operator"
-            ) from None
-        return cls(nc, js, kv)
+        return cls(nc, js, await ClaimRecords.open(js))
 
     async def claim(self, task_id: str, owner: str, *, again: bool = True) -> Claim:
-        if await with_retry(lambda: self._create(task_id, owner), what=f"claim task id {task_id}"):
+        if await self.records.create(task_id, owner):
             return judge(owner, None)
-        holder = await with_retry(
-            lambda: self._holder(task_id), what=f"read claim of task id {task_id}"
-        )
+        holder = await self.records.holder(task_id)
         # Gone between the create and the get (its TTL just ran out): claim it afresh.
         if holder is None and again:
             return await self.claim(task_id, owner, again=False)
         return judge(owner, holder or "")
 
-    # nats-py's KV errors carry no `code`, so they are answered inside the retried call.
-    async def _create(self, task_id: str, owner: str) -> bool:
-        try:
-            await self.kv.create(task_id, owner.encode())
-        except KeyWrongLastSequenceError:
-            return False
-        return True
-
-    async def _holder(self, task_id: str) -> str | None:
-        try:
-            entry = await self.kv.get(task_id)
-        except KeyNotFoundError:  # KeyDeletedError is one: a purged claim is no claim
-            return None
-        return entry.value.decode() if entry.value else None
-
     async def has_events(self, task_id: str) -> bool:
-        return await with_retry(
-            lambda: self._has_events(task_id), what=f"look for events of task {task_id}"
-        )
-
-    async def _has_events(self, task_id: str) -> bool:
-        try:
-            await self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id))
-        except NotFoundError:
-            return False
-        return True
+        return await self.log.has_events(task_id)
 
     async def admit(self, task_id: str, owner: str) -> RefusedReason | None:
         """Claim `task_id` for `owner`; None when it may write on `fleet.out.<task_id>`."""
@@ -178,10 +136,7 @@ class Claims:
         if (reason := refusal(claim, earlier)) == "task_id_used":
             # Nobody may own an id whose events are already there, this message included:
             # its redelivery would otherwise find its "own" claim and write on them.
-            await with_retry(
-                lambda: self.kv.put(task_id, f"{USED}{owner}".encode()),
-                what=f"mark task id {task_id} used",
-            )
+            await self.records.hold(task_id, f"{USED}{owner}")
         return reason
 
     async def refuse(
@@ -201,15 +156,5 @@ class Claims:
             stream_seq=seq,
         )
         log.warning("refused a task on %s (%s): %s", msg.subject, reason, text)
-        body = encode(event)
-        # One record per refused message, however often it is delivered.
-        headers = {MSG_ID: f"refused-{seq}"} if seq is not None else None
-        await with_retry(
-            lambda: self.js.publish(subjects.refused(model), body, headers=headers),
-            what=f"record refusal of task {sent_id}",
-        )
-        if reply := reply_subject(msg.headers):
-            await with_retry(
-                lambda: self.nc.publish(reply, body), what=f"tell {reply} of a refusal"
-            )
+        await self.queue.refuse(model, event, reply_subject(msg.headers))
         return event

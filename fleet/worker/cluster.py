@@ -17,9 +17,8 @@ from nats.js.kv import KeyValue
 
 from fleet.aio import Supervisor
 from fleet.bus.connect import publish
-from fleet.bus.kv_calls import kv_delete, kv_get, kv_put, kv_update
+from fleet.bus.kv_calls import kv_delete, kv_get, kv_put, kv_update, open_bucket
 from fleet.bus.objects import ObjectBucket
-from fleet.bus.retry import with_retry
 from fleet.bus.vision_store import VisionShare
 from fleet.bus.weights import MODELS_BUCKET, FleetModels
 from fleet.config import Settings
@@ -148,7 +147,7 @@ class ClusterLink:
         ]
 
     async def _bucket(self, name: str) -> KeyValue:
-        return await with_retry(lambda: self.js.key_value(name), what=f"open bucket {name}")
+        return await open_bucket(self.js, name)
 
     def _is_known(self, model: str) -> bool:
         return model in self.cards or any(i.model == model for i in self.placed.values())

@@ -22,7 +22,7 @@ from nats.js import JetStreamContext
 
 from fleet.aio import started
 from fleet.bus.deadlines import STREAM, expires, task_of
-from fleet.bus.retry import with_retry
+from fleet.bus.task_queue import durable_pull
 from fleet.wire.events import ErrorReason
 from fleet.worker.claims import Claims
 from fleet.worker.janitor import Janitor
@@ -42,10 +42,8 @@ class DeadlineWatch:
 
     async def start(self) -> None:
         self.claims = await Claims.open(self.nc, self.js)
-        self.markers = await with_retry(  # as the janitor's: a timeout at start is transient
-            lambda: self.js.pull_subscribe("", durable=DURABLE, stream=STREAM),
-            what="the deadline markers' consumer",
-        )
+        self.markers = await durable_pull(self.js, STREAM, DURABLE,
+                                          what="the deadline markers' consumer")
         self._loop = started(self._expire_forever(), "deadline watch")
 
     async def stop(self) -> None:

@@ -18,7 +18,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from fleet.bus.kv_calls import kv_create
-from fleet.bus.retry import with_retry
+from fleet.bus.task_queue import TaskQueue
 from fleet.errors import PlacementError
 from fleet.placement import able_to_shard, choose_node, in_groups, new_instance, sharded_instance
 from fleet.placement_shards import ShardingError, fewest_shards
@@ -95,11 +95,7 @@ class Demand:
             return sharded_instance(card, shards, self.slots, now, instance_id)
 
     async def queued_models(self) -> list[str]:
-        info = await with_retry(
-            lambda: self.js.stream_info(subjects.TASKS_STREAM, subjects_filter=subjects.TASKS_ALL),
-            what="queued models",
-        )
-        counts = info.state.subjects or {}
+        counts = await TaskQueue.of(self.js).counts()
         return sorted({subjects.model_of_task_subject(s) for s, count in counts.items() if count})
 
     async def sweep_forever(self) -> None:

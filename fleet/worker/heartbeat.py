@@ -21,9 +21,8 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from fleet.aio import set_within
-from fleet.bus.kv_calls import kv_put
+from fleet.bus.kv_calls import bucket_max_age, kv_put
 from fleet.bus.replies import inbox_reply
-from fleet.bus.retry import with_retry
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo, RunnerRecord
 from fleet.wire.codec import encode
@@ -67,13 +66,11 @@ class Heartbeat:
     async def read_ttl(self, js: JetStreamContext) -> None:
         """How long a silent node's key lives: the bucket's max age (the TTL of record)."""
         try:
-            info = await with_retry(
-                lambda: js.stream_info(f"KV_{subjects.NODES_BUCKET}"), what="node bucket"
-            )
+            max_age = await bucket_max_age(js, subjects.NODES_BUCKET)
         except Exception as exc:
             log.warning("node bucket TTL unknown (%s); assuming %.0f s", exc, NODE_TTL_S)
             return
-        self.ttl_s = float(info.config.max_age or NODE_TTL_S)
+        self.ttl_s = max_age or NODE_TTL_S
 
     def trusts_absences(self) -> bool:
         """Whether an absent heartbeat key is evidence of a dead node, now."""

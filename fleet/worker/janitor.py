@@ -25,11 +25,9 @@ import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 
-from fleet.bus.connect import headers_for, js_publish
-from fleet.bus.retry import with_retry
-from fleet.bus.task_log import TaskLog
+from fleet.bus.connect import js_publish
+from fleet.bus.task_queue import TaskQueue, durable_pull, settle
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_task, sent_task_id
 from fleet.wire.events import ErrorReason, TaskFinished, failed
@@ -76,17 +74,13 @@ class Janitor:
         self.js = js
         self.is_known = is_known
         self.on_known = on_known
+        self.queue = TaskQueue(nc, js)
 
     async def start(self) -> None:
         self.claims = await Claims.open(self.nc, self.js)
         # Advisories are fire-and-forget; FLEET_ADVISORIES keeps them until a worker is there.
-        # Retried like every broker call at start: a consumer-info request that timed out once
-        # (a 3-node cluster beside a CPU hog) ended the worker before its first heartbeat.
-        self.advisories = await with_retry(
-            lambda: self.js.pull_subscribe("", durable="janitor",
-                                           stream=subjects.ADVISORIES_STREAM),
-            what="the janitor's advisories consumer",
-        )
+        self.advisories = await durable_pull(self.js, subjects.ADVISORIES_STREAM, "janitor",
+                                             what="the janitor's advisories consumer")
         self._sweeper = asyncio.create_task(self._sweep_forever())
 
     async def stop(self) -> None:
@@ -114,19 +108,15 @@ class Janitor:
 
     async def _settle(self, msg: Msg, verb: str, call: Callable[[], Awaitable[None]]) -> None:
         try:
-            await with_retry(call, what=f"{verb} of advisory on {msg.subject}")
+            await settle(call, what=f"{verb} of advisory on {msg.subject}")
         except Exception as exc:  # the advisory comes back after AckWait: say so, go on
             log.warning("advisory %s failed (%s: %s); it will be redelivered",
                         verb, type(exc).__name__, exc)
 
     async def _finish(self, task_id: str, reason: ErrorReason, message: str) -> None:
         event = failed(task_id, time.time(), reason, message)
-        await with_retry(  # the msg id makes a retried publish a no-op
-            lambda: js_publish(
-                self.js, subjects.out(task_id), event, msg_id=f"finished-{task_id}"
-            ),
-            what=f"publish the terminal of task {task_id}",
-        )
+        # Retried inside js_publish; the msg id makes a retried publish a no-op.
+        await js_publish(self.js, subjects.out(task_id), event, msg_id=f"finished-{task_id}")
 
     async def triage_forever(self) -> None:
         """Until cancelled (a duty of the sweeper lease's holder)."""
@@ -138,11 +128,7 @@ class Janitor:
             await asyncio.sleep(TRIAGE_S)  # the triage's period
 
     async def triage_queued(self) -> None:
-        info = await with_retry(
-            lambda: self.js.stream_info(subjects.TASKS_STREAM, subjects_filter=subjects.TASKS_ALL),
-            what="queued task subjects",
-        )
-        known, unknown = triage(info.state.subjects or {}, self.is_known)
+        known, unknown = triage(await self.queue.counts(), self.is_known)
         if self.on_known is not None:
             for model in known:
                 try:
@@ -157,23 +143,11 @@ class Janitor:
         (up to the last one answered: a task published meanwhile waits for the next round)."""
         model = subjects.model_of_task_subject(subject)
         last = 0
-        while True:
-            try:
-                stored = await with_retry(
-                    lambda after=last: self.js.get_msg(subjects.TASKS_STREAM, seq=after + 1,
-                                                       subject=subject, next=True),
-                    what=f"read a task of {subject}",
-                )
-            except NotFoundError:
-                break
+        while (stored := await self.queue.next_on(subject, last)) is not None:
             last = stored.seq or last + 1
             await self._answer_unknown(model, stored.data or b"", stored.headers, subject)
         if last:
-            body = orjson.dumps({"filter": subject, "seq": last + 1})
-            purge = f"$JS.API.STREAM.PURGE.{subjects.TASKS_STREAM}"
-            await with_retry(
-                lambda: self.nc.request(purge, body, timeout=5), what=f"purge {subject}"
-            )
+            await self.queue.purge_through(subject, last)
 
     async def _answer_unknown(self, model: str, data: bytes, headers: dict[str, str] | None,
                               subject: str) -> None:
@@ -199,22 +173,14 @@ class Janitor:
         if not seq:
             return
         try:
-            stored = await with_retry(
-                lambda: self.js.get_msg(subjects.TASKS_STREAM, seq), what=f"read task {seq}"
-            )
+            stored = await self.queue.get(seq)
         except Exception as exc:
             log.warning("dead letter %s already gone: %s", seq, exc)
             return
         data = stored.data or b""
         model = subjects.model_of_task_subject(stored.subject or "")
         deliveries = advisory.get("deliveries")
-        headers = headers_for(msg_id=f"dead-{seq}", extra={
-            "Fleet-Reason": "max_deliveries", "Fleet-Deliveries": str(deliveries),
-        })
-        await with_retry(
-            lambda: self.js.publish(subjects.dead_letter(model), data, headers=headers),
-            what=f"dead-letter task {seq}",
-        )
+        await self.queue.dead_letter(model, data, seq, deliveries)
         task_id = readable_task_id(data)
         # Only the message that owns the id may end it (its claim holds this sequence).
         owns = task_id is not None and await self.claims.admit(task_id, str(seq)) is None
@@ -223,10 +189,8 @@ class Janitor:
                 task_id, ErrorReason.MAX_DELIVERIES,
                 f"delivered {deliveries} times without finishing; moved to fleet.dead.{model}",
             )
-        await with_retry(
-            lambda: self.js.delete_msg(subjects.TASKS_STREAM, seq), what=f"delete task {seq}"
-        )
+        await self.queue.delete(seq)
 
     async def _already_finished(self, task_id: str) -> bool:
-        last = await TaskLog(self.nc, self.js).last_event(task_id)  # the terminal is stored last
+        last = await self.claims.log.last_event(task_id)  # the terminal is stored last
         return isinstance(last, TaskFinished)

@@ -35,16 +35,13 @@ import time
 from enum import StrEnum
 
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError
 
-from fleet.bus.retry import with_retry
-from fleet.wire import subjects
-from fleet.wire.codec import encode
+from fleet.bus.task_log import EXPECTED_LAST_SUBJECT_SEQ, TaskLog, fence_subject
 from fleet.wire.events import TaskFence
 
 log = logging.getLogger(__name__)
 
-EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 EXPECTED_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
 WRONG_LAST_SEQUENCE = 10071  # JetStream's err_code for a failed expected-sequence check
 FENCE_TRIES = 5
@@ -56,12 +53,6 @@ class TaskFenced(Exception):
 
 class Superseded(Exception):
     """This delivery is older than the one the task was last taken over with."""
-
-
-def fence_subject(task_id: str) -> str:
-    """One token below the task's events, so no reader of `fleet.out.<id>` or `fleet.out.*`
-    sees it, and still in FLEET_OUT (`fleet.out.>`), where the expected-sequence check runs."""
-    return f"{subjects.out(task_id)}.fence"
 
 
 def fence_headers(task_id: str, fence: int) -> dict[str, str]:
@@ -116,9 +107,9 @@ async def take_fence(
     """Write a new fence for `task_id`; its stream sequence (this attempt's fence) and the
     fence it replaced (None when the task had none). Compare-and-set on the last fence:
     a fence written meanwhile by another taker is read again and replaced."""
-    subject = fence_subject(task_id)
+    log_ = TaskLog.of(js)
     for _ in range(FENCE_TRIES):
-        last_seq, last = await _last_fence(js, subject)
+        last_seq, last = await log_.last_fence(task_id)
         if not may_take_over(delivery, node_id, last, handed_in=handed_in):
             raise Superseded(
                 f"task {task_id}: delivery {delivery} is older than delivery "
@@ -130,31 +121,12 @@ async def take_fence(
             delivery=delivery, at=time.time(),
         )
         try:
-            ack = await with_retry(
-                lambda f=fence, s=last_seq: js.publish(  # type: ignore[misc]
-                    subject, encode(f), headers={EXPECTED_LAST_SUBJECT_SEQ: str(s)}),
-                what=f"fence task {task_id}",
-            )
+            seq = await log_.put_fence(fence, last_seq)
         except APIError as exc:
             if is_fenced(exc):
                 continue  # another taker wrote one after our read: read it and go on top
             raise
-        log.info("task %s taken over (fence %d, attempt %d, delivery %d)", task_id, ack.seq,
+        log.info("task %s taken over (fence %d, attempt %d, delivery %d)", task_id, seq,
                  fence.attempt, delivery)
-        return ack.seq, last
+        return seq, last
     raise TaskFenced(f"task {task_id}: the fence kept moving under {FENCE_TRIES} tries")
-
-
-async def _last_fence(js: JetStreamContext, subject: str) -> tuple[int, TaskFence | None]:
-    async def once() -> tuple[int, TaskFence | None]:
-        try:
-            raw = await js.get_last_msg(subjects.OUT_STREAM, subject)
-        except NotFoundError:
-            return 0, None
-        try:
-            return raw.seq or 0, TaskFence.model_validate_json(raw.data or b"")
-        except ValueError:
-            log.warning("undecodable fence on %s", subject)
-            return raw.seq or 0, None
-
-    return await with_retry(once, what=f"read the fence {subject}")

@@ -1,0 +1,127 @@
+"""The task queue: FLEET_TASKS (`fleet.tasks.<model>`, a work queue), where a task that no
+worker could finish goes (FLEET_DEAD, `fleet.dead.<model>`), and the answers to a task message
+that is refused (FLEET_REFUSED and the publisher's inbox), read and written through one facade.
+
+Pulling tasks stays with the worker's consumers (fleet.worker.pulls); what is here are the
+calls around them: the per-subject counts (demand, the triage of unknown models), a stored
+task by sequence, the tasks stored on one subject, a purge, a dead letter, a delete, a verb on
+a delivered message, and the durable pull consumers the worker's duties read (advisories,
+deadline markers). Each call has its own retry budget (fleet.bus.retry): an election delays
+it, a longer outage raises BrokerUnavailable naming the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import orjson
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
+from nats.js.errors import NotFoundError
+
+from fleet.bus.connect import MSG_ID, headers_for
+from fleet.bus.retry import BROKER_BUDGET_S, with_retry
+from fleet.wire import subjects
+from fleet.wire.codec import encode
+from fleet.wire.events import TaskRefused
+
+PURGE_TIMEOUT_S = 5.0
+
+
+def dead_headers(seq: int, deliveries: object) -> dict[str, str]:
+    """Pure but for the trace context: a dead letter's headers (one copy per stored task)."""
+    return headers_for(msg_id=f"dead-{seq}", extra={
+        "Fleet-Reason": "max_deliveries", "Fleet-Deliveries": str(deliveries),
+    })
+
+
+class TaskQueue:
+    """FLEET_TASKS and FLEET_DEAD over one connection."""
+
+    def __init__(self, nc: Client, js: JetStreamContext | None = None,
+                 *, budget_s: float = BROKER_BUDGET_S) -> None:
+        self.nc = nc
+        self.js = js or nc.jetstream()
+        self.budget_s = budget_s
+
+    @classmethod
+    def of(cls, js: JetStreamContext, *, budget_s: float = BROKER_BUDGET_S) -> TaskQueue:
+        """The queue over the connection `js` was made from (nats-py keeps it as `_nc`)."""
+        return cls(js._nc, js, budget_s=budget_s)
+
+    async def counts(self) -> dict[str, int]:
+        """How many tasks each `fleet.tasks.<model>` subject holds (subjects with none left
+        out by the server)."""
+        info = await with_retry(
+            lambda: self.js.stream_info(subjects.TASKS_STREAM, subjects_filter=subjects.TASKS_ALL),
+            what="count the queued tasks", budget_s=self.budget_s,
+        )
+        return dict(info.state.subjects or {})
+
+    async def get(self, seq: int) -> RawStreamMsg:
+        """The task stored at `seq` (NotFoundError when it is gone)."""
+        return await with_retry(lambda: self.js.get_msg(subjects.TASKS_STREAM, seq),
+                                what=f"read task {seq}", budget_s=self.budget_s)
+
+    async def next_on(self, subject: str, after: int) -> RawStreamMsg | None:
+        """The first task stored on `subject` after sequence `after`; None when none is."""
+        try:
+            return await with_retry(
+                lambda: self.js.get_msg(subjects.TASKS_STREAM, seq=after + 1, subject=subject,
+                                        next=True),
+                what=f"read a task of {subject}", budget_s=self.budget_s,
+            )
+        except NotFoundError:
+            return None
+
+    async def purge_through(self, subject: str, last: int) -> None:
+        """Remove the tasks stored on `subject` up to sequence `last` (those published since
+        stay). nats-py's purge takes no sequence: the stream API's request does."""
+        body = orjson.dumps({"filter": subject, "seq": last + 1})
+        api = f"$JS.API.STREAM.PURGE.{subjects.TASKS_STREAM}"
+        await with_retry(lambda: self.nc.request(api, body, timeout=PURGE_TIMEOUT_S),
+                         what=f"purge {subject}", budget_s=self.budget_s)
+
+    async def dead_letter(self, model: str, data: bytes, seq: int, deliveries: object) -> None:
+        """Keep the task at `seq` on `fleet.dead.<model>`; its msg id keeps one copy."""
+        headers = dead_headers(seq, deliveries)
+        await with_retry(
+            lambda: self.js.publish(subjects.dead_letter(model), data, headers=headers),
+            what=f"dead-letter task {seq}", budget_s=self.budget_s,
+        )
+
+    async def delete(self, seq: int) -> None:
+        await with_retry(lambda: self.js.delete_msg(subjects.TASKS_STREAM, seq),
+                         what=f"delete task {seq}", budget_s=self.budget_s)
+
+    async def refuse(self, model: str, event: TaskRefused, reply: str | None) -> None:
+        """Record a refused task message on `fleet.refused.<model>` (one record per message,
+        however often it is delivered) and tell its publisher's inbox, when it named one
+        (checked by the caller: fleet.bus.replies)."""
+        body = encode(event)
+        seq = event.stream_seq
+        headers = {MSG_ID: f"refused-{seq}"} if seq is not None else None
+        await with_retry(
+            lambda: self.js.publish(subjects.refused(model), body, headers=headers),
+            what=f"record refusal of task {event.task_id}", budget_s=self.budget_s,
+        )
+        if reply:
+            await with_retry(lambda: self.nc.publish(reply, body),
+                             what=f"tell {reply} of a refusal", budget_s=self.budget_s)
+
+
+async def settle(send: Callable[[], Awaitable[None]], *, what: str,
+                 budget_s: float = BROKER_BUDGET_S) -> None:
+    """A verb on a delivered message (ack, nak, term, in_progress), retried: a verb is safe
+    to repeat (the server settles a message once; MsgAlreadyAckdError says so)."""
+    await with_retry(send, what=what, budget_s=budget_s)
+
+
+async def durable_pull(js: JetStreamContext, stream: str, durable: str, *, what: str,
+                       budget_s: float = BROKER_BUDGET_S) -> JetStreamContext.PullSubscription:
+    """Bind a shared durable pull consumer of `stream`. Retried like every broker call at
+    start: a consumer-info request that timed out once (a 3-node cluster beside a CPU hog)
+    ended the worker before its first heartbeat."""
+    return await with_retry(lambda: js.pull_subscribe("", durable=durable, stream=stream),
+                            what=what, budget_s=budget_s)

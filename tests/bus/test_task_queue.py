@@ -1,0 +1,99 @@
+"""The task queue and the typed KV records (fleet.bus.task_queue, fleet.bus.records, the TTL
+calls of fleet.bus.kv_calls) against a real, provisioned nats-server: each call does what its
+callers (the janitor, the claims, the gateway's owners, `fleet cancel`) relied on when they
+made it themselves."""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import Client
+
+from fleet.bus.kv_calls import bucket_max_age, get_direct, put_with_ttl
+from fleet.bus.records import CancelRecords, ClaimRecords
+from fleet.bus.task_log import TaskLog
+from fleet.bus.task_queue import TaskQueue
+from fleet.wire import subjects
+from fleet.wire.codec import decode_model
+from fleet.wire.events import TaskFence, TaskRefused
+from fleet.wire.tasks import CancelTask
+
+
+async def test_queue_counts_reads_purges_and_dead_letters(provisioned_nc: Client) -> None:
+    js = provisioned_nc.jetstream()
+    queue = TaskQueue(provisioned_nc)
+    a = [(await js.publish(subjects.tasks("qa"), f"a{i}".encode())).seq for i in range(3)]
+    await js.publish(subjects.tasks("qb"), b"b0")
+    assert await queue.counts() == {subjects.tasks("qa"): 3, subjects.tasks("qb"): 1}
+
+    first = await queue.next_on(subjects.tasks("qa"), 0)
+    assert first is not None and first.seq == a[0] and first.data == b"a0"
+    assert await queue.next_on(subjects.tasks("qa"), a[2]) is None
+    await queue.purge_through(subjects.tasks("qa"), a[1])  # a task published since stays
+    assert await queue.counts() == {subjects.tasks("qa"): 1, subjects.tasks("qb"): 1}
+
+    await queue.dead_letter("qa", b"a2", a[2], 5)
+    await queue.dead_letter("qa", b"a2", a[2], 5)  # redelivered advisory: one copy
+    dead = await js.stream_info("FLEET_DEAD", subjects_filter=subjects.dead_letter("qa"))
+    assert dead.state.messages == 1
+    assert (await queue.get(a[2])).data == b"a2"
+    await queue.delete(a[2])
+    assert await queue.counts() == {subjects.tasks("qb"): 1}
+
+
+async def test_a_refusal_is_recorded_once_and_told_to_the_inbox(provisioned_nc: Client) -> None:
+    nc = provisioned_nc
+    inbox, heard = nc.new_inbox(), asyncio.Queue[bytes]()
+
+    async def got(msg: object) -> None:
+        await heard.put(msg.data)  # type: ignore[attr-defined]
+
+    await nc.subscribe(inbox, cb=got)
+    event = TaskRefused(task_id="r1", model="qa", reason="task_id_taken", message="x", at=1.0,
+                        stream_seq=7)
+    for _ in range(2):
+        await TaskQueue(nc).refuse("qa", event, inbox)
+    told = decode_model(TaskRefused, await asyncio.wait_for(heard.get(), 5.0))
+    assert told.task_id == "r1"
+    info = await nc.jetstream().stream_info(subjects.REFUSED_STREAM,
+                                            subjects_filter=subjects.refused("qa"))
+    assert info.state.messages == 1
+
+
+async def test_claim_and_cancel_records(provisioned_nc: Client) -> None:
+    js = provisioned_nc.jetstream()
+    claims = await ClaimRecords.open(js)
+    assert await claims.create("c1", "11")
+    assert not await claims.create("c1", "12")  # held, whoever asks
+    assert await claims.holder("c1") == "11"
+    assert await claims.holder("c2") is None
+    await claims.hold("c1", "used-12")
+    assert await claims.holder("c1") == "used-12"
+
+    cancels = await CancelRecords.open(js)
+    assert not await cancels.cancelled("k1")
+    await cancels.record(CancelTask(task_id="k1", reason="test"))
+    assert await cancels.cancelled("k1")
+
+
+async def test_fence_compare_and_set(provisioned_nc: Client) -> None:
+    log = TaskLog(provisioned_nc)
+    assert await log.last_fence("f1") == (0, None)
+    fence = TaskFence(task_id="f1", attempt=1, node_id="n", delivery=2, at=1.0)
+    seq = await log.put_fence(fence, 0)
+    assert await log.last_fence("f1") == (seq, fence)
+    try:
+        await log.put_fence(fence, 0)  # written meanwhile: the stream refuses a stale read
+    except Exception as exc:
+        assert getattr(exc, "err_code", None) == 10071
+    else:
+        raise AssertionError("a stale fence was stored")
+    assert not await log.has_events("f1")  # a fence is not an event of the task
+
+
+async def test_ttl_records_and_bucket_age(provisioned_nc: Client) -> None:
+    js = provisioned_nc.jetstream()
+    assert await get_direct(js, "FLEET_TENANTS", "task.x") is None
+    await put_with_ttl(js, "FLEET_TENANTS", "task.x", b"v", 60)
+    assert await get_direct(js, "FLEET_TENANTS", "task.x") == b"v"
+    assert (await bucket_max_age(js, subjects.NODES_BUCKET) or 0) > 0
