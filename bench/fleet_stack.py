@@ -124,7 +124,8 @@ class FleetStack:
             raise RuntimeError(f"fleet up exited; see {self.data_dir / 'fleet-up.log'}")
 
     def processes(self) -> dict[str, psutil.Process]:
-        """`up` (worker + gateway), `nats` (nats-server) and `runner:<model>` by pid."""
+        """`up` (worker + gateway, or the worker alone beside a `gateway` process of its
+        own), `nats` (nats-server) and `runner:<model>` by pid."""
         assert self.process is not None
         root = psutil.Process(self.process.pid)
         found = {"up": root}
@@ -133,6 +134,8 @@ class FleetStack:
                 cmdline = " ".join(child.cmdline())
                 if "nats-server" in cmdline:
                     found["nats"] = child
+                elif "--listen-fd" in cmdline:  # `fleet up --processes split`'s gateway
+                    found["gateway"] = child
                 elif "fleet.runner.main" in cmdline:
                     model = next((m for m in self.models if f'"id":"{m}"' in cmdline), None) \
                         or next((m for r, m in self.runner_models.items() if r in cmdline), "?")

@@ -5,7 +5,8 @@ own cost: what one node's worker, gateway, runner pipe and nats-server spend per
 
 - http: 64 streams over `/v1/chat/completions` for `duration_s`, each a request of
   STREAM_TOKENS tokens, a new one as soon as one ends; tok/s and the CPU each process spent
-  per token (psutil cpu_times deltas: `up` is the worker and the gateway, one process);
+  per token (psutil cpu_times deltas: `up` is the worker and the gateway, one process, or
+  the worker alone beside `gateway` with `fleet up --processes split`);
 - nats: the same 64 streams published to `fleet.tasks.<model>` and read on `fleet.out.*` by a
   raw nats-py client (no gateway): worker + runner + nats-server per token;
 - c1: added latency per token at concurrency 1, paced at C1_RATE tokens a second: client
@@ -20,6 +21,7 @@ Token counts come from each task's usage; a token event may carry several tokens
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -184,6 +186,7 @@ async def measure_http(stack: FleetStack, procs: dict[str, psutil.Process], plan
     return {"streams": STREAMS, "tokens": tokens, "wall_s": round(wall, 2),
             "tok_s": round(tokens / wall, 1), **_per_token(before, after, tokens, wall),
             "sse_events_per_token": round(frames[0] / max(tokens, 1), 3),
+            "load_1m": round(os.getloadavg()[0], 2),  # the machine's, over the run's last minute
             "errors": len(errors), "first_errors": errors[:3]}
 
 
@@ -201,6 +204,7 @@ async def measure_nats(nc: Client, events: RawEvents, procs: dict[str, psutil.Pr
     return {"streams": STREAMS, "tokens": tokens, "wall_s": round(wall, 2),
             "tok_s": round(tokens / wall, 1), **_per_token(before, after, tokens, wall),
             "tokens_per_event": round(tokens / max(made, 1), 2),
+            "load_1m": round(os.getloadavg()[0], 2),
             "errors": len(errors), "first_errors": errors[:3]}
 
 
@@ -256,7 +260,10 @@ async def run_rate(workdir: Path, env: dict[str, str], plan: RatePlan) -> dict[s
         found = stack.processes()
         procs = {"up": found["up"], "runner": found[f"runner:{MODEL}"], "nats": found["nats"],
                  "client": psutil.Process()}
-        out: dict[str, Any] = {"plan": plan.__dict__}
+        if "gateway" in found:  # split: the worker in `up`, the gateway in a child
+            procs["gateway"] = found["gateway"]
+        out: dict[str, Any] = {"plan": plan.__dict__, "up_processes": _up_processes(env),
+                               "load_average": [round(x, 2) for x in os.getloadavg()]}
         out["http"] = await measure_http(stack, procs, plan)
         # Only now: a reader of every task's events would be a second client to feed (and,
         # at these rates, a slow consumer the server drops messages for) during the HTTP run.
@@ -273,8 +280,16 @@ async def run_rate(workdir: Path, env: dict[str, str], plan: RatePlan) -> dict[s
         await stack.stop()
 
 
+def _up_processes(env: dict[str, str]) -> str:
+    """The mode `fleet up` ran in (FLEET_UP_PROCESSES; its default when unset)."""
+    from fleet.config import default_of
+
+    return env.get("FLEET_UP_PROCESSES") or str(default_of("up_processes"))
+
+
 def rate_table(rate: dict[str, Any]) -> list[str]:
-    lines = ["plumbing at rate (fault engine, one fleet up):"]
+    lines = [f"plumbing at rate (fault engine, one fleet up, processes "
+             f"{rate.get('up_processes')}, load average {rate.get('load_average')}):"]
     for path in ("http", "nats"):
         row = rate[path]
         cpu = ", ".join(f"{k} {v}" for k, v in row["cpu_us_per_token"].items())

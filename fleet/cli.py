@@ -38,7 +38,7 @@ TRACED_COMMANDS = ("worker", "gateway", "up", "demo", "submit")
 _CLIENT = config.GENERAL + config.CONNECTION
 # The settings each command reads (a command not named here reads only config.GENERAL).
 COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
-    "up": _CLIENT + config.WORKER + config.GATEWAY + config.EMBEDDED,
+    "up": _CLIENT + config.WORKER + config.GATEWAY + config.EMBEDDED + config.UP,
     "worker": _CLIENT + config.WORKER,
     "gateway": _CLIENT + config.GATEWAY,
     "nats": _CLIENT + config.EMBEDDED,
@@ -54,7 +54,8 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
 }
 # Short names a command has always accepted for a setting.
 ALIASES: dict[str, dict[str, tuple[str, ...]]] = {
-    "up": {"gateway_host": ("--host",), "gateway_port": ("--port",)},
+    "up": {"gateway_host": ("--host",), "gateway_port": ("--port",),
+           "up_processes": ("--processes",)},
     "gateway": {"gateway_host": ("--host",), "gateway_port": ("--port",),
                 "gateway_timeout_s": ("--timeout",)},
     "nats": {"nats_port": ("--port",)},

@@ -30,7 +30,8 @@ CONNECTION_GROUP = "connection"  # every command that connects to NATS
 WORKER_GROUP = "worker"  # `fleet worker` (and `fleet up`)
 GATEWAY_GROUP = "gateway"  # `fleet gateway` (and `fleet up`)
 EMBEDDED_GROUP = "embedded"  # the commands that run a nats-server here (`fleet up`, `fleet nats`)
-GROUPS = (GENERAL_GROUP, CONNECTION_GROUP, WORKER_GROUP, GATEWAY_GROUP, EMBEDDED_GROUP)
+UP_GROUP = "up"  # `fleet up` alone
+GROUPS = (GENERAL_GROUP, CONNECTION_GROUP, WORKER_GROUP, GATEWAY_GROUP, EMBEDDED_GROUP, UP_GROUP)
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,12 @@ class Settings:
     nats_tls_key: str = setting("", groups=CONNECTION_GROUP, help="client certificate's key")
     nats_port: int = setting(
         4222, groups=EMBEDDED_GROUP, help="client port of the embedded nats-server")
+    # `fleet up`: one Python process carrying the worker and the gateway was the node's
+    # token-rate ceiling (issue 23); bench/README.md "Plumbing at rate" has the measurements.
+    up_processes: Literal["split", "one"] = setting(
+        "one", groups=UP_GROUP,
+        help="`fleet up`: the gateway in a process of its own beside the worker's (split) or "
+        "both in one process (one)")
     replicas: int = setting(
         0, groups=(_W, _G, EMBEDDED_GROUP),
         help="stream and KV replicas (0: from the cluster's size, 3 if >= 3 servers)")
@@ -233,6 +240,7 @@ CONNECTION = names_in(CONNECTION_GROUP)
 WORKER = names_in(WORKER_GROUP)
 GATEWAY = names_in(GATEWAY_GROUP)
 EMBEDDED = names_in(EMBEDDED_GROUP)
+UP = names_in(UP_GROUP)
 
 
 def env_var(name: str) -> str:

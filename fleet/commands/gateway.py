@@ -34,10 +34,12 @@ async def serve(
     await gateway_app.serve(settings, ready, sock, MOUNTS)
 
 
-async def run_gateway(settings: Settings) -> None:
+async def run_gateway(settings: Settings, listen_fd: int | None = None) -> None:
     from fleet.proc import Exit
 
-    serving = asyncio.ensure_future(serve(settings))
+    # `fleet up` (split) hands its child the socket it bound: fleet/commands/up_gateway.py.
+    sock = socket.socket(fileno=listen_fd) if listen_fd is not None else None
+    serving = asyncio.ensure_future(serve(settings, sock=sock))
     # The first SIGINT/SIGTERM stops it gracefully; a second one, or the deadline, ends it.
     Exit().install().on_stop(serving.cancel)
     with contextlib.suppress(asyncio.CancelledError):
@@ -47,7 +49,7 @@ async def run_gateway(settings: Settings) -> None:
 def cmd_gateway(args: argparse.Namespace) -> int:
     import uvloop
 
-    uvloop.run(run_gateway(settings_of(args)))
+    uvloop.run(run_gateway(settings_of(args), getattr(args, "listen_fd", None)))
     return 0
 
 
@@ -56,6 +58,8 @@ def register(subparsers: Any) -> None:
         "gateway", help="the OpenAI-compatible HTTP gateway over the task subjects"
     )
     parser.set_defaults(func=cmd_gateway)
+    # Not for people: `fleet up` passes the listening socket it bound to its gateway child.
+    parser.add_argument("--listen-fd", type=int, help=argparse.SUPPRESS)
     keys = parser.add_subparsers(dest="gateway_command").add_parser(
         "keys", help="API keys and their tenants (the keys file)"
     )

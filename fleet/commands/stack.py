@@ -21,6 +21,7 @@ from fleet.bus.provision import provision
 from fleet.bus.weights import FleetModels
 from fleet.commands.announce import announce_runners, status_text
 from fleet.commands.core import check_mflux, secured_config
+from fleet.commands.up_gateway import RoleExited, gateway_process
 from fleet.config import Settings, settings_of
 from fleet.errors import FleetError, InvalidSetting
 from fleet.models.catalog import get_card
@@ -170,9 +171,14 @@ async def stack(
                     for model in models:
                         await _place_here(nc, settings, model, worker.cluster.node_id)
                     gateway_ready = asyncio.Event()
-                    gateway_task = roles.create_task(_role("gateway", serve(
-                        as_role(settings, "gateway", secured), gateway_ready, gateway_socket),
-                        ending))
+                    gateway_settings = as_role(settings, "gateway", secured)
+                    if settings.up_processes == "split":  # fleet/commands/up_gateway.py
+                        serving = gateway_process(
+                            gateway_settings, gateway_socket, gateway_ready,
+                            exit_.at_forced_exit if exit_ else None)
+                    else:
+                        serving = serve(gateway_settings, gateway_ready, gateway_socket)
+                    gateway_task = roles.create_task(_role("gateway", serving, ending))
                     await _ready(gateway_ready.wait(), stopping)
                     await _ready(serves_requests(settings), stopping)
                     yield as_role(settings, "operator", secured)
@@ -345,6 +351,9 @@ async def run_up(
                 await asyncio.gather(news, return_exceptions=True)
     except StopRequested:
         log.info("stopped while starting")
+    except RoleExited as exc:  # its own status, not 1: what ended it says why
+        print(f"fleet: {exc.message}", file=sys.stderr, flush=True)
+        return exc.status
     return 0
 
 

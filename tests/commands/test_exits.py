@@ -72,6 +72,15 @@ class Command:
         return [p for p in psutil.Process(self.process.pid).children(recursive=True)
                 if p.name().startswith("nats-server")]
 
+    def gateway_children(self) -> list[psutil.Process]:
+        """`fleet up --processes split`'s gateway process."""
+        return [p for p in psutil.Process(self.process.pid).children()
+                if "--listen-fd" in p.cmdline()]
+
+
+def code_of(command: Command) -> int:
+    return command.process.wait(0)
+
 
 @pytest.fixture
 def commands(tmp_path: Path) -> Iterator[list[Command]]:
@@ -114,15 +123,23 @@ async def test_sigterm_stops_a_worker_whose_runner_is_still_starting(
     assert_clean(worker, *worker.terminate_and_time())
 
 
+@pytest.mark.parametrize("processes", ["one", "split"])
 def test_sigterm_stops_fleet_up_and_its_nats_server(
-    tmp_path: Path, commands: list[Command]
+    tmp_path: Path, commands: list[Command], processes: str
 ) -> None:
-    up = Command(tmp_path, "up", "--models", "", "--nats-port", "0", "--port", str(free_port()))
+    """Both ways of `fleet up` (`--processes split`: its gateway a child of its own, stopped
+    with it)."""
+    up = Command(tmp_path, "up", "--models", "", "--nats-port", "0", "--port", str(free_port()),
+                 "--processes", processes)
     commands.append(up)
     up.wait_for_line("fleet up: NATS")
     [server] = up.nats_children()
+    gateways = up.gateway_children()
+    assert len(gateways) == (processes == "split")
     assert_clean(up, *up.terminate_and_time())
-    assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+    assert code_of(up) == 0
+    for child in (server, *gateways):
+        assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
 
 
 def test_sigterm_stops_fleet_up_when_its_external_nats_is_down(
@@ -143,13 +160,13 @@ def test_sigkill_of_fleet_up_leaves_no_nats_server(
     up = Command(tmp_path, "up", "--models", "", "--nats-port", "0", "--port", str(free_port()))
     commands.append(up)
     up.wait_for_line("fleet up: NATS")
-    [server] = up.nats_children()
+    children = [*up.nats_children(), *up.gateway_children()]  # a gateway: `--processes split`
     up.process.send_signal(signal.SIGKILL)  # only fleet up itself, not its process group
     up.process.wait(10)
-    _gone, alive = psutil.wait_procs([server], timeout=10)
-    if alive:
-        server.kill()
-    assert not alive, "the embedded nats-server outlived a SIGKILLed fleet up"
+    _gone, alive = psutil.wait_procs(children, timeout=10)
+    for child in alive:
+        child.kill()
+    assert not alive, f"{alive} outlived a SIGKILLed fleet up"
 
 
 def test_sigterm_stops_the_gateway_whose_nats_is_down(

@@ -5,15 +5,17 @@ start ends both. Real nats-server; the roles are stand-ins, so that each fails o
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
 import fleet.commands.gateway
+import fleet.commands.up_gateway
 import fleet.worker.main
-from fleet.commands.stack import StopRequested, stack
+from fleet.commands.stack import StopRequested, run_up, stack
 from fleet.config import Settings, load_settings
 from fleet.errors import FleetError
 from fleet.proc import Exit
@@ -98,3 +100,17 @@ async def test_a_stop_while_the_worker_starts_ends_it(
             pytest.fail("fleet up served after a stop")
     [worker] = StandInWorker.runs
     assert worker.cancelled  # it never got as far as its loop: cancelled
+
+
+async def test_a_gateway_process_that_exits_fails_fleet_up_with_its_status(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--processes split`: the gateway child's exit is `fleet up`'s failure, and its exit
+    status is `fleet up`'s (a stand-in child that exits 3 at once)."""
+    monkeypatch.setattr(fleet.commands.up_gateway, "gateway_command",
+                        lambda fd: [sys.executable, "-c", "raise SystemExit(3)"])
+    split = replace(settings, up_processes="split")
+    async with asyncio.timeout(60):
+        assert await run_up(split, [], Exit()) == 3
+    [worker] = StandInWorker.runs
+    assert worker.stopped.is_set() and not worker.cancelled  # a clean stop, not a cancel
