@@ -308,10 +308,29 @@ async def measure(stack: Stack, window_s: float) -> dict[str, Any]:
     return out
 
 
+async def moved_while_alive(nc: Client, n: int, killed: set[str]) -> list[str]:
+    """The simulated nodes (of the first `n`, none killed) whose instance is no longer on
+    them: moved by the sweeper while the node lived, its heartbeat late past the key's TTL
+    (a starved simulator process, or a slow server)."""
+    placed = {i.instance_id: i for i in await live_values(
+        nc.jetstream(), subjects.INSTANCES_BUCKET, Instance)}
+    moved = []
+    for index in range(n):
+        node = sim_node_id(index)
+        instance = placed.get(f"{node}-i")
+        if node not in killed and instance and all(s.node_id != node for s in instance.shards):
+            moved.append(node)
+    return moved
+
+
 async def time_failover(nc: Client, index: int, timeout: float = 60.0) -> float | None:
     """Seconds from a node's loss to its instance placed elsewhere; None past `timeout`."""
     node = sim_node_id(index)
     kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
+    entry = await kv.get(f"{node}-i")
+    if entry.value and all(s.node_id != node for s in decode_model(Instance, entry.value).shards):
+        log.warning("scale: %s's instance was moved before the kill: not timed", node)
+        return None
     began = time.monotonic()
     # A request, answered by the node's process once the node is gone: a kill that never
     # arrived (a loaded simulator's control connection dropped it) is told from a slow
@@ -359,6 +378,7 @@ async def run_design(src: Path, design: str, plan: ScalePlan, work: Path) -> dic
     work.mkdir(parents=True, exist_ok=True)
     stack = Stack(src, design, work)
     steps: dict[str, Any] = {}
+    killed: set[str] = set()
     try:
         nc = await start_server(stack)
         for n in plan.steps:
@@ -376,12 +396,21 @@ async def run_design(src: Path, design: str, plan: ScalePlan, work: Path) -> dic
             step: dict[str, Any] = {"idle": idle, "load": loaded, "busy_nodes": len(busy),
                                     "placement_p50_ms": await time_placement(nc),
                                     "sweeper": await sweeper_holder(nc)}
+            step["moved_alive"] = await moved_while_alive(nc, n, killed)
             if plan.failover:
-                step["failover_s"] = await time_failover(nc, n - 1)
+                # The last node whose instance is still on it (one moved while alive is no
+                # loss to time).
+                index = max(i for i in range(n) if sim_node_id(i) not in
+                            {*killed, *step["moved_alive"]})
+                killed.add(sim_node_id(index))
+                step["failover_s"] = await time_failover(nc, index)
                 step["sweeper_after"] = await sweeper_holder(nc)
                 if step["failover_s"] is None:
                     log.warning("scale: N = %d: node %s not moved; the sweeper's log:\n%s", n,
-                                sim_node_id(n - 1), sweeper_log(stack))
+                                sim_node_id(index), sweeper_log(stack))
+            if step["moved_alive"]:
+                log.warning("scale: N = %d: %d instances moved off nodes that lived: %s", n,
+                            len(step["moved_alive"]), ",".join(step["moved_alive"][:20]))
             steps[str(n)] = step
         await nc.close()
     except BaseException:
@@ -406,8 +435,8 @@ def table(result: dict[str, Any]) -> list[str]:
     lines = [f"### {result['design']} ({result['src']})", "",
              "| N | load | worker msgs/s | worker KB/s | worker CPU | worker RSS MB | "
              "gateway msgs/s | gateway KB/s | gateway CPU | nats CPU | sweeper CPU | "
-             "placement p50 ms | failover s | load avg |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "placement p50 ms | failover s | moved alive | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, step in result["steps"].items():
         for phase in ("idle", "load"):
             row = step[phase]
@@ -419,6 +448,7 @@ def table(result: dict[str, Any]) -> list[str]:
                 f"{s['cpu']:.1%} | {_share(row.get('sweeper'))} | "
                 f"{step['placement_p50_ms'] if phase == 'idle' else ''} | "
                 f"{_seconds(step.get('failover_s', '-')) if phase == 'idle' else ''} | "
+                f"{len(step.get('moved_alive', [])) if phase == 'idle' else ''} | "
                 f"{row.get('loadavg', '-')} |")
     return lines
 
@@ -456,11 +486,15 @@ def main() -> None:
     parser.add_argument("--steps", help="comma-separated N, e.g. 10,100,1000")
     parser.add_argument("--gateways", type=int, help="G real gateways (default 1)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--workdir", type=Path, help="keep the processes' logs here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     steps = tuple(int(s) for s in args.steps.split(",")) if args.steps else None
-    with tempfile.TemporaryDirectory(prefix="fleet-scale-") as tmp:
-        result = run_scale(args.quick, args.baseline_src, Path(tmp), steps, args.gateways)
+    if args.workdir:  # kept: the processes' logs (the sweeper's is sim-0.log)
+        result = run_scale(args.quick, args.baseline_src, args.workdir, steps, args.gateways)
+    else:
+        with tempfile.TemporaryDirectory(prefix="fleet-scale-") as tmp:
+            result = run_scale(args.quick, args.baseline_src, Path(tmp), steps, args.gateways)
     out = args.out or REPO / "bench" / "results" / f"scale-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
