@@ -1,100 +1,51 @@
-"""Placing model instances: a pure choice of node, written with a KV compare-and-set."""
+"""Placing model instances: a pure choice of node (fleet.placement_rules), written with a KV
+compare-and-set. The rules' names are importable from here too, for the callers of `place`."""
 
 from __future__ import annotations
 
 import time
-import uuid
-from collections.abc import Iterable
 
 from nats.js import JetStreamContext
 
-from fleet.batch_width import default_batch_width
 from fleet.bus.kv_calls import kv_create, kv_delete
 from fleet.bus.kv_read import live_values
 from fleet.errors import InvalidRequest, PlacementError
+from fleet.placement_rules import (
+    HEARTBEAT_STALE_S,
+    able_to_shard,
+    candidates,
+    choose_node,
+    files_bytes,
+    in_groups,
+    moved,
+    new_instance,
+    refusal,
+    sharded_instance,
+    unprovided,
+)
 from fleet.placement_shards import ShardingError, choose_shards
 from fleet.wire import subjects
-from fleet.wire.cluster import Instance, ModelCard, NodeInfo, ShardAssignment
+from fleet.wire.cluster import Instance, ModelCard, NodeInfo
 from fleet.wire.codec import encode
 
-HEARTBEAT_STALE_S = 30.0
-
-
-def files_bytes(card: ModelCard) -> int:
-    """What a node that lacks the model must store to serve it."""
-    return card.manifest.total_bytes if card.manifest else card.size_bytes
-
-
-def refusal(node: NodeInfo, card: ModelCard, now: float) -> str | None:
-    """Why `node` cannot take the model, or None when it can. Pure."""
-    if now - node.at >= HEARTBEAT_STALE_S:
-        return f"silent for {now - node.at:.0f} s"
-    if node.memory_available_bytes < card.size_bytes:
-        return (f"{_mb(node.memory_available_bytes)} of free memory, the model needs "
-                f"{_mb(card.size_bytes)}")
-    room = node.models_disk_room_bytes
-    if card.id not in node.models_on_disk and room is not None and room < files_bytes(card):
-        return (f"its models disk budget leaves {_mb(room)} (--models-disk-limit), the files "
-                f"need {_mb(files_bytes(card))}")
-    return None
-
-
-def _mb(size: int) -> str:
-    return f"{size / 1e6:.0f} MB" if size >= 1e6 else f"{size} bytes"
-
-
-def choose_node(nodes: list[NodeInfo], card: ModelCard, now: float) -> NodeInfo:
-    """The live node that can hold the model in memory and its files on disk: one that has
-    its files first (no fetch), then the one with the most free memory (the key's TTL already
-    dropped dead nodes; a stale `at` is a second guard). The error names each node's reason."""
-    reasons = {n.node_id: refusal(n, card, now) for n in nodes}
-    fitting = [n for n in nodes if reasons[n.node_id] is None]
-    if not fitting:
-        why = "; ".join(f"node {node}: {reason}" for node, reason in sorted(reasons.items()))
-        raise PlacementError(
-            f"no live node can hold {card.id}: {why}" if why
-            else f"no live node can hold {card.id} (no worker is up); start `fleet worker`"
-        )
-    return max(
-        fitting,
-        key=lambda n: (card.id in n.models_on_disk, n.memory_available_bytes, n.node_id),
-    )
-
-
-def new_instance(
-    card: ModelCard, node: NodeInfo, slots: int, now: float, instance_id: str | None = None
-) -> Instance:
-    return Instance(
-        instance_id=instance_id or f"{card.id}-{uuid.uuid4().hex[:6]}",
-        model=card.id,
-        slots=slots if slots > 0 else default_batch_width(card, node.memory_available_bytes),
-        created_at=now,
-        shards=[ShardAssignment(
-            node_id=node.node_id, runner_id="pending", end_layer=card.n_layers,
-        )],
-    )
-
-
-def unprovided(card: ModelCard, nodes: list[NodeInfo]) -> str:
-    names = ", ".join(sorted(n.node_id for n in nodes))
-    return (
-        f"no live node can provide {card.id} ({names}): its files are on no node's disk, no "
-        "node can build it, and the fleet holds none of its files (`fleet models add`)"
-    )
-
-
-def candidates(nodes: list[NodeInfo], card: ModelCard, node_id: str | None) -> list[NodeInfo]:
-    """The nodes a placement may choose from: the one asked for, else those that can provide
-    the model (have, build or fetch its files). Pure."""
-    if node_id:
-        chosen = [n for n in nodes if n.node_id == node_id]
-        if not chosen:
-            raise InvalidRequest(f"node {node_id!r} is not alive")
-        return chosen
-    able = [n for n in nodes if card.id in n.models_available]
-    if nodes and not able:
-        raise PlacementError(unprovided(card, nodes))
-    return able
+__all__ = [
+    "HEARTBEAT_STALE_S",
+    "able_to_shard",
+    "candidates",
+    "choose_node",
+    "files_bytes",
+    "find_instance",
+    "in_groups",
+    "moved",
+    "new_instance",
+    "place",
+    "read_instances",
+    "read_nodes",
+    "refusal",
+    "remove",
+    "sharded_instance",
+    "unprovided",
+]
 
 
 async def read_nodes(js: JetStreamContext) -> list[NodeInfo]:
@@ -108,29 +59,6 @@ async def read_instances(js: JetStreamContext) -> list[Instance]:
 async def find_instance(js: JetStreamContext, model: str) -> Instance | None:
     """An instance of `model` the fleet has already, wherever it is placed."""
     return next((i for i in await read_instances(js) if i.model == model), None)
-
-
-def in_groups(instances: Iterable[Instance]) -> set[str]:
-    """Nodes already running a shard of a sharded instance (one ring address each)."""
-    return {s.node_id for i in instances if i.sharded for s in i.shards}
-
-
-def able_to_shard(nodes: list[NodeInfo], card: ModelCard, now: float) -> list[NodeInfo]:
-    """The nodes that could run a shard: alive, with disk room for the files (memory is
-    the split's to weigh). Pure."""
-    whole_memory = card.model_copy(update={"size_bytes": 0})
-    return [n for n in nodes if refusal(n, whole_memory, now) is None]
-
-
-def sharded_instance(
-    card: ModelCard, shards: list[ShardAssignment], slots: int, now: float,
-    instance_id: str | None = None,
-) -> Instance:
-    return Instance(
-        instance_id=instance_id or f"{card.id}-{uuid.uuid4().hex[:6]}",
-        model=card.id, slots=slots if slots > 0 else default_batch_width(card, 0),
-        created_at=now, shards=shards,
-    )
 
 
 async def place(
@@ -164,13 +92,3 @@ async def place(
 async def remove(js: JetStreamContext, instance_id: str) -> None:
     kv = await js.key_value(subjects.INSTANCES_BUCKET)
     await kv_delete(kv, instance_id)
-
-
-def moved(instance: Instance, gone: str, target: str) -> Instance:
-    """The same instance with every shard of the node that left moved to `target`."""
-    shards = [
-        shard.model_copy(update={"node_id": target, "runner_id": "pending"})
-        if shard.node_id == gone else shard
-        for shard in instance.shards
-    ]
-    return instance.model_copy(update={"shards": shards})

@@ -19,6 +19,7 @@ from fleet.aio import Supervisor
 from fleet.bus.connect import publish
 from fleet.bus.kv_calls import kv_delete, kv_get, kv_put, kv_update, open_bucket
 from fleet.bus.objects import ObjectBucket
+from fleet.bus.records import CancelRecords
 from fleet.bus.vision_store import VisionShare
 from fleet.bus.weights import MODELS_BUCKET, FleetModels
 from fleet.config import Settings
@@ -27,7 +28,7 @@ from fleet.models.blas import openblas_available
 from fleet.models.catalog import all_cards, builtin_cards
 from fleet.models.disk import Held, held_models, room_for_models
 from fleet.models.store import can_provide, fleet_fetching, models_on_disk
-from fleet.placement_shards import rank_bytes
+from fleet.placement_rules import memory_placed_on, models_placed_on
 from fleet.wire import subjects
 from fleet.wire.cluster import (
     Instance,
@@ -47,7 +48,7 @@ from fleet.worker.heartbeat import Heartbeat
 from fleet.worker.inputs import ImageCache
 from fleet.worker.janitor import Janitor
 from fleet.worker.node import free_port, node_id, node_info
-from fleet.worker.state import CardsChanged, InstancesChanged, RunnerView, group_layout
+from fleet.worker.state import CardsChanged, InstancesChanged, RunnerView, regrouped
 from fleet.worker.sweeper import FleetDuties
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class ClusterLink:
         self.nodes = await self._bucket(subjects.NODES_BUCKET)
         self.instances = await self._bucket(subjects.INSTANCES_BUCKET)
         self.runners = await self._bucket(subjects.RUNNERS_BUCKET)
-        self.cancels = await self._bucket(subjects.CANCELS_BUCKET)
+        self.cancels = await CancelRecords.open(self.js)
         self.store = ObjectBucket(self.nc, subjects.IMAGES_BUCKET)
         self.fleet_models = FleetModels(self.nc, self.js)
         await self._load_fleet_models()
@@ -196,32 +197,19 @@ class ClusterLink:
         entry = await kv_get(self.instances, instance_id)
         if entry is None or entry.value is None:
             return
-        instance = decode_model(Instance, entry.value)
-        if group_layout(instance) != layout:
+        bumped = regrouped(decode_model(Instance, entry.value), layout)
+        if bumped is None:
             return
-        bumped = instance.model_copy(update={"generation": instance.generation + 1})
         if await kv_update(self.instances, instance_id, encode(bumped), last=entry.revision):
             log.warning("a rank of %s died: its group restarts (generation %d)", instance_id,
                         bumped.generation)
 
     def memory_placed_here(self) -> int:
-        """What the shards placed on this node take: each its layers and the weights every
-        rank holds (fleet.placement_shards.rank_bytes)."""
-        total = 0
-        for instance in self.placed.values():
-            shard = instance.shard_on(self.node_id)
-            card = self.cards.get(instance.model)
-            if shard is None or card is None:
-                continue
-            if instance.sharded and card.n_layers:
-                total += rank_bytes(card, shard.end_layer - shard.start_layer)
-            else:
-                total += card.size_bytes
-        return total
+        """What the shards placed on this node take (fleet.placement_rules)."""
+        return memory_placed_on(self.node_id, self.placed.values(), self.cards)
 
     def models_placed_here(self) -> set[str]:
-        here = self.node_id
-        return {i.model for i in self.placed.values() if any(s.node_id == here for s in i.shards)}
+        return models_placed_on(self.node_id, self.placed.values())
 
     async def rescan_models(self) -> None:
         """Read the models dir again (after a fetch, a build or an eviction)."""
@@ -326,7 +314,7 @@ class ClusterLink:
         trip per task. A record that lands while its task is being dispatched is still caught:
         the cancel message on `fleet.cancel.<id>` reaches the running task."""
         try:
-            watcher = await self.cancels.watchall()
+            watcher = await self.cancels.kv.watchall()
             async for entry in watcher:
                 if entry is None:
                     self._cancels_loaded = True
@@ -346,7 +334,7 @@ class ClusterLink:
             return True
         if self._cancels_loaded:
             return False
-        return await kv_get(self.cancels, task_id) is not None
+        return await self.cancels.cancelled(task_id)
 
     async def fetch_inputs(self, hashes: tuple[str, ...]) -> dict[str, Path]:
         """Local paths of a task's input images, pinned until `release_inputs`."""

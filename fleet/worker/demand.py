@@ -20,8 +20,7 @@ from nats.js.kv import KeyValue
 from fleet.bus.kv_calls import kv_create
 from fleet.bus.task_queue import TaskQueue
 from fleet.errors import PlacementError
-from fleet.placement import able_to_shard, choose_node, in_groups, new_instance, sharded_instance
-from fleet.placement_shards import ShardingError, fewest_shards
+from fleet.placement_rules import demand_instance, in_groups
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
 from fleet.wire.codec import encode
@@ -29,10 +28,6 @@ from fleet.wire.codec import encode
 log = logging.getLogger(__name__)
 
 SWEEP_S = 5.0
-
-
-def auto_instance_id(model: str) -> str:
-    return f"{model}-auto"
 
 
 class Demand:
@@ -67,7 +62,8 @@ class Demand:
             return None
         able = [node for node in self.live_nodes() if model in node.models_available]
         try:
-            instance = self._choose(able, card, time.time())
+            instance = demand_instance(able, card, self.slots, in_groups(self.placed()),
+                                       time.time())
         except PlacementError as exc:
             if model not in self._unplaceable:
                 log.warning("tasks wait for %s, which no live node can provide: %s", model, exc)
@@ -79,20 +75,6 @@ class Demand:
         log.info("tasks wait for %s: placed %s on %s", model, instance.instance_id,
                  ",".join(s.node_id for s in instance.shards))
         return instance
-
-    def _choose(self, able: list[NodeInfo], card: ModelCard, now: float) -> Instance:
-        """One node when one can hold the model; else the fewest nodes that hold it split."""
-        instance_id = auto_instance_id(card.id)
-        try:
-            return new_instance(card, choose_node(able, card, now), self.slots, now, instance_id)
-        except PlacementError as single:
-            try:
-                shards = fewest_shards(
-                    able_to_shard(able, card, now), card, in_groups(self.placed())
-                )
-            except ShardingError as split:
-                raise PlacementError(f"{single}; split over nodes: {split}") from split
-            return sharded_instance(card, shards, self.slots, now, instance_id)
 
     async def queued_models(self) -> list[str]:
         counts = await TaskQueue.of(self.js).counts()

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from fleet.errors import FleetError
-from fleet.placement import able_to_shard, choose_node, in_groups, moved
+from fleet.placement_rules import able_to_shard, choose_node, in_groups, moved
 from fleet.placement_shards import ShardingError, replace_lost_shards
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
 

@@ -16,7 +16,6 @@ from fleet.worker.priority import reserve_for
 from fleet.worker.routes import routes, waits_for_a_full_runner
 from fleet.worker.routing import Wait
 from fleet.worker.state import WorkerState, group_layout, ranks_of
-from fleet.worker.supervisor import compute_backoff
 
 RESTART_BASE_S = 1.0
 RESTART_CAP_S = 60.0
@@ -100,6 +99,14 @@ def _orphaned(state: WorkerState) -> set[str]:
         r.runner_id for r in state.runners.values()
         if state.stopping or r.instance_id not in wanted or wanted[r.instance_id] != r.layout
     }
+
+
+def compute_backoff(attempts: int, base: float, cap: float) -> float:
+    """Seconds to wait before restart number `attempts`: 0 for the first start, then
+    base, 2·base, 4·base … up to cap. Pure: the caller adds it to its own `now`."""
+    if attempts <= 0:
+        return 0.0
+    return min(cap, base * 2.0 ** min(attempts - 1, 64))
 
 
 def stop_orphan_runner(state: WorkerState, now: float) -> Action | None:

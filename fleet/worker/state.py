@@ -214,6 +214,15 @@ def group_layout(instance: Instance) -> tuple[object, ...]:
     ))
 
 
+def regrouped(instance: Instance, layout: tuple[object, ...]) -> Instance | None:
+    """A rank of the group joined by `layout` died: the instance with its generation bumped,
+    so every rank's worker restarts its runner into a fresh ring; None when the instance has
+    moved on from that layout already (moved, or bumped by another rank's worker). Pure."""
+    if group_layout(instance) != layout:
+        return None
+    return instance.model_copy(update={"generation": instance.generation + 1})
+
+
 # ---- events -----------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -51,14 +51,6 @@ class RunnerNotRunning(Exception):
     """A command for a runner whose process has exited (or never started)."""
 
 
-def compute_backoff(attempts: int, base: float, cap: float) -> float:
-    """Seconds to wait before restart number `attempts`: 0 for the first start, then
-    base, 2·base, 4·base … up to cap. Pure: the caller adds it to its own `now`."""
-    if attempts <= 0:
-        return 0.0
-    return min(cap, base * 2.0 ** min(attempts - 1, 64))
-
-
 def describe_exit(returncode: int) -> str:
     if returncode < 0:
         try:

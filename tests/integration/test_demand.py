@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from fleet.placement import read_instances
-from fleet.worker.demand import auto_instance_id
+from fleet.placement_rules import auto_instance_id
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
     client,

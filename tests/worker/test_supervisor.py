@@ -35,12 +35,8 @@ from fleet.wire.runners import (
 from fleet.wire.tasks import CancelTask, TextGeneration
 from fleet.wire.token_frames import TokenFrame
 from fleet.worker.inbox import RunnerExited, RunnerReported
-from fleet.worker.supervisor import (
-    RunnerNotRunning,
-    RunnerProcess,
-    compute_backoff,
-    describe_exit,
-)
+from fleet.worker.plan import compute_backoff
+from fleet.worker.supervisor import RunnerNotRunning, RunnerProcess, describe_exit
 
 # Generous: each runner imports pydantic, fleet and (the real one) mlx-lm; on two cores beside
 # the rest of the suite or a CPU hog that took over 20 s. A wait on a report, not a sleep.
