@@ -26,7 +26,7 @@ from pydantic import BaseModel
 
 from fleet.aio import Supervisor
 from fleet.bus.connect import connect_with, js_publish, publish, redact_urls
-from fleet.bus.deadlines import publish_deadline, ttl_header
+from fleet.bus.deadlines import publish_deadline, task_ttl_header
 from fleet.bus.kv_read import live_values
 from fleet.bus.objects import ObjectBucket
 from fleet.bus.provision import provision
@@ -172,7 +172,8 @@ class Backend:
         try:
             await js_publish(
                 self.jetstream(), subjects.tasks(task.model, task.priority), task,
-                msg_id=task.task_id, extra_headers=ttl_header(task.deadline, time.time()),
+                msg_id=task.task_id,
+                extra_headers=task_ttl_header(task.deadline, time.time()),
             )
             await publish_deadline(self.jetstream(), task)
         except APIError as exc:

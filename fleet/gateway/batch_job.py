@@ -30,7 +30,7 @@ from nats.js.errors import APIError
 
 from fleet.bus.batch_store import BatchStore
 from fleet.bus.connect import js_publish
-from fleet.bus.deadlines import publish_deadline
+from fleet.bus.deadlines import publish_deadline, task_ttl_header
 from fleet.bus.task_events import Indexed
 from fleet.errors import DeadlineExceeded, FleetError, QueueFull, failure_of
 from fleet.gateway.backend import MAXIMUM_MESSAGES_EXCEEDED
@@ -196,15 +196,16 @@ class Job:
             cancel.cancel()
 
     async def _publish(self, task: Task, expires_at: int) -> None:
-        """Published with the job's window as its per-message TTL (the broker drops it
-        unstarted when the window closes); a full queue is waited out, not failed."""
-        ttl = max(1, int(expires_at - time.time()))
+        """Published with the job's window (plus a takeover's grace, fleet.bus.deadlines) as
+        its per-message TTL; its sentinel ends it `expired` when the window closes unstarted.
+        A full queue is waited out, not failed."""
+        ttl = task_ttl_header(task.deadline, time.time())  # the window, plus a takeover's grace
         await self.slack.room(task.model)  # batch work fills slack (fleet.gateway.batch_slack)
         while True:
             try:
                 await js_publish(self.gateway.backend.jetstream(),
                                  subjects.tasks(task.model, task.priority),
-                                 task, msg_id=task.task_id, extra_headers={"Nats-TTL": f"{ttl}s"})
+                                 task, msg_id=task.task_id, extra_headers=ttl)
                 await publish_deadline(self.gateway.backend.jetstream(), task)
                 return
             except APIError as exc:

@@ -106,6 +106,12 @@ class Intake:
         if await self.cluster.is_cancelled(task.task_id):
             return await self._end(task.task_id, ErrorReason.CANCELLED, "cancelled early")
         if is_past(task.deadline, datetime.now(UTC)):
+            if (earlier := self.book.queued.pop(task.task_id, None)) is not None:
+                # Its worker was lost after output began, and the deadline has passed: not
+                # run again past it (a deadline is when to have started); what streamed stays.
+                return await self._end(
+                    task.task_id, ErrorReason.DEADLINE, "the deadline passed while it was "
+                    f"being continued: its {len(earlier.generated)} streamed tokens are kept")
             return await self._end(
                 task.task_id, ErrorReason.DEADLINE, "the deadline passed before it started"
             )

@@ -111,7 +111,7 @@ async def test_the_task_carries_its_clamped_class_and_tenant_on_its_subject(
         )
     assert response.status_code == 200, response.text
     assert (task.priority, task.tenant) == (gets, tenant)
-    assert worker.headers[0]["Nats-TTL"].endswith("s")  # the broker drops it at its deadline
+    assert worker.headers[0]["Nats-TTL"].endswith("s")  # dropped at its deadline + a grace
 
 
 async def test_a_bad_header_is_a_400(client: httpx.AsyncClient) -> None:

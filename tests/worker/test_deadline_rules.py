@@ -6,7 +6,15 @@ from datetime import UTC, datetime
 
 import pytest
 
-from fleet.bus.deadlines import deadline_subject, expires, task_of, ttl_header, ttl_seconds
+from fleet.bus.deadlines import (
+    TAKEOVER_GRACE_S,
+    deadline_subject,
+    expires,
+    task_of,
+    task_ttl_header,
+    ttl_header,
+    ttl_seconds,
+)
 
 NOW = 1_000.0
 
@@ -25,6 +33,20 @@ def at(seconds: float) -> datetime:
 def test_the_sentinel_ttl_ends_at_the_deadline(deadline: datetime | None, ttl: int | None) -> None:
     assert ttl_seconds(deadline, NOW) == ttl
     assert ttl_header(deadline, NOW) == ({} if ttl is None else {"Nats-TTL": f"{ttl}s"})
+
+
+@pytest.mark.parametrize(("deadline", "grace", "header"), [
+    (None, 300, {}),
+    (at(NOW + 10), 300, {"Nats-TTL": "310s"}),  # the sentinel at 10 s, the message 5 min later
+    (at(NOW + 9.2), 60, {"Nats-TTL": "70s"}),
+    (at(NOW - 5), 0, {"Nats-TTL": "1s"}),
+])
+def test_the_task_message_outlives_its_deadline_by_the_grace(
+    deadline: datetime | None, grace: int, header: dict[str, str]
+) -> None:
+    """So that a worker lost after the task started is still taken over (issue 25)."""
+    assert task_ttl_header(deadline, NOW, grace) == header
+    assert TAKEOVER_GRACE_S >= 60  # AckWait (2 s; 30 s in tests) and a takeover, with room
 
 
 @pytest.mark.parametrize(("headers", "marker"), [
