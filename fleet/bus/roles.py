@@ -42,7 +42,7 @@ FILES = "OBJ_FLEET_FILES"
 BATCH_RESULTS = "FLEET_BATCH_RESULTS"
 BATCH_BUCKETS = ("FLEET_BATCHES", "FLEET_BATCH_LEASES", "FLEET_IDEMPOTENCY")
 FAIRNESS = "FLEET_FAIRNESS"  # tenants' virtual token counters (fleet/gateway/fair_share.py)
-DEADLINES = "FLEET_DEADLINES"  # a sentinel per task with a deadline (fleet/worker/deadlines.py)
+DEADLINES = "FLEET_DEADLINES"  # a sentinel per task with a deadline (fleet/worker/janitor.py)
 LEASES = "FLEET_LEASES"  # fleet-wide duties held by one worker (fleet.worker.sweeper)
 ALL_STREAMS = (
     TASKS, OUT, EVENTS, TRACES, DEAD, ADVISORIES, REFUSED, IMAGES, WEIGHTS, VISION,
@@ -356,7 +356,7 @@ ACTIONS: tuple[Action, ...] = (
            "forged marker header could expire another's task (fleet/bus/deadlines.py)"),
     Action("expire_deadlines", "consume the sentinels' expiry markers (durable `deadlines` "
            "on FLEET_DEADLINES) and end unstarted tasks `expired`", _who("worker"),
-           "one worker handles each deadline that passes (fleet/worker/deadlines.py)"),
+           "one worker handles each deadline that passes (fleet/worker/janitor.py)"),
     Action("tenant_records", "read and write which tenant owns a task or image (FLEET_TENANTS)",
            _who("gateway"), "tenants are the gateway's: NATS users are roles, not tenants"),
     Action("own_inbox", "receive replies on its own inbox `_INBOX.<role>.>` (requests, "

@@ -41,12 +41,11 @@ from fleet.wire.cluster import (
 )
 from fleet.wire.codec import DecodeError, decode_model, encode
 from fleet.wire.runners import RunnerStatus
-from fleet.worker.deadlines import DeadlineWatch
 from fleet.worker.demand import Demand
 from fleet.worker.failover import Failover
 from fleet.worker.heartbeat import Heartbeat
 from fleet.worker.inputs import ImageCache
-from fleet.worker.janitor import Janitor
+from fleet.worker.janitor import DeadlineWatch, Janitor
 from fleet.worker.node import free_port, node_id, node_info
 from fleet.worker.state import CardsChanged, InstancesChanged, RunnerView, regrouped
 from fleet.worker.sweeper import FleetDuties

@@ -1,4 +1,5 @@
-"""Tasks no model consumer will ever finish: unknown models, and tasks past MaxDeliver.
+"""Tasks no model consumer will ever finish: unknown models, tasks past MaxDeliver, and tasks
+whose deadline passed while they waited in the queue.
 
 Unknown models are found by the holder of the sweeper lease (fleet.worker.sweeper), which reads
 FLEET_TASKS' per-subject counts every TRIAGE_S and reads back the tasks stored on a subject no
@@ -11,11 +12,22 @@ Like the intake, the janitor writes a terminal on `fleet.out.<id>` only after cl
 (fleet.worker.claims): a task on an unknown model that carries another task's id is refused
 (TaskRefused), never allowed to end that task. Every broker call goes through the retry
 policy; the advisory's own ack or nak is retried, and a failure is logged, not suppressed.
+
+Deadlines are kept by the broker (`DeadlineWatch`): the task's publisher set a sentinel whose
+per-message TTL ends at the deadline (fleet.bus.deadlines); the server replaces it then with a
+delete marker. The workers share one durable consumer of FLEET_DEADLINES: the worker that gets
+a marker claims the task id; the claim succeeds only if no task message ever claimed it, i.e.
+the task never started, and then that worker writes the `expired` terminal (reason
+`deadline`). A task that started holds its claim, so its marker changes nothing; a task
+message pulled after the marker is refused (`task_id_taken`) and never runs. A publisher that
+also sets `Nats-TTL` on the task message (the gateway's batch lines do) has the broker drop
+the message itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -26,7 +38,10 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from fleet.aio import started
 from fleet.bus.connect import js_publish
+from fleet.bus.deadlines import STREAM as DEADLINES_STREAM
+from fleet.bus.deadlines import expires, task_of
 from fleet.bus.task_queue import TaskQueue, durable_pull, settle
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_task, sent_task_id
@@ -194,3 +209,54 @@ class Janitor:
     async def _already_finished(self, task_id: str) -> bool:
         last = await self.claims.log.last_event(task_id)  # the terminal is stored last
         return isinstance(last, TaskFinished)
+
+
+DEADLINES_DURABLE = "deadlines"
+
+
+class DeadlineWatch:
+    def __init__(self, nc: Client, js: JetStreamContext, janitor: Janitor) -> None:
+        """`janitor`: writes the terminal (as it writes its own)."""
+        self.nc = nc
+        self.js = js
+        self.janitor = janitor
+
+    async def start(self) -> None:
+        self.claims = await Claims.open(self.nc, self.js)
+        self.markers = await durable_pull(self.js, DEADLINES_STREAM, DEADLINES_DURABLE,
+                                          what="the deadline markers' consumer")
+        self._loop = started(self._expire_forever(), "deadline watch")
+
+    async def stop(self) -> None:
+        self._loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._loop
+        await unsubscribe_pull(self.markers)
+
+    async def _expire_forever(self) -> None:
+        while True:
+            try:
+                msgs = await self.markers.fetch(32, timeout=5.0)
+            except TimeoutError:
+                continue
+            except Exception as exc:
+                log.warning("deadline marker fetch failed: %s", exc)
+                await asyncio.sleep(1.0)  # pacing a retry after a broker error
+                continue
+            for msg in msgs:
+                try:
+                    if expires(msg.headers):
+                        await self._expire(task_of(msg.subject))
+                    await msg.ack()
+                except Exception as exc:  # redelivered after AckWait; the claim keeps it once
+                    log.warning("expiring %s failed, retried later: %s", msg.subject, exc)
+
+    async def _expire(self, task_id: str) -> None:
+        # One owner per task for every marker of it: a marker redelivered after a failed
+        # terminal finds its own claim and writes the terminal (its msg id keeps it once).
+        if await self.claims.admit(task_id, f"deadline-{task_id}") is not None:
+            return  # it started (its message holds the claim), or it was expired already
+        log.info("task %s expired unstarted: its deadline passed in the queue", task_id)
+        await self.janitor._finish(task_id, ErrorReason.DEADLINE,
+                                   "the deadline passed before it started (expired in the queue)")
+

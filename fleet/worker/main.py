@@ -46,7 +46,6 @@ from fleet.wire.events import (
 )
 from fleet.wire.tasks import CancelTask
 from fleet.wire.token_frames import TokenFrame
-from fleet.worker import cores
 from fleet.worker import plan as rules
 from fleet.worker import state as ev
 from fleet.worker.acks import AckPolicy, Stage, beat_forever, held_stages, intake_key, verb_of
@@ -75,6 +74,7 @@ from fleet.worker.inbox import (
     Tick,
 )
 from fleet.worker.intake import Intake, Queued
+from fleet.worker.node import sample_cores_forever
 from fleet.worker.outputs import TaskOutput
 from fleet.worker.preemption import Preempt
 from fleet.worker.prefix_adverts import PrefixAdverts, ServedPrefixes
@@ -165,7 +165,7 @@ class Worker:
             owner.forever("tick", self.feeds.tick_forever)
             owner.forever("in_progress beats", lambda: beat_forever(
                 self.acks, lambda: held_stages(self.state, self.acks.held())))
-            owner.forever("core sampler", lambda: cores.sample_forever(self.inbox.put_nowait))
+            owner.forever("core sampler", lambda: sample_cores_forever(self.inbox.put_nowait))
             owner.forever("prefix adverts", PrefixAdverts(self.js, lambda: self.state).forever)
             self.asks = AskResponder(self.nc, self.js, settings.ask_timeout_s, owner)
             await self.asks.start()

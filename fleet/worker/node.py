@@ -1,17 +1,32 @@
-"""This node: a stable id kept in the data dir, and the heartbeat it puts in FLEET_NODES."""
+"""This node: a stable id kept in the data dir, the heartbeat it puts in FLEET_NODES, and how
+much CPU it has to spare.
+
+Spare CPU is measured, routing's notion of saturation: whether a runner's idle core is really
+idle depends on everything else on the machine (the other runners, the worker, nats-server,
+neighbours), so the worker samples the node's idle CPU (psutil, all cores) every `every_s` and
+tells its loop when the figure moved by a tenth of a core or more (`sample_cores_forever`);
+routing then knows whether work sent to an idle runner runs on a core nobody uses
+(fleet.worker.routing). Its workers' adverts carry the same figure to other nodes.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import platform
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 
 from fleet.wire.cluster import DeviceInfo, NodeInfo
+from fleet.worker.state import CoresSampled
+
+SAMPLE_S = 0.5
+MOVED = 0.1  # cores: a smaller change is not worth a plan
 
 
 def node_id(data_dir: Path) -> str:
@@ -83,3 +98,20 @@ def free_port(host: str) -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
+
+
+def spare_cores(busy_percent: float, cores: int) -> float:
+    return round(cores * max(0.0, 100.0 - busy_percent) / 100.0, 2)
+
+
+async def sample_cores_forever(tell: Callable[[CoresSampled], None],
+                               every_s: float = SAMPLE_S) -> None:
+    cores = psutil.cpu_count() or 1
+    psutil.cpu_percent(interval=None)  # the first call only starts the interval
+    last: float | None = None
+    while True:
+        await asyncio.sleep(every_s)  # the sampling period, not synchronisation
+        spare = spare_cores(psutil.cpu_percent(interval=None), cores)
+        if last is None or abs(spare - last) >= MOVED:
+            last = spare
+            tell(CoresSampled(spare))

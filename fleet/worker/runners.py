@@ -5,14 +5,22 @@ model's files (a card with a manifest in FLEET_MODELS), they are fetched into th
 the node showing a `downloading` runner record meanwhile (no runner process exists then, so
 nothing can be dispatched to it); else a built-in model is built here. A built-in model this
 node has and the fleet lacks is published, so that the next node fetches it.
+
+A runner's environment: R runners on one machine each running OpenBLAS with a thread per core
+oversubscribe it R times over (on this 2-core box two runners with 2 threads each decode
+slower than with 1). So a runner gets the node's cores divided by the runners it hosts, at
+least one, unless the operator set OPENBLAS_NUM_THREADS for the worker, which then holds for
+every runner (`runner_env`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,7 +34,6 @@ from fleet.wire.pipe import RunnerCommand, RunnerSpec
 from fleet.wire.ring import GroupSpec
 from fleet.wire.runners import RunnerDownloading, RunnerFailed
 from fleet.worker.inbox import Inbox, RunnerExited
-from fleet.worker.runner_env import runner_env
 from fleet.worker.standby import (
     StandbyRunner,
     runners_starting,
@@ -47,6 +54,21 @@ if TYPE_CHECKING:
     from fleet.worker.cluster import ClusterLink
 
 log = logging.getLogger(__name__)
+
+# mflux draws a tqdm progress bar per generation: carriage-return noise in the runner's log.
+BASE_ENV = {"TQDM_DISABLE": "1"}
+
+
+def blas_threads(cores: int, runners: int, configured: str | None) -> str:
+    """OPENBLAS_NUM_THREADS for one of `runners` runners on `cores` cores. Pure."""
+    if configured:
+        return configured
+    return str(max(1, cores // max(1, runners)))
+
+
+def runner_env(runners_here: int, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    threads = blas_threads(os.cpu_count() or 1, runners_here, environ.get("OPENBLAS_NUM_THREADS"))
+    return {**BASE_ENV, "OPENBLAS_NUM_THREADS": threads}
 
 PROGRESS_EVERY_S = 0.5  # how often a fetch's progress is written to FLEET_RUNNERS
 RING_CONNECT_S = 120.0  # a shard's peers may be fetching or building the model meanwhile

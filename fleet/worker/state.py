@@ -381,7 +381,7 @@ class RemoteRunnersSeen:
 
 @dataclass(frozen=True)
 class CoresSampled:
-    """This node's idle CPU over the last sample, in cores (fleet.worker.cores)."""
+    """This node's idle CPU over the last sample, in cores (fleet.worker.node)."""
 
     spare_cores: float
 

@@ -22,7 +22,7 @@ from fleet.bus.embedded import EmbeddedNats
 from fleet.wire import subjects
 from fleet.wire.events import TaskFinished
 from fleet.wire.tasks import ChatMessage, TextGeneration
-from fleet.worker.deadlines import DURABLE
+from fleet.worker.janitor import DEADLINES_DURABLE as DURABLE
 from tests.integration.harness import (
     WorkerProcess,
     add_fault_card,

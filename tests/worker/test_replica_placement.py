@@ -8,7 +8,7 @@ from fleet.errors import InvalidRequest, PlacementError
 from fleet.models.catalog import get_card
 from fleet.placement_replicas import choose_nodes
 from fleet.wire.cluster import NodeInfo
-from fleet.worker.runner_env import blas_threads
+from fleet.worker.runners import blas_threads
 
 NOW = 1000.0
 GB = 1 << 30

@@ -9,7 +9,7 @@ import pytest
 from fleet.wire.cluster import Instance, ShardAssignment
 from fleet.wire.runners import RunnerReady
 from fleet.wire.tasks import ChatMessage, TextGeneration
-from fleet.worker.cores import spare_cores
+from fleet.worker.node import spare_cores
 from fleet.worker.plan import Dispatch, Pull, plan
 from fleet.worker.prefix_blocks import BLOCK_CHARS, block_hashes, prompt_blocks
 from fleet.worker.routing import Candidate, PrefixHeld, Wait, Weights, choose, choose_runner
