@@ -107,3 +107,21 @@ def test_a_dead_rank_regroups_only_the_layout_it_died_in(
     assert (bumped.generation if bumped else None) == bumped_to
     if bumped is not None:
         assert bumped.shards == stored.shards
+
+
+def test_the_pure_rooms_import_no_broker_code() -> None:
+    """plan, liveness, state and the placement rules load neither nats-py nor fleet.bus (in
+    a fresh interpreter: this one has both loaded already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import fleet.placement_rules, fleet.worker.liveness, fleet.worker.plan, "
+        "fleet.worker.state\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'nats' "
+        "or m.startswith('fleet.bus')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
