@@ -97,6 +97,14 @@ def summary(decisions: list[Move | Stranded]) -> list[tuple[str, str, str]]:
     ([instance("i1", "gone")], [node("me", [])], True, [("i1", "stuck", "")]),
     # A stale heartbeat value is no candidate.
     ([instance("i1", "gone")], [node("b", ["m"], at=0.0)], True, [("i1", "stuck", "")]),
+    # The moves of one sweep count the memory of those before them: spread, not piled on the
+    # node with the most free memory as the heartbeats said.
+    ([instance("i1", "gone"), instance("i2", "gone")],
+     [node("a", ["m"], free=3 << 20), node("b", ["m"], free=(2 << 20) + 1)], True,
+     [("i1", "->", "a"), ("i2", "->", "b")]),
+    # ... and a node filled by them takes no more: the next waits.
+    ([instance("i1", "gone"), instance("i2", "gone")], [node("a", ["m"], free=3 << 19)], True,
+     [("i1", "->", "a"), ("i2", "stuck", "")]),
 ])
 def test_plan_moves(
     placed: list[Placed], nodes: list[NodeInfo], trusted: bool,
