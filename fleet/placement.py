@@ -7,8 +7,9 @@ import time
 
 from nats.js import JetStreamContext
 
-from fleet.bus.kv_calls import kv_create, kv_delete
+from fleet.bus.kv_calls import open_bucket
 from fleet.bus.kv_read import live_values
+from fleet.bus.records import InstanceRecords
 from fleet.errors import InvalidRequest, PlacementError
 from fleet.placement_rules import (
     HEARTBEAT_STALE_S,
@@ -26,7 +27,6 @@ from fleet.placement_rules import (
 from fleet.placement_shards import ShardingError, choose_shards
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
-from fleet.wire.codec import encode
 
 __all__ = [
     "HEARTBEAT_STALE_S",
@@ -83,12 +83,11 @@ async def place(
     else:
         nodes = candidates(await read_nodes(js), card, node_id)
         instance = new_instance(card, choose_node(nodes, card, now), slots, now)
-    kv = await js.key_value(subjects.INSTANCES_BUCKET)
-    if await kv_create(kv, instance.instance_id, encode(instance)) is None:  # CAS: a new key
+    records = InstanceRecords(await open_bucket(js, subjects.INSTANCES_BUCKET))
+    if not await records.create(instance):  # compare-and-set: a new key
         raise PlacementError(f"instance {instance.instance_id} exists already")
     return instance
 
 
 async def remove(js: JetStreamContext, instance_id: str) -> None:
-    kv = await js.key_value(subjects.INSTANCES_BUCKET)
-    await kv_delete(kv, instance_id)
+    await InstanceRecords(await open_bucket(js, subjects.INSTANCES_BUCKET)).delete(instance_id)

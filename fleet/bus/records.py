@@ -1,7 +1,8 @@
-"""Typed records in the KV buckets a task's path reads and writes: who owns a task id
-(FLEET_CLAIMS) and which tasks were cancelled (FLEET_CANCELS). Callers speak of task ids,
-owners and CancelTask; the bucket, its keys and its values stay here. Every call goes through
-fleet.bus.kv_calls, with its own retry budget (fleet.bus.retry).
+"""Typed records in the KV buckets the worker reads and writes: who owns a task id
+(FLEET_CLAIMS), which tasks were cancelled (FLEET_CANCELS), where instances are placed
+(FLEET_INSTANCES), this node's heartbeat (FLEET_NODES) and its runners (FLEET_RUNNERS). Callers
+speak of task ids, owners and the wire types; the keys and the encoding stay here. Every call
+goes through fleet.bus.kv_calls, with its own retry budget (fleet.bus.retry).
 
 Why a claim or a cancel is written (and when a claim is judged fresh, own or taken) is the
 worker's (fleet.worker.claims); these classes only keep the records.
@@ -13,11 +14,12 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
-from fleet.bus.kv_calls import kv_create, kv_get, kv_put, open_bucket
+from fleet.bus.kv_calls import kv_create, kv_delete, kv_get, kv_put, kv_update, open_bucket
 from fleet.bus.retry import BROKER_BUDGET_S
 from fleet.errors import ProvisioningConflict
 from fleet.wire import subjects
-from fleet.wire.codec import encode
+from fleet.wire.cluster import Instance, NodeInfo, RunnerRecord
+from fleet.wire.codec import decode_model, encode
 from fleet.wire.tasks import CancelTask
 
 
@@ -78,3 +80,61 @@ class CancelRecords:
 
     async def cancelled(self, task_id: str) -> bool:
         return await kv_get(self.kv, task_id, budget_s=self.budget_s) is not None
+
+
+class InstanceRecords:
+    """FLEET_INSTANCES: instance id -> its Instance. Every write is a compare-and-set (a
+    create, or an update on the revision read), so workers racing to place or move one
+    instance leave one answer."""
+
+    def __init__(self, kv: KeyValue, *, budget_s: float = BROKER_BUDGET_S) -> None:
+        self.kv = kv
+        self.budget_s = budget_s
+
+    async def get(self, instance_id: str) -> tuple[Instance, int] | None:
+        """The instance and its revision; None when it is not placed (DecodeError when its
+        value is not an Instance)."""
+        entry = await kv_get(self.kv, instance_id, budget_s=self.budget_s)
+        if entry is None or not entry.value:
+            return None
+        return decode_model(Instance, entry.value), int(entry.revision or 0)
+
+    async def create(self, instance: Instance) -> bool:
+        """Place it; False when an instance of that id exists (someone placed it first)."""
+        return await kv_create(self.kv, instance.instance_id, encode(instance),
+                               budget_s=self.budget_s) is not None
+
+    async def update(self, instance: Instance, last: int) -> bool:
+        """Replace it if its revision is still `last`; False when someone wrote it first."""
+        return await kv_update(self.kv, instance.instance_id, encode(instance), last,
+                               budget_s=self.budget_s) is not None
+
+    async def delete(self, instance_id: str) -> None:
+        await kv_delete(self.kv, instance_id, budget_s=self.budget_s)
+
+
+class NodeRecords:
+    """FLEET_NODES: node id -> its NodeInfo, re-put as a heartbeat (the bucket's max age
+    removes a silent node)."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+
+    async def put(self, info: NodeInfo, *, budget_s: float = BROKER_BUDGET_S) -> None:
+        await kv_put(self.kv, info.node_id, encode(info), budget_s=budget_s)
+
+    async def delete(self, node_id: str, *, budget_s: float = BROKER_BUDGET_S) -> None:
+        await kv_delete(self.kv, node_id, budget_s=budget_s)
+
+
+class RunnerRecords:
+    """FLEET_RUNNERS: runner id -> its RunnerRecord (status, slots, tasks)."""
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+
+    async def put(self, record: RunnerRecord, *, budget_s: float = BROKER_BUDGET_S) -> None:
+        await kv_put(self.kv, record.runner_id, encode(record), budget_s=budget_s)
+
+    async def delete(self, runner_id: str, *, budget_s: float = BROKER_BUDGET_S) -> None:
+        await kv_delete(self.kv, runner_id, budget_s=budget_s)

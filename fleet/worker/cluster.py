@@ -17,9 +17,9 @@ from nats.js.kv import KeyValue
 
 from fleet.aio import Supervisor
 from fleet.bus.connect import publish
-from fleet.bus.kv_calls import kv_delete, kv_get, kv_put, kv_update, open_bucket
+from fleet.bus.kv_calls import open_bucket
 from fleet.bus.objects import ObjectBucket
-from fleet.bus.records import CancelRecords
+from fleet.bus.records import CancelRecords, InstanceRecords
 from fleet.bus.vision_store import VisionShare
 from fleet.bus.weights import MODELS_BUCKET, FleetModels
 from fleet.config import Settings
@@ -39,7 +39,7 @@ from fleet.wire.cluster import (
     RunnerRecord,
     RunnerStatusChanged,
 )
-from fleet.wire.codec import DecodeError, decode_model, encode
+from fleet.wire.codec import DecodeError, decode_model
 from fleet.wire.runners import RunnerStatus
 from fleet.worker.demand import Demand
 from fleet.worker.failover import Failover
@@ -166,7 +166,7 @@ class ClusterLink:
             self._own_supervisor = None
         # Deleting our key tells the others at once that we left on purpose.
         with contextlib.suppress(Exception):
-            await kv_delete(self.nodes, self.node_id, budget_s=STOP_BUDGET_S)
+            await self.heartbeat.node_records.delete(self.node_id, budget_s=STOP_BUDGET_S)
             await publish(
                 self.nc, subjects.node_event(self.node_id),
                 NodeLeft(node_id=self.node_id, at=time.time()),
@@ -193,13 +193,14 @@ class ClusterLink:
         """A rank of this sharded instance died: bump its generation (a compare-and-set), so
         every rank's worker restarts its runner into a fresh ring. A moved or already bumped
         instance is left alone: its runners restart anyway."""
-        entry = await kv_get(self.instances, instance_id)
-        if entry is None or entry.value is None:
+        records = InstanceRecords(self.instances)
+        if (stored := await records.get(instance_id)) is None:
             return
-        bumped = regrouped(decode_model(Instance, entry.value), layout)
+        instance, revision = stored
+        bumped = regrouped(instance, layout)
         if bumped is None:
             return
-        if await kv_update(self.instances, instance_id, encode(bumped), last=entry.revision):
+        if await records.update(bumped, revision):
             log.warning("a rank of %s died: its group restarts (generation %d)", instance_id,
                         bumped.generation)
 
@@ -292,9 +293,9 @@ class ClusterLink:
             runner_id, record = await self._status_writes.get()
             try:
                 if record is None:
-                    await kv_delete(self.runners, runner_id)
+                    await self.heartbeat.runner_records.delete(runner_id)
                 else:
-                    await kv_put(self.runners, runner_id, encode(record))
+                    await self.heartbeat.runner_records.put(record)
                     changed = RunnerStatusChanged(
                         runner_id=runner_id, instance_id=record.instance_id,
                         node_id=self.node_id, model=record.model, status=record.status,

@@ -17,13 +17,12 @@ from collections.abc import Callable, Iterable
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from fleet.bus.kv_calls import kv_create
+from fleet.bus.records import InstanceRecords
 from fleet.bus.task_queue import TaskQueue
 from fleet.errors import PlacementError
 from fleet.placement_rules import demand_instance, in_groups
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
-from fleet.wire.codec import encode
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +41,7 @@ class Demand:
         nodes_known: asyncio.Event | None = None,
     ) -> None:
         self.js = js
-        self.instances = instances
+        self.instances = InstanceRecords(instances)
         self.cards = cards
         self.placed = placed
         self.live_nodes = live_nodes
@@ -70,7 +69,7 @@ class Demand:
                 self._unplaceable.add(model)
             return None
         self._unplaceable.discard(model)
-        if await kv_create(self.instances, instance.instance_id, encode(instance)) is None:
+        if not await self.instances.create(instance):
             return None  # another worker answered the same demand first
         log.info("tasks wait for %s: placed %s on %s", model, instance.instance_id,
                  ",".join(s.node_id for s in instance.shards))

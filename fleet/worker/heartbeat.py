@@ -21,11 +21,11 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from fleet.aio import set_within
-from fleet.bus.kv_calls import bucket_max_age, kv_put
+from fleet.bus.kv_calls import bucket_max_age
+from fleet.bus.records import NodeRecords, RunnerRecords
 from fleet.bus.replies import inbox_reply
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo, RunnerRecord
-from fleet.wire.codec import encode
 from fleet.worker.liveness import (
     LinkHealth,
     beat_failed,
@@ -52,6 +52,7 @@ class Heartbeat:
         self.nc = nc
         self.nodes = nodes
         self.runners = runners
+        self.node_records, self.runner_records = NodeRecords(nodes), RunnerRecords(runners)
         self.node_id = node_id
         self.info = info
         self.records = records  # re-put each round, so their keys outlive their TTL
@@ -93,7 +94,7 @@ class Heartbeat:
                 raise ConnectionError("not connected to NATS")
             held = self.held()
             info = self.info().model_copy(update={"held_acks": held})
-            await kv_put(self.nodes, self.node_id, encode(info), budget_s=budget_s)
+            await self.node_records.put(info, budget_s=budget_s)
             self._listed = frozenset(held)
         except Exception as exc:
             if self.health.failures == 0:
@@ -106,7 +107,7 @@ class Heartbeat:
         self.health = beat_succeeded(self.health, time.monotonic())
         for record in self.records() if records else ():
             try:
-                await kv_put(self.runners, record.runner_id, encode(record), budget_s=budget_s)
+                await self.runner_records.put(record, budget_s=budget_s)
             except Exception as exc:
                 log.warning("runner record %s not refreshed: %s", record.runner_id, exc)
 

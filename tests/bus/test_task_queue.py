@@ -97,3 +97,36 @@ async def test_ttl_records_and_bucket_age(provisioned_nc: Client) -> None:
     await put_with_ttl(js, "FLEET_TENANTS", "task.x", b"v", 60)
     assert await get_direct(js, "FLEET_TENANTS", "task.x") == b"v"
     assert (await bucket_max_age(js, subjects.NODES_BUCKET) or 0) > 0
+
+
+async def test_instance_node_and_runner_records(provisioned_nc: Client) -> None:
+    from fleet.bus.kv_calls import open_bucket
+    from fleet.bus.records import InstanceRecords, NodeRecords, RunnerRecords
+    from fleet.wire.cluster import Instance, NodeInfo, RunnerRecord, ShardAssignment
+    from fleet.wire.runners import RunnerIdle
+
+    js = provisioned_nc.jetstream()
+    instances = InstanceRecords(await open_bucket(js, subjects.INSTANCES_BUCKET))
+    placed = Instance(instance_id="i1", model="m", created_at=1.0,
+                      shards=[ShardAssignment(node_id="n1", runner_id="pending")])
+    assert await instances.create(placed)
+    assert not await instances.create(placed)  # placed already: one answer
+    stored = await instances.get("i1")
+    assert stored is not None and stored[0] == placed
+    bumped = placed.model_copy(update={"generation": 1})
+    assert await instances.update(bumped, stored[1])
+    assert not await instances.update(bumped, stored[1])  # a stale revision loses
+    await instances.delete("i1")
+    assert await instances.get("i1") is None
+
+    nodes = NodeRecords(await open_bucket(js, subjects.NODES_BUCKET))
+    await nodes.put(NodeInfo(node_id="n1", hostname="h", memory_total_bytes=1,
+                             memory_available_bytes=1, cpu_count=1, started_at=0.0, at=0.0))
+    await nodes.delete("n1")
+    runners = RunnerRecords(await open_bucket(js, subjects.RUNNERS_BUCKET))
+    record = RunnerRecord(runner_id="r1", instance_id="i1", node_id="n1", model="m",
+                          status=RunnerIdle(), slots=1, at=1.0)
+    await runners.put(record)
+    kv = await js.key_value(subjects.RUNNERS_BUCKET)
+    assert RunnerRecord.model_validate_json((await kv.get("r1")).value or b"") == record
+    await runners.delete("r1")
