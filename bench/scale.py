@@ -75,6 +75,7 @@ class ScalePlan:
     window_s: float = 20.0
     settle_s: float = 10.0
     failover: bool = True
+    servers: int = 1  # 3: the cluster from ops/nats
 
 
 QUICK = ScalePlan(steps=(10, 40), gateways=1, window_s=6.0, settle_s=4.0, failover=False)
@@ -85,18 +86,27 @@ class Stack:
     src: Path
     design: str
     work: Path
-    nats_port: int = field(default_factory=free_port)
-    monitor_port: int = field(default_factory=free_port)
+    servers: int = 1  # 3: the cluster of ops/nats/cluster-{1,2,3}.conf, on free ports
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     sims: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.nats_port}"
+    def __post_init__(self) -> None:
+        self.nats_ports = [free_port() for _ in range(self.servers)]
+        self.monitor_ports = [free_port() for _ in range(self.servers)]
+        self.route_ports = [free_port() for _ in range(self.servers)]
 
     @property
-    def monitor(self) -> str:
-        return f"http://127.0.0.1:{self.monitor_port}"
+    def url(self) -> str:
+        return ",".join(f"nats://127.0.0.1:{port}" for port in self.nats_ports)
+
+    @property
+    def monitors(self) -> list[str]:
+        return [f"http://127.0.0.1:{port}" for port in self.monitor_ports]
+
+    @property
+    def server_names(self) -> list[str]:
+        """The servers' process names: "nats" (the first: its row sums them all), "nats-2".."""
+        return ["nats", *(f"nats-{i}" for i in range(2, self.servers + 1))]
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "PYTHONPATH": str(self.src), "FLEET_NATS_URL": self.url,
@@ -127,24 +137,41 @@ async def _wait(check: Any, timeout: float, what: str) -> Any:
 
 
 async def start_server(stack: Stack) -> Client:
-    (stack.work / "store").mkdir(parents=True, exist_ok=True)
-    # The shipped single-node config, with room for every stream's reservation (N nodes'
-    # connections and the bench's own streams are what is measured, not the store).
-    config = stack.work / "nats.conf"
-    config.write_text((ops_dir() / "nats" / "single.conf").read_text().replace(
-        "max_file_store: 16GB", "max_file_store: 1TB"))
-    stack.spawn("nats", [str(server_binary()), "-c", str(config),
-                         "-a", "127.0.0.1", "-p", str(stack.nats_port), "-m",
-                         str(stack.monitor_port), "-js", "-sd", str(stack.work / "store")])
+    for index, name in enumerate(stack.server_names):
+        store = stack.work / f"store-{index + 1}"
+        store.mkdir(parents=True, exist_ok=True)
+        # The shipped config, with room for every stream's reservation (N nodes' connections
+        # and the bench's own streams are what is measured, not the store).
+        config = stack.work / f"{name}.conf"
+        config.write_text(_server_config(stack, index).replace(
+            "max_file_store: 16GB", "max_file_store: 1TB").replace(
+            f'"./.fleet/cluster/n{index + 1}"', f'"{store}"'))  # a cluster file names its own
+        stack.spawn(name, [str(server_binary()), "-c", str(config), "-a", "127.0.0.1",
+                           "-p", str(stack.nats_ports[index]), "-m",
+                           str(stack.monitor_ports[index]), "-js",
+                           *(["-sd", str(store)] if stack.servers == 1 else [])])
 
     async def varz() -> bool:
         async with httpx.AsyncClient() as client:
-            return (await client.get(f"{stack.monitor}/varz")).is_success
+            return all([(await client.get(f"{m}/varz")).is_success for m in stack.monitors])
 
     await _wait(varz, 30, "nats-server")
     nc = await connect(stack.url, "scale-harness", inbox_owner="operator")
     await provision(nc, stack.src / "ops" / "jetstream")  # as the measured processes will
     return nc
+
+
+def _server_config(stack: Stack, index: int) -> str:
+    """single.conf, or cluster-<i>.conf with this stack's ports in place of 4221-4223 (client),
+    6221-6223 (routes) and 8221-8223 (monitoring)."""
+    if stack.servers == 1:
+        return (ops_dir() / "nats" / "single.conf").read_text()
+    text = (ops_dir() / "nats" / f"cluster-{index + 1}.conf").read_text()
+    for i in range(3):
+        text = (text.replace(f"{4221 + i}", str(stack.nats_ports[i]))
+                .replace(f"{6221 + i}", str(stack.route_ports[i]))
+                .replace(f"{8221 + i}", str(stack.monitor_ports[i])))
+    return text
 
 
 async def start_real(stack: Stack, nc: Client, gateways: int) -> None:
@@ -290,18 +317,22 @@ def _cpu(process: subprocess.Popen[bytes]) -> float:
 
 async def measure(stack: Stack, window_s: float) -> dict[str, Any]:
     """CPU (share of one core), RSS, and msgs/bytes a second received over one window."""
-    names = [n for n in stack.procs if n != "nats"] + ["nats"]
+    servers = stack.server_names
+    names = [n for n in stack.procs if n not in servers] + ["nats"]
     gateways = sum(1 for n in names if n.startswith("gateway"))
-    cpu0 = {n: _cpu(stack.procs[n]) for n in names}
-    connz0 = await read_connz(stack.monitor)
+    cpu0 = {n: _cpu(stack.procs[n]) for n in [*names, *servers[1:]]}
+    connz0 = await _connz(stack)
     began = time.monotonic()
     await asyncio.sleep(window_s)  # the measurement window
     took = time.monotonic() - began
-    connz1 = await read_connz(stack.monitor)
+    connz1 = await _connz(stack)
     out: dict[str, Any] = {}
     for name in names:
+        # The nats row: every server of the cluster together (CPU summed; RSS the first's).
+        spent = sum(_cpu(stack.procs[n]) - cpu0[n] for n in (servers if name == "nats"
+                                                              else [name]))
         row: dict[str, Any] = {
-            "cpu": round((_cpu(stack.procs[name]) - cpu0[name]) / took, 4),
+            "cpu": round(spent / took, 4),
             "rss_mb": round(_ps(stack.procs[name]).memory_info().rss / 2**20, 1),
         }
         if name == "worker" or name.startswith("gateway"):
@@ -329,6 +360,12 @@ async def moved_while_alive(nc: Client, n: int, killed: set[str]) -> list[str]:
         if node not in killed and instance and all(s.node_id != node for s in instance.shards):
             moved.append(node)
     return moved
+
+
+async def _connz(stack: Stack) -> dict[str, Any]:
+    """Every server's client connections as one list (a client is on one of them)."""
+    return {"connections": [conn for monitor in stack.monitors
+                            for conn in (await read_connz(monitor)).get("connections") or []]}
 
 
 async def time_failover(nc: Client, index: int, timeout: float = 60.0) -> float | None:
@@ -384,7 +421,7 @@ async def time_placement(nc: Client) -> float:
 
 async def run_design(src: Path, design: str, plan: ScalePlan, work: Path) -> dict[str, Any]:
     work.mkdir(parents=True, exist_ok=True)
-    stack = Stack(src, design, work)
+    stack = Stack(src, design, work, servers=plan.servers)
     steps: dict[str, Any] = {}
     killed: set[str] = set()
     try:
@@ -463,19 +500,20 @@ def table(result: dict[str, Any]) -> list[str]:
 
 def run_scale(quick: bool, baseline_src: Path | None, workdir: Path,
               steps: tuple[int, ...] | None = None, gateways: int | None = None,
-              ) -> dict[str, Any]:
+              cluster: bool = False) -> dict[str, Any]:
     import uvloop
 
     plan = QUICK if quick else ScalePlan()
-    if steps or gateways:
+    if steps or gateways or cluster:
         plan = ScalePlan(steps=steps or plan.steps, gateways=gateways or plan.gateways,
                          window_s=plan.window_s, settle_s=plan.settle_s,
-                         failover=plan.failover)
+                         failover=plan.failover, servers=3 if cluster else 1)
     results = []
     if baseline_src is not None:
         capped = ScalePlan(steps=tuple(n for n in plan.steps if n <= BASELINE_MAX_N),
                            gateways=plan.gateways, window_s=plan.window_s,
-                           settle_s=plan.settle_s, failover=plan.failover)
+                           settle_s=plan.settle_s, failover=plan.failover,
+                           servers=plan.servers)
         results.append(uvloop.run(run_design(baseline_src, "baseline", capped,
                                              workdir / "base")))
     results.append(uvloop.run(run_design(REPO, "current", plan, workdir / "current")))
@@ -495,14 +533,18 @@ def main() -> None:
     parser.add_argument("--gateways", type=int, help="G real gateways (default 1)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--workdir", type=Path, help="keep the processes' logs here")
+    parser.add_argument("--cluster", action="store_true",
+                        help="the 3-node cluster of ops/nats (on free ports), not one server")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     steps = tuple(int(s) for s in args.steps.split(",")) if args.steps else None
     if args.workdir:  # kept: the processes' logs (the sweeper's is sim-0.log)
-        result = run_scale(args.quick, args.baseline_src, args.workdir, steps, args.gateways)
+        result = run_scale(args.quick, args.baseline_src, args.workdir, steps, args.gateways,
+                           args.cluster)
     else:
         with tempfile.TemporaryDirectory(prefix="fleet-scale-") as tmp:
-            result = run_scale(args.quick, args.baseline_src, Path(tmp), steps, args.gateways)
+            result = run_scale(args.quick, args.baseline_src, Path(tmp), steps,
+                               args.gateways, args.cluster)
     out = args.out or REPO / "bench" / "results" / f"scale-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
