@@ -11,7 +11,7 @@ Which calls are safe to repeat, and why:
 - `kv_get` and `kv_delete` are naturally repeatable.
 - `put_with_ttl` writes the same value again, with the same per-message TTL; `get_direct`
   reads (any replica answers: a direct get).
-- `open_bucket` and `bucket_max_age` only read the bucket's stream info.
+- `open_bucket`, `bucket_max_age` and `stream_exists` only read a stream's info.
 
 A write the server refuses by permission fails at once as NotPermitted (fleet.bus.denials).
 """
@@ -105,6 +105,17 @@ async def bucket_max_age(js: JetStreamContext, bucket: str, *,
     info = await with_retry(lambda: js.stream_info(f"KV_{bucket}"),
                             what=f"read bucket {bucket}", budget_s=budget_s)
     return float(info.config.max_age) if info.config.max_age else None
+
+
+async def stream_exists(js: JetStreamContext, stream: str, *,
+                        budget_s: float = BROKER_BUDGET_S) -> bool:
+    """Whether the stream (a bucket's: `KV_<name>`, `OBJ_<name>`) is provisioned."""
+    try:
+        await with_retry(lambda: js.stream_info(stream), what=f"read stream {stream}",
+                         budget_s=budget_s)
+    except NotFoundError:
+        return False
+    return True
 
 
 async def put_with_ttl(js: JetStreamContext, bucket: str, key: str, value: bytes, ttl_s: int,

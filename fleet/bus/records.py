@@ -10,12 +10,14 @@ worker's (fleet.worker.claims); these classes only keep the records.
 
 from __future__ import annotations
 
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 from nats.js.kv import KeyValue
 
+from fleet.bus.connect import publish
 from fleet.bus.kv_calls import kv_create, kv_delete, kv_get, kv_put, kv_update, open_bucket
-from fleet.bus.retry import BROKER_BUDGET_S
+from fleet.bus.retry import BROKER_BUDGET_S, with_retry
 from fleet.errors import ProvisioningConflict
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, NodeInfo, RunnerRecord
@@ -65,18 +67,31 @@ class CancelRecords:
     """FLEET_CANCELS: task id -> its CancelTask, so a cancel sent before a worker fetched the
     task is honoured when it does (the bucket keeps them an hour)."""
 
-    def __init__(self, kv: KeyValue, *, budget_s: float = BROKER_BUDGET_S) -> None:
+    def __init__(self, kv: KeyValue, nc: Client, *, budget_s: float = BROKER_BUDGET_S) -> None:
         self.kv = kv
+        self.nc = nc  # the announcements' connection
         self.budget_s = budget_s
 
     @classmethod
     async def open(cls, js: JetStreamContext, *, budget_s: float = BROKER_BUDGET_S
                    ) -> CancelRecords:
+        """Over the connection `js` was made from (nats-py keeps it as `_nc`)."""
         return cls(await open_bucket(js, subjects.CANCELS_BUCKET, budget_s=budget_s),
-                   budget_s=budget_s)
+                   js._nc, budget_s=budget_s)
 
     async def record(self, cancel: CancelTask) -> None:
         await kv_put(self.kv, cancel.task_id, encode(cancel), budget_s=self.budget_s)
+
+    async def send(self, cancel: CancelTask) -> None:
+        """Record the cancel, then announce it on `fleet.cancel.<id>` (the worker running the
+        task hears it at once; one that fetches it later finds the record): the one way a
+        cancel is sent, by the gateway and `fleet cancel`. The announcement is a core publish,
+        retried only while the connection is reconnecting (a lost one costs nothing: the
+        record stands, and the workers watch the bucket too)."""
+        await self.record(cancel)
+        await with_retry(lambda: publish(self.nc, subjects.cancel(cancel.task_id), cancel),
+                         what=f"announce the cancel of {cancel.task_id}",
+                         budget_s=self.budget_s)
 
     async def cancelled(self, task_id: str) -> bool:
         return await kv_get(self.kv, task_id, budget_s=self.budget_s) is not None

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from functools import partial
 
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 
 from fleet.bus.chunks import read_in_order
@@ -191,8 +192,15 @@ class TaskLog:
         them to a live subscription and orders them itself (IndexOrder), or that must not
         open a consumer (an ask). Without `budget_s` no retry: such a reader fails with
         NatsUnavailable and its client resumes; with one, each get is retried within it."""
+        return [(msg.seq or 0, msg.data or b"")
+                async for msg in self.each(task_id, after_seq, budget_s=budget_s)]
+
+    async def each(self, task_id: str, after_seq: int = 0, *,
+                   budget_s: float | None = None) -> AsyncIterator[RawStreamMsg]:
+        """`raw` one message at a time, with its headers, for a reader that may stop early (a
+        trace lookup stops at the task's accept, and reads the `traceparent` header:
+        fleet.trace.lookup)."""
         subject = subjects.out(task_id)
-        found: list[tuple[int, bytes]] = []
         cursor = after_seq + 1
         while True:
             get = partial(self.js.get_msg, subjects.OUT_STREAM, seq=cursor, subject=subject,
@@ -204,12 +212,11 @@ class TaskLog:
                     stored = await with_retry(get, what=f"read the events of task {task_id}",
                                               budget_s=budget_s)
             except NotFoundError:
-                return found
+                return
             except (NatsError, OSError, TimeoutError) as exc:
                 raise NatsUnavailable(f"cannot read {subjects.OUT_STREAM}: {exc!r}") from None
-            seq = stored.seq or cursor
-            found.append((seq, stored.data or b""))
-            cursor = seq + 1
+            yield stored
+            cursor = (stored.seq or cursor) + 1
 
     async def read(self, task_id: str, *, budget_s: float | None = None) -> list[OutputEvent]:
         """The task's events in index order (`ordered`): what a client reading it has seen."""

@@ -3,24 +3,30 @@ worker could finish goes (FLEET_DEAD, `fleet.dead.<model>`), and the answers to 
 that is refused (FLEET_REFUSED and the publisher's inbox), read and written through one facade.
 
 Pulling tasks stays with the worker's consumers (fleet.worker.pulls); what is here are the
-calls around them: the per-subject counts (demand, the triage of unknown models), a stored
-task by sequence, the tasks stored on one subject, a purge, a dead letter, a delete, a verb on
-a delivered message, and the durable pull consumers the worker's duties read (advisories,
-deadline markers). Each call has its own retry budget (fleet.bus.retry): an election delays
+calls around them: the per-subject counts (demand, the triage of unknown models, the
+gateway's queue depths), the consumers' counts and the dead letters (the gateway's metrics and
+the dashboard), a stored task by sequence, the tasks stored on one subject, a purge, a dead
+letter, a delete, a verb on a delivered message (or, by its ack subject, on one another
+process holds), and the durable pull consumers the worker's duties read (advisories, deadline
+markers). Each call has its own retry budget (fleet.bus.retry): an election delays
 it, a longer outage raises BrokerUnavailable naming the call.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import orjson
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import RawStreamMsg
+from nats.js.api import ConsumerInfo, RawStreamMsg
 from nats.js.errors import NotFoundError
 
 from fleet.bus.connect import MSG_ID, headers_for
+from fleet.bus.replies import task_ack
 from fleet.bus.retry import BROKER_BUDGET_S, with_retry
 from fleet.wire import subjects
 from fleet.wire.codec import encode
@@ -91,6 +97,38 @@ class TaskQueue:
             what=f"dead-letter task {seq}", budget_s=self.budget_s,
         )
 
+    async def consumers(self) -> list[ConsumerInfo]:
+        """The consumers of FLEET_TASKS (one durable per model and class), with their counts of
+        deliveries not acknowledged yet and of redeliveries."""
+        return await with_retry(lambda: self.js.consumers_info(subjects.TASKS_STREAM),
+                                what="read the task consumers", budget_s=self.budget_s)
+
+    async def dead_counts(self) -> dict[str, int]:
+        """How many dead letters each `fleet.dead.<model>` subject holds."""
+        info = await with_retry(
+            lambda: self.js.stream_info(subjects.DEAD_LETTERS_STREAM,
+                                        subjects_filter=subjects.DEAD_LETTERS_ALL),
+            what="count the dead letters", budget_s=self.budget_s,
+        )
+        return dict(info.state.subjects or {})
+
+    async def newest_dead(self, limit: int) -> list[RawStreamMsg]:
+        """Up to `limit` dead letters, newest first (a letter removed meanwhile is skipped).
+        By sequence, without a consumer: the gateway's role may read FLEET_DEAD's stored
+        messages and nothing more of it (fleet/bus/roles.py)."""
+        info = await with_retry(lambda: self.js.stream_info(subjects.DEAD_LETTERS_STREAM),
+                                what="read the dead letters", budget_s=self.budget_s)
+        found: list[RawStreamMsg] = []
+        seq = info.state.last_seq
+        while seq >= max(1, info.state.first_seq) and len(found) < limit:
+            with contextlib.suppress(NotFoundError):
+                found.append(await with_retry(
+                    partial(self.js.get_msg, subjects.DEAD_LETTERS_STREAM, seq),
+                    what=f"read dead letter {seq}", budget_s=self.budget_s,
+                ))
+            seq -= 1
+        return found
+
     async def delete(self, seq: int) -> None:
         await with_retry(lambda: self.js.delete_msg(subjects.TASKS_STREAM, seq),
                          what=f"delete task {seq}", budget_s=self.budget_s)
@@ -116,6 +154,17 @@ async def settle(send: Callable[[], Awaitable[None]], *, what: str,
     """A verb on a delivered message (ack, nak, term, in_progress), retried: a verb is safe
     to repeat (the server settles a message once; MsgAlreadyAckdError says so)."""
     await with_retry(send, what=what, budget_s=budget_s)
+
+
+async def nak_held(nc: Client, ack_subject: str, *, what: str,
+                   budget_s: float = BROKER_BUDGET_S) -> None:
+    """`nak` a FLEET_TASKS delivery that another process holds, by its ack subject (a dead
+    node's heartbeat lists them: fleet.worker.deathwatch), so the broker hands it on at once.
+    The subject was read from a message, so it is a capability (fleet.bus.replies): anything
+    but a FLEET_TASKS ack is refused here, before anything is published."""
+    if task_ack(ack_subject) is None:
+        raise ValueError(f"not an ack of a FLEET_TASKS delivery: {ack_subject!r}")
+    await settle(lambda: nc.publish(ack_subject, Msg.Ack.Nak), what=what, budget_s=budget_s)
 
 
 async def durable_pull(js: JetStreamContext, stream: str, durable: str, *, what: str,

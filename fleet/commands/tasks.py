@@ -13,7 +13,7 @@ from pathlib import Path
 from nats.js import JetStreamContext
 
 from fleet import telemetry
-from fleet.bus.connect import connect_with, js_publish, publish
+from fleet.bus.connect import connect_with, js_publish
 from fleet.bus.records import CancelRecords
 from fleet.config import Settings, settings_of
 from fleet.errors import InvalidRequest
@@ -135,8 +135,7 @@ async def cancel_task(settings: Settings, task_id: str) -> int:
         cancel = CancelTask(task_id=task_id, reason="fleet cancel")
         records = await CancelRecords.open(nc.jetstream(), budget_s=5.0)
         # Recorded as well as announced: honoured even if the task is still queued.
-        await records.record(cancel)
-        await publish(nc, subjects.cancel(task_id), cancel)
+        await records.send(cancel)
         await nc.flush()
         started = await stored_events(nc.jetstream(), task_id) > 0
     finally:

@@ -12,11 +12,14 @@ from typing import Any
 import orjson
 
 from fleet.bus.connect import connect_with
+from fleet.bus.task_log import TaskLog
 from fleet.config import Settings, settings_of
 from fleet.errors import FleetError
 from fleet.trace.lookup import is_trace_id, linked_spans, spans_of_trace, trace_id_of_request
 from fleet.trace.records import SpanRecord
 from fleet.trace.render import chrome_trace, waterfall
+
+LOOKUP_BUDGET_S = 5.0  # each read of the task's events waits out an election, not an outage
 
 
 async def load_trace(settings: Settings, task_or_trace: str) -> tuple[str, list[SpanRecord]]:
@@ -25,7 +28,8 @@ async def load_trace(settings: Settings, task_or_trace: str) -> tuple[str, list[
     try:
         js = nc.jetstream()
         trace_id = task_or_trace if is_trace_id(task_or_trace) else None
-        trace_id = trace_id or await trace_id_of_request(js, task_or_trace)
+        log = TaskLog.of(js, budget_s=LOOKUP_BUDGET_S)
+        trace_id = trace_id or await trace_id_of_request(log, task_or_trace)
         if trace_id is None:
             raise FleetError(f"no trace found for task {task_or_trace}: unknown, or expired")
         spans = await spans_of_trace(js, trace_id)

@@ -5,11 +5,7 @@ not is this one, made before any NATS call."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
-
 from nats.errors import Error as NatsError
-from nats.js.errors import NotFoundError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -34,28 +30,23 @@ def readable_task_id(data: bytes) -> str | None:
 
 async def dead_letters(request: Request) -> Response:
     """The newest dead letters (FLEET_DEAD), with the reason the janitor gave each; to
-    operators only, as they are every tenant's. The gateway's NATS role may read FLEET_DEAD's
-    stored messages and nothing more of it (fleet/bus/roles.py)."""
+    operators only, as they are every tenant's. Read through the task queue
+    (fleet.bus.task_queue), within the gateway's read budget."""
     if not is_operator(request):
         return operators_only()
-    js = gateway_of(request).backend.jetstream()
-    found: list[dict[str, Any]] = []
     try:
-        info = await js.stream_info(subjects.DEAD_LETTERS_STREAM)
-        seq = info.state.last_seq
-        while seq >= max(1, info.state.first_seq) and len(found) < DEAD_SHOWN:
-            with contextlib.suppress(NotFoundError):
-                msg = await js.get_msg(subjects.DEAD_LETTERS_STREAM, seq)
-                headers = msg.headers or {}
-                found.append({
-                    "seq": seq, "model": subjects.model_of_dead_letter(msg.subject or ""),
-                    "task_id": readable_task_id(msg.data or b""),
-                    "reason": headers.get("Fleet-Reason"),
-                    "deliveries": headers.get("Fleet-Deliveries"),
-                })
-            seq -= 1
+        letters = await gateway_of(request).backend.task_queue().newest_dead(DEAD_SHOWN)
+    except FleetError as exc:  # not connected, or the reads ran past their budget
+        return JSONResponse({"error": f"could not read FLEET_DEAD: {exc.message}"},
+                            status_code=exc.http_status)
     except (NatsError, OSError, TimeoutError) as exc:
         return JSONResponse({"error": f"could not read FLEET_DEAD: {exc!r}"}, status_code=503)
+    found = [{
+        "seq": msg.seq, "model": subjects.model_of_dead_letter(msg.subject or ""),
+        "task_id": readable_task_id(msg.data or b""),
+        "reason": (msg.headers or {}).get("Fleet-Reason"),
+        "deliveries": (msg.headers or {}).get("Fleet-Deliveries"),
+    } for msg in letters]
     return JSONResponse({"dead_letters": found})
 
 

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from fleet.dashboard.access import viewer_tenant
+from fleet.errors import NatsUnavailable
 from fleet.gateway.surface import gateway_of, image_format, resume
 from fleet.trace.lookup import linked_spans, spans_of_trace, trace_id_of_task
 from fleet.trace.render import label, tree_rows
@@ -67,10 +68,12 @@ async def trace(request: Request) -> Response:
     backend = gateway_of(request).backend
     try:
         js = backend.jetstream()
-        trace_id = await trace_id_of_task(js, task_id)
+        trace_id = await trace_id_of_task(backend.task_log(), task_id)
         spans: list[Any] = await spans_of_trace(js, trace_id) if trace_id else []
         if spans:
             spans += await linked_spans(js, spans, min(s["start_ns"] for s in spans))
+    except NatsUnavailable as exc:  # the task log's reads, past their budget
+        return JSONResponse({"error": f"NATS: {exc.message}"}, status_code=503)
     except (NatsError, OSError, TimeoutError) as exc:
         return JSONResponse({"error": f"NATS: {exc!r}"}, status_code=503)
     rows = [{**row.span, "prefix": row.prefix, "label": label(row.span)}

@@ -20,17 +20,21 @@ import anyio
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 from nats.js import JetStreamContext
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel
 
 from fleet.aio import Supervisor
-from fleet.bus.connect import connect_with, js_publish, publish, redact_urls
+from fleet.bus.connect import connect_with, js_publish, redact_urls
 from fleet.bus.deadlines import publish_deadline, task_ttl_header
+from fleet.bus.kv_calls import stream_exists
 from fleet.bus.kv_read import live_values
 from fleet.bus.objects import ObjectBucket
 from fleet.bus.provision import provision
+from fleet.bus.records import CancelRecords
 from fleet.bus.task_events import TaskEvents
+from fleet.bus.task_log import TaskLog
+from fleet.bus.task_queue import TaskQueue
 from fleet.config import Settings
 from fleet.errors import (
     CorruptImage,
@@ -76,6 +80,13 @@ MAXIMUM_BYTES_EXCEEDED = 10078
 RECONNECT_WAIT_S = 1.0
 
 
+# The retry budgets of the gateway's broker calls (fleet.bus.retry): a request waits out an
+# election (3.5-8 s measured, NOTES.md), not an outage, which answers 503. A cancel is a write
+# a worker may be waiting for, so it waits as long as an election can take.
+READ_BUDGET_S = 5.0
+CANCEL_BUDGET_S = 10.0
+
+
 # Room for the headers a task is published with (Nats-Msg-Id, traceparent, tracestate).
 HEADER_ALLOWANCE = 1024
 
@@ -112,6 +123,7 @@ class Backend:
         self.nc: Client | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._buckets: dict[str, KeyValue] = {}
+        self._cancels: CancelRecords | None = None
         # A core subscription per task read here (fleet.gateway.task_feed), not every task's.
         self.hub = TaskSubscriptions(self._client)
         self.owners = Owners(self._client)
@@ -159,6 +171,14 @@ class Backend:
 
     def jetstream(self) -> JetStreamContext:
         return self._client().jetstream()
+
+    def task_queue(self) -> TaskQueue:
+        """FLEET_TASKS and FLEET_DEAD through their facade, within the gateway's read budget."""
+        return TaskQueue.of(self.jetstream(), budget_s=READ_BUDGET_S)
+
+    def task_log(self) -> TaskLog:
+        """FLEET_OUT's reads through their facade, within the gateway's read budget."""
+        return TaskLog.of(self.jetstream(), budget_s=READ_BUDGET_S)
 
     async def _bucket(self, name: str) -> KeyValue:
         if name not in self._buckets:
@@ -217,12 +237,14 @@ class Backend:
             raise
 
     async def cancel(self, task_id: str, reason: str) -> None:
-        """Record the cancel (for a worker that has not fetched the task yet), then announce it."""
+        """Record the cancel (for a worker that has not fetched the task yet), then announce it:
+        CancelRecords.send, the one cancel writer (`fleet cancel` sends the same way)."""
         cancel = CancelTask(task_id=task_id, reason=reason)
-        bucket = await self._bucket(subjects.CANCELS_BUCKET)
         with unavailable_on_nats_errors("record the cancel"):
-            await bucket.put(task_id, cancel.model_dump_json(exclude_none=True).encode())
-            await publish(self._client(), subjects.cancel(task_id), cancel)
+            if self._cancels is None:
+                self._cancels = await CancelRecords.open(self.jetstream(),
+                                                         budget_s=CANCEL_BUDGET_S)
+            await self._cancels.send(cancel)
 
     async def cancel_quietly(self, task_id: str, reason: str) -> None:
         """Cancel from cleanup paths: shielded from the caller's cancellation, never raising."""
@@ -279,10 +301,7 @@ class Backend:
     async def queue_depths(self) -> dict[str, int]:
         """Tasks stored per model: WorkQueue keeps a task until a worker acks it."""
         with unavailable_on_nats_errors("read the task queue"):
-            info = await self.jetstream().stream_info(
-                subjects.TASKS_STREAM, subjects_filter=subjects.TASKS_ALL
-            )
-        per_subject = info.state.subjects or {}
+            per_subject = await self.task_queue().counts()
         depths: dict[str, int] = {}
         for subject, count in per_subject.items():  # a model's classes summed
             model = subjects.model_of_task_subject(subject)
@@ -292,12 +311,10 @@ class Backend:
     async def queue_stats(self) -> dict[str, ModelQueue]:
         """Per model: tasks queued, handed out, handed out more than once, dead-lettered."""
         depths = await self.queue_depths()
-        js = self.jetstream()
+        queue = self.task_queue()
         with unavailable_on_nats_errors("read the task consumers and dead letters"):
-            consumers = await js.consumers_info(subjects.TASKS_STREAM)
-            dead = await js.stream_info(
-                subjects.DEAD_LETTERS_STREAM, subjects_filter=subjects.DEAD_LETTERS_ALL
-            )
+            consumers = await queue.consumers()
+            dead = await queue.dead_counts()
         stats = {model: ModelQueue(queued=count) for model, count in depths.items()}
         for consumer in consumers:
             if (model := subjects.model_of_durable(consumer.name or "")) is not None:
@@ -306,16 +323,15 @@ class Backend:
                     known, in_flight=known.in_flight + (consumer.num_ack_pending or 0),
                     redelivered=known.redelivered + (consumer.num_redelivered or 0),
                 )
-        for subject, count in (dead.state.subjects or {}).items():
+        for subject, count in dead.items():
             model = subjects.model_of_dead_letter(subject)
             stats[model] = replace(stats.get(model, ModelQueue()), dead_lettered=count)
         return stats
 
     async def stored_events(self, task_id: str) -> int:
-        subject = subjects.out(task_id)
+        """How many events FLEET_OUT holds for the task (every copy), through its task log."""
         with unavailable_on_nats_errors("count a task's events"):
-            info = await self.jetstream().stream_info(subjects.OUT_STREAM, subjects_filter=subject)
-        return (info.state.subjects or {}).get(subject, 0)
+            return await self.task_log().count(task_id)
 
     async def present(self) -> dict[str, bool]:
         """Which of the streams and buckets the gateway relies on exist."""
@@ -323,11 +339,6 @@ class Backend:
         names = [*STREAMS, *(f"KV_{b}" for b in BUCKETS[:-1]), f"OBJ_{BUCKETS[-1]}"]
         found = {}
         for name in names:
-            try:
-                await js.stream_info(name)
-                found[name] = True
-            except NotFoundError:
-                found[name] = False
-            except (NatsError, OSError, TimeoutError) as exc:
-                raise NatsUnavailable(f"NATS did not answer about {name}: {exc!r}") from None
+            with unavailable_on_nats_errors(f"say whether {name} exists"):
+                found[name] = await stream_exists(js, name, budget_s=READ_BUDGET_S)
         return found

@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response
 
 from fleet.bus.task_events import Indexed
-from fleet.bus.task_log import TaskLog
 from fleet.errors import FleetError, InvalidParameter, failure_of
 from fleet.gateway.backend import Backend
 from fleet.gateway.capacity import Capacity
@@ -31,14 +30,11 @@ from fleet.gateway.text_replies import ChatRenderer, CompletionRenderer, Reply
 from fleet.wire.events import ErrorChunk, TaskFinished
 from fleet.wire.records import TaskRecord
 
-STORED_COUNT_BUDGET_S = 5.0  # a request waits out a FLEET_OUT election, not an outage
-
 
 async def stored_count(backend: Backend, task_id: str) -> int:
     """How many events FLEET_OUT holds for the task, through the task log (fleet.bus.task_log),
-    retried within its own short budget; NatsUnavailable (503) after it."""
-    js = backend.jetstream()  # NatsUnavailable when not connected
-    return await TaskLog(js._nc, js, budget_s=STORED_COUNT_BUDGET_S).count(task_id)
+    retried within the gateway's read budget; NatsUnavailable (503) after it."""
+    return await backend.stored_events(task_id)
 
 
 async def known_record(backend: Backend, task_id: str, tenant: str | None) -> TaskRecord | None:

@@ -9,7 +9,9 @@ are the `{"spans": [...]}` messages stored on `fleet.traces.<trace_id>`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
+from typing import Protocol
 
 import orjson
 from nats.js import JetStreamContext
@@ -34,7 +36,8 @@ def trace_id_in(traceparent: str | None) -> str | None:
 
 
 async def stored(js: JetStreamContext, stream: str, subject: str) -> AsyncIterator[RawStreamMsg]:
-    """Every message a stream holds on one subject, oldest first, without a consumer."""
+    """Every message a stream holds on one subject, oldest first, without a consumer (the
+    spans in FLEET_TRACES; a task's events are read through its task log)."""
     try:
         info = await js.stream_info(stream, subjects_filter=subject)
     except NotFoundError:
@@ -50,25 +53,36 @@ async def stored(js: JetStreamContext, stream: str, subject: str) -> AsyncIterat
         yield msg
 
 
-async def trace_id_of_task(js: JetStreamContext, task_id: str) -> str | None:
+class StoredEvents(Protocol):
+    """A task's stored events, oldest first, with their headers: the task log
+    (fleet.bus.task_log.TaskLog, each get retried within its budget), passed in by the caller
+    (the bus imports telemetry, which imports this package's records: no import back)."""
+
+    def each(self, task_id: str) -> AsyncIterator[RawStreamMsg]: ...
+
+
+async def trace_id_of_task(log: StoredEvents, task_id: str) -> str | None:
+    """Read up to the task's accept: usually its first event."""
     from_headers = None
-    async for msg in stored(js, subjects.OUT_STREAM, subjects.out(task_id)):
-        try:
-            event = decode_event(msg.data or b"")
-        except DecodeError:
-            continue
-        if isinstance(event, TaskAccepted) and event.trace_id:
-            return event.trace_id
-        from_headers = from_headers or trace_id_in((msg.headers or {}).get("traceparent"))
-        if isinstance(event, TaskAccepted) and from_headers:
-            break  # the runner's acceptance names no trace: the headers are all there is
+    messages = log.each(task_id)
+    async with contextlib.aclosing(messages):
+        async for msg in messages:
+            try:
+                event = decode_event(msg.data or b"")
+            except DecodeError:
+                continue
+            if isinstance(event, TaskAccepted) and event.trace_id:
+                return event.trace_id
+            from_headers = from_headers or trace_id_in((msg.headers or {}).get("traceparent"))
+            if isinstance(event, TaskAccepted) and from_headers:
+                break  # the runner's acceptance names no trace: the headers are all there is
     return from_headers
 
 
-async def trace_id_of_request(js: JetStreamContext, task_id: str) -> str | None:
+async def trace_id_of_request(log: StoredEvents, task_id: str) -> str | None:
     """The trace of a task, or of a gateway request with n > 1 choices: its id names no task,
     its choices are the tasks `<id>-0` … `<id>-<n-1>`, all in the request's one trace."""
-    return await trace_id_of_task(js, task_id) or await trace_id_of_task(js, f"{task_id}-0")
+    return await trace_id_of_task(log, task_id) or await trace_id_of_task(log, f"{task_id}-0")
 
 
 async def spans_of_trace(js: JetStreamContext, trace_id: str) -> list[SpanRecord]:

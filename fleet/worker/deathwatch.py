@@ -42,6 +42,7 @@ from nats.aio.client import Client
 from nats.errors import NoRespondersError
 
 from fleet.bus.replies import task_ack
+from fleet.bus.task_queue import nak_held
 from fleet.wire import subjects
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ CONFIRM_S = 1.0  # "no responders" for this long (and twice at least) means dead
 LINK_STABLE_S = 5.0  # the prober's own connection must be this old to trust an absence
 MASS_SHARE = 0.5  # more than this share of the probed nodes missing together: suspect NATS
 MASS_CONFIRM_S = 15.0  # then they must stay missing this long (a node's heartbeat TTL)
+# A nak is retried only this long (the watcher's round waits on it); a message left un-nak'd
+# is redelivered when its AckWait runs out.
+NAK_BUDGET_S = 2.0
 MAX_PROBES_PER_S = 500  # one watcher's budget: a larger fleet is probed less often
 
 
@@ -196,7 +200,8 @@ class DeathWatch:
                     "message(s)", self.name, node, absent_s, len(subjects_))
         for subject in subjects_:
             try:
-                await self.nc.publish(subject, b"-NAK")
+                await nak_held(self.nc, subject, what=f"nak {subject} of dead node {node}",
+                               budget_s=NAK_BUDGET_S)
                 self.naks += 1
             except Exception as exc:  # left to AckWait
                 log.warning("%s: nak of %s failed: %s", self.name, subject, exc)

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 
+import nats
+import pytest
 from nats.aio.client import Client
 
-from fleet.bus.kv_calls import bucket_max_age, get_direct, put_with_ttl
+from fleet.bus.kv_calls import bucket_max_age, get_direct, put_with_ttl, stream_exists
+from fleet.bus.provision import ensure_task_consumer
 from fleet.bus.records import CancelRecords, ClaimRecords
 from fleet.bus.task_log import TaskLog
-from fleet.bus.task_queue import TaskQueue
+from fleet.bus.task_queue import TaskQueue, nak_held
 from fleet.wire import subjects
 from fleet.wire.codec import decode_model
 from fleet.wire.events import TaskFence, TaskRefused
@@ -130,3 +133,60 @@ async def test_instance_node_and_runner_records(provisioned_nc: Client) -> None:
     kv = await js.key_value(subjects.RUNNERS_BUCKET)
     assert RunnerRecord.model_validate_json((await kv.get("r1")).value or b"") == record
     await runners.delete("r1")
+
+
+async def test_consumer_and_dead_letter_reads(provisioned_nc: Client) -> None:
+    """What the gateway's metrics and the dashboard read: the consumers' counts, the dead
+    letters per model, and the newest dead letters with the janitor's headers."""
+    nc, queue = provisioned_nc, TaskQueue(provisioned_nc)
+    await ensure_task_consumer(nc, "qd")
+    seqs = [(await nc.jetstream().publish(subjects.tasks("qd"), f"d{i}".encode())).seq
+            for i in range(3)]
+    for seq in seqs:
+        await queue.dead_letter("qd", f"d{seq}".encode(), seq, 5)
+    named = {c.name: c for c in await queue.consumers()}
+    assert named[subjects.durable("qd")].num_ack_pending == 0
+    assert await queue.dead_counts() == {subjects.dead_letter("qd"): 3}
+    newest = await queue.newest_dead(2)
+    assert [m.data for m in newest] == [f"d{seqs[2]}".encode(), f"d{seqs[1]}".encode()]
+    assert (newest[0].headers or {})["Fleet-Reason"] == "max_deliveries"
+    assert await stream_exists(nc.jetstream(), "FLEET_DEAD", budget_s=1.0)
+    assert not await stream_exists(nc.jetstream(), "KV_NO_SUCH_BUCKET", budget_s=1.0)
+
+
+async def test_a_held_delivery_is_nakd_by_its_ack_subject(provisioned_nc: Client,
+                                                          nats_url: str) -> None:
+    """The death watch's verb: another connection naks a delivery it does not hold, and the
+    broker hands the message out again at once (not after AckWait's 30 s)."""
+    nc = provisioned_nc
+    await ensure_task_consumer(nc, "qn")
+    await nc.jetstream().publish(subjects.tasks("qn"), b"held")
+    sub = await nc.jetstream().pull_subscribe("", durable=subjects.durable("qn"),
+                                              stream=subjects.TASKS_STREAM)
+    [first] = await sub.fetch(1, timeout=5.0)
+    assert first.metadata.num_delivered == 1
+    watcher = await nats.connect(nats_url)
+    try:
+        await nak_held(watcher, first.reply, what="nak a dead node's task", budget_s=2.0)
+        with pytest.raises(ValueError):  # a subject read from a message is a capability
+            await nak_held(watcher, "fleet.tasks.qn", what="not an ack", budget_s=2.0)
+    finally:
+        await watcher.close()
+    [again] = await sub.fetch(1, timeout=5.0)
+    assert again.data == b"held" and again.metadata.num_delivered == 2
+
+
+async def test_a_cancel_is_recorded_then_announced(provisioned_nc: Client) -> None:
+    """CancelRecords.send, the one cancel writer (gateway, `fleet cancel`)."""
+    nc = provisioned_nc
+    heard = asyncio.Queue[bytes]()
+
+    async def got(msg: object) -> None:
+        await heard.put(msg.data)  # type: ignore[attr-defined]
+
+    await nc.subscribe(subjects.cancel("c-send"), cb=got)
+    records = await CancelRecords.open(nc.jetstream(), budget_s=5.0)
+    await records.send(CancelTask(task_id="c-send", reason="test"))
+    told = decode_model(CancelTask, await asyncio.wait_for(heard.get(), 5.0))
+    assert told.task_id == "c-send" and told.reason == "test"
+    assert await records.cancelled("c-send")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from nats.aio.client import Client
 
+from fleet.bus.task_log import TaskLog
 from fleet.trace.lookup import trace_id_of_request
 from fleet.wire import subjects
 from fleet.wire.codec import encode
@@ -23,7 +24,7 @@ async def accepted(nc: Client, task_id: str, trace_id: str) -> None:
 async def test_a_task_id_names_its_own_trace(provisioned_nc: Client) -> None:
     await accepted(provisioned_nc, "solo-1", TRACE)
     await accepted(provisioned_nc, "solo-1-0", OTHER)  # another task, not a choice of it
-    assert await trace_id_of_request(provisioned_nc.jetstream(), "solo-1") == TRACE
+    assert await trace_id_of_request(TaskLog(provisioned_nc), "solo-1") == TRACE
 
 
 async def test_a_request_with_choices_is_traced_through_its_first_choice(
@@ -31,8 +32,8 @@ async def test_a_request_with_choices_is_traced_through_its_first_choice(
 ) -> None:
     for index in range(3):
         await accepted(provisioned_nc, f"chatcmpl-n3-{index}", TRACE)
-    assert await trace_id_of_request(provisioned_nc.jetstream(), "chatcmpl-n3") == TRACE
+    assert await trace_id_of_request(TaskLog(provisioned_nc), "chatcmpl-n3") == TRACE
 
 
 async def test_an_unknown_id_has_no_trace(provisioned_nc: Client) -> None:
-    assert await trace_id_of_request(provisioned_nc.jetstream(), "nobody") is None
+    assert await trace_id_of_request(TaskLog(provisioned_nc), "nobody") is None
