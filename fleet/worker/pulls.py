@@ -5,7 +5,13 @@ starvation promotion).
 A pull asks each class in turn for what its quota allows and the durable holds now (a
 `no_wait` pull, answered at once); when no class had anything, it waits (up to FETCH_WAIT_S) on
 every class that may be served at once and returns the first that answers, so a task of
-any class starts as soon as it is published.
+any class starts as soon as it is published. The other waits are cancelled, but their pull
+requests linger on the server until they expire, and a task published meanwhile is delivered
+to one of them: held here unseen, it would wait for this worker's next pull of its class (a
+two-worker test saw a batch task wait 20 s for a busy worker's slot while the other worker
+idled). So each such request is watched until it expires (`_sweep`): a task it brings is
+taken by this worker's next pull of its class if one comes meanwhile (delivery 1, as before),
+and otherwise given back then (nak: one delivery spent), so a worker that pulls gets it.
 
 Any class's durable (`tasks-<model>`, `interactive-tasks-<model>`, `batch-tasks-<model>`) can
 vanish under a running worker (someone deleted it, a stream was recreated). A pull then fails
@@ -30,6 +36,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from opentelemetry.metrics import Meter
 
+from fleet.aio import cancel_and_wait, started
 from fleet.bus.provision import ensure_task_consumer
 from fleet.bus.retry import is_transient
 from fleet.config import Settings
@@ -46,6 +53,7 @@ FETCH_WAIT_S = 2.0
 # the next pull, so the wait on the other classes is short (a round of 4 small requests).
 SLACK_WAIT_S = 0.2
 ERROR_PAUSE_S = 0.5
+STRAY_MARGIN_S = 0.5  # past a lingering request's expiry: the server's clock and the transit
 
 
 async def unsubscribe_pull(sub: JetStreamContext.PullSubscription) -> None:
@@ -70,6 +78,10 @@ class TaskPuller:
         # the other classes' subscriptions (the guard watches these durables too)
         self.class_subs: dict[tuple[str, str], JetStreamContext.PullSubscription] = {}
         self.last_served: dict[str, dict[str, float]] = {}  # model -> class -> last turn
+        # (model, class) -> the watch of a cancelled wait's request until it expires
+        self.sweeps: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self.strays: dict[tuple[str, str], list[Msg]] = {}  # brought by such a request
+        self.given_back = 0  # strays no pull of their class took before the request expired
         self.guard = ConsumerGuard(nc, self, settings.max_deliver, settings.ack_wait_s, meter)
 
     async def fetch(
@@ -125,9 +137,11 @@ class TaskPuller:
         self, model: str, priority: Priority, batch: int, wait_s: float | None
     ) -> list[Msg]:
         """`wait_s` None: only what the durable holds now (fleet.worker.pull_now)."""
+        await self._end_sweep(model, priority)  # the subscription's queue is this pull's now
+        held = self.strays.pop((model, priority), [])
         sub = self._bound(model, priority) or await self._subscribe(model, priority)
-        if wait_s is None:
-            return await pull_now(sub, batch)
+        if held or wait_s is None:
+            return held + (await pull_now(sub, batch - len(held)) if batch > len(held) else [])
         try:
             return await sub.fetch(batch, timeout=wait_s)
         except TimeoutError:
@@ -137,6 +151,7 @@ class TaskPuller:
         """Wait on every class that may be served at once; the first to answer wins. The
         others are cancelled: a message that reaches a cancelled fetch stays in that
         subscription's queue and the next pull of its class takes it first."""
+        until = asyncio.get_running_loop().time() + wait_s + STRAY_MARGIN_S
         waits = [asyncio.ensure_future(self._pull(model, t.priority, 1, wait_s))
                  for t in turns]
         done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -144,10 +159,41 @@ class TaskPuller:
             wait.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await wait
+        for turn, wait in zip(turns, waits, strict=True):
+            if wait in pending and (sub := self._bound(model, turn.priority)) is not None:
+                key = (model, turn.priority)
+                self.sweeps[key] = started(self._sweep(key, sub, until),
+                                           f"stray tasks of {model}'s {turn.priority} class")
         got: list[Msg] = []
         for wait in done:
             got += wait.result()
         return got
+
+    async def _sweep(
+        self, key: tuple[str, str], sub: JetStreamContext.PullSubscription, until: float
+    ) -> None:
+        """Until a cancelled wait's request expires, what it brings is kept for this worker's
+        next pull of the class (which ends the sweep); what no pull took is given back."""
+        loop = asyncio.get_running_loop()
+        while (left := until - loop.time()) > 0:
+            try:
+                msg = await sub._sub.next_msg(timeout=left)
+            except TimeoutError:
+                break
+            if not JetStreamContext.is_status_msg(msg):  # else: expired (408), a heartbeat
+                self.strays.setdefault(key, []).append(msg)
+        if self.sweeps.get(key) is asyncio.current_task():
+            del self.sweeps[key]
+        for msg in self.strays.pop(key, []):
+            self.given_back += 1
+            log.info("a %s task of %s reached a wait this worker had left and no pull of its "
+                     "class came: given back", key[1], key[0])
+            with contextlib.suppress(Exception):  # shielded: settled even if cancelled now
+                await asyncio.shield(msg.nak())
+
+    async def _end_sweep(self, model: str, priority: str) -> None:
+        if (sweep := self.sweeps.pop((model, priority), None)) is not None:
+            await cancel_and_wait([sweep], 1.0)
 
     def _bound(
         self, model: str, priority: Priority
@@ -159,6 +205,8 @@ class TaskPuller:
         """After a failed fetch: recreate each durable of `model` this worker bound that is
         gone. A class other than the default is dropped either way, to be bound again (its
         durable made again) at its next turn; the default one is rebound here."""
+        for priority in CLASSES:
+            await self._end_sweep(model, priority)
         bound = [("default", self.subs)] if model in self.subs else []
         bound += [(p, self.class_subs) for (m, p) in list(self.class_subs) if m == model]
         for priority, _ in bound:
@@ -188,6 +236,8 @@ class TaskPuller:
 
     async def stop_pulling(self, model: str, reason: str) -> None:
         self.stopped[model] = reason
+        for priority in CLASSES:
+            await self._end_sweep(model, priority)
         if sub := self.subs.pop(model, None):
             await unsubscribe_pull(sub)
         for priority in CLASSES:
@@ -212,5 +262,6 @@ class TaskPuller:
         return sub
 
     async def close(self) -> None:
+        await cancel_and_wait(list(self.sweeps.values()), 1.0)
         for sub in [*self.subs.values(), *self.class_subs.values()]:
             await unsubscribe_pull(sub)

@@ -26,12 +26,12 @@ NO_EOS = {2: -100.0}  # tiny-llm's <|im_end|>: random weights would otherwise st
 
 
 async def place_on(
-    nc: Client, card: ModelCard, node: str, timeout: float = 120.0
+    nc: Client, card: ModelCard, node: str, timeout: float = 120.0, slots: int = 8
 ) -> RunnerRecord:
     """Place `card` on `node` and wait for that node's runner to be ready."""
     kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
     watcher = await kv.watchall()
-    await place(nc.jetstream(), card, node_id=node, slots=8)
+    await place(nc.jetstream(), card, node_id=node, slots=slots)
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
