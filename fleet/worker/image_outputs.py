@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import deque
 from collections.abc import Awaitable, Callable
 
@@ -27,6 +28,10 @@ from fleet.worker.spans import TaskSpans
 log = logging.getLogger(__name__)
 
 UPLOADS = 2  # uploads at once: each saturates a core hashing and copying
+# Fault injection, for tests only (like the runner's FLEET_FAULT_* knobs): a FIFO each upload
+# of an output image reads one line from before it stores the bytes, so a test holds an upload
+# open for as long as it needs (tests/integration/test_image_ending.py).
+UPLOAD_GATE_ENV = "FLEET_FAULT_UPLOAD_GATE"
 SendToRunner = Callable[[str, CancelTask], Awaitable[bool]]
 
 
@@ -122,9 +127,21 @@ class ImageOutputs:
     async def _store(self, runner_id: str, image: ImageChunk) -> None:
         error: str | None = None
         try:
+            if gate := os.environ.get(UPLOAD_GATE_ENV):
+                log.warning("fault injection: upload of %s waits on %s", image.sha256[:12], gate)
+                await asyncio.to_thread(_read_line, gate)
             async with self._bound:
                 with self.spans.child(image.task_id, "put image", {"fleet.image": image.sha256}):
                     await self.cluster.upload_output(image.sha256)
         except Exception as exc:  # reported to the loop, which fails the task
             error = f"{type(exc).__name__}: {exc}"
         self.inbox.put_nowait(ImageUploaded(runner_id, image, error))
+
+
+def _read_line(path: str) -> None:
+    """One line from the FIFO; an end without one (a writer that closed before this reader
+    came) waits for the next writer."""
+    while True:
+        with open(path, "rb") as fifo:  # blocks until a writer opens it
+            if fifo.readline():
+                return

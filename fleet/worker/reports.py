@@ -252,5 +252,6 @@ class RunnerReports:
         if self.images.admit(item):
             return True
         if isinstance(item.report, TaskFinished) and self.images.ending(item.report.task_id):
+            log.info("task %s: its terminal waits behind an image upload", item.report.task_id)
             self.desk.apply(ev.TerminalQueued(item.report.task_id))
         return False
