@@ -50,6 +50,8 @@ SLOTS = 64
 STREAM_TOKENS = 1500
 C1_RATE = 200  # tokens a second: a fast model's single-stream decode
 STREAM_TIMEOUT_S = 120.0
+BATCH = 500  # tasks published before their acks are awaited
+QUEUED_MAX = 1000  # FLEET_TASKS's max_msgs_per_subject (DiscardNew): more queued are refused
 
 
 @dataclass(frozen=True)
@@ -230,11 +232,16 @@ async def measure_tasks(nc: Client, events: RawEvents, plan: RatePlan) -> dict[s
     ids = [f"many-{secrets.token_hex(8)}" for _ in range(plan.tasks)]
     waiters = [events.waiter(task_id) for task_id in ids]
     began = time.perf_counter()
-    for start in range(0, len(ids), 500):
+    for start in range(0, len(ids), BATCH):
+        if start >= QUEUED_MAX:  # FLEET_TASKS holds at most 1,000 of a model: wait for room
+            await asyncio.wait_for(asyncio.gather(*waiters[:start - QUEUED_MAX + BATCH]),
+                                   STREAM_TIMEOUT_S)
         acks = [await js.publish_async(subjects.tasks(MODEL), encode(_task(task_id, 1)),
                                        headers={"Nats-Msg-Id": task_id})
-                for task_id in ids[start:start + 500]]
-        await asyncio.gather(*acks)
+                for task_id in ids[start:start + BATCH]]
+        # Bounded: nats-py 2.16 never resolves the future of a publish the stream refuses
+        # (its reply handler raises the 503 instead), so a refusal would hang here.
+        await asyncio.wait_for(asyncio.gather(*acks), STREAM_TIMEOUT_S)
     ended = await asyncio.wait_for(asyncio.gather(*waiters), 5 * STREAM_TIMEOUT_S)
     wall = time.perf_counter() - began
     bad = [e for e in ended if e.get("status") != "completed"]
