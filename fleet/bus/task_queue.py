@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Any
 
 import orjson
 from nats.aio.client import Client
@@ -26,6 +27,7 @@ from nats.js.api import ConsumerInfo, RawStreamMsg
 from nats.js.errors import NotFoundError
 
 from fleet.bus.connect import MSG_ID, headers_for
+from fleet.bus.provision import jetstream_api
 from fleet.bus.replies import task_ack
 from fleet.bus.retry import BROKER_BUDGET_S, with_retry
 from fleet.wire import subjects
@@ -102,6 +104,50 @@ class TaskQueue:
         deliveries not acknowledged yet and of redeliveries."""
         return await with_retry(lambda: self.js.consumers_info(subjects.TASKS_STREAM),
                                 what="read the task consumers", budget_s=self.budget_s)
+
+    async def durable(self, name: str) -> ConsumerInfo | None:
+        """The durable `name` of FLEET_TASKS; None when the server says it does not exist."""
+        try:
+            return await with_retry(lambda: self.js.consumer_info(subjects.TASKS_STREAM, name),
+                                    what=f"read consumer {name}", budget_s=self.budget_s)
+        except NotFoundError:
+            return None
+
+    # The consumer guard's calls (fleet.worker.consumer_guard): it compares the server's own
+    # JSON of a durable with Fleet's definition, so these speak the stream API's JSON.
+
+    async def durable_json(self, name: str) -> dict[str, Any] | None:
+        """The server's CONSUMER.INFO answer for the durable (config, position, counts);
+        None when it answers an error (the durable is gone)."""
+        info = await self._api(f"CONSUMER.INFO.{subjects.TASKS_STREAM}.{name}")
+        return None if "error" in info else info
+
+    async def put_durable(self, name: str, config: dict[str, Any]) -> dict[str, Any]:
+        """Create or update the durable with `config`: the server's answer (its "error"
+        when it refuses)."""
+        return await self._api(f"CONSUMER.CREATE.{subjects.TASKS_STREAM}.{name}",
+                               {"stream_name": subjects.TASKS_STREAM, "config": config})
+
+    async def reset_durable(self, name: str, seq: int) -> dict[str, Any]:
+        """Move the durable's position back to stream sequence `seq`: the server's answer."""
+        return await self._api(f"CONSUMER.RESET.{subjects.TASKS_STREAM}.{name}", {"seq": seq})
+
+    async def first_seq_on(self, subject: str, seq: int) -> int | None:
+        """The sequence of the first task stored on `subject` at or after `seq`; None when
+        none is."""
+        found = await self._api(f"STREAM.MSG.GET.{subjects.TASKS_STREAM}",
+                                {"seq": seq, "next_by_subj": subject})
+        got = found.get("message", {}).get("seq")
+        return int(got) if got is not None else None
+
+    async def stored_on(self, subject: str) -> int:
+        """How many tasks `subject` holds."""
+        held = await self._api(f"STREAM.INFO.{subjects.TASKS_STREAM}",
+                               {"subjects_filter": subject})
+        return int((held.get("state", {}).get("subjects") or {}).get(subject, 0))
+
+    async def _api(self, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await jetstream_api(self.nc, subject, body, budget_s=self.budget_s)
 
     async def dead_counts(self) -> dict[str, int]:
         """How many dead letters each `fleet.dead.<model>` subject holds."""

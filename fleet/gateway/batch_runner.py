@@ -47,7 +47,7 @@ class BatchRunner:
         self.policy = policy
         self.owner = f"gw-{secrets.token_hex(6)}"
         self.jobs: dict[str, asyncio.Task[None]] = {}
-        self.slack = Slack(gateway.backend.jetstream)
+        self.slack = Slack(gateway.backend.task_queue)
         self._scanner: asyncio.Task[None] | None = None
         self._supervisor: Supervisor | None = None
 

@@ -23,9 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
-
+from fleet.bus.task_queue import TaskQueue
 from fleet.wire import subjects
 
 # Lines waiting on the batch subject delay no interactive or default task (workers pull them
@@ -56,15 +54,13 @@ class _Model:
 class Slack:
     """The rule applied to every job a gateway runs (they share each model's low water)."""
 
-    def __init__(self, jetstream: Callable[[], JetStreamContext]) -> None:
-        self.jetstream = jetstream
+    def __init__(self, queue: Callable[[], TaskQueue]) -> None:
+        self.queue = queue  # the gateway's, over its current connection (its read budget)
         self.models: dict[str, _Model] = {}
 
     async def _waiting(self, model: str) -> int:
-        try:
-            info = await self.jetstream().consumer_info(
-                subjects.TASKS_STREAM, subjects.durable(model, "batch"))
-        except NotFoundError:
+        info = await self.queue().durable(subjects.durable(model, "batch"))
+        if info is None:
             return 0  # no worker has made the model's consumer yet: the queue decides
         return info.num_pending or 0
 

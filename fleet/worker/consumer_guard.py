@@ -25,8 +25,9 @@ from typing import Any, Protocol
 from nats.aio.client import Client
 from opentelemetry.metrics import Meter
 
-from fleet.bus.provision import consumer_definition, jetstream_api
+from fleet.bus.provision import consumer_definition
 from fleet.bus.retry import is_transient
+from fleet.bus.task_queue import TaskQueue
 from fleet.wire import subjects
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class ConsumerGuard:
         self, nc: Client, puller: Puller, max_deliver: int, ack_wait_s: float,
         meter: Meter | None = None, interval_s: float = CHECK_INTERVAL_S,
     ) -> None:
-        self.nc = nc
+        self.queue = TaskQueue(nc)  # each call within the broker budget (an election, not more)
         self.puller = puller
         self.max_deliver = max_deliver
         self.ack_wait_s = ack_wait_s
@@ -114,8 +115,8 @@ class ConsumerGuard:
         """"ok", "restored" or "stopped" (the restore was refused: pulling that model ends).
         `binding`: before this worker pulls, its SETTINGS are left to ensure_task_consumer."""
         name = subjects.durable(model, priority)
-        info = await jetstream_api(self.nc, f"CONSUMER.INFO.{subjects.TASKS_STREAM}.{name}")
-        if "error" in info:
+        info = await self.queue.durable_json(name)
+        if info is None:
             return "ok"  # gone: the puller recreates it on its next failed fetch
         actual = info["config"]
         skip = SETTINGS if binding else frozenset()
@@ -123,10 +124,7 @@ class ConsumerGuard:
         drift = consumer_drift(wanted, actual)
         if not drift:
             return "ok"
-        restored = await jetstream_api(
-            self.nc, f"CONSUMER.CREATE.{subjects.TASKS_STREAM}.{name}",
-            {"stream_name": subjects.TASKS_STREAM, "config": {**wanted, "inactive_threshold": 0}},
-        )
+        restored = await self.queue.put_durable(name, {**wanted, "inactive_threshold": 0})
         left = consumer_drift(wanted, restored.get("config") or actual)
         if "error" not in restored and not left:
             log.error("consumer %s was changed (%s): restored; a NATS user with worker or "
@@ -158,32 +156,27 @@ class ConsumerGuard:
         (skipped_tasks) for `round` to report when they stay; None when the consumer moved
         while they were counted (tasks flowing), so the count would mean nothing."""
         name, subject = subjects.durable(model, priority), subjects.tasks(model, priority)
-        stream = subjects.TASKS_STREAM
-        info = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
-        if "error" in info:
+        info = await self.queue.durable_json(name)
+        if info is None:
             return 0
         after = info.get("delivered", {}).get("stream_seq", 0) + 1
-        first = await jetstream_api(self.nc, f"STREAM.MSG.GET.{stream}",
-                                    {"seq": after, "next_by_subj": subject})
-        seq = first.get("message", {}).get("seq")
+        seq = await self.queue.first_seq_on(subject, after)
         if seq is not None:
             # Asked again after the look-up: a task published meanwhile is pending by now, or
             # already delivered (then the last delivery is at or past it). Only a task after
             # the last delivery that the server does not owe was passed over.
-            again = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
-            if "error" not in again and passed_over_at(again, seq):
+            again = await self.queue.durable_json(name)
+            if again is not None and passed_over_at(again, seq):
                 await self._reset(name, seq, again.get("num_ack_pending", 0))
-                info = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
-        held = await jetstream_api(self.nc, f"STREAM.INFO.{stream}", {"subjects_filter": subject})
-        stored = (held.get("state", {}).get("subjects") or {}).get(subject, 0)
-        after_count = await jetstream_api(self.nc, f"CONSUMER.INFO.{stream}.{name}")
-        if "error" in after_count or _position(after_count) != _position(info):
+                info = await self.queue.durable_json(name) or {"error": "gone"}
+        stored = await self.queue.stored_on(subject)
+        after_count = await self.queue.durable_json(name)
+        if after_count is None or _position(after_count) != _position(info):
             return None
         return skipped_tasks(stored, info.get("num_pending", 0), info.get("num_ack_pending", 0))
 
     async def _reset(self, name: str, seq: int, in_flight: int) -> None:
-        reset = await jetstream_api(
-            self.nc, f"CONSUMER.RESET.{subjects.TASKS_STREAM}.{name}", {"seq": seq})
+        reset = await self.queue.reset_durable(name, seq)
         if "error" in reset:
             log.error("consumer %s passed over tasks from stream sequence %d, which stay "
                       "queued: the reset was refused (%s)", name, seq,

@@ -33,12 +33,12 @@ import time
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
 from opentelemetry.metrics import Meter
 
 from fleet.aio import cancel_and_wait, started
 from fleet.bus.provision import ensure_task_consumer
-from fleet.bus.retry import is_transient
+from fleet.bus.retry import BrokerUnavailable, is_transient
+from fleet.bus.task_queue import TaskQueue
 from fleet.config import Settings
 from fleet.wire import subjects
 from fleet.wire.tasks import Priority
@@ -54,6 +54,9 @@ FETCH_WAIT_S = 2.0
 SLACK_WAIT_S = 0.2
 ERROR_PAUSE_S = 0.5
 STRAY_MARGIN_S = 0.5  # past a lingering request's expiry: the server's clock and the transit
+# A durable's look-up after a failed pull: an election's answer is worth a short wait, not the
+# pull loop's standstill (the next failed pull looks again).
+LOOKUP_BUDGET_S = 2.0
 
 
 async def unsubscribe_pull(sub: JetStreamContext.PullSubscription) -> None:
@@ -71,6 +74,7 @@ class TaskPuller:
     ) -> None:
         self.nc = nc
         self.js = js
+        self.queue = TaskQueue(nc, js, budget_s=LOOKUP_BUDGET_S)
         self.settings = settings
         self.subs: dict[str, JetStreamContext.PullSubscription] = {}
         self.recreated: dict[str, int] = {}  # durable -> times it was recreated
@@ -212,17 +216,17 @@ class TaskPuller:
         for priority, _ in bound:
             name = subjects.durable(model, priority)
             try:
-                await self.js.consumer_info(subjects.TASKS_STREAM, name)
-                gone = False
-            except NotFoundError:
-                gone = True
-                log.warning("consumer %s is gone (deleted under this worker): recreating it",
-                            name)
-                self.recreated[name] = self.recreated.get(name, 0) + 1
+                gone = await self.queue.durable(name) is None
+            except BrokerUnavailable:
+                gone = False  # not answered within the look-up's budget: the next one asks
             except Exception as exc:
                 gone = False
                 if not is_transient(exc):
                     log.warning("consumer %s not checked: %s", name, exc)
+            if gone:
+                log.warning("consumer %s is gone (deleted under this worker): recreating it",
+                            name)
+                self.recreated[name] = self.recreated.get(name, 0) + 1
             if priority != "default":
                 if sub := self.class_subs.pop((model, priority), None):
                     await unsubscribe_pull(sub)

@@ -33,8 +33,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from fleet.aio import CLOSE_WAIT_S, Supervisor, set_within, started
-from fleet.bus.kv_calls import kv_create, kv_get, kv_update
-from fleet.bus.retry import with_retry
+from fleet.bus.kv_calls import kv_create, kv_get, kv_update, open_bucket
 from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import DecodeError, decode_model
 from fleet.worker.deathwatch import DeathWatch
@@ -126,8 +125,7 @@ class FleetDuties:
 
     async def forever(self) -> None:
         """Until cancelled (a Supervisor child): take or renew the lease every RENEW_S."""
-        kv = await with_retry(lambda: self.js.key_value(LEASES_BUCKET),
-                              what=f"open bucket {LEASES_BUCKET}")
+        kv = await open_bucket(self.js, LEASES_BUCKET)
         self._leases = kv
         lease = Lease(kv, SWEEPER, self.node_id)
         sentinel = Lease(kv, SENTINEL, self.node_id)

@@ -190,3 +190,29 @@ async def test_a_cancel_is_recorded_then_announced(provisioned_nc: Client) -> No
     told = decode_model(CancelTask, await asyncio.wait_for(heard.get(), 5.0))
     assert told.task_id == "c-send" and told.reason == "test"
     assert await records.cancelled("c-send")
+
+
+async def test_durable_reads_and_the_guards_calls(provisioned_nc: Client) -> None:
+    """The puller's and the batch slack's durable look-up (None when gone), and the consumer
+    guard's JSON calls: its config, the first task after a position, the count on a subject,
+    a rewrite of its config and a reset of its position."""
+    nc, queue = provisioned_nc, TaskQueue(provisioned_nc)
+    name = subjects.durable("qg")
+    assert await queue.durable(name) is None
+    assert await queue.durable_json(name) is None
+    await ensure_task_consumer(nc, "qg")
+    seqs = [(await nc.jetstream().publish(subjects.tasks("qg"), b"g")).seq for _ in range(2)]
+    info = await queue.durable(name)
+    assert info is not None and info.num_pending == 2
+    raw = await queue.durable_json(name)
+    assert raw is not None and raw["config"]["filter_subject"] == subjects.tasks("qg")
+    assert await queue.first_seq_on(subjects.tasks("qg"), 1) == seqs[0]
+    assert await queue.first_seq_on(subjects.tasks("qg"), seqs[1] + 1) is None
+    assert await queue.stored_on(subjects.tasks("qg")) == 2
+    answer = await queue.put_durable(name, {**raw["config"], "max_ack_pending": 7})
+    assert answer["config"]["max_ack_pending"] == 7
+    sub = await nc.jetstream().pull_subscribe_bind(name, stream=subjects.TASKS_STREAM)
+    assert len(await sub.fetch(2, timeout=2)) == 2  # delivered, not acked
+    assert "error" not in await queue.reset_durable(name, seqs[1])
+    again = await queue.durable(name)
+    assert again is not None and again.num_pending == 1  # the second one is owed again
