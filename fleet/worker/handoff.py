@@ -21,6 +21,11 @@ inbox, and takes in only a message whose ack subject acks a FLEET_TASKS delivery
 cannot point its `+ACK`/`+WPI` or its answer at a key, an object or another task's output.
 An offer with another reply is dropped unanswered; one with another ack subject is declined.
 
+The same request passes a redelivery back to the node that still holds the task
+(fleet.worker.takeover, `redelivery_fate`; runner `HELD`): a receiver that holds that stream
+message takes it whatever its slots and keeps it renewed under the newer delivery; one that
+does not any more treats it as any offer, and a declined one is taken over by its sender.
+
 The receiver answers before its intake runs and takes a task only into a free slot
 (`plan.declines_hand_off`), never passes a handed-in task on, and a sender never offers a
 task that carries input images (they are fetched here already). A stopping receiver first
@@ -55,6 +60,7 @@ ANSWER_TIMEOUT_S = 2.0  # the receiver answers from its loop, before its intake'
 # The receiver takes an offer only this soon after it arrived, so a sender still waits when
 # "taken" is sent: an offer its sender gave up on is declined, never run beside a redelivery.
 TAKE_WITHIN_S = ANSWER_TIMEOUT_S / 2
+HELD = "held"  # the runner a redelivery passed to its holder names: the one that holds it
 
 
 def hand_off_of(msg: Msg, from_node: str, runner_id: str) -> TaskHandOff:
@@ -143,26 +149,36 @@ class HandOffs:
         """Offer a held message to `node_id`; the outcome goes to the loop as HandOffEnded."""
         taken: bool | None = None
         try:
-            reply = await self.nc.request(
-                subjects.handoff(node_id), encode(hand_off_of(msg, self.node_id, runner_id)),
-                timeout=ANSWER_TIMEOUT_S,
-            )
-            answer = decode_model(HandOffAnswer, reply.data)
-            taken = answer.taken
-            if not taken:
-                log.info("task %s: node %s declined it (%s); run here", task_id, node_id,
-                         answer.reason)
-        except NoRespondersError:
-            taken = False  # nobody listens there: nobody received it
-            log.info("task %s: node %s is not there; run here", task_id, node_id)
-        except (NatsTimeout, TimeoutError):
-            log.warning("task %s: node %s did not answer its hand-off; left to it or to "
-                        "AckWait", task_id, node_id)
-        except Exception as exc:  # not known to be received: the safe side is AckWait
-            log.warning("task %s: hand-off to %s failed (%s: %s); left to AckWait",
-                        task_id, node_id, type(exc).__name__, exc)
+            taken = await offer(self.nc, task_id, msg, self.node_id, node_id, runner_id)
         finally:
             self.inbox.put_nowait(HandOffEnded(task_id, node_id, runner_id, taken, time.time()))
+
+
+async def offer(
+    nc: Client, task_id: str, msg: Msg, from_node: str, node_id: str, runner_id: str
+) -> bool | None:
+    """Offer the held `msg` to `node_id` once: taken, declined (False: also when nobody
+    listens there), or None when its outcome is unknown (see the table above)."""
+    try:
+        reply = await nc.request(
+            subjects.handoff(node_id), encode(hand_off_of(msg, from_node, runner_id)),
+            timeout=ANSWER_TIMEOUT_S,
+        )
+        answer = decode_model(HandOffAnswer, reply.data)
+        if not answer.taken:
+            log.info("task %s: node %s declined it (%s); run here", task_id, node_id,
+                     answer.reason)
+        return answer.taken
+    except NoRespondersError:
+        log.info("task %s: node %s is not there; run here", task_id, node_id)
+        return False  # nobody listens there: nobody received it
+    except (NatsTimeout, TimeoutError):
+        log.warning("task %s: node %s did not answer its hand-off; left to it or to "
+                    "AckWait", task_id, node_id)
+    except Exception as exc:  # not known to be received: the safe side is AckWait
+        log.warning("task %s: hand-off to %s failed (%s: %s); left to AckWait",
+                    task_id, node_id, type(exc).__name__, exc)
+    return None
 
 
 async def _unsubscribe(sub: Subscription) -> None:

@@ -14,6 +14,7 @@ what an earlier attempt stored.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -22,9 +23,17 @@ from datetime import UTC, datetime
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
+from fleet.bus.task_log import TaskLog
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_task, sent_task_id
-from fleet.wire.events import ErrorReason, ImageChunk, TaskFinished, TokenChunk, ToolCallChunk
+from fleet.wire.codec import DecodeError, decode_event, decode_task, sent_task_id
+from fleet.wire.events import (
+    ErrorReason,
+    ImageChunk,
+    TaskAccepted,
+    TaskFinished,
+    TokenChunk,
+    ToolCallChunk,
+)
 from fleet.wire.tasks import Task, is_past
 from fleet.worker.acks import Stage
 from fleet.worker.claims import Claims, owner_of
@@ -37,14 +46,23 @@ from fleet.worker.continuation import (
     output_began,
     stored_events,
 )
+from fleet.worker.deathwatch import probe
 from fleet.worker.outputs import TaskOutput
 from fleet.worker.prefix_blocks import prompt_blocks
 from fleet.worker.state import PendingTask
-from fleet.worker.takeover import Superseded, takes_fence
+from fleet.worker.takeover import (
+    RedeliveryFate,
+    Superseded,
+    holder_of,
+    holder_to_ask,
+    redelivery_fate,
+    takes_fence,
+)
 
 log = logging.getLogger(__name__)
 
 STREAMED = (TokenChunk, ToolCallChunk, ImageChunk)
+ACCEPT_WITHIN = 4  # a task's accept is its first event; a few stored before it are tolerated
 
 @dataclass(frozen=True)
 class Queued:
@@ -90,6 +108,8 @@ class Intake:
             )
         if refused := await self._claim(msg, task.task_id):
             return refused
+        if (passed := await self._pass_to_holder(msg, task.task_id, delivery, handed_in)):
+            return passed
         if takes_over := takes_fence(delivery, handed_in=handed_in):
             # Before anything is read back or written: from here on an earlier holder that
             # was only paused can store nothing more on this task (fleet.worker.takeover).
@@ -158,6 +178,38 @@ class Intake:
         await self.output.fail(task_id, reason, message, node_id=self.cluster.node_id)
         return Settled(task_id, reason.value)
 
+    async def _pass_to_holder(
+        self, msg: Msg, task_id: str, delivery: int, handed_in: bool
+    ) -> Settled | None:
+        """A redelivery of a task another node took: passed to that node when it answers
+        alive (it still holds the message and keeps it, renewed: fleet.worker.takeover);
+        None to take it over here (the holder is dead, silent, or declined it)."""
+        if handed_in or not takes_fence(delivery):  # read nothing for the first delivery
+            return None
+        node_id = self.cluster.node_id
+        log_ = TaskLog.of(self.js)
+        _, fence = await log_.last_fence(task_id)
+        accepted = None if fence is not None else await _first_accept(log_, task_id)
+        holder = holder_to_ask(delivery, node_id, holder_of(fence, accepted))
+        if holder is None:
+            return None
+        probed = await probe(self.output.nc, holder)
+        if redelivery_fate(probed) is not RedeliveryFate.PASS_TO_HOLDER:
+            log.warning("task %s redelivered (delivery %d); its holder %s is %s: taken over",
+                        task_id, delivery, holder, probed)
+            return None
+        # Here, not at the top: the hand-off module reads the inbox, which reads this one.
+        from fleet.worker.handoff import HELD, offer
+
+        taken = await offer(self.output.nc, task_id, msg, node_id, holder, HELD)
+        if taken is False:
+            return None  # it holds it no more and has no slot: ours, fenced
+        # Taken, or perhaps taken: the message is the holder's, no verb here (as a hand-off).
+        log.warning("task %s redelivered (delivery %d) while node %s, alive, holds it: "
+                    "passed to it, not run twice (%s)", task_id, delivery, holder,
+                    "taken" if taken else "no answer")
+        return Settled(None, "passed_to_holder", Stage.SUPERSEDED)
+
     async def _redelivered(self, task: Task) -> Settled | None:
         """A worker took this task before and died. Rerun it if no output was streamed;
         continue a text task from its next token if some was (fleet.worker.continuation):
@@ -186,3 +238,20 @@ class Intake:
                      task.task_id, len(decided.generated), decided.attempt)
             self.book.queued[task.task_id] = decided
         return decided
+
+
+async def _first_accept(log_: TaskLog, task_id: str) -> TaskAccepted | None:
+    """The task's first TaskAccepted among its first stored events (who ran it first)."""
+    seen = 0
+    async with contextlib.aclosing(log_.each(task_id, budget_s=log_.budget_s)) as stored:
+        async for raw in stored:
+            try:
+                event = decode_event(raw.data or b"")
+            except DecodeError:
+                event = None
+            if isinstance(event, TaskAccepted):
+                return event
+            seen += 1
+            if seen >= ACCEPT_WITHIN:
+                break
+    return None

@@ -388,15 +388,20 @@ class Worker:
         (fleet.worker.handoff)."""
         hand_off, reply = offer.hand_off, offer.reply
         model = subjects.model_of_task_subject(hand_off.subject)
+        msg = rebuilt(self.nc, hand_off)
         reason = rules.declines_hand_off(self.state, model)
         if reason is None and time.monotonic() - offer.received_at > TAKE_WITHIN_S:
             reason = "reached too late"
+        if self.acks.redelivered_while_held(msg) is not None:
+            # A redelivery of a message held here, passed back by the node it reached
+            # (fleet.worker.takeover): ours still, whatever the slots; `_take` renews it.
+            reason = None
         taken = reason is None
         self.owner.spawn("answer a hand-off", self.handoffs.answer(reply, taken, reason or ""))
         if taken:
             log.info("task message from node %s taken in (for runner %s)",
                      hand_off.from_node, hand_off.runner_id)
-            self._take(rebuilt(self.nc, hand_off), handed_in=True)
+            self._take(msg, handed_in=True)
 
     def _hand_off_ended(self, ended: ev.HandOffEnded) -> None:
         task_id = ended.task_id

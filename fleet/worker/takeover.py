@@ -26,6 +26,15 @@ delivery is already older than the one another worker took the task over with, s
 nothing and settles nothing (`Superseded`): the message is the newer holder's. Two workers
 that take the fence at once: the compare-and-set lets one write at a time, and the later fence
 wins (the earlier taker is refused like any older attempt).
+
+A redelivery is not always a lost holder: a consumer whose leader changes can redeliver a
+message its holder took seconds before and still beats (seen when a paused server returned
+and forced elections; nats-server PR #6469). So a worker handed a redelivery that another
+node holds (the last fence's node, else the node of the task's first accept: `holder_of`)
+first probes that node's `fleet.alive.<node>` (`redelivery_fate`): alive, it passes the
+delivery to it as a hand-off (fleet.worker.handoff), and the holder, which still holds that
+stream message, keeps it renewed under the newest delivery; nothing runs twice. Dead
+(no responders) or silent (paused, cut off) it takes the task over with the fence as above.
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
 from fleet.bus.task_log import EXPECTED_LAST_SUBJECT_SEQ, TaskLog, fence_subject
-from fleet.wire.events import TaskFence
+from fleet.wire.events import TaskAccepted, TaskFence
+from fleet.worker.deathwatch import Probe
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +94,40 @@ def takes_fence(delivery: int, *, handed_in: bool = False) -> bool:
     node (whose runner may have streamed part of it before it crashed there). A first
     delivery taken from the stream writes under fence 0, which any takeover refuses."""
     return delivery > 1 or handed_in
+
+
+def holder_of(fence: TaskFence | None, accepted: TaskAccepted | None) -> str | None:
+    """Pure. The node that holds a task's message as far as its output says: the last taker
+    (every takeover and hand-in writes a fence), else the node that accepted it first; None
+    when neither is stored (it was never dispatched: nobody to ask)."""
+    if fence is not None:
+        return fence.node_id
+    return accepted.node_id if accepted is not None else None
+
+
+def holder_to_ask(delivery: int, node_id: str, holder: str | None, *,
+                  handed_in: bool = False) -> str | None:
+    """Pure. The other node to probe before this delivery takes the task over: only for a
+    redelivery pulled from the stream (a hand-in was given up by its sender) of a task
+    another node took; None: take it over at once."""
+    if handed_in or delivery <= 1 or holder is None or holder == node_id:
+        return None
+    return holder
+
+
+class RedeliveryFate(StrEnum):
+    """What a worker does with a redelivery of a task another node took."""
+
+    PASS_TO_HOLDER = "pass_to_holder"  # the holder lives: it keeps the message, renewed
+    TAKE_OVER = "take_over"  # dead or silent: fence it and continue it here
+
+
+def redelivery_fate(probe: Probe) -> RedeliveryFate:
+    """Pure. Only an answer passes the delivery on: a silent holder may be paused past its
+    AckWait (a SIGSTOPped worker), and the fence makes taking over from it safe."""
+    if probe is Probe.ANSWERED:
+        return RedeliveryFate.PASS_TO_HOLDER
+    return RedeliveryFate.TAKE_OVER
 
 
 class FencedFate(StrEnum):

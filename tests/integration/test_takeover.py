@@ -16,7 +16,10 @@ import os
 import signal
 import time
 
-from fleet.wire.events import TaskAccepted, TokenChunk, token_indexes
+from fleet.wire import subjects
+from fleet.wire.cluster import NodeInfo
+from fleet.wire.codec import decode_model
+from fleet.wire.events import TaskAccepted, TaskFinished, TokenChunk, token_indexes
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
 from tests.integration.continuing import ENV, Live, finished_of, first_after, place_on
@@ -30,6 +33,8 @@ from tests.integration.harness import (
 )
 
 TOKENS = 60
+LONG_TOKENS = 600  # 60 s: it still streams when b's runner is ready
+DEATH_WATCH_ENV = {"FLEET_ACK_WAIT_S": "300", "OPENBLAS_NUM_THREADS": "1"}
 
 
 async def test_a_paused_worker_resumed_after_a_takeover_writes_nothing_more(
@@ -82,3 +87,52 @@ async def test_a_paused_worker_resumed_after_a_takeover_writes_nothing_more(
         await asyncio.sleep(0.2)  # polling a log file: there is no event to wait on
     assert paused.process.poll() is None
     await nc.close()
+
+
+async def test_a_redelivery_of_a_task_whose_holder_lives_is_passed_back_to_it(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    """Issue 27: a consumer's leader change can redeliver a message its holder took seconds
+    before and still beats. Here a nak of the holder's delivery (sent by the test on the ack
+    subject its heartbeat lists) stands in for that race: the other worker gets delivery 2
+    while the holder streams on, finds the holder alive and passes the delivery back to it.
+    One attempt, no fence, whole answer, and the holder keeps the message renewed."""
+    nc = await client(nats_url)
+    env = {**DEATH_WATCH_ENV}  # AckWait 300 s: only the test's nak redelivers
+    holder, other = start_worker("a", **env), start_worker("b", **env)
+    card, _ = add_fault_card(holder.data_dir), add_fault_card(other.data_dir)
+    holder_node = await wait_node(nc, holder.data_dir)
+    other_node = await wait_node(nc, other.data_dir)
+    await place_on(nc, card, holder_node, slots=1)  # full while it runs: it pulls no more
+    live = Live()
+    await nc.subscribe("fleet.out.*", cb=live.on_msg)
+    task = TextGeneration(
+        task_id="redelivered", model="fault-llm", max_tokens=1000,
+        messages=[ChatMessage(role="user", content=f"tokens:{LONG_TOKENS} delay_ms:100")],
+    )
+    await submit(nc, task)
+    await live.until(lambda: live.tokens(task.task_id) >= 3, 60)
+    # Only now a runner on b (its start takes seconds): the task can only have gone to a.
+    await place_on(nc, card, other_node)
+    kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+    entry = await kv.get(holder_node)
+    acks = decode_model(NodeInfo, entry.value or b"").held_acks
+    assert len(acks) == 1, acks
+    await nc.publish(acks[0], b"-NAK")
+    deadline = time.monotonic() + 60
+    while "passed to it, not run twice" not in other.log():
+        assert time.monotonic() < deadline, other.log()[-3000:]
+        await asyncio.sleep(0.2)  # polling a log file: there is no event to wait on
+    await live.until(lambda: finished_of_live(live, task.task_id), 120)
+    stored = await events_of(nc, task.task_id)
+    indexes = token_indexes([e for e in stored if isinstance(e, TokenChunk)])
+    assert indexes == list(range(LONG_TOKENS)), "a gap or a duplicate in the stored stream"
+    assert finished_of(stored).status == "completed"
+    accepted = [e for e in stored if isinstance(e, TaskAccepted)]
+    assert [(e.attempt, e.node_id) for e in accepted] == [(0, holder_node)]
+    assert "redelivered while it is held here: kept, not run twice" in holder.log()
+    await nc.close()
+
+
+def finished_of_live(live: Live, task_id: str) -> bool:
+    return any(isinstance(e, TaskFinished) for _, e in live.events.get(task_id, []))

@@ -12,18 +12,23 @@ from nats.js.errors import APIError
 
 from fleet.wire.events import TaskAccepted, TaskFence, TaskFinished, TokenChunk
 from fleet.worker.continuation import stored_events
+from fleet.worker.deathwatch import Probe
 from fleet.worker.outputs import TaskOutput
 from fleet.worker.takeover import (
     EXPECTED_LAST_SUBJECT_SEQ,
     EXPECTED_SUBJECT,
     FencedFate,
+    RedeliveryFate,
     Superseded,
     TaskFenced,
     fence_headers,
     fence_subject,
     fenced_fate,
+    holder_of,
+    holder_to_ask,
     is_fenced,
     may_take_over,
+    redelivery_fate,
     takes_fence,
 )
 
@@ -40,6 +45,49 @@ def test_who_takes_a_task_over(delivery: int, handed_in: bool, takes: bool) -> N
 
 def fence(delivery: int, node: str = "b") -> TaskFence:
     return TaskFence(task_id="t1", attempt=1, node_id=node, delivery=delivery, at=1.0)
+
+
+def accepted(node: str) -> TaskAccepted:
+    return TaskAccepted(task_id="t1", at=1.0, model="m", node_id=node, runner_id="r1")
+
+
+@pytest.mark.parametrize(("last", "first_accept", "holder"), [
+    (None, None, None),  # never dispatched: nobody to ask
+    (None, accepted("a"), "a"),  # its first attempt's node
+    (fence(2, "c"), accepted("a"), "c"),  # taken over (or handed in) since: the last taker
+    (fence(2, "c"), None, "c"),
+])
+def test_who_holds_a_task(
+    last: TaskFence | None, first_accept: TaskAccepted | None, holder: str | None
+) -> None:
+    assert holder_of(last, first_accept) == holder
+
+
+@pytest.mark.parametrize(("delivery", "holder", "handed_in", "asked"), [
+    (2, "a", False, "a"),  # a redelivery of a task node a took: ask a first
+    (5, "a", False, "a"),
+    (1, "a", False, None),  # a first delivery takes nothing over
+    (2, "b", False, None),  # this node's own earlier attempt: it holds it no more
+    (2, None, False, None),  # nobody known to hold it
+    (2, "a", True, None),  # handed in: its sender gave it up to this node
+])
+def test_whom_a_redelivery_asks_first(
+    delivery: int, holder: str | None, handed_in: bool, asked: str | None
+) -> None:
+    assert holder_to_ask(delivery, "b", holder, handed_in=handed_in) == asked
+
+
+@pytest.mark.parametrize(("probe", "fate"), [
+    # Alive and beating: the redelivery is the consumer's (a leader change), not a loss;
+    # the holder keeps the message renewed under the new delivery and nothing runs twice.
+    (Probe.ANSWERED, RedeliveryFate.PASS_TO_HOLDER),
+    (Probe.NO_RESPONDERS, RedeliveryFate.TAKE_OVER),  # dead: continue it here
+    (Probe.SILENT, RedeliveryFate.TAKE_OVER),  # paused or cut off: the fence stops it later
+])
+def test_a_redelivery_is_passed_only_to_a_holder_that_answers(
+    probe: Probe, fate: RedeliveryFate
+) -> None:
+    assert redelivery_fate(probe) is fate
 
 
 @pytest.mark.parametrize(("delivery", "node", "last", "handed_in", "may"), [
