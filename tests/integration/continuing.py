@@ -57,6 +57,8 @@ class Live:
         self.changed = asyncio.Event()
 
     async def on_msg(self, msg: Msg) -> None:
+        if msg.subject.endswith(".fence"):  # a takeover's fence (fleet.bus.task_log), no event
+            return
         event = decode_event(msg.data)
         self.events.setdefault(event.task_id, []).append((time.monotonic(), event))
         self.changed.set()

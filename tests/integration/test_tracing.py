@@ -14,6 +14,7 @@ import pytest
 from nats.aio.client import Client
 from openai import AsyncOpenAI
 
+from fleet.bus.task_log import TaskLog
 from fleet.models.catalog import get_card
 from fleet.placement import place
 from fleet.trace.lookup import spans_of_trace, trace_id_of_task
@@ -144,7 +145,7 @@ async def test_a_chat_request_through_the_gateway_is_one_trace_rooted_in_its_htt
             model="tiny-llm", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
             temperature=0,
         )
-        trace_id = await trace_id_of_task(nc.jetstream(), reply.id)
+        trace_id = await trace_id_of_task(TaskLog.of(nc.jetstream()), reply.id)
         assert trace_id is not None
         http = "POST /v1/chat/completions"
         spans = await trace_spans(nc, trace_id, has(http, "send fleet.tasks.tiny-llm", *TEXT_SPANS))
@@ -204,7 +205,7 @@ async def test_an_image_task_from_fleet_submit_has_a_span_per_diffusion_step(
     await place(nc.jetstream(), get_card("tiny-flux2"), node_id=node, slots=1)
     assert finished(await collector).status == "completed"
 
-    trace_id = await trace_id_of_task(nc.jetstream(), task.task_id)
+    trace_id = await trace_id_of_task(TaskLog.of(nc.jetstream()), task.task_id)
     assert trace_id is not None
     steps = [f"diffusion step {n}/3" for n in (1, 2, 3)]
     named = by_name(await trace_spans(nc, trace_id, has(
