@@ -62,7 +62,12 @@ else:
 OUT_PAUSE = Load(tasks=150, tokens=1000, delay_ms=10) if LONG else Load(
     tasks=40, tokens=400, delay_ms=15)
 OUT_PAUSE_S = 20.0 if LONG else 8.0
-SEAM_AT_S, WORKER_PAUSE_S = 1.0, 4.0  # a worker paused past a 2 s AckWait, in the election
+# A worker paused 1 s into FLEET_OUT's election and kept paused 6 s past the server's return,
+# far past its 2 s AckWait. Its tasks are redelivered to the other worker, which asks the holder
+# first (fleet.worker.takeover.redelivery_fate) once FLEET_OUT answers again: a holder that is
+# back by then keeps its tasks, so only a holder still silent at that moment is taken over (a
+# 4 s pause inside the election ended before the asking, beside a CPU hog: no seam at all).
+SEAM_AT_S, WORKER_PAUSED_AFTER_RETURN_S = 1.0, 6.0
 # The seam case: fewer tasks than slots, so the worker that stays up has free slots to take the
 # paused worker's tasks when AckWait runs out (with every slot full it took none while
 # FLEET_OUT elected: its own tasks could not end, and the seam was not exercised).
@@ -219,9 +224,10 @@ async def test_out_leader_paused_with_takeovers_leaves_no_gap_at_a_seam(
 ) -> None:
     """Issue 24's seam under a broker fault: workers at a 2 s AckWait; while the server
     leading FLEET_OUT is paused, one worker is paused too (the worker process only: its runner
-    streams on) for longer than AckWait, so the tasks' consumers (led elsewhere) hand its
-    running tasks to the other worker, which fences them while FLEET_OUT elects, and the paused
-    attempts' last events are lost, late or refused. Every task still ends `completed`, read in
+    streams on) until well after the server's return, so the tasks' consumers (led elsewhere)
+    hand its running tasks to the other worker, which finds the holder silent and fences them
+    as FLEET_OUT settles after its election, and the paused attempts' last events are lost,
+    late or refused. Every task still ends `completed`, read in
     index order 0..n-1 once each (a continuation resumes at the first hole and supersedes what
     the old attempt stored past it; tests/bus/test_task_log.py forces that hole)."""
     run = fault_run(cluster_broker, SEAM, 3)
@@ -243,15 +249,18 @@ async def test_out_leader_paused_with_takeovers_leaves_no_gap_at_a_seam(
         run.mark("pause worker w1")
         os.kill(worker.pid, signal.SIGSTOP)
         try:
-            await asyncio.sleep(WORKER_PAUSE_S)  # longer than AckWait: its tasks move
+            try:
+                await asyncio.sleep(OUT_PAUSE_S - SEAM_AT_S)
+            finally:
+                node.resume()
+            returned = time.time()
+            run.fault_now(f"resumed {paused}")
+            await asyncio.sleep(WORKER_PAUSED_AFTER_RETURN_S)  # its tasks move meanwhile
         finally:
             os.kill(worker.pid, signal.SIGCONT)
         run.mark("resumed worker w1")
-        await asyncio.sleep(max(0.0, OUT_PAUSE_S - SEAM_AT_S - WORKER_PAUSE_S))
     finally:
-        node.resume()
-    returned = time.time()
-    run.fault_now(f"resumed {paused}")
+        node.resume()  # again if the pause above was cut short: resuming twice is harmless
     await run.until_finished(returned)
     report = await run.report(returned)
     stored = await run.read_out()
