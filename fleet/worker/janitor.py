@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 
 import orjson
@@ -96,22 +96,14 @@ class Janitor:
         # Advisories are fire-and-forget; FLEET_ADVISORIES keeps them until a worker is there.
         self.advisories = await durable_pull(self.js, subjects.ADVISORIES_STREAM, "janitor",
                                              what="the janitor's advisories consumer")
-        self._sweeper = asyncio.create_task(self._sweep_forever())
+        self._sweeper = started(self._sweep_forever(), "janitor sweep")
 
     async def stop(self) -> None:
         self._sweeper.cancel()
         await unsubscribe_pull(self.advisories)
 
     async def _sweep_forever(self) -> None:
-        while True:
-            try:
-                msgs = await self.advisories.fetch(16, timeout=5.0)
-            except TimeoutError:
-                continue
-            except Exception as exc:
-                log.warning("advisory fetch failed: %s", exc)
-                await asyncio.sleep(1.0)  # pacing a retry after a broker error
-                continue
+        async for msgs in fetched_forever(self.advisories, 16, "advisory"):
             for msg in msgs:
                 try:
                     await self._dead(msg)
@@ -234,15 +226,7 @@ class DeadlineWatch:
         await unsubscribe_pull(self.markers)
 
     async def _expire_forever(self) -> None:
-        while True:
-            try:
-                msgs = await self.markers.fetch(32, timeout=5.0)
-            except TimeoutError:
-                continue
-            except Exception as exc:
-                log.warning("deadline marker fetch failed: %s", exc)
-                await asyncio.sleep(1.0)  # pacing a retry after a broker error
-                continue
+        async for msgs in fetched_forever(self.markers, 32, "deadline marker"):
             for msg in msgs:
                 try:
                     if expires(msg.headers):
@@ -260,3 +244,16 @@ class DeadlineWatch:
         await self.janitor._finish(task_id, ErrorReason.DEADLINE,
                                    "the deadline passed before it started (expired in the queue)")
 
+
+async def fetched_forever(sub: JetStreamContext.PullSubscription, batch: int, what: str
+                          ) -> AsyncIterator[list[Msg]]:
+    """Each non-empty fetch of a pull consumer, for ever: an empty wait is retried at once,
+    a broker error logged and retried a second later."""
+    while True:
+        try:
+            yield await sub.fetch(batch, timeout=5.0)
+        except TimeoutError:
+            continue
+        except Exception as exc:
+            log.warning("%s fetch failed: %s", what, exc)
+            await asyncio.sleep(1.0)  # pacing a retry after a broker error
