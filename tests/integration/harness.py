@@ -9,7 +9,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from nats.aio.client import Client
@@ -243,3 +244,20 @@ async def until_queue_empty(js: JetStreamContext, timeout: float = 30.0) -> None
     async with asyncio.timeout(timeout):
         while (await js.stream_info(subjects.TASKS_STREAM)).state.messages:
             await asyncio.sleep(0.1)  # polling the stream's state, bounded by the timeout
+
+
+@contextmanager
+def fault_worker_stack(root: Path, model: str = "fault-llm") -> Iterator[tuple[str, WorkerProcess]]:
+    """A nats-server and one `fleet worker` with the fault engine's card for `model` under
+    `root`: (the NATS URL, the worker). A module's shared stack for plumbing tests."""
+    from fleet.bus.embedded import EmbeddedNats
+
+    with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as server:
+        data = root / "worker"
+        data.mkdir()
+        add_fault_card(data, model)
+        worker = WorkerProcess(server.url, data).start()
+        try:
+            yield server.url, worker
+        finally:
+            worker.kill()

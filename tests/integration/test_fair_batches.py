@@ -18,12 +18,11 @@ import httpx
 import pytest
 from nats.aio.msg import Msg
 
-from fleet.bus.embedded import EmbeddedNats
 from fleet.commands.gateway import build_app
 from fleet.config import load_settings
 from fleet.gateway.keys import add_key
 from fleet.wire.fairness import TenantShare
-from tests.integration.harness import WorkerProcess, add_fault_card, serving
+from tests.integration.harness import WorkerProcess, add_fault_card, fault_worker_stack, serving
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,15 +33,8 @@ BIG, SMALL = 80, 10
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, WorkerProcess, Path]]:
     root = tmp_path_factory.mktemp("fair-batches")
-    with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as server:
-        data = root / "worker"
-        data.mkdir()
-        add_fault_card(data, MODEL)
-        worker = WorkerProcess(server.url, data).start()
-        try:
-            yield server.url, worker, root
-        finally:
-            worker.kill()
+    with fault_worker_stack(root, MODEL) as (url, worker):
+        yield url, worker, root
 
 
 def lines(tenant: str, count: int) -> bytes:

@@ -13,12 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.fairness import shares
 from fleet.commands.gateway import build_app
 from fleet.config import load_settings
 from fleet.gateway.keys import add_key
-from tests.integration.harness import WorkerProcess, add_fault_card, serving
+from tests.integration.harness import WorkerProcess, add_fault_card, fault_worker_stack, serving
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,15 +27,8 @@ MODEL = "fault-llm"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, WorkerProcess, Path]]:
     root = tmp_path_factory.mktemp("fair")
-    with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as server:
-        data = root / "worker"
-        data.mkdir()
-        add_fault_card(data, MODEL)
-        worker = WorkerProcess(server.url, data).start()
-        try:
-            yield server.url, worker, root
-        finally:
-            worker.kill()
+    with fault_worker_stack(root, MODEL) as (url, worker):
+        yield url, worker, root
 
 
 async def test_a_flooding_tenant_leaves_the_other_its_share(

@@ -14,12 +14,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from fleet.bus.connect import js_publish
-from fleet.bus.embedded import EmbeddedNats
 from fleet.wire import subjects
 from fleet.wire.codec import decode_event
 from fleet.wire.events import TaskAccepted, TaskFinished
 from fleet.wire.tasks import ChatMessage, Priority, TextGeneration
-from tests.integration.harness import WorkerProcess, add_fault_card, serving
+from tests.integration.harness import WorkerProcess, add_fault_card, fault_worker_stack, serving
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,15 +28,8 @@ MODEL = "fault-llm"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, WorkerProcess]]:
     root = tmp_path_factory.mktemp("priority")
-    with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as server:
-        data = root / "worker"
-        data.mkdir()
-        add_fault_card(data, MODEL)
-        worker = WorkerProcess(server.url, data).start()
-        try:
-            yield server.url, worker
-        finally:
-            worker.kill()
+    with fault_worker_stack(root, MODEL) as (url, worker):
+        yield url, worker
 
 
 def task(prefix: str, priority: Priority, prompt: str) -> TextGeneration:
