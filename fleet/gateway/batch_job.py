@@ -11,7 +11,10 @@ twice; its events are read back from FLEET_OUT (replay) either way.
 A line waits for its tenant's turn in the model's batch class before it is published, by the
 rule gateway requests follow (fleet.gateway.fair_share, state in KV FLEET_FAIRNESS): one
 tenant's big job is held while it is ahead of another tenant's job, or requests, waiting in
-the same class, and each line is charged the tokens it served. A job's lines take that turn
+the same class, and each line is charged the tokens it served, once: the charge is keyed by
+the line's task id in the tenant's entry (settled, then forgotten once its result is
+recorded), so a gateway that takes the job over neither holds nor charges again a line its
+holder had admitted or settled. A job's lines take that turn
 one at a time (`feeding`), each then waiting for slack and published before the next asks: a
 job admits nothing ahead of what it can publish, so a tenant whose job starts first cannot
 have all its window's lines admitted before another tenant's job has joined.
@@ -84,6 +87,7 @@ class Job:
     recorded: dict[int, BatchResult] = field(default_factory=dict)
     cancelling: asyncio.Event = field(default_factory=asyncio.Event)
     feeding: asyncio.Lock = field(default_factory=asyncio.Lock)  # one line's turn at a time
+    tickets: dict[str, Ticket] = field(default_factory=dict)  # lines settled, not recorded
 
     async def run(self) -> None:
         found = await self.store.batch(self.batch_id)
@@ -132,10 +136,13 @@ class Job:
             result = await self._outcome(record, line, replay)
             await self.store.record_result(result)
             self.recorded[line.line] = result
+            if (ticket := self.tickets.get(task_id_of(record.id, line.line))) is not None:
+                await ticket.forget()  # recorded: no takeover runs it again
         except FleetError as exc:
             # NATS gone: the line stays without a result; whoever runs the job next does it
             log.warning("batch %s line %d: %s", record.id, line.line, exc.message)
         finally:
+            self.tickets.pop(task_id_of(record.id, line.line), None)
             window.release()
 
     async def _outcome(self, record: BatchRecord, line: InputLine, replay: bool) -> BatchResult:
@@ -157,17 +164,24 @@ class Job:
         events = await backend.events(task_id, deadline=loop.time() + record.expires_at
                                       - time.time(), replay=replay)
         ticket: Ticket | None = None
+        ended = False  # the line's outcome is known here (else whoever runs the job next)
         try:
             async with self.feeding:
                 ticket = await self._turn(task, record)
+                if ticket is not None:
+                    self.tickets[task_id] = ticket
                 await self._publish(task, record.expires_at)
             items = await self._until_end(events.rest(), task_id)
+            ended = True
         except DeadlineExceeded:
+            ended = True
             await backend.cancel_quietly(task_id, "the batch's completion window closed")
             return result(408, expired_body(record.id))
         finally:
             await events.close()
-            if ticket is not None:
+            # A line stopped here unended (lease lost, NATS) keeps its keyed charge for the
+            # gateway that goes on with it, which settles it once with what it served.
+            if ticket is not None and (ended or ticket.key is None):
                 await ticket.settle(served_tokens(events.finished))
         if events.finished and (failed := failure_of(events.finished, _last_error(items))):
             return result(failed.http_status, error_body(failed))
@@ -180,7 +194,7 @@ class Job:
         if record.tenant is None:
             return None
         return await self.gateway.fair_admit(record.tenant, self.policy(record.tenant).weight,
-                                             [task])
+                                             [task], key=task.task_id)
 
     async def _until_end(self, rest: object, task_id: str) -> list[Indexed]:
         """The task's events to its end; a cancel of the job cancels the task (its terminal

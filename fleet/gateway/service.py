@@ -105,8 +105,10 @@ class Gateway:
         policy = request.scope.get("state", {}).get("policy") or OPEN
         return await self.fair_admit(tenant, policy.weight, tasks)
 
-    async def fair_admit(self, tenant: str, weight: float, tasks: Sequence[Task]) -> Ticket | None:
-        """`fair_turn` for a tenant by name: a request's, or a batch job's for its lines."""
+    async def fair_admit(self, tenant: str, weight: float, tasks: Sequence[Task],
+                         key: str | None = None) -> Ticket | None:
+        """`fair_turn` for a tenant by name: a request's, or a batch job's for its lines
+        (`key`: the line's task id, so a job taken over charges each line once)."""
         nc = self.backend.nc
         if self.fair is None or self.fair.nc is not nc:  # first use, or a new connection
             if nc is None:
@@ -118,7 +120,7 @@ class Gateway:
                 return None
         estimate = sum(getattr(task, "max_tokens", 0) or 0 for task in tasks)
         return await self.fair.admit(tasks[0].model, tasks[0].priority, tenant,
-                                     weight, estimate)
+                                     weight, estimate, key)
 
     async def model_states(self) -> dict[str, ModelState] | None:
         """Placement and readiness per model, or None while NATS cannot tell."""

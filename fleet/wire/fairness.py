@@ -12,10 +12,21 @@ from fleet.wire.base import Wire
 class TenantShare(Wire):
     """KV FLEET_FAIRNESS, key `<model>.<class>.<tenant>`: the tenant's virtual token counter
     (tokens served over its weight, fleet.bus.fairness) and its requests not yet ended, kept
-    by compare-and-set from every gateway replica."""
+    by compare-and-set from every gateway replica. Batch lines are charged by task id
+    (`charged`, `settled`), in the same compare-and-set as the counter, so a line run again
+    by the replica that took its job over is charged once."""
 
     type: Literal["tenant_share"] = "tenant_share"
     counter: float = Field(ge=0, description="tokens served to the tenant over its weight")
     waiting: int = Field(ge=0, description="its requests admitted or held and not yet ended")
     at: float = Field(description="unix time of the last change: an entry older than the "
                       "stale limit is no longer backlogged (a gateway that died mid-request)")
+    charged: dict[str, int] = Field(
+        default_factory=dict,
+        description="keyed requests (batch lines, by task id) started and not yet settled: "
+        "the tokens charged at their start. A gateway that takes a batch job over and finds "
+        "its line here does not charge it again; settling moves it to `settled`")
+    settled: list[str] = Field(
+        default_factory=list,
+        description="keyed requests charged what they served whose results are not yet "
+        "recorded: a takeover that runs such a line again charges it nothing")

@@ -14,7 +14,7 @@ from nats.aio.client import Client
 from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.fairness import shares
 from fleet.bus.provision import provision
-from fleet.gateway.fair_share import BUCKET, FairShare, backlogged, tenant_token
+from fleet.gateway.fair_share import BUCKET, FairShare, backlogged, keyed_done, tenant_token
 from fleet.wire.fairness import TenantShare
 
 pytestmark = pytest.mark.timeout(120)
@@ -104,3 +104,67 @@ async def test_a_flooding_tenant_gets_its_weight(replicas: tuple[FairShare, Fair
         await asyncio.wait_for(asyncio.gather(*clients), 60)
     window = {t: marks["to"][t] - marks["from"][t] for t in served}
     assert 0.6 < shares(window)["b"] < 0.9, (window, served)
+
+
+async def _entry(fair: FairShare, key: str) -> TenantShare:
+    return TenantShare.model_validate_json((await fair.kv.get(key)).value or b"")
+
+
+async def test_a_batch_line_taken_over_before_it_ended_is_charged_once(
+    replicas: tuple[FairShare, FairShare],
+) -> None:
+    """Replica one admits a batch line (its estimate, 100, charged) and dies with it running;
+    replica two takes the job over and runs the line again under the same task id: it is not
+    held (though its tenant is far ahead of a waiting one) and not charged again, and its end
+    charges what it served once (counter 300, not 400) and closes the one join."""
+    one, two = replicas
+    b = await two.admit("m", "batch", "b", 1.0, 0)  # B waits: a tenant ahead of it is held
+    await one.admit("m", "batch", "a", 1.0, 100, key="job-1-0")  # one's holder dies here
+    shared = await _entry(one, "m.batch.a")
+    assert (shared.counter, shared.waiting, shared.charged) == (100, 1, {"job-1-0": 100})
+    forced = await two.admit("m", "batch", "a", 1.0, 1000)  # now A runs 1,100 ahead of B
+    taken = await asyncio.wait_for(two.admit("m", "batch", "a", 1.0, 100, key="job-1-0"), 1.0)
+    await taken.settle(300)
+    shared = await _entry(two, "m.batch.a")
+    assert (shared.counter, shared.waiting) == (1100 + 200, 1)  # the forced one still waits
+    assert (shared.charged, shared.settled) == ({}, ["job-1-0"])
+    await taken.forget()
+    assert (await _entry(two, "m.batch.a")).settled == []
+    await forced.settle(1000)
+    await b.settle(0)
+
+
+async def test_a_batch_line_settled_before_its_result_was_recorded_is_not_charged_again(
+    replicas: tuple[FairShare, FairShare],
+) -> None:
+    """Replica one settles a line (300 served) and dies before recording its result; replica
+    two runs it again (a replay of its events): no join, no charge, and its settle charges
+    nothing."""
+    one, two = replicas
+    first = await one.admit("m", "batch", "a", 1.0, 100, key="job-2-7")
+    await first.settle(300)
+    again = await two.admit("m", "batch", "a", 1.0, 100, key="job-2-7")
+    await again.settle(300)
+    shared = await _entry(two, "m.batch.a")
+    assert (shared.counter, shared.waiting, shared.settled) == (300, 0, ["job-2-7"])
+    await again.forget()
+    await first.forget()  # the dead replica's forget, had it come: nothing left to drop
+    assert (await _entry(one, "m.batch.a")).settled == []
+
+
+@pytest.mark.parametrize(("charged", "settled", "change", "done"), [
+    ({}, [], "join", None),  # a new line: joins
+    ({"k": 5}, [], "join", False),  # admitted by the holder before: no join, no turn
+    ({}, ["k"], "join", False),
+    ({"k": 5}, [], "start", True),  # charged already: no second charge
+    ({}, [], "start", None),
+    ({"k": 5}, [], "leave", None),  # settles: served less 5
+    ({}, ["k"], "leave", True),  # settled already: nothing
+    ({}, [], "leave", True),  # settled and forgotten by another runner: nothing
+    ({}, ["k"], "forget", None),
+    ({}, [], "forget", True),
+])
+def test_keyed_done(charged: dict[str, int], settled: list[str], change: str,
+                    done: bool | None) -> None:
+    share = TenantShare(counter=0, waiting=1, at=0.0, charged=dict(charged), settled=settled)
+    assert keyed_done(share, change, "k") is done
