@@ -190,9 +190,13 @@ async def test_tasks_held_by_a_killed_worker_complete_elsewhere_once(
     for events in await asyncio.gather(*collectors):
         result = finished(events)  # exactly one terminal each
         assert result.status == "completed", result
-        assert result.node_id == survivor_node
         assert result.usage is not None and result.usage.completion_tokens == 400
-        moved += any(isinstance(e, TaskAccepted) and e.node_id == doomed_node for e in events)
+        # A task may end on the doomed node before the kill lands (beside a CPU hog the kill
+        # came after one had made its 400 tokens); every task it still held ends on the
+        # survivor.
+        assert result.node_id in (doomed_node, survivor_node), result
+        held = any(isinstance(e, TaskAccepted) and e.node_id == doomed_node for e in events)
+        moved += held and result.node_id == survivor_node
     assert moved >= 1
     await nc.close()
 
