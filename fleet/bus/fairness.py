@@ -17,7 +17,20 @@ while that tenant is more than `quantum` tokens ahead of the least-served backlo
 
 from __future__ import annotations
 
+import base64
+import re
 from collections.abc import Iterable, Mapping
+
+from fleet.wire.fairness import CHARGED_HEADER
+
+_SAFE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def tenant_token(tenant: str) -> str:
+    """A tenant name as one KV key token (names outside [A-Za-z0-9_-] are base64url'd)."""
+    if _SAFE.match(tenant):
+        return tenant
+    return "b64-" + base64.urlsafe_b64encode(tenant.encode()).decode().rstrip("=")
 
 
 def charge(
@@ -54,3 +67,9 @@ def shares(served: Mapping[str, int]) -> dict[str, float]:
     """Each tenant's fraction of the tokens served."""
     total = sum(served.values())
     return {t: (n / total if total else 0.0) for t, n in served.items()}
+
+
+def charged_by_publisher(tenant: str | None) -> dict[str, str]:
+    """The header a gateway sets on a tenant's task it charges itself (its fair turn), so
+    the worker that ends the task does not charge it again (fleet.worker.fair_charge)."""
+    return {} if tenant is None else {CHARGED_HEADER: "1"}

@@ -220,6 +220,9 @@ GRANTS: dict[str, Grant] = {
               for s in _kv_read(b)),
             *_images_read(), *_weights_read(),
             _api("STREAM", "MSG", "GET", VISION), *_readers(VISION),
+            # A NATS-published task's served tokens, charged to its tenant's counter
+            # (fleet/worker/fair_charge.py); no subscription to the counters' changes.
+            f"$KV.{FAIRNESS}.>", *_kv_read(FAIRNESS),
         ],
         # fleet.ask.*: the asks a worker answers (queue group fleet-ask); fleet.out.>: the
         # asked task's terminal, watched live; fleet.handoff.*: tasks other nodes pass here;
@@ -350,6 +353,10 @@ ACTIONS: tuple[Action, ...] = (
     Action("fair_share", "keep tenants' fair-share counters (FLEET_FAIRNESS) and follow "
            "their changes (`$KV.FLEET_FAIRNESS.>`)", _who("gateway"),
            "every gateway replica holds a tenant back by the same counters"),
+    Action("charge_fair_share", "add tokens served to a tenant's fair-share counter "
+           "(FLEET_FAIRNESS, compare-and-set)", _who("gateway", "worker"),
+           "the worker that ends a task published straight on NATS charges its tenant, so "
+           "the gateways' fair turn sees what that tenant was served"),
     Action("set_deadline", "set a task's deadline sentinel (`fleet.deadlines.<model>.<id>`, "
            "per-message TTL)", _who("gateway"),
            "its expiry ends the task if it never started: only trusted publishers, since a "

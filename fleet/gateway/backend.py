@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from fleet.aio import Supervisor
 from fleet.bus.connect import connect_with, js_publish, redact_urls
 from fleet.bus.deadlines import publish_deadline, task_ttl_header
+from fleet.bus.fairness import charged_by_publisher
 from fleet.bus.kv_calls import stream_exists
 from fleet.bus.kv_read import live_values
 from fleet.bus.objects import ObjectBucket
@@ -193,7 +194,8 @@ class Backend:
             await js_publish(
                 self.jetstream(), subjects.tasks(task.model, task.priority), task,
                 msg_id=task.task_id,
-                extra_headers=task_ttl_header(task.deadline, time.time()),
+                extra_headers=task_ttl_header(task.deadline, time.time())
+                | charged_by_publisher(task.tenant),
             )
             await publish_deadline(self.jetstream(), task)
         except APIError as exc:

@@ -34,6 +34,7 @@ from nats.js.errors import APIError
 from fleet.bus.batch_store import BatchStore
 from fleet.bus.connect import js_publish
 from fleet.bus.deadlines import publish_deadline, task_ttl_header
+from fleet.bus.fairness import charged_by_publisher
 from fleet.bus.task_events import Indexed
 from fleet.errors import DeadlineExceeded, FleetError, QueueFull, failure_of
 from fleet.gateway.backend import MAXIMUM_MESSAGES_EXCEEDED
@@ -214,6 +215,7 @@ class Job:
         its per-message TTL; its sentinel ends it `expired` when the window closes unstarted.
         A full queue is waited out, not failed."""
         ttl = task_ttl_header(task.deadline, time.time())  # the window, plus a takeover's grace
+        ttl |= charged_by_publisher(task.tenant)  # its turn charges it (not the worker)
         await self.slack.room(task.model)  # batch work fills slack (fleet.gateway.batch_slack)
         while True:
             try:

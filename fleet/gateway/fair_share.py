@@ -24,10 +24,8 @@ time (before, a takeover charged each line it ran again twice).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
-import re
 import time
 
 from nats.aio.client import Client
@@ -37,7 +35,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from fleet.aio import set_within
-from fleet.bus.fairness import charge, holds, lift
+from fleet.bus.fairness import charge, holds, lift, tenant_token
 from fleet.wire.fairness import TenantShare
 
 log = logging.getLogger(__name__)
@@ -49,14 +47,6 @@ HOLD_MAX_S = 120.0
 RECHECK_S = 1.0  # a held request re-reads the counters at least this often (staleness)
 CHARGED_MAX = 4096  # batch lines a tenant's entry marks as started (64 a job in flight)
 SETTLED_MAX = 256  # settled lines awaiting their recorded result (normally a few)
-_SAFE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-
-
-def tenant_token(tenant: str) -> str:
-    """A tenant name as one KV key token (names outside [A-Za-z0-9_-] are base64url'd)."""
-    if _SAFE.match(tenant):
-        return tenant
-    return "b64-" + base64.urlsafe_b64encode(tenant.encode()).decode().rstrip("=")
 
 
 def backlogged(shares: dict[str, TenantShare], now: float) -> list[str]:
@@ -155,7 +145,7 @@ class FairShare:
                 new = TenantShare(
                     counter=mine.counter if fresh else lift(counters, tenant, waiting)[tenant],
                     waiting=(mine.waiting if fresh else 0) + 1, at=now,
-                    charged=mine.charged, settled=mine.settled)
+                    charged=mine.charged, settled=mine.settled, weight=mine.weight)
             elif change == "start":
                 if not force and holds(counters, tenant, [*waiting, tenant], self.quantum):
                     return False
@@ -177,6 +167,8 @@ class FairShare:
                     new = new.model_copy(update={
                         "charged": {k: v for k, v in mine.charged.items() if k != key},
                         "settled": [*mine.settled, key][-SETTLED_MAX:]})
+            if change != "forget":  # the weight a worker divides NATS tasks' tokens by
+                new = new.model_copy(update={"weight": weight})
             if await self._set(entry_key, new, revision):
                 view.shares[tenant] = new  # at once: the subscription's copy comes later
                 return True
@@ -224,7 +216,7 @@ class FairShare:
         prefix = f"{model}.{priority}"
         token = tenant_token(tenant)
         try:
-            joined = await self._change(prefix, token, "join", key=key)
+            joined = await self._change(prefix, token, "join", weight=weight, key=key)
         except Exception as exc:
             log.warning("fair share of %s in %s not applied: %s", tenant, prefix, exc)
             return Ticket(None, prefix, token, weight, 0)

@@ -8,6 +8,10 @@ from pydantic import Field
 
 from fleet.wire.base import Wire
 
+# On a task message: its publisher (a gateway) charges what it serves to its tenant's entry,
+# so the worker that ends it does not (fleet.worker.fair_charge charges the others).
+CHARGED_HEADER = "Fleet-Fair-Charged"
+
 
 class TenantShare(Wire):
     """KV FLEET_FAIRNESS, key `<model>.<class>.<tenant>`: the tenant's virtual token counter
@@ -21,6 +25,11 @@ class TenantShare(Wire):
     waiting: int = Field(ge=0, description="its requests admitted or held and not yet ended")
     at: float = Field(description="unix time of the last change: an entry older than the "
                       "stale limit is no longer backlogged (a gateway that died mid-request)")
+    weight: float = Field(
+        default=1.0, gt=0,
+        description="the tenant's weight as the gateway that last changed the entry read it "
+        "from its tenant records; a worker charging a task published straight on NATS "
+        "divides by it")
     charged: dict[str, int] = Field(
         default_factory=dict,
         description="keyed requests (batch lines, by task id) started and not yet settled: "

@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 from fleet.aio import Supervisor
 from fleet.wire.events import ErrorReason, TaskFinished
 from fleet.worker.acks import AckPolicy, Stage
+from fleet.worker.fair_charge import FairCharges
 from fleet.worker.outputs import TaskOutput
 from fleet.worker.spans import TaskSpans
 from fleet.worker.takeover import TaskFenced
@@ -29,9 +30,10 @@ log = logging.getLogger(__name__)
 class Endings:
     def __init__(
         self, output: TaskOutput, acks: AckPolicy, spans: TaskSpans, owner: Supervisor,
-        node_id: str,
+        node_id: str, charges: FairCharges | None = None,
     ) -> None:
         self.output = output
+        self.charges = charges  # a NATS-published task's tokens, to its tenant's fair share
         self.acks = acks
         self.spans = spans
         self.owner = owner
@@ -76,6 +78,8 @@ class Endings:
             return
         self.spans.finished(stored if isinstance(stored, TaskFinished) else event)
         await self._settle(event.task_id, msg, Stage.FINISHED_STORED, "ack")
+        if self.charges is not None:  # after the ack: a charge never delays or loses a task
+            await self.charges.after(msg, stored if isinstance(stored, TaskFinished) else event)
 
     async def _fail(
         self, task_id: str, reason: ErrorReason, message: str, msg: Msg | None

@@ -54,6 +54,7 @@ from fleet.worker.children import Feeds
 from fleet.worker.cluster import ClusterLink
 from fleet.worker.continuation import with_seed
 from fleet.worker.endings import Endings
+from fleet.worker.fair_charge import FairCharges
 from fleet.worker.handoff import TAKE_WITHIN_S, HandOffs, RemoteRunners, rebuilt
 from fleet.worker.image_outputs import ImageOutputs
 from fleet.worker.inbox import (
@@ -135,7 +136,8 @@ class Worker:
                 prefix_capacity=settings.prefix_index_blocks,
             )
             self.intake = Intake(self.js, self.output, self.cluster)
-            self.endings = Endings(self.output, self.acks, self.spans, owner, node)
+            self.endings = Endings(self.output, self.acks, self.spans, owner, node,
+                                   FairCharges(self.js))
             self.runners = RunnerPool(settings, node, self.inbox, owner, self.cluster)
             self.images = ImageOutputs(
                 self.cluster, self.spans, self.runners.send, self.inbox, owner

@@ -242,6 +242,12 @@ async def _fair_share(p: Probe) -> None:
     await p.subscribed("$KV.FLEET_FAIRNESS.m.default.*")
 
 
+async def _charge_fair_share(p: Probe) -> None:
+    kv = await p.js.key_value("FLEET_FAIRNESS")
+    await kv.put(f"m.default.charged-by-{p.role}", b"{}")
+    await kv.get(f"m.default.charged-by-{p.role}")
+
+
 async def _set_deadline(p: Probe) -> None:
     await p.js.publish(f"fleet.deadlines.{MODEL}.probe-{p.role}", b"", headers={"Nats-TTL": "60s"})
 
@@ -314,6 +320,7 @@ PROBES: dict[str, Callable[[Probe], Awaitable[None]]] = {
     "tenant_records": _tenant_records,
     "batch_jobs": _batch_jobs,
     "fair_share": _fair_share,
+    "charge_fair_share": _charge_fair_share,
     "expire_deadlines": _expire_deadlines,
     "set_deadline": _set_deadline,
     "hand_off_task": _hand_off_task,

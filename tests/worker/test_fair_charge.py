@@ -1,0 +1,171 @@
+"""Fair tenants for tasks published straight on NATS: the worker that ends one charges what
+it served to its tenant's entry in KV FLEET_FAIRNESS (fleet.worker.fair_charge). The rules as
+tables; then, against a real nats-server, real task messages (with and without the gateway's
+header) charged once each, by the weight a gateway wrote, and a gateway's fair turn holding
+the tenant that was served through NATS."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from fleet.aio import Supervisor
+from fleet.bus.embedded import EmbeddedNats
+from fleet.bus.fairness import charged_by_publisher
+from fleet.bus.provision import provision
+from fleet.gateway.fair_share import BUCKET, FairShare
+from fleet.wire.codec import encode
+from fleet.wire.events import TaskFinished, Usage
+from fleet.wire.fairness import CHARGED_HEADER, TenantShare
+from fleet.wire.tasks import TextGeneration
+from fleet.worker.endings import Endings
+from fleet.worker.fair_charge import Charge, FairCharges, charge_of, charged, class_of_subject
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def finished(prompt: int, completion: int) -> TaskFinished:
+    return TaskFinished(task_id="t-1", at=0.0, status="completed",
+                        usage=Usage(prompt_tokens=prompt, completion_tokens=completion))
+
+
+def task_bytes(tenant: str | None) -> bytes:
+    return encode(TextGeneration(task_id="t-1", model="m", prompt="hi", tenant=tenant))
+
+
+@pytest.mark.parametrize(("subject", "priority"), [
+    ("fleet.tasks.m", "default"),
+    ("fleet.tasks.m.batch", "batch"),
+    ("fleet.tasks.m.interactive", "interactive"),
+])
+def test_class_of_subject(subject: str, priority: str) -> None:
+    assert class_of_subject(subject) == priority
+
+
+@pytest.mark.parametrize(("subject", "headers", "data", "done", "charge"), [
+    ("fleet.tasks.m", None, task_bytes("a"), finished(10, 30), Charge("m.default.a", 40)),
+    ("fleet.tasks.m.batch", {}, task_bytes("a"), finished(10, 30), Charge("m.batch.a", 40)),
+    # a gateway's task: its fair turn charges it
+    ("fleet.tasks.m", {CHARGED_HEADER: "1"}, task_bytes("a"), finished(10, 30), None),
+    ("fleet.tasks.m", None, task_bytes(None), finished(10, 30), None),  # no tenant
+    ("fleet.tasks.m", None, task_bytes("a"), finished(0, 0), None),  # served nothing
+    ("fleet.tasks.m", None, b"not json", finished(10, 30), None),
+])
+def test_charge_of(subject: str, headers: dict[str, str] | None, data: bytes,
+                   done: TaskFinished, charge: Charge | None) -> None:
+    assert charge_of(subject, headers, data, done) == charge
+
+
+def test_charged_divides_by_the_weight_and_leaves_the_gateways_fields() -> None:
+    mine = TenantShare(counter=10, waiting=2, at=5.0, weight=4.0, charged={"x": 3})
+    assert charged(mine, 40) == mine.model_copy(update={"counter": 20.0})
+
+
+def test_the_gateway_marks_only_a_tenants_task() -> None:
+    assert charged_by_publisher(None) == {}
+    assert charged_by_publisher("a") == {CHARGED_HEADER: "1"}
+
+
+@pytest.fixture
+async def bus(tmp_path: Path) -> AsyncIterator[Client]:
+    with EmbeddedNats(tmp_path / "nats", port=0) as server:
+        nc = Client()
+        await nc.connect(server.url)
+        try:
+            await provision(nc)
+            yield nc
+        finally:
+            await nc.close()
+
+
+async def received(nc: Client, subject: str, data: bytes,
+                   headers: dict[str, str] | None = None) -> Msg:
+    """A real message as a worker gets one (core NATS here: the charge reads only its
+    subject, headers and body)."""
+    sub = await nc.subscribe(subject)
+    await nc.publish(subject, data, headers=headers)
+    msg = await sub.next_msg(timeout=5)
+    await sub.unsubscribe()
+    return msg
+
+
+async def test_nats_published_tasks_are_charged_once_each_by_the_gateways_weight(
+    bus: Client,
+) -> None:
+    kv = await bus.jetstream().key_value(BUCKET)
+    # a gateway admitted A before (weight 2): its entry says so
+    await kv.put("m.batch.a", TenantShare(counter=5.0, waiting=1, at=7.0,
+                                          weight=2.0).model_dump_json().encode())
+    charges = FairCharges(bus.jetstream())
+    nats_task = await received(bus, "fleet.tasks.m.batch", task_bytes("a"))
+    gateway_task = await received(bus, "fleet.tasks.m.batch", task_bytes("a"),
+                                  charged_by_publisher("a"))
+    await charges.after(nats_task, finished(10, 30))
+    await charges.after(gateway_task, finished(10, 30))
+    await charges.after(None, finished(10, 30))  # a task with no held message
+    entry = TenantShare.model_validate_json((await kv.get("m.batch.a")).value or b"")
+    assert (entry.counter, entry.waiting, entry.at) == (25.0, 1, 7.0)  # 5 + 40 / 2
+    # a tenant no gateway has seen: created, weight 1; concurrent charges all land
+    others = [await received(bus, "fleet.tasks.m", task_bytes("b")) for _ in range(5)]
+    await asyncio.gather(*(charges.after(msg, finished(1, 9)) for msg in others))
+    entry = TenantShare.model_validate_json((await kv.get("m.default.b")).value or b"")
+    assert (entry.counter, entry.waiting) == (50.0, 0)
+    assert charges.charged == 6
+
+
+async def test_a_tenant_served_through_nats_waits_its_turn_at_the_gateway(bus: Client) -> None:
+    """B waits at a gateway; A was served 1,000 tokens by tasks published straight on NATS:
+    A's next request through the gateway is held until B is charged near A."""
+    fair = FairShare(bus, await bus.jetstream().key_value(BUCKET), quantum=100.0)
+    try:
+        b = await fair.admit("m", "default", "b", 1.0, 0)
+        for msg in [await received(bus, "fleet.tasks.m", task_bytes("a")) for _ in range(2)]:
+            await FairCharges(bus.jetstream()).after(msg, finished(100, 400))
+        held = asyncio.ensure_future(fair.admit("m", "default", "a", 1.0, 0))
+        done, _ = await asyncio.wait([held], timeout=1.5)
+        assert not done  # 1,000 ahead of B, who waits: held
+        await b.settle(950)
+        await (await asyncio.wait_for(held, 10)).settle(0)
+    finally:
+        await fair.close()
+
+
+class _Output:
+    async def finish(self, event: TaskFinished) -> TaskFinished:
+        return event  # stored
+
+
+class _Acks:
+    def __init__(self) -> None:
+        self.settled: list[str | None] = []
+
+    async def settle(self, task_id: str | None, msg: Msg, stage: object) -> bool:
+        self.settled.append(task_id)
+        return True
+
+
+class _Spans:
+    def finished(self, event: object) -> None:
+        pass
+
+    def settled(self, task_id: str | None, verb: str) -> None:
+        pass
+
+
+async def test_an_ending_charges_after_its_ack(bus: Client) -> None:
+    """The worker's ending (fleet.worker.endings) stores the terminal, acks, then charges."""
+    acks = _Acks()
+    async with Supervisor("test") as owner:
+        endings = Endings(_Output(), acks, _Spans(), owner, "n1",  # type: ignore[arg-type]
+                          FairCharges(bus.jetstream()))
+        msg = await received(bus, "fleet.tasks.m.interactive", task_bytes("a"))
+        endings.finish(finished(3, 4), msg)
+        await endings.wait(10)
+    kv = await bus.jetstream().key_value(BUCKET)
+    entry = TenantShare.model_validate_json((await kv.get("m.interactive.a")).value or b"")
+    assert (acks.settled, entry.counter) == (["t-1"], 7.0)
