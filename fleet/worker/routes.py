@@ -96,9 +96,13 @@ def remote_candidates(state: WorkerState, pending: PendingTask, now: float,
                       hosts: frozenset[tuple[str, str]] | None = None) -> list[Candidate]:
     """Other nodes' runners of the task's model with room, by their live adverts. None for
     a task that must stay (handed in, or declined once), carries input images (fetched here
-    already), has no whole prompt block to route by, or while this node is stopping."""
-    if (pending.local_only or pending.inputs or not pending.blocks or state.stopping
+    already), or while this node is stopping; and for a task with no whole prompt block to
+    route by while a runner here has a free slot. Such a task (a short prompt, a preempted
+    one) that would wait here for a full runner goes to a free slot elsewhere."""
+    if (pending.local_only or pending.inputs or state.stopping
             or not state.routing.prefix):
+        return []
+    if not pending.blocks and _room_here(state, pending.task.model):
         return []
     hosts = hosted(state.instances) if hosts is None else hosts
     return [
@@ -109,6 +113,11 @@ def remote_candidates(state: WorkerState, pending: PendingTask, now: float,
         if r.model == pending.task.model and r.in_flight < r.slots
         and advert_live(r, hosts, state.silent.get(r.node_id), now)
     ]
+
+
+def _room_here(state: WorkerState, model: str) -> bool:
+    return any(r.model == model and r.free_slots > 0 and not r.shutting_down
+               for r in state.runners.values())
 
 
 def waits_for_a_full_runner(state: WorkerState, decision: Decision) -> bool:
