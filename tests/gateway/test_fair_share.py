@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
 
-from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.fairness import shares
 from fleet.bus.provision import provision
 from fleet.gateway.fair_share import BUCKET, FairShare, backlogged, keyed_done, tenant_token
@@ -21,22 +19,21 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-async def replicas(tmp_path: Path) -> AsyncIterator[tuple[FairShare, FairShare]]:
-    with EmbeddedNats(tmp_path / "nats", port=0) as server:
-        nc = Client()
-        await nc.connect(server.url)
-        try:
-            await provision(nc)
-            kv = await nc.jetstream().key_value(BUCKET)
-            nc2 = Client()
-            await nc2.connect(server.url)
-            one, two = FairShare(nc, kv, quantum=100.0), FairShare(nc2, kv, quantum=100.0)
-            yield one, two
-            await one.close()
-            await two.close()
-            await nc2.close()
-        finally:
-            await nc.close()
+async def replicas(nats_url: str) -> AsyncIterator[tuple[FairShare, FairShare]]:
+    nc = Client()
+    await nc.connect(nats_url)
+    try:
+        await provision(nc)
+        kv = await nc.jetstream().key_value(BUCKET)
+        nc2 = Client()
+        await nc2.connect(nats_url)
+        one, two = FairShare(nc, kv, quantum=100.0), FairShare(nc2, kv, quantum=100.0)
+        yield one, two
+        await one.close()
+        await two.close()
+        await nc2.close()
+    finally:
+        await nc.close()
 
 
 @pytest.mark.parametrize(("entries", "now", "waiting"), [

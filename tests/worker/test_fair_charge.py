@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from fleet.aio import Supervisor
-from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.fairness import charged_by_publisher
 from fleet.bus.provision import provision
 from fleet.gateway.fair_share import BUCKET, FairShare
@@ -72,15 +70,14 @@ def test_the_gateway_marks_only_a_tenants_task() -> None:
 
 
 @pytest.fixture
-async def bus(tmp_path: Path) -> AsyncIterator[Client]:
-    with EmbeddedNats(tmp_path / "nats", port=0) as server:
-        nc = Client()
-        await nc.connect(server.url)
-        try:
-            await provision(nc)
-            yield nc
-        finally:
-            await nc.close()
+async def bus(nats_url: str) -> AsyncIterator[Client]:
+    nc = Client()
+    await nc.connect(nats_url)
+    try:
+        await provision(nc)
+        yield nc
+    finally:
+        await nc.close()
 
 
 async def received(nc: Client, subject: str, data: bytes,
