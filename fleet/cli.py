@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata as metadata
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -79,10 +78,26 @@ SETTINGS_HELP = (
 
 
 def fleet_version() -> str:
+    import importlib.metadata as metadata  # ~70 ms of CPU: only when a version is asked for
+
     try:
         return metadata.version("fleet")
     except metadata.PackageNotFoundError:
         return "unknown"
+
+
+class PrintVersion(argparse.Action):
+    """`--version`, looked up when given: argparse's own action takes the text up front, and
+    every `fleet` process (each worker among them) builds this parser."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS,
+                 help: str = "show the version and exit") -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        print(f"fleet {fleet_version()}")  # on stdout, as argparse's own action prints it
+        parser.exit()
 
 
 def setting_help(name: str) -> str:
@@ -129,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fleet", usage="fleet [SETTINGS] COMMAND [ARGS]",
         description="A NATS JetStream driven worker fleet for AI models.", epilog=SETTINGS_HELP,
     )
-    parser.add_argument("--version", action="version", version=f"fleet {fleet_version()}")
+    parser.add_argument("--version", action=PrintVersion)
     add_settings(parser, config.NAMES, top=True)
     parser._positionals.title = "commands"  # listed before the options
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",

@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import orjson
 
 from fleet.bus.connect import connect_with, redact_urls
@@ -69,6 +68,8 @@ async def chat(base: str) -> str:
     answer = []
     task_id = ""
     print(f"\n> {QUESTION}\n< ", end="", flush=True)
+    import httpx  # imported here: every `fleet` process builds this module's parser
+
     async with httpx.AsyncClient(timeout=300) as client, client.stream(
         "POST", f"{base}/chat/completions", json=body
     ) as response:
@@ -90,6 +91,8 @@ async def chat(base: str) -> str:
 async def image(base: str, out: Path) -> Path:
     body = {"model": IMAGE_MODEL, "prompt": "a lighthouse at dusk", "size": "128x128",
             "response_format": "b64_json", "seed": 7}
+    import httpx
+
     async with httpx.AsyncClient(timeout=300) as client:
         response = await client.post(f"{base}/images/generations", json=body)
     if response.status_code != 200:
