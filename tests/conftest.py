@@ -33,6 +33,10 @@ TESTS = Path(__file__).resolve().parent
 # gain nothing from it. Two cores: one BLAS thread per process.
 os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# A worker with no instance keeps a standby runner (fleet/worker/standby.py): ~2 s of CPU for
+# its imports, 23 times a run, for tests that never use one (the suite is CPU bound). The tests
+# of the standby and of sharded groups, whose hosts keep one, turn it back on for their workers.
+os.environ.setdefault("FLEET_STANDBY_RUNNER", "0")
 
 
 @pytest.fixture

@@ -66,6 +66,9 @@ def add_fault_card(data_dir: Path, model_id: str = "fault-llm") -> ModelCard:
 # saw its task delivered twice (two trace ids, a takeover). Tests of takeovers ask for a short
 # one (FLEET_ACK_WAIT_S, e.g. tests/integration/continuing.ENV).
 STEADY_ACK_WAIT = {"FLEET_ACK_WAIT_S": "30"}
+# The product's default, for the tests of what a standby runner is for (tests/conftest.py turns
+# standbys off for the rest).
+STANDBY = {"FLEET_STANDBY_RUNNER": "1"}
 
 
 class WorkerProcess:

@@ -26,6 +26,7 @@ from fleet.wire.events import TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
+    STANDBY,
     WorkerProcess,
     client,
     finished,
@@ -73,8 +74,8 @@ async def test_smollm2_over_two_nodes_answers_with_the_unsharded_tokens(
     nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path, tmp_path: Path,
 ) -> None:
     models = {"smollm2-135m": smollm2_dir}
-    first = start_worker("w1", models=models)
-    second = start_worker("w2", models=models)
+    first = start_worker("w1", models=models, **STANDBY)
+    second = start_worker("w2", models=models, **STANDBY)
     nc = await client(nats_url)
     node_1 = await wait_node(nc, first.data_dir)
     await wait_node(nc, second.data_dir)
@@ -140,7 +141,7 @@ async def test_a_rank_whose_worker_is_killed_mid_task_is_re_placed_and_the_group
     nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path,
 ) -> None:
     models = {"smollm2-135m": smollm2_dir}
-    workers = [start_worker(f"w{i}", models=models) for i in range(3)]
+    workers = [start_worker(f"w{i}", models=models, **STANDBY) for i in range(3)]
     nc = await client(nats_url)
     by_node = {await wait_node(nc, w.data_dir): w for w in workers}
     js = nc.jetstream()
@@ -163,7 +164,7 @@ async def test_a_rank_whose_runner_dies_mid_task_restarts_the_whole_group(
     nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path,
 ) -> None:
     models = {"smollm2-135m": smollm2_dir}
-    workers = [start_worker(f"w{i}", models=models) for i in range(2)]
+    workers = [start_worker(f"w{i}", models=models, **STANDBY) for i in range(2)]
     nc = await client(nats_url)
     for worker in workers:
         await wait_node(nc, worker.data_dir)
@@ -256,7 +257,7 @@ async def test_a_task_for_a_model_no_node_can_hold_places_it_split_over_two_node
 ) -> None:
     # 538 MB of smollm2 against 350 MB a node: no node alone; two nodes with 15 layers each
     # (each rank also holds the 113 MB embedding: 325 MB).
-    small = {"FLEET_MEMORY_LIMIT": "350000000", "FLEET_AUTO_PLACE": "1"}
+    small = {"FLEET_MEMORY_LIMIT": "350000000", "FLEET_AUTO_PLACE": "1", **STANDBY}
     workers = [start_worker(f"w{i}", models={"smollm2-135m": smollm2_dir}, **small)
                for i in range(2)]
     nc = await client(nats_url)

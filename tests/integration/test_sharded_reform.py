@@ -26,7 +26,7 @@ from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import decode_event, decode_model
 from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk, token_indexes
 from tests.integration.conftest import WorkerFactory
-from tests.integration.harness import client, events_of, finished, submit, wait_node
+from tests.integration.harness import STANDBY, client, events_of, finished, submit, wait_node
 from tests.integration.test_sharded import moved_away, paris, ready_ranks
 
 
@@ -53,7 +53,7 @@ async def test_a_rank_killed_moves_to_a_spare_and_the_group_serves_again_at_once
     nats_url: str, start_worker: WorkerFactory, smollm2_dir: Path, rank: int,
 ) -> None:
     models = {"smollm2-135m": smollm2_dir}
-    workers = [start_worker(f"w{i}", models=models) for i in range(3)]
+    workers = [start_worker(f"w{i}", models=models, **STANDBY) for i in range(3)]
     nc = await client(nats_url)
     by_node = {await wait_node(nc, w.data_dir): w for w in workers}
     sharded = await place(nc.jetstream(), get_card("smollm2-135m"), slots=2, shards=2)
