@@ -28,7 +28,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from fleet.bus.denials import refused_by_permission
-from fleet.bus.retry import BROKER_BUDGET_S, with_retry
+from fleet.bus.retry import BROKER_BUDGET_S, StaleRead, with_retry
 
 
 async def kv_get(
@@ -65,6 +65,12 @@ async def kv_create(
             return await refused_by_permission(lambda: kv.create(key, value), _subject(kv, key))
         except KeyWrongLastSequenceError:
             return None
+        except KeyNotFoundError as exc:
+            # nats-py's create, refused because the key has a last message, reads the key to
+            # tell a deleted one (re-created in place) from a live one; a replica behind its
+            # leader answers "not found" (an R3 cluster with a paused server: a worker died at
+            # start of it). Only a fresh look tells which.
+            raise StaleRead(f"{kv._name}/{key}: refused as existing, then read as absent") from exc
 
     return await with_retry(once, what=f"create {kv._name}/{key}", budget_s=budget_s)
 

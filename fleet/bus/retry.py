@@ -38,8 +38,16 @@ DUPLICATE_IN_PROCESS_ERR_CODE = 10158
 # or fails for real with 10071.
 IN_FLIGHT_LAST_SEQUENCE_ERR_CODE = 10164
 
+
+class StaleRead(Exception):
+    """A read answered from a replica that has not yet applied a write the leader already
+    holds (an R3 stream's direct get, under load or while a server was paused): asking again
+    gets the current answer."""
+
+
 # What a server restart, a reconnect or a leader election looks like to nats-py.
 _TRANSIENT: tuple[type[BaseException], ...] = (
+    StaleRead,
     nats_errors.TimeoutError,
     nats_errors.NoRespondersError,
     nats_errors.ConnectionReconnectingError,

@@ -6,7 +6,7 @@ import nats.errors as nats_errors
 import nats.js.errors as js_errors
 import pytest
 
-from fleet.bus.retry import is_transient, pause_after, with_retry
+from fleet.bus.retry import StaleRead, is_transient, pause_after, with_retry
 from fleet.errors import BrokerUnavailable
 
 
@@ -31,6 +31,7 @@ def api_error(code: int, err_code: int) -> js_errors.APIError:
         (api_error(409, 10158), True),  # the same Nats-Msg-Id is still being stored
         (api_error(409, 10071), False),  # wrong last sequence: final
         (js_errors.KeyWrongLastSequenceError(), False),  # an APIError without a code
+        (StaleRead("a replica behind its leader"), True),
         (nats_errors.ConnectionClosedError(), False),
         (ValueError("bad"), False),
     ],
@@ -77,3 +78,28 @@ async def test_a_final_error_is_raised_at_once() -> None:
     with pytest.raises(js_errors.ServiceUnavailableError):
         await with_retry(call, what="full queue", budget_s=5)
     assert calls == 1
+
+
+class LaggingKv:
+    """A KV whose first create is refused as existing and then read back as absent, as nats-py
+    reports it when the replica that answers its read is behind the leader."""
+
+    _name = "FLEET_MODELS"
+    _pre = "$KV.FLEET_MODELS."
+
+    def __init__(self) -> None:
+        self.creates = 0
+
+    async def create(self, key: str, value: bytes) -> int:
+        self.creates += 1
+        if self.creates == 1:
+            raise js_errors.KeyNotFoundError()
+        raise js_errors.KeyWrongLastSequenceError()  # the fresh look: it exists
+
+
+async def test_a_create_read_back_from_a_lagging_replica_is_asked_again() -> None:
+    from fleet.bus.kv_calls import kv_create
+
+    kv = LaggingKv()
+    assert await kv_create(kv, "tiny-llm", b"{}", budget_s=5) is None  # type: ignore[arg-type]
+    assert kv.creates == 2
