@@ -12,6 +12,8 @@ import pytest
 import schemathesis
 import uvicorn
 from hypothesis import HealthCheck, settings
+from schemathesis.checks import load_all_checks
+from schemathesis.pytest.lazy import get_all_tests
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from fleet.config import Settings
@@ -55,20 +57,36 @@ def live_gateway(settings: Settings) -> Iterator[str]:
     sock.close()
 
 
-# Loaded from the document itself, so each operation is its own test; the calls go to a live
-# gateway per operation.
-schema = schemathesis.openapi.from_dict(openapi_document())
+# The schema is built, and each operation's hypothesis test with it, when this test runs, not
+# at collection: collection runs in every xdist worker, and schemathesis's @schema.parametrize()
+# built all the operations' tests there (3-5 s of CPU in each process). Its lazy
+# `schemathesis.pytest.from_fixture` would do this, but 4.32 sets `Node._nodeid`, which pytest
+# 9.2 no longer has. So the test runs the tests that parametrize would have made (the same
+# builder: examples, coverage and fuzzing phases, the settings below), one subtest per
+# operation reported by its method and path, all against one live gateway. The 34 operations
+# once had 300 s each (the suite's limit); together they take 40 s of CPU.
+@pytest.mark.timeout(900)
+def test_fuzzed_requests_never_get_a_server_error(
+    live_gateway: str, subtests: pytest.Subtests
+) -> None:
+    load_all_checks()
+    schema = schemathesis.openapi.from_dict(openapi_document())
+    fuzzed = 0
+    for built in get_all_tests(schema=schema, test_func=check_a_fuzzed_case, settings=None,
+                               given_kwargs={}):
+        operation, fuzz = built.ok()  # a schema error raises here, failing the test
+        with subtests.test(operation.label):
+            fuzz(live_gateway=live_gateway)
+        fuzzed += 1
+    assert fuzzed == len(openapi_operations())
 
 
-@schema.parametrize()
 @settings(
     max_examples=30,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
-def test_fuzzed_requests_never_get_a_server_error(
-    case: schemathesis.Case, live_gateway: str
-) -> None:
+def check_a_fuzzed_case(case: schemathesis.Case, live_gateway: str) -> None:
     # Uploaded files are checked for being PNG, JPEG or WebP: no schema can say that, so a
     # schema-valid upload of random bytes is rightly refused.
     # Nor can a document say which JSON Schemas llguidance compiles: a schema-valid
@@ -79,6 +97,12 @@ def test_fuzzed_requests_never_get_a_server_error(
         else []
     )
     case.call_and_validate(base_url=live_gateway, excluded_checks=excluded)
+
+
+def openapi_operations() -> list[tuple[str, str]]:
+    methods = {"get", "put", "post", "delete", "patch", "head", "options", "trace"}
+    return [(method, path) for path, item in openapi_document()["paths"].items()
+            for method in item if method in methods]
 
 
 def _asks_for_a_json_schema(body: object) -> bool:
