@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -46,19 +47,19 @@ def within(name: str, packages: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in packages)
 
 
-def all_edges() -> set[tuple[str, str]]:
-    return {
+# Parsed once, when a test first asks, not at import: collection imports this module in every
+# xdist worker, and parsing all of fleet cost 1.4 s of CPU there.
+@cache
+def all_edges() -> frozenset[tuple[str, str]]:
+    return frozenset(
         (module_name(path), imported)
         for path in FLEET.rglob("*.py")
         for imported in imports_of(path)
-    }
-
-
-EDGES = all_edges()
+    )
 
 
 def edges_from(packages: tuple[str, ...]) -> set[tuple[str, str]]:
-    return {(a, b) for a, b in EDGES if within(a, packages)}
+    return {(a, b) for a, b in all_edges() if within(a, packages)}
 
 
 def test_the_gateway_imports_nothing_from_the_runner_the_worker_or_an_engine() -> None:
@@ -88,7 +89,7 @@ def test_the_wire_imports_nothing_but_the_wire() -> None:
 
 def test_the_shared_libraries_import_no_role_and_no_command() -> None:
     roles = tuple(p for packages in ROLES.values() for p in packages) + ROOTS
-    shared = {(a, b) for a, b in EDGES if not within(a, roles)}
+    shared = {(a, b) for a, b in all_edges() if not within(a, roles)}
     bad = {(a, b) for a, b in shared if within(b, roles)}
     assert bad == set()
 
@@ -147,7 +148,7 @@ def test_package_cycles_finds_every_loop(
 
 
 def test_no_import_cycle_between_packages() -> None:
-    assert package_cycles(EDGES) == []
+    assert package_cycles(set(all_edges())) == []
 
 
 def test_the_dashboard_reaches_the_gateway_only_through_its_surface() -> None:
