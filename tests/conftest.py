@@ -144,11 +144,11 @@ def cost_rank(item: pytest.Item) -> tuple[int, int]:
 
 
 # At most this many tests of the heavy tiers run at once across xdist's workers (the others
-# run pure and bus tests meanwhile, or wait). They mostly wait on the things they start (a
-# heartbeat's expiry, an AckWait, a cluster's election): over the 520 of them, the CPU of the
-# test and of what it started was 0.32 of its wall time (FLEET_TEST_CPU_LOG, 2026-12-04), so
-# three at once kept the two cores half idle. More than the cores, not unbounded: with every
-# process-starting test at once, a loaded machine missed the tests' own timeouts.
+# run pure and bus tests meanwhile, or wait). Three at once kept the two cores half idle: each
+# waits on much of what it starts (a heartbeat's expiry, an AckWait, an election). With five,
+# vmstat shows the cores busy throughout the run (2026-12-04), so more would only share them.
+# Bounded: with every process-starting test at once, a loaded machine missed the tests' own
+# timeouts.
 HEAVY_SLOTS = int(os.environ.get("FLEET_TEST_HEAVY_SLOTS", "5"))
 
 
