@@ -4,23 +4,29 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm import load, stream_generate
-from mlx_lm.sample_utils import make_sampler
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from fleet.models.catalog import get_card
+
+# mlx-lm is imported where used, not at the top: collection imports this module in every
+# xdist worker, and mlx-lm pulls in transformers (1.2 s of CPU; issue 28).
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir: Path) -> tuple[nn.Module, TokenizerWrapper]:
+    from mlx_lm import load
     return load(str(smollm2_dir))
 
 
 def test_greedy_answer_names_paris(smollm2):
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
     model, tokenizer = smollm2
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],

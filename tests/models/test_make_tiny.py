@@ -6,20 +6,24 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm import load, stream_generate
-from mlx_lm.sample_utils import make_sampler
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from fleet.models.catalog import bytes_outside_layers, get_card
 from fleet.models.make_tiny import EOS_TOKEN, VOCAB_SIZE
 
+# mlx-lm is imported where used, not at the top: collection imports this module in every
+# xdist worker, and mlx-lm pulls in transformers (1.2 s of CPU; issue 28).
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llm_dir: Path) -> tuple[nn.Module, TokenizerWrapper]:
+    from mlx_lm import load
     return load(str(tiny_llm_dir))
 
 
@@ -68,6 +72,8 @@ def test_directory_is_float32_with_an_index_and_matches_its_card(tiny_llm_dir: P
 
 
 def test_greedy_generation_streams_the_requested_tokens(tiny):
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
     model, tokenizer = tiny
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Hello!"}], add_generation_prompt=True

@@ -5,19 +5,26 @@ weights give vectors whose similarities mean something."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 
 from fleet.errors import TaskRejected
 from fleet.models.catalog import get_card
-from fleet.runner.embed import EmbeddingEngine
 from fleet.runner.engine import Admission, EngineConfig
 from fleet.wire.events import EmbeddingChunk, OutputEvent, TaskFinished
 from fleet.wire.tasks import Embeddings
 
+# fleet.runner.embed is imported where used, not at the top: it imports mlx-lm, which pulls in
+# transformers (1.2 s of CPU), and collection imports this module in every xdist worker
+# (issue 28).
+if TYPE_CHECKING:
+    from fleet.runner.embed import EmbeddingEngine
+
 
 def engine_for(model: str, path: Path) -> EmbeddingEngine:
+    from fleet.runner.embed import EmbeddingEngine
     engine = EmbeddingEngine(EngineConfig(card=get_card(model), model_path=path, slots=8,
                                           images_dir=path))
     engine.load(lambda done, total: None)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from fleet.runner.engine import Admission
-from fleet.runner.sampling import token_seed
-from fleet.runner.text import TextEngine
 from fleet.wire.tasks import TextGeneration
 from tests.runner.test_text_engine import (
     NO_EOS,
@@ -23,6 +22,12 @@ from tests.runner.test_text_engine import (
     run,
     text_task,
 )
+
+# fleet.runner's modules are imported where used, not at the top: they import mlx-lm, which
+# pulls in transformers (1.2 s of CPU), and collection imports this module in every xdist
+# worker (issue 28).
+if TYPE_CHECKING:
+    from fleet.runner.text import TextEngine
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +138,7 @@ def test_a_stream_that_had_already_ended_finishes_without_a_new_token(
 
 
 def test_token_seeds_are_a_pure_function_of_seed_and_index() -> None:
+    from fleet.runner.sampling import token_seed
     assert token_seed(7, 3) == token_seed(7, 3)
     seeds = {token_seed(seed, index) for seed in range(20) for index in range(50)}
     assert len(seeds) == 1000

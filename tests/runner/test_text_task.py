@@ -7,23 +7,27 @@ tokenizer instead of the model.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from mlx_lm.generate import GenerationBatch
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-from mlx_lm.utils import load_tokenizer
 
-from fleet.runner.text_task import TextTask
-from fleet.runner.visible_text import ToolCallSyntax, VisibleText
 from fleet.wire.events import OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
 from fleet.wire.tasks import TextGeneration
+
+# mlx-lm and fleet.runner's modules are imported where used, not at the top: mlx-lm, which they
+# import, pulls in transformers (1.2 s of CPU), and collection imports this module in every xdist
+# worker (issue 28).
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from fleet.runner.visible_text import VisibleText
 
 EOS = 2  # <|im_end|> in tiny-llm's vocabulary
 
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llm_dir: Path) -> TokenizerWrapper:
+    from mlx_lm.utils import load_tokenizer
     return load_tokenizer(tiny_llm_dir)
 
 
@@ -31,6 +35,9 @@ def feed(
     tokenizer: TokenizerWrapper, visible: VisibleText | None, tokens: list[int], **task: Any
 ) -> list[OutputEvent]:
     """Give a task `tokens` and then EOS; return every event it made."""
+    from mlx_lm.generate import GenerationBatch
+
+    from fleet.runner.text_task import TextTask
     state = TextTask(
         task=TextGeneration(task_id="t", model="tiny-llm", prompt="hi", **task),
         detokenizer=tokenizer.detokenizer,
@@ -74,6 +81,7 @@ def test_multibyte_characters_come_out_whole(tokenizer: TokenizerWrapper) -> Non
 
 
 def test_a_generated_tool_call_becomes_a_tool_call_chunk(tokenizer: TokenizerWrapper) -> None:
+    from fleet.runner.visible_text import ToolCallSyntax, VisibleText
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
     syntax = ToolCallSyntax(
         start=tokenizer.tool_call_start,

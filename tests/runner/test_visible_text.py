@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import pytest
-from mlx_lm.tool_parsers import json_tools
 
-from fleet.runner.visible_text import ParsedToolCall, ToolCallSyntax, VisibleText, first_stop
+# fleet.runner's modules are imported where used, not at the top: they import mlx-lm, which
+# pulls in transformers (1.2 s of CPU), and collection imports this module in every xdist
+# worker (issue 28).
+if TYPE_CHECKING:
+    from fleet.runner.visible_text import ToolCallSyntax, VisibleText
 
-TOOLS = ToolCallSyntax(
-    start="<tool_call>", end="</tool_call>", parse=json_tools.parse_tool_call, tools=[]
-)
+
+@pytest.fixture
+def tool_syntax() -> ToolCallSyntax:
+    from mlx_lm.tool_parsers import json_tools
+
+    from fleet.runner.visible_text import ToolCallSyntax
+
+    return ToolCallSyntax(
+        start="<tool_call>", end="</tool_call>", parse=json_tools.parse_tool_call, tools=[]
+    )
 
 
 def feed(visible: VisibleText, pieces: list[str]) -> list[str]:
@@ -33,6 +44,7 @@ def feed(visible: VisibleText, pieces: list[str]) -> list[str]:
 )
 def test_stop_strings(pieces: list[str], stops: list[str], shown: list[str],
                       matched: str | None) -> None:
+    from fleet.runner.visible_text import VisibleText
     visible = VisibleText(stops, tool_calls=None)
     assert feed(visible, pieces) == shown
     assert visible.stopped is (matched is not None)
@@ -49,17 +61,20 @@ def test_stop_strings(pieces: list[str], stops: list[str], shown: list[str],
     ],
 )
 def test_first_stop(text: str, stops: list[str], first: str | None) -> None:
+    from fleet.runner.visible_text import first_stop
     assert first_stop(text, stops) == first
 
 
 def test_flush_releases_a_partial_stop_string_when_the_output_ends() -> None:
+    from fleet.runner.visible_text import VisibleText
     visible = VisibleText(["world"], tool_calls=None)
     assert feed(visible, ["Hello wor"]) == ["Hello "]
     assert visible.flush() == "wor"
 
 
-def test_tool_calls_are_parsed_out_of_the_text() -> None:
-    visible = VisibleText([], tool_calls=TOOLS)
+def test_tool_calls_are_parsed_out_of_the_text(tool_syntax: ToolCallSyntax) -> None:
+    from fleet.runner.visible_text import ParsedToolCall, VisibleText
+    visible = VisibleText([], tool_calls=tool_syntax)
     call = {"name": "get_weather", "arguments": {"city": "Paris"}}
     body = json.dumps(call)
     shown = feed(visible, ["Sure. <tool", "_call>", body[:10], body[10:], "</tool_call>", " ok"])
@@ -71,14 +86,16 @@ def test_tool_calls_are_parsed_out_of_the_text() -> None:
     assert visible.take_tool_calls() == []
 
 
-def test_a_tool_call_that_does_not_parse_is_shown_as_text() -> None:
-    visible = VisibleText([], tool_calls=TOOLS)
+def test_a_tool_call_that_does_not_parse_is_shown_as_text(tool_syntax: ToolCallSyntax) -> None:
+    from fleet.runner.visible_text import VisibleText
+    visible = VisibleText([], tool_calls=tool_syntax)
     shown = feed(visible, ["<tool_call>", "not json", "</tool_call>"])
     assert "".join(shown) == "<tool_call>not json</tool_call>"
     assert not visible.made_tool_call
 
 
-def test_an_unfinished_tool_call_is_shown_when_the_output_ends() -> None:
-    visible = VisibleText([], tool_calls=TOOLS)
+def test_an_unfinished_tool_call_is_shown_when_the_output_ends(tool_syntax: ToolCallSyntax) -> None:
+    from fleet.runner.visible_text import VisibleText
+    visible = VisibleText([], tool_calls=tool_syntax)
     assert feed(visible, ["<tool_call>", '{"name": "f"']) == ["", ""]
     assert visible.flush() == '<tool_call>{"name": "f"'
