@@ -11,16 +11,21 @@ import random
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from fleet.errors import TaskRejected
 from fleet.runner.engine import Admission, EngineConfig
-from fleet.runner.text import TextEngine
 from fleet.wire.cluster import ModelCard
 from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
 from fleet.wire.tasks import TextGeneration
+
+# fleet.runner's modules are imported where used, not at the top: they import mlx-lm, which
+# pulls in transformers (1.2 s of CPU), and collection imports this module in every xdist
+# worker (issue 28).
+if TYPE_CHECKING:
+    from fleet.runner.text import TextEngine
 
 EOS = 2  # <|im_end|> in tiny-llm's vocabulary
 NO_EOS = {EOS: -100.0}
@@ -29,6 +34,7 @@ NO_EOS = {EOS: -100.0}
 def make_engine(
     model_dir: Path, slots: int = 4, progress: list[tuple[int, int]] | None = None, **extra: str
 ) -> TextEngine:
+    from fleet.runner.text import TextEngine
     card = ModelCard(
         id="tiny-llm", name="tiny-llm", tasks=["text_generation"], family="mlx_lm", source="test"
     )

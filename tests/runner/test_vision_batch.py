@@ -6,22 +6,28 @@ generation step); a sampled task decodes beside the batch; which tasks share it 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from PIL import Image
 
 from fleet.models.catalog import get_card
-from fleet.runner import vision
 from fleet.runner.engine import Admission, EngineConfig
-from fleet.runner.vision import VisionEngine, is_greedy
 from fleet.wire.events import OutputEvent, TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, ImagePart, TextGeneration, TextPart
+
+# fleet.runner's modules are imported where used, not at the top: they import mlx-lm, which
+# pulls in transformers (1.2 s of CPU), and collection imports this module in every xdist
+# worker (issue 28).
+if TYPE_CHECKING:
+    from fleet.runner.vision import VisionEngine
 
 COLOURS = {"1" * 64: (220, 20, 20), "2" * 64: (10, 40, 230), "3" * 64: (20, 200, 60)}
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_vlm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> VisionEngine:
+    from fleet.runner.vision import VisionEngine
     vision_engine = VisionEngine(EngineConfig(
         card=get_card("tiny-vlm"), model_path=tiny_vlm_dir, slots=4,
         images_dir=tmp_path_factory.mktemp("batch-cache")))
@@ -75,6 +81,8 @@ def answers(events: list[OutputEvent]) -> dict[str, list[int]]:
 def alone(engine: VisionEngine, images: dict[str, Path]) -> dict[str, list[int]]:
     """Each task decoded on its own with mlx-vlm's generation step (the engine's path for a
     sampled task), one after another."""
+    from fleet.runner import vision
+
     found: dict[str, list[int]] = {}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(vision, "is_greedy", lambda task: False)
@@ -150,4 +158,5 @@ def test_a_cancelled_row_leaves_the_others_their_tokens(
     ({"seed": 3, "top_p": 0.5}, True),  # no draw at temperature 0: the seed changes nothing
 ])
 def test_which_tasks_share_the_greedy_batch(update: dict[str, object], greedy: bool) -> None:
+    from fleet.runner.vision import is_greedy
     assert is_greedy(TASKS[0].model_copy(update=update)) is greedy

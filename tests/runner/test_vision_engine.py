@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from PIL import Image
@@ -13,17 +14,23 @@ from PIL import Image
 from fleet.errors import TaskRejected
 from fleet.models.catalog import get_card
 from fleet.runner.engine import Admission, EngineConfig
-from fleet.runner.vision import VisionEngine
 from fleet.runner.vision_cache import EncodeTiming
 from fleet.runner.vision_inputs import VisionShape, read_shape, template_messages
 from fleet.wire.events import OutputEvent, TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, ImagePart, ResponseFormat, TextGeneration, TextPart
+
+# fleet.runner's modules are imported where used, not at the top: they import mlx-lm, which
+# pulls in transformers (1.2 s of CPU), and collection imports this module in every xdist
+# worker (issue 28).
+if TYPE_CHECKING:
+    from fleet.runner.vision import VisionEngine
 
 RED, BLUE = "a" * 64, "b" * 64
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_vlm_dir: Path) -> VisionEngine:
+    from fleet.runner.vision import VisionEngine
     vision = VisionEngine(EngineConfig(card=get_card("tiny-vlm"), model_path=tiny_vlm_dir,
                                        slots=4, images_dir=tiny_vlm_dir))
     vision.load(lambda done, total: None)
@@ -193,6 +200,7 @@ def test_a_second_encode_of_an_image_is_a_cache_hit_with_the_same_answer(
 ) -> None:
     """Greedy tokens with the vision cache equal those without it; the second task with an
     image is a counted hit, and a new engine (another runner) finds the entry on disk."""
+    from fleet.runner.vision import VisionEngine
 
     encodes: list[EncodeTiming] = []  # what the runner's `encode images` span is made from
 
