@@ -9,10 +9,10 @@ import base64
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import numpy as np
-import openai
 import orjson
 import pytest
 from load_helpers import one_model_stack
@@ -25,6 +25,11 @@ from fleet.errors import FleetError
 from fleet.gateway.app import build_app
 from fleet.gateway.embeddings_api import embed
 from tests.integration.harness import client
+
+# the openai client is imported where used, not at the top: collection imports this module
+# in every xdist worker (0.7 s of CPU; issue 28).
+if TYPE_CHECKING:
+    import openai
 
 MODEL = "tiny-embed"
 DIMENSIONS = 64  # its card's
@@ -40,6 +45,7 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_embed_dir: Path) -> Iterator[Stack]:
+    import openai
     with one_model_stack(tmp_path_factory.mktemp("embeddings"), MODEL, tiny_embed_dir,
                          slots=256) as (nats_url, url):
         yield Stack(url, nats_url,
@@ -105,6 +111,7 @@ def test_bad_requests_are_clear_errors(stack: Stack, body: dict, status: int, wo
 
 
 def test_a_context_overflow_is_openais_code_through_the_sdk(stack: Stack) -> None:
+    import openai
     with pytest.raises(openai.BadRequestError) as refused:
         stack.openai.embeddings.create(model=MODEL, input=[[1] * 3000])
     assert refused.value.code == "context_length_exceeded"

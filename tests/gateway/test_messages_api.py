@@ -14,8 +14,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import anthropic
 import httpx
 import pytest
 
@@ -29,6 +29,11 @@ from tests.integration.harness import (
     seed_models,
     wait_node,
 )
+
+# the anthropic client is imported where used, not at the top: collection imports this
+# module in every xdist worker (1.9 s of CPU; issue 28).
+if TYPE_CHECKING:
+    import anthropic
 
 pytestmark = pytest.mark.process
 
@@ -85,6 +90,7 @@ def start_gateway(nats_url: str, data_dir: Path) -> tuple[subprocess.Popen[str],
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_llm_dir: Path) -> Iterator[Stack]:
+    import anthropic
     root = tmp_path_factory.mktemp("messages")
     gateway_dir = root / "gateway"
     (gateway_dir / "models").mkdir(parents=True)
@@ -177,6 +183,7 @@ def test_count_tokens_is_the_prompt_the_model_sees(stack: Stack) -> None:
 
 
 def test_errors_in_anthropics_shape(stack: Stack) -> None:
+    import anthropic
     with pytest.raises(anthropic.NotFoundError) as missing:
         stack.claude.messages.create(model="no-such-model", max_tokens=4, messages=CHAT)
     assert missing.value.body["error"]["type"] == "not_found_error"  # type: ignore[index]
@@ -199,6 +206,7 @@ def test_errors_in_anthropics_shape(stack: Stack) -> None:
 
 
 def test_keys_as_x_api_key_or_bearer_and_aliases_listed(stack: Stack) -> None:
+    import anthropic
     bearer = anthropic.Anthropic(base_url=stack.url, auth_token=KEY, max_retries=0)
     assert bearer.messages.create(model=MODEL, max_tokens=2, messages=CHAT).content
     models = httpx.get(f"{stack.url}/v1/models", headers={"x-api-key": KEY}).json()["data"]

@@ -9,15 +9,21 @@ import base64
 import io
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import anthropic
-import ollama
-import openai
 import pytest
 from load_helpers import one_model_stack
 from PIL import Image
 
 from fleet.gateway.vision import MAX_CHAT_IMAGES
+
+# the anthropic, ollama and openai clients are imported where used, not at the top:
+# collection imports this module in every xdist worker (anthropic costs 1.9 s of CPU, openai
+# 0.7 s; issue 28).
+if TYPE_CHECKING:
+    import anthropic
+    import ollama
+    import openai
 
 MODEL = "tiny-vlm"
 IMAGE_TOKENS = 16  # tiny-vlm: 32x32 pixels in 8x8 patches
@@ -35,6 +41,7 @@ def url(tmp_path_factory: pytest.TempPathFactory, tiny_vlm_dir: Path) -> Iterato
 
 @pytest.fixture(scope="module")
 def sdk(url: str) -> openai.OpenAI:
+    import openai
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60, max_retries=0)
 
 
@@ -80,6 +87,7 @@ def test_a_chat_with_a_data_url_image_is_answered(sdk: openai.OpenAI) -> None:
 def test_bad_images_get_a_400_with_the_reason(
     sdk: openai.OpenAI, urls: Callable[[], list[str]], reason: str
 ) -> None:
+    import openai
     with pytest.raises(openai.BadRequestError) as refused:
         ask(sdk, *urls())  # made here: a 16-megapixel PNG is no work for collection
     assert refused.value.status_code == 400
@@ -87,6 +95,7 @@ def test_bad_images_get_a_400_with_the_reason(
 
 
 def test_anthropic_image_blocks_reach_the_model_and_bad_ones_are_refused(url: str) -> None:
+    import anthropic
     claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=60)
 
     def ask_claude(data: str | None) -> anthropic.types.Message:
@@ -104,6 +113,7 @@ def test_anthropic_image_blocks_reach_the_model_and_bad_ones_are_refused(url: st
 
 
 def test_ollama_images_reach_the_model_and_bad_ones_are_refused(url: str) -> None:
+    import ollama
     local = ollama.Client(host=url, timeout=60)
 
     def ask_ollama(images: list[str]) -> ollama.ChatResponse:
@@ -162,6 +172,7 @@ def image_server() -> Iterator[str]:
 def test_an_http_image_url_is_fetched_by_the_gateway(
     sdk: openai.OpenAI, image_server: str
 ) -> None:
+    import openai
     fetched, plain = ask(sdk, f"{image_server}/cat.png"), ask(sdk)
     assert fetched.usage and plain.usage
     assert fetched.usage.prompt_tokens == plain.usage.prompt_tokens + IMAGE_TOKENS
@@ -174,6 +185,7 @@ def test_an_http_image_url_is_fetched_by_the_gateway(
 def test_a_responses_input_image_and_an_anthropic_url_image_reach_the_model(
     sdk: openai.OpenAI, url: str, image_server: str
 ) -> None:
+    import anthropic
     def respond(*parts: dict[str, object]) -> int:
         reply = sdk.responses.create(model=MODEL, max_output_tokens=4, temperature=0.0,
                                      input=[{"role": "user", "content": [  # type: ignore[list-item,misc]
