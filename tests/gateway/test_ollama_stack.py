@@ -12,10 +12,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
-import ollama
-import openai
 import orjson
 import pytest
 from gateway_helpers import sse_blocks
@@ -35,6 +34,12 @@ from tests.integration.harness import (
     seed_models,
     wait_node,
 )
+
+# the ollama and openai clients are imported where used, not at the top: collection imports
+# this module in every xdist worker (openai costs 0.7 s of CPU; issue 28).
+if TYPE_CHECKING:
+    import ollama
+    import openai
 
 MODEL = "tiny-llm"
 EMBED = "tiny-embed"
@@ -77,6 +82,8 @@ async def _place(url: str, card: ModelCard, node_dir: Path) -> None:
 def stack(
     tmp_path_factory: pytest.TempPathFactory, tiny_llm_dir: Path, tiny_embed_dir: Path,
 ) -> Iterator[Stack]:
+    import ollama
+    import openai
     root = tmp_path_factory.mktemp("ollama")
     with EmbeddedNats(root / "nats", port=0, log_file=root / "nats.log") as nats_server:
         worker_dir, gateway_dir = root / "worker", root / "gateway"
@@ -148,6 +155,7 @@ def test_tags_show_ps_and_version(stack: Stack) -> None:
 
 
 def test_embed_one_or_many_inputs_and_the_older_route(stack: Stack) -> None:
+    import ollama
     one = stack.ollama.embed(EMBED, "the same text")
     many = stack.ollama.embed(EMBED, ["the same text", "another text"])
     assert len(one.embeddings) == 1 and len(many.embeddings) == 2
@@ -164,6 +172,7 @@ def test_embed_one_or_many_inputs_and_the_older_route(stack: Stack) -> None:
 
 
 def test_errors_in_ollamas_shape(stack: Stack) -> None:
+    import ollama
     with pytest.raises(ollama.ResponseError) as missing:
         stack.ollama.chat("no-such-model", messages=HELLO, stream=False)
     assert missing.value.status_code == 404 and "no-such-model" in missing.value.error
@@ -180,6 +189,7 @@ def test_errors_in_ollamas_shape(stack: Stack) -> None:
 
 
 def test_a_context_overflow_has_openais_code_through_the_sdk(stack: Stack) -> None:
+    import openai
     overflow = [{"role": "user", "content": "reject:context_length"}]
     with pytest.raises(openai.BadRequestError) as chat:
         stack.openai.chat.completions.create(model=FAULT, messages=overflow)  # type: ignore[arg-type]
