@@ -35,6 +35,7 @@ from fleet.gateway.text_requests import (
     JsonSchemaIn,
     MessageIn,
     ResponseFormatIn,
+    SchemaName,
     TextContent,
 )
 from fleet.wire.events import OutputEvent, TaskFinished, TokenChunk, Usage
@@ -68,7 +69,7 @@ class TextFormatIn(OpenAIRequest):
     })
 
     type: Literal["text", "json_object", "json_schema"] = "text"
-    name: str | None = None
+    name: SchemaName | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 

@@ -302,8 +302,13 @@ def completion_task(
         raise invalid_from(exc) from None
 
 
+# A json_schema format's name, as OpenAI constrains it (chat's response_format and the
+# Responses API's text.format share it, so both documents say what is refused).
+SchemaName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
 class JsonSchemaIn(OpenAIRequest):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    name: SchemaName
     description: str | None = None
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None

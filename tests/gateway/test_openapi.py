@@ -106,5 +106,9 @@ def openapi_operations() -> list[tuple[str, str]]:
 
 
 def _asks_for_a_json_schema(body: object) -> bool:
-    response_format = body.get("response_format") if isinstance(body, dict) else None
-    return isinstance(response_format, dict) and response_format.get("type") == "json_schema"
+    """Chat's response_format or the Responses API's text.format, of type json_schema."""
+    if not isinstance(body, dict):
+        return False
+    text = body.get("text")
+    wanted = [body.get("response_format"), text.get("format") if isinstance(text, dict) else None]
+    return any(isinstance(w, dict) and w.get("type") == "json_schema" for w in wanted)

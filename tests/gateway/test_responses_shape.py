@@ -141,3 +141,19 @@ def test_a_task_that_fails_mid_stream_ends_with_response_failed() -> None:
     assert response["status"] == "failed"
     assert response["error"] == {"code": "runner_crashed", "message": "runner exited"}
     assert response["output"][0]["content"][0]["text"] == "Par"
+
+
+def test_a_format_name_is_refused_as_the_document_says_not_after_it() -> None:
+    """A json_schema format's name is held to chat's rule by the request model itself, so
+    the OpenAPI document states it (the fuzz test sent a name with `-` and `\\u0084` that the
+    document allowed and the chat conversion then refused)."""
+    from pydantic import ValidationError
+
+    fmt = {"type": "json_schema", "schema": {"type": "object"}}
+    with pytest.raises(ValidationError, match="name"):
+        request(text={"format": {**fmt, "name": "bad name!"}})
+    chat = as_chat(request(text={"format": {**fmt, "name": "answer_1"}}))
+    assert chat.response_format is not None and chat.response_format.json_schema is not None
+    assert chat.response_format.json_schema.name == "answer_1"
+    properties = ResponsesRequest.model_json_schema()["$defs"]["TextFormatIn"]["properties"]
+    assert "^[A-Za-z0-9_-]+$" in orjson.dumps(properties["name"]).decode()
