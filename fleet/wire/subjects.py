@@ -41,6 +41,12 @@ def model_of_task_subject(subject: str) -> str:
     return subject.removeprefix("fleet.tasks.").split(".", 1)[0]
 
 
+def priority_of_task_subject(subject: str) -> str:
+    """The class a task message was published in (`tasks`' inverse)."""
+    _, _, priority = subject.removeprefix("fleet.tasks.").partition(".")
+    return priority or "default"
+
+
 def ask(model: str) -> str:
     return f"fleet.ask.{model}"
 

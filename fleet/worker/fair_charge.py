@@ -28,6 +28,7 @@ from nats.js.kv import KeyValue
 
 from fleet.bus.fairness import tenant_token
 from fleet.bus.roles import FAIRNESS
+from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_task
 from fleet.wire.events import TaskFinished
 from fleet.wire.fairness import CHARGED_HEADER, TenantShare
@@ -41,13 +42,6 @@ WRITES = 8  # compare-and-set attempts before a charge is given up (logged)
 class Charge:
     key: str  # `<model>.<class>.<tenant>` in FLEET_FAIRNESS
     tokens: int
-
-
-def class_of_subject(subject: str) -> str:
-    """The class a task message was published on (`fleet.tasks.<model>[.<class>]`): what the
-    worker went by, and so the class its tokens were served in."""
-    parts = subject.split(".")
-    return parts[3] if len(parts) > 3 else "default"
 
 
 def charge_of(subject: str, headers: dict[str, str] | None, data: bytes,
@@ -67,8 +61,8 @@ def charge_of(subject: str, headers: dict[str, str] | None, data: bytes,
         return None
     if task.tenant is None:
         return None
-    return Charge(f"{task.model}.{class_of_subject(subject)}.{tenant_token(task.tenant)}",
-                  tokens)
+    priority = subjects.priority_of_task_subject(subject)  # the class it was served in
+    return Charge(f"{task.model}.{priority}.{tenant_token(task.tenant)}", tokens)
 
 
 def charged(mine: TenantShare, tokens: int) -> TenantShare:

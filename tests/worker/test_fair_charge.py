@@ -17,12 +17,13 @@ from fleet.aio import Supervisor
 from fleet.bus.fairness import charged_by_publisher
 from fleet.bus.provision import provision
 from fleet.gateway.fair_share import BUCKET, FairShare
+from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.events import TaskFinished, Usage
 from fleet.wire.fairness import CHARGED_HEADER, TenantShare
 from fleet.wire.tasks import TextGeneration
 from fleet.worker.endings import Endings
-from fleet.worker.fair_charge import Charge, FairCharges, charge_of, charged, class_of_subject
+from fleet.worker.fair_charge import Charge, FairCharges, charge_of, charged
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,7 +43,7 @@ def task_bytes(tenant: str | None) -> bytes:
     ("fleet.tasks.m.interactive", "interactive"),
 ])
 def test_class_of_subject(subject: str, priority: str) -> None:
-    assert class_of_subject(subject) == priority
+    assert subjects.priority_of_task_subject(subject) == priority
 
 
 @pytest.mark.parametrize(("subject", "headers", "data", "done", "charge"), [
