@@ -81,6 +81,21 @@ def test_importing_the_gateway_loads_no_engine_and_no_other_role() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_building_the_cli_loads_no_http_side() -> None:
+    """Every `fleet` process builds the whole parser, each worker among them: the gateway,
+    the dashboard and httpx load only in the commands that serve or call HTTP (0.35 s of CPU
+    a process when they loaded here)."""
+    probe = (
+        "import sys, fleet.cli\n"
+        "fleet.cli.build_parser()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('httpx', 'starlette') "
+        "or m.startswith(('fleet.gateway.app', 'fleet.dashboard'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
+
+
 def test_the_wire_imports_nothing_but_the_wire() -> None:
     bad = {(a, b) for a, b in edges_from(("fleet.wire",))
            if within(b, ("fleet",)) and not within(b, ("fleet.wire",))}
