@@ -21,6 +21,11 @@ from fleet.wire.pipe import RunnerReport
         (3, False, False, 0.004, 0.0005, False),  # still inside the window after the next step
         (3, False, False, 0.004, 0.002, True),  # the next step would take it past the window
         (1, False, False, 0.0, 0.030, True),  # a slow model: every token goes at once
+        # A step nearly the window long would end at its edge: the token would wait the
+        # window for company it most likely misses, so it goes now.
+        (1, False, False, 0.0, 0.0045, True),
+        (1, False, False, 0.0, 0.0034, True),
+        (1, False, False, 0.0, 0.003, False),  # two steps of 3 ms fit: one wait, 2 tokens
         (3, False, False, WINDOW_S, 0.0, True),  # the window is up
         (MAX_TOKENS - 1, False, False, 0.0, 0.0, False),
         (MAX_TOKENS, False, False, 0.0, 0.0, True),  # a full batch leaves
