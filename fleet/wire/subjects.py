@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 TASKS_STREAM = "FLEET_TASKS"
 OUT_STREAM = "FLEET_OUT"
 EVENTS_STREAM = "FLEET_EVENTS"
@@ -42,9 +44,22 @@ def model_of_task_subject(subject: str) -> str:
 
 
 def priority_of_task_subject(subject: str) -> str:
-    """The class a task message was published in (`tasks`' inverse)."""
-    _, _, priority = subject.removeprefix("fleet.tasks.").partition(".")
-    return priority or "default"
+    """The class a task message was published in (`tasks`' and `lane`'s inverse)."""
+    tokens = subject.removeprefix("fleet.tasks.").split(".")
+    return tokens[1] if len(tokens) > 1 else "default"
+
+
+def lane(model: str, priority: str, tenant: str) -> str:
+    """A tenant's lane of a model's class (fleet.worker.lanes): `fleet.tasks.<model>.<class>.
+    <tenant>`, the class named even when it is `default`; `tenant` is one subject token
+    (fleet.bus.fairness.tenant_token) or `*` for every lane of the class."""
+    return f"fleet.tasks.{model}.{priority}.{tenant}"
+
+
+def tenant_of_task_subject(subject: str) -> str | None:
+    """The tenant token of a lane's subject; None for a class's shared subject."""
+    tokens = subject.removeprefix("fleet.tasks.").split(".")
+    return tokens[2] if len(tokens) > 2 else None
 
 
 def ask(model: str) -> str:
@@ -102,6 +117,13 @@ def durable(model: str, priority: str = "default") -> str:
     """One durable pull consumer per model and priority class: every worker serving it
     shares the queue (`tasks-<model>` for the default class, `<class>-tasks-<model>`)."""
     return f"tasks-{model}" if priority == "default" else f"{priority}-tasks-{model}"
+
+
+def lane_durable(model: str, priority: str, tenant: str) -> str:
+    """The durable of one tenant lane, shared by every worker serving the model. The digest
+    keeps names apart that the dashes would join (model `a-b`, tenant `c`; `a`, `b-c`)."""
+    digest = hashlib.sha256(f"{model}\0{priority}\0{tenant}".encode()).hexdigest()[:10]
+    return f"lane-{priority}-{model}-{tenant}-{digest}"
 
 
 def model_of_durable(name: str) -> str | None:

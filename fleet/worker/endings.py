@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Coroutine
 from typing import Any
 
@@ -26,6 +27,26 @@ from fleet.worker.spans import TaskSpans
 from fleet.worker.takeover import TaskFenced
 
 log = logging.getLogger(__name__)
+
+# Fault injection, for tests only (like FLEET_FAULT_UPLOAD_GATE): `before:<fifo>` or
+# `after:<fifo>`; an ending of a task to charge reads one line from the FIFO before (after)
+# its fair charge and before its ack, so a test can SIGKILL the worker exactly there
+# (tests/integration/test_fair_charge_death.py).
+CHARGE_GATE_ENV = "FLEET_FAULT_CHARGE_GATE"
+
+
+async def _gate(point: str, task_id: str) -> None:
+    where, _, fifo = os.environ.get(CHARGE_GATE_ENV, "").partition(":")
+    if where != point or not fifo:
+        return
+    log.warning("fault injection: the ending of %s waits %s its charge on %s", task_id,
+                point, fifo)
+
+    def read() -> None:
+        with open(fifo, "rb") as gate:
+            gate.readline()
+
+    await asyncio.to_thread(read)
 
 class Endings:
     def __init__(
@@ -50,9 +71,15 @@ class Endings:
         """End a task that never reached a runner (deadline, cancel, missing inputs)."""
         self._start(f"fail {task_id}", self._fail(task_id, reason, message, msg))
 
-    def settle(self, task_id: str | None, msg: Msg, stage: Stage) -> None:
+    def settle(self, task_id: str | None, msg: Msg, stage: Stage,
+               finished: TaskFinished | None = None) -> None:
         """Send `msg` the verb of `stage` (intake outcomes, hand-backs): no event to store,
-        and the caller has ended the message's span."""
+        and the caller has ended the message's span. `finished`: the terminal an earlier
+        attempt stored (a redelivery of a finished task), charged before the ack in case
+        that attempt died before its own charge (a no-op when it had made it)."""
+        if finished is not None and self.charges is not None:
+            self._start(f"{stage} {task_id}", self._charge_and_settle(finished, msg, stage))
+            return
         self._start(f"{stage} {task_id}", self.acks.settle(task_id, msg, stage))
 
     async def wait(self, timeout: float) -> None:
@@ -76,10 +103,24 @@ class Endings:
             self._not_stored(event.task_id, exc)
             await self._settle(event.task_id, msg, Stage.FINISHED_NOT_STORED, "none")
             return
-        self.spans.finished(stored if isinstance(stored, TaskFinished) else event)
-        await self._settle(event.task_id, msg, Stage.FINISHED_STORED, "ack")
-        if self.charges is not None:  # after the ack: a charge never delays or loses a task
-            await self.charges.after(msg, stored if isinstance(stored, TaskFinished) else event)
+        ended = stored if isinstance(stored, TaskFinished) else event
+        self.spans.finished(ended)
+        # Charged between the stored terminal and the ack: a death before the ack leaves the
+        # message to a redelivery, which charges from the stored terminal (once: the mark).
+        charge = None
+        if self.charges is not None:
+            await _gate("before", event.task_id)
+            charge = await self.charges.before_ack(msg, ended)
+            await _gate("after", event.task_id)
+        acked = await self._settle(event.task_id, msg, Stage.FINISHED_STORED, "ack")
+        if self.charges is not None and acked:
+            await self.charges.after_ack(charge)
+
+    async def _charge_and_settle(self, finished: TaskFinished, msg: Msg, stage: Stage) -> None:
+        assert self.charges is not None
+        charge = await self.charges.before_ack(msg, finished)
+        if await self.acks.settle(finished.task_id, msg, stage):
+            await self.charges.after_ack(charge)
 
     async def _fail(
         self, task_id: str, reason: ErrorReason, message: str, msg: Msg | None
@@ -96,11 +137,14 @@ class Endings:
         self.spans.finished(stored)
         await self._settle(task_id, msg, Stage.FINISHED_STORED, "ack")
 
-    async def _settle(self, task_id: str | None, msg: Msg | None, stage: Stage, verb: str) -> None:
+    async def _settle(self, task_id: str | None, msg: Msg | None, stage: Stage, verb: str) -> bool:
+        """Whether the verb was sent (True with no message to send it to)."""
+        sent = True
         if msg is not None:
             sent = await self.acks.settle(task_id, msg, stage)
             verb = verb if sent else f"{verb} failed"
         self.spans.settled(task_id, verb)
+        return sent
 
     def _given_up(self, task_id: str, exc: TaskFenced) -> None:
         """Another attempt took the task over: its terminal is that attempt's to write, and

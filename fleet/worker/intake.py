@@ -79,6 +79,9 @@ class Settled:
     task_id: str | None
     reason: str
     stage: Stage = Stage.FINISHED_STORED
+    # A redelivery of a finished task: the terminal an earlier attempt stored, whose fair
+    # charge (fleet.worker.fair_charge) is made before this message's ack if it was not.
+    finished: TaskFinished | None = None
 
 
 class Intake:
@@ -217,7 +220,7 @@ class Intake:
         task_id = task.task_id
         last = await self.output.last_event(task_id)
         if isinstance(last, TaskFinished):
-            return Settled(task_id, "already_finished", Stage.REDELIVERED_FINISHED)
+            return Settled(task_id, "already_finished", Stage.REDELIVERED_FINISHED, last)
         if not output_began(last):
             return None
         match await self.continuation(task):

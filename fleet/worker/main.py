@@ -309,7 +309,7 @@ class Worker:
             return
         self.spans.settled(outcome.task_id, verb_of(outcome.stage), span,
                            outcome.reason)
-        self.endings.settle(outcome.task_id, msg, outcome.stage)
+        self.endings.settle(outcome.task_id, msg, outcome.stage, outcome.finished)
 
     async def _act(self, action: rules.Action) -> None:
         match action:
