@@ -56,11 +56,14 @@ def seed_data_dir(data_dir: Path, models: dict[str, Path], custom: dict[str, Pat
 
 
 class FleetStack:
-    def __init__(self, data_dir: Path, models: list[str], slots: int, env: dict[str, str]) -> None:
+    def __init__(self, data_dir: Path, models: list[str], slots: int, env: dict[str, str],
+                 api_key: str | None = None) -> None:
         self.data_dir = data_dir
         self.models = models
         self.slots = slots
         self.env = env
+        # A key the gateway takes when the env names a keys file (its /models needs one then).
+        self.api_key = api_key
         self.nats_port = free_port()
         self.gateway_port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
@@ -110,7 +113,8 @@ class FleetStack:
         raise TimeoutError("fleet up: NATS did not come up in time")
 
     async def _gateway_up(self, deadline: float) -> None:
-        async with httpx.AsyncClient() as client:
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        async with httpx.AsyncClient(headers=headers) as client:
             while time.monotonic() < deadline:
                 self.check_alive()
                 with contextlib.suppress(httpx.HTTPError):

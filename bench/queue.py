@@ -6,6 +6,8 @@ fault engine.
   validated), then the lines it finishes in `run_s` seconds; the job is then cancelled.
 - mixed: a chat every 2 s (streamed: time to first token, `Fleet-Priority: interactive`) on
   an idle fleet, then beside a 5,000-line batch job whose lines each hold a slot for ~1 s.
+- fair: tenant A keeps 10x tenant B's requests going (bench/queue_fair.py): B's share of the
+  tokens served against its weight share, and B's TTFT beside A against alone.
 - retries: 1,000 chat POSTs, each sent twice with the same Idempotency-Key (the second one to
   a replay of the first): how many tasks the fleet ran (workers' task_accepted events) and how
   many distinct task ids the answers named.
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,8 @@ from nats.aio.msg import Msg
 
 from bench.fleet_stack import FleetStack
 from bench.plumbing_rate import MODEL, seed_fault_card
+from bench.queue_fair import QUICK_FAIR, FairPlan, fair_rows, measure_fair, write_keys
+from fleet.gateway.keys import add_key
 from fleet.wire.codec import decode_event
 from fleet.wire.events import TaskAccepted
 
@@ -41,10 +46,11 @@ class QueuePlan:
     interactive: int = 15  # chats, one every `every_s`, on an idle fleet and beside a job
     every_s: float = 2.0
     mixed_lines: int = 5_000
+    fair: FairPlan = field(default_factory=FairPlan)
 
 
 QUICK = QueuePlan(lines=2_000, run_s=3.0, retried=100, concurrency=16, interactive=4,
-                  every_s=0.5, mixed_lines=200)
+                  every_s=0.5, mixed_lines=200, fair=QUICK_FAIR)
 # A batch line takes a slot for a second (50 tokens at 50 tok/s); a chat is 5 quick tokens.
 BATCH_PROMPT = "tokens:50 tokens_per_s:50"
 CHAT_PROMPT = "tokens:5"
@@ -84,10 +90,14 @@ def _p50(values: list[float]) -> float:
     return round(statistics.median(values) * 1000, 1)
 
 
-async def measure_mixed(base: str, plan: QueuePlan) -> dict[str, Any]:
+def _auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+async def measure_mixed(base: str, key: str, plan: QueuePlan) -> dict[str, Any]:
     """(1) Interactive TTFT on an idle fleet, then beside a running batch job; the job's
     lines done meanwhile (each takes a slot for ~1 s)."""
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=120, headers=_auth(key)) as client:
         idle = await _interactive(client, base, plan)
         data = batch_file(plan.mixed_lines, BATCH_PROMPT, max_tokens=64)
         upload = (await client.post(f"{base}/files", data={"purpose": "batch"},
@@ -114,9 +124,9 @@ async def _status(client: httpx.AsyncClient, base: str, batch_id: str) -> dict[s
     return (await client.get(f"{base}/batches/{batch_id}")).raise_for_status().json()
 
 
-async def measure_accept(base: str, plan: QueuePlan) -> dict[str, Any]:
+async def measure_accept(base: str, key: str, plan: QueuePlan) -> dict[str, Any]:
     data = batch_file(plan.lines)
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=120, headers=_auth(key)) as client:
         began = time.perf_counter()
         upload = (await client.post(f"{base}/files", data={"purpose": "batch"},
                                     files={"file": ("big.jsonl", data)})).raise_for_status()
@@ -143,7 +153,8 @@ async def measure_accept(base: str, plan: QueuePlan) -> dict[str, Any]:
     }
 
 
-async def measure_retries(base: str, stack: FleetStack, plan: QueuePlan) -> dict[str, Any]:
+async def measure_retries(base: str, key: str, stack: FleetStack,
+                          plan: QueuePlan) -> dict[str, Any]:
     assert stack.nc is not None
     accepted: set[str] = set()
     accepted_events = 0
@@ -174,7 +185,7 @@ async def measure_retries(base: str, stack: FleetStack, plan: QueuePlan) -> dict
                 replays += answer.headers.get("x-fleet-idempotent-replay") == "true"
 
     began = time.perf_counter()
-    async with httpx.AsyncClient(timeout=120) as client:
+    async with httpx.AsyncClient(timeout=120, headers=_auth(key)) as client:
         await asyncio.gather(*(twice(client, i) for i in range(plan.retried)))
     wall = time.perf_counter() - began
     await stack.nc.flush()
@@ -189,13 +200,26 @@ async def run_queue(workdir: Path, env: dict[str, str], quick: bool) -> dict[str
     data_dir = workdir / "queue"
     data_dir.mkdir(parents=True, exist_ok=True)
     seed_fault_card(data_dir)
-    stack = FleetStack(data_dir, [MODEL], SLOTS, env)
+    # Tenants, so (2) has two: the other measures send as one tenant of their own, whose
+    # requests pass the fair-share admission (three KV writes each) with no one to wait for.
+    keys_file = data_dir / "keys.jsonl"
+    keys_file.unlink(missing_ok=True)
+    key = add_key(keys_file, "bench")
+    fair_keys = write_keys(keys_file, len(plan.fair.weights), plan.fair)
+    stack = FleetStack(data_dir, [MODEL], SLOTS, {**env, "FLEET_API_KEYS_FILE": str(keys_file)},
+                       api_key=key)
     await stack.start()
     try:
         base = stack.base_url
-        return {"plan": plan.__dict__, "mixed": await measure_mixed(base, plan),
-                "retries": await measure_retries(base, stack, plan),
-                "accept": await measure_accept(base, plan)}
+        # (2) first, on the idle fleet: its drain ends with nothing left running.
+        load = [round(x, 2) for x in os.getloadavg()]
+        fair = [await measure_fair(base, fair_keys, run, SLOTS, plan.fair)
+                for run in range(len(plan.fair.weights))]
+        return {"plan": asdict(plan), "load_average": load,
+                "load_average_after_fair": [round(x, 2) for x in os.getloadavg()],
+                "fair": fair, "mixed": await measure_mixed(base, key, plan),
+                "retries": await measure_retries(base, key, stack, plan),
+                "accept": await measure_accept(base, key, plan)}
     finally:
         await stack.stop()
 
@@ -203,7 +227,7 @@ async def run_queue(workdir: Path, env: dict[str, str], quick: bool) -> dict[str
 def queue_table(result: dict[str, Any]) -> list[str]:
     accept, retries, mixed = result["accept"], result["retries"], result["mixed"]
     return [
-        "queue (fault engine, one fleet up):",
+        f"queue (fault engine, one fleet up; load average {result.get('load_average')}):",
         f"  interactive TTFT p50 {mixed['ttft_idle_p50_ms']} ms idle, "
         f"{mixed['ttft_beside_batch_p50_ms']} ms beside a batch job (x{mixed['ratio']}); "
         f"the job meanwhile {mixed['batch_lines_per_s_meanwhile']} lines/s "
@@ -215,4 +239,5 @@ def queue_table(result: dict[str, Any]) -> list[str]:
         f"  {retries['posts']:,} POSTs ({retries['keys']:,} keys, each sent twice): "
         f"{retries['tasks_run']:,} tasks run, {retries['distinct_task_ids']:,} distinct ids, "
         f"{retries['replayed_answers']:,} replayed answers, {retries['wall_s']} s",
+        *fair_rows(result.get("fair", [])),
     ]

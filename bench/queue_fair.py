@@ -1,0 +1,185 @@
+"""`fleet bench --only queue`, measure (2) of issue 25: tenant A keeps 10x tenant B's requests
+going through the gateway; B's share of the tokens served against its weight share, and B's
+time to first token beside A against B alone.
+
+B keeps as many requests going as its weight share of the slots (8 of 16 with equal weights,
+11 with B weighing 2 against A's 1): a scheduler that gives each tenant its weighted share
+gives B all it asks, so B's share can reach its weight share and its TTFT can stay as alone.
+A keeps 10x as many going, so A alone would fill the fleet many times over. Each tenant is a
+key in the keys file the `fleet up` under test reads, with its weight in its tenant record
+(README, "Priorities and fair tenants"). Every request is streamed (`include_usage`), so its
+first token and its tokens are timed at the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.plumbing_rate import MODEL
+from fleet.gateway.keys import key_hash, new_key
+
+
+@dataclass(frozen=True)
+class FairPlan:
+    alone_s: float = 15.0  # B by itself
+    warm_s: float = 10.0  # A and B together before the window: A's head start is served
+    window_s: float = 30.0  # what is counted
+    weights: tuple[tuple[float, float], ...] = ((1.0, 1.0), (1.0, 2.0))  # (A, B)
+    tokens: int = 50
+    tokens_per_s: int = 50  # a request holds a slot ~1 s
+
+
+QUICK_FAIR = FairPlan(alone_s=3.0, warm_s=2.0, window_s=5.0, weights=((1.0, 1.0),),
+                      tokens=10, tokens_per_s=20)
+
+
+@dataclass
+class Served:
+    """One streamed request as its client saw it (perf_counter seconds)."""
+    sent: float
+    first: float | None
+    end: float
+    tokens: int
+
+
+def tokens_in(served: list[Served], start: float, end: float) -> float:
+    """Tokens served within [start, end) (pure): a request's tokens spread evenly over its
+    first token to its end, counted by the part of that span inside the window."""
+    total = 0.0
+    for s in served:
+        if s.first is None or s.tokens == 0:
+            continue
+        span = s.end - s.first
+        if span <= 0:
+            total += s.tokens if start <= s.end < end else 0
+            continue
+        overlap = min(end, s.end) - max(start, s.first)
+        total += s.tokens * max(0.0, overlap) / span
+    return total
+
+
+def ttft_p50_ms(served: list[Served], start: float, end: float) -> float | None:
+    """Median time to first token of the requests sent within [start, end) (pure)."""
+    waits = [s.first - s.sent for s in served if s.first is not None and start <= s.sent < end]
+    return round(statistics.median(waits) * 1000, 1) if waits else None
+
+
+def b_clients(slots: int, weight_a: float, weight_b: float) -> int:
+    """B's requests kept going: its weight share of the slots, rounded up (pure)."""
+    return max(1, math.ceil(slots * weight_b / (weight_a + weight_b) - 1e-9))
+
+
+def tenant_lines(run: int, weight_a: float, weight_b: float) -> list[tuple[str, float]]:
+    """The tenants of one run and their weights: fresh names a run, so no counter of an
+    earlier run carries over (pure)."""
+    return [(f"fair{run}-a", weight_a), (f"fair{run}-b", weight_b)]
+
+
+async def _one(client: httpx.AsyncClient, base: str, body: dict[str, Any]) -> Served:
+    sent = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    async with client.stream("POST", f"{base}/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if first is None and '"content":"' in line:
+                first = time.perf_counter()
+            elif '"completion_tokens"' in line and line.startswith("data: "):
+                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+    return Served(sent, first, time.perf_counter(), tokens)
+
+
+async def _tenant(base: str, key: str, clients: int, body: dict[str, Any],
+                  stop: asyncio.Event, out: list[Served]) -> None:
+    """`clients` requests kept going (each client sends its next when its last ends) until
+    `stop`; the ones under way then run to their end."""
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=300, limits=limits,
+                                 headers={"authorization": f"Bearer {key}"}) as client:
+        async def loop() -> None:
+            while not stop.is_set():
+                out.append(await _one(client, base, body))
+
+        await asyncio.gather(*(loop() for _ in range(clients)))
+
+
+def write_keys(keys_file: Path, runs: int, plan: FairPlan) -> dict[str, str]:
+    """Append a key for every tenant of the plan's runs, with its weight, to the keys file;
+    tenant -> key."""
+    keys: dict[str, str] = {}
+    with keys_file.open("a") as file:
+        for run, (weight_a, weight_b) in enumerate(plan.weights[:runs]):
+            for tenant, weight in tenant_lines(run, weight_a, weight_b):
+                keys[tenant] = new_key()
+                file.write(json.dumps({"tenant": tenant, "sha256": key_hash(keys[tenant]),
+                                       "weight": weight}) + "\n")
+    return keys
+
+
+async def measure_fair(base: str, keys: dict[str, str], run: int, slots: int,
+                       plan: FairPlan) -> dict[str, Any]:
+    (a, weight_a), (b, weight_b) = tenant_lines(run, *plan.weights[run])
+    n_b = b_clients(slots, weight_a, weight_b)
+    n_a = 10 * n_b
+    body = {"model": MODEL, "max_tokens": plan.tokens + 14, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content":
+                          f"tokens:{plan.tokens} tokens_per_s:{plan.tokens_per_s}"}]}
+    alone: list[Served] = []
+    stop = asyncio.Event()
+    began = time.perf_counter()
+    b_alone = asyncio.ensure_future(_tenant(base, keys[b], n_b, body, stop, alone))
+    await asyncio.sleep(plan.alone_s)  # the load runs for this long: a measured span
+    stop.set()
+    await b_alone
+    alone_end = time.perf_counter()
+
+    served: dict[str, list[Served]] = {a: [], b: []}
+    stop = asyncio.Event()
+    both = [asyncio.ensure_future(_tenant(base, keys[t], n, body, stop, served[t]))
+            for t, n in ((a, n_a), (b, n_b))]
+    start = time.perf_counter() + plan.warm_s
+    end = start + plan.window_s
+    await asyncio.sleep(plan.warm_s + plan.window_s)  # the measured span
+    stop.set()
+    await asyncio.gather(*both)
+    drained = time.perf_counter()
+    tokens = {t: tokens_in(served[t], start, end) for t in (a, b)}
+    total = sum(tokens.values())
+    share_b = tokens[b] / total if total else 0.0
+    target = weight_b / (weight_a + weight_b)
+    alone_p50 = ttft_p50_ms(alone, began, alone_end)
+    beside_p50 = ttft_p50_ms(served[b], start, end)
+    return {
+        "weight_a": weight_a, "weight_b": weight_b, "clients_a": n_a, "clients_b": n_b,
+        "tokens_a": round(tokens[a]), "tokens_b": round(tokens[b]),
+        "tokens_per_s": round(total / plan.window_s, 1),
+        "share_b": round(share_b, 3), "weight_share_b": round(target, 3),
+        "share_off_by": round(abs(share_b - target) / target, 3),
+        "ttft_b_alone_p50_ms": alone_p50, "ttft_b_beside_a_p50_ms": beside_p50,
+        "ttft_a_p50_ms": ttft_p50_ms(served[a], start, end),
+        "ttft_ratio": round(beside_p50 / alone_p50, 2) if alone_p50 and beside_p50 else None,
+        "requests_b_in_window": sum(start <= s.sent < end for s in served[b]),
+        "requests_b_alone": len(alone), "drain_s": round(drained - end, 1),
+    }
+
+
+def fair_rows(runs: list[dict[str, Any]]) -> list[str]:
+    return [
+        f"  tenants A:B weigh {r['weight_a']:g}:{r['weight_b']:g}, {r['clients_a']} vs "
+        f"{r['clients_b']} requests kept going: B served {r['share_b']:.1%} of the tokens "
+        f"(weight share {r['weight_share_b']:.1%}, off by {r['share_off_by']:.0%}; "
+        f"{r['tokens_per_s']} tok/s in all); B's TTFT p50 {r['ttft_b_beside_a_p50_ms']} ms "
+        f"beside A, {r['ttft_b_alone_p50_ms']} ms alone (x{r['ttft_ratio']}), "
+        f"A's {r['ttft_a_p50_ms']} ms"
+        for r in runs
+    ]
