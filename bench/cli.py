@@ -220,6 +220,13 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
 
         result["queue"] = uvloop.run(run_queue(workdir, env, args.quick))
         print("\n".join(queue_table(result["queue"])))
+    if args.only == "gateway-share":
+        from bench.gateway_share import QUICK as SHARE_QUICK
+        from bench.gateway_share import SharePlan, run_share, share_table
+
+        share_plan = SHARE_QUICK if args.quick else SharePlan()
+        result["gateway_share"] = uvloop.run(run_share(workdir / "gateway-share", share_plan))
+        print("\n".join(share_table(result["gateway_share"])))
     if args.only == "embeddings":
         from bench.embeddings import embeddings_table, run_embeddings
 

@@ -30,14 +30,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-peer", action="store_true", help="leave mlx_lm.server out")
     p.add_argument("--only", choices=("text", "plumbing", "plumbing-rate", "weights", "routing",
                                       "ask", "sharded", "queue", "seam", "embeddings", "scale",
-                                      "vision"),
+                                      "gateway-share", "vision"),
                    help="run one part only (routing: the multi-turn prefix-routing workload; "
                    "embeddings: /v1/embeddings at 1, 16, 256 clients against the model "
                    "in-process; vision: repeated images, the vision cache off, on and on a "
                    "second node, and the image fetch per MB; "
                    "sharded: a 2-shard pipeline against the unsharded model; plumbing-rate: "
                    "the fault-engine rate part of plumbing alone; queue: batch acceptance "
-                   "and idempotent retries; seam: kill -> next token when a worker or runner "
+                   "and idempotent retries; gateway-share: one gateway's CPU per token while 3 "
+                   "others carry 10x its tokens; seam: kill -> next token when a worker or runner "
                    "dies or pauses mid-answer)")
     p.add_argument("--scale-steps", help="scale: comma-separated node counts (default "
                    "10,100,1000; --quick 10,40)")
