@@ -24,7 +24,9 @@ heartbeat says it holds task messages (one request per busy node per PROBE_S, no
 and the holder of the sentinel lease probes the sweeper's holder alone. A node declared dead
 has the task messages its last heartbeat listed nak'd (`held_acks`), so JetStream hands each
 to another worker at once, which takes it over with the fence (fleet.worker.takeover). A
-message the dead node took after its last heartbeat goes when AckWait runs out (30 s).
+message is listed in a stored heartbeat before its task's work starts (fleet.worker.heartbeat,
+`list_held`); only one whose taker died in the milliseconds between the server's delivery
+and that beat goes when AckWait runs out (30 s): nothing of its task had started then.
 
 A wrong verdict costs a seam, never a wrong answer: the nak'd holder, if it lived, is fenced.
 """

@@ -3,9 +3,19 @@ liveness decisions weigh (fleet.worker.liveness): a worker that could not write 
 lately judges no other node dead.
 
 The heartbeat also lists the ack subjects of the task messages this node holds
-(`NodeInfo.held_acks`), beaten again within HELD_CHECK_S of a new one, and the worker answers
-probes on `fleet.alive.<node>` while its process lives: together they let the sweeper see
-this node die within a second or two and hand its tasks on (fleet.worker.deathwatch)."""
+(`NodeInfo.held_acks`), and the worker answers probes on `fleet.alive.<node>` while its
+process lives: together they let the sweeper see this node die within a second or two and
+hand its tasks on (fleet.worker.deathwatch).
+
+A newly taken message is listed before its task's work starts: the worker's intake awaits
+`list_held`, which asks for a beat at once and returns when a beat that lists the subject is
+stored (issue 24). The heartbeat used to find new holds by polling every 50 ms, and a
+worker killed before the poll left its just-taken task to AckWait (30 s). What is left of
+that window is the time from the server's delivery to the stored beat: the client's read of
+the message and one KV round trip (measured in tests/worker/test_held_listing.py), in which
+no work of the task has started. Requests that arrive together share one beat (one put in
+flight at a time, LIST_GAP_S apart at least), so a burst of tasks costs a few puts, not one
+each."""
 
 from __future__ import annotations
 
@@ -41,6 +51,12 @@ HEARTBEAT_S = 3.0
 # window leaves it to AckWait); a burst of new ones is listed at most every HELD_GAP_S.
 HELD_CHECK_S = 0.05
 HELD_GAP_S = 0.25
+# Beats asked for by `list_held` go out at once, then at most one per LIST_GAP_S (a sustained
+# stream of new tasks: ~100 small puts a second, each listing all that arrived meanwhile).
+LIST_GAP_S = 0.01
+# How long an intake waits for its listing: a broker too slow for that (an election) must not
+# stall intake; the message is then listed by a later beat, and until then AckWait guards it.
+LIST_WAIT_S = 1.0
 NODE_TTL_S = 15.0  # FLEET_NODES' max age in ops/jetstream; read from the bucket at start
 
 
@@ -63,6 +79,8 @@ class Heartbeat:
         # The ack subjects of the task messages this node holds (set by the worker).
         self.held: Callable[[], list[str]] = list
         self._listed: frozenset[str] = frozenset()  # what the last beat listed
+        self._asked = asyncio.Event()  # set by `list_held`: a listing is wanted now
+        self._beaten = asyncio.Event()  # replaced after each beat: `list_held` waits on it
 
     async def read_ttl(self, js: JetStreamContext) -> None:
         """How long a silent node's key lives: the bucket's max age (the TTL of record)."""
@@ -94,8 +112,12 @@ class Heartbeat:
                 raise ConnectionError("not connected to NATS")
             held = self.held()
             info = self.info().model_copy(update={"held_acks": held})
-            await self.node_records.put(info, budget_s=budget_s)
-            self._listed = frozenset(held)
+            try:
+                await self.node_records.put(info, budget_s=budget_s)
+                self._listed = frozenset(held)
+            finally:
+                beaten, self._beaten = self._beaten, asyncio.Event()
+                beaten.set()
         except Exception as exc:
             if self.health.failures == 0:
                 log.warning("heartbeat failed (%s); no node is judged dead until it is back "
@@ -111,19 +133,42 @@ class Heartbeat:
             except Exception as exc:
                 log.warning("runner record %s not refreshed: %s", record.runner_id, exc)
 
+    async def list_held(self, subject: str | None) -> float | None:
+        """Until a stored beat lists `subject` (a held message's ack subject): the seconds
+        that took, or None when LIST_WAIT_S passed first (a later beat lists it)."""
+        began = time.monotonic()
+        if not subject:
+            return 0.0
+        while subject not in self._listed:
+            left = began + LIST_WAIT_S - time.monotonic()
+            if left <= 0:
+                log.info("held message not listed within %.1f s; a later beat lists it",
+                         LIST_WAIT_S)
+                return None
+            beaten = self._beaten
+            self._asked.set()
+            await set_within(beaten, left)
+        return time.monotonic() - began
+
     async def forever(self) -> None:
-        """Beat every HEARTBEAT_S, at once when our own key was seen to expire, and within
-        HELD_CHECK_S of a newly held task message; answer probes meanwhile."""
+        """Beat every HEARTBEAT_S, at once when our own key was seen to expire or a listing
+        is asked for (`list_held`), and within HELD_CHECK_S of a held message nobody asked
+        to list (a poll, for any hold that does not ask); answer probes meanwhile."""
         alive = await self.nc.subscribe(subjects.alive(self.node_id), cb=self._answer)
         last = last_full = time.monotonic()
         try:
             while True:
-                await set_within(self.wake, HELD_CHECK_S)
+                await set_within(self._asked, HELD_CHECK_S)
                 now = time.monotonic()
-                full = self.wake.is_set() or now - last_full >= HEARTBEAT_S
-                if full or (now - last >= HELD_GAP_S
-                            and newly_held(self.held(), self._listed)):
+                if self._asked.is_set() and now - last < LIST_GAP_S:
+                    await asyncio.sleep(last + LIST_GAP_S - now)  # the gap between puts
+                    now = time.monotonic()
+                asked, full = self._asked.is_set(), (
+                    self.wake.is_set() or now - last_full >= HEARTBEAT_S)
+                if full or asked or (now - last >= HELD_GAP_S
+                                     and newly_held(self.held(), self._listed)):
                     self.wake.clear()
+                    self._asked.clear()
                     last = now
                     last_full = now if full else last_full
                     await self.beat(records=full)  # a new hold: the node's key alone

@@ -1,0 +1,86 @@
+"""A taken message is listed in a stored heartbeat before its task's work starts
+(fleet.worker.heartbeat, `list_held`; issue 24), against a real nats-server: the window in
+which a worker's death leaves its just-taken task to AckWait is the time from the message's
+arrival to that stored beat, measured here; a burst of takes shares a few beats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import time
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from fleet.bus.kv_calls import open_bucket
+from fleet.wire import subjects
+from fleet.wire.cluster import NodeInfo
+from fleet.wire.codec import decode_model
+from fleet.worker.heartbeat import LIST_WAIT_S, Heartbeat
+
+TAKES = 100
+BURST = 32
+
+
+def _info() -> NodeInfo:
+    return NodeInfo(node_id="n1", hostname="h", memory_total_bytes=1, memory_available_bytes=1,
+                    cpu_count=1, started_at=0.0, at=0.0)
+
+
+async def _listed(nc: Client) -> list[str]:
+    kv = await open_bucket(nc.jetstream(), subjects.NODES_BUCKET)
+    return decode_model(NodeInfo, (await kv.get("n1")).value or b"").held_acks
+
+
+async def _revision(nc: Client) -> int:
+    kv = await open_bucket(nc.jetstream(), subjects.NODES_BUCKET)
+    return (await kv.get("n1")).revision or 0
+
+
+async def test_a_taken_message_is_in_a_stored_beat_before_its_work_starts(
+    provisioned_nc: Client,
+) -> None:
+    nc, js = provisioned_nc, provisioned_nc.jetstream()
+    await js.add_stream(name="HELD", subjects=["held.>"])
+    pull = await js.pull_subscribe("held.x", durable="takers")
+    held: list[str] = []
+    beat = Heartbeat(nc, await open_bucket(js, subjects.NODES_BUCKET),
+                     await open_bucket(js, subjects.RUNNERS_BUCKET), "n1", _info, list)
+    beat.held = lambda: list(held)
+    await beat.beat()
+    beating = asyncio.ensure_future(beat.forever())
+    try:
+        windows = []
+        for n in range(TAKES):  # one at a time, as an idle worker takes them
+            await js.publish("held.x", f"{n}".encode())
+            [msg] = await pull.fetch(1, timeout=5)
+            taken = time.monotonic()
+            held.append(msg.reply)  # AckPolicy.hold, in the worker's loop
+            waited = await beat.list_held(msg.reply)
+            assert waited is not None, "not listed within LIST_WAIT_S"
+            windows.append(time.monotonic() - taken)
+            assert msg.reply in await _listed(nc)  # what the sweeper reads: stored
+            held.remove(msg.reply)
+            await msg.ack()
+        p50, p99 = statistics.median(windows), sorted(windows)[int(0.99 * len(windows))]
+        print(f"\ntaken -> listed in a stored beat: p50 {p50 * 1000:.2f} ms, "
+              f"p99 {p99 * 1000:.2f} ms, max {max(windows) * 1000:.2f} ms ({TAKES} takes)")
+        assert p99 < LIST_WAIT_S
+
+        for n in range(BURST):
+            await js.publish("held.x", f"burst {n}".encode())
+        before = await _revision(nc)
+        msgs: list[Msg] = await pull.fetch(BURST, timeout=5)
+        held.extend(m.reply for m in msgs)
+        waits = await asyncio.gather(*(beat.list_held(m.reply) for m in msgs))
+        beats = await _revision(nc) - before
+        print(f"a burst of {len(msgs)} takes: listed by {beats} beat(s), "
+              f"the last in {max(w or 0 for w in waits) * 1000:.2f} ms")
+        assert all(w is not None for w in waits)
+        assert set(held) <= set(await _listed(nc))
+        assert beats <= 3, "a burst costs a few puts, not one a message"
+    finally:
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
