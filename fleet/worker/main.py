@@ -277,10 +277,15 @@ class Worker:
         """A child: the intake's outcome (or why it has none) goes back to the loop."""
         try:
             with self.spans.current(span):
-                # Listed in a stored heartbeat before any of its work: a death from here on
-                # is handed on in a second or two, not at AckWait (fleet.worker.heartbeat).
-                await self.cluster.heartbeat.list_held(msg.reply)
-                outcome = await self.intake.receive(msg, handed_in=handed_in)
+                # Listed in a stored heartbeat before it can run: a death from then on is
+                # handed on in a second or two, not at AckWait (fleet.worker.heartbeat). The
+                # beat's round trip overlaps the intake's own (its claim), so it rarely waits.
+                listing = asyncio.ensure_future(self.cluster.heartbeat.list_held(msg.reply))
+                try:
+                    outcome = await self.intake.receive(msg, handed_in=handed_in)
+                    await listing
+                finally:
+                    listing.cancel()
         except Exception as exc:  # not taken in: the loop gives it back for another try soon
             error = f"{type(exc).__name__}: {exc}"
             self.inbox.put_nowait(TakenIn(key, msg, None, span, handed_in, error))
