@@ -7,15 +7,17 @@ The heartbeat also lists the ack subjects of the task messages this node holds
 process lives: together they let the sweeper see this node die within a second or two and
 hand its tasks on (fleet.worker.deathwatch).
 
-A newly taken message is listed before its task's work starts: the worker's intake awaits
-`list_held`, which asks for a beat at once and returns when a beat that lists the subject is
-stored (issue 24). The heartbeat used to find new holds by polling every 50 ms, and a
-worker killed before the poll left its just-taken task to AckWait (30 s). What is left of
-that window is the time from the server's delivery to the stored beat: the client's read of
-the message and one KV round trip (measured in tests/worker/test_held_listing.py), in which
-no work of the task has started. Requests that arrive together share one beat (one put in
-flight at a time, LIST_GAP_S apart at least), so a burst of tasks costs a few puts, not one
-each."""
+A newly taken message is listed before its task can run: the worker takes it in (its claim)
+beside `list_held`, which asks for a beat at once and returns when a beat that lists the
+subject is stored, and hands the task to a runner only after both (issue 24). The heartbeat
+used to find new holds by polling every 50 ms, and a worker killed before the poll left its
+just-taken task to AckWait (30 s). What is left of that window is the time from the
+server's delivery to the stored beat: the client's read of the message and one KV round trip,
+plus up to LIST_GAP_S when beats follow each other (measured in
+tests/worker/test_held_listing.py), in which no token of the task is made. JetStream offers
+nothing to close it (docs/faults.md). Requests that arrive together share one beat (one put
+in flight at a time, LIST_GAP_S apart at least), so a burst of tasks costs a few puts, not
+one each."""
 
 from __future__ import annotations
 

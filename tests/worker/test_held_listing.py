@@ -51,22 +51,27 @@ async def test_a_taken_message_is_in_a_stored_beat_before_its_work_starts(
     await beat.beat()
     beating = asyncio.ensure_future(beat.forever())
     try:
-        windows = []
-        for n in range(TAKES):  # one at a time, as an idle worker takes them
-            await js.publish("held.x", f"{n}".encode())
-            [msg] = await pull.fetch(1, timeout=5)
-            taken = time.monotonic()
-            held.append(msg.reply)  # AckPolicy.hold, in the worker's loop
-            waited = await beat.list_held(msg.reply)
-            assert waited is not None, "not listed within LIST_WAIT_S"
-            windows.append(time.monotonic() - taken)
-            assert msg.reply in await _listed(nc)  # what the sweeper reads: stored
-            held.remove(msg.reply)
-            await msg.ack()
-        p50, p99 = statistics.median(windows), sorted(windows)[int(0.99 * len(windows))]
-        print(f"\ntaken -> listed in a stored beat: p50 {p50 * 1000:.2f} ms, "
-              f"p99 {p99 * 1000:.2f} ms, max {max(windows) * 1000:.2f} ms ({TAKES} takes)")
-        assert p99 < LIST_WAIT_S
+        windows: dict[str, list[float]] = {"back to back": [], "20 ms apart": []}
+        for kind, pause_s in (("back to back", 0.0), ("20 ms apart", 0.02)):
+            for n in range(TAKES):  # one at a time, as an idle worker takes them
+                await asyncio.sleep(pause_s)  # pacing the takes (a load's shape), not a wait
+                await js.publish("held.x", f"{n}".encode())
+                [msg] = await pull.fetch(1, timeout=5)
+                taken = time.monotonic()
+                held.append(msg.reply)  # AckPolicy.hold, in the worker's loop
+                waited = await beat.list_held(msg.reply)
+                assert waited is not None, "not listed within LIST_WAIT_S"
+                windows[kind].append(time.monotonic() - taken)
+                assert msg.reply in await _listed(nc)  # what the sweeper reads: stored
+                held.remove(msg.reply)
+                await msg.ack()
+        for kind, found in windows.items():
+            found.sort()
+            print(f"\ntaken -> listed in a stored beat, {kind}: p50 "
+                  f"{statistics.median(found) * 1000:.2f} ms, p99 "
+                  f"{found[int(0.99 * len(found))] * 1000:.2f} ms, max {found[-1] * 1000:.2f} ms "
+                  f"({TAKES} takes)")
+            assert found[int(0.99 * len(found))] < LIST_WAIT_S
 
         for n in range(BURST):
             await js.publish("held.x", f"burst {n}".encode())
