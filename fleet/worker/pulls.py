@@ -1,6 +1,7 @@
 """Pulling tasks: one bound pull subscription per model and priority class on its shared
 durable consumer, taken highest class first (fleet.worker.priority: order, batch slack,
-starvation promotion).
+starvation promotion); within a class's turn, after its shared durable, the class's tenant
+lanes in their fair order (fleet.worker.lanes).
 
 A pull asks each class in turn for what its quota allows and the durable holds now (a
 `no_wait` pull, answered at once); when no class had anything, it waits (up to FETCH_WAIT_S) on
@@ -43,6 +44,7 @@ from fleet.config import Settings
 from fleet.wire import subjects
 from fleet.wire.tasks import Priority
 from fleet.worker.consumer_guard import ConsumerGuard
+from fleet.worker.lanes import Lanes
 from fleet.worker.priority import CLASSES, Turn, pull_order, quota
 from fleet.worker.pull_now import pull_now
 
@@ -52,6 +54,7 @@ FETCH_WAIT_S = 2.0
 # While batch work is held back by the reserve: a slot that frees meanwhile is only seen by
 # the next pull, so the wait on the other classes is short (a round of 4 small requests).
 SLACK_WAIT_S = 0.2
+LANES_RECENT_S = 60.0  # lanes that held tasks this recently are looked at every SLACK_WAIT_S
 ERROR_PAUSE_S = 0.5
 STRAY_MARGIN_S = 0.5  # past a lingering request's expiry: the server's clock and the transit
 # A durable's look-up after a failed pull: an election's answer is worth a short wait, not the
@@ -87,6 +90,8 @@ class TaskPuller:
         self.strays: dict[tuple[str, str], list[Msg]] = {}  # brought by such a request
         self.given_back = 0  # strays no pull of their class took before the request expired
         self.guard = ConsumerGuard(nc, self, settings.max_deliver, settings.ack_wait_s, meter)
+        self.lanes = Lanes(nc, js, settings)  # tenant lanes (fleet.worker.lanes)
+        self.lanes_seen: dict[str, float] = {}  # model -> when its lanes last held tasks
 
     async def fetch(
         self, model: str, batch: int, reserve: int = 0, only: Priority | None = None
@@ -101,6 +106,7 @@ class TaskPuller:
         got: list[Msg] = []
         turns = []
         failed = False
+        lane_counts: dict[str, dict[str, int]] = {}  # read once a fetch, when first needed
         try:
             for turn in pull_order(served, now):
                 if only is not None and turn.priority != only:
@@ -110,7 +116,11 @@ class TaskPuller:
                     continue
                 served[turn.priority] = now  # it had its turn: not starved
                 try:
-                    got += await self._pull(model, turn.priority, wanted, None)
+                    taken = await self._pull(model, turn.priority, wanted, None)
+                    got += taken
+                    if len(taken) < wanted:  # the rest of the class's turn: its tenant lanes
+                        got += await self._from_lanes(model, turn.priority,
+                                                      wanted - len(taken), lane_counts)
                 except Exception as exc:
                     # One class's consumer unreachable (its leader paused or electing) must not
                     # stop the others: a fault test saw a worker pull nothing for seconds so.
@@ -128,8 +138,11 @@ class TaskPuller:
                 # A class held back by the reserve (batch) waits for a slot to free, which
                 # this pull cannot see: wait briefly, so the next pull can give it that slot.
                 held_back = only is None and len(turns) < len(CLASSES)
-                got = await self._first_of(model, turns, SLACK_WAIT_S if held_back
-                                           else FETCH_WAIT_S)
+                # A lane has no wait of its own here: while lanes are in use, the next look
+                # at them comes after a short wait (a lane task waits at most about that).
+                lanes_in_use = now - self.lanes_seen.get(model, float("-inf")) < LANES_RECENT_S
+                got = await self._first_of(model, turns, SLACK_WAIT_S
+                                           if held_back or lanes_in_use else FETCH_WAIT_S)
             return got
         except Exception as exc:  # the loop must go on; the next plan pulls again
             log.warning("fetch for %s failed: %s", model, type(exc).__name__ + f" {exc}".rstrip())
@@ -150,6 +163,20 @@ class TaskPuller:
             return await sub.fetch(batch, timeout=wait_s)
         except TimeoutError:
             return []
+
+    async def _from_lanes(self, model: str, priority: Priority, wanted: int,
+                          cache: dict[str, dict[str, int]]) -> list[Msg]:
+        """Up to `wanted` tasks of the class's tenant lanes (fleet.worker.lanes), the lanes'
+        counts read at the first class of this fetch that needs them."""
+        if "counts" not in cache:
+            try:
+                cache["counts"] = await self.lanes.counts(model)
+            except Exception as exc:  # the lanes wait for the next fetch; the classes do not
+                log.warning("lanes of %s not read: %s", model, type(exc).__name__)
+                cache["counts"] = {}
+            if any(cache["counts"].values()):
+                self.lanes_seen[model] = time.monotonic()
+        return await self.lanes.pull(model, priority, wanted, cache["counts"])
 
     async def _first_of(self, model: str, turns: list[Turn], wait_s: float) -> list[Msg]:
         """Wait on every class that may be served at once; the first to answer wins. The
@@ -267,5 +294,6 @@ class TaskPuller:
 
     async def close(self) -> None:
         await cancel_and_wait(list(self.sweeps.values()), 1.0)
+        await self.lanes.close()
         for sub in [*self.subs.values(), *self.class_subs.values()]:
             await unsubscribe_pull(sub)

@@ -1,0 +1,122 @@
+"""Fair tenants among tasks published straight on NATS (fleet.worker.lanes), against
+nats-server and one `fleet worker` (fault engine, a runner of 2 slots): tenant A keeps 10x
+tenant B's tasks going, both weigh 1. Published on the class's shared subject they are served
+first come, first served (B gets about 1/11 of the tokens); published on their tenant lanes,
+B gets about half, once A's head start is served."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Iterator
+
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from fleet.bus.connect import js_publish
+from fleet.bus.fairness import shares
+from fleet.wire import subjects
+from fleet.wire.codec import DecodeError, decode_event
+from fleet.wire.events import TaskFinished
+from fleet.wire.tasks import ChatMessage, TextGeneration
+from tests.integration.harness import (
+    WorkerProcess,
+    add_fault_card,
+    fault_worker_stack,
+    serving,
+    until_queue_empty,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "fault-llm"
+TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, WorkerProcess]]:
+    root = tmp_path_factory.mktemp("lanes")
+    with fault_worker_stack(root, MODEL) as (url, worker):
+        yield url, worker
+
+
+class Terminals:
+    """Each task's terminal, as the worker writes it on `fleet.out.<id>` (core NATS)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[str, asyncio.Future[TaskFinished]] = {}
+
+    async def on_msg(self, msg: Msg) -> None:
+        try:
+            event = decode_event(msg.data)
+        except DecodeError:
+            return
+        if not isinstance(event, TaskFinished):
+            return
+        if (done := self.waiting.pop(event.task_id, None)) is not None and not done.done():
+            done.set_result(event)
+
+
+async def b_share(nc: Client, terminals: Terminals, on_lanes: bool, run: str) -> dict[str, int]:
+    """A keeps 20 tasks going, B 2; the tokens each was served between B's 3rd and 15th
+    task (A's head start served by then)."""
+    served = {"a": 0, "b": 0}
+    marks: dict[str, dict[str, int]] = {}
+    done, stop = asyncio.Event(), asyncio.Event()
+    ids = itertools.count()
+
+    async def tenant_client(tenant: str) -> None:
+        subject = (subjects.lane(MODEL, "default", tenant) if on_lanes
+                   else subjects.tasks(MODEL))
+        while not stop.is_set():
+            task = TextGeneration(
+                task_id=f"{run}-{tenant}-{next(ids)}", model=MODEL, tenant=tenant,
+                max_tokens=TOKENS, messages=[ChatMessage(
+                    role="user", content=f"tokens:{TOKENS} tokens_per_s:200")])
+            ended = terminals.waiting[task.task_id] = asyncio.get_running_loop().create_future()
+            await js_publish(nc.jetstream(), subject, task, msg_id=task.task_id)
+            result = await asyncio.wait_for(ended, 120)
+            assert result.status == "completed" and result.usage is not None, result
+            served[tenant] += result.usage.completion_tokens
+            if served["b"] >= TOKENS * 3:
+                marks.setdefault("from", dict(served))
+            if served["b"] >= TOKENS * 15:
+                marks.setdefault("to", dict(served))
+                done.set()
+
+    clients = [asyncio.ensure_future(tenant_client("a")) for _ in range(20)]
+    clients += [asyncio.ensure_future(tenant_client("b")) for _ in range(2)]
+    try:
+        await asyncio.wait_for(done.wait(), 200)
+    except TimeoutError:
+        errors = [c.exception() for c in clients if c.done() and c.exception()]
+        pytest.fail(f"B was not served its 15 tasks: {served} {errors[:2]}")
+    finally:
+        stop.set()
+        # every task ends: one left without a terminal fails the run here
+        await asyncio.wait_for(asyncio.gather(*clients), 120)
+    await until_queue_empty(nc.jetstream(), 60)  # nothing of this run left for the next
+    return {t: marks["to"][t] - marks["from"][t] for t in served}
+
+
+async def test_a_tenant_flooding_on_nats_leaves_the_other_lane_its_share(
+    stack: tuple[str, WorkerProcess],
+) -> None:
+    url, worker = stack
+    nc, _ = await serving(url, worker, add_fault_card(worker.data_dir, MODEL), slots=2)
+    terminals = Terminals()
+    await nc.subscribe("fleet.out.>", cb=terminals.on_msg)
+    # Lanes first: the shared run's tasks are charged to A too (a head start of thousands
+    # of tokens, which the lanes would rightly give B back first).
+    began = time.monotonic()
+    lanes = await b_share(nc, terminals, on_lanes=True, run="lanes")
+    middle = time.monotonic()
+    shared = await b_share(nc, terminals, on_lanes=False, run="shared")
+    print(f"lanes run {middle - began:.1f} s, shared run {time.monotonic() - middle:.1f} s")
+    print(f"B's share of tokens: shared subject {shares(shared)['b']:.2f} {shared}, "
+          f"lanes {shares(lanes)['b']:.2f} {lanes}")
+    assert shares(shared)["b"] < 0.25, shared  # first come, first served
+    assert 0.35 < shares(lanes)["b"] < 0.65, lanes
+    await nc.close()
