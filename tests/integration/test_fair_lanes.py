@@ -17,16 +17,22 @@ from nats.aio.msg import Msg
 
 from fleet.bus.connect import js_publish
 from fleet.bus.fairness import shares
+from fleet.bus.roles import FAIRNESS
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
 from fleet.wire.events import TaskFinished
+from fleet.wire.fairness import TenantShare
 from fleet.wire.tasks import ChatMessage, TextGeneration
+from tests.integration.conftest import WorkerFactory
+from tests.integration.continuing import place_on
 from tests.integration.harness import (
     WorkerProcess,
     add_fault_card,
+    client,
     fault_worker_stack,
     serving,
     until_queue_empty,
+    wait_node,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,6 +53,7 @@ class Terminals:
 
     def __init__(self) -> None:
         self.waiting: dict[str, asyncio.Future[TaskFinished]] = {}
+        self.nodes: set[str | None] = set()  # the nodes that ended them
 
     async def on_msg(self, msg: Msg) -> None:
         try:
@@ -55,24 +62,26 @@ class Terminals:
             return
         if not isinstance(event, TaskFinished):
             return
+        self.nodes.add(event.node_id)
         if (done := self.waiting.pop(event.task_id, None)) is not None and not done.done():
             done.set_result(event)
 
 
-async def b_share(nc: Client, terminals: Terminals, on_lanes: bool, run: str) -> dict[str, int]:
-    """A keeps 20 tasks going, B 2; the tokens each was served between B's 3rd and 15th
-    task (A's head start served by then)."""
+async def b_share(nc: Client, terminals: Terminals, on_lanes: bool, run: str,
+                  b_clients: int = 2) -> dict[str, int]:
+    """A keeps 20 tasks going, B `b_clients`; the tokens each was served between B's 3rd and
+    15th task (A's head start served by then)."""
     served = {"a": 0, "b": 0}
     marks: dict[str, dict[str, int]] = {}
     done, stop = asyncio.Event(), asyncio.Event()
     ids = itertools.count()
 
     async def tenant_client(tenant: str) -> None:
-        subject = (subjects.lane(MODEL, "default", tenant) if on_lanes
+        subject = (subjects.lane(MODEL, "default", f"{run}-{tenant}") if on_lanes
                    else subjects.tasks(MODEL))
         while not stop.is_set():
             task = TextGeneration(
-                task_id=f"{run}-{tenant}-{next(ids)}", model=MODEL, tenant=tenant,
+                task_id=f"{run}-{tenant}-{next(ids)}", model=MODEL, tenant=f"{run}-{tenant}",
                 max_tokens=TOKENS, messages=[ChatMessage(
                     role="user", content=f"tokens:{TOKENS} tokens_per_s:200")])
             ended = terminals.waiting[task.task_id] = asyncio.get_running_loop().create_future()
@@ -87,7 +96,7 @@ async def b_share(nc: Client, terminals: Terminals, on_lanes: bool, run: str) ->
                 done.set()
 
     clients = [asyncio.ensure_future(tenant_client("a")) for _ in range(20)]
-    clients += [asyncio.ensure_future(tenant_client("b")) for _ in range(2)]
+    clients += [asyncio.ensure_future(tenant_client("b")) for _ in range(b_clients)]
     try:
         await asyncio.wait_for(done.wait(), 200)
     except TimeoutError:
@@ -119,4 +128,27 @@ async def test_a_tenant_flooding_on_nats_leaves_the_other_lane_its_share(
           f"lanes {shares(lanes)['b']:.2f} {lanes}")
     assert shares(shared)["b"] < 0.25, shared  # first come, first served
     assert 0.35 < shares(lanes)["b"] < 0.65, lanes
+    await nc.close()
+
+
+async def test_lanes_share_by_weight_across_two_workers(
+    nats_url: str, start_worker: WorkerFactory,
+) -> None:
+    """Two workers of one slot each pull the same lanes: B weighs 3 (its entry, as a gateway
+    writes it from B's tenant record), A 1, and B keeps 4 tasks going against A's 20: B's
+    share of the tokens is near 3/4, whichever worker served them."""
+    nc = await client(nats_url)
+    kv = await nc.jetstream().key_value(FAIRNESS)
+    await kv.put(f"{MODEL}.default.w-b", TenantShare(counter=0, waiting=0, at=0, weight=3)
+                 .model_dump_json().encode())
+    for name in ("w1", "w2"):
+        worker = start_worker(name)
+        await place_on(nc, add_fault_card(worker.data_dir, MODEL),
+                       await wait_node(nc, worker.data_dir), slots=1)
+    terminals = Terminals()
+    await nc.subscribe("fleet.out.>", cb=terminals.on_msg)
+    window = await b_share(nc, terminals, on_lanes=True, run="w", b_clients=4)
+    print(f"two workers, B weighs 3: B's share {shares(window)['b']:.2f} {window}")
+    assert 0.62 < shares(window)["b"] < 0.88, window
+    assert len(terminals.nodes) == 2  # both workers served (each one slot)
     await nc.close()
