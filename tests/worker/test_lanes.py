@@ -3,15 +3,23 @@ raised, and whose task each free slot takes, as tables; the subjects and durable
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from nats.aio.client import Client
 
+from fleet.bus.provision import provision
 from fleet.bus.roles import FAIRNESS
 from fleet.config import Settings
 from fleet.wire import subjects
+from fleet.wire.codec import encode
+from fleet.wire.events import TaskFinished, Usage
 from fleet.wire.fairness import TenantShare
+from fleet.wire.tasks import TextGeneration
+from fleet.worker.fair_charge import FairCharges
 from fleet.worker.lanes import CREDIT, backlog, fair_order, lifts
 from fleet.worker.pulls import TaskPuller
+from tests.secured import as_role, shipped_auth_server
 
 
 @pytest.mark.parametrize(("counts", "priority", "lanes"), [
@@ -96,3 +104,46 @@ async def test_a_pull_takes_the_shared_queue_then_the_least_served_lane(
         assert set(puller.lanes.taken) == {"a", "b", "c"}
     finally:
         await puller.close()
+
+
+async def test_a_worker_pulls_and_charges_lanes_under_the_shipped_roles(
+    tmp_path: Path,
+) -> None:
+    """On ops/nats/auth.conf: a client publishes on its lane, a worker (its role alone)
+    makes the lane's durable, reads the lanes' counts and counters, lifts one, pulls, acks
+    and charges; no permission violation."""
+    violations: list[str] = []
+    with shipped_auth_server(tmp_path) as url:
+        admin = await as_role(url, "operator")
+        await provision(admin)
+        await admin.close()
+        publisher = await as_role(url, "client", violations)
+        worker = await as_role(url, "worker", violations)
+        try:
+            js = worker.jetstream()
+            kv = await js.key_value(FAIRNESS)
+            await kv.put("m.default.a", TenantShare(counter=2000, waiting=0, at=0)
+                         .model_dump_json().encode())
+            for tenant in ("a", "b"):
+                task = TextGeneration(task_id=f"sec-{tenant}", model="m", prompt="hi",
+                                      tenant=tenant)
+                await publisher.jetstream().publish(subjects.lane("m", "default", tenant),
+                                                    encode(task))
+            puller = TaskPuller(worker, js, Settings())
+            try:
+                got = await puller.fetch("m", 1)
+                assert [m.subject for m in got] == [subjects.lane("m", "default", "b")]
+                charges = FairCharges(js)
+                done = TaskFinished(task_id="sec-b", at=0.0, status="completed",
+                                    usage=Usage(prompt_tokens=1, completion_tokens=9))
+                charge = await charges.before_ack(got[0], done)
+                await got[0].ack_sync()
+                await charges.after_ack(charge)
+            finally:
+                await puller.close()
+            entry = TenantShare.model_validate_json((await kv.get("m.default.b")).value or b"")
+            assert (entry.counter, entry.settled) == (2000 - CREDIT + 10, [])  # lifted, charged
+            assert violations == []
+        finally:
+            await publisher.close()
+            await worker.close()
