@@ -49,7 +49,10 @@ CREDIT = 512.0  # virtual tokens a lane may be behind the least-served other lan
 # What one pick is assumed to serve, so several slots filled by one pull spread over the
 # lanes before the endings' real charges come (a guess: the charge corrects it).
 ESTIMATE = 256.0
-INACTIVE_S = 3600.0  # an unused lane's durable is removed by the server after this long
+# An unused lane's durable is removed by the server after this long. A held task keeps it:
+# its in_progress beats and acks count as activity (nats-server #3635), and so do pending
+# acks within AckWait (#7052, 2.11.x); a pull of a lane with tasks stored does too.
+INACTIVE_S = 3600.0
 LOOKUP_BUDGET_S = 2.0
 
 
