@@ -25,6 +25,7 @@ letters see a lane task as any other (its subject names its model and class).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -117,9 +118,11 @@ class Lanes:
         self.lifted = 0
 
     async def counts(self, model: str) -> dict[str, int]:
-        """Per-subject counts of every lane of `model` (one request for all its classes)."""
-        info = await self.js.stream_info(subjects.TASKS_STREAM,
-                                         subjects_filter=subjects.lane(model, "*", "*"))
+        """Per-subject counts of every lane of `model` (one request for all its classes);
+        bounded as a pull's answer is, so a broker election does not stall the class pulls."""
+        info = await asyncio.wait_for(self.js.stream_info(
+            subjects.TASKS_STREAM, subjects_filter=subjects.lane(model, "*", "*")),
+            LOOKUP_BUDGET_S)
         return dict(info.state.subjects or {})
 
     async def pull(self, model: str, priority: str, wanted: int,
