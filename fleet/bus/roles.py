@@ -32,7 +32,9 @@ WEIGHTS = "OBJ_FLEET_WEIGHTS"
 VISION = "OBJ_FLEET_VISION"  # the vision cache's encoded images (fleet/bus/vision_store.py)
 MODELS = "FLEET_MODELS"
 INSTANCES = "FLEET_INSTANCES"
-STATE_BUCKETS = ("FLEET_NODES", INSTANCES, "FLEET_RUNNERS")
+# FLEET_CAPABILITIES: what gateways read of the nodes, kept by the sweeper (a worker) from
+# the heartbeats (fleet/worker/capabilities.py), so no gateway watches FLEET_NODES for it.
+STATE_BUCKETS = ("FLEET_NODES", "FLEET_CAPABILITIES", INSTANCES, "FLEET_RUNNERS")
 CANCELS = "FLEET_CANCELS"
 CLAIMS = "FLEET_CLAIMS"
 TENANTS = "FLEET_TENANTS"
@@ -294,9 +296,12 @@ ACTIONS: tuple[Action, ...] = (
     Action("purge_stream", "purge FLEET_OUT or the image store", _who()),
     Action("purge_model_tasks", "purge one model's subject from FLEET_TASKS", _who("worker"),
            "the janitor drops tasks of a model that no card names"),
-    Action("read_state", "read FLEET_NODES / FLEET_INSTANCES / FLEET_RUNNERS",
+    Action("read_state", "read FLEET_NODES / FLEET_CAPABILITIES / FLEET_INSTANCES / "
+           "FLEET_RUNNERS",
            _who("gateway", "worker")),
-    Action("write_state", "write FLEET_NODES / FLEET_RUNNERS", _who("worker")),
+    Action("write_state", "write FLEET_NODES / FLEET_CAPABILITIES / FLEET_RUNNERS",
+           _who("worker"), "FLEET_CAPABILITIES only by the sweeper's holder in practice: a "
+           "NATS permission cannot tell one worker from another"),
     Action("write_instances", "place or remove an instance (write FLEET_INSTANCES)",
            _who("gateway", "worker"),
            "the gateway only for the dashboard's operator keys (fleet/gateway/keys.py)"),

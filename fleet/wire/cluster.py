@@ -1,4 +1,5 @@
-"""Cluster state (KV buckets FLEET_NODES, FLEET_INSTANCES, FLEET_RUNNERS) and `fleet.events.>`."""
+"""Cluster state (KV buckets FLEET_NODES, FLEET_CAPABILITIES, FLEET_INSTANCES, FLEET_RUNNERS)
+and `fleet.events.>`."""
 
 from __future__ import annotations
 
@@ -163,6 +164,39 @@ class NodeInfo(Wire):
     )
     started_at: float
     at: float
+
+
+class NodeCapabilities(Wire):
+    """What a gateway needs of a live node, kept in FLEET_CAPABILITIES under `node.<node_id>`
+    by the sweeper (fleet/worker/capabilities.py): the facts of its heartbeat that the
+    gateway's answers read (which models it can provide, its memory and disk room, whether
+    it takes shards), written when they change, not at every beat. Present while the
+    sweeper counts the node alive; deleted when it sees the node gone."""
+
+    type: Literal["node_capabilities"] = "node_capabilities"
+    node_id: NodeId
+    hostname: str
+    memory_total_bytes: int
+    memory_available_bytes: int = Field(
+        description="As the node's heartbeat said when this record was written: rewritten "
+        "when it moves by more than a step (fleet.worker.capabilities.MEMORY_STEP)",
+    )
+    cpu_count: int
+    models_on_disk: list[ModelId] = Field(default_factory=list)
+    models_available: list[ModelId] = Field(default_factory=list)
+    models_disk_room_bytes: int | None = Field(default=None, ge=0)
+    ring_address: str | None = None
+    started_at: float
+
+
+class CapabilitiesKeeper(Wire):
+    """Who keeps FLEET_CAPABILITIES and when it last said so (key `keeper`): rewritten every
+    few seconds by the sweeper, so a gateway tells a fleet with no worker left (nobody
+    keeps the records, which then say nothing) from a quiet one."""
+
+    type: Literal["capabilities_keeper"] = "capabilities_keeper"
+    node_id: NodeId
+    at: float = Field(description="Unix time in seconds of this write")
 
 
 class ShardAssignment(Part):

@@ -155,6 +155,12 @@ def examples() -> dict[str, BaseModel]:
             memory_available_bytes=20 << 30, cpu_count=2, models_on_disk=["tiny-llm"],
             devices=[cluster.DeviceInfo(kind="cpu", name="x86_64")], started_at=_AT, at=_AT,
         ),
+        "node_capabilities": cluster.NodeCapabilities(
+            node_id="node-a1", hostname="box", memory_total_bytes=24 << 30,
+            memory_available_bytes=20 << 30, cpu_count=2, models_on_disk=["tiny-llm"],
+            models_available=["tiny-llm"], started_at=_AT,
+        ),
+        "capabilities_keeper": cluster.CapabilitiesKeeper(node_id="node-a1", at=_AT),
         "instance": _INSTANCE,
         "runner_record": cluster.RunnerRecord(
             runner_id="run-1", instance_id="inst-tiny-llm-1", node_id="node-a1",

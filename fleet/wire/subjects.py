@@ -11,6 +11,9 @@ TRACES_STREAM = "FLEET_TRACES"
 DEAD_LETTERS_STREAM = "FLEET_DEAD"
 ADVISORIES_STREAM = "FLEET_ADVISORIES"
 NODES_BUCKET = "FLEET_NODES"
+# What gateways read of the nodes, kept by the sweeper (fleet/worker/capabilities.py).
+CAPABILITIES_BUCKET = "FLEET_CAPABILITIES"
+CAPABILITIES_KEEPER = "keeper"
 INSTANCES_BUCKET = "FLEET_INSTANCES"
 RUNNERS_BUCKET = "FLEET_RUNNERS"
 PREFIXES_BUCKET = "FLEET_PREFIXES"
@@ -133,3 +136,13 @@ def model_of_durable(name: str) -> str | None:
         if name.startswith(prefix):
             return name.removeprefix(prefix)
     return None
+
+
+def capabilities_key(node_id: str) -> str:
+    """A node's record in FLEET_CAPABILITIES (a node id has no dots: one token)."""
+    return f"node.{node_id}"
+
+
+def node_of_capabilities_key(key: str) -> str | None:
+    """The node a FLEET_CAPABILITIES key names, or None (the keeper's key)."""
+    return key.removeprefix("node.") if key.startswith("node.") else None

@@ -123,7 +123,7 @@ async def _purge_model_tasks(p: Probe) -> None:
 
 
 async def _read_state(p: Probe) -> None:
-    for bucket in ("FLEET_NODES", "FLEET_INSTANCES", "FLEET_RUNNERS"):
+    for bucket in ("FLEET_NODES", "FLEET_CAPABILITIES", "FLEET_INSTANCES", "FLEET_RUNNERS"):
         kv = await p.js.key_value(bucket)
         with contextlib.suppress(KeyNotFoundError):  # FLEET_NODES keys expire in 15 s
             await kv.get("probe")
@@ -133,7 +133,7 @@ async def _read_state(p: Probe) -> None:
 
 
 async def _write_state(p: Probe) -> None:
-    for bucket in ("FLEET_NODES", "FLEET_RUNNERS"):
+    for bucket in ("FLEET_NODES", "FLEET_CAPABILITIES", "FLEET_RUNNERS"):
         await p.js.publish(f"$KV.{bucket}.written-by-{p.role}", b"{}")
 
 

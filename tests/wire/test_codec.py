@@ -66,7 +66,8 @@ def test_every_example_round_trips_through_each_union_that_holds_it(stem: str) -
     for adapter in unions:
         assert decode_with(adapter, encode(message)) == message
     standalone = type(message) in {
-        tasks.CancelTask, cluster.ModelCard, cluster.NodeInfo, cluster.Instance,
+        tasks.CancelTask, cluster.ModelCard, cluster.NodeInfo, cluster.NodeCapabilities,
+        cluster.CapabilitiesKeeper, cluster.Instance,
         cluster.RunnerRecord, pipe.RunnerSpec, events.TaskRefused, events.TaskFence,
         PrefixSummary,
         TaskHandOff, HandOffAnswer, StepPlan, TaskRecord,
