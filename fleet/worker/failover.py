@@ -63,6 +63,9 @@ class Failover:
         self.on_gap = on_gap
         self.live: dict[str, NodeInfo] = {}
         self.loaded = asyncio.Event()  # set once the node table's first reading is in `live`
+        # Set at every change of `live` or `declared`: the capability records follow them
+        # (fleet.worker.capabilities).
+        self.changed = asyncio.Event()
         self._wake = asyncio.Event()
         self._stranded: set[str] = set()  # logged once each, until it moves or heals
         # Nodes the death watch saw die (wall time): gone before their heartbeat key expires.
@@ -86,6 +89,7 @@ class Failover:
                     # already received (see bus/kv_read.py): a snapshot fills in what is late.
                     await self.refresh()
                     self.loaded.set()
+                    self.changed.set()
                     continue
                 if entry.operation in ("DEL", "PURGE") or not entry.value:
                     self._gone(entry.key)
@@ -96,6 +100,7 @@ class Failover:
                     continue
                 self.live[entry.key] = info
                 self.runners_seen[entry.key] = tuple(info.runners)
+                self.changed.set()
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(watcher.stop(), 2.0)
@@ -111,11 +116,13 @@ class Failover:
         if self.live.pop(node, None) is not None:
             log.info("heartbeat of node %s is gone; checking whether it left", node)
             self._wake.set()
+            self.changed.set()
 
     def declare_dead(self, node: str) -> None:
         """The death watch saw `node`'s connection gone: sweep now, as if its key expired."""
         self.declared[node] = time.time()
         self._wake.set()
+        self.changed.set()
 
     def forget(self) -> None:
         """No longer watching (the lease went elsewhere): what `live` says is stale."""

@@ -1,7 +1,8 @@
 """Fleet-wide duties, done once for the whole fleet: the worker holding the `sweeper` lease in
 FLEET_LEASES watches every heartbeat (FLEET_NODES), moves instances off dead nodes
-(fleet.worker.failover), places models on demand (fleet.worker.demand) and answers tasks of
-unknown models (fleet.worker.janitor's triage). Every other worker watches no heartbeat at all,
+(fleet.worker.failover), keeps what gateways read of the nodes (fleet.worker.capabilities),
+places models on demand (fleet.worker.demand) and answers tasks of unknown models
+(fleet.worker.janitor's triage). Every other worker watches no heartbeat at all,
 so a node's cost does not grow with the number of nodes.
 
 The lease is a key naming its holder, made with a create-only write and renewed every RENEW_S
@@ -36,6 +37,7 @@ from fleet.aio import CLOSE_WAIT_S, Supervisor, set_within, started
 from fleet.bus.kv_calls import kv_create, kv_get, kv_update, open_bucket
 from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import DecodeError, decode_model
+from fleet.worker.capabilities import CapabilityRecords
 from fleet.worker.deathwatch import DeathWatch
 from fleet.worker.demand import Demand
 from fleet.worker.failover import Failover
@@ -114,6 +116,8 @@ class FleetDuties:
         self._freeing: set[asyncio.Task[None]] = set()
         self.node_id = node_id
         self.failover = failover
+        # What gateways read of the nodes, kept from the heartbeats this duty watches.
+        self.capabilities = CapabilityRecords(js, failover, node_id)
         self.demand = demand
         self.janitor = janitor
         self.leading = asyncio.Event()  # set while the duties run here
@@ -211,7 +215,7 @@ class FleetDuties:
     async def _run_duties(self) -> None:
         self.leading.set()
         jobs: list[Callable[[], Awaitable[None]]] = [
-            self.failover.watch, self.failover.sweep_forever,
+            self.failover.watch, self.failover.sweep_forever, self.capabilities.forever,
         ]
         if self.nc is not None:
             watch = DeathWatch(self.nc, self.node_id, _now(self._busy_nodes), "sweeper",
@@ -240,6 +244,7 @@ class FleetDuties:
             return
         await _stop(task)
         self.failover.forget()  # its view of the nodes is stale from here on
+        self.capabilities.written = None  # another sweeper may write meanwhile: read afresh
 
 
 async def _free_leases_of(kv: KeyValue, node: str, on_freed: Callable[[], None]) -> None:
