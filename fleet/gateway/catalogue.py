@@ -4,9 +4,17 @@ placed, ready and available. Kept current by KV watches.
 Cards come from KV FLEET_MODELS (so a model added with `fleet models add` on another machine
 is known here at once), over the built-in cards and the custom cards of this data dir (read at
 start, and again when a request names a model no card knows, at most once a second). The
-nodes' heartbeats (FLEET_NODES) say which models some node can provide, FLEET_INSTANCES which
-are placed (and so served, or about to be). Requests read all three from memory: no disk or
-KV read per request.
+nodes' capability records (FLEET_CAPABILITIES: which models each live node can provide, its
+memory and disk room) say which models some node can serve, FLEET_INSTANCES which are placed
+(and so served, or about to be). Requests read all three from memory: no disk or KV read per
+request.
+
+The gateway hears no heartbeat (issue 22: at N nodes that was N/3 messages a second for every
+gateway): the sweeper writes a node's record when what the gateway reads of it changes and
+deletes it when the node is gone (fleet/worker/capabilities.py), and marks the bucket as kept
+every few seconds. Each record counts as fresh as that mark (fleet.capability_rules
+.live_records), so with no worker left to keep them they go silent after HEARTBEAT_STALE_S, as
+the last heartbeats did.
 
 A request may name a model by an alias (a card's `aliases`, or this data dir's
 `models/aliases.json`: fleet.models.catalog): `card` resolves it for every API, and `cards`
@@ -39,6 +47,7 @@ from pydantic import BaseModel
 from fleet.aio import Supervisor
 from fleet.bus.kv_mirror import Connection, Mirror
 from fleet.bus.weights import MODELS_BUCKET
+from fleet.capability_rules import live_records
 from fleet.errors import FleetError, PlacementError
 from fleet.models.catalog import (
     alias_table,
@@ -51,7 +60,14 @@ from fleet.models.catalog import (
 from fleet.placement import HEARTBEAT_STALE_S, able_to_shard, choose_node, unprovided
 from fleet.placement_shards import ShardingError, fewest_shards
 from fleet.wire import subjects
-from fleet.wire.cluster import Instance, ModelCard, NodeInfo, RunnerRecord
+from fleet.wire.cluster import (
+    CapabilitiesKeeper,
+    Instance,
+    ModelCard,
+    NodeCapabilities,
+    NodeInfo,
+    RunnerRecord,
+)
 from fleet.wire.codec import DecodeError, decode_model
 from fleet.wire.runners import ACCEPTS_TASKS
 
@@ -78,14 +94,16 @@ class Catalogue:
         self._clock = clock
         self._local_reread_at = -LOCAL_REREAD_S  # the first miss always reads
         self.fleet: dict[str, ModelCard] = {}
-        self.nodes: dict[str, NodeInfo] = {}
+        self.records: dict[str, NodeCapabilities] = {}  # by FLEET_CAPABILITIES key
+        self.keeper: CapabilitiesKeeper | None = None  # the sweeper's last mark
+        self.nodes: list[NodeInfo] = []  # the records as placement's rules read nodes
         self.placed: set[str] = set()  # models with an instance in FLEET_INSTANCES
-        self.nodes_loaded = False  # the nodes watch has delivered every current heartbeat
+        self.nodes_loaded = False  # the capabilities watch has delivered every current record
         self.instances_loaded = False
         self.cards_loaded = False
         self._changed = asyncio.Event()  # set at a change, then replaced by a fresh one
         self._cards = Mirror(MODELS_BUCKET, self._cards_changed)
-        self._nodes = Mirror(subjects.NODES_BUCKET, self._nodes_changed)
+        self._nodes = Mirror(subjects.CAPABILITIES_BUCKET, self._nodes_changed)
         self._instances = Mirror(subjects.INSTANCES_BUCKET, self._instances_changed)
 
     # ---- reading (from memory) -----------------------------------------------------------
@@ -129,12 +147,12 @@ class Catalogue:
             # no longer counts it): a hog run saw 256 chats answered 503 in that window.
             return None
         placed = placed or card.id in self.placed
-        return unavailable_reason(card, self.nodes.values(), placed, time.time())
+        return unavailable_reason(card, self.nodes, placed, time.time())
 
     def refuses(self, card: ModelCard) -> str | None:
         """Why a request for `card` fails at once. With no worker up at all the task waits
         in its queue instead: a worker may be starting, and it is served when it joins."""
-        if not any(time.time() - n.at < HEARTBEAT_STALE_S for n in self.nodes.values()):
+        if not any(time.time() - n.at < HEARTBEAT_STALE_S for n in self.nodes):
             return None
         return self.unavailable(card)
 
@@ -164,9 +182,14 @@ class Catalogue:
         self._wake()
 
     def _nodes_changed(self, key: str | None) -> None:
-        # One heartbeat decodes one node, not the table: at N = 1,000 nodes beating every 3 s
-        # a whole decode per beat is 333,000 decodes a second, past what a gateway keeps up with.
-        self.nodes = _decoded(self._nodes, NodeInfo, self.nodes, key)
+        # One change decodes one record, not the table (a fleet's start writes N of them).
+        if key == subjects.CAPABILITIES_KEEPER or key is None:
+            raw = self._nodes.values.get(subjects.CAPABILITIES_KEEPER)
+            self.keeper = _one(CapabilitiesKeeper, raw, self._nodes.bucket)
+        if key != subjects.CAPABILITIES_KEEPER:
+            self.records = _decoded(self._nodes, NodeCapabilities, self.records, key,
+                                    subjects.node_of_capabilities_key)
+        self.nodes = live_records(self.records, self.keeper)
         self.nodes_loaded = True
         self._wake()
 
@@ -182,23 +205,34 @@ class Catalogue:
 
 def _decoded(
     mirror: Mirror, model: type[Model], before: dict[str, Model] | None = None,
-    key: str | None = None,
+    key: str | None = None, named: Callable[[str], str | None] = lambda key: key,
 ) -> dict[str, Model]:
     """The mirror's values decoded: all of them (`key` None: the mirror was replaced), else
-    `before` with only `key` decoded afresh (or dropped: removed, or not decodable)."""
+    `before` with only `key` decoded afresh (or dropped: removed, or not decodable). Only
+    the keys `named` names (by what it returns: the key, or None for a key left out)."""
     if key is None or before is None:
         keys, values = list(mirror.values), {}
     else:
         keys, values = [key], before
         values.pop(key, None)
     for name in keys:
-        if (raw := mirror.values.get(name)) is None:
+        if named(name) is None or (raw := mirror.values.get(name)) is None:
             continue
         try:
             values[name] = decode_model(model, raw)
         except DecodeError as exc:
             log.warning("ignoring %s in %s: %s", name, mirror.bucket, exc)
     return values
+
+
+def _one(model: type[Model], raw: bytes | None, bucket: str) -> Model | None:
+    if raw is None:
+        return None
+    try:
+        return decode_model(model, raw)
+    except DecodeError as exc:
+        log.warning("ignoring a %s in %s: %s", model.__name__, bucket, exc)
+        return None
 
 
 def _configured_aliases(data_dir: Path) -> dict[str, str]:

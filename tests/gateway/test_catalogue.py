@@ -1,6 +1,7 @@
 """The gateway's model catalogue: cards from KV FLEET_MODELS (a gateway started after a model
-was added elsewhere lists and serves it), and availability from the nodes' heartbeats (a
-request for a model no live node can serve fails at once, saying why). Real nats-server."""
+was added elsewhere lists and serves it), and availability from the nodes' capability
+records (FLEET_CAPABILITIES, kept by the sweeper from the heartbeats: a request for a model
+no live node can serve fails at once, saying why). Real nats-server."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from starlette.applications import Starlette
 
 from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.weights import FleetModels
+from fleet.capability_rules import capabilities_of
 from fleet.config import Settings
 from fleet.gateway.app import build_app
 from fleet.gateway.catalogue import Catalogue, unavailable_reason
 from fleet.models.catalog import describe_model_dir, get_card
 from fleet.wire import subjects
-from fleet.wire.cluster import Instance, NodeInfo, ShardAssignment
+from fleet.wire.cluster import CapabilitiesKeeper, Instance, NodeInfo, ShardAssignment
 from fleet.wire.codec import encode
 
 NOW = 1000.0
@@ -67,8 +69,7 @@ def test_a_placed_model_is_not_refused_before_the_instances_are_known(tmp_path: 
     # Its node's free memory no longer counts the model it holds, so without the instance
     # table the model looks unplaceable: the catalogue says nothing until it has both.
     catalogue = Catalogue(tmp_path, connection=None)  # type: ignore[arg-type]
-    catalogue.nodes = {"a": node("a", ("tiny-llm",), at=time.time(),
-                                 memory_available_bytes=10)}
+    catalogue.nodes = [node("a", ("tiny-llm",), at=time.time(), memory_available_bytes=10)]
     catalogue.nodes_loaded = True
     card = get_card("tiny-llm")
     assert catalogue.unavailable(card) is None
@@ -103,8 +104,15 @@ def _model_dir(root: Path) -> Path:
 
 
 async def _heartbeat(nc: Client, info: NodeInfo) -> None:
-    kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
-    await kv.put(info.node_id, encode(info))
+    """What the sweeper writes of a node's heartbeat (fleet/worker/capabilities.py)."""
+    kv = await nc.jetstream().key_value(subjects.CAPABILITIES_BUCKET)
+    await kv.put(subjects.CAPABILITIES_KEEPER,
+                 encode(CapabilitiesKeeper(node_id="sweeper", at=info.at)))
+    await kv.put(subjects.capabilities_key(info.node_id), encode(capabilities_of(info)))
+
+
+def _knows(catalogue: Catalogue, node_id: str) -> bool:
+    return any(n.node_id == node_id for n in catalogue.nodes)
 
 
 @pytest.fixture
@@ -134,7 +142,7 @@ async def test_a_model_added_elsewhere_is_listed_and_served(
     assert "no worker is up" in models["far-model"]["unavailable_reason"]
 
     await _heartbeat(provisioned_nc, node("n1", ("far-model",), at=time.time()))
-    await catalogue.until(lambda: "n1" in catalogue.nodes, 10)
+    await catalogue.until(lambda: _knows(catalogue, "n1"), 10)
     listed = (await http.get("/v1/models/far-model")).json()
     assert listed["available"] is True and listed["unavailable_reason"] is None
     chat = {"model": "far-model", "messages": [{"role": "user", "content": "hi"}]}
@@ -152,7 +160,7 @@ async def test_a_model_no_live_node_can_serve_fails_at_once_with_the_reason(
     app, http = started
     catalogue: Catalogue = app.state.gateway.catalogue
     await _heartbeat(provisioned_nc, node("n1", ("tiny-llm",), at=time.time()))
-    await catalogue.until(lambda: "n1" in catalogue.nodes, 10)
+    await catalogue.until(lambda: _knows(catalogue, "n1"), 10)
     chat = {"model": "far-model", "messages": [{"role": "user", "content": "hi"}]}
     started_at = time.monotonic()
     reply = await http.post("/v1/chat/completions", json=chat)
@@ -191,11 +199,11 @@ async def test_the_catalogue_keeps_watching_after_the_server_restarts(
     app, _ = started
     catalogue: Catalogue = app.state.gateway.catalogue
     await _heartbeat(provisioned_nc, node("n-before", ("far-model",), at=time.time()))
-    await catalogue.until(lambda: "n-before" in catalogue.nodes, 10)
+    await catalogue.until(lambda: _knows(catalogue, "n-before"), 10)
     nats_server.stop()
     await asyncio.to_thread(nats_server.start)  # the same port and store
     async with asyncio.timeout(30):
         while not (provisioned_nc.is_connected and app.state.gateway.backend.connected):
             await asyncio.sleep(0.1)  # nats-py reconnects on its own timer
     await _heartbeat(provisioned_nc, node("n-after", ("far-model",), at=time.time()))
-    await catalogue.until(lambda: "n-after" in catalogue.nodes, 30)
+    await catalogue.until(lambda: _knows(catalogue, "n-after"), 30)
