@@ -1,6 +1,7 @@
 """A KV bucket mirrored in memory by a watch, with no read per request or tick: the gateway's
-catalogue (FLEET_MODELS, FLEET_NODES, FLEET_INSTANCES) and the dashboard's feed (FLEET_NODES,
-FLEET_INSTANCES, FLEET_RUNNERS, the task owners in FLEET_TENANTS) both keep theirs this way.
+catalogue (FLEET_MODELS, FLEET_CAPABILITIES, FLEET_INSTANCES) and the dashboard's feed
+(FLEET_NODES, FLEET_INSTANCES, FLEET_RUNNERS, the task owners in FLEET_TENANTS) both keep
+theirs this way.
 
 A node leaves FLEET_NODES by its key's max age; the bucket has `limit_marker_ttl`, so the
 server then writes a purge marker that a watcher sees (nats-py reads its Nats-Marker-Reason
