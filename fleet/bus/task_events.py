@@ -256,8 +256,15 @@ def commits_response(event: OutputEvent) -> bool:
 class EventReader(ABC):
     """A request's events, one at a time or up to a point: one task's, or its choices'."""
 
+    # Called once, as the first `task_accepted` is read: a runner took the request (its fair
+    # share stops counting it as waiting, fleet.gateway.fair_share).
+    on_running: Callable[[], None] | None = None
+
     def __aiter__(self) -> EventReader:
         return self
+
+    def when_running(self, callback: Callable[[], None]) -> None:
+        self.on_running = callback
 
     @abstractmethod
     async def __anext__(self) -> Indexed: ...
@@ -387,6 +394,9 @@ class TaskEvents(EventReader):
                 continue  # undecodable: it keeps its place, so indexes agree with the store
             if isinstance(event, TaskFinished):
                 self.finished = event
+            elif isinstance(event, TaskAccepted) and self.on_running is not None:
+                running, self.on_running = self.on_running, None
+                running()
             if self.index <= self.after:
                 if self.finished is not None:
                     raise StopAsyncIteration  # the client has seen everything already
@@ -460,6 +470,10 @@ class ChoiceEvents(EventReader):
 
     def unfinished(self) -> list[str]:
         return [part.task_id for part in self.parts if part.task_id not in self._done]
+
+    def when_running(self, callback: Callable[[], None]) -> None:
+        for part in self.parts:  # the first choice a runner takes
+            part.when_running(callback)
 
     def ready(self) -> bool:
         return self.finished is None and not self._arrived.empty()

@@ -171,6 +171,7 @@ class Job:
                 ticket = await self._turn(task, record)
                 if ticket is not None:
                     self.tickets[task_id] = ticket
+                    events.when_running(ticket.running)
                 await self._publish(task, record.expires_at)
             items = await self._until_end(events.rest(), task_id)
             ended = True

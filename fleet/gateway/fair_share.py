@@ -8,6 +8,18 @@ publish order; a worker cannot reorder it without naks that spend the tasks' del
 Holding the flooding tenant's next publish leaves the queue to the others' tasks, so they are
 served next; the held task is published as soon as the others catch up (or stop waiting).
 
+A tenant is backlogged while it has requests that are not yet running (held here, or queued
+in the broker: no runner has accepted a task of theirs), as in VTC, not while its requests
+run: a tenant whose requests all run holds nobody back, so the others' requests take the
+free slots (work-conserving; counting running requests as waiting left half of the slots
+idle in the queue bench). And while another tenant is present, a gateway keeps at most
+QUEUED_CAP of a tenant's requests queued in the broker and not yet running: the broker
+serves a class first in, first out, so a tenant admitted past that would queue ahead of the
+next request of a tenant that arrives later (measured: B waited 10-24x its TTFT alone behind
+A's queued requests). Each tenant's held requests take their turn one at a time, oldest
+first, and check the rule against this replica's view of the counters before reading KV, so
+a change wakes one request per tenant, not every held one.
+
 The counters live in KV FLEET_FAIRNESS (fleet.wire.fairness.TenantShare), updated by
 compare-and-set, so every gateway replica applies the same rule. A tenant's `waiting` counts
 its requests admitted and not ended; an entry unchanged for STALE_S (a gateway died mid-
@@ -45,6 +57,10 @@ QUANTUM = 512.0  # virtual tokens a tenant may run ahead of the least-served wai
 STALE_S = 60.0
 HOLD_MAX_S = 120.0
 RECHECK_S = 1.0  # a held request re-reads the counters at least this often (staleness)
+# A tenant's requests this gateway admitted that no runner has accepted yet, while another
+# tenant is present: enough to keep a slot that frees busy (it is refilled when one runs),
+# few enough that a newcomer's request waits behind at most this many of its in the queue.
+QUEUED_CAP = 1
 CHARGED_MAX = 4096  # batch lines a tenant's entry marks as started (64 a job in flight)
 SETTLED_MAX = 256  # settled lines awaiting their recorded result (normally a few)
 
@@ -52,6 +68,23 @@ SETTLED_MAX = 256  # settled lines awaiting their recorded result (normally a fe
 def backlogged(shares: dict[str, TenantShare], now: float) -> list[str]:
     """The tenants with requests waiting (pure): a stale entry waits no more."""
     return [t for t, s in shares.items() if s.waiting > 0 and now - s.at < STALE_S]
+
+
+def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantum: float,
+                 queued_here: int, cap: int = QUEUED_CAP) -> str | None:
+    """Why `tenant`'s next request waits (pure), or None to admit it: `ahead`, more than
+    `quantum` ahead of the least-served tenant waiting too; `queued`, this gateway has `cap`
+    of its requests in the broker's queue, not yet running, while a tenant served less than
+    it is present (an entry changed within STALE_S). The least-served tenant is never
+    capped: its requests are the ones the queue should hold."""
+    counters = {t: share.counter for t, share in shares.items()}
+    if holds(counters, tenant, [*backlogged(shares, now), tenant], quantum):
+        return "ahead"
+    behind = any(t != tenant and now - share.at < STALE_S and share.counter < counters[tenant]
+                 for t, share in shares.items())
+    if behind and queued_here >= cap:
+        return "queued"
+    return None
 
 
 class View:
@@ -72,12 +105,35 @@ class View:
 
 
 class FairShare:
-    def __init__(self, nc: Client, kv: KeyValue, quantum: float | None = None) -> None:
+    def __init__(self, nc: Client, kv: KeyValue, quantum: float | None = None,
+                 queued_cap: int = QUEUED_CAP) -> None:
         self.nc = nc
         self.kv = kv
         self.quantum = QUANTUM if quantum is None else quantum
+        self.queued_cap = queued_cap
         self.views: dict[str, View] = {}
         self._opening: dict[str, asyncio.Lock] = {}
+        # (prefix, tenant): requests this gateway admitted that are not yet running.
+        self.queued: dict[tuple[str, str], int] = {}
+        # (prefix, tenant): its held requests take turns, oldest first (asyncio.Lock is FIFO).
+        self._turns: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def _held(self, view: View, prefix: str, tenant: str, mine: TenantShare | None = None,
+              ) -> str | None:
+        shares = dict(view.shares)
+        if mine is not None:
+            shares[tenant] = mine
+        shares.setdefault(tenant, TenantShare(counter=0.0, waiting=0, at=0.0))
+        return held_because(shares, tenant, time.time(), self.quantum,
+                            self.queued.get((prefix, tenant), 0), self.queued_cap)
+
+    def ran(self, prefix: str, tenant: str) -> None:
+        """One of the tenant's admitted requests is running (or ended before it ran): its
+        place in the queue is free; a held request of it may try again."""
+        key = (prefix, tenant)
+        self.queued[key] = max(0, self.queued.get(key, 0) - 1)
+        if (view := self.views.get(prefix)) is not None:
+            view.see(tenant, b"")  # wakes the held: the change is local, not in KV
 
     async def _view(self, prefix: str) -> View:
         if (view := self.views.get(prefix)) is not None:
@@ -114,14 +170,16 @@ class FairShare:
 
     async def _change(self, prefix: str, tenant: str, change: str, tokens: float = 0.0,
                       weight: float = 1.0, force: bool = False, key: str | None = None,
-                      estimate: int = 0) -> bool:
+                      estimate: int = 0, ran: bool = False) -> bool:
         """Compare-and-set one tenant's entry; False for a `start` that must wait, or a keyed
         `join` whose request was admitted already (by a replica that ran its batch job).
         `join`: waiting + 1, lifted to the least waiting counter when it was idle.
         `start`: unless the tenant is held, charge the request's estimate now, so the
         tenant's other held requests see it at once (they all set this one key, so only one
         of them passes on the same reading).
-        `leave`: waiting - 1, charged `tokens` served less what its start charged.
+        `run`: waiting - 1 (a task of the request was accepted: it is no longer backlogged).
+        `leave`: charged `tokens` served less what its start charged; waiting - 1 unless it
+        ran (`ran`).
         `forget`: a keyed request's result is recorded; its `settled` mark goes.
         A `key` (a batch line's task id) makes each step happen once per key, whoever runs
         the line: the marks are in the entry the counter is, set by the same write."""
@@ -147,7 +205,7 @@ class FairShare:
                     waiting=(mine.waiting if fresh else 0) + 1, at=now,
                     charged=mine.charged, settled=mine.settled, weight=mine.weight)
             elif change == "start":
-                if not force and holds(counters, tenant, [*waiting, tenant], self.quantum):
+                if not force and self._held(view, prefix, tenant, mine) is not None:
                     return False
                 new = mine.model_copy(update={"at": now, "counter": charge(
                     counters, tenant, int(tokens), weight)[tenant]})
@@ -157,17 +215,20 @@ class FairShare:
             elif change == "forget":
                 new = mine.model_copy(update={
                     "settled": [k for k in mine.settled if k != key]})
+            elif change == "run":
+                new = mine.model_copy(update={"waiting": max(0, mine.waiting - 1), "at": now})
             else:
                 if key is not None:
                     estimate = mine.charged[key]
                 counter = max(0.0, mine.counter + (tokens - estimate) / weight)
                 new = mine.model_copy(update={
-                    "counter": counter, "waiting": max(0, mine.waiting - 1), "at": now})
+                    "counter": counter, "at": now,
+                    "waiting": mine.waiting if ran else max(0, mine.waiting - 1)})
                 if key is not None:
                     new = new.model_copy(update={
                         "charged": {k: v for k, v in mine.charged.items() if k != key},
                         "settled": [*mine.settled, key][-SETTLED_MAX:]})
-            if change != "forget":  # the weight a worker divides NATS tasks' tokens by
+            if change not in ("forget", "run"):  # what a worker divides NATS tokens by
                 new = new.model_copy(update={"weight": weight})
             if await self._set(entry_key, new, revision):
                 view.shares[tenant] = new  # at once: the subscription's copy comes later
@@ -191,18 +252,29 @@ class FairShare:
         by any change of the (model, class) counters, re-reading at least every RECHECK_S."""
         deadline = time.monotonic() + HOLD_MAX_S
         view = await self._view(prefix)
-        while True:
-            changed = view.changed
-            if await self._change(prefix, tenant, "start", estimate, weight, key=key):
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                log.info("fair share: %s held %.0f s, released", prefix, HOLD_MAX_S)
-                await self._change(prefix, tenant, "start", estimate, weight, force=True,
-                                   key=key)
-                return
-            # nothing changed within RECHECK_S: re-read anyway, for entries gone stale
-            await set_within(changed, min(RECHECK_S, left))
+        turn = self._turns.setdefault((prefix, tenant), asyncio.Lock())
+        # Nobody of the tenant held here and the view admits it: no turn to take (a tenant
+        # alone admits its requests side by side, not one at a time).
+        if not turn.locked() and self._held(view, prefix, tenant) is None and \
+                await self._change(prefix, tenant, "start", estimate, weight, key=key):
+            self.queued[(prefix, tenant)] = self.queued.get((prefix, tenant), 0) + 1
+            return
+        async with turn:
+            while True:
+                changed = view.changed
+                # The view first (no KV read): only a request it would admit reads its entry.
+                if self._held(view, prefix, tenant) is None and await self._change(
+                        prefix, tenant, "start", estimate, weight, key=key):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.info("fair share: %s held %.0f s, released", prefix, HOLD_MAX_S)
+                    await self._change(prefix, tenant, "start", estimate, weight, force=True,
+                                       key=key)
+                    break
+                # nothing changed within RECHECK_S: re-read anyway, for entries gone stale
+                await set_within(changed, min(RECHECK_S, left))
+            self.queued[(prefix, tenant)] = self.queued.get((prefix, tenant), 0) + 1
 
     async def admit(
         self, model: str, priority: str, tenant: str, weight: float, estimate: int,
@@ -226,6 +298,7 @@ class FairShare:
         try:
             await self._start(prefix, token, estimate, weight, key)
             ticket.estimate = estimate
+            ticket.admitted = True
         except Exception as exc:
             log.warning("fair share of %s in %s not waited for: %s", tenant, prefix, exc)
             ticket.key = None  # not known to be marked: settled as an unkeyed request
@@ -263,23 +336,53 @@ def _bounded(charged: dict[str, int]) -> dict[str, int]:
 
 
 class Ticket:
-    """One admitted request: `settle` (once; later calls do nothing) charges what it served
-    less what was charged when it started; a keyed one's `forget` (after its result is
-    recorded) drops its mark."""
+    """One admitted request: `running` (once, when a runner accepts a task of it) takes it
+    out of its tenant's backlog; `settle` (once; later calls do nothing) charges what it
+    served less what was charged when it started; a keyed one's `forget` (after its result
+    is recorded) drops its mark."""
 
     def __init__(self, fair: FairShare | None, prefix: str, tenant: str, weight: float,
                  estimate: int, key: str | None = None) -> None:
         self.fair, self.prefix, self.tenant = fair, prefix, tenant
         self.weight, self.estimate, self.key = weight, estimate, key
         self._forget = fair if key is not None else None
+        self.admitted = False  # counted in this gateway's queued requests of its tenant
+        self._run: asyncio.Task[bool] | None = None  # its `run` change; settle awaits it
+
+    def _dequeue(self, fair: FairShare) -> None:
+        if self.admitted:
+            self.admitted = False
+            fair.ran(self.prefix, self.tenant)
+
+    def running(self) -> None:
+        """A runner accepted a task of the request (called by its event reader, so not a
+        coroutine): its place in the queue frees at once, and its entry's `waiting` drops by
+        a write this ticket owns until `settle`."""
+        if self.fair is None or self._run is not None:
+            return
+        self._dequeue(self.fair)
+        self._run = asyncio.ensure_future(self._written(self.fair))
+
+    async def _written(self, fair: FairShare) -> bool:
+        try:
+            return await fair._change(self.prefix, self.tenant, "run", weight=self.weight)
+        except Exception as exc:
+            log.warning("fair share of %s in %s: running not written: %s", self.tenant,
+                        self.prefix, exc)
+            return False
 
     async def settle(self, tokens: int) -> None:
         fair, self.fair = self.fair, None
         if fair is None:
             return
+        self._dequeue(fair)  # ended before it ran
+        ran = False
+        if self._run is not None:
+            ran = await asyncio.shield(self._run)  # never raises: failures are logged
         try:
             await asyncio.shield(fair._change(self.prefix, self.tenant, "leave", tokens,
-                                              self.weight, key=self.key, estimate=self.estimate))
+                                              self.weight, key=self.key, estimate=self.estimate,
+                                              ran=ran))
         except Exception as exc:
             log.warning("fair share of %s in %s not charged: %s", self.tenant, self.prefix, exc)
 

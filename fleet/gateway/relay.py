@@ -159,12 +159,14 @@ async def run_task(
     tenant: str | None = None,
     capacity: Capacity | None = None,
     settle: Settle | None = None,
+    running: Callable[[], None] | None = None,
 ) -> Response:
     """One request: one task, or one per choice (their events merged). `records` (task id →
     TaskRecord) are written before anything is published.
 
     It holds a place in `capacity` (429 when there is none) until its response ends, and then
-    calls `settle` with the tokens it served (fleet.gateway.fair_share charges them)."""
+    calls `settle` with the tokens it served (fleet.gateway.fair_share charges them);
+    `running` when a runner first accepts a task of it."""
     capacity = capacity or Capacity(2**31, 2**31)
     who = capacity.take(tenant)
     released = False
@@ -179,7 +181,7 @@ async def run_task(
         response = await _run_task(
             backend, metrics, tasks, renderer, receive, stream=stream, resumable=resumable,
             timeout_s=timeout_s, records=records, tenant=tenant, release=release,
-            settle=settle or _no_settle,
+            settle=settle or _no_settle, running=running,
         )
     except BaseException:
         release()
@@ -205,6 +207,7 @@ async def _run_task(
     tenant: str | None,
     release: Callable[[], None],
     settle: Settle,
+    running: Callable[[], None] | None = None,
 ) -> Response:
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -217,6 +220,8 @@ async def _run_task(
     # Listening before publishing: nothing is stored for a fresh id, so no replay is needed,
     # and a NATS that is down fails the request before a task is queued for nobody.
     events = await _open_events(backend, tasks, deadline=started + timeout_s)
+    if running is not None:
+        events.when_running(running)
     published: list[str] = []
     handed_over = False
     try:

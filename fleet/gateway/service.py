@@ -191,6 +191,7 @@ class Gateway:
             tenant=tenant_of(request),
             capacity=self.capacity,
             settle=ticket.settle if ticket is not None else None,
+            running=ticket.running if ticket is not None else None,
         )
         response.headers.update(task_id_headers([task.task_id for task in tasks]))
         return response

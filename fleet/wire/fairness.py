@@ -15,14 +15,15 @@ CHARGED_HEADER = "Fleet-Fair-Charged"
 
 class TenantShare(Wire):
     """KV FLEET_FAIRNESS, key `<model>.<class>.<tenant>`: the tenant's virtual token counter
-    (tokens served over its weight, fleet.bus.fairness) and its requests not yet ended, kept
+    (tokens served over its weight, fleet.bus.fairness) and its requests not yet running, kept
     by compare-and-set from every gateway replica. Batch lines are charged by task id
     (`charged`, `settled`), in the same compare-and-set as the counter, so a line run again
     by the replica that took its job over is charged once."""
 
     type: Literal["tenant_share"] = "tenant_share"
     counter: float = Field(ge=0, description="tokens served to the tenant over its weight")
-    waiting: int = Field(ge=0, description="its requests admitted or held and not yet ended")
+    waiting: int = Field(ge=0, description="its requests held or queued and not yet running "
+                         "(no runner has accepted a task of theirs): its backlog")
     at: float = Field(description="unix time of the last change: an entry older than the "
                       "stale limit is no longer backlogged (a gateway that died mid-request)")
     weight: float = Field(

@@ -12,7 +12,14 @@ from nats.aio.client import Client
 
 from fleet.bus.fairness import shares
 from fleet.bus.provision import provision
-from fleet.gateway.fair_share import BUCKET, FairShare, backlogged, keyed_done, tenant_token
+from fleet.gateway.fair_share import (
+    BUCKET,
+    FairShare,
+    backlogged,
+    held_because,
+    keyed_done,
+    tenant_token,
+)
 from fleet.wire.fairness import TenantShare
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,6 +52,28 @@ def test_backlogged(entries: dict[str, TenantShare], now: float, waiting: list[s
     assert backlogged(entries, now) == waiting
 
 
+def share(counter: float, waiting: int, at: float = 100.0) -> TenantShare:
+    return TenantShare(counter=counter, waiting=waiting, at=at)
+
+
+@pytest.mark.parametrize(("entries", "queued_here", "why"), [
+    ({"a": share(0, 1)}, 5, None),  # alone: nothing to be fair to, no cap
+    ({"a": share(600, 1), "b": share(0, 1)}, 0, "ahead"),  # B waits and is 600 behind
+    # B's requests all run (waiting 0): it is not backlogged, so A takes the free slots
+    ({"a": share(600, 1), "b": share(0, 0)}, 0, None),
+    ({"a": share(400, 1), "b": share(0, 1)}, 0, None),  # within the quantum
+    # B present (its entry fresh) and served less: A keeps at most the cap queued
+    ({"a": share(100, 1), "b": share(0, 0)}, 1, "queued"),
+    ({"a": share(100, 1), "b": share(0, 0)}, 0, None),
+    ({"a": share(100, 1), "b": share(0, 0, at=30.0)}, 1, None),  # B's entry stale: gone
+    ({"a": share(0, 1), "b": share(0, 0)}, 1, None),  # even: nobody behind A
+    ({"a": share(0, 1), "b": share(600, 1)}, 3, None),  # A behind: never held nor capped
+])
+def test_held_because(entries: dict[str, TenantShare], queued_here: int,
+                      why: str | None) -> None:
+    assert held_because(entries, "a", 110.0, 512.0, queued_here, cap=1) == why
+
+
 def test_tenant_token() -> None:
     assert tenant_token("team-a") == "team-a"
     assert tenant_token("a.b c").startswith("b64-") and "." not in tenant_token("a.b c")
@@ -65,6 +94,27 @@ async def test_a_tenant_ahead_waits_for_the_other_across_replicas(
     await second.settle(0)
 
 
+async def test_a_tenant_whose_requests_all_run_holds_nobody_back(
+    replicas: tuple[FairShare, FairShare],
+) -> None:
+    """Work-conserving: B's one request waits, so A (600 ahead) is held; once a runner takes
+    B's request, B has nothing waiting and A's next request goes at once (before, a running
+    request counted as waiting and A was held until B's ended, leaving slots idle)."""
+    one, two = replicas
+    a = await one.admit("m", "default", "a", 1.0, 0)
+    await a.settle(600)
+    b = await two.admit("m", "default", "b", 1.0, 0)
+    held = asyncio.ensure_future(one.admit("m", "default", "a", 1.0, 0))
+    done, _ = await asyncio.wait([held], timeout=1.5)
+    assert not done  # B waits and A is 600 ahead
+    b.running()
+    second = await asyncio.wait_for(held, 10)  # B runs: A goes though far ahead
+    assert (await _entry(one, "m.default.b")).waiting == 0
+    await second.settle(0)
+    await b.settle(100)
+    assert (await _entry(two, "m.default.b")).waiting == 0  # ran: its end leaves it at 0
+
+
 async def test_a_flooding_tenant_gets_its_weight(replicas: tuple[FairShare, FairShare]) -> None:
     """A keeps 60 requests going, B 6 (both always backlogged), through one server of 2 slots
     taking what was admitted in order; 40 tokens each, weights 1 and 3. A floods first, alone
@@ -82,6 +132,7 @@ async def test_a_flooding_tenant_gets_its_weight(replicas: tuple[FairShare, Fair
         while not stop.is_set():
             ticket = await fair.admit("m", "batch", tenant, weights[tenant], 40)
             async with slots:
+                ticket.running()  # a runner accepted it
                 await asyncio.sleep(0.03)  # stands for the engine serving the request
             served[tenant] += 40
             await ticket.settle(40)
