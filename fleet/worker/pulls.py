@@ -141,8 +141,12 @@ class TaskPuller:
                 # A lane has no wait of its own here: while lanes are in use, the next look
                 # at them comes after a short wait (a lane task waits at most about that).
                 lanes_in_use = now - self.lanes_seen.get(model, float("-inf")) < LANES_RECENT_S
-                got = await self._first_of(model, turns, SLACK_WAIT_S
-                                           if held_back or lanes_in_use else FETCH_WAIT_S)
+                # A pull for one class alone is the preemption probe of a full worker: while
+                # it waits, the model has a pull in flight and a slot that frees gets none,
+                # so it waits briefly (a 2 s probe held freed slots idle up to 2 s each).
+                short = held_back or lanes_in_use or only is not None
+                got = await self._first_of(model, turns, SLACK_WAIT_S if short
+                                           else FETCH_WAIT_S)
             return got
         except Exception as exc:  # the loop must go on; the next plan pulls again
             log.warning("fetch for %s failed: %s", model, type(exc).__name__ + f" {exc}".rstrip())

@@ -4,6 +4,7 @@ reserve, and a pull waiting on an empty queue takes the first task of any class.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from nats.aio.client import Client
@@ -12,7 +13,7 @@ from nats.aio.msg import Msg
 from fleet.config import Settings
 from fleet.wire import subjects
 from fleet.wire.tasks import Priority
-from fleet.worker.pulls import TaskPuller
+from fleet.worker.pulls import FETCH_WAIT_S, SLACK_WAIT_S, TaskPuller
 
 
 async def test_a_pull_takes_the_highest_class_first_and_batch_only_slack(
@@ -69,5 +70,25 @@ async def test_a_class_that_cannot_be_pulled_leaves_the_others_pulled(
         assert [m.data for m in got] == [b"default-0"]
         for msg in got:
             await msg.ack()
+    finally:
+        await puller.close()
+
+
+async def test_a_preemption_probe_holds_the_models_pull_only_briefly(
+    provisioned_nc: Client,
+) -> None:
+    """A full worker's probe for an interactive task (`only`) with none waiting returns
+    after SLACK_WAIT_S, not FETCH_WAIT_S: while it waits, a slot that frees gets no pull (a
+    fault-engine stack of 22 NATS clients on 2 slots ran 16 tasks in 15 s so, 132 after)."""
+    js = provisioned_nc.jetstream()
+    puller = TaskPuller(provisioned_nc, js, Settings())
+    try:
+        await js.publish(subjects.tasks("m"), b"default-0")  # not the probe's class
+        began = time.monotonic()
+        assert await puller.fetch("m", 1, only="interactive") == []
+        assert time.monotonic() - began < SLACK_WAIT_S + 0.6 < FETCH_WAIT_S
+        got = await puller.fetch("m", 1)
+        assert [m.data for m in got] == [b"default-0"]
+        await got[0].ack()
     finally:
         await puller.close()
