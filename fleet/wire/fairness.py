@@ -39,4 +39,6 @@ class TenantShare(Wire):
     settled: list[str] = Field(
         default_factory=list,
         description="keyed requests charged what they served whose results are not yet "
-        "recorded: a takeover that runs such a line again charges it nothing")
+        "recorded: a takeover that runs such a line again charges it nothing. A worker marks "
+        "here, by task id, a NATS-published task it charged and has not yet acked: a "
+        "redelivery of it (the worker died before its ack) is not charged again")
