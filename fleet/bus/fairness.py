@@ -13,6 +13,9 @@ The counters are plain numbers keyed by tenant, so they can live in a KV bucket 
 by compare-and-set from any gateway replica or worker; `holds` is the admission form of the
 rule for a publisher that cannot reorder the broker's queue: it holds a tenant's task back
 while that tenant is more than `quantum` tokens ahead of the least-served backlogged one.
+Where the broker keeps each tenant's tasks apart (a worker's tenant lanes,
+fleet.worker.lanes), `next_tenant` is applied as it stands: the worker pulls the next task
+from the least-served lane.
 """
 
 from __future__ import annotations
