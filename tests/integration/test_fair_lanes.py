@@ -20,7 +20,7 @@ from fleet.bus.fairness import shares
 from fleet.bus.roles import FAIRNESS
 from fleet.wire import subjects
 from fleet.wire.codec import DecodeError, decode_event
-from fleet.wire.events import TaskFinished
+from fleet.wire.events import TaskAccepted, TaskFinished, TokenChunk, token_indexes
 from fleet.wire.fairness import TenantShare
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
@@ -29,11 +29,14 @@ from tests.integration.harness import (
     WorkerProcess,
     add_fault_card,
     client,
+    events_of,
     fault_worker_stack,
+    finished,
     serving,
     until_queue_empty,
     wait_node,
 )
+from tests.integration.killing import fault_workers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -151,4 +154,46 @@ async def test_lanes_share_by_weight_across_two_workers(
     print(f"two workers, B weighs 3: B's share {shares(window)['b']:.2f} {window}")
     assert 0.62 < shares(window)["b"] < 0.88, window
     assert len(terminals.nodes) == 2  # both workers served (each one slot)
+    await nc.close()
+
+
+async def test_a_lane_task_whose_worker_dies_mid_answer_is_continued_and_charged_once(
+    nats_url: str, start_worker: WorkerFactory,
+) -> None:
+    """A lane's task is a task like any other: its worker SIGKILLed after its third token,
+    the redelivery (from the lane's durable) is continued on the second worker from the next
+    token, ends once, and is charged once to the lane's tenant."""
+    nc = await client(nats_url)
+    start = fault_workers(nc, start_worker, FLEET_ACK_WAIT_S="2")
+    first, _ = await start("a")
+    task = TextGeneration(task_id="lane-continued", model=MODEL, tenant="cont", max_tokens=40,
+                          messages=[ChatMessage(role="user",
+                                                content="tokens:12 tokens_per_s:10")])
+    reached = asyncio.Event()
+
+    async def watch(msg: Msg) -> None:
+        event = decode_event(msg.data)
+        if isinstance(event, TokenChunk) and event.next_index > 3:
+            reached.set()
+
+    watcher = await nc.subscribe(subjects.out(task.task_id), cb=watch)
+    collector = asyncio.create_task(events_of(nc, task.task_id))
+    await js_publish(nc.jetstream(), subjects.lane(MODEL, "default", "cont"), task,
+                     msg_id=task.task_id)
+    await asyncio.wait_for(reached.wait(), 60)
+    await watcher.unsubscribe()
+    first.kill()
+    await start("b")
+    events = await collector
+    result = finished(events)
+    assert result.status == "completed" and result.usage is not None
+    assert token_indexes([e for e in events if isinstance(e, TokenChunk)]) == list(range(12))
+    accepted = [e for e in events if isinstance(e, TaskAccepted)]
+    assert accepted[0].continued_from == 0 and accepted[-1].continued_from > 0  # continued
+    await until_queue_empty(nc.jetstream(), 60)
+    kv = await nc.jetstream().key_value(FAIRNESS)
+    entry = TenantShare.model_validate_json((await kv.get(f"{MODEL}.default.cont")).value
+                                            or b"")
+    assert (entry.counter, entry.settled) == (
+        result.usage.prompt_tokens + result.usage.completion_tokens, [])
     await nc.close()
