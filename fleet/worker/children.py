@@ -45,11 +45,12 @@ class Feeds:
         self._first_sub = await self.nc.subscribe(subjects.cancel("*"))
 
     async def pull(
-        self, model: str, batch: int, reserve: int = 0, only: Priority | None = None
+        self, model: str, batch: int, reserve: int = 0, only: Priority | None = None,
+        interrupt: asyncio.Event | None = None,
     ) -> None:
         msgs: list[Msg] = []
         try:
-            msgs = await self.puller.fetch(model, batch, reserve, only)
+            msgs = await self.puller.fetch(model, batch, reserve, only, interrupt)
         finally:  # always: the planner pulls again only after PullEnded
             self.inbox.put_nowait(Fetched(model, msgs))
 

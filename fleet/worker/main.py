@@ -99,6 +99,8 @@ class Worker:
         self.acks = AckPolicy(settings.ack_wait_s)
         self.spans = TaskSpans()
         self.handler_failures = 0  # inbox items whose handling raised (logged each time)
+        # Set to end a model's preemption probe early (a slot freed): its last pull's.
+        self._probe_ends: dict[str, asyncio.Event | None] = {}
 
     def _held_acks(self) -> list[str]:
         msgs = (self.acks.message(key) for key in self.acks.held())
@@ -350,8 +352,14 @@ class Worker:
             case rules.HandBack(task_id=task_id):
                 self.hand_back(task_id)
             case rules.Pull(model=model, batch=batch, reserve=reserve, only=only):
-                self.apply(ev.PullStarted(model))
-                self.owner.spawn(f"pull {model}", self.feeds.pull(model, batch, reserve, only))
+                self.apply(ev.PullStarted(model, probe=only is not None))
+                ends = self._probe_ends[model] = asyncio.Event() if only else None
+                self.owner.spawn(f"pull {model}",
+                                 self.feeds.pull(model, batch, reserve, only, ends))
+            case rules.EndProbe(model=model):
+                self.apply(ev.ProbeEnding(model))
+                if (ends := self._probe_ends.get(model)) is not None:
+                    ends.set()  # its Fetched (so PullEnded) comes at once
             case Preempt(task_id=task_id, runner_id=runner_id):
                 await self._preempt(task_id, runner_id)
 

@@ -85,9 +85,17 @@ class Pull:
     only: Priority | None = None  # pull this class only (fleet.worker.preemption)
 
 
+@dataclass(frozen=True)
+class EndProbe:
+    """A slot of the model freed while its preemption probe waits for an interactive task:
+    end the probe, so the slot gets a regular pull now (the probe holds the model's pull)."""
+
+    model: str
+
+
 Action = (
     StopRunner | SpawnRunner | AdvanceRunner | FinishPending | FetchInputs | Dispatch | HandOff
-    | HandBack | Pull | Preempt
+    | HandBack | Pull | EndProbe | Preempt
 )
 
 
@@ -235,6 +243,8 @@ def pull(state: WorkerState, now: float) -> Action | None:
         slots = min(slots, room.get(model, 0))
         if slots > 0 and model not in state.pulling:
             return Pull(model, slots, reserve_for(capacity.get(model, 0)))
+        if slots > 0 and model in state.probing:
+            return EndProbe(model)
     for model in sorted(capacity):
         if pull_to_preempt(state, model):
             return Pull(model, 1, only="interactive")

@@ -94,11 +94,12 @@ class TaskPuller:
         self.lanes_seen: dict[str, float] = {}  # model -> when its lanes last held tasks
 
     async def fetch(
-        self, model: str, batch: int, reserve: int = 0, only: Priority | None = None
+        self, model: str, batch: int, reserve: int = 0, only: Priority | None = None,
+        interrupt: asyncio.Event | None = None,
     ) -> list[Msg]:
         """Up to `batch` tasks of `model`, highest class first, batch work leaving `reserve`
-        slots free (`only`: of that class alone); waiting at most about FETCH_WAIT_S; never
-        raises."""
+        slots free (`only`: of that class alone); waiting at most about FETCH_WAIT_S, or until
+        `interrupt` is set (a preemption probe whose model freed a slot); never raises."""
         if model in self.stopped:
             return []
         now = time.monotonic()
@@ -146,7 +147,7 @@ class TaskPuller:
                 # so it waits briefly (a 2 s probe held freed slots idle up to 2 s each).
                 short = held_back or lanes_in_use or only is not None
                 got = await self._first_of(model, turns, SLACK_WAIT_S if short
-                                           else FETCH_WAIT_S)
+                                           else FETCH_WAIT_S, interrupt)
             return got
         except Exception as exc:  # the loop must go on; the next plan pulls again
             log.warning("fetch for %s failed: %s", model, type(exc).__name__ + f" {exc}".rstrip())
@@ -182,26 +183,39 @@ class TaskPuller:
                 self.lanes_seen[model] = time.monotonic()
         return await self.lanes.pull(model, priority, wanted, cache["counts"])
 
-    async def _first_of(self, model: str, turns: list[Turn], wait_s: float) -> list[Msg]:
-        """Wait on every class that may be served at once; the first to answer wins. The
-        others are cancelled: a message that reaches a cancelled fetch stays in that
-        subscription's queue and the next pull of its class takes it first."""
+    async def _first_of(self, model: str, turns: list[Turn], wait_s: float,
+                        interrupt: asyncio.Event | None = None) -> list[Msg]:
+        """Wait on every class that may be served at once; the first to answer wins (or
+        `interrupt`, which ends the wait with nothing). The others are cancelled: a message
+        that reaches a cancelled fetch stays in that subscription's queue and the next pull
+        of its class takes it first."""
         until = asyncio.get_running_loop().time() + wait_s + STRAY_MARGIN_S
         waits = [asyncio.ensure_future(self._pull(model, t.priority, 1, wait_s))
                  for t in turns]
-        done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        stop = asyncio.ensure_future(interrupt.wait()) if interrupt is not None else None
+        try:
+            await asyncio.wait([*waits, *([stop] if stop else [])],
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if stop is not None:
+                stop.cancel()
+        pending = {wait for wait in waits if not wait.done()}
         for wait in pending:
             wait.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await wait
+        got: list[Msg] = []
+        for wait in waits:
+            if wait in pending:
+                # One that finished before its cancel landed brings its messages: dropped,
+                # they would wait for AckWait.
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    got += await wait
+            else:
+                got += wait.result()
         for turn, wait in zip(turns, waits, strict=True):
             if wait in pending and (sub := self._bound(model, turn.priority)) is not None:
                 key = (model, turn.priority)
                 self.sweeps[key] = started(self._sweep(key, sub, until),
                                            f"stray tasks of {model}'s {turn.priority} class")
-        got: list[Msg] = []
-        for wait in done:
-            got += wait.result()
         return got
 
     async def _sweep(

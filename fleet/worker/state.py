@@ -152,6 +152,9 @@ class WorkerState:
     pending: dict[str, PendingTask] = field(default_factory=dict)
     failures: dict[str, Failure] = field(default_factory=dict)  # by instance id, for backoff
     pulling: frozenset[str] = frozenset()  # models with a fetch outstanding
+    # of those, models whose fetch is a preemption probe not yet told to end (a freed slot
+    # ends it: fleet.worker.plan.pull)
+    probing: frozenset[str] = frozenset()
     # task messages being taken in (claim, checks) by a child: their key -> the model. They
     # count as waiting tasks (pull sizes, hand-offs) and their messages are kept alive.
     receiving: Mapping[str, str] = field(default_factory=dict)
@@ -276,10 +279,18 @@ class RunnerGone:
 @dataclass(frozen=True)
 class PullStarted:
     model: str
+    probe: bool = False  # a full worker's one-class pull for a task to preempt for
 
 
 @dataclass(frozen=True)
 class PullEnded:
+    model: str
+
+
+@dataclass(frozen=True)
+class ProbeEnding:
+    """A probe's fetch was told to end (a slot freed): its PullEnded follows."""
+
     model: str
 
 
@@ -407,7 +418,8 @@ class HandOffEnded:
 StateEvent = (
     InstancesChanged | CardsChanged | RunnerStarting | RunnerSpawned | RunnerStartFailed
     | CommandSent
-    | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | IntakeStarted | IntakeEnded
+    | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | ProbeEnding | IntakeStarted
+    | IntakeEnded
     | TaskQueued | InputsFetching
     | InputsReady | TaskDispatched | TaskEnded | InputsPinned | CancelNoted | TerminalQueued
     | TaskReleased
@@ -509,12 +521,19 @@ def _(event: RunnerGone, state: WorkerState) -> WorkerState:
 
 @_apply.register
 def _(event: PullStarted, state: WorkerState) -> WorkerState:
-    return replace(state, pulling=state.pulling | {event.model})
+    probing = state.probing | {event.model} if event.probe else state.probing
+    return replace(state, pulling=state.pulling | {event.model}, probing=probing)
 
 
 @_apply.register
 def _(event: PullEnded, state: WorkerState) -> WorkerState:
-    return replace(state, pulling=state.pulling - {event.model})
+    return replace(state, pulling=state.pulling - {event.model},
+                   probing=state.probing - {event.model})
+
+
+@_apply.register
+def _(event: ProbeEnding, state: WorkerState) -> WorkerState:
+    return replace(state, probing=state.probing - {event.model})
 
 
 def _with_record(state: WorkerState, task_id: str, **changes: object) -> WorkerState:

@@ -20,7 +20,7 @@ from fleet.worker import state as ev
 from fleet.worker.acks import Stage
 from fleet.worker.image_outputs import ImageOutputs
 from fleet.worker.inbox import Inbox, RunnerReported
-from fleet.worker.plan import Dispatch, Pull, plan
+from fleet.worker.plan import Dispatch, EndProbe, Pull, plan
 from fleet.worker.preemption import Preempt, preempt, pull_to_preempt
 from fleet.worker.reports import RunnerReports
 from fleet.worker.spans import TaskSpans
@@ -114,6 +114,27 @@ def test_pull_to_preempt(running: dict[str, tuple[Priority, bool]], waiting: dic
 
 def test_the_planner_pulls_one_interactive_task_for_a_full_runner() -> None:
     assert plan(world({"b": ("batch", False)}, {}), NOW) == Pull(MODEL, 1, only="interactive")
+
+
+def test_a_slot_that_frees_while_the_probe_waits_ends_the_probe() -> None:
+    """The probe holds the model's pull: a freed slot would get none until it came back
+    (2 s, then 0.2 s). Ending it once lets the next plan pull for the slot."""
+    probing = world({"b": ("batch", False)}, {}, pulling=frozenset({MODEL}))
+    probing = apply(probing, ev.PullStarted(MODEL, probe=True))
+    assert plan(probing, NOW) is None  # still full: the probe goes on
+    freed = apply(probing, ev.TaskEnded("b"))
+    assert plan(freed, NOW) == EndProbe(MODEL)
+    ending = apply(freed, ev.ProbeEnding(MODEL))
+    assert plan(ending, NOW) is None  # told once; the pull ends next
+    ended = apply(ending, ev.PullEnded(MODEL))
+    assert ended.probing == frozenset() and ended.pulling == frozenset()
+    assert isinstance(plan(ended, NOW), Pull)
+
+
+def test_a_regular_pull_is_never_ended_early() -> None:
+    pulling = apply(world({"b": ("batch", False)}, {}), ev.PullStarted(MODEL))
+    freed = apply(pulling, ev.TaskEnded("b"))
+    assert plan(freed, NOW) is None
 
 
 def test_a_preempted_task_queued_again_waits_behind_the_interactive_one() -> None:

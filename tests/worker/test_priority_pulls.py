@@ -13,6 +13,7 @@ from nats.aio.msg import Msg
 from fleet.config import Settings
 from fleet.wire import subjects
 from fleet.wire.tasks import Priority
+from fleet.worker.priority import Turn
 from fleet.worker.pulls import FETCH_WAIT_S, SLACK_WAIT_S, TaskPuller
 
 
@@ -92,3 +93,33 @@ async def test_a_preemption_probe_holds_the_models_pull_only_briefly(
         await got[0].ack()
     finally:
         await puller.close()
+
+
+async def test_an_interrupted_wait_ends_at_once_and_loses_no_task(
+    provisioned_nc: Client,
+) -> None:
+    """A probe's wait ended by a freed slot (`interrupt`) returns without waiting its time
+    out, and a task that arrives just after is taken by the next pull (the cancelled wait's
+    request is swept, its message kept for that pull), not left to AckWait."""
+    js = provisioned_nc.jetstream()
+    puller = TaskPuller(provisioned_nc, js, Settings())
+    try:
+        interrupt = asyncio.Event()
+        await puller.fetch("m", 1, only="interactive")  # binds the class's durable
+        wait = asyncio.ensure_future(
+            puller._first_of("m", [Turn("interactive")], 30.0, interrupt))
+        await asyncio.sleep(0.1)  # the wait is out (a span, not a synchronisation)
+        began = time.monotonic()
+        interrupt.set()
+        assert await asyncio.wait_for(wait, 10) == []
+        assert time.monotonic() - began < 10 < 30
+        await js.publish(subjects.tasks("m", "interactive"), b"late")
+        got: list[Msg] = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got = await puller.fetch("m", 1, only="interactive")
+        assert [m.data for m in got] == [b"late"]
+        await got[0].ack()
+    finally:
+        await puller.close()
+
