@@ -189,10 +189,11 @@ def share_table(result: dict[str, Any]) -> list[str]:
              f"at {result['rate_per_stream']} tok/s): gateway 0's CPU per token"]
     for name in ("alone", "beside", "alone_again"):
         row = result[name]
+        others = round(sum(row["tok_s"][1:]), 1)
         lines.append(
             f"  {name:<12} gateway 0: {row['tok_s'][0]:>7} tok/s, "
             f"{row['gateway0_us_per_token']:>6} us/token ({row['gateway0_cores']} of a core); "
-            f"others: {round(sum(row['tok_s'][1:]), 1):>7} tok/s {row['others_us_per_token']} us/token; "
+            f"others: {others:>7} tok/s {row['others_us_per_token']} us/token; "
             f"load {row['load_1m']}; errors {row['errors']}")
     lines.append(f"  beside / alone (the lower alone): x{result['ratio']} (target <= 1.2)")
     return lines
