@@ -14,7 +14,7 @@ import pytest
 from fleet.bus.kv_mirror import Mirror
 from fleet.capability_rules import capabilities_of
 from fleet.gateway.catalogue import Catalogue, _decoded
-from fleet.wire.cluster import CapabilitiesKeeper, NodeInfo
+from fleet.wire.cluster import CapabilitiesKeeper, Instance, NodeInfo, ShardAssignment
 from fleet.wire.codec import encode
 
 GB = 1 << 30
@@ -86,3 +86,39 @@ def test_the_capabilities_fold_one_change_at_a_time(
     whole._nodes.values = dict(mirror.values)
     whole._nodes_changed(None)  # a reconnect reads it whole: the same
     assert whole.nodes == catalogue.nodes
+
+
+def instance(instance_id: str, model: str) -> bytes:
+    return encode(Instance(instance_id=instance_id, model=model, slots=4, created_at=0.0,
+                           shards=[ShardAssignment(node_id="n", runner_id="pending")]))
+
+
+@pytest.mark.parametrize(
+    ("steps", "placed"),
+    [
+        ([("i1", instance("i1", "m")), ("i2", instance("i2", "k"))], {"m", "k"}),
+        ([("i1", instance("i1", "m")), ("i1", None)], set()),  # removed
+        ([("i1", instance("i1", "m")), ("i2", instance("i2", "m")), ("i1", None)], {"m"}),
+        ([("i1", instance("i1", "m")), ("i1", instance("i1", "k"))], {"k"}),  # replaced
+        ([("i1", b"not json"), ("i2", instance("i2", "m"))], {"m"}),  # dropped
+    ],
+)
+def test_the_instances_fold_one_change_at_a_time(
+    tmp_path: Path, steps: list[tuple[str, bytes | None]], placed: set[str],
+) -> None:
+    """A change decodes one instance (a whole decode a change cost a gateway 58 % of a core
+    at N = 1,000), and the result is what reading the table whole gives."""
+    catalogue = Catalogue(tmp_path, connection=None)  # type: ignore[arg-type]
+    mirror = catalogue._instances
+    catalogue._instances_changed(None)
+    for key, value in steps:
+        if value is None:
+            mirror.values.pop(key, None)
+        else:
+            mirror.values[key] = value
+        catalogue._instances_changed(key)
+    assert catalogue.placed == placed
+    whole = Catalogue(tmp_path, connection=None)  # type: ignore[arg-type]
+    whole._instances.values = dict(mirror.values)
+    whole._instances_changed(None)
+    assert (whole.placed, whole.instances) == (catalogue.placed, catalogue.instances)
