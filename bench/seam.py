@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import statistics
@@ -55,6 +56,8 @@ from fleet.wire.codec import DecodeError, decode_event, decode_model
 from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from fleet.worker.continuation import stored_events
+
+log = logging.getLogger(__name__)
 
 READY_S = 300.0  # a worker start plus a model load, on a loaded machine
 ROUND_S = 120.0
@@ -452,8 +455,16 @@ async def run_seam(
                     rows.append({"error": f"{type(exc).__name__}: {exc}"})
             result["cases"][case] = summarise(rows)
             if case == COLD:  # back to one instance on each node for what follows
-                for worker in stack.workers:
-                    await stack.serving(worker)
+                try:
+                    for worker in stack.workers:
+                        await stack.serving(worker)
+                except TimeoutError as exc:
+                    # The cases measured so far are kept (a smollm2 run of 20 faults a
+                    # case lost 27 minutes of them here); what follows needs both nodes.
+                    result["recovery_error"] = str(exc)
+                    log.error("seam: after %s: %s; the rest of the cases are skipped", case,
+                              exc)
+                    return result
         if plan.load_tasks:
             result["false_takeovers"] = await false_takeovers(stack)
     finally:
@@ -497,6 +508,8 @@ def seam_table(results: list[dict[str, Any]]) -> list[str]:
                 f"{row['p99_s']} | {row['max_s']} | {row['gaps']} | {row['duplicates']} | "
                 f"{row['lost']} | {len(row['errors'])} |"
             )
+        if broke := result.get("recovery_error"):
+            lines.append(f"| {result['model']} | (the rest skipped: {broke}) | | | | | | | | |")
         if load := result.get("false_takeovers"):
             lines.append(
                 f"| {result['model']} | no fault, {result['plan']['hogs']} CPU hogs (load "
