@@ -147,6 +147,29 @@ async def wait_node(nc: Client, data_dir: Path, timeout: float = 30.0) -> str:
 QUIET_WATCH_S = 2.0
 
 
+async def wait_capabilities(nc: Client, nodes: Iterable[str], timeout: float = 60.0) -> None:
+    """Until FLEET_CAPABILITIES (what a gateway's catalogue reads) holds a record of each of
+    `nodes` and the sweeper's keeper mark: the sweeper writes them after it hears the nodes'
+    heartbeats, so a test that waited for the heartbeats alone can find a gateway that does
+    not know a node yet (a 503 for a model only both nodes together can hold)."""
+    kv = await nc.jetstream().key_value(subjects.CAPABILITIES_BUCKET)
+    wanted = {subjects.capabilities_key(node) for node in nodes} | {subjects.CAPABILITIES_KEEPER}
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    watcher = await kv.watchall()
+    try:
+        while not wanted <= seen:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"FLEET_CAPABILITIES lacks {sorted(wanted - seen)}")
+            entry = await _next(watcher, min(deadline, time.monotonic() + QUIET_WATCH_S))
+            if entry is not None and entry.value:
+                seen.add(entry.key)
+            elif entry is not None:
+                seen.discard(entry.key)
+    finally:
+        await watcher.stop()
+
+
 async def _heartbeat_of(kv: KeyValue, node: str) -> bool:
     try:
         return bool((await kv.get(node)).value)

@@ -33,6 +33,7 @@ from tests.integration.harness import (
     run_task,
     submit,
     text_of,
+    wait_capabilities,
     wait_node,
 )
 
@@ -262,6 +263,7 @@ async def test_a_task_for_a_model_no_node_can_hold_places_it_split_over_two_node
                for i in range(2)]
     nc = await client(nats_url)
     nodes = {await wait_node(nc, w.data_dir) for w in workers}
+    await wait_capabilities(nc, nodes)  # what the gateway reads of them
     # Through the gateway: it must not refuse a model that only a split can serve.
     settings = load_settings({"nats_url": nats_url, "data_dir": tmp_path / "gw"}, env={})
     app = build_app(settings)
