@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 
 from fleet.bus.connect import js_publish
 from fleet.bus.fairness import shares
@@ -192,8 +193,29 @@ async def test_a_lane_task_whose_worker_dies_mid_answer_is_continued_and_charged
     assert accepted[0].continued_from == 0 and accepted[-1].continued_from > 0  # continued
     await until_queue_empty(nc.jetstream(), 60)
     kv = await nc.jetstream().key_value(FAIRNESS)
-    entry = TenantShare.model_validate_json((await kv.get(f"{MODEL}.default.cont")).value
-                                            or b"")
+    # The mark goes by a write after the ack is confirmed, so after the queue is empty:
+    # watched until it has gone (or the wait ends, and the assert says what was left).
+    entry = await _settled_entry(kv, f"{MODEL}.default.cont", 30)
     assert (entry.counter, entry.settled) == (
         result.usage.prompt_tokens + result.usage.completion_tokens, [])
     await nc.close()
+
+
+async def _settled_entry(kv: KeyValue, key: str, timeout: float) -> TenantShare:
+    """The entry once its `settled` marks are gone, or as it is when `timeout` passes."""
+    watcher = await kv.watch(key)
+    entry = TenantShare(counter=0, waiting=0, at=0)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                update = await watcher.updates(timeout=max(0.05, deadline - time.monotonic()))
+            except TimeoutError:
+                break
+            if update is not None and update.value:
+                entry = TenantShare.model_validate_json(update.value)
+                if not entry.settled:
+                    break
+    finally:
+        await watcher.stop()
+    return entry
