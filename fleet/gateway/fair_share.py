@@ -361,6 +361,7 @@ class Ticket:
         if self.fair is None or self._run is not None:
             return
         self._dequeue(self.fair)
+        # Owned by this ticket: `settle` awaits it; `_written` logs a failed write.
         self._run = asyncio.ensure_future(self._written(self.fair))
 
     async def _written(self, fair: FairShare) -> bool:

@@ -32,7 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from fleet import telemetry
-from fleet.aio import Supervisor
+from fleet.aio import Supervisor, cancel_and_wait
 from fleet.bus.connect import connect_with, redact_urls
 from fleet.bus.provision import provision
 from fleet.config import Settings
@@ -282,12 +282,16 @@ class Worker:
                 # Listed in a stored heartbeat before it can run: a death from then on is
                 # handed on in a second or two, not at AckWait (fleet.worker.heartbeat). The
                 # beat's round trip overlaps the intake's own (its claim), so it rarely waits.
+                # Owned here: awaited with the intake, or cancelled and waited for when the
+                # intake fails; a listing that failed is logged (the intake goes on).
                 listing = asyncio.ensure_future(self.cluster.heartbeat.list_held(msg.reply))
                 try:
                     outcome = await self.intake.receive(msg, handed_in=handed_in)
                     await listing
                 finally:
-                    listing.cancel()
+                    await cancel_and_wait([listing])
+                    if not listing.cancelled() and (failed := listing.exception()):
+                        log.warning("listing a taken message failed: %s", failed)
         except Exception as exc:  # not taken in: the loop gives it back for another try soon
             error = f"{type(exc).__name__}: {exc}"
             self.inbox.put_nowait(TakenIn(key, msg, None, span, handed_in, error))

@@ -192,6 +192,7 @@ class TaskPuller:
         until = asyncio.get_running_loop().time() + wait_s + STRAY_MARGIN_S
         waits = [asyncio.ensure_future(self._pull(model, t.priority, 1, wait_s))
                  for t in turns]
+        # Owned here: cancelled below however the wait ends (an Event's wait cannot fail).
         stop = asyncio.ensure_future(interrupt.wait()) if interrupt is not None else None
         try:
             await asyncio.wait([*waits, *([stop] if stop else [])],

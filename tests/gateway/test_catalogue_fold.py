@@ -6,6 +6,7 @@ sweeper's keeper mark."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -73,13 +74,7 @@ def test_the_capabilities_fold_one_change_at_a_time(
 ) -> None:
     catalogue = Catalogue(tmp_path, connection=None)  # type: ignore[arg-type]
     mirror = catalogue._nodes
-    catalogue._nodes_changed(None)  # the first (empty) load
-    for key, value in steps:
-        if value is None:
-            mirror.values.pop(key, None)
-        else:
-            mirror.values[key] = value
-        catalogue._nodes_changed(key)
+    _fold(mirror, catalogue._nodes_changed, steps)
     assert {n.node_id for n in catalogue.nodes} == nodes
     assert {n.at for n in catalogue.nodes} == ({at} if nodes else set())
     whole = Catalogue(tmp_path, connection=None)  # type: ignore[arg-type]
@@ -110,15 +105,21 @@ def test_the_instances_fold_one_change_at_a_time(
     at N = 1,000), and the result is what reading the table whole gives."""
     catalogue = Catalogue(tmp_path, connection=None)  # type: ignore[arg-type]
     mirror = catalogue._instances
-    catalogue._instances_changed(None)
-    for key, value in steps:
-        if value is None:
-            mirror.values.pop(key, None)
-        else:
-            mirror.values[key] = value
-        catalogue._instances_changed(key)
+    _fold(mirror, catalogue._instances_changed, steps)
     assert catalogue.placed == placed
     whole = Catalogue(tmp_path, connection=None)  # type: ignore[arg-type]
     whole._instances.values = dict(mirror.values)
     whole._instances_changed(None)
     assert (whole.placed, whole.instances) == (catalogue.placed, catalogue.instances)
+
+
+def _fold(mirror: Mirror, changed: Callable[[str | None], None],
+          steps: list[tuple[str, bytes | None]]) -> None:
+    """The first (empty) load, then each step as the watch delivers it: one key changed."""
+    changed(None)
+    for key, value in steps:
+        if value is None:
+            mirror.values.pop(key, None)
+        else:
+            mirror.values[key] = value
+        changed(key)
