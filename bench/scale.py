@@ -63,6 +63,7 @@ MODELS = 10
 BUSY_FRACTION = 0.1
 MAX_BUSY = 50
 STAND_IN_BATCH = 100
+CATALOGUE_POLL_S = 0.05
 # The baseline's simulated nodes each watch every heartbeat and advert: N²/3 messages a second
 # among themselves, past what this 2-core machine carries beyond a few hundred nodes.
 BASELINE_MAX_N = 300
@@ -89,6 +90,7 @@ class Stack:
     servers: int = 1  # 3: the cluster of ops/nats/cluster-{1,2,3}.conf, on free ports
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     sims: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    gateway_ports: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.nats_ports = [free_port() for _ in range(self.servers)]
@@ -187,6 +189,11 @@ async def start_real(stack: Stack, nc: Client, gateways: int) -> None:
                            "--slots", "4"])
     for index in range(gateways):
         port = free_port()
+        stack.gateway_ports.append(port)
+        # Its card too, so the gateway's /v1/models/sim-m0 answers (time_catalogue).
+        cards = custom_cards_dir(stack.work / f"gw{index}")
+        cards.mkdir(parents=True, exist_ok=True)
+        (cards / f"{card.id}.json").write_bytes(encode(card))
         stack.spawn(f"gateway-{index}", [*fleet, "--data-dir", str(stack.work / f"gw{index}"),
                                          "gateway", "--port", str(port)])
 
@@ -407,6 +414,61 @@ async def time_failover(nc: Client, index: int, timeout: float = 60.0) -> float 
     return None
 
 
+def busy_nodes(n: int, models: int = MODELS) -> list[int]:
+    """Pure: which of the first `n` simulated nodes carry the fixed per-node load: a tenth
+    (at most MAX_BUSY: the machine carries 100 streams), exactly one of them a peer of the real
+    worker's model (sim-m0: index 0 modulo `models`), the rest of the other models. A worker
+    hears its own model's peers (fleet.worker.prefix_adverts), so the first tenth in index
+    order gave it 1 busy peer at N = 10 and 5 at N = 1,000: the workload grew, not the cost
+    of a node."""
+    count = min(MAX_BUSY, max(1, int(n * BUSY_FRACTION)))
+    others = [i for i in range(1, n) if i % models != 0]
+    return [0, *others[:count - 1]]
+
+
+async def gateway_instances(port: int, model: str) -> int | None:
+    """How many instances of `model` a gateway's `/v1/models/<model>` lists (None: unknown)."""
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        answer = await client.get(f"http://127.0.0.1:{port}/v1/models/{model}")
+        if not answer.is_success:
+            return None
+        count = answer.json().get("instances")
+        return count if isinstance(count, int) else None
+
+
+async def time_catalogue(stack: Stack, nc: Client, n: int,
+                         timeout: float = 30.0) -> float | None:
+    """Seconds from a new instance's write to every gateway's `/v1/models/<model>` counting
+    it (each gateway polled every CATALOGUE_POLL_S); None past `timeout`. The instance (of
+    sim-m0, on simulated node 0: alive, never killed) is deleted afterwards."""
+    model = sim_model(0, MODELS)
+    kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
+    before = await asyncio.gather(*(gateway_instances(p, model) for p in stack.gateway_ports))
+    if None in before:
+        log.warning("scale: a gateway's /v1/models/%s unreadable: %s", model, before)
+        return None
+    node = sim_node_id(0)
+    placed = Instance(instance_id=f"scale-new-{n}", model=model, slots=4,
+                      shards=[ShardAssignment(node_id=node, runner_id=f"{node}-r1")],
+                      created_at=time.time())
+    began = time.monotonic()
+    await kv.put(placed.instance_id, encode(placed))
+
+    async def sees(port: int, count: int) -> float | None:
+        while time.monotonic() - began < timeout:
+            if (await gateway_instances(port, model) or 0) > count:
+                return time.monotonic() - began
+            await asyncio.sleep(CATALOGUE_POLL_S)  # polling: the measurement's resolution
+        return None
+
+    try:
+        seen = await asyncio.gather(*(sees(p, c) for p, c in zip(stack.gateway_ports, before,
+                                                                strict=True)))
+    finally:
+        await kv.delete(placed.instance_id)
+    return None if None in seen else round(max(s for s in seen if s is not None), 3)
+
+
 async def time_placement(nc: Client) -> float:
     """The p50 of one placement decision over every live heartbeat, in ms."""
     nodes = await live_values(nc.jetstream(), subjects.NODES_BUCKET, NodeInfo)
@@ -433,7 +495,7 @@ async def run_design(src: Path, design: str, plan: ScalePlan, work: Path) -> dic
                 await start_real(stack, nc, plan.gateways)
             await asyncio.sleep(plan.settle_s)  # watches catch up with the new nodes
             idle = await measure(stack, plan.window_s)
-            busy = [sim_node_id(i) for i in range(min(MAX_BUSY, max(1, int(n * BUSY_FRACTION))))]
+            busy = [sim_node_id(i) for i in busy_nodes(n)]
             await nc.publish(LOAD, orjson.dumps({"busy": busy}))
             await asyncio.sleep(2.0)  # streams and adverts start
             loaded = await measure(stack, plan.window_s)
@@ -442,6 +504,7 @@ async def run_design(src: Path, design: str, plan: ScalePlan, work: Path) -> dic
                                     "placement_p50_ms": await time_placement(nc),
                                     "sweeper": await sweeper_holder(nc)}
             step["moved_alive"] = await moved_while_alive(nc, n, killed)
+            step["catalogue_s"] = await time_catalogue(stack, nc, n)
             if plan.failover:
                 # The last node whose instance is still on it (one moved while alive is no
                 # loss to time).
@@ -480,8 +543,8 @@ def table(result: dict[str, Any]) -> list[str]:
     lines = [f"### {result['design']} ({result['src']})", "",
              "| N | load | worker msgs/s | worker KB/s | worker CPU | worker RSS MB | "
              "gateway msgs/s | gateway KB/s | gateway CPU | nats CPU | sweeper CPU | "
-             "placement p50 ms | failover s | moved alive | load avg |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "placement p50 ms | catalogue s | failover s | moved alive | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, step in result["steps"].items():
         for phase in ("idle", "load"):
             row = step[phase]
@@ -492,6 +555,7 @@ def table(result: dict[str, Any]) -> list[str]:
                 f"{g.get('msgs_s', '-')} | {g.get('kb_s', '-')} | {g.get('cpu', 0):.1%} | "
                 f"{s['cpu']:.1%} | {_share(row.get('sweeper'))} | "
                 f"{step['placement_p50_ms'] if phase == 'idle' else ''} | "
+                f"{step.get('catalogue_s', '-') if phase == 'idle' else ''} | "
                 f"{_seconds(step.get('failover_s', '-')) if phase == 'idle' else ''} | "
                 f"{len(step.get('moved_alive', [])) if phase == 'idle' else ''} | "
                 f"{row.get('loadavg', '-')} |")

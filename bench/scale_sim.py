@@ -32,13 +32,14 @@ import time
 import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
-from fleet.aio import cancel_and_wait
+from fleet.aio import cancel_and_wait, set_within
 from fleet.bus.connect import connect
 from fleet.bus.kv_calls import kv_put
 from fleet.bus.kv_lasting import put_lasting
 from fleet.bus.kv_mirror import Mirror
+from fleet.bus.replies import inbox_reply
 from fleet.wire import subjects
 from fleet.wire.cluster import ModelCard, NodeInfo, RunnerRecord
 from fleet.wire.codec import encode
@@ -46,7 +47,7 @@ from fleet.wire.events import TokenChunk
 from fleet.wire.prefixes import PrefixSummary
 from fleet.wire.runners import RunnerReady
 from fleet.worker.failover import Failover
-from fleet.worker.heartbeat import Heartbeat
+from fleet.worker.heartbeat import HEARTBEAT_S, Heartbeat
 from fleet.worker.node import node_info
 from fleet.worker.prefix_adverts import (
     LOAD_SUFFIX,
@@ -70,6 +71,7 @@ ADVERT_EVERY_S = 0.25
 BUSY_BLOCKS = 1024  # a loaded runner's cache: ~18 KB of hashes in its summary
 NEW_PROMPT_S = 2.0  # a busy runner's blocks change with each new prompt
 IDLE_BLOCKS = 64
+WATCH_CAUGHT_UP_S = 120.0
 
 
 def sim_model(index: int, models: int) -> str:
@@ -114,6 +116,11 @@ class SimNode:
                             trusted=self.heartbeat.trusts_absences,
                             on_own_key_gone=self.heartbeat.wake.set, on_gap=self.heartbeat.gap)
         link = _Link(nc)
+        # Started only once its instance watch has read the table (1,000 instances at
+        # N = 1,000, for each of 1,000 nodes): the harness's stand-in beats for it until then,
+        # and a process still reading its nodes' backlogs let live nodes' beats lapse.
+        watcher = await (await js.key_value(subjects.INSTANCES_BUCKET)).watchall()
+        caught_up = asyncio.Event()
         if self.design == "baseline":  # every node watched every heartbeat, swept, heard all
             mirror = Mirror(subjects.PREFIXES_BUCKET,
                             lambda key: self._adverts_changed(mirror.values, key))
@@ -122,18 +129,44 @@ class SimNode:
             served = ServedPrefixes(lambda: {self.model}, self._adverts_changed)
             duties = [FleetDuties(js, self.node_id, failover).forever(), served.run(link)]
         self.tasks = [
-            asyncio.create_task(self.heartbeat.forever()),
+            asyncio.create_task(self._beat()),
             *(asyncio.create_task(duty) for duty in duties),
-            asyncio.create_task(self._watch_instances(js)),
+            asyncio.create_task(self._watch_instances(watcher, caught_up)),
             asyncio.create_task(self._advertise()),
             asyncio.create_task(self._stream()),
         ]
+        if not await set_within(caught_up, WATCH_CAUGHT_UP_S):
+            log.warning("%s: its instance watch not caught up in %.0f s", self.node_id,
+                        WATCH_CAUGHT_UP_S)
 
-    async def _watch_instances(self, js: JetStreamContext) -> None:
+    async def _beat(self) -> None:
+        """The heartbeat's rounds (fleet.worker.heartbeat: every HEARTBEAT_S, at once when the
+        node's own key was seen to expire) and its answers to probes, without the worker's
+        poll for newly held task messages every HELD_CHECK_S: a simulated node holds none, and
+        1,000 nodes polling (20,000 wakes a second) starved the simulator at N = 1,000 (144
+        live nodes' beats late past the TTL, their instances moved as if dead)."""
+        assert self.nc is not None
+        nc = self.nc
+
+        async def answer(msg: Msg) -> None:  # as Heartbeat's: any answer says "alive"
+            if (reply := inbox_reply(msg.reply)) is not None:
+                with contextlib.suppress(Exception):
+                    await nc.publish(reply, b"")
+
+        await nc.subscribe(subjects.alive(self.node_id), cb=answer)
+        last = time.monotonic()
+        while True:
+            await set_within(self.heartbeat.wake, max(0.0, last + HEARTBEAT_S - time.monotonic()))
+            self.heartbeat.wake.clear()
+            last = time.monotonic()
+            await self.heartbeat.beat()
+
+    async def _watch_instances(self, watcher: KeyValue.KeyWatcher,
+                               caught_up: asyncio.Event) -> None:
         """As a worker's instance watch (fleet.worker.cluster): the whole table."""
-        watcher = await (await js.key_value(subjects.INSTANCES_BUCKET)).watchall()
-        async for _ in watcher:
-            pass
+        async for entry in watcher:
+            if entry is None:  # the end of the initial values
+                caught_up.set()
 
     @property
     def busy(self) -> bool:
@@ -188,6 +221,11 @@ class SimNode:
                         await put_lasting(self.js, self.prefixes, key, encode(summary))
                 last = (Written(blocks_mark, load, now, now) if due == "whole" or last is None
                         else Written(last.blocks, load, last.whole_at, now))
+            if self.design != "baseline" and due is None and not self.busy:
+                # Idle and written: nothing changes until load comes (4 wakes a second of
+                # 1,000 idle nodes were 4,000 wakes of harness for nothing).
+                await self.loaded.wait()
+                continue
             await asyncio.sleep(ADVERT_EVERY_S)  # the advert period of a worker
 
     async def _stream(self) -> None:
