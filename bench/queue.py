@@ -213,7 +213,7 @@ async def run_queue(workdir: Path, env: dict[str, str], quick: bool) -> dict[str
         base = stack.base_url
         # (2) first, on the idle fleet: its drain ends with nothing left running.
         load = [round(x, 2) for x in os.getloadavg()]
-        fair = [await measure_fair(base, fair_keys, run, SLOTS, plan.fair)
+        fair = [await measure_fair(base, fair_keys, run, SLOTS, plan.fair, stack.nc)
                 for run in range(len(plan.fair.weights))]
         return {"plan": asdict(plan), "load_average": load,
                 "load_average_after_fair": [round(x, 2) for x in os.getloadavg()],

@@ -9,6 +9,12 @@ A keeps 10x as many going, so A alone would fill the fleet many times over. Each
 key in the keys file the `fleet up` under test reads, with its weight in its tenant record
 (README, "Priorities and fair tenants"). Every request is streamed (`include_usage`), so its
 first token and its tokens are timed at the client.
+
+Where B's first token goes (`Stages`, with the stack's NATS connection): the bench hears each
+task as the gateway publishes it (a core subscription to `fleet.tasks.>`) and its runner's
+`task_accepted`, so B's TTFT splits into the gateway's admission (sent -> published), the
+broker's queue and the worker's dispatch (published -> accepted) and the runner's first token
+and its relay (accepted -> first token at the client).
 """
 
 from __future__ import annotations
@@ -23,9 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from bench.plumbing_rate import MODEL
 from fleet.gateway.keys import key_hash, new_key
+from fleet.wire.codec import decode_event, sent_task_id
+from fleet.wire.events import TaskAccepted
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,51 @@ class Served:
     first: float | None
     end: float
     tokens: int
+    task_id: str = ""
+
+
+class Stages:
+    """When each task was published (seen on `fleet.tasks.>`) and accepted by a runner (its
+    first `task_accepted` on `fleet.out.<id>`), perf_counter seconds, heard by the bench."""
+
+    def __init__(self) -> None:
+        self.published: dict[str, float] = {}
+        self.accepted: dict[str, float] = {}
+        self.subs: list[Any] = []
+
+    async def start(self, nc: Client) -> None:
+        async def on_task(msg: Msg) -> None:
+            if (task_id := sent_task_id(msg.data)) is not None:
+                self.published.setdefault(task_id, time.perf_counter())
+
+        async def on_out(msg: Msg) -> None:
+            task_id = msg.subject.rsplit(".", 1)[1]
+            if task_id not in self.accepted and isinstance(decode_event(msg.data), TaskAccepted):
+                self.accepted[task_id] = time.perf_counter()
+
+        self.subs = [await nc.subscribe("fleet.tasks.>", cb=on_task),
+                     await nc.subscribe("fleet.out.*", cb=on_out)]
+
+    async def stop(self) -> None:
+        for sub in self.subs:
+            await sub.unsubscribe()
+
+
+def stage_p50s_ms(served: list[Served], stages: Stages, start: float,
+                  end: float) -> dict[str, float | None]:
+    """Median of each stage of the requests sent within [start, end) that were heard at
+    every stage (pure): admission, queue (and dispatch), first token (runner and relay)."""
+    spans: dict[str, list[float]] = {"admission": [], "queue": [], "first_token": []}
+    for s in served:
+        published = stages.published.get(s.task_id)
+        accepted = stages.accepted.get(s.task_id)
+        if s.first is None or published is None or accepted is None or \
+                not start <= s.sent < end:
+            continue
+        spans["admission"].append(published - s.sent)
+        spans["queue"].append(accepted - published)
+        spans["first_token"].append(s.first - accepted)
+    return {k: round(statistics.median(v) * 1000, 1) if v else None for k, v in spans.items()}
 
 
 def tokens_in(served: list[Served], start: float, end: float) -> float:
@@ -90,12 +145,13 @@ async def _one(client: httpx.AsyncClient, base: str, body: dict[str, Any]) -> Se
     tokens = 0
     async with client.stream("POST", f"{base}/chat/completions", json=body) as response:
         response.raise_for_status()
+        task_id = response.headers.get("x-fleet-task-id", "")
         async for line in response.aiter_lines():
             if first is None and '"content":"' in line:
                 first = time.perf_counter()
             elif '"completion_tokens"' in line and line.startswith("data: "):
                 tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-    return Served(sent, first, time.perf_counter(), tokens)
+    return Served(sent, first, time.perf_counter(), tokens, task_id)
 
 
 async def _tenant(base: str, key: str, clients: int, body: dict[str, Any],
@@ -126,7 +182,20 @@ def write_keys(keys_file: Path, runs: int, plan: FairPlan) -> dict[str, str]:
 
 
 async def measure_fair(base: str, keys: dict[str, str], run: int, slots: int,
-                       plan: FairPlan) -> dict[str, Any]:
+                       plan: FairPlan, nc: Client | None = None) -> dict[str, Any]:
+    """B alone, then A and B together (module docstring); with `nc` (the stack's NATS), B's
+    TTFT split into its stages alone and beside A."""
+    stages = Stages()
+    if nc is not None:
+        await stages.start(nc)
+    try:
+        return await _measure_fair(base, keys, run, slots, plan, stages)
+    finally:
+        await stages.stop()
+
+
+async def _measure_fair(base: str, keys: dict[str, str], run: int, slots: int,
+                        plan: FairPlan, stages: Stages) -> dict[str, Any]:
     (a, weight_a), (b, weight_b) = tenant_lines(run, *plan.weights[run])
     n_b = b_clients(slots, weight_a, weight_b)
     n_a = 10 * n_b
@@ -170,6 +239,9 @@ async def measure_fair(base: str, keys: dict[str, str], run: int, slots: int,
         "ttft_ratio": round(beside_p50 / alone_p50, 2) if alone_p50 and beside_p50 else None,
         "requests_b_in_window": sum(start <= s.sent < end for s in served[b]),
         "requests_b_alone": len(alone), "drain_s": round(drained - end, 1),
+        "stages_b_alone_p50_ms": stage_p50s_ms(alone, stages, began, alone_end),
+        "stages_b_beside_a_p50_ms": stage_p50s_ms(served[b], stages, start, end),
+        "stages_a_p50_ms": stage_p50s_ms(served[a], stages, start, end),
     }
 
 
@@ -180,6 +252,12 @@ def fair_rows(runs: list[dict[str, Any]]) -> list[str]:
         f"(weight share {r['weight_share_b']:.1%}, off by {r['share_off_by']:.0%}; "
         f"{r['tokens_per_s']} tok/s in all); B's TTFT p50 {r['ttft_b_beside_a_p50_ms']} ms "
         f"beside A, {r['ttft_b_alone_p50_ms']} ms alone (x{r['ttft_ratio']}), "
-        f"A's {r['ttft_a_p50_ms']} ms"
+        f"A's {r['ttft_a_p50_ms']} ms; B's stages p50 (admission / queue / first token) "
+        f"alone {_stages(r.get('stages_b_alone_p50_ms'))}, beside A "
+        f"{_stages(r.get('stages_b_beside_a_p50_ms'))} ms"
         for r in runs
     ]
+
+
+def _stages(p50s: dict[str, float | None] | None) -> str:
+    return " / ".join(str(v) for v in (p50s or {}).values()) or "-"
