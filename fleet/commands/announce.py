@@ -41,10 +41,16 @@ def status_text(status: RunnerStatus) -> str:
     return status.state
 
 
-def runner_news(record: RunnerRecord, told: dict[str, str], who: str = "fleet up") -> str | None:
+def runner_news(record: RunnerRecord, told: dict[str, str], who: str = "fleet up",
+                since: float = 0.0) -> str | None:
     """A line when `record` moves its runner into a state not told yet; `told` (runner id →
     last state told) is updated. `running` counts as ready: a runner busy at once is ready.
-    A download gets a line at its start and then every PROGRESS_STEP percent."""
+    A download gets a line at its start and then every PROGRESS_STEP percent. A record
+    written before `since` (wall time) is no news: a restarted worker's dead predecessor's
+    runners keep their last records in FLEET_RUNNERS for a while, and a worker told them as
+    its own 'runner ... is ready' (issue 24: it misled a diagnosis)."""
+    if record.at < since:
+        return None
     status = record.status
     if isinstance(status, RunnerDownloading):
         total = status.bytes_total
@@ -67,10 +73,10 @@ def runner_news(record: RunnerRecord, told: dict[str, str], who: str = "fleet up
 
 async def announce_runners(
     settings: Settings, out: TextIO = sys.stderr, node_id: str | None = None,
-    who: str = "fleet up",
+    who: str = "fleet up", since: float = 0.0,
 ) -> None:
-    """Print runner news (of one node's runners, with `node_id`) until cancelled (the owner
-    cancels it when the stack stops)."""
+    """Print runner news (of one node's runners, with `node_id`; none written before `since`)
+    until cancelled (the owner cancels it when the stack stops)."""
     nc = await connect_with(settings, "fleet-up-runners")
     try:
         kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
@@ -86,7 +92,7 @@ async def announce_runners(
                 continue
             if node_id is not None and record.node_id != node_id:
                 continue
-            if line := runner_news(record, told, who):
+            if line := runner_news(record, told, who, since):
                 print(line, file=out, flush=True)
     finally:
         await nc.close()

@@ -107,7 +107,9 @@ async def _worker_news(worker: Worker, settings: Settings) -> None:
     """A standalone worker's console says what `fleet up`'s does of its runners: fetches
     and ready (or failed) runners, this node's only."""
     await worker.ready.wait()
-    await announce_runners(settings, node_id=worker.cluster.node_id, who="fleet worker")
+    # Its node's runners start after the worker did: older records are a predecessor's.
+    await announce_runners(settings, node_id=worker.cluster.node_id, who="fleet worker",
+                           since=worker.cluster.started_at)
 
 
 @contextlib.asynccontextmanager

@@ -74,6 +74,16 @@ def test_a_download_is_told_at_its_start_and_every_ten_percent() -> None:
     )
 
 
+def test_a_record_from_before_since_is_no_news() -> None:
+    # A restarted worker's dead predecessor's last record (at 0), still in FLEET_RUNNERS.
+    told: dict[str, str] = {}
+    assert runner_news(record(RunnerReady()), told, "fleet worker", since=10.0) is None
+    assert told == {}
+    fresh = record(RunnerReady(), "r2").model_copy(update={"at": 10.0})
+    assert runner_news(fresh, told, "fleet worker", since=10.0) == (
+        "fleet worker: runner r2 for m on node n is ready")
+
+
 def test_status_text_shows_download_progress() -> None:
     downloading = RunnerDownloading(bytes_done=27 * MB, bytes_total=54 * MB)
     assert status_text(downloading) == "downloading [##########----------]  50% 27/54 MB"
