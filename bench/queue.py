@@ -25,11 +25,22 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from bench.fleet_stack import FleetStack
 from bench.plumbing_rate import MODEL, seed_fault_card
-from bench.queue_fair import QUICK_FAIR, FairPlan, fair_rows, measure_fair, write_keys
+from bench.queue_fair import (
+    QUICK_FAIR,
+    FairPlan,
+    Served,
+    Stages,
+    fair_rows,
+    measure_fair,
+    stage_p50s_ms,
+    stages_text,
+    write_keys,
+)
 from fleet.gateway.keys import add_key
 from fleet.wire.codec import decode_event
 from fleet.wire.events import TaskAccepted
@@ -64,7 +75,7 @@ def batch_file(lines: int, prompt: str = "tokens:2", max_tokens: int = 4) -> byt
     }).encode() + b"\n" for i in range(lines))
 
 
-async def _ttft(client: httpx.AsyncClient, base: str) -> float:
+async def _ttft(client: httpx.AsyncClient, base: str) -> Served:
     body = {"model": MODEL, "max_tokens": 8, "stream": True,
             "messages": [{"role": "user", "content": CHAT_PROMPT}]}
     began = time.perf_counter()
@@ -73,17 +84,19 @@ async def _ttft(client: httpx.AsyncClient, base: str) -> float:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if '"content":"' in line:
-                return time.perf_counter() - began
+                first = time.perf_counter()
+                return Served(began, first, first, 0,
+                              response.headers.get("x-fleet-task-id", ""))
     raise RuntimeError("a chat stream ended without content")
 
 
-async def _interactive(client: httpx.AsyncClient, base: str, plan: QueuePlan) -> list[float]:
-    ttfts = []
+async def _interactive(client: httpx.AsyncClient, base: str, plan: QueuePlan) -> list[Served]:
+    chats = []
     for _ in range(plan.interactive):
         started = time.perf_counter()
-        ttfts.append(await _ttft(client, base))
+        chats.append(await _ttft(client, base))
         await asyncio.sleep(max(0.0, plan.every_s - (time.perf_counter() - started)))
-    return ttfts
+    return chats
 
 
 def _p50(values: list[float]) -> float:
@@ -94,9 +107,22 @@ def _auth(key: str) -> dict[str, str]:
     return {"authorization": f"Bearer {key}"}
 
 
-async def measure_mixed(base: str, key: str, plan: QueuePlan) -> dict[str, Any]:
+async def measure_mixed(base: str, key: str, plan: QueuePlan,
+                        nc: Client | None = None) -> dict[str, Any]:
     """(1) Interactive TTFT on an idle fleet, then beside a running batch job; the job's
-    lines done meanwhile (each takes a slot for ~1 s)."""
+    lines done meanwhile (each takes a slot for ~1 s). With `nc`, the chats' TTFT split into
+    stages (bench.queue_fair.Stages)."""
+    stages = Stages()
+    if nc is not None:
+        await stages.start(nc)
+    try:
+        return await _measure_mixed(base, key, plan, stages)
+    finally:
+        await stages.stop()
+
+
+async def _measure_mixed(base: str, key: str, plan: QueuePlan,
+                         stages: Stages) -> dict[str, Any]:
     async with httpx.AsyncClient(timeout=120, headers=_auth(key)) as client:
         idle = await _interactive(client, base, plan)
         data = batch_file(plan.mixed_lines, BATCH_PROMPT, max_tokens=64)
@@ -113,9 +139,13 @@ async def measure_mixed(base: str, key: str, plan: QueuePlan) -> dict[str, Any]:
         wall = time.perf_counter() - began
         after = (await _status(client, base, batch_id))["request_counts"]["completed"]
         (await client.post(f"{base}/batches/{batch_id}/cancel")).raise_for_status()
+    idle_ttft = [chat.first - chat.sent for chat in idle if chat.first is not None]
+    busy_ttft = [chat.first - chat.sent for chat in busy if chat.first is not None]
     return {"interactive": plan.interactive, "every_s": plan.every_s,
-            "ttft_idle_p50_ms": _p50(idle), "ttft_beside_batch_p50_ms": _p50(busy),
-            "ratio": round(statistics.median(busy) / statistics.median(idle), 2),
+            "ttft_idle_p50_ms": _p50(idle_ttft), "ttft_beside_batch_p50_ms": _p50(busy_ttft),
+            "ratio": round(statistics.median(busy_ttft) / statistics.median(idle_ttft), 2),
+            "stages_idle_p50_ms": stage_p50s_ms(idle, stages, 0.0, float("inf")),
+            "stages_beside_batch_p50_ms": stage_p50s_ms(busy, stages, 0.0, float("inf")),
             "batch_lines_per_s_meanwhile": round((after - before) / wall, 1),
             "batch_slots": SLOTS}
 
@@ -217,7 +247,7 @@ async def run_queue(workdir: Path, env: dict[str, str], quick: bool) -> dict[str
                 for run in range(len(plan.fair.weights))]
         return {"plan": asdict(plan), "load_average": load,
                 "load_average_after_fair": [round(x, 2) for x in os.getloadavg()],
-                "fair": fair, "mixed": await measure_mixed(base, key, plan),
+                "fair": fair, "mixed": await measure_mixed(base, key, plan, stack.nc),
                 "retries": await measure_retries(base, key, stack, plan),
                 "accept": await measure_accept(base, key, plan)}
     finally:
@@ -231,7 +261,9 @@ def queue_table(result: dict[str, Any]) -> list[str]:
         f"  interactive TTFT p50 {mixed['ttft_idle_p50_ms']} ms idle, "
         f"{mixed['ttft_beside_batch_p50_ms']} ms beside a batch job (x{mixed['ratio']}); "
         f"the job meanwhile {mixed['batch_lines_per_s_meanwhile']} lines/s "
-        f"(~1 s each, {mixed['batch_slots']} slots)",
+        f"(~1 s each, {mixed['batch_slots']} slots); the chats' stages p50 (admission / "
+        f"queue / first token) idle {stages_text(mixed.get('stages_idle_p50_ms'))}, "
+        f"beside the job {stages_text(mixed.get('stages_beside_batch_p50_ms'))} ms",
         f"  batch of {accept['lines']:,} lines ({accept['file_mb']} MB): accepted in "
         f"{accept['accepted_s']} s, in_progress after {accept['in_progress_s']} s, "
         f"{accept['lines_done_in_run']:,} lines done in {accept['run_s']} s "

@@ -253,11 +253,11 @@ def fair_rows(runs: list[dict[str, Any]]) -> list[str]:
         f"{r['tokens_per_s']} tok/s in all); B's TTFT p50 {r['ttft_b_beside_a_p50_ms']} ms "
         f"beside A, {r['ttft_b_alone_p50_ms']} ms alone (x{r['ttft_ratio']}), "
         f"A's {r['ttft_a_p50_ms']} ms; B's stages p50 (admission / queue / first token) "
-        f"alone {_stages(r.get('stages_b_alone_p50_ms'))}, beside A "
-        f"{_stages(r.get('stages_b_beside_a_p50_ms'))} ms"
+        f"alone {stages_text(r.get('stages_b_alone_p50_ms'))}, beside A "
+        f"{stages_text(r.get('stages_b_beside_a_p50_ms'))} ms"
         for r in runs
     ]
 
 
-def _stages(p50s: dict[str, float | None] | None) -> str:
+def stages_text(p50s: dict[str, float | None] | None) -> str:
     return " / ".join(str(v) for v in (p50s or {}).values()) or "-"
