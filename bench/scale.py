@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,6 @@ from nats.aio.msg import Msg
 from bench.procs import free_port
 from bench.scale_connz import Received, read_connz, received_by
 from bench.scale_sim import KILL, LOAD, READY, sim_model, sim_node_id
-from fleet.aio import cancel_and_wait
 from fleet.bus.connect import connect
 from fleet.bus.embedded import ops_dir, server_binary
 from fleet.bus.kv_calls import kv_get
@@ -53,7 +51,6 @@ from fleet.runner.fault_engine import fault_card
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, NodeInfo, ShardAssignment
 from fleet.wire.codec import decode_model, encode
-from fleet.worker.node import node_info
 
 log = logging.getLogger("bench.scale")
 
@@ -62,7 +59,6 @@ NODES_PER_PROCESS = 250
 MODELS = 10
 BUSY_FRACTION = 0.1
 MAX_BUSY = 50
-STAND_IN_BATCH = 100
 CATALOGUE_POLL_S = 0.05
 # The baseline's simulated nodes each watch every heartbeat and advert: N²/3 messages a second
 # among themselves, past what this 2-core machine carries beyond a few hundred nodes.
@@ -217,34 +213,13 @@ async def sweeper_holder(nc: Client) -> str | None:
 
 
 async def add_sims(stack: Stack, nc: Client, upto: int) -> None:
-    """Simulated nodes up to `upto`, each with an instance of its model placed on it (before
-    it starts: a worker's instance watch then reads them as its first values, as a fleet
-    that exists already, instead of a burst of N writes to N watchers)."""
+    """Simulated nodes up to `upto`, each writing an instance of its model on itself once it
+    beats (`--place-own`). The harness used to place them before the nodes started and beat
+    for the nodes meanwhile (a stand-in): at N = 1,000 on a loaded machine its rounds of 900
+    puts outlasted the heartbeat TTL, and live nodes' instances were moved as if dead
+    (144 in the quiet run of 2026-12-05 00:27, some onto the real worker)."""
     have = sum(int(str(p.args[p.args.index("--count") + 1]))  # type: ignore[index, union-attr]
                for p in stack.sims)
-    # Until they beat themselves, the harness beats for the new nodes: an instance on a node
-    # without a heartbeat is one the sweeper would move (a fleet starting, not one running).
-    standing_in = asyncio.create_task(stand_in(nc, range(have, upto)))
-    try:
-        await _start_sims(stack, nc, have, upto)
-    finally:
-        # Ended for sure, not only cancelled: a plain cancel that lands as one of its puts is
-        # answered is dropped (Python 3.11's wait_for inside nats-py, fleet.aio), and at
-        # N = 1,000 (900 puts a round) the stand-in then beat on for every node, the killed
-        # one too: its key never expired and its failover was never seen within 60 s.
-        if await cancel_and_wait([standing_in]):
-            raise RuntimeError("scale: the stand-in heartbeats did not stop")
-
-
-async def _start_sims(stack: Stack, nc: Client, have: int, upto: int) -> None:
-    kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
-    for index in range(have, upto):
-        node = sim_node_id(index)
-        instance = Instance(
-            instance_id=f"{node}-i", model=sim_model(index, MODELS), slots=4,
-            shards=[ShardAssignment(node_id=node, runner_id=f"{node}-r0")],
-            created_at=time.time())
-        await kv.put(instance.instance_id, encode(instance))
     ready: asyncio.Queue[str] = asyncio.Queue()
 
     async def on_ready(msg: Msg) -> None:
@@ -280,8 +255,9 @@ def _sim(stack: Stack, first: int, count: int) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             [sys.executable, "-m", "bench.scale_sim", "--url", stack.url, "--first",
              str(first), "--count", str(count), "--models", str(MODELS), "--design",
-             stack.design], cwd=REPO, env={**stack.env(), "PYTHONPATH": str(REPO), **logs},
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+             stack.design, "--place-own"], cwd=REPO,
+            env={**stack.env(), "PYTHONPATH": str(REPO), **logs}, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def sweeper_log(stack: Stack, lines: int = 30) -> str:
@@ -291,26 +267,6 @@ def sweeper_log(stack: Stack, lines: int = 30) -> str:
 
 async def _holds_sweeper(nc: Client, node: str) -> bool:
     return await sweeper_holder(nc) == node
-
-
-async def stand_in(nc: Client, indexes: range) -> None:
-    """Heartbeats for nodes whose process is starting, every 3 s until cancelled."""
-    kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
-    template = node_info("template", time.time(), [], [], None)
-    models = sorted(sim_model(i, MODELS) for i in range(MODELS))
-    def beat(index: int) -> Awaitable[int]:
-        node = sim_node_id(index)
-        info = template.model_copy(update={"node_id": node, "models_available": models,
-                                           "runners": [f"{node}-r0"], "at": time.time()})
-        return kv.put(node, encode(info))
-
-    while True:
-        # STAND_IN_BATCH puts in flight at once: one at a time, a round of 900 took longer
-        # than the keys' TTL at load 12, and 119 starting nodes' instances were moved as dead.
-        for first in range(indexes.start, indexes.stop, STAND_IN_BATCH):
-            await asyncio.gather(*(beat(index) for index in
-                                   range(first, min(first + STAND_IN_BATCH, indexes.stop))))
-        await asyncio.sleep(3.0)  # the heartbeat period
 
 
 def _ps(process: subprocess.Popen[bytes]) -> psutil.Process:

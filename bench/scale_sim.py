@@ -41,7 +41,7 @@ from fleet.bus.kv_lasting import put_lasting
 from fleet.bus.kv_mirror import Mirror
 from fleet.bus.replies import inbox_reply
 from fleet.wire import subjects
-from fleet.wire.cluster import ModelCard, NodeInfo, RunnerRecord
+from fleet.wire.cluster import Instance, ModelCard, NodeInfo, RunnerRecord, ShardAssignment
 from fleet.wire.codec import encode
 from fleet.wire.events import TokenChunk
 from fleet.wire.prefixes import PrefixSummary
@@ -84,8 +84,9 @@ def sim_node_id(index: int) -> str:
 
 class SimNode:
     def __init__(self, url: str, index: int, models: int, template: NodeInfo,
-                 cards: dict[str, ModelCard], design: str) -> None:
+                 cards: dict[str, ModelCard], design: str, place_own: bool = False) -> None:
         self.url = url
+        self.place_own = place_own
         self.design = design
         self.index = index
         self.node_id = sim_node_id(index)
@@ -138,6 +139,15 @@ class SimNode:
         if not await set_within(caught_up, WATCH_CAUGHT_UP_S):
             log.warning("%s: its instance watch not caught up in %.0f s", self.node_id,
                         WATCH_CAUGHT_UP_S)
+        if self.place_own:
+            # An instance of its model on it, written once it beats: placed on a live node, as
+            # placement does, never one the sweeper could find without a heartbeat.
+            instance = Instance(
+                instance_id=f"{self.node_id}-i", model=self.model, slots=4,
+                shards=[ShardAssignment(node_id=self.node_id, runner_id=self.runner_id)],
+                created_at=time.time())
+            await kv_put(await js.key_value(subjects.INSTANCES_BUCKET), instance.instance_id,
+                         encode(instance))
 
     async def _beat(self) -> None:
         """The heartbeat's rounds (fleet.worker.heartbeat: every HEARTBEAT_S, at once when the
@@ -270,12 +280,13 @@ class _Link:
         return self.nc.is_connected
 
 
-async def run(url: str, first: int, count: int, models: int, design: str) -> None:
+async def run(url: str, first: int, count: int, models: int, design: str,
+              place_own: bool) -> None:
     template = node_info("template", time.time(), [], [], None)
     from fleet.runner.fault_engine import fault_card
 
     cards = {sim_model(i, models): fault_card(sim_model(i, models)) for i in range(models)}
-    nodes = {sim_node_id(i): SimNode(url, i, models, template, cards, design)
+    nodes = {sim_node_id(i): SimNode(url, i, models, template, cards, design, place_own)
              for i in range(first, first + count)}
     control = await connect(url, f"sim-control-{first}")
 
@@ -309,12 +320,15 @@ def main() -> None:
     parser.add_argument("--design", choices=("baseline", "current"), default="current",
                         help="baseline: composed as before the scale redesign (every node "
                         "watches every heartbeat and advert, and sweeps)")
+    parser.add_argument("--place-own", action="store_true",
+                        help="each node writes an instance of its model on itself once started")
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("SIM_LOG", "WARNING"),
                         format="%(asctime)s %(name)s: %(message)s")
     import uvloop
 
-    uvloop.run(run(args.url, args.first, args.count, args.models, args.design))
+    uvloop.run(run(args.url, args.first, args.count, args.models, args.design,
+                   args.place_own))
 
 
 if __name__ == "__main__":
