@@ -25,6 +25,7 @@ claims an id first owns it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -36,6 +37,7 @@ from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 from nats.js import JetStreamContext
 
+from fleet.aio import cancel_and_wait
 from fleet.bus.records import ClaimRecords
 from fleet.bus.replies import inbox_reply
 from fleet.bus.task_log import TaskLog
@@ -130,9 +132,21 @@ class Claims:
         return await self.log.has_events(task_id)
 
     async def admit(self, task_id: str, owner: str) -> RefusedReason | None:
-        """Claim `task_id` for `owner`; None when it may write on `fleet.out.<task_id>`."""
-        claim = await self.claim(task_id, owner)
-        earlier = claim is Claim.FRESH and await self.has_events(task_id)
+        """Claim `task_id` for `owner`; None when it may write on `fleet.out.<task_id>`.
+
+        The events look-up goes out beside the claim's create, not after it: they are two
+        round trips on every task's way to its runner (issue 23), and the look-up's answer
+        counts only for a fresh claim. Read before the create lands or after, it sees the
+        same: only a claim's holder writes on `fleet.out.<id>`, and a fresh claim had none.
+        """
+        events = asyncio.ensure_future(self.has_events(task_id))
+        try:
+            claim = await self.claim(task_id, owner)
+            earlier = claim is Claim.FRESH and await events
+        finally:  # owned here: a look-up not needed (or left by a failed claim) is ended
+            await cancel_and_wait([events])
+            if not events.cancelled():
+                events.exception()  # retrieved: its failure matters only when awaited above
         if (reason := refusal(claim, earlier)) == "task_id_used":
             # Nobody may own an id whose events are already there, this message included:
             # its redelivery would otherwise find its "own" claim and write on them.
