@@ -62,18 +62,22 @@ log = logging.getLogger(__name__)
 READY_S = 300.0  # a worker start plus a model load, on a loaded machine
 ROUND_S = 120.0
 STORED_WAIT_S = 10.0
-CASES = ("worker_kill", "runner_kill", "worker_pause", "worker_kill_cold")
 COLD = "worker_kill_cold"
+SHARDED = "sharded_kill"  # bench/seam_sharded.py; last: it adds a node and shards the model
+CASES = ("worker_kill", "runner_kill", "worker_pause", COLD, SHARDED)
 
 
 @dataclass
 class SeamPlan:
     rounds: int = 20  # faults per case
-    max_tokens: int = 120
+    max_tokens: int = 60  # 30 after the fault: enough to judge the stream, not minutes
     kill_at: int = 30  # tokens the client has seen when the fault comes
     pause_s: float = 10.0
+    sharded_kill_at: int = 10  # a 2-shard decode is slower; the seam is the group's re-form
+    sharded_max_tokens: int = 30
     ack_wait_s: float = 30.0  # the default: a dead worker is seen by the death watch
     load_tasks: int = 20  # answers run beside the CPU hogs, no fault
+    load_concurrency: int = 4
     hogs: int = 8
     load_target: float = 8.0  # the 1-minute load average the hogs reach before the answers
     load_wait_s: float = 150.0  # at most this long
@@ -85,9 +89,11 @@ class Worker:
     data_dir: Path
     env: dict[str, str]
     process: subprocess.Popen[bytes] | None = None
+    started: float = 0.0  # wall time of the last start: its heartbeats' `started_at` follow
 
     def start(self) -> None:
         log = (self.data_dir / "worker.log").open("ab")
+        self.started = time.time()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "fleet.cli", "--log-level", "info", "worker"], env=self.env,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -188,18 +194,20 @@ class SeamStack:
     def __init__(self, workdir: Path, env: dict[str, str], model: str, path: Path,
                  plan: SeamPlan) -> None:
         self.workdir, self.model, self.plan = workdir, model, plan
+        self.path, self.env = path, env
         self.server = EmbeddedNats(workdir / "nats", port=free_port())
-        self.workers: list[Worker] = []
-        for name in ("a", "b"):
-            data_dir = workdir / name
-            seed_data_dir(data_dir, {model: path}, {})
-            self.workers.append(Worker(name, data_dir, {
-                **env, "FLEET_NATS_URL": self.server.url, "FLEET_DATA_DIR": str(data_dir),
-                "FLEET_AUTO_PLACE": "0", "FLEET_ACK_WAIT_S": str(plan.ack_wait_s),
-            }))
+        self.workers = [self.worker(name) for name in ("a", "b")]
         self.eos = _eos_ids(path)
         self.nc: Client | None = None
         self.dead_runners: set[str] = set()
+
+    def worker(self, name: str) -> Worker:
+        data_dir = self.workdir / name
+        seed_data_dir(data_dir, {self.model: self.path}, {})
+        return Worker(name, data_dir, {
+            **self.env, "FLEET_NATS_URL": self.server.url, "FLEET_DATA_DIR": str(data_dir),
+            "FLEET_AUTO_PLACE": "0", "FLEET_ACK_WAIT_S": str(self.plan.ack_wait_s),
+        })
 
     async def start(self) -> Client:
         await asyncio.to_thread(self.server.start)
@@ -212,15 +220,40 @@ class SeamStack:
         return self.nc
 
     async def serving(self, worker: Worker) -> None:
-        """Wait for the worker's node id, place the model there (once), wait for its runner."""
+        """Wait for the worker's own heartbeat, place the model there (once), wait for its
+        runner."""
         assert self.nc is not None
         deadline = time.monotonic() + READY_S
+        await self.beating(worker, deadline)
+        await self.one_instance_on(worker.node_id, deadline)
+        try:
+            await self.runner_ready(worker.node_id, deadline)
+        except TimeoutError as exc:  # say where the model is: what the wait could not see
+            where = [(i.instance_id, [s.node_id for s in i.shards])
+                     for i in await read_instances(self.nc.jetstream())
+                     if i.model == self.model]
+            raise TimeoutError(f"{exc}; instances of {self.model} now: {where}") from None
+
+    async def beating(self, worker: Worker, deadline: float) -> None:
+        """Until a heartbeat of the worker's current process is in FLEET_NODES. A restarted
+        worker's node id is known at once (its data dir keeps it), and its dead predecessor's
+        key outlives it by up to the TTL (15 s): a model placed there before the new process
+        beats lands on a node the death watch declared dead, and the sweeper moves it to the
+        other node within a sweep (5 s). That is what broke the quiet smollm2 run after its
+        cold case: the bench waited 300 s for a runner on a node that no longer held the
+        model (and the restarted worker printed its dead predecessor's last record, 'runner
+        ... is ready', from FLEET_RUNNERS)."""
+        assert self.nc is not None
         while not (worker.data_dir / "node_id").exists():
             if time.monotonic() > deadline:
                 raise TimeoutError(f"worker {worker.name} never wrote its node id")
             await asyncio.sleep(0.1)  # polling a starting process, bounded by the deadline
-        await self.one_instance_on(worker.node_id, deadline)
-        await self.runner_ready(worker.node_id, deadline)
+        node_id = worker.node_id
+        await until_entry(
+            self.nc, subjects.NODES_BUCKET,
+            lambda entry: bool(entry.value) and entry.key == node_id
+            and decode_model(NodeInfo, entry.value).started_at >= worker.started,
+            deadline, f"no heartbeat of worker {worker.name}'s new process on {node_id}")
 
     async def one_instance_on(self, node_id: str, deadline: float) -> None:
         """Exactly one instance of the model on each worker's node: a worker dead longer than
@@ -265,9 +298,9 @@ class SeamStack:
                           f"no new runner of {self.model} became ready on {node_id}")
         return seen_at[0]
 
-    def task(self, task_id: str) -> TextGeneration:
+    def task(self, task_id: str, max_tokens: int = 0) -> TextGeneration:
         return TextGeneration(
-            task_id=task_id, model=self.model, max_tokens=self.plan.max_tokens,
+            task_id=task_id, model=self.model, max_tokens=max_tokens or self.plan.max_tokens,
             temperature=0.0, logit_bias=dict.fromkeys(self.eos, -100.0),
             messages=[ChatMessage(role="user", content="Tell me a long story about the sea")],
         )
@@ -282,7 +315,7 @@ class SeamStack:
             await remove(js, extra.instance_id)
         spare = next(w for w in self.workers if not any(
             i.shard_on(w.node_id) for i in mine[:1]))
-        await self.standby_warm(spare.node_id, time.monotonic() + READY_S)
+        await self.standby_warm(spare, time.monotonic() + READY_S)
         await self.both_leases_held(time.monotonic() + READY_S)
 
     async def both_leases_held(self, deadline: float) -> None:
@@ -305,17 +338,24 @@ class SeamStack:
         await until_entry(self.nc, "FLEET_LEASES", both, deadline,
                           "the sweeper and sentinel leases were not both held")
 
-    async def standby_warm(self, node_id: str, deadline: float) -> None:
-        """Until `node_id`'s heartbeat says a warm standby runner waits there."""
+    async def standby_warm(self, worker: Worker, deadline: float) -> None:
+        """Until the heartbeat of `worker`'s current process says a warm standby runner
+        waits there (not its dead predecessor's key, which outlives it by up to the TTL)."""
         assert self.nc is not None
-        await until_entry(
-            self.nc, subjects.NODES_BUCKET,
-            lambda entry: bool(entry.value) and entry.key == node_id
-            and decode_model(NodeInfo, entry.value).standby_runner,
-            deadline, f"no warm standby runner on {node_id}")
+        node_id = worker.node_id
+
+        def warm(entry: KeyValue.Entry) -> bool:
+            if not entry.value or entry.key != node_id:
+                return False
+            info = decode_model(NodeInfo, entry.value)
+            return info.standby_runner and info.started_at >= worker.started
+
+        await until_entry(self.nc, subjects.NODES_BUCKET, warm, deadline,
+                          f"no warm standby runner on {node_id}")
 
     async def round(self, case: str, index: int) -> dict[str, Any]:
         assert self.nc is not None
+        began = time.monotonic()
         if case == COLD:
             await self.only_on_one_node()
         task = self.task(f"seam-{case}-{index}-{time.time_ns()}")
@@ -347,6 +387,10 @@ class SeamStack:
                                             ROUND_S)
                 if case == "worker_pause":
                     await self.resume(victim, faulted_at)
+            if case in ("worker_kill", COLD):
+                # The seam is measured: the victim's start (imports, connect) overlaps the
+                # rest of the answer instead of following it.
+                victim.start()
             await watch.until(watch.done, ROUND_S)
         finally:
             await sub.unsubscribe()
@@ -360,6 +404,7 @@ class SeamStack:
         row["attempts"] = len(accepted)
         row["moved_from"] = accepted[-1].moved_from if accepted else None
         await self.recover(case, victim)
+        row["round_s"] = round(time.monotonic() - began, 1)  # the fault's whole cost, recovery in
         return row
 
     async def stored(self, task_id: str) -> list[OutputEvent]:
@@ -390,10 +435,18 @@ class SeamStack:
         os.kill(victim.process.pid, signal.SIGCONT)
 
     async def recover(self, case: str, victim: Worker) -> None:
-        if case in ("worker_kill", COLD):
-            victim.start()
+        """Back to one ready runner on each node (the cold case's next round sets up its own
+        start: the restarted victim is its spare)."""
         if case in ("worker_kill", "runner_kill"):
             await self.serving(victim)
+
+    async def revive(self) -> None:
+        """After a round that broke: a worker it left dead is started and served again."""
+        for worker in self.workers:
+            if worker.process is None or worker.process.poll() is not None:
+                worker.start()
+                with contextlib.suppress(Exception):
+                    await self.serving(worker)
 
     async def stop(self) -> None:
         if self.nc is not None:
@@ -417,24 +470,36 @@ async def false_takeovers(stack: SeamStack) -> dict[str, Any]:
         while os.getloadavg()[0] < stack.plan.load_target and time.monotonic() < deadline:
             await asyncio.sleep(1.0)  # the load average is a 1-minute mean: let it climb
         load_before = os.getloadavg()[0]
+        began = time.monotonic()
         taken_over = 0
-        for index in range(stack.plan.load_tasks):
-            task = stack.task(f"seam-load-{index}-{time.time_ns()}")
-            watch = Watch()
-            sub = await stack.nc.subscribe(subjects.out(task.task_id), cb=watch.on_msg)
-            try:
-                await js_publish(stack.nc.jetstream(), subjects.tasks(task.model), task,
-                                 msg_id=task.task_id)
-                await watch.until(watch.done, ROUND_S)
-            finally:
-                await sub.unsubscribe()
-            taken_over += len(watch.accepted()) > 1
+        # A few at a time (a worker's slots run them side by side): each answer under load
+        # is what a death watch could misjudge, and one by one they took minutes of smollm2.
+        for first in range(0, stack.plan.load_tasks, stack.plan.load_concurrency):
+            batch = range(first, min(stack.plan.load_tasks, first + stack.plan.load_concurrency))
+            watches = await asyncio.gather(*(loaded_answer(stack, index) for index in batch))
+            taken_over += sum(len(watch.accepted()) > 1 for watch in watches)
         return {"tasks": stack.plan.load_tasks, "taken_over": taken_over,
-                "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)]}
+                "load_average": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+                "answers_s": round(time.monotonic() - began, 1)}
     finally:
         for hog in hogs:
             hog.kill()
             hog.wait(10)
+
+
+async def loaded_answer(stack: SeamStack, index: int) -> Watch:
+    """One answer, no fault, to its end: its events."""
+    assert stack.nc is not None
+    task = stack.task(f"seam-load-{index}-{time.time_ns()}")
+    watch = Watch()
+    sub = await stack.nc.subscribe(subjects.out(task.task_id), cb=watch.on_msg)
+    try:
+        await js_publish(stack.nc.jetstream(), subjects.tasks(task.model), task,
+                         msg_id=task.task_id)
+        await watch.until(watch.done, ROUND_S)
+    finally:
+        await sub.unsubscribe()
+    return watch
 
 
 async def run_seam(
@@ -442,19 +507,25 @@ async def run_seam(
     cases: tuple[str, ...] = CASES,
 ) -> dict[str, Any]:
     """The seam of every case on `model` (a catalogue model: tiny-llm, smollm2-135m)."""
+    from bench.seam_sharded import run_sharded
+
     stack = SeamStack(workdir / f"seam-{model}", env, model, path, plan)
     result: dict[str, Any] = {"model": model, "plan": plan.__dict__, "cases": {}}
+    unsharded = [case for case in cases if case != SHARDED]
     try:
         await stack.start()
-        for case in cases:
+        for case in unsharded:
+            began = time.monotonic()
             rows = []
             for index in range(plan.rounds):
                 try:
                     rows.append(await stack.round(case, index))
                 except Exception as exc:  # a round that broke is a finding, not the end
                     rows.append({"error": f"{type(exc).__name__}: {exc}"})
-            result["cases"][case] = summarise(rows)
-            if case == COLD:  # back to one instance on each node for what follows
+                    await stack.revive()
+            result["cases"][case] = summarise(rows, time.monotonic() - began)
+            if case == COLD and (case != unsharded[-1] or plan.load_tasks):
+                # Back to one instance on each node for what follows.
                 try:
                     for worker in stack.workers:
                         await stack.serving(worker)
@@ -467,15 +538,22 @@ async def run_seam(
                     return result
         if plan.load_tasks:
             result["false_takeovers"] = await false_takeovers(stack)
+        if SHARDED in cases:
+            began = time.monotonic()
+            rows = await run_sharded(stack)
+            result["cases"][SHARDED] = summarise(rows, time.monotonic() - began)
     finally:
         await stack.stop()
     return result
 
 
-def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def summarise(rows: list[dict[str, Any]], elapsed_s: float = 0.0) -> dict[str, Any]:
     seams = sorted(r["seam_s"] for r in rows if "seam_s" in r)
     return {
         "rounds": len(rows),
+        # What a fault costs the run, its recovery included: how long a plan takes.
+        "elapsed_s": round(elapsed_s, 1),
+        "per_fault_s": round(elapsed_s / len(rows), 1) if rows else None,
         "p50_s": round(statistics.median(seams), 2) if seams else None,
         "p99_s": round(seams[min(len(seams) - 1, int(0.99 * len(seams)))], 2) if seams else None,
         "max_s": seams[-1] if seams else None,
@@ -488,6 +566,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "over_spare_ready_p50_s": round(statistics.median(
                 r["seam_s"] - r["spare_ready_s"] for r in rows if "spare_ready_s" in r), 2)}
            if (ready := [r["spare_ready_s"] for r in rows if "spare_ready_s" in r]) else {}),
+        # The sharded case: kill -> both ranks of the re-formed group ready.
+        **({"group_ready_p50_s": round(statistics.median(grouped), 2)}
+           if (grouped := [r["group_ready_s"] for r in rows if "group_ready_s" in r]) else {}),
         "rows": rows,
     }
 
@@ -503,6 +584,10 @@ def seam_table(results: list[dict[str, Any]]) -> list[str]:
             if "spare_ready_p50_s" in row:
                 label += (f" (spare's runner ready p50 {row['spare_ready_p50_s']} s after the "
                           f"kill; seam - that p50 {row['over_spare_ready_p50_s']} s)")
+            if "group_ready_p50_s" in row:
+                label += (f" (2 shards, rank 0/1 alternately; the group ready p50 "
+                          f"{row['group_ready_p50_s']} s after the kill)")
+            label += f", {row['per_fault_s']} s a fault"
             lines.append(
                 f"| {result['model']} | {label} | {row['rounds']} | {row['p50_s']} | "
                 f"{row['p99_s']} | {row['max_s']} | {row['gaps']} | {row['duplicates']} | "
