@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seam: faults per case (default 20; --quick 2)")
     p.add_argument("--seam-cases",
                    help="seam: comma-separated cases (default all: worker_kill, runner_kill, "
-                   "worker_pause, worker_kill_cold, false_takeovers)")
+                   "worker_pause, worker_kill_cold, false_takeovers, sharded_kill)")
     p.add_argument("--plumbing-s", type=float,
                    help="plumbing: seconds of each 64-stream rate run (default 60; --quick 3)")
     p.add_argument("--conversations", type=int,
