@@ -87,6 +87,7 @@ class Stack:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     sims: list[subprocess.Popen[bytes]] = field(default_factory=list)
     gateway_ports: list[int] = field(default_factory=list)
+    worker_node: str = ""
 
     def __post_init__(self) -> None:
         self.nats_ports = [free_port() for _ in range(self.servers)]
@@ -198,6 +199,7 @@ async def start_real(stack: Stack, nc: Client, gateways: int) -> None:
         return next((n for n in nodes if not n.node_id.startswith("sim-")), None)
 
     node = await _wait(worker_node, 120, "the real worker")
+    stack.worker_node = node.node_id
     instances = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
     placed = new_instance(card, node, 4, time.time(), f"{card.id}-real")
     await instances.put(placed.instance_id, encode(placed))
@@ -237,12 +239,12 @@ async def add_sims(stack: Stack, nc: Client, upto: int) -> None:
             await asyncio.wait_for(ready.get(), 120)
             await _wait(lambda: _holds_sweeper(nc, sim_node_id(0)), 30, "the sweeper lease")
             have = 1
-        started = 0
         for first in range(have, upto, NODES_PER_PROCESS):
+            # One process at a time: four starting together (1,000 connections, each node
+            # reading the instance table) starved the running nodes' beats at load 14, and
+            # 24 live nodes' instances were moved (3 onto the real worker).
             stack.sims.append(_sim(stack, first, min(NODES_PER_PROCESS, upto - first)))
-            started += 1
-        for _ in range(started):
-            await asyncio.wait_for(ready.get(), 120 + upto / 5)
+            await asyncio.wait_for(ready.get(), 120 + NODES_PER_PROCESS / 2)
     finally:
         await sub.unsubscribe()
 
@@ -308,6 +310,29 @@ async def measure(stack: Stack, window_s: float) -> dict[str, Any]:
         out[name] = row
     out["loadavg"] = round(os.getloadavg()[0], 1)  # the machine's, shared: read with the numbers
     return out
+
+
+async def _still(nc: Client, bucket: str, still_s: float, timeout: float = 180.0) -> None:
+    """Until `bucket` has taken no write for `still_s` (its stream's last sequence), or
+    `timeout` (logged)."""
+    js = nc.jetstream()
+    began = time.monotonic()
+    last, since = -1, time.monotonic()
+    while time.monotonic() - began < timeout:
+        seq = (await js.stream_info(f"KV_{bucket}")).state.last_seq
+        if seq != last:
+            last, since = seq, time.monotonic()
+        elif time.monotonic() - since >= still_s:
+            return
+        await asyncio.sleep(0.5)  # polling the stream's state: the resolution of "still"
+    log.warning("scale: %s still changing after %.0f s; measured anyway", bucket, timeout)
+
+
+async def instances_on(nc: Client, node: str) -> int:
+    """How many instances have a shard on `node` (the real worker: 1 unless the sweeper moved
+    a live simulated node's instance onto it, which adds a runner to what it is measured at)."""
+    placed = await live_values(nc.jetstream(), subjects.INSTANCES_BUCKET, Instance)
+    return sum(any(s.node_id == node for s in i.shards) for i in placed)
 
 
 async def moved_while_alive(nc: Client, n: int, killed: set[str]) -> list[str]:
@@ -449,8 +474,11 @@ async def run_design(src: Path, design: str, plan: ScalePlan, work: Path) -> dic
             await add_sims(stack, nc, n)
             if "worker" not in stack.procs:
                 await start_real(stack, nc, plan.gateways)
-            await asyncio.sleep(plan.settle_s)  # watches catch up with the new nodes
+            # The nodes' placements reach every watcher (the real worker plans once a change,
+            # each gateway decodes it): measured only once the table has been still a while.
+            await _still(nc, subjects.INSTANCES_BUCKET, plan.settle_s)
             idle = await measure(stack, plan.window_s)
+            idle["worker_instances"] = await instances_on(nc, stack.worker_node)
             busy = [sim_node_id(i) for i in busy_nodes(n)]
             await nc.publish(LOAD, orjson.dumps({"busy": busy}))
             await asyncio.sleep(2.0)  # streams and adverts start
@@ -499,8 +527,9 @@ def table(result: dict[str, Any]) -> list[str]:
     lines = [f"### {result['design']} ({result['src']})", "",
              "| N | load | worker msgs/s | worker KB/s | worker CPU | worker RSS MB | "
              "gateway msgs/s | gateway KB/s | gateway CPU | nats CPU | sweeper CPU | "
-             "placement p50 ms | catalogue s | failover s | moved alive | load avg |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "placement p50 ms | catalogue s | failover s | moved alive | worker instances | "
+             "load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n, step in result["steps"].items():
         for phase in ("idle", "load"):
             row = step[phase]
@@ -514,6 +543,7 @@ def table(result: dict[str, Any]) -> list[str]:
                 f"{step.get('catalogue_s', '-') if phase == 'idle' else ''} | "
                 f"{_seconds(step.get('failover_s', '-')) if phase == 'idle' else ''} | "
                 f"{len(step.get('moved_alive', [])) if phase == 'idle' else ''} | "
+                f"{row.get('worker_instances', '')} | "
                 f"{row.get('loadavg', '-')} |")
     return lines
 
