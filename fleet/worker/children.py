@@ -52,7 +52,7 @@ class Feeds:
         try:
             msgs = await self.puller.fetch(model, batch, reserve, only, interrupt)
         finally:  # always: the planner pulls again only after PullEnded
-            self.inbox.put_nowait(Fetched(model, msgs))
+            self.inbox.put_nowait(Fetched(model, msgs, drained=len(msgs) < batch))
 
     async def fetch_inputs(self, task_id: str, hashes: tuple[str, ...]) -> None:
         try:

@@ -29,6 +29,7 @@ class Fetched:
 
     model: str
     msgs: list[Msg]
+    drained: bool = False  # fewer came back than it asked for: the queue had no more
 
 
 @dataclass(frozen=True)

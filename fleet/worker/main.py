@@ -101,6 +101,7 @@ class Worker:
         self.handler_failures = 0  # inbox items whose handling raised (logged each time)
         # Set to end a model's preemption probe early (a slot freed): its last pull's.
         self._probe_ends: dict[str, asyncio.Event | None] = {}
+        self._held_wake: asyncio.TimerHandle | None = None  # plans when a held pull may go
 
     def _held_acks(self) -> list[str]:
         msgs = (self.acks.message(key) for key in self.acks.held())
@@ -215,11 +216,21 @@ class Worker:
         while (action := rules.plan(self.state, time.time())) is not None:
             await self._act(action)
         self.runners.tend_standby(self.state)
+        now = time.time()
+        if self._held_wake is None and (until := rules.pulls_held_until(self.state, now)):
+            # A pull held for intakes (plan.pull_held_until): plan again when the hold ends,
+            # should no intake answer before.
+            self._held_wake = asyncio.get_running_loop().call_later(
+                until - now, self._wake_held)
+
+    def _wake_held(self) -> None:
+        self._held_wake = None
+        self.inbox.put_nowait(Tick())
 
     async def handle(self, item: InboxItem) -> None:
         match item:
-            case Fetched(model=model, msgs=msgs):
-                self.apply(ev.PullEnded(model))
+            case Fetched(model=model, msgs=msgs, drained=drained):
+                self.apply(ev.PullEnded(model, drained=drained))
                 for msg in msgs:
                     self._take(msg)
             case TakenIn() as taken:
@@ -268,7 +279,8 @@ class Worker:
             self._renew(key, msg, now)
         else:
             self.acks.hold(key, msg, now)  # the beats keep it alive while it is taken in
-        self.apply(ev.IntakeStarted(key, subjects.model_of_task_subject(msg.subject)))
+        self.apply(ev.IntakeStarted(key, subjects.model_of_task_subject(msg.subject),
+                                    time.time()))
         self.owner.spawn(f"intake {key}", self._receive(key, msg, span, handed_in))
 
     def _renew(self, key: str, msg: Msg, now: float) -> None:

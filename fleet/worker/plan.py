@@ -19,6 +19,9 @@ from fleet.worker.state import WorkerState, group_layout, ranks_of
 
 RESTART_BASE_S = 1.0
 RESTART_CAP_S = 60.0
+# A drained model's next pull waits up to this long for the intakes its last fetch started
+# (`pull_held_until`); an intake is a claim and a listing, a few ms.
+INTAKE_HOLD_S = 0.05
 LIFECYCLE = {"idle": "connect_to_group", "connected": "load_model", "loaded": "warm_up"}
 
 
@@ -241,7 +244,8 @@ def pull(state: WorkerState, now: float) -> Action | None:
         free[model] = free.get(model, 0) - 1
     for model, slots in sorted(free.items()):
         slots = min(slots, room.get(model, 0))
-        if slots > 0 and model not in state.pulling:
+        if (slots > 0 and model not in state.pulling
+                and pull_held_until(state, model, now) is None):
             return Pull(model, slots, reserve_for(capacity.get(model, 0)))
         if slots > 0 and model in state.probing:
             return EndProbe(model)
@@ -249,6 +253,28 @@ def pull(state: WorkerState, now: float) -> Action | None:
         if pull_to_preempt(state, model):
             return Pull(model, 1, only="interactive")
     return None
+
+
+def pull_held_until(state: WorkerState, model: str, now: float) -> float | None:
+    """When the hold on `model`'s next pull ends, or None when it is not held. A fetch
+    that came back with fewer tasks than it asked for found the queue empty: the next pull
+    waits while the intakes that fetch started are younger than INTAKE_HOLD_S, so the tasks
+    already here reach their runner first. Pulled at once, its round trips (a pull for each
+    class, the tenant lanes' counts and pulls, the long wait) shared the loop and the broker
+    with each intake's claim and listing, at light load on every task (issue 23). After a
+    full fetch more may be queued: pulled at once."""
+    if model not in state.drained:
+        return None
+    until = max((at + INTAKE_HOLD_S for key, at in state.intake_began.items()
+                 if state.receiving.get(key) == model), default=None)
+    return until if until is not None and until > now else None
+
+
+def pulls_held_until(state: WorkerState, now: float) -> float | None:
+    """The earliest end of a hold on any model's pull (`pull_held_until`): when to plan
+    again if no intake has answered by then."""
+    return min((until for model in state.drained
+                if (until := pull_held_until(state, model, now)) is not None), default=None)
 
 
 RULES = (

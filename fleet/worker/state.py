@@ -158,6 +158,9 @@ class WorkerState:
     # task messages being taken in (claim, checks) by a child: their key -> the model. They
     # count as waiting tasks (pull sizes, hand-offs) and their messages are kept alive.
     receiving: Mapping[str, str] = field(default_factory=dict)
+    intake_began: Mapping[str, float] = field(default_factory=dict)  # key -> when (time.time)
+    # models whose last fetch came back with fewer tasks than it asked for: none queued then
+    drained: frozenset[str] = frozenset()
     starting: frozenset[str] = frozenset()  # instances whose runner is being prepared
     stopping: bool = False
     routing: Weights = field(default_factory=Weights)
@@ -285,6 +288,7 @@ class PullStarted:
 @dataclass(frozen=True)
 class PullEnded:
     model: str
+    drained: bool = False  # fewer came back than it asked for: the queue had no more
 
 
 @dataclass(frozen=True)
@@ -300,6 +304,7 @@ class IntakeStarted:
 
     key: str  # the message's intake key (fleet.worker.acks.intake_key)
     model: str
+    at: float = 0.0  # when (time.time()): a young intake holds a drained model's pull
 
 
 @dataclass(frozen=True)
@@ -527,8 +532,9 @@ def _(event: PullStarted, state: WorkerState) -> WorkerState:
 
 @_apply.register
 def _(event: PullEnded, state: WorkerState) -> WorkerState:
+    drained = state.drained | {event.model} if event.drained else state.drained - {event.model}
     return replace(state, pulling=state.pulling - {event.model},
-                   probing=state.probing - {event.model})
+                   probing=state.probing - {event.model}, drained=drained)
 
 
 @_apply.register
@@ -569,12 +575,16 @@ def _(event: TaskReleased, state: WorkerState) -> WorkerState:
 
 @_apply.register
 def _(event: IntakeStarted, state: WorkerState) -> WorkerState:
-    return replace(state, receiving={**state.receiving, event.key: event.model})
+    return replace(state, receiving={**state.receiving, event.key: event.model},
+                   intake_began={**state.intake_began, event.key: event.at})
 
 
 @_apply.register
 def _(event: IntakeEnded, state: WorkerState) -> WorkerState:
-    return replace(state, receiving={k: v for k, v in state.receiving.items() if k != event.key})
+    return replace(
+        state, receiving={k: v for k, v in state.receiving.items() if k != event.key},
+        intake_began={k: v for k, v in state.intake_began.items() if k != event.key},
+    )
 
 
 @_apply.register

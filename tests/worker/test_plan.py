@@ -25,6 +25,7 @@ from fleet.wire.runners import (
 from fleet.wire.tasks import ImageEdits, TextGeneration
 from fleet.worker import state as ev
 from fleet.worker.plan import (
+    INTAKE_HOLD_S,
     RESTART_BASE_S,
     RESTART_CAP_S,
     Action,
@@ -37,6 +38,8 @@ from fleet.worker.plan import (
     SpawnRunner,
     StopRunner,
     plan,
+    pull_held_until,
+    pulls_held_until,
 )
 from fleet.worker.state import (
     Failure,
@@ -443,3 +446,40 @@ def test_rank_1_of_a_sharded_instance_takes_no_tasks_and_restarts_when_its_group
     assert plan(world([moved], [follower]), T0) == StopRunner(
         "run-1", "its group changed", now=True
     )
+
+
+# ---- a drained model's next pull waits for its young intakes (issue 23) -----------------
+
+def taking_in(began: float, *, drained: bool = True, model: str = TINY) -> WorkerState:
+    """A ready 4-slot runner, one message of `model` being taken in since `began`."""
+    state = world([INST], [READY])
+    return replace(state, receiving={"intake-1": model}, intake_began={"intake-1": began},
+                   drained=frozenset({TINY}) if drained else frozenset())
+
+
+@pytest.mark.parametrize(("state", "now", "held_until", "expected"), [
+    pytest.param(taking_in(T0), T0 + 0.01, T0 + INTAKE_HOLD_S, None,
+                 id="drained-and-a-young-intake-holds-the-pull"),
+    pytest.param(taking_in(T0), T0 + INTAKE_HOLD_S, None, Pull(TINY, 3, 1),
+                 id="an-intake-older-than-the-hold-holds-nothing"),
+    pytest.param(taking_in(T0, drained=False), T0 + 0.01, None, Pull(TINY, 3, 1),
+                 id="after-a-full-fetch-more-may-be-queued-pulled-at-once"),
+    pytest.param(taking_in(T0, model="other-llm"), T0 + 0.01, None, Pull(TINY, 4, 1),
+                 id="another-models-intake-holds-nothing"),
+    pytest.param(replace(world([INST], [READY]), drained=frozenset({TINY})), T0, None,
+                 Pull(TINY, 4, 1), id="drained-with-no-intake-pulls"),
+])
+def test_a_drained_models_pull_waits_for_its_young_intakes(
+    state: WorkerState, now: float, held_until: float | None, expected: Action | None
+) -> None:
+    assert pull_held_until(state, TINY, now) == held_until
+    assert pulls_held_until(state, now) == held_until
+    assert plan(state, now) == expected
+
+
+def test_the_hold_ends_at_the_youngest_intakes_bound() -> None:
+    state = replace(taking_in(T0), receiving={"intake-1": TINY, "intake-2": TINY},
+                    intake_began={"intake-1": T0, "intake-2": T0 + 0.02})
+    assert pull_held_until(state, TINY, T0 + INTAKE_HOLD_S) == T0 + 0.02 + INTAKE_HOLD_S
+    state = apply(state, ev.IntakeEnded("intake-2"))
+    assert plan(state, T0 + INTAKE_HOLD_S) == Pull(TINY, 3, 1)

@@ -109,6 +109,10 @@ ROWS = [
                  id="pull-started"),
     pytest.param(given(pulling=frozenset({"tiny-llm", "tiny-flux2"})), ev.PullEnded("tiny-llm"),
                  given(pulling=frozenset({"tiny-flux2"})), id="pull-ended-for-that-model-only"),
+    pytest.param(given(pulling=frozenset({"tiny-llm"})), ev.PullEnded("tiny-llm", drained=True),
+                 given(drained=frozenset({"tiny-llm"})), id="a-short-pull-marks-its-model-drained"),
+    pytest.param(given(pulling=frozenset({"tiny-llm"}), drained=frozenset({"tiny-llm"})),
+                 ev.PullEnded("tiny-llm"), EMPTY, id="a-full-pull-clears-the-mark"),
     # ---- a task's record: pins, cancels, its ending, until it is released ------------------
     pytest.param(EMPTY, ev.InputsPinned("t-2", (SHA,)),
                  given(tasks={"t-2": TaskRecord(pinned=(SHA,))}), id="inputs-pinned"),
@@ -155,10 +159,13 @@ ROWS = [
     pytest.param(given(tasks={"t-1": TaskRecord(ending=True)}), ev.TaskReleased("t-1"), EMPTY,
                  id="an-ended-task-is-released-once-its-terminal-went"),
     # ---- intakes ---------------------------------------------------------------------------
-    pytest.param(EMPTY, ev.IntakeStarted("intake-7", "tiny-llm"),
-                 given(receiving={"intake-7": "tiny-llm"}), id="intake-started"),
-    pytest.param(given(receiving={"intake-7": "tiny-llm", "intake-8": "tiny-llm"}),
-                 ev.IntakeEnded("intake-7"), given(receiving={"intake-8": "tiny-llm"}),
+    pytest.param(EMPTY, ev.IntakeStarted("intake-7", "tiny-llm", 5.0),
+                 given(receiving={"intake-7": "tiny-llm"}, intake_began={"intake-7": 5.0}),
+                 id="intake-started"),
+    pytest.param(given(receiving={"intake-7": "tiny-llm", "intake-8": "tiny-llm"},
+                       intake_began={"intake-7": 5.0, "intake-8": 6.0}),
+                 ev.IntakeEnded("intake-7"),
+                 given(receiving={"intake-8": "tiny-llm"}, intake_began={"intake-8": 6.0}),
                  id="intake-ended-for-that-message-only"),
     pytest.param(EMPTY, ev.IntakeEnded("intake-9"), EMPTY, id="unknown-intake-ended-is-harmless"),
     # ---- tasks -----------------------------------------------------------------------------
