@@ -5,8 +5,9 @@
 
 The machine owns no thread and no pipe: `handle(command)` and `step()` are called by one loop
 (fleet.runner.main in the subprocess, or a test in-process) and every report goes to `emit`.
-For each task it emits, in order: TaskRunning, RunnerStatusReport(Running), TaskAccepted, the
-engine's chunks, one TaskFinished, then RunnerStatusReport(Ready) once no task remains.
+For each task it emits, in order: TaskAccepted (first: the worker publishes it before it reads
+the rest, issue 23), TaskRunning, RunnerStatusReport(Running), the engine's chunks, one
+TaskFinished, then RunnerStatusReport(Ready) once no task remains.
 
 A command the current state does not accept is a bug in the sender, surfaced, never ignored:
 a task sent at the wrong time ends failed with a message saying why; any other stray command
@@ -190,8 +191,6 @@ class RunnerMachine:
     def _start(self, command: SubmitTask) -> None:
         task = command.task
         self._in_flight[task.task_id] = None
-        self._emit(TaskRunning(task_id=task.task_id))
-        self._become(RunnerRunning(active_tasks=len(self._in_flight)))
         self._emit(
             TaskAccepted(
                 task_id=task.task_id,
@@ -207,6 +206,8 @@ class RunnerMachine:
                 seed=sampling_seed(task),
             )
         )
+        self._emit(TaskRunning(task_id=task.task_id))
+        self._become(RunnerRunning(active_tasks=len(self._in_flight)))
         admission = Admission(
             task=task,
             inputs={sha: Path(path) for sha, path in command.inputs.items()},

@@ -152,9 +152,9 @@ def test_one_task_from_idle_to_ready_again(machine: RunnerMachine, emitted: Reco
     run_until_idle(machine)
     assert emitted.take() == [
         *LIFECYCLE,
+        accepted("t1", trace_id=TRACE, delivery=2),
         TaskRunning(task_id="t1"),
         status(RunnerRunning(active_tasks=1)),
-        accepted("t1", trace_id=TRACE, delivery=2),
         token("t1", 0),
         token("t1", 1),
         token("t1", 2),
@@ -205,9 +205,9 @@ def test_a_rejected_task_ends_failed_after_it_was_accepted(
 ) -> None:
     ready.handle(submit("t1", "reject:context_length"))
     assert emitted.take() == [
+        accepted("t1"),
         TaskRunning(task_id="t1"),
         status(RunnerRunning(active_tasks=1)),
-        accepted("t1"),
         ended(
             "t1", "failed", ErrorReason.CONTEXT_LENGTH, "fault injected: rejected as context_length"
         ),
@@ -238,12 +238,12 @@ def test_two_tasks_share_the_runner_and_the_count_follows(
     run_until_idle(ready)
     kinds = [(r.type, getattr(r, "task_id", None) or r.status) for r in emitted.take()]
     assert kinds == [
+        ("task_accepted", "a"),
         ("task_running", "a"),
         ("runner_status", RunnerRunning(active_tasks=1)),
-        ("task_accepted", "a"),
+        ("task_accepted", "b"),
         ("task_running", "b"),
         ("runner_status", RunnerRunning(active_tasks=2)),
-        ("task_accepted", "b"),
         ("token", "a"),
         ("task_finished", "a"),
         ("token", "b"),
@@ -387,11 +387,11 @@ def test_one_task_on_the_real_text_engine(tiny_llm_dir: Path, emitted: Recorder)
     tokens = [r for r in task_reports if isinstance(r, TokenChunk)]
     finished = task_reports[-2]
     assert task_reports == [
+        accepted("t1", model="tiny-llm", trace_id=TRACE).model_copy(
+            update={"at": task_reports[0].at}
+        ),
         TaskRunning(task_id="t1"),
         status(RunnerRunning(active_tasks=1)),
-        accepted("t1", model="tiny-llm", trace_id=TRACE).model_copy(
-            update={"at": task_reports[2].at}
-        ),
         *tokens,
         finished,
         status(RunnerReady()),
