@@ -26,6 +26,16 @@ its requests admitted and not ended; an entry unchanged for STALE_S (a gateway d
 request, or one task runs long) counts as not waiting, so nobody is held behind it for ever.
 A hold also ends after HOLD_MAX_S: fairness shapes the order, it never fails a request.
 
+With tenant lanes (`FairShare(lanes=True)`, the gateway's requests) nothing is held here:
+a request the rule would hold, or would queue behind a tenant served less, is published at once
+on its tenant's lane (`fleet.tasks.<model>.<class>.<tenant>`, fleet.worker.lanes) instead of
+the class's shared subject (`placement`). Workers take the shared durable first and the lanes
+after it, least served first, so a tenant ahead waits in the broker, not here, and the request
+of a tenant served less takes the next slot that frees: measured in the queue bench, a cap of
+one request queued on the shared subject still put B behind A's queued request (B's TTFT
+x1.9 of alone). A lane task is charged here as any other (its estimate now, what it served at
+its end; the publisher's header tells workers not to charge it again).
+
 A batch line is admitted under a key, its task id: the entry marks it `charged` (with its
 estimate) by the write that charges it, and `settled` by the write that charges what it
 served, until its job has recorded its result (`forget`). A replica that took the job over
@@ -87,6 +97,18 @@ def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantu
     return None
 
 
+def placement(shares: dict[str, TenantShare], tenant: str, now: float, quantum: float,
+              queued_here: int, cap: int, lanes: bool) -> str:
+    """Where `tenant`'s next request goes (pure): `shared`, the class's subject (the rule
+    admits it); `lane`, its tenant lane, when lanes are on and the rule would hold it or a
+    tenant served less is present (no request of a tenant ahead then waits on the shared
+    subject, where the broker would hand it out before the other's next); `hold`, held here
+    for its turn (no lanes: batch lines, whose job paces them itself)."""
+    if held_because(shares, tenant, now, quantum, queued_here, 0 if lanes else cap) is None:
+        return "shared"
+    return "lane" if lanes else "hold"
+
+
 class View:
     """One (model, class)'s entries as this replica last saw them: loaded once by a watch
     (one short-lived consumer), then kept by a core subscription to the bucket's subjects
@@ -106,26 +128,33 @@ class View:
 
 class FairShare:
     def __init__(self, nc: Client, kv: KeyValue, quantum: float | None = None,
-                 queued_cap: int = QUEUED_CAP) -> None:
+                 queued_cap: int = QUEUED_CAP, lanes: bool = False) -> None:
         self.nc = nc
         self.kv = kv
         self.quantum = QUANTUM if quantum is None else quantum
         self.queued_cap = queued_cap
+        self.lanes = lanes  # unkeyed requests the rule holds go on their tenant's lane
         self.views: dict[str, View] = {}
         self._opening: dict[str, asyncio.Lock] = {}
         # (prefix, tenant): requests this gateway admitted that are not yet running.
         self.queued: dict[tuple[str, str], int] = {}
         # (prefix, tenant): its held requests take turns, oldest first (asyncio.Lock is FIFO).
         self._turns: dict[tuple[str, str], asyncio.Lock] = {}
+        # entry key -> this replica's writes of it, one at a time: concurrent compare-and-sets
+        # of one key from one process only fail each other (80 requests of one tenant
+        # admitted at once read, conflict and read again), so they queue here instead.
+        self._writing: dict[str, asyncio.Lock] = {}
 
     def _held(self, view: View, prefix: str, tenant: str, mine: TenantShare | None = None,
-              ) -> str | None:
+              lanes: bool = False) -> str | None:
+        """Why the tenant's next request would not go on the shared subject now, or None."""
         shares = dict(view.shares)
         if mine is not None:
             shares[tenant] = mine
         shares.setdefault(tenant, TenantShare(counter=0.0, waiting=0, at=0.0))
-        return held_because(shares, tenant, time.time(), self.quantum,
-                            self.queued.get((prefix, tenant), 0), self.queued_cap)
+        where = placement(shares, tenant, time.time(), self.quantum,
+                          self.queued.get((prefix, tenant), 0), self.queued_cap, lanes)
+        return None if where == "shared" else where
 
     def ran(self, prefix: str, tenant: str) -> None:
         """One of the tenant's admitted requests is running (or ended before it ran): its
@@ -181,10 +210,22 @@ class FairShare:
         `leave`: charged `tokens` served less what its start charged; waiting - 1 unless it
         ran (`ran`).
         `forget`: a keyed request's result is recorded; its `settled` mark goes.
+        `enter` (lanes, an unkeyed request): `join` and a forced `start` in one write, so a
+        request costs three writes (enter, run, leave), not four; True when the request goes
+        on the class's shared subject, False when on its tenant's lane (`placement`, read
+        before this request joined).
         A `key` (a batch line's task id) makes each step happen once per key, whoever runs
         the line: the marks are in the entry the counter is, set by the same write."""
         view = await self._view(prefix)
         entry_key = f"{prefix}.{tenant}"
+        async with self._writing.setdefault(entry_key, asyncio.Lock()):
+            return await self._changed(view, entry_key, prefix, tenant, change, tokens,
+                                       weight, force, key, estimate, ran)
+
+    async def _changed(self, view: View, entry_key: str, prefix: str, tenant: str,
+                       change: str, tokens: float, weight: float, force: bool,
+                       key: str | None, estimate: int, ran: bool) -> bool:
+        """`_change`'s compare-and-set loop, run by one writer of the key at a time."""
         while True:
             try:
                 entry = await self.kv.get(entry_key)
@@ -198,12 +239,17 @@ class FairShare:
             now = time.time()
             counters = {t: share.counter for t, share in shares.items()}
             waiting = backlogged(shares, now)
-            if change == "join":
+            shared = True
+            if change in ("join", "enter"):
                 fresh = tenant in waiting
                 new = TenantShare(
                     counter=mine.counter if fresh else lift(counters, tenant, waiting)[tenant],
                     waiting=(mine.waiting if fresh else 0) + 1, at=now,
                     charged=mine.charged, settled=mine.settled, weight=mine.weight)
+                if change == "enter":
+                    shared = self._held(view, prefix, tenant, new, lanes=True) is None
+                    new = new.model_copy(update={"counter": charge(
+                        {**counters, tenant: new.counter}, tenant, int(tokens), weight)[tenant]})
             elif change == "start":
                 if not force and self._held(view, prefix, tenant, mine) is not None:
                     return False
@@ -232,7 +278,7 @@ class FairShare:
                 new = new.model_copy(update={"weight": weight})
             if await self._set(entry_key, new, revision):
                 view.shares[tenant] = new  # at once: the subscription's copy comes later
-                return True
+                return shared
 
     async def _set(self, key: str, new: TenantShare, revision: int | None) -> bool:
         """Write `new` unless the key changed since `revision` (then False: read again)."""
@@ -249,9 +295,10 @@ class FairShare:
     async def _start(self, prefix: str, tenant: str, estimate: int, weight: float,
                      key: str | None = None) -> None:
         """Until `tenant` is not ahead of the others waiting, then its estimate charged: woken
-        by any change of the (model, class) counters, re-reading at least every RECHECK_S."""
-        deadline = time.monotonic() + HOLD_MAX_S
+        by any change of the (model, class) counters, re-reading at least every RECHECK_S.
+        """
         view = await self._view(prefix)
+        deadline = time.monotonic() + HOLD_MAX_S
         turn = self._turns.setdefault((prefix, tenant), asyncio.Lock())
         # Nobody of the tenant held here and the view admits it: no turn to take (a tenant
         # alone admits its requests side by side, not one at a time).
@@ -281,12 +328,15 @@ class FairShare:
         key: str | None = None,
     ) -> Ticket:
         """Wait until `tenant`'s turn in (model, class), charging `estimate` tokens (what the
-        request may serve); the ticket corrects that when the request ends. With a `key` (a
+        request may serve); the ticket corrects that when the request ends, and names the
+        tenant lane (`lane`) its tasks are published on, if any. With a `key` (a
         batch line's task id) a request already admitted under it (by the replica that ran
         its job before) is neither held nor charged again. NATS trouble makes it unfair,
         never failed: logged, and the request goes on."""
         prefix = f"{model}.{priority}"
         token = tenant_token(tenant)
+        if self.lanes and key is None:
+            return await self._enter(prefix, token, weight, estimate)
         try:
             joined = await self._change(prefix, token, "join", weight=weight, key=key)
         except Exception as exc:
@@ -306,6 +356,23 @@ class FairShare:
             ticket.key = None
             await ticket.settle(0)
             raise
+        return ticket
+
+
+    async def _enter(self, prefix: str, token: str, weight: float, estimate: int) -> Ticket:
+        """`admit` with lanes: never held; the ticket names the tenant's lane when the rule
+        puts the request there (counted as queued here only on the shared subject)."""
+        try:
+            shared = await self._change(prefix, token, "enter", estimate, weight)
+        except Exception as exc:
+            log.warning("fair share of %s in %s not applied: %s", token, prefix, exc)
+            return Ticket(None, prefix, token, weight, 0)
+        ticket = Ticket(self, prefix, token, weight, estimate)
+        if shared:
+            self.queued[(prefix, token)] = self.queued.get((prefix, token), 0) + 1
+            ticket.admitted = True
+        else:
+            ticket.lane = token
         return ticket
 
 
@@ -346,6 +413,7 @@ class Ticket:
         self.fair, self.prefix, self.tenant = fair, prefix, tenant
         self.weight, self.estimate, self.key = weight, estimate, key
         self._forget = fair if key is not None else None
+        self.lane: str | None = None  # the tenant lane (a subject token) to publish on, if any
         self.admitted = False  # counted in this gateway's queued requests of its tenant
         self._run: asyncio.Task[bool] | None = None  # its `run` change; settle awaits it
 

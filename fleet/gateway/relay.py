@@ -160,9 +160,11 @@ async def run_task(
     capacity: Capacity | None = None,
     settle: Settle | None = None,
     running: Callable[[], None] | None = None,
+    lane: str | None = None,
 ) -> Response:
     """One request: one task, or one per choice (their events merged). `records` (task id →
-    TaskRecord) are written before anything is published.
+    TaskRecord) are written before anything is published; on tenant `lane` when its fair
+    turn put it there (fleet.gateway.fair_share), else on its class's subject.
 
     It holds a place in `capacity` (429 when there is none) until its response ends, and then
     calls `settle` with the tokens it served (fleet.gateway.fair_share charges them);
@@ -181,7 +183,7 @@ async def run_task(
         response = await _run_task(
             backend, metrics, tasks, renderer, receive, stream=stream, resumable=resumable,
             timeout_s=timeout_s, records=records, tenant=tenant, release=release,
-            settle=settle or _no_settle, running=running,
+            settle=settle or _no_settle, running=running, lane=lane,
         )
     except BaseException:
         release()
@@ -208,6 +210,7 @@ async def _run_task(
     release: Callable[[], None],
     settle: Settle,
     running: Callable[[], None] | None = None,
+    lane: str | None = None,
 ) -> Response:
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -227,7 +230,7 @@ async def _run_task(
     try:
         for task in tasks:
             try:
-                await backend.publish_task(task)
+                await backend.publish_task(task, lane)
             except asyncio.CancelledError:
                 published.append(task.task_id)  # perhaps stored: cancelled with the others
                 raise

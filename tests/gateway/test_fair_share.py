@@ -18,6 +18,7 @@ from fleet.gateway.fair_share import (
     backlogged,
     held_because,
     keyed_done,
+    placement,
     tenant_token,
 )
 from fleet.wire.fairness import TenantShare
@@ -72,6 +73,24 @@ def share(counter: float, waiting: int, at: float = 100.0) -> TenantShare:
 def test_held_because(entries: dict[str, TenantShare], queued_here: int,
                       why: str | None) -> None:
     assert held_because(entries, "a", 110.0, 512.0, queued_here, cap=1) == why
+
+
+@pytest.mark.parametrize(("entries", "queued_here", "lanes", "where"), [
+    ({"a": share(0, 1)}, 5, True, "shared"),  # alone: the shared subject, any number queued
+    # B present and served less: with lanes A's next goes on its lane, even with none of
+    # its requests queued (a queued one would be handed out before B's next)
+    ({"a": share(100, 1), "b": share(0, 0)}, 0, True, "lane"),
+    ({"a": share(100, 1), "b": share(0, 0)}, 0, False, "shared"),  # without: the cap of 1
+    ({"a": share(100, 1), "b": share(0, 0)}, 1, False, "hold"),
+    ({"a": share(600, 1), "b": share(0, 1)}, 0, True, "lane"),  # ahead of B waiting
+    ({"a": share(600, 1), "b": share(0, 1)}, 0, False, "hold"),
+    ({"a": share(100, 1), "b": share(0, 0, at=30.0)}, 3, True, "shared"),  # B gone (stale)
+    ({"a": share(0, 1), "b": share(600, 1)}, 3, True, "shared"),  # A behind: shared
+    ({"a": share(0, 1), "b": share(0, 0)}, 3, True, "shared"),  # even: nobody behind A
+])
+def test_placement(entries: dict[str, TenantShare], queued_here: int, lanes: bool,
+                   where: str) -> None:
+    assert placement(entries, "a", 110.0, 512.0, queued_here, 1, lanes) == where
 
 
 def test_tenant_token() -> None:
@@ -216,3 +235,30 @@ def test_keyed_done(charged: dict[str, int], settled: list[str], change: str,
                     done: bool | None) -> None:
     share = TenantShare(counter=0, waiting=1, at=0.0, charged=dict(charged), settled=settled)
     assert keyed_done(share, change, "k") is done
+
+
+async def test_with_lanes_a_tenant_ahead_is_sent_to_its_lane_not_held(nats_url: str) -> None:
+    """A gateway with lanes holds nobody: while B (served less) is present, A's request goes
+    at once on A's lane, charged its estimate now; B's goes on the shared subject, counted
+    as queued there until a runner takes it."""
+    nc = Client()
+    await nc.connect(nats_url)
+    try:
+        await provision(nc)
+        fair = FairShare(nc, await nc.jetstream().key_value(BUCKET), quantum=100.0, lanes=True)
+        first = await fair.admit("m", "default", "a", 1.0, 0)
+        assert first.lane is None  # alone: the shared subject
+        await first.settle(600)
+        b = await fair.admit("m", "default", "b", 1.0, 0)
+        assert b.lane is None and fair.queued[("m.default", "b")] == 1
+        a = await asyncio.wait_for(fair.admit("m", "default", "a", 1.0, 40), 5)
+        assert a.lane == "a" and fair.queued.get(("m.default", "a"), 0) == 0
+        assert (await _entry(fair, "m.default.a")).counter == 640  # its estimate charged
+        a.running()
+        await a.settle(10)
+        assert (await _entry(fair, "m.default.a")).counter == 610  # corrected at its end
+        b.running()
+        await b.settle(0)
+        await fair.close()
+    finally:
+        await nc.close()
