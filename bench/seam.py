@@ -17,9 +17,14 @@ client has seen `kill_at` tokens, then applies the fault to whatever serves it:
                    paused worker as alive), and the seam is the pause; with a shorter AckWait
                    another worker takes it over and the resumed one must write nothing more
 
+    sharded_kill   SIGKILL of the worker of rank 0 or rank 1 (alternately) of a 2-shard
+                   instance, a third worker a spare (bench/seam_sharded.py; run last)
+
 and reads the task's whole stored stream back to count gaps, duplicates and lost answers. The
-killed process is restarted (and its runner waited for) before the next round. `false
-takeovers`: answers run beside CPU hogs (no fault) whose task was continued anyway.
+killed process is restarted as soon as the seam is measured (its start overlaps the rest of
+the answer), and its runner waited for, before the next round. `false takeovers`: answers run
+beside CPU hogs (no fault) whose task was continued anyway. Every row says how long its round
+took (`round_s`), every case its cost a fault (`per_fault_s`).
 """
 
 from __future__ import annotations
@@ -358,9 +363,11 @@ class SeamStack:
         began = time.monotonic()
         if case == COLD:
             await self.only_on_one_node()
+        placed = [i for i in await read_instances(self.nc.jetstream()) if i.model == self.model]
         task = self.task(f"seam-{case}-{index}-{time.time_ns()}")
         watch = Watch()
         sub = await self.nc.subscribe(subjects.out(task.task_id), cb=watch.on_msg)
+        recovery: asyncio.Task[None] | None = None
         try:
             await js_publish(self.nc.jetstream(), subjects.tasks(task.model), task,
                              msg_id=task.task_id)
@@ -387,13 +394,22 @@ class SeamStack:
                                             ROUND_S)
                 if case == "worker_pause":
                     await self.resume(victim, faulted_at)
+            # The seam is measured: the recovery (the victim's start, its imports, its
+            # runner's load) overlaps the rest of the answer instead of following it.
             if case in ("worker_kill", COLD):
-                # The seam is measured: the victim's start (imports, connect) overlaps the
-                # rest of the answer instead of following it.
                 victim.start()
+            if case == "worker_kill":
+                moved = [i.instance_id for i in placed if i.shard_on(victim.node_id)]
+                recovery = asyncio.create_task(self.refill(victim, moved))
+            elif case == "runner_kill":
+                recovery = asyncio.create_task(self.serving(victim))
             await watch.until(watch.done, ROUND_S)
+            if recovery is not None:
+                await recovery
         finally:
             await sub.unsubscribe()
+            if recovery is not None and not recovery.done():
+                recovery.cancel()
         stored = await self.stored(task.task_id)
         row = {"seam_s": round(resumed - faulted_at, 3), **judge(stored, self.plan.max_tokens)}
         if case == COLD:  # when the spare's new runner was ready, from the kill
@@ -403,7 +419,6 @@ class SeamStack:
         accepted = [e for e in stored if isinstance(e, TaskAccepted)]
         row["attempts"] = len(accepted)
         row["moved_from"] = accepted[-1].moved_from if accepted else None
-        await self.recover(case, victim)
         row["round_s"] = round(time.monotonic() - began, 1)  # the fault's whole cost, recovery in
         return row
 
@@ -434,11 +449,16 @@ class SeamStack:
         await asyncio.sleep(max(0.0, paused_at + self.plan.pause_s - time.monotonic()))
         os.kill(victim.process.pid, signal.SIGCONT)
 
-    async def recover(self, case: str, victim: Worker) -> None:
-        """Back to one ready runner on each node (the cold case's next round sets up its own
-        start: the restarted victim is its spare)."""
-        if case in ("worker_kill", "runner_kill"):
-            await self.serving(victim)
+    async def refill(self, victim: Worker, moved: list[str]) -> None:
+        """After a worker kill, back to one instance a node: the victim's instances, which
+        failover moved to the survivor (whose runner for them would load for nothing, beside
+        the continuation), are removed, and a new one is placed on the victim once its new
+        process beats. The continuation runs on the survivor's own runner, which stays."""
+        assert self.nc is not None
+        js = self.nc.jetstream()
+        for instance_id in moved:
+            await remove(js, instance_id)
+        await self.serving(victim)
 
     async def revive(self) -> None:
         """After a round that broke: a worker it left dead is started and served again."""
