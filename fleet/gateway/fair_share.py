@@ -97,6 +97,27 @@ def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantu
     return None
 
 
+def entered_counter(shares: dict[str, TenantShare], tenant: str, now: float,
+                    credit: float) -> float:
+    """`tenant`'s counter as a request of it enters with lanes (pure): a tenant with requests
+    waiting keeps its counter; one without is raised to `credit` below the least counter of
+    the other tenants waiting, or when none wait, of the others present (an entry changed
+    within STALE_S). So a tenant whose requests all run at once (it asks for less than its
+    share) keeps up to `credit` of what it was not served, enough to stay the least served
+    and go first, and no more: a newcomer does not take the credit of the time others were
+    served without it (before, a tenant arriving beside one whose requests all ran kept its
+    old counter, so the one that ran alone waited until the newcomer caught up), and a
+    tenant that under-asks does not bank credit to flood with later."""
+    mine = shares.get(tenant, TenantShare(counter=0.0, waiting=0, at=0.0))
+    waiting = backlogged(shares, now)
+    if tenant in waiting:
+        return mine.counter
+    present = [t for t, share in shares.items() if t != tenant and now - share.at < STALE_S]
+    floor = [shares[t].counter for t in waiting if t != tenant] or \
+        [shares[t].counter for t in present]
+    return max(mine.counter, min(floor) - credit) if floor else mine.counter
+
+
 def placement(shares: dict[str, TenantShare], tenant: str, now: float, quantum: float,
               queued_here: int, cap: int, lanes: bool) -> str:
     """Where `tenant`'s next request goes (pure): `shared`, the class's subject (the rule
@@ -210,10 +231,12 @@ class FairShare:
         `leave`: charged `tokens` served less what its start charged; waiting - 1 unless it
         ran (`ran`).
         `forget`: a keyed request's result is recorded; its `settled` mark goes.
-        `enter` (lanes, an unkeyed request): `join` and a forced `start` in one write, so a
-        request costs three writes (enter, run, leave), not four; True when the request goes
-        on the class's shared subject, False when on its tenant's lane (`placement`, read
-        before this request joined).
+        `enter` (lanes, an unkeyed request): `join` (raised by `entered_counter`) and, for a
+        request on the shared subject, a forced `start`, in one write: three writes a request
+        (enter, run, leave), not four; True when the request goes on the class's shared
+        subject, False when on its tenant's lane (`placement`). A lane request is charged
+        its estimate by its `run` (`tokens`), so the requests a tenant has waiting on its
+        lane do not count as served, only the running ones, as for the shared subject.
         A `key` (a batch line's task id) makes each step happen once per key, whoever runs
         the line: the marks are in the entry the counter is, set by the same write."""
         view = await self._view(prefix)
@@ -240,14 +263,18 @@ class FairShare:
             counters = {t: share.counter for t, share in shares.items()}
             waiting = backlogged(shares, now)
             shared = True
-            if change in ("join", "enter"):
+            if change == "join":
                 fresh = tenant in waiting
                 new = TenantShare(
                     counter=mine.counter if fresh else lift(counters, tenant, waiting)[tenant],
                     waiting=(mine.waiting if fresh else 0) + 1, at=now,
                     charged=mine.charged, settled=mine.settled, weight=mine.weight)
-                if change == "enter":
-                    shared = self._held(view, prefix, tenant, new, lanes=True) is None
+            elif change == "enter":
+                new = mine.model_copy(update={
+                    "counter": entered_counter(shares, tenant, now, self.quantum),
+                    "waiting": (mine.waiting if tenant in waiting else 0) + 1, "at": now})
+                shared = self._held(view, prefix, tenant, new, lanes=True) is None
+                if shared:  # charged now; a lane request is charged when it runs (`run`)
                     new = new.model_copy(update={"counter": charge(
                         {**counters, tenant: new.counter}, tenant, int(tokens), weight)[tenant]})
             elif change == "start":
@@ -262,7 +289,8 @@ class FairShare:
                 new = mine.model_copy(update={
                     "settled": [k for k in mine.settled if k != key]})
             elif change == "run":
-                new = mine.model_copy(update={"waiting": max(0, mine.waiting - 1), "at": now})
+                new = mine.model_copy(update={"waiting": max(0, mine.waiting - 1), "at": now,
+                                              "counter": mine.counter + tokens / weight})
             else:
                 if key is not None:
                     estimate = mine.charged[key]
@@ -434,7 +462,9 @@ class Ticket:
 
     async def _written(self, fair: FairShare) -> bool:
         try:
-            return await fair._change(self.prefix, self.tenant, "run", weight=self.weight)
+            # A lane request's estimate is charged as it runs (`enter` left it out).
+            return await fair._change(self.prefix, self.tenant, "run",
+                                      self.estimate if self.lane else 0, weight=self.weight)
         except Exception as exc:
             log.warning("fair share of %s in %s: running not written: %s", self.tenant,
                         self.prefix, exc)
@@ -448,9 +478,11 @@ class Ticket:
         ran = False
         if self._run is not None:
             ran = await asyncio.shield(self._run)  # never raises: failures are logged
+        # a lane request that never ran was never charged its estimate
+        estimate = self.estimate if ran or self.lane is None else 0
         try:
             await asyncio.shield(fair._change(self.prefix, self.tenant, "leave", tokens,
-                                              self.weight, key=self.key, estimate=self.estimate,
+                                              self.weight, key=self.key, estimate=estimate,
                                               ran=ran))
         except Exception as exc:
             log.warning("fair share of %s in %s not charged: %s", self.tenant, self.prefix, exc)

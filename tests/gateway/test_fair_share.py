@@ -16,6 +16,7 @@ from fleet.gateway.fair_share import (
     BUCKET,
     FairShare,
     backlogged,
+    entered_counter,
     held_because,
     keyed_done,
     placement,
@@ -91,6 +92,21 @@ def test_held_because(entries: dict[str, TenantShare], queued_here: int,
 def test_placement(entries: dict[str, TenantShare], queued_here: int, lanes: bool,
                    where: str) -> None:
     assert placement(entries, "a", 110.0, 512.0, queued_here, 1, lanes) == where
+
+
+@pytest.mark.parametrize(("entries", "counter"), [
+    ({"a": share(0, 0, at=0.0)}, 0),  # alone: as it was
+    # B ran alone (its requests all running, none waiting): A arrives 512 below it, not 0
+    ({"a": share(0, 0, at=0.0), "b": share(6000, 0)}, 5488),
+    ({"a": share(0, 0, at=0.0), "b": share(6000, 0, at=30.0)}, 0),  # B gone (stale)
+    ({"a": share(5900, 0), "b": share(6000, 0)}, 5900),  # within the credit: kept
+    ({"a": share(100, 2), "b": share(6000, 1)}, 100),  # A waits already: kept
+    # the others waiting set the floor (C, present and idle, does not)
+    ({"a": share(0, 0), "b": share(6000, 3), "c": share(1000, 0)}, 5488),
+    ({"a": share(0, 0), "c": share(1000, 0), "d": share(3000, 0)}, 488),  # none wait: present
+])
+def test_entered_counter(entries: dict[str, TenantShare], counter: float) -> None:
+    assert entered_counter(entries, "a", 110.0, 512.0) == counter
 
 
 def test_tenant_token() -> None:
@@ -253,10 +269,15 @@ async def test_with_lanes_a_tenant_ahead_is_sent_to_its_lane_not_held(nats_url: 
         assert b.lane is None and fair.queued[("m.default", "b")] == 1
         a = await asyncio.wait_for(fair.admit("m", "default", "a", 1.0, 40), 5)
         assert a.lane == "a" and fair.queued.get(("m.default", "a"), 0) == 0
-        assert (await _entry(fair, "m.default.a")).counter == 640  # its estimate charged
+        # waiting on its lane, it is not charged yet: its estimate is charged as it runs
+        assert (await _entry(fair, "m.default.a")).counter == 600
         a.running()
         await a.settle(10)
-        assert (await _entry(fair, "m.default.a")).counter == 610  # corrected at its end
+        assert (await _entry(fair, "m.default.a")).counter == 610  # 40, corrected at its end
+        never = await fair.admit("m", "default", "a", 1.0, 40)
+        assert never.lane == "a"
+        await never.settle(0)  # ended before a runner took it (cancelled): nothing charged
+        assert (await _entry(fair, "m.default.a")).counter == 610
         b.running()
         await b.settle(0)
         await fair.close()
