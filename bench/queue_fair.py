@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 
 from bench.plumbing_rate import MODEL
 from fleet.gateway.keys import key_hash, new_key
+from fleet.wire import subjects
 from fleet.wire.codec import decode_event, sent_task_id
 from fleet.wire.events import TaskAccepted
 
@@ -69,12 +70,15 @@ class Stages:
     def __init__(self) -> None:
         self.published: dict[str, float] = {}
         self.accepted: dict[str, float] = {}
+        self.on_lane: set[str] = set()  # published on a tenant lane, not the shared subject
         self.subs: list[Any] = []
 
     async def start(self, nc: Client) -> None:
         async def on_task(msg: Msg) -> None:
             if (task_id := sent_task_id(msg.data)) is not None:
                 self.published.setdefault(task_id, time.perf_counter())
+                if subjects.tenant_of_task_subject(msg.subject) is not None:
+                    self.on_lane.add(task_id)
 
         async def on_out(msg: Msg) -> None:
             task_id = msg.subject.rsplit(".", 1)[1]
@@ -92,7 +96,8 @@ class Stages:
 def stage_p50s_ms(served: list[Served], stages: Stages, start: float,
                   end: float) -> dict[str, float | None]:
     """Median of each stage of the requests sent within [start, end) that were heard at
-    every stage (pure): admission, queue (and dispatch), first token (runner and relay)."""
+    every stage (pure): admission, queue (and dispatch), first token (runner and relay); and
+    the fraction of them published on a tenant lane (`on_lane`)."""
     spans: dict[str, list[float]] = {"admission": [], "queue": [], "first_token": []}
     for s in served:
         published = stages.published.get(s.task_id)
@@ -103,7 +108,12 @@ def stage_p50s_ms(served: list[Served], stages: Stages, start: float,
         spans["admission"].append(published - s.sent)
         spans["queue"].append(accepted - published)
         spans["first_token"].append(s.first - accepted)
-    return {k: round(statistics.median(v) * 1000, 1) if v else None for k, v in spans.items()}
+    p50s: dict[str, float | None] = {
+        k: round(statistics.median(v) * 1000, 1) if v else None for k, v in spans.items()}
+    sent = [s for s in served if start <= s.sent < end and s.task_id in stages.published]
+    p50s["on_lane"] = round(sum(s.task_id in stages.on_lane for s in sent) / len(sent), 2) \
+        if sent else None
+    return p50s
 
 
 def tokens_in(served: list[Served], start: float, end: float) -> float:
