@@ -262,8 +262,9 @@ def queue_table(result: dict[str, Any]) -> list[str]:
         f"{mixed['ttft_beside_batch_p50_ms']} ms beside a batch job (x{mixed['ratio']}); "
         f"the job meanwhile {mixed['batch_lines_per_s_meanwhile']} lines/s "
         f"(~1 s each, {mixed['batch_slots']} slots); the chats' stages p50 (admission / "
-        f"queue / first token) idle {stages_text(mixed.get('stages_idle_p50_ms'))}, "
-        f"beside the job {stages_text(mixed.get('stages_beside_batch_p50_ms'))} ms",
+        f"queue / first token ms, share on a lane) idle "
+        f"{stages_text(mixed.get('stages_idle_p50_ms'))}, beside the job "
+        f"{stages_text(mixed.get('stages_beside_batch_p50_ms'))}",
         f"  batch of {accept['lines']:,} lines ({accept['file_mb']} MB): accepted in "
         f"{accept['accepted_s']} s, in_progress after {accept['in_progress_s']} s, "
         f"{accept['lines_done_in_run']:,} lines done in {accept['run_s']} s "

@@ -262,9 +262,10 @@ def fair_rows(runs: list[dict[str, Any]]) -> list[str]:
         f"(weight share {r['weight_share_b']:.1%}, off by {r['share_off_by']:.0%}; "
         f"{r['tokens_per_s']} tok/s in all); B's TTFT p50 {r['ttft_b_beside_a_p50_ms']} ms "
         f"beside A, {r['ttft_b_alone_p50_ms']} ms alone (x{r['ttft_ratio']}), "
-        f"A's {r['ttft_a_p50_ms']} ms; B's stages p50 (admission / queue / first token) "
+        f"A's {r['ttft_a_p50_ms']} ms; B's stages p50 (admission / queue / first token "
+        f"ms, share on a lane) "
         f"alone {stages_text(r.get('stages_b_alone_p50_ms'))}, beside A "
-        f"{stages_text(r.get('stages_b_beside_a_p50_ms'))} ms"
+        f"{stages_text(r.get('stages_b_beside_a_p50_ms'))}"
         for r in runs
     ]
 
