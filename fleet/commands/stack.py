@@ -19,7 +19,7 @@ from fleet.bus.embedded import EmbeddedNats
 from fleet.bus.kv_read import live_values
 from fleet.bus.provision import provision
 from fleet.bus.weights import FleetModels
-from fleet.commands.announce import announce_runners, status_text
+from fleet.commands.announce import announce_own_runners, announce_runners, status_text
 from fleet.commands.core import check_mflux, secured_config
 from fleet.commands.up_gateway import RoleExited, gateway_process
 from fleet.config import Settings, settings_of
@@ -92,7 +92,7 @@ async def run_worker(settings: Settings, exit_: Exit | None = None) -> int:
     quiet_builders()
     worker = Worker(settings)
     task = asyncio.create_task(worker.run())
-    news = asyncio.create_task(_worker_news(worker, settings), name="fleet-worker-runners")
+    news = asyncio.create_task(_worker_news(worker), name="fleet-worker-runners")
     news.add_done_callback(_log_failure)
     try:
         await wait_for_signal(exit_, task)
@@ -103,13 +103,11 @@ async def run_worker(settings: Settings, exit_: Exit | None = None) -> int:
     return 0
 
 
-async def _worker_news(worker: Worker, settings: Settings) -> None:
+async def _worker_news(worker: Worker) -> None:
     """A standalone worker's console says what `fleet up`'s does of its runners: fetches
     and ready (or failed) runners, this node's only."""
     await worker.ready.wait()
-    # Its node's runners start after the worker did: older records are a predecessor's.
-    await announce_runners(settings, node_id=worker.cluster.node_id, who="fleet worker",
-                           since=worker.cluster.started_at)
+    await announce_own_runners(lambda: worker.cluster.records.values())
 
 
 @contextlib.asynccontextmanager

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import io
+import time
+
 import pytest
 
-from fleet.commands.announce import progress_bar, runner_news, status_text
+from fleet.commands.announce import announce_own_runners, progress_bar, runner_news, status_text
 from fleet.wire.cluster import RunnerRecord
 from fleet.wire.runners import (
     RunnerDownloading,
@@ -74,14 +78,30 @@ def test_a_download_is_told_at_its_start_and_every_ten_percent() -> None:
     )
 
 
-def test_a_record_from_before_since_is_no_news() -> None:
-    # A restarted worker's dead predecessor's last record (at 0), still in FLEET_RUNNERS.
-    told: dict[str, str] = {}
-    assert runner_news(record(RunnerReady()), told, "fleet worker", since=10.0) is None
-    assert told == {}
-    fresh = record(RunnerReady(), "r2").model_copy(update={"at": 10.0})
-    assert runner_news(fresh, told, "fleet worker", since=10.0) == (
-        "fleet worker: runner r2 for m on node n is ready")
+async def test_a_worker_tells_its_own_runners_from_its_records_once_each() -> None:
+    # Read from the worker's own records (its memory), not FLEET_RUNNERS: a restarted
+    # worker's dead predecessor's records, still in the bucket, are not among them.
+    records = {"r1": record(RunnerLoading())}
+    out = io.StringIO()
+    news = asyncio.create_task(announce_own_runners(lambda: records.values(), out))
+    try:
+        records["r1"] = record(RunnerReady())
+        await said(out, "fleet worker: runner r1 for m on node n is ready\n")
+        records["r1"] = record(RunnerRunning())  # still ready: no second line
+        records["r2"] = record(RunnerFailed(error="boom"), "r2")
+        await said(out, "fleet worker: runner r1 for m on node n is ready\n"
+                        "fleet worker: runner r2 for m on node n failed: boom\n")
+    finally:
+        news.cancel()
+        await asyncio.gather(news, return_exceptions=True)
+
+
+async def said(out: io.StringIO, text: str, timeout: float = 5.0) -> None:
+    """Until the console holds exactly `text` (it is read every OWN_NEWS_PERIOD_S)."""
+    deadline = time.monotonic() + timeout
+    while out.getvalue() != text:
+        assert time.monotonic() < deadline, out.getvalue()
+        await asyncio.sleep(0.05)  # polling the console, bounded by the deadline
 
 
 def test_status_text_shows_download_progress() -> None:
