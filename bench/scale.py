@@ -302,8 +302,13 @@ async def measure(stack: Stack, window_s: float) -> dict[str, Any]:
         }
         if name == "worker" or name.startswith("gateway"):
             # Every gateway's connection has the same name: a gateway's share is the mean.
-            conn, share = ("fleet-worker", 1) if name == "worker" else ("fleet-gateway", gateways)
-            got: Received = received_by(connz1, conn) - received_by(connz0, conn)
+            # A worker's every connection: its console's runner news had one of its own
+            # ("fleet-up-runners", a watch of every runner record until 4a152cd).
+            conns, share = ((("fleet-worker", "fleet-up-runners"), 1) if name == "worker"
+                            else (("fleet-gateway",), gateways))
+            got = Received()
+            for conn in conns:
+                got += received_by(connz1, conn) - received_by(connz0, conn)
             got = Received(got.msgs // share, got.bytes // share)
             row["msgs_s"] = round(got.msgs / took, 1)
             row["kb_s"] = round(got.bytes / took / 1024, 2)

@@ -22,6 +22,9 @@ class Received:
     def __sub__(self, other: Received) -> Received:
         return Received(self.msgs - other.msgs, self.bytes - other.bytes)
 
+    def __add__(self, other: Received) -> Received:
+        return Received(self.msgs + other.msgs, self.bytes + other.bytes)
+
 
 def received_by(connz: dict[str, Any], name: str) -> Received:
     """Pure: what the connections named `name` have received so far."""
