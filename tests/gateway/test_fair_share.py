@@ -80,12 +80,15 @@ def test_held_because(entries: dict[str, TenantShare], queued_here: int,
     ({"a": share(0, 1)}, 5, True, "shared"),  # alone: the shared subject, any number queued
     # B present and served less: with lanes A's next goes on its lane, even with none of
     # its requests queued (a queued one would be handed out before B's next)
-    ({"a": share(100, 1), "b": share(0, 0)}, 0, True, "lane"),
+    ({"a": share(100, 1), "b": share(0, 0, at=108.0)}, 0, True, "lane"),
     ({"a": share(100, 1), "b": share(0, 0)}, 0, False, "shared"),  # without: the cap of 1
     ({"a": share(100, 1), "b": share(0, 0)}, 1, False, "hold"),
-    ({"a": share(600, 1), "b": share(0, 1)}, 0, True, "lane"),  # ahead of B waiting
+    ({"a": share(600, 1), "b": share(0, 1, at=109.0)}, 0, True, "lane"),  # ahead of B
     ({"a": share(600, 1), "b": share(0, 1)}, 0, False, "hold"),
     ({"a": share(100, 1), "b": share(0, 0, at=30.0)}, 3, True, "shared"),  # B gone (stale)
+    # B's last change 10 s ago (its requests ended): not present for lanes, A goes shared
+    ({"a": share(100, 1), "b": share(0, 0, at=100.0)}, 3, True, "shared"),
+    ({"a": share(100, 1), "b": share(0, 0, at=107.0)}, 3, True, "lane"),
     ({"a": share(0, 1), "b": share(600, 1)}, 3, True, "shared"),  # A behind: shared
     ({"a": share(0, 1), "b": share(0, 0)}, 3, True, "shared"),  # even: nobody behind A
 ])
@@ -97,13 +100,14 @@ def test_placement(entries: dict[str, TenantShare], queued_here: int, lanes: boo
 @pytest.mark.parametrize(("entries", "counter"), [
     ({"a": share(0, 0, at=0.0)}, 0),  # alone: as it was
     # B ran alone (its requests all running, none waiting): A arrives 512 below it, not 0
-    ({"a": share(0, 0, at=0.0), "b": share(6000, 0)}, 5488),
-    ({"a": share(0, 0, at=0.0), "b": share(6000, 0, at=30.0)}, 0),  # B gone (stale)
-    ({"a": share(5900, 0), "b": share(6000, 0)}, 5900),  # within the credit: kept
+    ({"a": share(0, 0, at=0.0), "b": share(6000, 0, at=108.0)}, 5488),
+    ({"a": share(0, 0, at=0.0), "b": share(6000, 0, at=100.0)}, 0),  # B left 10 s ago
+    ({"a": share(5900, 0), "b": share(6000, 0, at=108.0)}, 5900),  # within the credit: kept
     ({"a": share(100, 2), "b": share(6000, 1)}, 100),  # A waits already: kept
     # the others waiting set the floor (C, present and idle, does not)
-    ({"a": share(0, 0), "b": share(6000, 3), "c": share(1000, 0)}, 5488),
-    ({"a": share(0, 0), "c": share(1000, 0), "d": share(3000, 0)}, 488),  # none wait: present
+    ({"a": share(0, 0), "b": share(6000, 3), "c": share(1000, 0, at=108.0)}, 5488),
+    # none wait: the others present set it
+    ({"a": share(0, 0), "c": share(1000, 0, at=108.0), "d": share(3000, 0, at=109.0)}, 488),
 ])
 def test_entered_counter(entries: dict[str, TenantShare], counter: float) -> None:
     assert entered_counter(entries, "a", 110.0, 512.0) == counter
