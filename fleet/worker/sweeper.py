@@ -24,7 +24,6 @@ and gives that lease up at once (another worker takes it within CONTEND_S).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from fleet.aio import CLOSE_WAIT_S, Supervisor, set_within, started
+from fleet.aio import CLOSE_WAIT_S, Supervisor, cancel_and_wait, set_within, started
 from fleet.bus.kv_calls import kv_create, kv_get, kv_update, open_bucket
 from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import DecodeError, decode_model
@@ -264,11 +263,16 @@ async def _free_leases_of(kv: KeyValue, node: str, on_freed: Callable[[], None])
 
 
 async def _stop(task: asyncio.Task[None] | None) -> None:
+    """Cancel `task` and wait for its end, repeating the cancel (fleet.aio.cancel_and_wait):
+    a loop around a nats-py request can drop a single cancel (its wait_for, Python 3.11), and
+    this lease loop then awaited the task for ever. Seen in issue 24's seam bench: a worker
+    SIGSTOPped 10 s lost its sentinel lease (the last line of its lease loop), never contended
+    for it again although nobody held it, and the bench waited 300 s for the two leases."""
     if task is None:
         return
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    if await cancel_and_wait([task]):
+        log.warning("%s did not end within %.0f s of its cancel; left behind", task.get_name(),
+                    CLOSE_WAIT_S)
 
 
 def _now(
