@@ -57,13 +57,16 @@ def seed_data_dir(data_dir: Path, models: dict[str, Path], custom: dict[str, Pat
 
 class FleetStack:
     def __init__(self, data_dir: Path, models: list[str], slots: int, env: dict[str, str],
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, cwd: Path | None = None) -> None:
         self.data_dir = data_dir
         self.models = models
         self.slots = slots
         self.env = env
         # A key the gateway takes when the env names a keys file (its /models needs one then).
         self.api_key = api_key
+        # The checkout `fleet up` runs from (`python -m` puts it first on sys.path): another
+        # commit's worktree, for an A/B in one run (bench.dispatch_ab); None: this one.
+        self.cwd = cwd
         self.nats_port = free_port()
         self.gateway_port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
@@ -92,6 +95,7 @@ class FleetStack:
                  # The plumbing phase queues tasks for models it never serves on purpose.
                  "--slots", str(self.slots), "--no-auto-place"],
                 env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                cwd=self.cwd,
             )
         deadline = time.monotonic() + READY_TIMEOUT_S
         self.nc = await self._connect(deadline)

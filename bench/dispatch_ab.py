@@ -1,0 +1,130 @@
+"""Dispatch A/B in one run: two checkouts' `fleet up`, side by side (issue 23).
+
+    python -m bench.dispatch_ab BASE_CHECKOUT NEW_CHECKOUT [--tasks 400] [--batch 1000]
+                                [--rounds 6]
+
+On a shared machine two runs one after the other moved more than a change did (a quick
+plumbing-rate run read 20.8 and then 13.4 ms for the same commit). Here both stacks run at
+once, each a `fleet up` of the fault engine with 64 slots started from its own checkout (a
+`git worktree add` of the base commit, say), and the load falls on both alike: tasks of
+max_tokens 1 alternate between them one at a time (publish -> `task_accepted`), then
+batches published at once alternate (tasks/s, and the CPU of `fleet up` a task).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from nats.aio.client import Client
+
+from bench.fleet_stack import FleetStack
+from bench.plumbing_rate import MODEL, SLOTS, STREAM_TIMEOUT_S, RawEvents, _task, seed_fault_card
+from bench.workload import percentile
+from fleet.wire import subjects
+from fleet.wire.codec import encode
+
+WARM_TASKS = 5
+GAP_S = 0.02  # between accepts: one task at a time, the worker idle when the next comes
+
+
+class Side:
+    def __init__(self, checkout: Path) -> None:
+        data_dir = Path(tempfile.mkdtemp(prefix="dispatch-ab-")) / "fleet-data"
+        seed_fault_card(data_dir)
+        env = dict(os.environ, PYTHONPATH=str(checkout), MLX_DISABLE_COMPILE="1",
+                   OPENBLAS_NUM_THREADS="1")
+        self.stack = FleetStack(data_dir, [MODEL], SLOTS, env, cwd=checkout)
+        self.events = RawEvents()
+        self.accepts: list[float] = []
+        self.rates: list[float] = []
+        self.cpu_us: list[float] = []
+
+    async def start(self) -> Client:
+        self.nc = await self.stack.start()
+        await self.nc.subscribe("fleet.out.*", cb=self.events.on_msg,
+                                pending_msgs_limit=1_000_000)
+        return self.nc
+
+    async def accept(self) -> float:
+        task_id = f"ab-{secrets.token_hex(8)}"
+        done = self.events.waiter(task_id)
+        began = time.perf_counter()
+        await self.nc.jetstream().publish(subjects.tasks(MODEL), encode(_task(task_id, 1)),
+                                          headers={"Nats-Msg-Id": task_id})
+        await asyncio.wait_for(done, STREAM_TIMEOUT_S)
+        return self.events.accepted[task_id] - began
+
+    async def batch(self, tasks: int) -> None:
+        up: psutil.Process = self.stack.processes()["up"]
+        cpu = sum(up.cpu_times()[:2])
+        ids = [f"ab-{secrets.token_hex(8)}" for _ in range(tasks)]
+        waiters = [self.events.waiter(task_id) for task_id in ids]
+        js = self.nc.jetstream()
+        began = time.perf_counter()
+        acks = [await js.publish_async(subjects.tasks(MODEL), encode(_task(task_id, 1)),
+                                       headers={"Nats-Msg-Id": task_id}) for task_id in ids]
+        await asyncio.wait_for(asyncio.gather(*acks), STREAM_TIMEOUT_S)
+        ended = await asyncio.wait_for(asyncio.gather(*waiters), 5 * STREAM_TIMEOUT_S)
+        self.rates.append(round(tasks / (time.perf_counter() - began), 1))
+        self.cpu_us.append(round(1e6 * (sum(up.cpu_times()[:2]) - cpu) / tasks))
+        if failed := sum(1 for event in ended if event.get("status") != "completed"):
+            raise RuntimeError(f"{failed} of {tasks} tasks did not complete")
+
+    def summary(self) -> dict[str, Any]:
+        def ms(q: float) -> float | None:
+            value = percentile(self.accepts, q)
+            return None if value is None else round(1000 * value, 2)
+
+        mean = round(sum(self.rates) / len(self.rates), 1) if self.rates else None
+        return {"accept_p50_ms": ms(50), "accept_p90_ms": ms(90), "accept_p99_ms": ms(99),
+                "tasks_per_s": self.rates, "tasks_per_s_mean": mean,
+                "up_cpu_us_per_task": self.cpu_us}
+
+
+async def run(base: Path, new: Path, tasks: int, batch: int, rounds: int) -> dict[str, Any]:
+    sides = [Side(base), Side(new)]
+    try:
+        for side in sides:
+            await side.start()
+            for _ in range(WARM_TASKS):
+                await side.accept()
+        for i in range(tasks):
+            for side in sides if i % 2 == 0 else sides[::-1]:
+                await asyncio.sleep(GAP_S)  # pacing the publisher, not synchronisation
+                side.accepts.append(await side.accept())
+        for i in range(rounds if batch else 0):
+            for side in sides if i % 2 == 0 else sides[::-1]:
+                await side.batch(batch)
+        return {"base": {"checkout": str(base), **sides[0].summary()},
+                "new": {"checkout": str(new), **sides[1].summary()},
+                "load_average": [round(x, 2) for x in os.getloadavg()]}
+    finally:
+        for side in sides:
+            if side.stack.process is not None:
+                await side.stack.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("base", type=Path, help="checkout of the base (a git worktree)")
+    parser.add_argument("new", type=Path, help="checkout of the change")
+    parser.add_argument("--tasks", type=int, default=400, help="accepts timed per side")
+    parser.add_argument("--batch", type=int, default=1000, help="tasks a batch (0: none)")
+    parser.add_argument("--rounds", type=int, default=6, help="batches per side")
+    args = parser.parse_args()
+    result = asyncio.run(run(args.base.resolve(), args.new.resolve(), args.tasks, args.batch,
+                             args.rounds))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
