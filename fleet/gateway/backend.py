@@ -187,15 +187,12 @@ class Backend:
                 self._buckets[name] = await self.jetstream().key_value(name)
         return self._buckets[name]
 
-    async def publish_task(self, task: Task, lane: str | None = None) -> None:
-        """On its class's subject, or on tenant `lane` of it (fleet.worker.lanes); with a
-        deadline, the broker drops it unstarted then (`Nats-TTL`) and its sentinel has a
-        worker end it `expired` (fleet.bus.deadlines)."""
-        subject = subjects.tasks(task.model, task.priority) if lane is None else \
-            subjects.lane(task.model, task.priority, lane)
+    async def publish_task(self, task: Task) -> None:
+        """On its class's subject; with a deadline, the broker drops it unstarted then
+        (`Nats-TTL`) and its sentinel has a worker end it `expired` (fleet.bus.deadlines)."""
         try:
             await js_publish(
-                self.jetstream(), subject, task,
+                self.jetstream(), subjects.tasks(task.model, task.priority), task,
                 msg_id=task.task_id,
                 extra_headers=task_ttl_header(task.deadline, time.time())
                 | charged_by_publisher(task.tenant),

@@ -26,16 +26,6 @@ its requests admitted and not ended; an entry unchanged for STALE_S (a gateway d
 request, or one task runs long) counts as not waiting, so nobody is held behind it for ever.
 A hold also ends after HOLD_MAX_S: fairness shapes the order, it never fails a request.
 
-With tenant lanes (`FairShare(lanes=True)`, the gateway's requests) nothing is held here:
-a request the rule would hold, or would queue behind a tenant served less, is published at once
-on its tenant's lane (`fleet.tasks.<model>.<class>.<tenant>`, fleet.worker.lanes) instead of
-the class's shared subject (`placement`). Workers take the shared durable first and the lanes
-after it, least served first, so a tenant ahead waits in the broker, not here, and the request
-of a tenant served less takes the next slot that frees: measured in the queue bench, a cap of
-one request queued on the shared subject still put B behind A's queued request (B's TTFT
-x1.9 of alone). A lane task is charged here as any other (its estimate now, what it served at
-its end; the publisher's header tells workers not to charge it again).
-
 A batch line is admitted under a key, its task id: the entry marks it `charged` (with its
 estimate) by the write that charges it, and `settled` by the write that charges what it
 served, until its job has recorded its result (`forget`). A replica that took the job over
@@ -67,11 +57,6 @@ QUANTUM = 512.0  # virtual tokens a tenant may run ahead of the least-served wai
 STALE_S = 60.0
 HOLD_MAX_S = 120.0
 RECHECK_S = 1.0  # a held request re-reads the counters at least this often (staleness)
-# With lanes, a tenant whose entry changed this recently is present: a tenant's requests
-# change it at every step (enter, run, leave), so one that asks is fresh, and one that stopped
-# no longer sends the others to their lanes (with STALE_S, a tenant idle for a minute did:
-# the next tenant served alone waited on its lane, 478 ms p50 against 102 ms).
-PRESENT_S = 5.0
 # A tenant's requests this gateway admitted that no runner has accepted yet, while another
 # tenant is present: enough to keep a slot that frees busy (it is refilled when one runs),
 # few enough that a newcomer's request waits behind at most this many of its in the queue.
@@ -86,8 +71,7 @@ def backlogged(shares: dict[str, TenantShare], now: float) -> list[str]:
 
 
 def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantum: float,
-                 queued_here: int, cap: int = QUEUED_CAP, present_s: float = STALE_S,
-                 ) -> str | None:
+                 queued_here: int, cap: int = QUEUED_CAP) -> str | None:
     """Why `tenant`'s next request waits (pure), or None to admit it: `ahead`, more than
     `quantum` ahead of the least-served tenant waiting too; `queued`, this gateway has `cap`
     of its requests in the broker's queue, not yet running, while a tenant served less than
@@ -96,45 +80,11 @@ def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantu
     counters = {t: share.counter for t, share in shares.items()}
     if holds(counters, tenant, [*backlogged(shares, now), tenant], quantum):
         return "ahead"
-    behind = any(t != tenant and now - share.at < present_s and share.counter < counters[tenant]
+    behind = any(t != tenant and now - share.at < STALE_S and share.counter < counters[tenant]
                  for t, share in shares.items())
     if behind and queued_here >= cap:
         return "queued"
     return None
-
-
-def entered_counter(shares: dict[str, TenantShare], tenant: str, now: float,
-                    credit: float) -> float:
-    """`tenant`'s counter as a request of it enters with lanes (pure): a tenant with requests
-    waiting keeps its counter; one without is raised to `credit` below the least counter of
-    the other tenants waiting, or when none wait, of the others present (an entry changed
-    within PRESENT_S). So a tenant whose requests all run at once (it asks for less than its
-    share) keeps up to `credit` of what it was not served, enough to stay the least served
-    and go first, and no more: a newcomer does not take the credit of the time others were
-    served without it (before, a tenant arriving beside one whose requests all ran kept its
-    old counter, so the one that ran alone waited until the newcomer caught up), and a
-    tenant that under-asks does not bank credit to flood with later."""
-    mine = shares.get(tenant, TenantShare(counter=0.0, waiting=0, at=0.0))
-    waiting = backlogged(shares, now)
-    if tenant in waiting:
-        return mine.counter
-    present = [t for t, share in shares.items() if t != tenant and now - share.at < PRESENT_S]
-    floor = [shares[t].counter for t in waiting if t != tenant] or \
-        [shares[t].counter for t in present]
-    return max(mine.counter, min(floor) - credit) if floor else mine.counter
-
-
-def placement(shares: dict[str, TenantShare], tenant: str, now: float, quantum: float,
-              queued_here: int, cap: int, lanes: bool) -> str:
-    """Where `tenant`'s next request goes (pure): `shared`, the class's subject (the rule
-    admits it); `lane`, its tenant lane, when lanes are on and the rule would hold it or a
-    tenant served less is present (changed within PRESENT_S; no request of a tenant ahead
-    then waits on the shared subject, where the broker would hand it out before the other's
-    next); `hold`, held here for its turn (no lanes: batch lines, whose job paces them)."""
-    if held_because(shares, tenant, now, quantum, queued_here, 0 if lanes else cap,
-                    PRESENT_S if lanes else STALE_S) is None:
-        return "shared"
-    return "lane" if lanes else "hold"
 
 
 class View:
@@ -156,33 +106,26 @@ class View:
 
 class FairShare:
     def __init__(self, nc: Client, kv: KeyValue, quantum: float | None = None,
-                 queued_cap: int = QUEUED_CAP, lanes: bool = False) -> None:
+                 queued_cap: int = QUEUED_CAP) -> None:
         self.nc = nc
         self.kv = kv
         self.quantum = QUANTUM if quantum is None else quantum
         self.queued_cap = queued_cap
-        self.lanes = lanes  # unkeyed requests the rule holds go on their tenant's lane
         self.views: dict[str, View] = {}
         self._opening: dict[str, asyncio.Lock] = {}
         # (prefix, tenant): requests this gateway admitted that are not yet running.
         self.queued: dict[tuple[str, str], int] = {}
         # (prefix, tenant): its held requests take turns, oldest first (asyncio.Lock is FIFO).
         self._turns: dict[tuple[str, str], asyncio.Lock] = {}
-        # entry key -> this replica's writes of it, one at a time: concurrent compare-and-sets
-        # of one key from one process only fail each other (80 requests of one tenant
-        # admitted at once read, conflict and read again), so they queue here instead.
-        self._writing: dict[str, asyncio.Lock] = {}
 
     def _held(self, view: View, prefix: str, tenant: str, mine: TenantShare | None = None,
-              lanes: bool = False) -> str | None:
-        """Why the tenant's next request would not go on the shared subject now, or None."""
+              ) -> str | None:
         shares = dict(view.shares)
         if mine is not None:
             shares[tenant] = mine
         shares.setdefault(tenant, TenantShare(counter=0.0, waiting=0, at=0.0))
-        where = placement(shares, tenant, time.time(), self.quantum,
-                          self.queued.get((prefix, tenant), 0), self.queued_cap, lanes)
-        return None if where == "shared" else where
+        return held_because(shares, tenant, time.time(), self.quantum,
+                            self.queued.get((prefix, tenant), 0), self.queued_cap)
 
     def ran(self, prefix: str, tenant: str) -> None:
         """One of the tenant's admitted requests is running (or ended before it ran): its
@@ -238,24 +181,10 @@ class FairShare:
         `leave`: charged `tokens` served less what its start charged; waiting - 1 unless it
         ran (`ran`).
         `forget`: a keyed request's result is recorded; its `settled` mark goes.
-        `enter` (lanes, an unkeyed request): `join` (raised by `entered_counter`) and, for a
-        request on the shared subject, a forced `start`, in one write: three writes a request
-        (enter, run, leave), not four; True when the request goes on the class's shared
-        subject, False when on its tenant's lane (`placement`). A lane request is charged
-        its estimate by its `run` (`tokens`), so the requests a tenant has waiting on its
-        lane do not count as served, only the running ones, as for the shared subject.
         A `key` (a batch line's task id) makes each step happen once per key, whoever runs
         the line: the marks are in the entry the counter is, set by the same write."""
         view = await self._view(prefix)
         entry_key = f"{prefix}.{tenant}"
-        async with self._writing.setdefault(entry_key, asyncio.Lock()):
-            return await self._changed(view, entry_key, prefix, tenant, change, tokens,
-                                       weight, force, key, estimate, ran)
-
-    async def _changed(self, view: View, entry_key: str, prefix: str, tenant: str,
-                       change: str, tokens: float, weight: float, force: bool,
-                       key: str | None, estimate: int, ran: bool) -> bool:
-        """`_change`'s compare-and-set loop, run by one writer of the key at a time."""
         while True:
             try:
                 entry = await self.kv.get(entry_key)
@@ -269,21 +198,12 @@ class FairShare:
             now = time.time()
             counters = {t: share.counter for t, share in shares.items()}
             waiting = backlogged(shares, now)
-            shared = True
             if change == "join":
                 fresh = tenant in waiting
                 new = TenantShare(
                     counter=mine.counter if fresh else lift(counters, tenant, waiting)[tenant],
                     waiting=(mine.waiting if fresh else 0) + 1, at=now,
                     charged=mine.charged, settled=mine.settled, weight=mine.weight)
-            elif change == "enter":
-                new = mine.model_copy(update={
-                    "counter": entered_counter(shares, tenant, now, self.quantum),
-                    "waiting": (mine.waiting if tenant in waiting else 0) + 1, "at": now})
-                shared = self._held(view, prefix, tenant, new, lanes=True) is None
-                if shared:  # charged now; a lane request is charged when it runs (`run`)
-                    new = new.model_copy(update={"counter": charge(
-                        {**counters, tenant: new.counter}, tenant, int(tokens), weight)[tenant]})
             elif change == "start":
                 if not force and self._held(view, prefix, tenant, mine) is not None:
                     return False
@@ -296,8 +216,7 @@ class FairShare:
                 new = mine.model_copy(update={
                     "settled": [k for k in mine.settled if k != key]})
             elif change == "run":
-                new = mine.model_copy(update={"waiting": max(0, mine.waiting - 1), "at": now,
-                                              "counter": mine.counter + tokens / weight})
+                new = mine.model_copy(update={"waiting": max(0, mine.waiting - 1), "at": now})
             else:
                 if key is not None:
                     estimate = mine.charged[key]
@@ -313,7 +232,7 @@ class FairShare:
                 new = new.model_copy(update={"weight": weight})
             if await self._set(entry_key, new, revision):
                 view.shares[tenant] = new  # at once: the subscription's copy comes later
-                return shared
+                return True
 
     async def _set(self, key: str, new: TenantShare, revision: int | None) -> bool:
         """Write `new` unless the key changed since `revision` (then False: read again)."""
@@ -330,10 +249,9 @@ class FairShare:
     async def _start(self, prefix: str, tenant: str, estimate: int, weight: float,
                      key: str | None = None) -> None:
         """Until `tenant` is not ahead of the others waiting, then its estimate charged: woken
-        by any change of the (model, class) counters, re-reading at least every RECHECK_S.
-        """
-        view = await self._view(prefix)
+        by any change of the (model, class) counters, re-reading at least every RECHECK_S."""
         deadline = time.monotonic() + HOLD_MAX_S
+        view = await self._view(prefix)
         turn = self._turns.setdefault((prefix, tenant), asyncio.Lock())
         # Nobody of the tenant held here and the view admits it: no turn to take (a tenant
         # alone admits its requests side by side, not one at a time).
@@ -363,15 +281,12 @@ class FairShare:
         key: str | None = None,
     ) -> Ticket:
         """Wait until `tenant`'s turn in (model, class), charging `estimate` tokens (what the
-        request may serve); the ticket corrects that when the request ends, and names the
-        tenant lane (`lane`) its tasks are published on, if any. With a `key` (a
+        request may serve); the ticket corrects that when the request ends. With a `key` (a
         batch line's task id) a request already admitted under it (by the replica that ran
         its job before) is neither held nor charged again. NATS trouble makes it unfair,
         never failed: logged, and the request goes on."""
         prefix = f"{model}.{priority}"
         token = tenant_token(tenant)
-        if self.lanes and key is None:
-            return await self._enter(prefix, token, weight, estimate)
         try:
             joined = await self._change(prefix, token, "join", weight=weight, key=key)
         except Exception as exc:
@@ -391,23 +306,6 @@ class FairShare:
             ticket.key = None
             await ticket.settle(0)
             raise
-        return ticket
-
-
-    async def _enter(self, prefix: str, token: str, weight: float, estimate: int) -> Ticket:
-        """`admit` with lanes: never held; the ticket names the tenant's lane when the rule
-        puts the request there (counted as queued here only on the shared subject)."""
-        try:
-            shared = await self._change(prefix, token, "enter", estimate, weight)
-        except Exception as exc:
-            log.warning("fair share of %s in %s not applied: %s", token, prefix, exc)
-            return Ticket(None, prefix, token, weight, 0)
-        ticket = Ticket(self, prefix, token, weight, estimate)
-        if shared:
-            self.queued[(prefix, token)] = self.queued.get((prefix, token), 0) + 1
-            ticket.admitted = True
-        else:
-            ticket.lane = token
         return ticket
 
 
@@ -448,7 +346,6 @@ class Ticket:
         self.fair, self.prefix, self.tenant = fair, prefix, tenant
         self.weight, self.estimate, self.key = weight, estimate, key
         self._forget = fair if key is not None else None
-        self.lane: str | None = None  # the tenant lane (a subject token) to publish on, if any
         self.admitted = False  # counted in this gateway's queued requests of its tenant
         self._run: asyncio.Task[bool] | None = None  # its `run` change; settle awaits it
 
@@ -469,9 +366,7 @@ class Ticket:
 
     async def _written(self, fair: FairShare) -> bool:
         try:
-            # A lane request's estimate is charged as it runs (`enter` left it out).
-            return await fair._change(self.prefix, self.tenant, "run",
-                                      self.estimate if self.lane else 0, weight=self.weight)
+            return await fair._change(self.prefix, self.tenant, "run", weight=self.weight)
         except Exception as exc:
             log.warning("fair share of %s in %s: running not written: %s", self.tenant,
                         self.prefix, exc)
@@ -485,11 +380,9 @@ class Ticket:
         ran = False
         if self._run is not None:
             ran = await asyncio.shield(self._run)  # never raises: failures are logged
-        # a lane request that never ran was never charged its estimate
-        estimate = self.estimate if ran or self.lane is None else 0
         try:
             await asyncio.shield(fair._change(self.prefix, self.tenant, "leave", tokens,
-                                              self.weight, key=self.key, estimate=estimate,
+                                              self.weight, key=self.key, estimate=self.estimate,
                                               ran=ran))
         except Exception as exc:
             log.warning("fair share of %s in %s not charged: %s", self.tenant, self.prefix, exc)

@@ -160,11 +160,9 @@ async def run_task(
     capacity: Capacity | None = None,
     settle: Settle | None = None,
     running: Callable[[], None] | None = None,
-    lane: str | None = None,
 ) -> Response:
     """One request: one task, or one per choice (their events merged). `records` (task id →
-    TaskRecord) are written before anything is published; on tenant `lane` when its fair
-    turn put it there (fleet.gateway.fair_share), else on its class's subject.
+    TaskRecord) are written before anything is published.
 
     It holds a place in `capacity` (429 when there is none) until its response ends, and then
     calls `settle` with the tokens it served (fleet.gateway.fair_share charges them);
@@ -183,7 +181,7 @@ async def run_task(
         response = await _run_task(
             backend, metrics, tasks, renderer, receive, stream=stream, resumable=resumable,
             timeout_s=timeout_s, records=records, tenant=tenant, release=release,
-            settle=settle or _no_settle, running=running, lane=lane,
+            settle=settle or _no_settle, running=running,
         )
     except BaseException:
         release()
@@ -210,7 +208,6 @@ async def _run_task(
     release: Callable[[], None],
     settle: Settle,
     running: Callable[[], None] | None = None,
-    lane: str | None = None,
 ) -> Response:
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -230,7 +227,7 @@ async def _run_task(
     try:
         for task in tasks:
             try:
-                await backend.publish_task(task, lane)
+                await backend.publish_task(task)
             except asyncio.CancelledError:
                 published.append(task.task_id)  # perhaps stored: cancelled with the others
                 raise

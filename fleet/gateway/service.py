@@ -114,10 +114,7 @@ class Gateway:
             if nc is None:
                 return None
             try:
-                # Requests go on tenant lanes rather than wait here; batch lines (keyed)
-                # are still held, their job paces them (fleet.gateway.fair_share).
-                self.fair = FairShare(nc, await self.backend._bucket(FAIRNESS_BUCKET),
-                                      lanes=True)
+                self.fair = FairShare(nc, await self.backend._bucket(FAIRNESS_BUCKET))
             except Exception as exc:  # an older fleet without the bucket: unfair, not down
                 log.warning("fair tenants not applied: %s", exc)
                 return None
@@ -195,7 +192,6 @@ class Gateway:
             capacity=self.capacity,
             settle=ticket.settle if ticket is not None else None,
             running=ticket.running if ticket is not None else None,
-            lane=ticket.lane if ticket is not None else None,
         )
         response.headers.update(task_id_headers([task.task_id for task in tasks]))
         return response

@@ -16,10 +16,8 @@ from fleet.gateway.fair_share import (
     BUCKET,
     FairShare,
     backlogged,
-    entered_counter,
     held_because,
     keyed_done,
-    placement,
     tenant_token,
 )
 from fleet.wire.fairness import TenantShare
@@ -74,43 +72,6 @@ def share(counter: float, waiting: int, at: float = 100.0) -> TenantShare:
 def test_held_because(entries: dict[str, TenantShare], queued_here: int,
                       why: str | None) -> None:
     assert held_because(entries, "a", 110.0, 512.0, queued_here, cap=1) == why
-
-
-@pytest.mark.parametrize(("entries", "queued_here", "lanes", "where"), [
-    ({"a": share(0, 1)}, 5, True, "shared"),  # alone: the shared subject, any number queued
-    # B present and served less: with lanes A's next goes on its lane, even with none of
-    # its requests queued (a queued one would be handed out before B's next)
-    ({"a": share(100, 1), "b": share(0, 0, at=108.0)}, 0, True, "lane"),
-    ({"a": share(100, 1), "b": share(0, 0)}, 0, False, "shared"),  # without: the cap of 1
-    ({"a": share(100, 1), "b": share(0, 0)}, 1, False, "hold"),
-    ({"a": share(600, 1), "b": share(0, 1, at=109.0)}, 0, True, "lane"),  # ahead of B
-    ({"a": share(600, 1), "b": share(0, 1)}, 0, False, "hold"),
-    ({"a": share(100, 1), "b": share(0, 0, at=30.0)}, 3, True, "shared"),  # B gone (stale)
-    # B's last change 10 s ago (its requests ended): not present for lanes, A goes shared
-    ({"a": share(100, 1), "b": share(0, 0, at=100.0)}, 3, True, "shared"),
-    ({"a": share(100, 1), "b": share(0, 0, at=107.0)}, 3, True, "lane"),
-    ({"a": share(0, 1), "b": share(600, 1)}, 3, True, "shared"),  # A behind: shared
-    ({"a": share(0, 1), "b": share(0, 0)}, 3, True, "shared"),  # even: nobody behind A
-])
-def test_placement(entries: dict[str, TenantShare], queued_here: int, lanes: bool,
-                   where: str) -> None:
-    assert placement(entries, "a", 110.0, 512.0, queued_here, 1, lanes) == where
-
-
-@pytest.mark.parametrize(("entries", "counter"), [
-    ({"a": share(0, 0, at=0.0)}, 0),  # alone: as it was
-    # B ran alone (its requests all running, none waiting): A arrives 512 below it, not 0
-    ({"a": share(0, 0, at=0.0), "b": share(6000, 0, at=108.0)}, 5488),
-    ({"a": share(0, 0, at=0.0), "b": share(6000, 0, at=100.0)}, 0),  # B left 10 s ago
-    ({"a": share(5900, 0), "b": share(6000, 0, at=108.0)}, 5900),  # within the credit: kept
-    ({"a": share(100, 2), "b": share(6000, 1)}, 100),  # A waits already: kept
-    # the others waiting set the floor (C, present and idle, does not)
-    ({"a": share(0, 0), "b": share(6000, 3), "c": share(1000, 0, at=108.0)}, 5488),
-    # none wait: the others present set it
-    ({"a": share(0, 0), "c": share(1000, 0, at=108.0), "d": share(3000, 0, at=109.0)}, 488),
-])
-def test_entered_counter(entries: dict[str, TenantShare], counter: float) -> None:
-    assert entered_counter(entries, "a", 110.0, 512.0) == counter
 
 
 def test_tenant_token() -> None:
@@ -255,35 +216,3 @@ def test_keyed_done(charged: dict[str, int], settled: list[str], change: str,
                     done: bool | None) -> None:
     share = TenantShare(counter=0, waiting=1, at=0.0, charged=dict(charged), settled=settled)
     assert keyed_done(share, change, "k") is done
-
-
-async def test_with_lanes_a_tenant_ahead_is_sent_to_its_lane_not_held(nats_url: str) -> None:
-    """A gateway with lanes holds nobody: while B (served less) is present, A's request goes
-    at once on A's lane, charged its estimate now; B's goes on the shared subject, counted
-    as queued there until a runner takes it."""
-    nc = Client()
-    await nc.connect(nats_url)
-    try:
-        await provision(nc)
-        fair = FairShare(nc, await nc.jetstream().key_value(BUCKET), quantum=100.0, lanes=True)
-        first = await fair.admit("m", "default", "a", 1.0, 0)
-        assert first.lane is None  # alone: the shared subject
-        await first.settle(600)
-        b = await fair.admit("m", "default", "b", 1.0, 0)
-        assert b.lane is None and fair.queued[("m.default", "b")] == 1
-        a = await asyncio.wait_for(fair.admit("m", "default", "a", 1.0, 40), 5)
-        assert a.lane == "a" and fair.queued.get(("m.default", "a"), 0) == 0
-        # waiting on its lane, it is not charged yet: its estimate is charged as it runs
-        assert (await _entry(fair, "m.default.a")).counter == 600
-        a.running()
-        await a.settle(10)
-        assert (await _entry(fair, "m.default.a")).counter == 610  # 40, corrected at its end
-        never = await fair.admit("m", "default", "a", 1.0, 40)
-        assert never.lane == "a"
-        await never.settle(0)  # ended before a runner took it (cancelled): nothing charged
-        assert (await _entry(fair, "m.default.a")).counter == 610
-        b.running()
-        await b.settle(0)
-        await fair.close()
-    finally:
-        await nc.close()

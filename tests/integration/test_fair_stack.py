@@ -1,25 +1,22 @@
 """Fair tenants through the gateway against nats-server and one `fleet worker` (fault engine, a
 runner of 2 slots): tenant A keeps 10x tenant B's requests going, both weigh 1; once A's
 head start is served, B gets about half the tokens served, not the 1/11 that first come,
-first served would give it. The gateway holds nobody: a request of A while B (served less) is
-present goes on A's tenant lane, and the worker takes B's from the shared subject first."""
+first served would give it."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
-from nats.aio.client import Client
 
 from fleet.bus.fairness import shares
 from fleet.commands.gateway import build_app
 from fleet.config import load_settings
 from fleet.gateway.keys import add_key
-from fleet.wire import subjects
 from tests.integration.harness import WorkerProcess, add_fault_card, fault_worker_stack, serving
 
 pytestmark = pytest.mark.timeout(300)
@@ -80,21 +77,6 @@ async def test_a_flooding_tenant_leaves_the_other_its_share(
         finally:
             stop.set()
             await asyncio.wait_for(asyncio.gather(*clients, return_exceptions=True), 120)
-    lanes = [name async for name in _consumer_names(nc) if name.startswith("lane-")]
     await nc.close()
     window = {t: marks["to"][t] - marks["from"][t] for t in served}
     assert 0.3 < shares(window)["b"] < 0.7, (window, served)
-    # A's requests went on its lane (the worker made the lane's durable to pull them)
-    assert lanes_of(lanes) >= {"a"}, lanes
-
-
-def lanes_of(durables: list[str]) -> set[str]:
-    """The tenants of lane durables of MODEL's default class (subjects.lane_durable)."""
-    prefix = f"lane-default-{MODEL}-"
-    return {name.removeprefix(prefix).rsplit("-", 1)[0] for name in durables
-            if name.startswith(prefix)}
-
-
-async def _consumer_names(nc: Client) -> AsyncIterator[str]:
-    for info in await nc.jetstream().consumers_info(subjects.TASKS_STREAM):
-        yield info.name
