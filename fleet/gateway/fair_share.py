@@ -117,6 +117,10 @@ class FairShare:
         self.queued: dict[tuple[str, str], int] = {}
         # (prefix, tenant): its held requests take turns, oldest first (asyncio.Lock is FIFO).
         self._turns: dict[tuple[str, str], asyncio.Lock] = {}
+        # entry key -> this replica's writes of it, one at a time: concurrent compare-and-sets
+        # of one key from one process only fail each other (a tenant's 80 requests joining
+        # at once each read, conflict and read again), so they queue here instead.
+        self._writing: dict[str, asyncio.Lock] = {}
 
     def _held(self, view: View, prefix: str, tenant: str, mine: TenantShare | None = None,
               ) -> str | None:
@@ -185,6 +189,14 @@ class FairShare:
         the line: the marks are in the entry the counter is, set by the same write."""
         view = await self._view(prefix)
         entry_key = f"{prefix}.{tenant}"
+        async with self._writing.setdefault(entry_key, asyncio.Lock()):
+            return await self._changed(view, entry_key, prefix, tenant, change, tokens,
+                                       weight, force, key, estimate, ran)
+
+    async def _changed(self, view: View, entry_key: str, prefix: str, tenant: str,
+                       change: str, tokens: float, weight: float, force: bool,
+                       key: str | None, estimate: int, ran: bool) -> bool:
+        """`_change`'s compare-and-set loop, run by one writer of the key at a time."""
         while True:
             try:
                 entry = await self.kv.get(entry_key)
