@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,9 @@ class Telemetry:
 
 
 _installed: Telemetry | None = None
+
+
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
 def setup(
@@ -158,6 +162,14 @@ def context_of(traceparent: str | None, tracestate: str | None) -> Context:
     if tracestate:
         carrier["tracestate"] = tracestate
     return propagate.extract(carrier)
+
+
+def trace_id_of(traceparent: str | None) -> str | None:
+    """The W3C trace id inside a traceparent header, or None when absent or malformed."""
+    found = _TRACEPARENT.match(traceparent or "")
+    if found is None or found.group(1) == "0" * 32:
+        return None
+    return found.group(1)
 
 
 def carried(span: Span) -> tuple[str | None, str | None]:

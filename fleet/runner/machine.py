@@ -5,9 +5,10 @@
 
 The machine owns no thread and no pipe: `handle(command)` and `step()` are called by one loop
 (fleet.runner.main in the subprocess, or a test in-process) and every report goes to `emit`.
-For each task it emits, in order: TaskAccepted (first: the worker publishes it before it reads
-the rest, issue 23), TaskRunning, RunnerStatusReport(Running), the engine's chunks, one
-TaskFinished, then RunnerStatusReport(Ready) once no task remains.
+For each task it emits, in order: TaskRunning, RunnerStatusReport(Running), the engine's
+chunks, one TaskFinished, then RunnerStatusReport(Ready) once no task remains. The task's
+`task_accepted` is the worker's, published as it sends the task here (issue 23: waiting for
+this process to say so cost the accept a pipe round trip).
 
 A command the current state does not accept is a bug in the sender, surfaced, never ignored:
 a task sent at the wrong time ends failed with a message saying why; any other stray command
@@ -18,14 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from fleet.errors import TaskRejected
 from fleet.runner.engine import Admission, Engine, GroupLost
-from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, failed
+from fleet.wire.events import ErrorReason, TaskFinished, failed
 from fleet.wire.pipe import (
     ConnectToGroup,
     LoadModel,
@@ -52,24 +52,15 @@ from fleet.wire.runners import (
     RunnerStatus,
     RunnerWarmingUp,
 )
-from fleet.wire.tasks import CancelTask, Task, TextGeneration
+from fleet.wire.tasks import CancelTask
 
 log = logging.getLogger(__name__)
 
 Emit = Callable[[RunnerReport], None]
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
 class UnexpectedCommand(Exception):
     """A command the current state does not accept."""
-
-
-def trace_id_of(traceparent: str | None) -> str | None:
-    """The W3C trace id inside a traceparent header, or None when absent or malformed."""
-    found = _TRACEPARENT.match(traceparent or "")
-    if found is None or found.group(1) == "0" * 32:
-        return None
-    return found.group(1)
 
 
 class RunnerMachine:
@@ -191,21 +182,6 @@ class RunnerMachine:
     def _start(self, command: SubmitTask) -> None:
         task = command.task
         self._in_flight[task.task_id] = None
-        self._emit(
-            TaskAccepted(
-                task_id=task.task_id,
-                at=self._clock(),
-                model=task.model,
-                node_id=self._spec.node_id,
-                runner_id=self._spec.runner_id,
-                trace_id=trace_id_of(command.traceparent),
-                queue_wait_s=command.queue_wait_s,
-                delivery=command.delivery,
-                continued_from=len(command.generated),
-                attempt=command.attempt,
-                seed=sampling_seed(task),
-            )
-        )
         self._emit(TaskRunning(task_id=task.task_id))
         self._become(RunnerRunning(active_tasks=len(self._in_flight)))
         admission = Admission(
@@ -273,10 +249,3 @@ def _timed(what: str) -> Iterator[None]:
     began = time.monotonic()
     yield
     log.info("%s in %.2f s", what, time.monotonic() - began)
-
-
-def sampling_seed(task: Task) -> int | None:
-    """The seed a sampled text task draws its tokens with (recorded in its task_accepted)."""
-    if isinstance(task, TextGeneration) and task.temperature > 0.0:
-        return task.seed
-    return None

@@ -280,3 +280,10 @@ def is_task_id(value: object) -> bool:
 
 def is_past(deadline: datetime | None, now: datetime) -> bool:
     return deadline is not None and now >= deadline
+
+
+def sampling_seed(task: Task) -> int | None:
+    """The seed a sampled text task draws its tokens with (recorded in its task_accepted)."""
+    if isinstance(task, TextGeneration) and task.temperature > 0.0:
+        return task.seed
+    return None

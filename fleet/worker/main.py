@@ -80,7 +80,7 @@ from fleet.worker.outputs import TaskOutput
 from fleet.worker.preemption import Preempt
 from fleet.worker.prefix_adverts import PrefixAdverts, ServedPrefixes
 from fleet.worker.pulls import TaskPuller
-from fleet.worker.reports import RunnerReports
+from fleet.worker.reports import RunnerReports, accept_of
 from fleet.worker.routing import Weights
 from fleet.worker.runners import RunnerPool
 from fleet.worker.spans import TaskSpans
@@ -405,12 +405,17 @@ class Worker:
         # In flight from here on, in WorkerState only: if the send fails (the runner has just
         # died) its RunnerExited, which always follows, ends this task runner_crashed.
         self.apply(ev.TaskDispatched(task_id, runner_id))
+        now = time.time()
+        # Its accept first: queued on the task's output before the runner can report a thing.
+        await self.reports.accepted(accept_of(
+            task, runner_id, self.state.node_id, traceparent, pending, earlier,
+            self.intake.book.seams.get(task_id), now))
         sent = await self.runners.send(runner_id, pipe.SubmitTask(
             task=task, inputs=pending.inputs or {},
             delivery=pending.delivery,
             generated=list(earlier.generated), attempt=earlier.attempt,
             delivered_images=sorted(earlier.delivered_images),
-            queue_wait_s=max(0.0, time.time() - pending.received_at),
+            queue_wait_s=max(0.0, now - pending.received_at),
             traceparent=traceparent, tracestate=tracestate,
         ))
         if not sent:

@@ -18,9 +18,10 @@ from typing import Protocol
 
 from fleet import telemetry
 from fleet.aio import Supervisor
+from fleet.telemetry import trace_id_of
 from fleet.wire import pipe
 from fleet.wire.events import ErrorChunk, ErrorReason, OutputEvent, TaskAccepted, TaskFinished
-from fleet.wire.tasks import TextGeneration
+from fleet.wire.tasks import Task, TextGeneration, sampling_seed
 from fleet.wire.token_frames import TokenFrame
 from fleet.worker import state as ev
 from fleet.worker.acks import Stage
@@ -43,6 +44,23 @@ from fleet.worker.state import PendingTask, WorkerState
 from fleet.worker.supervisor import crashed_terminal
 
 log = logging.getLogger(__name__)
+
+
+def accept_of(
+    task: Task, runner_id: str, node_id: str, traceparent: str | None, pending: PendingTask,
+    earlier: Continue, seam: Continue | None, now: float,
+) -> TaskAccepted:
+    """Pure. The `task_accepted` the worker publishes as it sends `task` (seeded) to
+    `runner_id`: its runner's own came a pipe round trip later, on the accept's way (issue
+    23). `earlier` is what the dispatch carries of earlier attempts; `seam` where a continued
+    task resumed (its previous node, for readers and the trace)."""
+    return TaskAccepted(
+        task_id=task.task_id, at=now, model=task.model, node_id=node_id, runner_id=runner_id,
+        trace_id=trace_id_of(traceparent), queue_wait_s=max(0.0, now - pending.received_at),
+        delivery=pending.delivery, continued_from=len(earlier.generated),
+        attempt=earlier.attempt, seed=sampling_seed(task),
+        moved_from=seam.moved_from if seam is not None else None,
+    )
 
 
 class TaskDesk(Protocol):
@@ -143,14 +161,15 @@ class RunnerReports:
                 telemetry.export_records(records)
             case pipe.TaskRunning():
                 pass
-            case TaskAccepted() if (seam := self.intake.book.seams.get(report.task_id)):
-                # The seam, for readers and the trace: where this attempt moved from.
-                await self._chunk(report.model_copy(update={"moved_from": seam.moved_from}))
             case _:
                 if report.type != "task_accepted" and report.task_id in self._prefilling(runner_id):
                     self.desk.apply(ev.FirstOutput(report.task_id, runner_id))  # once a task
                     self.plan_due = True  # a task may wait for this prefill
                 await self._chunk(report)
+
+    async def accepted(self, event: TaskAccepted) -> None:
+        """Publish a task's accept (`accept_of`) before its runner can say anything of it."""
+        await self._chunk(event)
 
     def _prefilling(self, runner_id: str) -> Mapping[str, int]:
         runner = self.state.runners.get(runner_id)

@@ -13,10 +13,11 @@ import pytest
 
 from fleet.runner.engine import EngineConfig
 from fleet.runner.fault_engine import FaultEngine, fault_card, parse_knobs
-from fleet.runner.machine import RunnerMachine, trace_id_of
+from fleet.runner.machine import RunnerMachine
 from fleet.runner.main import Inbox, PipeBroken, engine_config, serve
+from fleet.telemetry import trace_id_of
 from fleet.wire.cluster import ModelCard
-from fleet.wire.events import ErrorReason, TaskAccepted, TaskFinished, TokenChunk, Usage
+from fleet.wire.events import ErrorReason, TaskFinished, TokenChunk, Usage
 from fleet.wire.pipe import (
     ConnectToGroup,
     LoadModel,
@@ -67,10 +68,6 @@ def submit(task_id: str, prompt: str, **fields: Any) -> SubmitTask:
     return SubmitTask(
         task=TextGeneration(task_id=task_id, model="fault-llm", prompt=prompt), **fields
     )
-
-
-def accepted(task_id: str, model: str = "fault-llm", **fields: Any) -> TaskAccepted:
-    return TaskAccepted(task_id=task_id, at=AT, model=model, **WHERE, **fields)
 
 
 def token(task_id: str, index: int) -> TokenChunk:
@@ -152,7 +149,6 @@ def test_one_task_from_idle_to_ready_again(machine: RunnerMachine, emitted: Reco
     run_until_idle(machine)
     assert emitted.take() == [
         *LIFECYCLE,
-        accepted("t1", trace_id=TRACE, delivery=2),
         TaskRunning(task_id="t1"),
         status(RunnerRunning(active_tasks=1)),
         token("t1", 0),
@@ -200,12 +196,11 @@ def test_a_cancel_before_any_task_can_exist_is_an_error(
     assert emitted.take() == [status(RunnerFailed(error=error))]
 
 
-def test_a_rejected_task_ends_failed_after_it_was_accepted(
+def test_a_rejected_task_ends_failed_after_it_started_running(
     ready: RunnerMachine, emitted: Recorder
 ) -> None:
     ready.handle(submit("t1", "reject:context_length"))
     assert emitted.take() == [
-        accepted("t1"),
         TaskRunning(task_id="t1"),
         status(RunnerRunning(active_tasks=1)),
         ended(
@@ -221,7 +216,7 @@ def test_cancel_mid_task(ready: RunnerMachine, emitted: Recorder) -> None:
     ready.step()
     ready.handle(CancelTask(task_id="t1"))
     run_until_idle(ready)
-    assert emitted.take()[3:] == [
+    assert emitted.take()[2:] == [  # after running and its status
         token("t1", 0),
         ended("t1", "cancelled", ErrorReason.CANCELLED, "cancelled"),
         status(RunnerReady()),
@@ -238,10 +233,8 @@ def test_two_tasks_share_the_runner_and_the_count_follows(
     run_until_idle(ready)
     kinds = [(r.type, getattr(r, "task_id", None) or r.status) for r in emitted.take()]
     assert kinds == [
-        ("task_accepted", "a"),
         ("task_running", "a"),
         ("runner_status", RunnerRunning(active_tasks=1)),
-        ("task_accepted", "b"),
         ("task_running", "b"),
         ("runner_status", RunnerRunning(active_tasks=2)),
         ("token", "a"),
@@ -275,7 +268,7 @@ def test_a_task_submitted_twice_fails_the_runner(ready: RunnerMachine, emitted: 
     ready.handle(submit("a", "tokens:9"))
     ready.handle(submit("a", "tokens:9"))
     error = "task a was submitted twice"
-    assert emitted.take()[3:] == [
+    assert emitted.take()[2:] == [  # after running and its status
         ended("a", "failed", ErrorReason.INTERNAL, f"runner failed: {error}"),
         status(RunnerFailed(error=error)),
     ]
@@ -322,7 +315,7 @@ def test_the_loop_drains_commands_and_steps_until_shutdown() -> None:
     for command in (ConnectToGroup(), LoadModel(), WarmUp(), submit("t1", "tokens:2")):
         inbox.put(command)
     assert serve(RunnerMachine(spec, engine, emit, clock=lambda: AT), inbox) == 0
-    assert [getattr(r, "status", r.type) for r in reports[len(LIFECYCLE) + 3 :]] == [
+    assert [getattr(r, "status", r.type) for r in reports[len(LIFECYCLE) + 2 :]] == [
         "token",
         "token",
         "completed",
@@ -387,9 +380,6 @@ def test_one_task_on_the_real_text_engine(tiny_llm_dir: Path, emitted: Recorder)
     tokens = [r for r in task_reports if isinstance(r, TokenChunk)]
     finished = task_reports[-2]
     assert task_reports == [
-        accepted("t1", model="tiny-llm", trace_id=TRACE).model_copy(
-            update={"at": task_reports[0].at}
-        ),
         TaskRunning(task_id="t1"),
         status(RunnerRunning(active_tasks=1)),
         *tokens,

@@ -9,20 +9,23 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import pytest
+
 from fleet.aio import Supervisor
 from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished
-from fleet.wire.tasks import ImageGeneration
+from fleet.wire.tasks import ImageGeneration, TextGeneration
 from fleet.worker import state as ev
 from fleet.worker.acks import Stage, ack_stage
-from fleet.worker.continuation import ContinuationBook
+from fleet.worker.continuation import NOT_CONTINUED, ContinuationBook, Continue
 from fleet.worker.image_outputs import ImageOutputs
 from fleet.worker.inbox import ImageUploaded, Inbox, RunnerExited, RunnerReported
-from fleet.worker.reports import RunnerReports
+from fleet.worker.reports import RunnerReports, accept_of
 from fleet.worker.spans import TaskSpans
 from fleet.worker.state import PendingTask, RunnerView, WorkerState, apply
 from tests.worker.test_image_outputs import Store, image
 
 TASK = ImageGeneration(task_id="t", model="tiny-flux2", prompt="night")
+TEXT = TextGeneration(task_id="x", model="tiny-llm", prompt="hi")
 
 
 @dataclass
@@ -114,3 +117,32 @@ async def test_a_runner_dying_while_its_terminal_waits_behind_an_upload_ends_the
     assert output.sent == [picture]  # the image, announced once it was stored
     assert desk.left == [("finish", end)]  # then its one terminal: the runner's own
     assert "t" not in desk.state.tasks  # released
+
+
+# ---- the accept the worker publishes at dispatch (issue 23) -------------------------------
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+
+
+@pytest.mark.parametrize(("task", "earlier", "seam", "traceparent", "expected"), [
+    pytest.param(TEXT, NOT_CONTINUED, None, f"00-{TRACE_ID}-00f067aa0ba902b7-01",
+                 {"trace_id": TRACE_ID, "continued_from": 0, "attempt": 0, "seed": None,
+                  "moved_from": None}, id="a-first-run"),
+    pytest.param(TEXT.model_copy(update={"temperature": 0.7, "seed": 42}),
+                 Continue((5, 6), 2, seed=42, moved_from="node-b"),
+                 Continue((5, 6), 2, seed=42, moved_from="node-b"), None,
+                 {"trace_id": None, "continued_from": 2, "attempt": 2, "seed": 42,
+                  "moved_from": "node-b"}, id="a-continuation-says-where-it-resumed"),
+    pytest.param(TEXT, NOT_CONTINUED, None, "00-bad", {"trace_id": None},
+                 id="a-malformed-traceparent-carries-no-trace"),
+])
+def test_the_accept_at_dispatch_says_what_the_runner_is_sent(
+    task: TextGeneration, earlier: Continue, seam: Continue | None, traceparent: str | None,
+    expected: dict[str, Any],
+) -> None:
+    pending = PendingTask(task=task, received_at=100.0, delivery=3)
+    event = accept_of(task, "run-1", "node-a", traceparent, pending, earlier, seam, 100.25)
+    assert (event.task_id, event.model, event.node_id, event.runner_id, event.at,
+            event.queue_wait_s, event.delivery) == (
+        task.task_id, task.model, "node-a", "run-1", 100.25, 0.25, 3)
+    assert {key: getattr(event, key) for key in expected} == expected

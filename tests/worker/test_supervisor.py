@@ -149,7 +149,6 @@ async def test_lifecycle_one_task_and_a_clean_stop(runner: Runner, log_path: Pat
     await runner.process.send(submit("t1", "hello tokens:3"))
     task = await runner.until(lambda r: isinstance(r, TaskFinished))
     assert flattened(task) == [
-        "task_accepted",
         "task_running",
         "runner_status",
         "token",
@@ -245,7 +244,7 @@ async def test_closing_stdin_makes_the_runner_exit_cleanly(runner: Runner) -> No
 async def test_stop_kills_a_runner_that_does_not_stop_in_time(runner: Runner) -> None:
     await runner.bring_up()
     await runner.process.send(submit("t1", "tokens:2 delay_ms:60000"))
-    await runner.until(lambda r: r.type == "runner_status")  # running: after its accept
+    await runner.until(lambda r: r.type == "runner_status")  # running
     assert await runner.process.stop(timeout=0.5) == -signal.SIGKILL
     after = await runner.until_exit()
     assert finished(after) == []  # the worker ends t1 from its own state
@@ -288,7 +287,7 @@ async def test_the_text_engine_in_a_real_runner(tiny_llm_dir: Path, log_path: Pa
         await runner.bring_up()
         await process.send(submit("t1", "hello", model="tiny-llm", max_tokens=4, temperature=0))
         task = await runner.until(lambda r: isinstance(r, TaskFinished))
-        assert flattened(task) == ["task_accepted", "task_running", "runner_status"] + [
+        assert flattened(task) == ["task_running", "runner_status"] + [
             "token"
         ] * 4 + ["task_finished"]
         assert task[-1].status == "completed"
