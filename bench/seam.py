@@ -368,6 +368,7 @@ class SeamStack:
         watch = Watch()
         sub = await self.nc.subscribe(subjects.out(task.task_id), cb=watch.on_msg)
         recovery: asyncio.Task[None] | None = None
+        spare_ready: asyncio.Task[float] | None = None
         try:
             await js_publish(self.nc.jetstream(), subjects.tasks(task.model), task,
                              msg_id=task.task_id)
@@ -406,6 +407,10 @@ class SeamStack:
             await watch.until(watch.done, ROUND_S)
             if recovery is not None:
                 await recovery
+        except BaseException:
+            if spare_ready is not None:  # its answer is not wanted now (nor its timeout)
+                spare_ready.cancel()
+            raise
         finally:
             await sub.unsubscribe()
             if recovery is not None and not recovery.done():
