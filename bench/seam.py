@@ -131,7 +131,15 @@ class Watch:
         deadline = time.monotonic() + timeout
         while not (found := check()):
             self.changed.clear()
-            await asyncio.wait_for(self.changed.wait(), max(0.01, deadline - time.monotonic()))
+            try:
+                await asyncio.wait_for(self.changed.wait(),
+                                       max(0.01, deadline - time.monotonic()))
+            except TimeoutError:  # say what the task did: a bare timeout told nothing
+                attempts = [(a.attempt, a.node_id) for a in self.accepted()]
+                raise TimeoutError(
+                    f"{timeout:.0f} s without what the round waits for: the task had "
+                    f"{self.tokens()} tokens, attempts {attempts}, finished {self.done()}"
+                ) from None
         return found
 
     def tokens(self) -> int:
