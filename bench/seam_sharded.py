@@ -6,8 +6,9 @@ removed and one 2-shard instance placed (two of the three nodes hold a rank each
 starts as a fleet up a while would be: both ranks' runners ready, a warm standby runner on
 every node (the ranks' nodes keep one for the restart into a new ring, the spare one for the
 rank that moves there: fleet/worker/standby.py) and the sweeper and sentinel leases held by
-two workers. A greedy answer is submitted; at `sharded_kill_at` tokens the worker of rank 0
-(even rounds) or rank 1 (odd rounds) is SIGKILLed with its runner. The seam is the kill ->
+two workers. A greedy answer of `sharded_max_tokens` (60) is submitted; at `sharded_kill_at`
+(10) tokens the worker of rank 0 (even rounds) or rank 1 (odd rounds) is SIGKILLed with its
+runner. The seam is the kill ->
 the next token of the continued answer at the client; `group_ready_s` the kill -> both ranks
 of the re-formed group ready (failover's move to the spare, the survivor's restart into the
 new ring, both loads). The killed worker is restarted at once: the next round's spare.
@@ -164,7 +165,7 @@ class ShardedCase:
             await watch.until(
                 lambda: watch.tokens() >= plan.sharded_kill_at or watch.done(), ROUND_S)
             if watch.done():
-                return {"error": "finished before the fault", "rank": rank}
+                return {"error": "finished before the fault", "rank": rank, **watch.ending()}
             group = asyncio.create_task(regrouped(
                 stack, self.instance_id, victim.node_id, set(ranks.values()),
                 time.monotonic() + ROUND_S))
