@@ -145,8 +145,9 @@ class Claims:
             earlier = claim is Claim.FRESH and await events
         finally:  # owned here: a look-up not needed (or left by a failed claim) is ended
             await cancel_and_wait([events])
-            if not events.cancelled():
-                events.exception()  # retrieved: its failure matters only when awaited above
+            if not events.cancelled() and (failed := events.exception()) is not None:
+                # Raised above when its answer counted; logged either way, never swallowed.
+                log.warning("task %s: the events look-up failed: %r", task_id, failed)
         if (reason := refusal(claim, earlier)) == "task_id_used":
             # Nobody may own an id whose events are already there, this message included:
             # its redelivery would otherwise find its "own" claim and write on them.
