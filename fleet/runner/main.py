@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from fleet.models.blas import set_openblas_threads
-from fleet.runner.coalesce import TokenCoalescer
+from fleet.runner.coalesce import TokenCoalescer, Written
 from fleet.runner.engine import Engine, EngineConfig, GroupLost
 from fleet.runner.fault_engine import FAULT_FAMILY, FaultEngine
 from fleet.runner.image_steps import StepHook
@@ -40,7 +40,6 @@ from fleet.wire.codec import DecodeError, decode_model
 from fleet.wire.framing import FrameError, FrameReader, FrameWriter, decode_command
 from fleet.wire.pipe import (
     RunnerCommand,
-    RunnerReport,
     RunnerSpec,
     RunnerStatusReport,
     Shutdown,
@@ -208,11 +207,14 @@ class _Reporter:
         self._writer = writer
         self._open = True
 
-    def __call__(self, report: RunnerReport) -> None:
+    def __call__(self, report: Written) -> None:
         if not self._open:
             return
         try:
-            self._writer.write(report)
+            if isinstance(report, bytes):  # a token event, encoded by the coalescer
+                self._writer.write_body(report)
+            else:
+                self._writer.write(report)
         except (BrokenPipeError, ConnectionResetError):
             log.warning("the worker stopped reading reports")
             self._open = False

@@ -120,17 +120,6 @@ def token_indexes(events: Iterable[object]) -> list[int]:
             for k in range(event.count)]
 
 
-def joined_tokens(chunks: list[TokenChunk]) -> TokenChunk:
-    """Consecutive token events of one task as one event (a single one is returned as is)."""
-    if len(chunks) == 1:
-        return chunks[0]
-    first = chunks[0]
-    ids = [token for chunk in chunks for token in chunk.ids]
-    return TokenChunk(task_id=first.task_id, at=first.at, index=first.index,
-                      token_id=first.token_id, text="".join(chunk.text for chunk in chunks),
-                      token_ids=ids)
-
-
 class ToolCallChunk(_Event):
     type: Literal["tool_call"] = "tool_call"
     index: int = Field(ge=0)

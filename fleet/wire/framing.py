@@ -107,7 +107,11 @@ class FrameWriter:
         self._lock = threading.Lock()
 
     def write(self, message: BaseModel) -> None:
-        frame = encode_message(message, self._max_bytes)
+        self.write_body(encode(message))
+
+    def write_body(self, body: bytes) -> None:
+        """A message already encoded (the coalescer's token events, built without a model)."""
+        frame = encode_frame(body, self._max_bytes)
         with self._lock:
             self._stream.write(frame)
             self._stream.flush()

@@ -22,8 +22,12 @@ pydantic-core's whole validation, so a dict walk gained nothing).
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import NamedTuple
 
+import orjson
+
+from fleet.wire.base import SCHEMA_VERSION
 from fleet.wire.events import TokenChunk
 from fleet.wire.framing import decode_report
 from fleet.wire.pipe import RunnerReport
@@ -77,4 +81,22 @@ def token_frame(body: bytes) -> TokenFrame | None:
     return TokenFrame(task_id, int(index), body)
 
 
-__all__ = ["TokenFrame", "read_report", "token_frame"]
+def token_event(task_id: str, at: float, index: int, token_ids: Sequence[int], text: str) -> bytes:
+    """The codec's bytes of the TokenChunk of these tokens (`token_ids` only when several),
+    without building the model: the runner's coalescer writes one of these per token event.
+
+    Byte for byte what `encode(TokenChunk(...))` writes, the model's field order included
+    (tests/wire/test_token_frames.py compares them); the values are not validated here: they
+    come from the runner's own engines, and the worker checks every frame it reads
+    (`read_report`). Cost per 7-token event, in-process: 0.3 us, against 6.8 us for a
+    TokenChunk of them and the model's encode (2026-12-05)."""
+    event: dict[str, object] = {
+        "schema_version": SCHEMA_VERSION, "task_id": task_id, "at": float(at), "type": "token",
+        "index": index, "token_id": token_ids[0], "text": text,
+    }
+    if len(token_ids) > 1:
+        event["token_ids"] = list(token_ids)
+    return orjson.dumps(event)
+
+
+__all__ = ["TokenFrame", "read_report", "token_event", "token_frame"]

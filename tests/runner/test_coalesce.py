@@ -7,9 +7,18 @@ import time
 
 import pytest
 
-from fleet.runner.coalesce import MAX_TOKENS, WINDOW_S, TokenCoalescer, flush_due
+from fleet.runner.coalesce import MAX_TOKENS, WINDOW_S, TokenCoalescer, Written, flush_due
 from fleet.wire.events import TaskFinished, TokenChunk, ToolCallChunk
+from fleet.wire.framing import decode_report
 from fleet.wire.pipe import RunnerReport
+
+
+class Sent(list[RunnerReport]):
+    """What the coalescer wrote, as reports: its token events come encoded, and must decode
+    strictly to the TokenChunk they stand for."""
+
+    def append(self, written: Written) -> None:
+        super().append(decode_report(written) if isinstance(written, bytes) else written)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +66,7 @@ def finished(task_id: str) -> TaskFinished:
 
 def test_the_coalescer_keeps_each_task_whole_and_in_order() -> None:
     clock = Clock()
-    sent: list[RunnerReport] = []
+    sent = Sent()
     coalescer = TokenCoalescer(sent.append, clock=clock)
     for index in range(3):  # one engine step per token, two tasks in the batch
         coalescer(token("a", index))
@@ -82,7 +91,7 @@ def test_the_coalescer_keeps_each_task_whole_and_in_order() -> None:
 
 def test_a_full_batch_and_the_window_send_held_tokens() -> None:
     clock = Clock()
-    sent: list[RunnerReport] = []
+    sent = Sent()
     coalescer = TokenCoalescer(sent.append, clock=clock)
     for index in range(1 + MAX_TOKENS):
         coalescer(token("a", index))
@@ -97,7 +106,7 @@ def test_a_full_batch_and_the_window_send_held_tokens() -> None:
 
 
 def test_a_token_with_logprobs_travels_alone() -> None:
-    sent: list[RunnerReport] = []
+    sent = Sent()
     coalescer = TokenCoalescer(sent.append, clock=Clock())
     coalescer(token("a", 0))
     coalescer(token("a", 1))
@@ -107,7 +116,7 @@ def test_a_token_with_logprobs_travels_alone() -> None:
 
 
 def test_the_flusher_sends_a_token_held_past_the_window_during_a_long_step() -> None:
-    sent: list[RunnerReport] = []
+    sent = Sent()
     arrived = threading.Event()
 
     def write(report: RunnerReport) -> None:
@@ -131,9 +140,9 @@ def test_the_flusher_sends_a_token_held_past_the_window_during_a_long_step() -> 
 def test_time_spent_reporting_is_not_engine_time() -> None:
     """A step slowed by a blocked pipe (the worker behind) keeps tokens for fuller events."""
     clock = Clock()
-    sent: list[RunnerReport] = []
+    sent = Sent()
 
-    def slow_write(report: RunnerReport) -> None:
+    def slow_write(report: Written) -> None:
         sent.append(report)
         time.sleep(0.02)  # a full pipe: the write blocks
 

@@ -1,4 +1,7 @@
-"""The worker's cheap check of a runner's token event (fleet.wire.token_frames) never vouches
+"""The runner's token events built without a model (`token_event`) are the codec's bytes of
+the TokenChunk they stand for, byte for byte.
+
+The worker's cheap check of a runner's token event (fleet.wire.token_frames) never vouches
 for a frame TokenChunk refuses: a table of malformed frames (each a typed DecodeError, never a
 TokenFrame), generated frames near the token event's shape and frames with bytes changed,
 checked by both; and it does vouch for every plain token event the runner's codec writes."""
@@ -15,7 +18,7 @@ from hypothesis import strategies as st
 from fleet.wire.codec import DecodeError, encode
 from fleet.wire.events import TokenChunk
 from fleet.wire.framing import decode_report
-from fleet.wire.token_frames import TokenFrame, read_report, token_frame
+from fleet.wire.token_frames import TokenFrame, read_report, token_event, token_frame
 
 GOOD: dict[str, Any] = {"schema_version": 1, "task_id": "t-1", "at": 1.5, "type": "token",
                         "index": 3, "token_id": 7, "text": "ab", "token_ids": [7, 8]}
@@ -156,3 +159,33 @@ def test_changed_bytes_are_vouched_for_only_when_the_model_accepts_them(
     if vouched is not None:
         assert isinstance(model, TokenChunk)
         assert (vouched.task_id, vouched.index) == (model.task_id, model.index)
+
+
+def chunk_of(task_id: str, at: float, index: int, ids: list[int], text: str) -> TokenChunk:
+    return TokenChunk(task_id=task_id, at=at, index=index, token_id=ids[0], text=text,
+                      token_ids=ids if len(ids) > 1 else None)
+
+
+@pytest.mark.parametrize(("task_id", "at", "index", "ids", "text"), [
+    ("t-1", 1.5, 0, [7], " t0"),  # one token: no token_ids, as the model leaves them out
+    ("t-1", 1.5, 3, [7, 8], "ab"),
+    ("A_b-9", 1_796_450_156.7308276, 10**18 - 1, [-(2**40), 0, 2**40], ""),
+    ("t", 100, 1, [1, 2], "x"),  # an int time: a float, as the model stores it
+    ("t", -0.0, 2, [5], 'quote " backslash \\ newline \n tab \t nul \x00 \u2028 é 字 😀'),
+    ("t", 1e-7, 4, list(range(16)), "\x7f\x1f"),
+])
+def test_a_token_event_is_the_codecs_bytes_of_its_model(
+    task_id: str, at: float, index: int, ids: list[int], text: str
+) -> None:
+    built = token_event(task_id, at, index, ids, text)
+    assert built == encode(chunk_of(task_id, at, index, ids, text))
+    assert read_report(built) == TokenFrame(task_id, index, built)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_every_token_event_is_the_codecs_bytes_of_its_model(data: st.DataObject) -> None:
+    event = ok_token(data.draw)
+    built = token_event(event.task_id, event.at, event.index, event.ids, event.text)
+    assert built == encode(event)
+    assert decode_report(built) == event
