@@ -18,7 +18,10 @@ serves a class first in, first out, so a tenant admitted past that would queue a
 next request of a tenant that arrives later (measured: B waited 10-24x its TTFT alone behind
 A's queued requests). Each tenant's held requests take their turn one at a time, oldest
 first, and check the rule against this replica's view of the counters before reading KV, so
-a change wakes one request per tenant, not every held one.
+a change wakes one request per tenant, not every held one. And a tenant that holds its
+weighted share of the model's slots or more (running or queued) does not take the last free
+slot while a present tenant holds less than its share (fleet.gateway.fair_slots): that
+tenant's next request finds a slot, not a wait for one to free.
 
 The counters live in KV FLEET_FAIRNESS (fleet.wire.fairness.TenantShare), updated by
 compare-and-set, so every gateway replica applies the same rule. A tenant's `waiting` counts
@@ -39,6 +42,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Mapping
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -48,6 +52,7 @@ from nats.js.kv import KeyValue
 
 from fleet.aio import set_within
 from fleet.bus.fairness import charge, holds, lift, tenant_token
+from fleet.gateway.fair_slots import kept_for
 from fleet.wire.fairness import TenantShare
 
 log = logging.getLogger(__name__)
@@ -71,12 +76,16 @@ def backlogged(shares: dict[str, TenantShare], now: float) -> list[str]:
 
 
 def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantum: float,
-                 queued_here: int, cap: int = QUEUED_CAP) -> str | None:
+                 queued_here: int, cap: int = QUEUED_CAP, slots: int = 0,
+                 queued: Mapping[str, int] | None = None) -> str | None:
     """Why `tenant`'s next request waits (pure), or None to admit it: `ahead`, more than
     `quantum` ahead of the least-served tenant waiting too; `queued`, this gateway has `cap`
     of its requests in the broker's queue, not yet running, while a tenant served less than
     it is present (an entry changed within STALE_S). The least-served tenant is never
-    capped: its requests are the ones the queue should hold."""
+    capped: its requests are the ones the queue should hold. `reserved`: it holds its share
+    of the `slots` or more and the last free ones are kept for a present tenant below its
+    share (fleet.gateway.fair_slots; `queued`: this gateway's requests not yet running, by
+    tenant; `slots` 0: not known, no reserve)."""
     counters = {t: share.counter for t, share in shares.items()}
     if holds(counters, tenant, [*backlogged(shares, now), tenant], quantum):
         return "ahead"
@@ -84,7 +93,27 @@ def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantu
                  for t, share in shares.items())
     if behind and queued_here >= cap:
         return "queued"
+    if slots > 0:
+        held, weights = slots_held(shares, tenant, now, queued or {tenant: queued_here})
+        if kept_for(held, weights, tenant, slots) is not None:
+            return "reserved"
     return None
+
+
+def slots_held(shares: Mapping[str, TenantShare], tenant: str, now: float,
+               queued: Mapping[str, int]) -> tuple[dict[str, int], dict[str, float]]:
+    """The present tenants' slots held and weights (pure): a tenant is present while its
+    entry is fresh and it has requests waiting or running (`tenant` always); it holds its
+    requests running and those `queued` (published by this gateway, not yet running)."""
+    held: dict[str, int] = {}
+    weights: dict[str, float] = {}
+    for t, share in shares.items():
+        fresh = now - share.at < STALE_S
+        running = share.running if fresh else 0
+        if t == tenant or (fresh and (share.waiting or running)) or queued.get(t, 0):
+            held[t] = running + queued.get(t, 0)
+            weights[t] = share.weight
+    return held, weights
 
 
 class View:
@@ -106,11 +135,14 @@ class View:
 
 class FairShare:
     def __init__(self, nc: Client, kv: KeyValue, quantum: float | None = None,
-                 queued_cap: int = QUEUED_CAP) -> None:
+                 queued_cap: int = QUEUED_CAP,
+                 slots: Callable[[str], int] | None = None) -> None:
         self.nc = nc
         self.kv = kv
         self.quantum = QUANTUM if quantum is None else quantum
         self.queued_cap = queued_cap
+        # model -> its instances' slots (0: not known): the reserve of fleet.gateway.fair_slots
+        self.slots = slots or (lambda model: 0)
         self.views: dict[str, View] = {}
         self._opening: dict[str, asyncio.Lock] = {}
         # (prefix, tenant): requests this gateway admitted that are not yet running.
@@ -128,8 +160,10 @@ class FairShare:
         if mine is not None:
             shares[tenant] = mine
         shares.setdefault(tenant, TenantShare(counter=0.0, waiting=0, at=0.0))
+        queued = {t: n for (p, t), n in self.queued.items() if p == prefix and n}
         return held_because(shares, tenant, time.time(), self.quantum,
-                            self.queued.get((prefix, tenant), 0), self.queued_cap)
+                            queued.get(tenant, 0), self.queued_cap,
+                            self.slots(prefix.rsplit(".", 1)[0]), queued)
 
     def ran(self, prefix: str, tenant: str) -> None:
         """One of the tenant's admitted requests is running (or ended before it ran): its
@@ -181,9 +215,10 @@ class FairShare:
         `start`: unless the tenant is held, charge the request's estimate now, so the
         tenant's other held requests see it at once (they all set this one key, so only one
         of them passes on the same reading).
-        `run`: waiting - 1 (a task of the request was accepted: it is no longer backlogged).
-        `leave`: charged `tokens` served less what its start charged; waiting - 1 unless it
-        ran (`ran`).
+        `run`: waiting - 1, running + 1 (a task of the request was accepted: it is no
+        longer backlogged; it holds a slot).
+        `leave`: charged `tokens` served less what its start charged; waiting - 1, or
+        running - 1 if it ran (`ran`).
         `forget`: a keyed request's result is recorded; its `settled` mark goes.
         A `key` (a batch line's task id) makes each step happen once per key, whoever runs
         the line: the marks are in the entry the counter is, set by the same write."""
@@ -215,6 +250,7 @@ class FairShare:
                 new = TenantShare(
                     counter=mine.counter if fresh else lift(counters, tenant, waiting)[tenant],
                     waiting=(mine.waiting if fresh else 0) + 1, at=now,
+                    running=mine.running if now - mine.at < STALE_S else 0,
                     charged=mine.charged, settled=mine.settled, weight=mine.weight)
             elif change == "start":
                 if not force and self._held(view, prefix, tenant, mine) is not None:
@@ -228,14 +264,16 @@ class FairShare:
                 new = mine.model_copy(update={
                     "settled": [k for k in mine.settled if k != key]})
             elif change == "run":
-                new = mine.model_copy(update={"waiting": max(0, mine.waiting - 1), "at": now})
+                new = mine.model_copy(update={"waiting": max(0, mine.waiting - 1),
+                                              "running": mine.running + 1, "at": now})
             else:
                 if key is not None:
                     estimate = mine.charged[key]
                 counter = max(0.0, mine.counter + (tokens - estimate) / weight)
                 new = mine.model_copy(update={
                     "counter": counter, "at": now,
-                    "waiting": mine.waiting if ran else max(0, mine.waiting - 1)})
+                    "waiting": mine.waiting if ran else max(0, mine.waiting - 1),
+                    "running": max(0, mine.running - 1) if ran else mine.running})
                 if key is not None:
                     new = new.model_copy(update={
                         "charged": {k: v for k, v in mine.charged.items() if k != key},

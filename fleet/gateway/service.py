@@ -114,13 +114,18 @@ class Gateway:
             if nc is None:
                 return None
             try:
-                self.fair = FairShare(nc, await self.backend._bucket(FAIRNESS_BUCKET))
+                self.fair = FairShare(nc, await self.backend._bucket(FAIRNESS_BUCKET),
+                                      slots=self.model_slots)
             except Exception as exc:  # an older fleet without the bucket: unfair, not down
                 log.warning("fair tenants not applied: %s", exc)
                 return None
         estimate = sum(getattr(task, "max_tokens", 0) or 0 for task in tasks)
         return await self.fair.admit(tasks[0].model, tasks[0].priority, tenant,
                                      weight, estimate, key)
+
+    def model_slots(self, model: str) -> int:
+        """The slots of `model`'s instances as this gateway last saw them (0: none known)."""
+        return sum(i.slots for i in self.catalogue.instances.values() if i.model == model)
 
     async def model_states(self) -> dict[str, ModelState] | None:
         """Placement and readiness per model, or None while NATS cannot tell."""

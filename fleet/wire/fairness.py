@@ -15,8 +15,8 @@ CHARGED_HEADER = "Fleet-Fair-Charged"
 
 class TenantShare(Wire):
     """KV FLEET_FAIRNESS, key `<model>.<class>.<tenant>`: the tenant's virtual token counter
-    (tokens served over its weight, fleet.bus.fairness) and its requests not yet running, kept
-    by compare-and-set from every gateway replica. Batch lines are charged by task id
+    (tokens served over its weight, fleet.bus.fairness), its requests not yet running and those
+    running, kept by compare-and-set from every gateway replica. Batch lines are charged by task id
     (`charged`, `settled`), in the same compare-and-set as the counter, so a line run again
     by the replica that took its job over is charged once."""
 
@@ -24,6 +24,11 @@ class TenantShare(Wire):
     counter: float = Field(ge=0, description="tokens served to the tenant over its weight")
     waiting: int = Field(ge=0, description="its requests held or queued and not yet running "
                          "(no runner has accepted a task of theirs): its backlog")
+    running: int = Field(
+        default=0, ge=0,
+        description="its requests a runner accepted that have not ended (counted by the "
+        "gateways that admitted them): the slots it holds, for the reserve kept for a tenant "
+        "below its weighted share of the slots (fleet.gateway.fair_slots)")
     at: float = Field(description="unix time of the last change: an entry older than the "
                       "stale limit is no longer backlogged (a gateway that died mid-request)")
     weight: float = Field(
