@@ -32,6 +32,7 @@ from bench.fleet_stack import FleetStack
 from bench.plumbing_rate import MODEL, seed_fault_card
 from bench.queue_fair import (
     QUICK_FAIR,
+    STAGES,
     FairPlan,
     Served,
     Stages,
@@ -261,8 +262,7 @@ def queue_table(result: dict[str, Any]) -> list[str]:
         f"  interactive TTFT p50 {mixed['ttft_idle_p50_ms']} ms idle, "
         f"{mixed['ttft_beside_batch_p50_ms']} ms beside a batch job (x{mixed['ratio']}); "
         f"the job meanwhile {mixed['batch_lines_per_s_meanwhile']} lines/s "
-        f"(~1 s each, {mixed['batch_slots']} slots); the chats' stages p50 (admission / "
-        f"queue / first token ms, share on a lane) idle "
+        f"(~1 s each, {mixed['batch_slots']} slots); the chats' stages p50 ({STAGES}) idle "
         f"{stages_text(mixed.get('stages_idle_p50_ms'))}, beside the job "
         f"{stages_text(mixed.get('stages_beside_batch_p50_ms'))}",
         f"  batch of {accept['lines']:,} lines ({accept['file_mb']} MB): accepted in "

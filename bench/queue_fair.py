@@ -36,7 +36,7 @@ from bench.plumbing_rate import MODEL
 from fleet.gateway.keys import key_hash, new_key
 from fleet.wire import subjects
 from fleet.wire.codec import decode_event, sent_task_id
-from fleet.wire.events import TaskAccepted
+from fleet.wire.events import TaskAccepted, TokenChunk
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,14 @@ class Served:
 
 
 class Stages:
-    """When each task was published (seen on `fleet.tasks.>`) and accepted by a runner (its
-    first `task_accepted` on `fleet.out.<id>`), perf_counter seconds, heard by the bench."""
+    """When each task was published (seen on `fleet.tasks.>`), accepted by a runner (its
+    first `task_accepted` on `fleet.out.<id>`) and had its first token on NATS (the worker
+    published it), perf_counter seconds, heard by the bench."""
 
     def __init__(self) -> None:
         self.published: dict[str, float] = {}
         self.accepted: dict[str, float] = {}
+        self.first_out: dict[str, float] = {}
         self.on_lane: set[str] = set()  # published on a tenant lane, not the shared subject
         self.subs: list[Any] = []
 
@@ -82,8 +84,12 @@ class Stages:
 
         async def on_out(msg: Msg) -> None:
             task_id = msg.subject.rsplit(".", 1)[1]
-            if task_id not in self.accepted and isinstance(decode_event(msg.data), TaskAccepted):
-                self.accepted[task_id] = time.perf_counter()
+            if task_id not in self.accepted:
+                if isinstance(decode_event(msg.data), TaskAccepted):
+                    self.accepted[task_id] = time.perf_counter()
+            elif task_id not in self.first_out and isinstance(decode_event(msg.data),
+                                                              TokenChunk):
+                self.first_out[task_id] = time.perf_counter()
 
         self.subs = [await nc.subscribe("fleet.tasks.>", cb=on_task),
                      await nc.subscribe("fleet.out.*", cb=on_out)]
@@ -97,8 +103,11 @@ def stage_p50s_ms(served: list[Served], stages: Stages, start: float,
                   end: float) -> dict[str, float | None]:
     """Median of each stage of the requests sent within [start, end) that were heard at
     every stage (pure): admission, queue (and dispatch), first token (runner and relay); and
-    the fraction of them published on a tenant lane (`on_lane`)."""
+    the fraction of them published on a tenant lane (`on_lane`); then the first token split
+    where the worker published it: `runner` (accepted -> on NATS: the runner's step, its pipe
+    and the worker) and `relay` (NATS -> the client: the gateway and HTTP)."""
     spans: dict[str, list[float]] = {"admission": [], "queue": [], "first_token": []}
+    split: dict[str, list[float]] = {"runner": [], "relay": []}
     for s in served:
         published = stages.published.get(s.task_id)
         accepted = stages.accepted.get(s.task_id)
@@ -108,11 +117,16 @@ def stage_p50s_ms(served: list[Served], stages: Stages, start: float,
         spans["admission"].append(published - s.sent)
         spans["queue"].append(accepted - published)
         spans["first_token"].append(s.first - accepted)
+        if (out := stages.first_out.get(s.task_id)) is not None:
+            split["runner"].append(out - accepted)
+            split["relay"].append(s.first - out)
     p50s: dict[str, float | None] = {
         k: round(statistics.median(v) * 1000, 1) if v else None for k, v in spans.items()}
     sent = [s for s in served if start <= s.sent < end and s.task_id in stages.published]
     p50s["on_lane"] = round(sum(s.task_id in stages.on_lane for s in sent) / len(sent), 2) \
         if sent else None
+    p50s.update({k: round(statistics.median(v) * 1000, 1) if v else None
+                 for k, v in split.items()})
     return p50s
 
 
@@ -262,12 +276,15 @@ def fair_rows(runs: list[dict[str, Any]]) -> list[str]:
         f"(weight share {r['weight_share_b']:.1%}, off by {r['share_off_by']:.0%}; "
         f"{r['tokens_per_s']} tok/s in all); B's TTFT p50 {r['ttft_b_beside_a_p50_ms']} ms "
         f"beside A, {r['ttft_b_alone_p50_ms']} ms alone (x{r['ttft_ratio']}), "
-        f"A's {r['ttft_a_p50_ms']} ms; B's stages p50 (admission / queue / first token "
-        f"ms, share on a lane) "
+        f"A's {r['ttft_a_p50_ms']} ms; B's stages p50 ({STAGES}) "
         f"alone {stages_text(r.get('stages_b_alone_p50_ms'))}, beside A "
         f"{stages_text(r.get('stages_b_beside_a_p50_ms'))}"
         for r in runs
     ]
+
+
+STAGES = ("admission / queue / first token ms, share on a lane, the first token's runner / "
+          "relay ms")
 
 
 def stages_text(p50s: dict[str, float | None] | None) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.queue_fair import Served, b_clients, tokens_in, ttft_p50_ms
+from bench.queue_fair import Served, Stages, b_clients, stage_p50s_ms, tokens_in, ttft_p50_ms
 
 
 @pytest.mark.parametrize(("served", "window", "tokens"), [
@@ -40,3 +40,15 @@ def test_b_keeps_its_weight_share_of_the_slots_going(
     slots: int, weights: tuple[float, float], clients: int,
 ) -> None:
     assert b_clients(slots, *weights) == clients
+
+
+def test_stages_split_the_first_token_where_the_worker_published_it() -> None:
+    stages = Stages()
+    stages.published = {"t1": 1.010, "t2": 2.010, "t3": 3.010}
+    stages.accepted = {"t1": 1.020, "t2": 2.030, "t3": 3.020}
+    stages.first_out = {"t1": 1.025, "t2": 2.040}  # t3's first token not heard on NATS
+    served = [Served(1.0, 1.030, 1.5, 5, "t1"), Served(2.0, 2.050, 2.5, 5, "t2"),
+              Served(3.0, 3.040, 3.5, 5, "t3")]
+    p50s = stage_p50s_ms(served, stages, 0.0, 10.0)
+    assert p50s == {"admission": 10.0, "queue": 10.0, "first_token": 20.0, "on_lane": 0.0,
+                    "runner": 7.5, "relay": 7.5}
