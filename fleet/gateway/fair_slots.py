@@ -8,8 +8,9 @@ free: at 16 slots of ~1 s, one every ~60 ms. In the queue bench that wait was al
 time to a first token beside A (B 143 ms beside A, 64 ms alone; its queue stage 66 ms against
 5 ms). As batch work leaves a slot to the classes above it (fleet.worker.priority), a tenant
 that holds its share of the slots or more (`entitled`: slots x its weight over the present
-tenants' weights, rounded down) does not take one of the last RESERVE free slots while another
-present tenant holds fewer than its own share; that tenant's next request finds a slot free.
+tenants' weights, in whole slots) does not take one of the last RESERVE free slots while
+another present tenant holds no more than its own share; that tenant's next request finds a
+slot free.
 Nobody is held while slots beyond the reserve are free (work-conserving but for the reserve).
 
 A tenant holds the slots of its requests running (TenantShare.running, every replica's) and
@@ -28,22 +29,32 @@ RESERVE = 1  # free slots a tenant at or over its share leaves to one below it
 
 
 def entitled(slots: int, weights: Mapping[str, float]) -> dict[str, int]:
-    """Each present tenant's share of the slots, by weight, rounded down (pure)."""
+    """Each present tenant's share of the slots by weight, whole slots summing to `slots`
+    (pure): rounded down, then the slots left one each to the largest remainders (ties by
+    name), so no slot is nobody's (16 at 1:2 is 5 and 11, not 5 and 10 with one idle)."""
     total = sum(weights.values())
     if total <= 0:
         return dict.fromkeys(weights, 0)
-    return {t: int(slots * w / total + 1e-9) for t, w in weights.items()}
+    exact = {t: slots * w / total for t, w in weights.items()}
+    share = {t: int(x + 1e-9) for t, x in exact.items()}
+    left = slots - sum(share.values())
+    for t in sorted(exact, key=lambda t: (share[t] - exact[t], t))[:max(0, left)]:
+        share[t] += 1
+    return share
 
 
 def kept_for(held: Mapping[str, int], weights: Mapping[str, float], tenant: str, slots: int,
              reserve: int = RESERVE) -> str | None:
     """The present tenant the last free slots are kept for, so `tenant`'s next request must
     not take one (pure); None to let it. `held`: the slots each present tenant holds (`tenant`
-    among them), `weights`: theirs, `slots`: the (model, class)'s, 0 when not known."""
+    among them), `weights`: theirs, `slots`: the (model, class)'s, 0 when not known. Kept for
+    a tenant at its share too, not only below it: its next request (one of its own ends, and
+    its client asks again) needs the slot that ending frees, and another tenant's request
+    admitted meanwhile would queue ahead of it in the broker and take that slot."""
     if slots <= 0 or slots - sum(held.values()) > reserve:
         return None
     share = entitled(slots, {t: weights.get(t, 1.0) for t in held})
     if held.get(tenant, 0) < share.get(tenant, 0):
         return None
-    below = sorted(t for t in held if t != tenant and held[t] < share[t])
-    return below[0] if below else None
+    kept = sorted(t for t in held if t != tenant and share[t] > 0 and held[t] <= share[t])
+    return kept[0] if kept else None

@@ -21,29 +21,32 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.mark.parametrize(("slots", "weights", "share"), [
     (16, {"a": 1.0, "b": 1.0}, {"a": 8, "b": 8}),
-    (16, {"a": 1.0, "b": 2.0}, {"a": 5, "b": 10}),  # rounded down: one slot nobody's
+    (16, {"a": 1.0, "b": 2.0}, {"a": 5, "b": 11}),  # the slot left to the larger remainder
     (16, {"a": 1.0}, {"a": 16}),
-    (3, {"a": 1.0, "b": 1.0}, {"a": 1, "b": 1}),
+    (3, {"a": 1.0, "b": 1.0}, {"a": 2, "b": 1}),  # a tie: by name
+    (16, {"a": 1.0, "b": 1.0, "c": 1.0}, {"a": 6, "b": 5, "c": 5}),
     (4, {"a": 0.0}, {"a": 0}),
 ])
 def test_entitled(slots: int, weights: dict[str, float], share: dict[str, int]) -> None:
     assert entitled(slots, weights) == share
+    assert sum(share.values()) in (slots, 0)
 
 
 @pytest.mark.parametrize(("held", "weights", "slots", "kept"), [
     ({"a": 8, "b": 7}, {}, 16, "b"),  # the last free slot is B's: A holds its 8
     ({"a": 7, "b": 7}, {}, 16, None),  # 2 free: beyond the reserve, anyone takes one
     ({"a": 7, "b": 8}, {}, 16, None),  # A below its share: its request goes
-    # none free: A's request would queue in the broker ahead of B's next one
+    # none free: A's request would queue in the broker and take the slot B's next needs
     ({"a": 9, "b": 7}, {}, 16, "b"),
-    ({"a": 8, "b": 8}, {}, 16, None),  # both at their share: nobody below
+    ({"a": 8, "b": 8}, {}, 16, "b"),
+    ({"a": 7, "b": 9}, {}, 16, None),  # A below its share
+    ({"a": 8, "b": 9}, {}, 16, None),  # B over its share: nobody to keep a slot for
     ({"a": 15}, {}, 16, None),  # alone
-    ({"a": 6, "b": 9}, {"b": 2.0}, 16, "b"),  # B weighs 2: its share is 10 of 16
-    ({"a": 5, "b": 10}, {"b": 2.0}, 16, None),  # both at their share
-    ({"a": 5, "b": 9}, {"b": 2.0}, 16, None),  # 2 free
-    ({"a": 4, "b": 10}, {"b": 2.0}, 16, None),  # 2 free
+    ({"a": 6, "b": 9}, {"b": 2.0}, 16, "b"),  # B weighs 2: its share is 11 of 16
+    ({"a": 5, "b": 10}, {"b": 2.0}, 16, "b"),
+    ({"a": 4, "b": 11}, {"b": 2.0}, 16, None),  # A below its 5
     ({"a": 12, "b": 3}, {}, 0, None),  # slots not known: no reserve
-    ({"a": 3, "b": 0, "c": 0}, {}, 4, "b"),  # a present tenant with nothing running
+    ({"a": 3, "b": 0, "c": 0}, {}, 4, "b"),  # present tenants with nothing running
 ])
 def test_kept_for(held: dict[str, int], weights: dict[str, float], slots: int,
                   kept: str | None) -> None:
@@ -111,7 +114,8 @@ async def test_the_last_free_slot_waits_for_the_tenant_below_its_share(
     replicas: tuple[FairShare, FairShare],
 ) -> None:
     """4 slots, equal weights: A runs 2 (its share), B 1; A's next request is held for the
-    one free slot, B's goes at once; when B's running request ends, A's goes."""
+    one free slot, B's goes at once (as replica one sees it, B still holds 1, below its
+    share); when B's running request ends, 2 slots are free and A's goes."""
     one, two = replicas
     running_a = [await one.admit("m", "default", "a", 1.0, 0) for _ in range(2)]
     for ticket in running_a:
