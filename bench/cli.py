@@ -1,10 +1,12 @@
 """`fleet bench [--quick]`: build the models, run the text and plumbing benchmarks, report.
 
 Full mode: `tiny-llm-bench` (a ~9M-parameter random qwen2, ~10 ms a decode step) and
-`smollm2-135m`, both prompt modes, concurrency 1 and bursts of 4, 8 and 16, two interleaved
-repetitions, 64 new tokens a request; then the plumbing numbers. Quick mode (CI): `tiny-llm`,
-one repetition, 16 new tokens, a burst of 4, small plumbing counts: it proves the code runs and
-prints numbers; nothing is asserted about speed.
+`smollm2-135m`, both prompt modes, concurrency 1, bursts of 4, 8 and 16 and 8 closed-loop
+clients (4 requests each), two interleaved repetitions, 64 new tokens a request; then the
+plumbing numbers. Quick mode (CI): `tiny-llm`, one repetition, 16 new tokens, a burst of 4 and
+8 clients of 2 requests, small plumbing counts: it proves the code runs and prints numbers;
+nothing is asserted about speed. Fleet runs with `--slots` per text runner (0, the default: the
+product's own batch width).
 """
 
 from __future__ import annotations
@@ -59,12 +61,17 @@ def subprocess_env(blas_threads: int) -> dict[str, str]:
 
 
 def text_plan(args: argparse.Namespace) -> TextPlan:
+    """Fleet runs with `--slots` (0: the product default); runs before 2026-12-05 used 16."""
+    slots = getattr(args, "slots", 0) or 0
+    client_requests = getattr(args, "client_requests", None)
     if args.quick:
         return TextPlan(reps=args.reps or 1, c1_requests=2, bursts=(4,),
-                        max_tokens=args.max_tokens or 16, slots=16, with_peer=not args.no_peer,
-                        burst_timeout_s=120.0)
+                        max_tokens=args.max_tokens or 16, slots=slots,
+                        with_peer=not args.no_peer, burst_timeout_s=120.0, clients=(8,),
+                        client_requests=client_requests or 2)
     return TextPlan(reps=args.reps or 2, c1_requests=3, bursts=(4, 8, 16),
-                    max_tokens=args.max_tokens or 64, slots=16, with_peer=not args.no_peer)
+                    max_tokens=args.max_tokens or 64, slots=slots, with_peer=not args.no_peer,
+                    clients=(8,), client_requests=client_requests or 4)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from bench.procs import free_port, stop_group
-from bench.workload import Request, StreamResult
+from bench.workload import Request, StreamResult, closed_loop
 from fleet.bus.connect import connect, js_publish
 from fleet.models.catalog import add_custom_card
 from fleet.wire import subjects
@@ -76,6 +76,8 @@ class FleetStack:
         # runner id -> model, from the ready records: a runner started from a standby process
         # (fleet/worker/standby.py) has only its id on its command line, not its spec.
         self.runner_models: dict[str, str] = {}
+        # model -> the slots its runner took (with `slots` 0, the product's default width)
+        self.runner_slots: dict[str, int] = {}
 
     @property
     def nats_url(self) -> str:
@@ -102,6 +104,7 @@ class FleetStack:
         for model in self.models:
             record = await wait_runner_ready(self.nc, model, deadline, alive=self.check_alive)
             self.runner_models[record.runner_id] = model
+            self.runner_slots[model] = record.slots
         await self._gateway_up(deadline)
         self.startup_s = time.perf_counter() - began
         return self.nc
@@ -249,3 +252,6 @@ class NatsPath:
     async def burst(self, requests: list[Request]) -> list[StreamResult]:
         t0 = time.perf_counter()
         return list(await asyncio.gather(*(self.stream(r, t0) for r in requests)))
+
+    async def clients(self, queues: list[list[Request]]) -> list[StreamResult]:
+        return await closed_loop(self.stream, queues)

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from bench.workload import Request, StreamResult
+from bench.workload import Request, StreamResult, closed_loop
 
 MAX_ATTEMPTS = 3
 
@@ -92,6 +92,9 @@ class OpenAIStreamPath:
     async def burst(self, requests: list[Request]) -> list[StreamResult]:
         t0 = time.perf_counter()
         return list(await asyncio.gather(*(self.stream(r, t0) for r in requests)))
+
+    async def clients(self, queues: list[list[Request]]) -> list[StreamResult]:
+        return await closed_loop(self.stream, queues)
 
     async def close(self) -> None:
         await self.client.aclose()

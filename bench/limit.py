@@ -1,13 +1,15 @@
 """The limit: plain mlx-lm in a process of its own, on the same model directory.
 
 One stream runs through `mlx_lm.stream_generate`, N streams through mlx-lm's BatchGenerator
-with all N inserted at once and its default batch sizes. Times are taken inside that process
-from the moment a request is handed over (before its chat template is applied), so no transport
-of any kind is counted: nothing can be faster on this machine with this mlx-lm.
+with all N inserted at once and its default batch sizes; closed-loop clients through one
+BatchGenerator too, each client's next request inserted as its previous one finishes. Times
+are taken inside that process from the moment a request is handed over (before its chat
+template is applied), so no transport of any kind is counted: nothing can be faster on this
+machine with this mlx-lm.
 
 The benchmark talks to it over JSON lines: `python -m bench.limit MODEL_DIR` answers a
 `ready` line (its pid, the model's end-of-sequence ids, the BLAS it loaded), then one line of
-results per `{"op": "burst", "requests": [...]}` line.
+results per `{"op": "burst", "requests": [...]}` or `{"op": "clients", "queues": [[...]]}` line.
 """
 
 from __future__ import annotations
@@ -61,6 +63,15 @@ class LimitPath:
     async def burst(self, requests: list[Request]) -> list[StreamResult]:
         assert self.process is not None and self.process.stdin is not None
         line = json.dumps({"op": "burst", "requests": [r.to_json() for r in requests]})
+        self.process.stdin.write(line.encode() + b"\n")
+        await self.process.stdin.drain()
+        answer = await self._read()
+        return [StreamResult.from_json(r) for r in answer["results"]]
+
+    async def clients(self, queues: list[list[Request]]) -> list[StreamResult]:
+        assert self.process is not None and self.process.stdin is not None
+        line = json.dumps({"op": "clients",
+                           "queues": [[r.to_json() for r in queue] for queue in queues]})
         self.process.stdin.write(line.encode() + b"\n")
         await self.process.stdin.drain()
         answer = await self._read()
@@ -142,6 +153,51 @@ class _Engine:
     def burst(self, requests: list[Request]) -> list[StreamResult]:
         return [self.one(requests[0])] if len(requests) == 1 else self.many(requests)
 
+    def clients(self, queues: list[list[Request]]) -> list[StreamResult]:
+        """Closed-loop clients on one BatchGenerator: each client's next request is inserted
+        (and its clock started) as its previous one finishes. Results in queue order."""
+        from mlx_lm.generate import BatchGenerator
+        from mlx_lm.sample_utils import make_logits_processors
+
+        start = time.perf_counter()
+        pending = [list(queue) for queue in queues]
+        results: list[list[StreamResult]] = [[] for _ in queues]
+        running: dict[int, StreamResult] = {}
+        client_of: dict[int, int] = {}
+        generator = BatchGenerator(self.model)
+
+        def submit(client: int) -> None:
+            request = pending[client].pop(0)
+            result = StreamResult(start_s=time.perf_counter() - start)
+            prompt = self._tokens(request)
+            result.prompt_tokens = len(prompt)
+            (uid,) = generator.insert(
+                [prompt], max_tokens=[request.max_tokens],
+                logits_processors=[make_logits_processors(logit_bias=request.logit_bias)],
+            )
+            running[uid], client_of[uid] = result, client
+            results[client].append(result)
+
+        try:
+            for client in range(len(queues)):
+                if pending[client]:
+                    submit(client)
+            while running:
+                _, responses = generator.next()
+                now = time.perf_counter() - start
+                for response in responses:
+                    result = running[response.uid]
+                    result.first_s = now if result.first_s is None else result.first_s
+                    result.last_s = now
+                    result.tokens += 1
+                    if response.finish_reason is not None:
+                        del running[response.uid]
+                        if pending[client := client_of.pop(response.uid)]:
+                            submit(client)
+        finally:
+            generator.close()
+        return [result for client in results for result in client]
+
 
 def _commands(stdin: BinaryIO) -> Iterator[dict[str, Any]]:
     for line in stdin:
@@ -165,6 +221,10 @@ def main(model_dir: str) -> int:
     for command in _commands(sys.stdin.buffer):
         if command.get("op") == "burst":
             results = engine.burst([Request.from_json(r) for r in command["requests"]])
+            out.write(json.dumps({"results": [r.to_json() for r in results]}) + "\n")
+        elif command.get("op") == "clients":
+            results = engine.clients([[Request.from_json(r) for r in queue]
+                                      for queue in command["queues"]])
             out.write(json.dumps({"results": [r.to_json() for r in results]}) + "\n")
     return 0
 

@@ -1,9 +1,14 @@
 """Text generation, four paths side by side on one model, repetitions interleaved.
 
-For each repetition, prompt mode and scenario (concurrency 1, then bursts of 4, 8 and 16) the
-four paths run one after another, in an order that rotates with the repetition, each on its
-own fresh requests: noise from the shared machine spreads over all paths alike, and no path
-sees a prompt another path has already put in a cache.
+For each repetition, prompt mode and scenario (concurrency 1, then bursts of 4, 8 and 16, then
+closed-loop clients) the four paths run one after another, in an order that rotates with the
+repetition, each on its own fresh requests: noise from the shared machine spreads over all paths
+alike, and no path sees a prompt another path has already put in a cache.
+
+A burst sends N requests at once and waits for all; `clientsN` is N closed-loop clients, each
+sending its next request when its previous one ends, `client_requests` each (issue 23's "8
+concurrent clients": arrivals while others decode, which a runner must admit mid-batch).
+Fleet runs with `slots` per text runner: 0 is the product default (fleet/batch_width.py).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from bench.workload import (
     Request,
     StreamResult,
     aggregate_tok_s,
+    client_queues,
     make_request,
     median,
     percentile,
@@ -41,6 +47,8 @@ class BenchPath(Protocol):
 
     async def burst(self, requests: list[Request]) -> list[StreamResult]: ...
 
+    async def clients(self, queues: list[list[Request]]) -> list[StreamResult]: ...
+
 
 @dataclass(frozen=True)
 class TextPlan:
@@ -48,9 +56,11 @@ class TextPlan:
     c1_requests: int  # sequential single streams per repetition and mode
     bursts: tuple[int, ...]
     max_tokens: int
-    slots: int
+    slots: int  # Fleet's slots per text runner; 0: the product default
     with_peer: bool = True
     burst_timeout_s: float = 600.0  # a burst still running after this has hung
+    clients: tuple[int, ...] = ()  # closed-loop scenarios: this many clients at once
+    client_requests: int = 4  # requests each closed-loop client sends, one after another
 
 
 class Bursts:
@@ -62,14 +72,18 @@ class Bursts:
         self.timeout_s = timeout_s
         self.broken: dict[str, str] = {}
 
-    async def run(self, path: BenchPath, requests: list[Request]) -> list[StreamResult]:
+    async def run(self, path: BenchPath, requests: list[Request],
+                  clients: int = 0) -> list[StreamResult]:
+        """A burst, or with `clients` the requests dealt to that many closed-loop clients."""
         if path.name in self.broken:
             return [StreamResult(start_s=0.0, error=self.broken[path.name]) for _ in requests]
         try:
             async with asyncio.timeout(self.timeout_s):
+                if clients:
+                    return await path.clients(client_queues(requests, clients))
                 return await path.burst(requests)
         except TimeoutError:
-            log.error("%s: a burst of %d ran past %.0f s; the path is left out from here",
+            log.error("%s: %d requests ran past %.0f s; the path is left out from here",
                       path.name, len(requests), self.timeout_s)
             self.broken[path.name] = f"skipped: an earlier burst ran past {self.timeout_s:.0f} s"
             return [StreamResult(start_s=0.0, error=f"timed out after {self.timeout_s:.0f} s")
@@ -141,7 +155,8 @@ async def run_model(
             http_clients.append(peer_path)
             paths.append(peer_path)
             info["peer"] = {"startup_s": peer.startup_s, "openblas_mapped": peer.openblas}
-        info["fleet"] = {"startup_s": stack.startup_s, "slots": plan.slots}
+        info["fleet"] = {"startup_s": stack.startup_s, "slots": plan.slots,
+                         "runner_slots": stack.runner_slots.get(model_id)}
         gateway = OpenAIStreamPath("fleet_http", stack.base_url, model_id)
         http_clients.append(gateway)
         paths += [gateway, NatsPath(nc, model_id)]
@@ -171,9 +186,10 @@ async def _warm_up(bursts: Bursts, paths: Sequence[BenchPath], eos_ids: list[int
         await bursts.run(path, [make_request("unique", 4, eos_ids) for _ in range(2)])
 
 
-def _scenarios(plan: TextPlan) -> list[tuple[str, int, int]]:
-    """(name, streams per burst, bursts per repetition)."""
-    return [("c1", 1, plan.c1_requests)] + [(f"burst{n}", n, 1) for n in plan.bursts]
+def _scenarios(plan: TextPlan) -> list[tuple[str, int, int, int]]:
+    """(name, requests per run, runs per repetition, closed-loop clients or 0 for a burst)."""
+    return ([("c1", 1, plan.c1_requests, 0)] + [(f"burst{n}", n, 1, 0) for n in plan.bursts]
+            + [(f"clients{n}", n * plan.client_requests, 1, n) for n in plan.clients])
 
 
 async def _measure(
@@ -183,12 +199,12 @@ async def _measure(
     for rep in range(plan.reps):
         order = list(paths[rep % len(paths):]) + list(paths[: rep % len(paths)])
         for mode in PROMPT_MODES:
-            for scenario, width, count in _scenarios(plan):
+            for scenario, width, count, clients in _scenarios(plan):
                 for _ in range(count):
                     for path in order:
                         requests = [make_request(mode, plan.max_tokens, eos_ids)
                                     for _ in range(width)]
-                        results = await bursts.run(path, requests)
+                        results = await bursts.run(path, requests, clients)
                         cell = samples.setdefault((mode, scenario, path.name), Samples([], []))
                         cell.streams += results
                         if (rate := aggregate_tok_s(results)) is not None:

@@ -11,10 +11,12 @@ like with like. Two prompt modes give the same prompt length:
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -134,3 +136,23 @@ def ratio(value: float | None, base: float | None) -> float | None:
     if value is None or base is None or base == 0:
         return None
     return value / base
+
+
+def client_queues(requests: Sequence[Request], clients: int) -> list[list[Request]]:
+    """Requests dealt round-robin to `clients` closed-loop clients, in order."""
+    return [list(requests[k::clients]) for k in range(clients)]
+
+
+async def closed_loop(
+    stream: Callable[[Request, float], Awaitable[StreamResult]], queues: list[list[Request]]
+) -> list[StreamResult]:
+    """Each queue is one client that sends its next request when the previous one ends (as
+    a user or an agent does), all clients at once; times from one start, each stream's TTFT
+    from its own send. Results in queue order."""
+    t0 = time.perf_counter()
+
+    async def client(requests: list[Request]) -> list[StreamResult]:
+        return [await stream(request, t0) for request in requests]
+
+    per_client = await asyncio.gather(*(client(queue) for queue in queues))
+    return [result for results in per_client for result in results]

@@ -28,6 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--reps", type=int, help="interleaved repetitions (default 2; quick 1)")
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default 64)")
     p.add_argument("--no-peer", action="store_true", help="leave mlx_lm.server out")
+    p.add_argument("--slots", type=int,
+                   help="text: slots per text runner of Fleet's stack (default 0: the product "
+                   "default, the engine's batch width within memory, fleet/batch_width.py)")
+    p.add_argument("--client-requests", type=int,
+                   help="text: requests each of the 8 closed-loop clients sends, one after "
+                   "another (default 4; --quick 2)")
     p.add_argument("--only", choices=("text", "plumbing", "plumbing-rate", "weights", "routing",
                                       "ask", "sharded", "queue", "seam", "embeddings", "scale",
                                       "gateway-share", "vision"),
