@@ -21,7 +21,10 @@ A flusher thread enforces the window when a step runs long (a prefill joining th
 
 The coalescer writes each token event as its encoded bytes (`token_event`: orjson of a plain
 dict, the codec's exact bytes), never a TokenChunk: at full rate the runner's per-event model
-and its encode were its largest cost after the engine's own tokens (py-spy, 2026-12-05).
+and its encode were its largest cost after the engine's own tokens (py-spy, 2026-12-05). Token
+events are written unflushed and flushed together (`flush`) when the step that made them has
+been reported, when the flusher has sent, and after any other report: one write to the pipe a
+step, not one an event.
 """
 
 from __future__ import annotations
@@ -87,10 +90,15 @@ class TokenCoalescer:
     thread enforces the window)."""
 
     def __init__(
-        self, write: Callable[[Written], None], *, window_s: float = WINDOW_S,
-        max_tokens: int = MAX_TOKENS, clock: Callable[[], float] = time.monotonic,
+        self, write: Callable[[Written], None], *, flush: Callable[[], None] = lambda: None,
+        window_s: float = WINDOW_S, max_tokens: int = MAX_TOKENS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`write` may buffer token events (bytes) until `flush`; a report it writes goes
+        out with everything written before it."""
         self._write = write
+        self._flush = flush
+        self._unflushed = False  # token events written since the last flush
         self._window_s = window_s
         self._max_tokens = max_tokens
         self._clock = clock
@@ -121,6 +129,7 @@ class TokenCoalescer:
             if isinstance(report, TaskFinished):
                 self._started.discard(report.task_id)
             self._write(report)
+            self._unflushed = False
 
     def _hold(self, chunk: TokenChunk) -> None:
         now = self._clock()
@@ -142,6 +151,7 @@ class TokenCoalescer:
         engine_s, self._reporting_s = max(0.0, step_s - self._reporting_s), 0.0
         with self._mutex:
             self._send_due(engine_s)
+            self._flush_written()
 
     def _send_due(self, next_step_s: float) -> None:
         now = self._clock()
@@ -155,11 +165,18 @@ class TokenCoalescer:
         held = self._held.pop(task_id)
         self._started.add(task_id)
         self._write(token_event(task_id, held.at, held.index, held.ids, "".join(held.texts)))
+        self._unflushed = True
+
+    def _flush_written(self) -> None:
+        if self._unflushed:
+            self._unflushed = False
+            self._flush()
 
     def flush(self) -> None:
         with self._mutex:
             for task_id in list(self._held):
                 self._send(task_id)
+            self._flush_written()
 
     def run_flusher(self) -> None:
         """The flusher thread's loop: no token waits past the window, however long a step."""
@@ -180,6 +197,7 @@ class TokenCoalescer:
                     self._lock.wait(wait)
                     continue
                 self._send_due(0.0)
+                self._flush_written()
 
     def start_flusher(self) -> threading.Thread:
         thread = threading.Thread(target=self.run_flusher, name="token-flusher", daemon=True)
@@ -191,5 +209,6 @@ class TokenCoalescer:
         with self._lock:
             for task_id in list(self._held):
                 self._send(task_id)
+            self._flush_written()
             self._closed = True
             self._lock.notify()

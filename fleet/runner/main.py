@@ -211,13 +211,24 @@ class _Reporter:
         if not self._open:
             return
         try:
-            if isinstance(report, bytes):  # a token event, encoded by the coalescer
-                self._writer.write_body(report)
+            if isinstance(report, bytes):  # a token event, encoded; the coalescer flushes
+                self._writer.write_body(report, flush=False)
             else:
                 self._writer.write(report)
         except (BrokenPipeError, ConnectionResetError):
-            log.warning("the worker stopped reading reports")
-            self._open = False
+            self._closed()
+
+    def flush(self) -> None:
+        if not self._open:
+            return
+        try:
+            self._writer.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            self._closed()
+
+    def _closed(self) -> None:
+        log.warning("the worker stopped reading reports")
+        self._open = False
 
 
 def _traced(spec: RunnerSpec) -> RunnerSpans:
@@ -253,7 +264,8 @@ def run_runner(spec_json: str, frames: BinaryIO | None = None) -> int:
     )
     spans = _traced(spec)
     writer = FrameWriter(frames)
-    coalescer = TokenCoalescer(_Reporter(writer))
+    reporter = _Reporter(writer)
+    coalescer = TokenCoalescer(reporter, flush=reporter.flush)
     coalescer.start_flusher()
     report = spans.observing(coalescer)
 

@@ -109,11 +109,18 @@ class FrameWriter:
     def write(self, message: BaseModel) -> None:
         self.write_body(encode(message))
 
-    def write_body(self, body: bytes) -> None:
-        """A message already encoded (the coalescer's token events, built without a model)."""
+    def write_body(self, body: bytes, flush: bool = True) -> None:
+        """A message already encoded (the coalescer's token events, built without a model).
+        `flush` False leaves it in the stream's buffer for the next flush: the coalescer
+        sends a step's token events with one write to the pipe."""
         frame = encode_frame(body, self._max_bytes)
         with self._lock:
             self._stream.write(frame)
+            if flush:
+                self._stream.flush()
+
+    def flush(self) -> None:
+        with self._lock:
             self._stream.flush()
 
 

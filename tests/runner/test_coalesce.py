@@ -151,3 +151,25 @@ def test_time_spent_reporting_is_not_engine_time() -> None:
     coalescer(token("a", 1))
     coalescer.step_ended(0.021)  # almost all of it was the write
     assert [e.index for e in sent if isinstance(e, TokenChunk)] == [0]
+
+
+def test_a_steps_token_events_leave_in_one_flush() -> None:
+    """Token events are written unflushed and flushed once the step is reported; a report of
+    another kind goes out with them (the writer's own flush), and so does a close."""
+    clock = Clock()
+    out: list[str] = []
+    coalescer = TokenCoalescer(lambda written: out.append("token" if isinstance(
+        written, bytes) else written.type), flush=lambda: out.append("flush"), clock=clock)
+    for task_id in ("a", "b", "c"):  # three first tokens in one step: each written at once
+        coalescer(token(task_id, 0))
+    assert out == ["token"] * 3
+    coalescer.step_ended(0.001)
+    assert out == ["token"] * 3 + ["flush"]
+    coalescer.step_ended(0.001)  # nothing new: no flush
+    coalescer(token("a", 1))
+    coalescer(finished("a"))  # sends a's held token, then the report flushes both
+    coalescer.step_ended(0.001)
+    assert out[4:] == ["token", "task_finished"]
+    coalescer(token("b", 1))
+    coalescer.close()
+    assert out[6:] == ["token", "flush"]
