@@ -135,6 +135,13 @@ class Heartbeat:
             except Exception as exc:
                 log.warning("runner record %s not refreshed: %s", record.runner_id, exc)
 
+    def ask_to_list(self, subject: str | None) -> None:
+        """Ask for a beat that lists `subject` now, without waiting for it: a caller that
+        has its own round trip to make meanwhile (an intake's claim) then awaits `list_held`,
+        and finds it listed, with no task of its own to race the two (issue 23)."""
+        if subject and subject not in self._listed:
+            self._asked.set()
+
     async def list_held(self, subject: str | None) -> float | None:
         """Until a stored beat lists `subject` (a held message's ack subject): the seconds
         that took, or None when LIST_WAIT_S passed first (a later beat lists it)."""

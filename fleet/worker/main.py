@@ -32,7 +32,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span
 
 from fleet import telemetry
-from fleet.aio import Supervisor, cancel_and_wait
+from fleet.aio import Supervisor
 from fleet.bus.connect import connect_with, redact_urls
 from fleet.bus.provision import provision
 from fleet.config import Settings
@@ -90,6 +90,10 @@ from fleet.worker.takeover import FencedFate, fenced_fate
 from fleet.worker.uploads import ImageUploads
 
 log = logging.getLogger(__name__)
+
+# Inbox items handled at most between two passes of the planner: enough to fold a fetched
+# batch's intakes into one pass, few enough that a freed slot waits for little.
+PLAN_EVERY = 64
 
 class Worker:
     def __init__(self, settings: Settings, ready: asyncio.Event | None = None) -> None:
@@ -199,14 +203,35 @@ class Worker:
     # ---- the loop ---------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        while not isinstance(item := await self.inbox.get(), Stop):
-            try:
-                await self.handle(item)
-                if self.reports.plan_due or not _streams_only(item):
+        """Handle what the inbox holds (up to PLAN_EVERY items), then plan once: under load
+        a fetched batch's intakes and its tasks' terminals arrive together, and planning
+        after each of them cost a pass of the planner per item (issue 23). Alone in the
+        inbox, an item is planned after at once, as before."""
+        stop = False
+        while not stop:
+            item = await self.inbox.get()
+            due = False
+            handled = 0
+            while True:
+                if isinstance(item, Stop):
+                    stop = True
+                    break
+                try:
+                    await self.handle(item)
+                    due = due or not _streams_only(item)
+                except Exception:  # one item's trouble must not end the node's work
+                    self.handler_failures += 1
+                    log.exception("worker: handling %s failed; going on", type(item).__name__)
+                handled += 1
+                if handled >= PLAN_EVERY or self.inbox.empty():
+                    break
+                item = self.inbox.get_nowait()  # in order: the rest wait in the queue
+            if due or self.reports.plan_due:
+                try:
                     await self._drive()
-            except Exception:  # one item's trouble must not end the node's work
-                self.handler_failures += 1
-                log.exception("worker: handling %s failed; going on", type(item).__name__)
+                except Exception:
+                    self.handler_failures += 1
+                    log.exception("worker: planning failed; going on")
 
     def apply(self, event: ev.StateEvent) -> None:
         self.state = apply(self.state, event)
@@ -293,17 +318,16 @@ class Worker:
             with self.spans.current(span):
                 # Listed in a stored heartbeat before it can run: a death from then on is
                 # handed on in a second or two, not at AckWait (fleet.worker.heartbeat). The
-                # beat's round trip overlaps the intake's own (its claim), so it rarely waits.
-                # Owned here: awaited with the intake, or cancelled and waited for when the
-                # intake fails; a listing that failed is logged (the intake goes on).
-                listing = asyncio.ensure_future(self.cluster.heartbeat.list_held(msg.reply))
+                # beat is asked for first, so its round trip overlaps the intake's own (its
+                # claim) and the wait after the intake rarely waits; a listing that failed is
+                # logged (the intake goes on).
+                heartbeat = self.cluster.heartbeat
+                heartbeat.ask_to_list(msg.reply)
+                outcome = await self.intake.receive(msg, handed_in=handed_in)
                 try:
-                    outcome = await self.intake.receive(msg, handed_in=handed_in)
-                    await listing
-                finally:
-                    await cancel_and_wait([listing])
-                    if not listing.cancelled() and (failed := listing.exception()):
-                        log.warning("listing a taken message failed: %s", failed)
+                    await heartbeat.list_held(msg.reply)
+                except Exception as failed:
+                    log.warning("listing a taken message failed: %s", failed)
         except Exception as exc:  # not taken in: the loop gives it back for another try soon
             error = f"{type(exc).__name__}: {exc}"
             self.inbox.put_nowait(TakenIn(key, msg, None, span, handed_in, error))

@@ -89,3 +89,30 @@ async def test_a_taken_message_is_in_a_stored_beat_before_its_work_starts(
         beating.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await beating
+
+
+async def test_a_listing_asked_before_the_intake_is_found_after_it(provisioned_nc: Client) -> None:
+    """The worker asks for the beat (`ask_to_list`) as its intake starts and awaits
+    `list_held` after it: by then the asked beat has listed the message."""
+    nc, js = provisioned_nc, provisioned_nc.jetstream()
+    reply = "$JS.ACK.x.reply.1"
+    held: list[str] = []
+    beat = Heartbeat(nc, await open_bucket(js, subjects.NODES_BUCKET),
+                     await open_bucket(js, subjects.RUNNERS_BUCKET), "n1", _info, list)
+    beat.held = lambda: list(held)
+    await beat.beat()
+    before = await _revision(nc)
+    beating = asyncio.ensure_future(beat.forever())
+    try:
+        held.append(reply)  # AckPolicy.hold, in the worker's loop
+        beat.ask_to_list(reply)
+        await js.stream_info(f"KV_{subjects.NODES_BUCKET}")  # an intake's round trip, say
+        assert await beat.list_held(reply) is not None
+        assert reply in await _listed(nc)
+        assert await _revision(nc) == before + 1, "one beat: the one asked for"
+        beat.ask_to_list(reply)  # listed already: no beat is asked for
+        assert not beat._asked.is_set()
+    finally:
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
