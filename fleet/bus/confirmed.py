@@ -284,10 +284,12 @@ class ConfirmedPublisher:
     async def _answer(self, seq: _Sequence, message: _Message, timeout: float) -> None:
         """Wait for the answer to the latest send of `message`: returns once it is stored,
         raises the stream's error answer, or TimeoutError."""
-        deadline = time.monotonic() + timeout
-        while message.seq is None and message.error is None:
-            seq.progress.clear()
-            await asyncio.wait_for(seq.progress.wait(), max(0.0, _left(deadline)))
+        # asyncio.timeout, not wait_for: wait_for wraps each wait in a task of its own, and
+        # a task's terminal waits here once (issue 23).
+        async with asyncio.timeout(timeout):
+            while message.seq is None and message.error is None:
+                seq.progress.clear()
+                await seq.progress.wait()
         if message.seq is None and message.error is not None:
             raise message.error
 

@@ -36,6 +36,8 @@ from fleet.bus.confirmed import ConfirmedPublisher
 from fleet.bus.connect import headers_for, js_publish
 from fleet.bus.retry import BROKER_BUDGET_S
 from fleet.bus.task_log import TaskLog
+from fleet.errors import BrokerUnavailable
+from fleet.telemetry import send_span
 from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.events import (
@@ -147,6 +149,9 @@ class TaskOutput:
             elif problem:
                 log.warning("task %s ends %s with output missing: %s", task_id, event.status,
                             problem)
+            if problem is None:
+                await self._store_last(event)
+                return event
             try:
                 await js_publish(
                     self.js, subjects.out(task_id), event, msg_id=finished_msg_id(task_id),
@@ -159,6 +164,23 @@ class TaskOutput:
             return event
         finally:
             self.forget(task_id)
+
+    async def _store_last(self, event: TaskFinished) -> None:
+        """The terminal of a task whose earlier events are stored whole: sent on the task's
+        confirmed sequence and settled (a pipelined publish and its ack, no request, retry
+        wrapper or task of its own: issue 23). The sequence was whole before it, so any
+        problem now is the terminal's: fenced, TaskFenced; not stored, BrokerUnavailable."""
+        task_id = event.task_id
+        subject = subjects.out(task_id)
+        body = encode(event)
+        msg_id = finished_msg_id(task_id)
+        with send_span(subject, msg_id, len(body)):  # its consumers' parent, as js_publish's
+            await self.confirmed.send(task_id, subject, body, self._headers(task_id, msg_id))
+            problem = await self.confirmed.settle(task_id)
+        if self.confirmed.fenced(task_id):
+            raise TaskFenced(f"task {task_id}: its terminal was refused")
+        if problem is not None:
+            raise BrokerUnavailable(f"task {task_id}: its terminal was not stored: {problem}")
 
     def _fence_of(self, task_id: str) -> dict[str, str]:
         return fence_headers(task_id, self.fences.get(task_id, 0))
