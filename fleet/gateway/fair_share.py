@@ -84,8 +84,9 @@ def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantu
     it is present (an entry changed within STALE_S). The least-served tenant is never
     capped: its requests are the ones the queue should hold. `reserved`: it holds its share
     of the `slots` or more and the last free ones are kept for a present tenant below its
-    share (fleet.gateway.fair_slots; `queued`: this gateway's requests not yet running, by
-    tenant; `slots` 0: not known, no reserve)."""
+    share (fleet.gateway.fair_slots; `queued`: the slots this gateway knows a tenant holds
+    beyond its entry's `running`: its requests published and not yet running, and writes of
+    its `running` under way; `slots` 0: not known, no reserve)."""
     counters = {t: share.counter for t, share in shares.items()}
     if holds(counters, tenant, [*backlogged(shares, now), tenant], quantum):
         return "ahead"
@@ -104,14 +105,14 @@ def slots_held(shares: Mapping[str, TenantShare], tenant: str, now: float,
                queued: Mapping[str, int]) -> tuple[dict[str, int], dict[str, float]]:
     """The present tenants' slots held and weights (pure): a tenant is present while its
     entry is fresh and it has requests waiting or running (`tenant` always); it holds its
-    requests running and those `queued` (published by this gateway, not yet running)."""
+    requests running and what `queued` adds (this gateway's knowledge ahead of the entry)."""
     held: dict[str, int] = {}
     weights: dict[str, float] = {}
     for t, share in shares.items():
         fresh = now - share.at < STALE_S
         running = share.running if fresh else 0
         if t == tenant or (fresh and (share.waiting or running)) or queued.get(t, 0):
-            held[t] = running + queued.get(t, 0)
+            held[t] = max(0, running + queued.get(t, 0))
             weights[t] = share.weight
     return held, weights
 
@@ -147,6 +148,12 @@ class FairShare:
         self._opening: dict[str, asyncio.Lock] = {}
         # (prefix, tenant): requests this gateway admitted that are not yet running.
         self.queued: dict[tuple[str, str], int] = {}
+        # (prefix, tenant): this replica's writes of the tenant's `running` under way (a run
+        # +1, the leave of one that ran -1), counted at once in the slots it holds: a tenant's
+        # next request, sent as its last one ended, was held as at its share until the leave's
+        # write landed (tens of ms under load), and a running request not yet written let
+        # another tenant's request past the reserve.
+        self.moving: dict[tuple[str, str], int] = {}
         # (prefix, tenant): its held requests take turns, oldest first (asyncio.Lock is FIFO).
         self._turns: dict[tuple[str, str], asyncio.Lock] = {}
         # entry key -> this replica's writes of it, one at a time: concurrent compare-and-sets
@@ -161,9 +168,20 @@ class FairShare:
             shares[tenant] = mine
         shares.setdefault(tenant, TenantShare(counter=0.0, waiting=0, at=0.0))
         queued = {t: n for (p, t), n in self.queued.items() if p == prefix and n}
+        holding = dict(queued)  # beside its running ones, what this replica knows of first
+        for (p, t), n in self.moving.items():
+            if p == prefix and n:
+                holding[t] = holding.get(t, 0) + n
         return held_because(shares, tenant, time.time(), self.quantum,
                             queued.get(tenant, 0), self.queued_cap,
-                            self.slots(prefix.rsplit(".", 1)[0]), queued)
+                            self.slots(prefix.rsplit(".", 1)[0]), holding)
+
+    def move(self, prefix: str, tenant: str, by: int) -> None:
+        """A write of the tenant's `running` begins (`by` +-1) or is done (the opposite)."""
+        key = (prefix, tenant)
+        self.moving[key] = self.moving.get(key, 0) + by
+        if (view := self.views.get(prefix)) is not None:
+            view.see(tenant, b"")  # wakes the held: the slots it counts changed
 
     def ran(self, prefix: str, tenant: str) -> None:
         """One of the tenant's admitted requests is running (or ended before it ran): its
@@ -411,6 +429,7 @@ class Ticket:
         if self.fair is None or self._run is not None:
             return
         self._dequeue(self.fair)
+        self.fair.move(self.prefix, self.tenant, 1)
         # Owned by this ticket: `settle` awaits it; `_written` logs a failed write.
         self._run = asyncio.ensure_future(self._written(self.fair))
 
@@ -421,6 +440,8 @@ class Ticket:
             log.warning("fair share of %s in %s: running not written: %s", self.tenant,
                         self.prefix, exc)
             return False
+        finally:
+            fair.move(self.prefix, self.tenant, -1)  # in the view now, or not at all
 
     async def settle(self, tokens: int) -> None:
         fair, self.fair = self.fair, None
@@ -430,12 +451,17 @@ class Ticket:
         ran = False
         if self._run is not None:
             ran = await asyncio.shield(self._run)  # never raises: failures are logged
+        if ran:
+            fair.move(self.prefix, self.tenant, -1)  # its slot is free from now
         try:
             await asyncio.shield(fair._change(self.prefix, self.tenant, "leave", tokens,
                                               self.weight, key=self.key, estimate=self.estimate,
                                               ran=ran))
         except Exception as exc:
             log.warning("fair share of %s in %s not charged: %s", self.tenant, self.prefix, exc)
+        finally:
+            if ran:
+                fair.move(self.prefix, self.tenant, 1)  # the view counts it now (or KV still)
 
     async def forget(self) -> None:
         """The keyed request's result is recorded: a later run of it is a new request."""

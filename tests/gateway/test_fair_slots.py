@@ -6,13 +6,14 @@ tenant below its share, and takes it once that tenant's request ends."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 from nats.aio.client import Client
 
 from fleet.bus.provision import provision
-from fleet.gateway.fair_share import BUCKET, FairShare, held_because, slots_held
+from fleet.gateway.fair_share import BUCKET, FairShare, View, held_because, slots_held
 from fleet.gateway.fair_slots import entitled, kept_for
 from fleet.wire.fairness import TenantShare
 
@@ -81,6 +82,27 @@ def test_slots_held(entries: dict[str, TenantShare], queued: dict[str, int],
 def test_held_because_reserved(entries: dict[str, TenantShare], slots: int,
                                why: str | None) -> None:
     assert held_because(entries, "a", 110.0, 512.0, 0, cap=1, slots=slots) == why
+
+
+async def test_a_write_of_running_under_way_counts_at_once() -> None:
+    """B's request ended and its leave is being written: B's next request is not held as
+    at its share meanwhile (B 2 of 4 slots in KV, 1 in fact); a run being written counts
+    at once the other way."""
+    fair = FairShare(None, None, slots=lambda model: 4)  # type: ignore[arg-type]
+    view = View()
+    now = time.time()
+    view.shares = {"a": share(running=2, at=now), "b": share(running=2, at=now)}
+    fair.views["m.default"] = view
+    assert fair._held(view, "m.default", "b") == "reserved"  # as KV says: no slot free
+    fair.move("m.default", "b", -1)
+    assert fair._held(view, "m.default", "b") is None
+    fair.move("m.default", "b", 1)
+    fair.move("m.default", "a", -1)  # A's leave under way: A's next takes its slot back
+    assert fair._held(view, "m.default", "a") is None
+    assert fair._held(view, "m.default", "b") == "reserved"  # kept for A, below its share
+    fair.move("m.default", "a", 1)
+    fair.move("m.default", "a", 1)  # A's third request runs, its write not yet done
+    assert fair._held(view, "m.default", "a") == "reserved"
 
 
 @pytest.fixture
