@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from fleet.runner.engine import Token
 from fleet.wire.events import TaskFinished, TokenChunk
 from fleet.wire.pipe import RunnerReport
 from fleet.wire.token_frames import token_event
@@ -111,16 +112,16 @@ class TokenCoalescer:
         self._closed = False
         self._reporting_s = 0.0  # time the main thread spent in here since the last step
 
-    def __call__(self, report: RunnerReport) -> None:
+    def __call__(self, report: RunnerReport | Token) -> None:
         began = time.perf_counter()
         try:
             self._report(report)
         finally:
             self._reporting_s += time.perf_counter() - began
 
-    def _report(self, report: RunnerReport) -> None:
+    def _report(self, report: RunnerReport | Token) -> None:
         with self._mutex:
-            if isinstance(report, TokenChunk) and coalescable(report):
+            if type(report) is Token or (isinstance(report, TokenChunk) and coalescable(report)):
                 self._hold(report)
                 return
             task_id = getattr(report, "task_id", None)
@@ -131,7 +132,7 @@ class TokenCoalescer:
             self._write(report)
             self._unflushed = False
 
-    def _hold(self, chunk: TokenChunk) -> None:
+    def _hold(self, chunk: Token | TokenChunk) -> None:
         now = self._clock()
         held = self._held.get(chunk.task_id)
         if held is None:

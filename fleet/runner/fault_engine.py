@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fleet.errors import TaskRejected
-from fleet.runner.engine import Admission, EngineConfig, Progress
+from fleet.runner.engine import Admission, EngineConfig, EngineEvent, Progress, Token
 from fleet.wire.cluster import ModelCard
-from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TokenChunk, Usage, failed
+from fleet.wire.events import ErrorReason, TaskFinished, Usage, failed
 from fleet.wire.tasks import TextGeneration
 
 FAULT_FAMILY = "fault"
@@ -138,7 +138,7 @@ class FaultEngine:
             first_at=self._clock() + knobs.first_token_ms / 1000,
         )
 
-    def step(self) -> list[OutputEvent]:
+    def step(self) -> list[EngineEvent]:
         if not self._runs:
             return []
         if delay_ms := max(run.knobs.delay_ms for run in self._runs.values()):
@@ -147,7 +147,7 @@ class FaultEngine:
         with self._lock:
             cancelled = self._cancelled & self._runs.keys()
             self._cancelled -= cancelled
-        events: list[OutputEvent] = []
+        events: list[EngineEvent] = []
         for task_id, run in list(self._runs.items()):
             if task_id in cancelled:
                 del self._runs[task_id]
@@ -165,15 +165,7 @@ class FaultEngine:
             if not self._due(run):
                 continue
             index = run.produced
-            events.append(
-                TokenChunk(
-                    task_id=task_id,
-                    at=self._clock(),
-                    index=index,
-                    token_id=index,
-                    text=f" t{index}",
-                )
-            )
+            events.append(Token(task_id, self._clock(), index, index, f" t{index}"))
             run.produced += 1
             if run.produced >= min(run.knobs.tokens, run.task.max_tokens):
                 del self._runs[task_id]

@@ -21,10 +21,9 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from fleet.errors import TaskRejected
-from fleet.runner.engine import Admission, GroupLost, Progress
+from fleet.runner.engine import Admission, EngineEvent, GroupLost, Progress
 from fleet.runner.ring import PlanChannel, join_ring, lost
 from fleet.runner.text import TextEngine
-from fleet.wire.events import OutputEvent
 from fleet.wire.pipe import SubmitTask
 from fleet.wire.ring import GroupSpec, PlannedAdmission, StepPlan
 from fleet.wire.tasks import TextGeneration
@@ -79,7 +78,7 @@ class LockstepEngine:
         with self._cancel_lock:
             self._cancels.add(task_id)
 
-    def step(self) -> list[OutputEvent]:
+    def step(self) -> list[EngineEvent]:
         with self._cancel_lock:
             cancels, self._cancels = sorted(self._cancels), set()
         plan = StepPlan(admit=self._admitted, cancel=cancels)
@@ -95,7 +94,7 @@ class LockstepEngine:
             raise
 
     def follow(
-        self, admitted: Callable[[SubmitTask], None], emit: Callable[[OutputEvent], None],
+        self, admitted: Callable[[SubmitTask], None], emit: Callable[[EngineEvent], None],
     ) -> None:
         """A rank > 0: apply rank 0's plans and step, until rank 0 stops the group. Each
         admission and event also goes to `admitted` and `emit` (this rank's spans)."""

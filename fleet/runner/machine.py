@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from fleet.errors import TaskRejected
-from fleet.runner.engine import Admission, Engine, GroupLost
+from fleet.runner.engine import Admission, Engine, GroupLost, Token
 from fleet.wire.events import ErrorReason, TaskFinished, failed
 from fleet.wire.pipe import (
     ConnectToGroup,
@@ -56,7 +56,7 @@ from fleet.wire.tasks import CancelTask
 
 log = logging.getLogger(__name__)
 
-Emit = Callable[[RunnerReport], None]
+Emit = Callable[[RunnerReport | Token], None]  # a plain token as its engine made it
 
 
 class UnexpectedCommand(Exception):

@@ -28,6 +28,7 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.trace import Link, Span, Status, StatusCode, TracerProvider
 
+from fleet.runner.engine import Token
 from fleet.runner.image_steps import StepTiming
 from fleet.runner.vision_cache import EncodeTiming
 from fleet.telemetry import context_of, operation_of
@@ -145,8 +146,8 @@ class RunnerSpans:
                 submitted_ns=time.time_ns(),
             )
 
-    def on_report(self, report: RunnerReport) -> None:
-        if isinstance(report, TokenChunk):  # first: the only report that comes per token
+    def on_report(self, report: RunnerReport | Token) -> None:
+        if isinstance(report, Token | TokenChunk):  # first: the only reports made per token
             times = self._tasks.get(report.task_id)
             if times is not None and times.first_token_ns is None:
                 times.first_token_ns = _ns(report.at)
@@ -258,10 +259,12 @@ class RunnerSpans:
             )
             span.end(end_time=_ns(step.ended))
 
-    def observing(self, emit: Callable[[RunnerReport], None]) -> Callable[[RunnerReport], None]:
+    def observing(
+        self, emit: Callable[[RunnerReport | Token], None],
+    ) -> Callable[[RunnerReport | Token], None]:
         """`emit`, then these spans see the report, then the spans it finished follow it."""
 
-        def emit_observed(report: RunnerReport) -> None:
+        def emit_observed(report: RunnerReport | Token) -> None:
             emit(report)
             self.on_report(report)
             if self._buffer.records:

@@ -5,7 +5,8 @@ cache of any prefix an earlier task already processed. Each `step` is one call t
 generator: one decode step for the running tasks and a prefill chunk for newly admitted ones,
 which join the decoding batch at the following step. A task admitted to an idle engine runs
 alone on a plain KV cache (see solo.py) until a second one arrives and it moves into the
-batch. Each generated token becomes one TokenChunk; a task ends with exactly one TaskFinished.
+batch. Each generated token becomes one Token (a TokenChunk with logprobs); a task ends with
+exactly one TaskFinished.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load as load_mlx_lm
 
 from fleet.errors import TaskRejected
-from fleet.runner.engine import Admission, EngineConfig, Progress
+from fleet.runner.engine import Admission, EngineConfig, EngineEvent, Progress
 from fleet.runner.pipeline import PipelineRank
 from fleet.runner.prefix_cache import PrefixCache
 from fleet.runner.solo import SequenceSpec, SoloSequence
 from fleet.runner.structured import StructuredOutput
 from fleet.runner.text_admission import prepare_task
 from fleet.runner.text_task import FinishReason, TextTask
-from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished
+from fleet.wire.events import ErrorReason, TaskFinished
 from fleet.wire.tasks import TextGeneration
 
 # Memory is the cache's bound (a budget per runner, card extra `prefix_cache_bytes`); the entry
@@ -198,8 +199,8 @@ class TextEngine:
             return "stop"
         return "length" if max_tokens <= 0 else None
 
-    def step(self) -> list[OutputEvent]:
-        events: list[OutputEvent] = list(self._ended_at_admission)
+    def step(self) -> list[EngineEvent]:
+        events: list[EngineEvent] = list(self._ended_at_admission)
         self._ended_at_admission.clear()
         if self._cancel_requests:
             self._end_cancelled(events)
@@ -218,7 +219,7 @@ class TextEngine:
         self,
         decoder: BatchGenerator | SoloSequence,
         token_responses: list[Any],
-        events: list[OutputEvent],
+        events: list[EngineEvent],
     ) -> None:
         at = time.time()
         now = time.perf_counter()
@@ -239,7 +240,7 @@ class TextEngine:
                 for cache, tokens in kept.values():
                     self._prefix_cache.store(tokens, cache, "assistant")
 
-    def _move_into_batch(self, solo: SoloSequence, events: list[OutputEvent]) -> None:
+    def _move_into_batch(self, solo: SoloSequence, events: list[EngineEvent]) -> None:
         """Another task arrived: the lone task continues in the batch generator."""
         self._solo = None
         next_token = None
@@ -287,7 +288,7 @@ class TextEngine:
             self._prefix_cache.store(tokens, cache, "system")
             self._tasks[uid].system_end = 0
 
-    def _end_cancelled(self, events: list[OutputEvent]) -> None:
+    def _end_cancelled(self, events: list[EngineEvent]) -> None:
         with self._cancel_lock:
             requested, self._cancel_requests = self._cancel_requests, set()
         uids = [self._uids[task_id] for task_id in requested if task_id in self._uids]

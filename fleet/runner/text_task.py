@@ -1,9 +1,9 @@
 """One admitted text task: its detokenizer, its visible text, its counters and timings.
 
-`on_token` turns one token from the batch generator into wire events: a TokenChunk for every
-generated token (the end-of-sequence token included, with no text of its own), the tool calls
-completed by it, and the TaskFinished when it is the last. Usage counts exactly the
-TokenChunks emitted.
+`on_token` turns one token from the batch generator into events: a Token (a TokenChunk when
+logprobs are asked for) for every generated token (the end-of-sequence token included, with no
+text of its own), the tool calls completed by it, and the TaskFinished when it is the last.
+Usage counts exactly the tokens emitted.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any, Literal, cast
 import numpy as np
 from mlx_lm.tokenizer_utils import StreamingDetokenizer
 
+from fleet.runner.engine import EngineEvent, Token
 from fleet.runner.visible_text import VisibleText
 from fleet.wire.events import (
     ErrorReason,
-    OutputEvent,
     TaskFinished,
     TaskStats,
     TokenChunk,
@@ -94,7 +94,7 @@ class TextTask:
         )
 
     def on_token(
-        self, response: Any, at: float, now: float, events: list[OutputEvent]
+        self, response: Any, at: float, now: float, events: list[EngineEvent]
     ) -> TaskFinished | None:
         """Add the events of one generated token; return the TaskFinished if it ended the task."""
         token: int = response.token
@@ -129,11 +129,7 @@ class TextTask:
                 )
             )
         else:
-            events.append(
-                TokenChunk(
-                    task_id=self.task.task_id, at=at, index=self._emitted, token_id=token, text=text
-                )
-            )
+            events.append(Token(self.task.task_id, at, self._emitted, token, text))
         self._emitted += 1
         if self._visible is not None and self._visible.tool_calls:
             self._add_tool_calls(self._visible, at, events)
@@ -182,7 +178,7 @@ class TextTask:
             ]
         return float(logprobs[token]), top
 
-    def _add_tool_calls(self, visible: VisibleText, at: float, events: list[OutputEvent]) -> None:
+    def _add_tool_calls(self, visible: VisibleText, at: float, events: list[EngineEvent]) -> None:
         for call in visible.take_tool_calls():
             events.append(
                 ToolCallChunk(

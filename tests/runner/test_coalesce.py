@@ -8,6 +8,7 @@ import time
 import pytest
 
 from fleet.runner.coalesce import MAX_TOKENS, WINDOW_S, TokenCoalescer, Written, flush_due
+from fleet.runner.engine import Token
 from fleet.wire.events import TaskFinished, TokenChunk, ToolCallChunk
 from fleet.wire.framing import decode_report
 from fleet.wire.pipe import RunnerReport
@@ -173,3 +174,19 @@ def test_a_steps_token_events_leave_in_one_flush() -> None:
     coalescer(token("b", 1))
     coalescer.close()
     assert out[6:] == ["token", "flush"]
+
+
+def test_an_engines_plain_tokens_make_the_bytes_their_token_chunks_make() -> None:
+    """Engines report plain tokens as Token tuples; the events written are the same bytes."""
+    written: dict[str, list[Written]] = {"token": [], "chunk": []}
+    for kind, out in written.items():
+        clock = Clock()
+        coalescer = TokenCoalescer(out.append, clock=clock)  # only token events here
+        for index in range(1 + MAX_TOKENS + 2):
+            plain = Token("a", 100.0 + index, index, 1000 + index, f" t{index}é")
+            coalescer(plain if kind == "token" else plain.chunk())
+            clock.now += 0.0001
+            coalescer.step_ended(0.0001)
+        coalescer.close()
+    assert written["token"] == written["chunk"]
+    assert [decode_report(w).count for w in written["token"]] == [1, MAX_TOKENS, 2]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
-from fleet.runner.engine import Admission, EngineConfig
+from fleet.runner.engine import Admission, EngineConfig, Token
 from fleet.runner.fault_engine import FaultEngine, fault_card, parse_knobs
-from fleet.wire.events import TaskFinished, TokenChunk
+from fleet.wire.events import TaskFinished
 from fleet.wire.tasks import TextGeneration
 
 
@@ -44,7 +44,7 @@ def test_paced_tasks_make_tokens_at_their_rate(tmp_path: Path) -> None:
         if engine.active == 0:
             break
         for event in engine.step():
-            if isinstance(event, TokenChunk):
+            if isinstance(event, Token):
                 made[event.task_id].append(event.at)
             elif isinstance(event, TaskFinished):
                 finished.add(event.task_id)

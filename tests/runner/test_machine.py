@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from fleet.runner.engine import EngineConfig
+from fleet.runner.engine import EngineConfig, Token
 from fleet.runner.fault_engine import FaultEngine, fault_card, parse_knobs
 from fleet.runner.machine import RunnerMachine
 from fleet.runner.main import Inbox, PipeBroken, engine_config, serve
@@ -70,8 +70,9 @@ def submit(task_id: str, prompt: str, **fields: Any) -> SubmitTask:
     )
 
 
-def token(task_id: str, index: int) -> TokenChunk:
-    return TokenChunk(task_id=task_id, at=AT, index=index, token_id=index, text=f" t{index}")
+def token(task_id: str, index: int) -> Token:
+    """A fault-engine token as the engine reports it (the coalescer makes the wire event)."""
+    return Token(task_id, AT, index, index, f" t{index}")
 
 
 def ended(task_id: str, status: Any, reason: ErrorReason, message: str) -> TaskFinished:
@@ -377,7 +378,7 @@ def test_one_task_on_the_real_text_engine(tiny_llm_dir: Path, emitted: Recorder)
     reports = emitted.take()
     assert reports[: len(LIFECYCLE)] == LIFECYCLE
     task_reports = reports[len(LIFECYCLE) :]
-    tokens = [r for r in task_reports if isinstance(r, TokenChunk)]
+    tokens = [r for r in task_reports if isinstance(r, Token | TokenChunk)]
     finished = task_reports[-2]
     assert task_reports == [
         TaskRunning(task_id="t1"),

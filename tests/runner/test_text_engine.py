@@ -9,16 +9,16 @@ from __future__ import annotations
 import json
 import random
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from fleet.errors import TaskRejected
-from fleet.runner.engine import Admission, EngineConfig
+from fleet.runner.engine import Admission, EngineConfig, EngineEvent, Token
 from fleet.wire.cluster import ModelCard
-from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
+from fleet.wire.events import ErrorReason, TaskFinished, TokenChunk, ToolCallChunk
 from fleet.wire.tasks import TextGeneration
 
 # fleet.runner's modules are imported where used, not at the top: they import mlx-lm, which
@@ -71,10 +71,12 @@ class Outcome:
         self.finished: dict[str, TaskFinished] = {}
         self.calls: dict[str, list[ToolCallChunk]] = {}
 
-    def add(self, events: list[OutputEvent]) -> None:
+    def add(self, events: Sequence[EngineEvent]) -> None:
         for event in events:
             assert event.task_id not in self.finished, f"event after TaskFinished: {event}"
             chunks = self.tokens.setdefault(event.task_id, [])
+            if isinstance(event, Token):  # a plain token, as the engine makes it
+                event = event.chunk()
             if isinstance(event, TokenChunk):
                 assert event.index == len(chunks)
                 chunks.append(event)

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from fleet.wire.events import OutputEvent, TaskFinished, TokenChunk, ToolCallChunk
+from fleet.runner.engine import EngineEvent, Token
+from fleet.wire.events import TaskFinished, TokenChunk, ToolCallChunk
 from fleet.wire.tasks import TextGeneration
 
 # mlx-lm and fleet.runner's modules are imported where used, not at the top: mlx-lm, which they
@@ -33,7 +34,7 @@ def tokenizer(tiny_llm_dir: Path) -> TokenizerWrapper:
 
 def feed(
     tokenizer: TokenizerWrapper, visible: VisibleText | None, tokens: list[int], **task: Any
-) -> list[OutputEvent]:
+) -> list[EngineEvent]:
     """Give a task `tokens` and then EOS; return every event it made."""
     from mlx_lm.generate import GenerationBatch
 
@@ -50,7 +51,7 @@ def feed(
         node_id="node",
         runner_id="runner",
     )
-    events: list[OutputEvent] = []
+    events: list[EngineEvent] = []
     for position, token in enumerate([*tokens, EOS]):
         response = GenerationBatch.Response(
             uid=0,
@@ -66,8 +67,10 @@ def feed(
     return events
 
 
-def chunks(events: list[OutputEvent]) -> list[TokenChunk]:
-    return [event for event in events if isinstance(event, TokenChunk)]
+def chunks(events: list[EngineEvent]) -> list[TokenChunk]:
+    """The token events, plain tokens as their TokenChunk."""
+    return [event.chunk() if isinstance(event, Token) else event for event in events
+            if isinstance(event, Token | TokenChunk)]
 
 
 def test_multibyte_characters_come_out_whole(tokenizer: TokenizerWrapper) -> None:
