@@ -41,13 +41,20 @@ from fleet.wire.cluster import (
 )
 from fleet.wire.codec import DecodeError, decode_model
 from fleet.wire.runners import RunnerStatus
+from fleet.worker.deathwatch import Probe, probe
 from fleet.worker.demand import Demand
 from fleet.worker.failover import Failover
 from fleet.worker.heartbeat import Heartbeat
 from fleet.worker.inputs import ImageCache
 from fleet.worker.janitor import DeadlineWatch, Janitor
 from fleet.worker.node import free_port, node_id, node_info
-from fleet.worker.state import CardsChanged, InstancesChanged, RunnerView, regrouped
+from fleet.worker.state import (
+    CardsChanged,
+    InstancesChanged,
+    RunnerView,
+    peer_nodes,
+    regrouped,
+)
 from fleet.worker.sweeper import FleetDuties
 
 log = logging.getLogger(__name__)
@@ -203,6 +210,15 @@ class ClusterLink:
         if await records.update(bumped, revision):
             log.warning("a rank of %s died: its group restarts (generation %d)", instance_id,
                         bumped.generation)
+
+    async def gone_peers(self, layout: tuple[object, ...]) -> list[str]:
+        """The nodes of a group's other ranks whose worker is gone: no subscription on its
+        alive subject, the death watch's own evidence, seen at once when a worker's process
+        died (its connection closed). A silent node (paused, slow) is not gone."""
+        nodes = peer_nodes(layout, self.node_id)
+        probes = await asyncio.gather(*(probe(self.nc, node) for node in nodes))
+        return [node for node, seen in zip(nodes, probes, strict=True)
+                if seen is Probe.NO_RESPONDERS]
 
     def memory_placed_here(self) -> int:
         """What the shards placed on this node take (fleet.placement_rules)."""

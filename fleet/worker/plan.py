@@ -142,8 +142,8 @@ def spawn_runner(state: WorkerState, now: float) -> Action | None:
         if failure and failure.ranks != ranks_of(group_layout(instance)):
             failure = None  # its group broke because a rank moved: restart into it at once
         wait = compute_backoff(failure.attempts, RESTART_BASE_S, RESTART_CAP_S) if failure else 0
-        if failure and now < failure.last_at + wait:
-            continue
+        if failure and now < max(failure.last_at + wait, failure.held_until):
+            continue  # backing off, or held for a gone peer's move (state.Failure)
         return SpawnRunner(instance)
     return None
 

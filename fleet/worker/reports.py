@@ -45,6 +45,11 @@ from fleet.worker.supervisor import crashed_terminal
 
 log = logging.getLogger(__name__)
 
+# How long a rank whose peer's worker is gone waits for failover's move before it restarts
+# into the same ranks all the same: a heartbeat's TTL, after which failover has acted on the
+# key's absence even without the death watch (which moves within ~1-3 s).
+PEER_GONE_HOLD_S = 15.0
+
 
 def accept_of(
     task: Task, runner_id: str, node_id: str, traceparent: str | None, pending: PendingTask,
@@ -214,6 +219,21 @@ class RunnerReports:
                 f"restart group {view.instance_id}",
                 self.cluster.restart_group(view.instance_id, view.layout),
             )
+            self.runners.owner.spawn(f"probe the peers of {view.instance_id}",
+                                     self._hold_for_gone_peers(view.instance_id, view.layout))
+
+    async def _hold_for_gone_peers(self, instance_id: str, layout: tuple[object, ...]) -> None:
+        """A child: when a peer rank's worker is gone, this rank's restart into the same
+        ranks waits for failover to move the peer's shard (ev.Failure.held_until). A runner
+        restarted into the old ranks listens on this node's ring address until the move
+        stops it, and the moved rank's new runner, connecting there, could join it and not
+        its successor: then neither new runner's ring forms until its 120 s timeout."""
+        if gone := await self.cluster.gone_peers(layout):
+            log.warning("%s: the worker of peer rank node(s) %s is gone: its restart waits for "
+                        "their move (at most %.0f s)", instance_id, ", ".join(gone),
+                        PEER_GONE_HOLD_S)
+            self.inbox.put_nowait(ev.GroupPeerGone(
+                instance_id, ev.ranks_of(layout), time.time() + PEER_GONE_HOLD_S))
 
     async def _judge_crash(
         self, task_id: str, exited: RunnerExited, pending: PendingTask

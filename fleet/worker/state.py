@@ -137,6 +137,11 @@ class Failure:
     # placed otherwise since (a dead node's shard moved) is no crash loop, and waits for no
     # backoff. () for a one-node instance.
     ranks: tuple[object, ...] = ()
+    # No restart into the same ranks before this (unix seconds): a peer rank's worker is gone
+    # (`GroupPeerGone`), so failover moves its shard within seconds, and a runner started
+    # meanwhile listens on this node's ring address, where the moved rank's new runner may
+    # connect to it, not to ours: that ring never forms (the bench's 120 s sharded hangs).
+    held_until: float = 0.0
 
 
 # The last table hosted_instances read, and what it found there: (table, node, instances).
@@ -277,6 +282,17 @@ class RunnerGone:
     runner_id: str
     crashed: bool
     at: float
+
+
+@dataclass(frozen=True)
+class GroupPeerGone:
+    """After this node's rank crashed with its ring: a peer rank's worker is gone (no
+    responders on its alive subject), so the group's restart into `ranks` waits `until` its
+    move (or that bound)."""
+
+    instance_id: str
+    ranks: tuple[object, ...]
+    until: float
 
 
 @dataclass(frozen=True)
@@ -423,7 +439,8 @@ class HandOffEnded:
 StateEvent = (
     InstancesChanged | CardsChanged | RunnerStarting | RunnerSpawned | RunnerStartFailed
     | CommandSent
-    | RunnerStatusSeen | RunnerGone | PullStarted | PullEnded | ProbeEnding | IntakeStarted
+    | RunnerStatusSeen | RunnerGone | GroupPeerGone | PullStarted | PullEnded | ProbeEnding
+    | IntakeStarted
     | IntakeEnded
     | TaskQueued | InputsFetching
     | InputsReady | TaskDispatched | TaskEnded | InputsPinned | CancelNoted | TerminalQueued
@@ -476,6 +493,12 @@ def ranks_of(layout: tuple[object, ...]) -> tuple[object, ...]:
     return layout[1:]
 
 
+def peer_nodes(layout: tuple[object, ...], node_id: str) -> list[str]:
+    """The nodes of a group layout's other ranks. Pure."""
+    return [str(rank[1]) for rank in ranks_of(layout)
+            if isinstance(rank, tuple) and rank[1] != node_id]
+
+
 def _count_failure(
     state: WorkerState, instance_id: str, at: float, ranks: tuple[object, ...] | None = None,
 ) -> dict[str, Failure]:
@@ -522,6 +545,15 @@ def _(event: RunnerGone, state: WorkerState) -> WorkerState:
     if event.crashed:
         failures = _count_failure(state, runner.instance_id, event.at, ranks_of(runner.layout))
     return replace(state, runners=runners, failures=failures)
+
+
+@_apply.register
+def _(event: GroupPeerGone, state: WorkerState) -> WorkerState:
+    failure = state.failures.get(event.instance_id)
+    if failure is None or failure.ranks != event.ranks:
+        return state  # restarted (ready), or its ranks moved already: nothing to hold
+    held = replace(failure, held_until=max(failure.held_until, event.until))
+    return replace(state, failures={**state.failures, event.instance_id: held})
 
 
 @_apply.register

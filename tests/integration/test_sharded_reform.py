@@ -22,10 +22,12 @@ from nats.aio.msg import Msg
 from fleet.models.catalog import get_card
 from fleet.placement import place
 from fleet.wire import subjects
-from fleet.wire.cluster import NodeInfo
+from fleet.wire.cluster import NodeInfo, RunnerRecord
 from fleet.wire.codec import decode_event, decode_model
 from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk, token_indexes
+from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
+from tests.integration.continuing import NO_EOS
 from tests.integration.harness import STANDBY, client, events_of, finished, submit, wait_node
 from tests.integration.test_sharded import moved_away, paris, ready_ranks
 
@@ -104,4 +106,105 @@ async def test_a_rank_killed_moves_to_a_spare_and_the_group_serves_again_at_once
         assert len(accepted) == 2 and accepted[-1].continued_from > 0
         if rank == 0:  # rank 0's worker held the task: its continuation moved with the rank
             assert accepted[-1].moved_from == leader
+    await nc.close()
+
+
+async def new_runners_on(
+    nc: Client, instance_id: str, node: str, known: Iterable[str], seconds: float,
+) -> list[str]:
+    """The runners of `instance_id` on `node` (none of `known`) that wrote a record within
+    `seconds` (one KV watch over FLEET_RUNNERS)."""
+    old = set(known)
+    found: list[str] = []
+    kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
+    watcher = await kv.watchall()
+    deadline = time.monotonic() + seconds
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                entry = await watcher.updates(timeout=left)
+            except TimeoutError:
+                break
+            if entry is None or not entry.value:
+                continue
+            record = decode_model(RunnerRecord, entry.value)
+            if (record.instance_id == instance_id and record.node_id == node
+                    and record.runner_id not in old and record.runner_id not in found):
+                found.append(record.runner_id)
+    finally:
+        await watcher.stop()
+    return found
+
+
+async def gone(nc: Client, runner_id: str, timeout: float = 60.0) -> None:
+    """Until the runner's record is deleted (its worker saw it exit), or already was."""
+    kv = await nc.jetstream().key_value(subjects.RUNNERS_BUCKET)
+    watcher = await kv.watch(runner_id)
+    live = False
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                entry = await watcher.updates(timeout=timeout)
+                if entry is None:  # the current values are through
+                    if not live:
+                        return
+                elif entry.operation in ("DEL", "PURGE"):
+                    return
+                else:
+                    live = True
+    finally:
+        await watcher.stop()
+
+
+async def test_the_survivor_of_a_dead_peer_restarts_only_into_the_moved_group(
+    nats_url: str, start_worker: WorkerFactory,
+) -> None:
+    """Rank 1's worker SIGKILLed mid-answer, no spare yet. The survivor, rank 0 (the rank
+    that listens first in mlx's ring), starts no runner into the dead rank's layout: one
+    started there (its 1 s crash backoff often ran out before failover's move) listened on
+    the survivor's ring address, the moved rank's new runner connected to it and not to its
+    successor, and neither new runner's ring formed until the 120 s ring timeout (2 of 20
+    rounds of `fleet bench --only seam --seam-cases sharded_kill`, tiny-llm). When a spare
+    joins, the rank moves there, the group forms and the answer is finished, whole."""
+    workers = [start_worker(f"w{i}", **STANDBY) for i in range(2)]
+    nc = await client(nats_url)
+    by_node = {await wait_node(nc, w.data_dir): w for w in workers}
+    sharded = await place(nc.jetstream(), get_card("tiny-llm"), slots=2, shards=2)
+    before = await ready_ranks(nc, sharded)
+    survivor, victim = sharded.shards[0].node_id, sharded.shards[1].node_id
+    await warm_standbys(nc, by_node)  # a restart there would report at once
+
+    task = TextGeneration(
+        task_id="survivor-waits", model="tiny-llm", max_tokens=1500, temperature=0.0,
+        logit_bias=NO_EOS, messages=[ChatMessage(role="user", content="Tell me a story")])
+    got: list[OutputEvent] = []
+    arrived = asyncio.Event()
+
+    async def on_event(msg: Msg) -> None:
+        got.append(decode_event(msg.data))
+        arrived.set()
+
+    await nc.subscribe(subjects.out(task.task_id), cb=on_event)
+    await submit(nc, task)
+    async with asyncio.timeout(120):
+        while not any(isinstance(e, TokenChunk) for e in got):
+            arrived.clear()
+            await arrived.wait()
+    by_node[victim].kill()
+    await gone(nc, before[0])  # the survivor's runner died with its ring
+    # Its crash backoff is 1 s: a restart into the dead layout would report well within 4 s.
+    assert await new_runners_on(nc, sharded.instance_id, survivor, before.values(), 4.0) == []
+
+    start_worker("w2", **STANDBY)
+    healed = await moved_away(nc, sharded.instance_id, victim)
+    # Well inside the ring timeout (120 s), which a ring that joined a stale runner waits out.
+    await ready_ranks(nc, healed, timeout=90, before=before.values())
+    async with asyncio.timeout(90):
+        while not any(isinstance(e, TaskFinished) for e in got):
+            arrived.clear()
+            await arrived.wait()
+    events = await events_of(nc, task.task_id)
+    assert finished(events).status == "completed", finished(events)
+    indexes = token_indexes([e for e in events if isinstance(e, TokenChunk)])
+    assert indexes == list(range(task.max_tokens))
     await nc.close()

@@ -48,6 +48,7 @@ from fleet.worker.state import (
     WorkerState,
     apply,
     group_layout,
+    peer_nodes,
     ranks_of,
 )
 
@@ -177,6 +178,17 @@ ROWS = [
     pytest.param(world([two_shards(THERE, generation=1)], failures={"inst-s": Failure(
         1, T0, ranks_of(group_layout(SHARDED)))}), T0, None,
                  id="a-generation-bump-alone-backs-off"),
+    # A peer rank's worker is gone (GroupPeerGone): no restart into the same ranks, past the
+    # backoff, until its move or the hold's end; a moved group starts at once.
+    pytest.param(world([two_shards(THERE, generation=1)], failures={"inst-s": Failure(
+        1, T0, ranks_of(group_layout(SHARDED)), held_until=T0 + 15)}), T0 + 14.99, None,
+                 id="a-gone-peer-holds-the-restart-into-the-same-ranks"),
+    pytest.param(world([two_shards(THERE, generation=1)], failures={"inst-s": Failure(
+        1, T0, ranks_of(group_layout(SHARDED)), held_until=T0 + 15)}), T0 + 15,
+                 SpawnRunner(two_shards(THERE, generation=1)), id="the-hold-is-bounded"),
+    pytest.param(world([MOVED], failures={"inst-s": Failure(1, T0, ranks_of(
+        group_layout(SHARDED)), held_until=T0 + 15)}), T0 + 0.1, SpawnRunner(MOVED),
+                 id="the-gone-peers-rank-moved-restarts-at-once"),
     # ---- lifecycle -----------------------------------------------------------------------
     pytest.param(world([INST], [runner(status=RunnerIdle())]), T0,
                  AdvanceRunner("run-1", "connect_to_group"), id="idle-connects-to-group"),
@@ -342,6 +354,25 @@ def test_a_crashing_runner_is_restarted_with_growing_backoff() -> None:
     state = apply(state, ev.RunnerStatusSeen("run-1", RunnerReady()))
     state = apply(state, ev.RunnerGone("run-1", crashed=True, at=T0 + 10))
     assert plan(state, T0 + 11.0) == SpawnRunner(INST)  # ready once: the count starts again
+
+
+def test_a_gone_peer_holds_only_the_failure_of_its_ranks() -> None:
+    """GroupPeerGone marks the crash's failure of the same ranks; one of other ranks (moved
+    since) or none (the runner got ready since) is left alone."""
+    ranks = ranks_of(group_layout(SHARDED))
+    failed = world([SHARDED], failures={"inst-s": Failure(1, T0, ranks)})
+    held = apply(failed, ev.GroupPeerGone("inst-s", ranks, until=T0 + 15))
+    assert held.failures["inst-s"] == Failure(1, T0, ranks, held_until=T0 + 15)
+    moved = ranks_of(group_layout(MOVED))
+    assert apply(failed, ev.GroupPeerGone("inst-s", moved, until=T0 + 15)) == failed
+    ready = world([SHARDED])
+    assert apply(ready, ev.GroupPeerGone("inst-s", ranks, until=T0 + 15)) == ready
+
+
+def test_peer_nodes_are_the_other_ranks_nodes() -> None:
+    assert peer_nodes(group_layout(SHARDED), HERE) == [THERE]
+    assert peer_nodes(group_layout(SHARDED), THERE) == [HERE]
+    assert peer_nodes((), HERE) == []
 
 
 def test_a_clean_exit_is_respawned_without_backoff() -> None:
