@@ -32,11 +32,13 @@ import logging
 from collections.abc import AsyncIterator, Iterable
 from functools import partial
 
+import orjson
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
-from nats.js.errors import NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
 from fleet.bus.chunks import read_in_order
 from fleet.bus.retry import BROKER_BUDGET_S, with_retry
@@ -50,6 +52,22 @@ log = logging.getLogger(__name__)
 
 READ_IDLE_S = 10.0  # a read-back that receives nothing for this long fails
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+NOT_FOUND = 404  # a message-get answer: no such message (or no such stream)
+
+
+def holds_message(answer: bytes) -> bool:
+    """Pure. A message-get answer (`$JS.API.STREAM.MSG.GET`): True when it carries a message,
+    False when it says not found (404: no message, or no stream, as get_last_msg's
+    NotFoundError); any other error is raised as nats-py's typed APIError (a 503 is
+    transient to the retry policy)."""
+    reply = orjson.loads(answer)
+    error = reply.get("error")
+    if error is None:
+        return "message" in reply
+    if error.get("code") == NOT_FOUND:
+        return False
+    APIError.from_error(error)  # raises the typed error of its code
+    raise APIError(**error)
 
 
 def fence_subject(task_id: str) -> str:
@@ -120,14 +138,19 @@ class TaskLog:
                                 budget_s=self._budget(budget_s))
 
     async def has_events(self, task_id: str, *, budget_s: float | None = None) -> bool:
-        """Whether the stream holds any event of the task."""
+        """Whether the stream holds any event of the task. Asked for every task taken in
+        (its claim's look-up), so asked raw and read for found or not only (`holds_message`):
+        nats-py's get_last_msg parses the answer with the standard json, raises NotFoundError
+        for the usual answer (none: a fresh task), and decodes a found message (issue 23)."""
+        api = f"{self.js._prefix}.STREAM.MSG.GET.{subjects.OUT_STREAM}"
+        request = orjson.dumps({"last_by_subj": subjects.out(task_id)})
 
         async def once() -> bool:
             try:
-                await self.js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id))
-            except NotFoundError:
-                return False
-            return True
+                answer = await self.nc.request(api, request, timeout=self.js._timeout)
+            except NoRespondersError:
+                raise ServiceUnavailableError from None  # as nats-py's API calls: transient
+            return holds_message(answer.data)
 
         return await with_retry(once, what=f"look for events of task {task_id}",
                                 budget_s=self._budget(budget_s))

@@ -9,9 +9,10 @@ import asyncio
 
 import pytest
 from nats.aio.client import Client
+from nats.js.errors import APIError, ServiceUnavailableError
 
 from fleet.bus.task_events import TaskEvents
-from fleet.bus.task_log import TaskLog, ordered
+from fleet.bus.task_log import TaskLog, holds_message, ordered
 from fleet.wire.events import (
     ErrorChunk,
     ErrorReason,
@@ -170,3 +171,23 @@ def test_an_asks_answer_is_the_text_a_client_read() -> None:
     answer = answer_of(text_task("t1"), stored)
     assert answer is not None
     assert answer.text == f" {OLD} {OLD + 1} {NEW + 2} {NEW + 3} {NEW + 4}"
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    # the server's answers to `$JS.API.STREAM.MSG.GET.FLEET_OUT` with last_by_subj
+    (b'{"type":"io.nats.jetstream.api.v1.stream_msg_get_response","message":'
+     b'{"subject":"fleet.out.t1","seq":7,"data":"e30=","time":"2026-12-05T06:00:00Z"}}', True),
+    (b'{"type":"io.nats.jetstream.api.v1.stream_msg_get_response","error":'
+     b'{"code":404,"err_code":10037,"description":"no message found"}}', False),
+    (b'{"type":"io.nats.jetstream.api.v1.stream_msg_get_response","error":'
+     b'{"code":404,"err_code":10059,"description":"stream not found"}}', False),
+    (b'{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily '
+     b'unavailable"}}', ServiceUnavailableError),
+    (b'{"error":{"code":400,"err_code":10003,"description":"bad request"}}', APIError),
+])
+def test_what_a_message_get_answer_says(answer: bytes, expected: bool | type) -> None:
+    if isinstance(expected, bool):
+        assert holds_message(answer) is expected
+    else:
+        with pytest.raises(expected):  # type: ignore[call-overload]
+            holds_message(answer)
