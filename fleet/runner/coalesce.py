@@ -110,6 +110,11 @@ class TokenCoalescer:
         self._mutex = threading.Lock()
         self._lock = threading.Condition(self._mutex)
         self._closed = False
+        # The flusher waits untimed only while nothing is held; a hold wakes it then alone.
+        # In a timed wait it wakes by itself by the oldest's deadline (a later hold's is later
+        # still): a notify per step cost a thread switch and a contended lock a step (py-spy,
+        # 2026-12-05: notify 5 % and the lock's wait 14 % of the runner's busy samples).
+        self._flusher_idle = False
         self._reporting_s = 0.0  # time the main thread spent in here since the last step
 
     def __call__(self, report: RunnerReport | Token) -> None:
@@ -137,8 +142,9 @@ class TokenCoalescer:
         held = self._held.get(chunk.task_id)
         if held is None:
             held = self._held[chunk.task_id] = _Held(since=now, index=chunk.index, at=chunk.at)
-            if len(self._held) == 1:
-                self._lock.notify()  # the flusher sleeps while nothing is held
+            if self._flusher_idle:
+                self._flusher_idle = False
+                self._lock.notify()
         held.ids.append(chunk.token_id)
         held.texts.append(chunk.text)
         if flush_due(tokens=len(held.ids), first=chunk.task_id not in self._started,
@@ -190,6 +196,7 @@ class TokenCoalescer:
         with self._lock:
             while not self._closed:
                 if not self._held:
+                    self._flusher_idle = True
                     self._lock.wait()
                     continue
                 oldest = min(held.since for held in self._held.values())
