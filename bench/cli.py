@@ -64,12 +64,14 @@ def text_plan(args: argparse.Namespace) -> TextPlan:
     """Fleet runs with `--slots` (0: the product default); runs before 2026-12-05 used 16."""
     slots = getattr(args, "slots", 0) or 0
     client_requests = getattr(args, "client_requests", None)
+    given = getattr(args, "bursts", None)
+    bursts = tuple(int(n) for n in given.split(",") if n) if given else None
     if args.quick:
-        return TextPlan(reps=args.reps or 1, c1_requests=2, bursts=(4,),
+        return TextPlan(reps=args.reps or 1, c1_requests=2, bursts=bursts or (4,),
                         max_tokens=args.max_tokens or 16, slots=slots,
                         with_peer=not args.no_peer, burst_timeout_s=120.0, clients=(8,),
                         client_requests=client_requests or 2)
-    return TextPlan(reps=args.reps or 2, c1_requests=3, bursts=(4, 8, 16),
+    return TextPlan(reps=args.reps or 2, c1_requests=3, bursts=bursts or (4, 8, 16),
                     max_tokens=args.max_tokens or 64, slots=slots, with_peer=not args.no_peer,
                     clients=(8,), client_requests=client_requests or 4)
 

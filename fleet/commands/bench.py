@@ -31,6 +31,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--slots", type=int,
                    help="text: slots per text runner of Fleet's stack (default 0: the product "
                    "default, the engine's batch width within memory, fleet/batch_width.py)")
+    p.add_argument("--bursts", help="text: comma-separated burst sizes (default 4,8,16; "
+                   "--quick 4); e.g. 8 for issue 23's cells with c1 and clients8 alone")
     p.add_argument("--client-requests", type=int,
                    help="text: requests each of the 8 closed-loop clients sends, one after "
                    "another (default 4; --quick 2)")

@@ -115,20 +115,24 @@ def test_the_issue_23_cells_compare_fleet_with_the_peer() -> None:
 
 def args(**given: Any) -> argparse.Namespace:
     base = {"quick": False, "reps": None, "max_tokens": None, "no_peer": False,
-            "slots": None, "client_requests": None}
+            "slots": None, "client_requests": None, "bursts": None}
     return argparse.Namespace(**{**base, **given})
 
 
-@pytest.mark.parametrize(("given", "slots", "clients"), [
-    ({}, 0, [("clients8", 32, 1, 8)]),  # the product's default width; 8 clients x 4
-    ({"slots": 16}, 16, [("clients8", 32, 1, 8)]),
-    ({"quick": True}, 0, [("clients8", 16, 1, 8)]),
-    ({"client_requests": 1}, 0, [("clients8", 8, 1, 8)]),
+@pytest.mark.parametrize(("given", "slots", "names", "clients"), [
+    # the product's default width; the old rows, then 8 clients x 4
+    ({}, 0, ["c1", "burst4", "burst8", "burst16", "clients8"], [("clients8", 32, 1, 8)]),
+    ({"slots": 16}, 16, ["c1", "burst4", "burst8", "burst16", "clients8"],
+     [("clients8", 32, 1, 8)]),
+    ({"quick": True}, 0, ["c1", "burst4", "clients8"], [("clients8", 16, 1, 8)]),
+    ({"client_requests": 1, "bursts": "8"}, 0, ["c1", "burst8", "clients8"],
+     [("clients8", 8, 1, 8)]),
 ])
 def test_the_plan_runs_fleet_with_its_default_slots_and_8_clients(
-    given: dict[str, Any], slots: int, clients: list[tuple[str, int, int, int]],
+    given: dict[str, Any], slots: int, names: list[str],
+    clients: list[tuple[str, int, int, int]],
 ) -> None:
     plan = text_plan(args(**given))
     assert plan.slots == slots
+    assert [s[0] for s in _scenarios(plan)] == names
     assert [s for s in _scenarios(plan) if s[0].startswith("clients")] == clients
-    assert [s[0] for s in _scenarios(plan)][:2] == ["c1", "burst4"]  # the old rows stay
