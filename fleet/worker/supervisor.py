@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from fleet.wire.codec import DecodeError, encode
 from fleet.wire.events import ErrorReason, TaskFinished, failed
-from fleet.wire.framing import FrameError, read_frame, write_frame
+from fleet.wire.framing import FrameError, encode_message, read_frame
 from fleet.wire.pipe import (
     RunnerCommand,
     RunnerReport,
@@ -39,6 +39,8 @@ from fleet.worker.inbox import Inbox, RunnerExited, RunnerReported
 from fleet.worker.standby import StandbyRunner
 
 log = logging.getLogger(__name__)
+
+WRITE_AT_BYTES = 1 << 16  # queued command bytes written at once (the pipe's own high-water mark)
 
 
 class Owner(Protocol):
@@ -85,6 +87,8 @@ class RunnerProcess:
         self._process: asyncio.subprocess.Process | None = None
         self._pump: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()
+        self._outgoing: list[bytes] = []  # frames `send` queued for the next write
+        self._outgoing_bytes = 0
         self._exited = False
         self._stop_requested = False
         self.status: RunnerStatus | None = None  # the last status the runner reported
@@ -132,18 +136,46 @@ class RunnerProcess:
                 stderr.close()  # the child holds its own copy
 
     async def send(self, command: RunnerCommand) -> None:
-        """Write one command. Raises RunnerNotRunning when the process has exited or its pipe
-        is closed: then RunnerExited is on its way (the pump always ends with it), and the
-        worker ends what was in flight there, the task this command carried included."""
+        """Queue one command for the pipe (written, in order, at the end of the loop's pass).
+        Raises RunnerNotRunning when the process has exited or its pipe is closed: then
+        RunnerExited is on its way (the pump always ends with it), and the worker ends what
+        was in flight there, the task this command carried included. A pipe that breaks
+        after the command was queued ends the same way."""
         if self._process is None or self._process.stdin is None or self._exited:
             raise RunnerNotRunning(f"runner {self.runner_id} is not running")
+        stdin = self._process.stdin
+        if stdin.is_closing():
+            raise RunnerNotRunning(f"runner {self.runner_id}: pipe closed, {command.type} "
+                                   "not sent")
+        # Queued, in order, and written once the loop's pass ends: the planner dispatches a
+        # batch of tasks in one pass, and one write of their frames wakes the runner once
+        # where a write each cost a system call and a wake-up a task (issue 23).
+        self._outgoing.append(encode_message(command))
+        self._outgoing_bytes += len(self._outgoing[-1])
+        if len(self._outgoing) == 1:
+            asyncio.get_running_loop().call_soon(self._write_out)
+        if self._outgoing_bytes < WRITE_AT_BYTES:
+            return
+        self._write_out()  # a large batch goes now, and waits for the pipe's room
         try:
             async with self._write_lock:
-                await write_frame(self._process.stdin, command)
+                await stdin.drain()
         except (BrokenPipeError, ConnectionResetError) as exc:
             raise RunnerNotRunning(
                 f"runner {self.runner_id}: pipe closed while sending {command.type}"
             ) from exc
+
+    def _write_out(self) -> None:
+        """Write what `send` queued, in one write; a pipe that breaks meanwhile ends the
+        runner's reports (its RunnerExited follows), so nothing is raised here."""
+        frames, self._outgoing, self._outgoing_bytes = self._outgoing, [], 0
+        if not frames or self._process is None or self._process.stdin is None:
+            return
+        try:
+            self._process.stdin.write(b"".join(frames))
+        except (BrokenPipeError, ConnectionResetError, RuntimeError) as exc:
+            log.warning("runner %s: %d command(s) not written: %s", self.runner_id,
+                        len(frames), exc)
 
     async def stop(self, timeout: float = 10.0) -> int:
         """Ask the runner to shut down; kill it if it has not exited within `timeout`."""
