@@ -16,7 +16,10 @@ Nobody is held while slots beyond the reserve are free (work-conserving but for 
 A tenant holds the slots of its requests running (TenantShare.running, every replica's) and
 of those this replica published that no runner has accepted yet. The slots are the model's
 instances' (FLEET_INSTANCES). Tasks of other classes and of NATS publishers are not counted:
-the reserve may then be short, never larger.
+the reserve may then be short, never larger. A gateway that dies with requests running leaves
+them counted in their tenant's entry until it goes stale (STALE_S without a change), as it
+leaves `waiting`: that tenant meanwhile gets up to that many slots fewer while others are
+present, never more.
 
 Pure: tested with tables.
 """
