@@ -11,7 +11,9 @@ two workers. A greedy answer of `sharded_max_tokens` (60) is submitted; at `shar
 runner. The seam is the kill ->
 the next token of the continued answer at the client; `group_ready_s` the kill -> both ranks
 of the re-formed group ready (failover's move to the spare, the survivor's restart into the
-new ring, both loads). The killed worker is restarted at once: the next round's spare.
+new ring, both loads). The killed worker is restarted at once: the next round's spare. A round
+whose answer was done before its kill (the client behind the answer by more than its rest
+took to make) measured nothing and is run again (bench.seam.measured).
 
 tests/integration/test_sharded_reform.py asserts the same path at CI size (one kill per
 rank); this case repeats it for a p50.
@@ -26,6 +28,8 @@ from typing import Any
 from nats.js.kv import KeyValue
 
 from bench.seam import (
+    EARLY,
+    MADE_WHOLE,
     READY_S,
     ROUND_S,
     SHARDED,
@@ -33,6 +37,7 @@ from bench.seam import (
     Watch,
     Worker,
     judge,
+    measured,
     until_entry,
 )
 from fleet.bus.connect import js_publish
@@ -160,31 +165,38 @@ class ShardedCase:
         task = stack.task(f"seam-{SHARDED}-{index}-{time.time_ns()}", plan.sharded_max_tokens)
         watch = Watch()
         sub = await stack.nc.subscribe(subjects.out(task.task_id), cb=watch.on_msg)
+        group: asyncio.Task[float] | None = None
         try:
             await publish(stack, task)
             await watch.until(
                 lambda: watch.tokens() >= plan.sharded_kill_at or watch.done(), ROUND_S)
             if watch.done():
-                return {"error": "finished before the fault", "rank": rank, **watch.ending()}
+                return {"rerun": EARLY, "rank": rank, **watch.ending()}
             group = asyncio.create_task(regrouped(
                 stack, self.instance_id, victim.node_id, set(ranks.values()),
                 time.monotonic() + ROUND_S))
             faulted_at = time.monotonic()
             victim.kill()
             stack.dead_runners.add(ranks[rank])
-            resumed = await watch.until(lambda: watch.next_token_after(faulted_at), ROUND_S)
+            self.previous = set(ranks.values())  # the next round's group has none of them
+            await watch.until(
+                lambda: watch.next_token_after(faulted_at) or watch.done(), ROUND_S)
+            resumed = watch.next_token_after(faulted_at)  # None: made whole before the kill
             victim.start()  # the next round's spare; its start overlaps the answer's rest
             await watch.until(watch.done, ROUND_S)
+            if resumed is None:  # the continuation had no token left to make: no seam
+                return {"rerun": MADE_WHOLE, "rank": rank, **watch.ending()}
+            stored = await stack.stored(task.task_id)
+            row = {"rank": rank, "seam_s": round(resumed - faulted_at, 3),
+                   **judge(stored, plan.sharded_max_tokens)}
+            try:
+                row["group_ready_s"] = round(await group - faulted_at, 3)
+            except TimeoutError as exc:  # the answer continued; the group's watch saw no end
+                row["group_error"] = str(exc)
         finally:
             await sub.unsubscribe()
-        self.previous = set(ranks.values())
-        stored = await stack.stored(task.task_id)
-        row = {"rank": rank, "seam_s": round(resumed - faulted_at, 3),
-               **judge(stored, plan.sharded_max_tokens)}
-        try:
-            row["group_ready_s"] = round(await group - faulted_at, 3)
-        except TimeoutError as exc:  # the answer continued; the group's watch saw no end
-            row["group_error"] = str(exc)
+            if group is not None and not group.done():  # not wanted now, nor its timeout
+                group.cancel()
         accepted = [e for e in stored if isinstance(e, TaskAccepted)]
         row["attempts"] = len(accepted)
         row["round_s"] = round(time.monotonic() - began, 1)
@@ -198,15 +210,13 @@ async def publish(stack: SeamStack, task: TextGeneration) -> None:
 
 
 async def run_sharded(stack: SeamStack) -> list[dict[str, Any]]:
-    """Every round of the sharded case (a round that broke is a row with its error)."""
+    """Every round of the sharded case (a round that broke is a row with its error; one whose
+    answer was done before its kill is run again: bench.seam.measured)."""
     case = ShardedCase(stack, await start_sharded(stack))
-    rows: list[dict[str, Any]] = []
-    for index in range(stack.plan.rounds):
-        try:
-            rows.append(await case.round(index))
-        except Exception as exc:
-            rows.append({"error": f"{type(exc).__name__}: {exc}", "rank": index % SHARDS})
-            for worker in stack.workers:  # a round that broke after its kill
-                if worker.process is None or worker.process.poll() is not None:
-                    worker.start()
-    return rows
+
+    async def broke() -> None:  # a round that broke after its kill
+        for worker in stack.workers:
+            if worker.process is None or worker.process.poll() is not None:
+                worker.start()
+
+    return await measured(stack.plan.rounds, case.round, broke)

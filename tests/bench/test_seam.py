@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.seam import Watch, judge, summarise
+from bench.seam import Watch, judge, measured, summarise
 from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
 
 
@@ -70,3 +70,57 @@ def test_summarise(rows: list[dict[str, Any]], expected: dict[str, Any]) -> None
     summary = summarise(rows, elapsed_s=30.0)
     assert {key: summary[key] for key in expected} == expected
     assert ("group_ready_p50_s" in summary) == any("group_ready_s" in r for r in rows)
+
+
+async def test_a_round_done_before_its_fault_is_run_again_with_its_index() -> None:
+    """Rounds 0 and 2 measured nothing once each (their answer was done before the fault):
+    each is run again with the same index (its rank), and the case has its 3 measured rounds
+    and both re-runs, marked."""
+    outcomes = iter([{"seam_s": 1.0}, {"rerun": "finished before the fault"}, {"seam_s": 2.0},
+                     {"rerun": "made whole before the fault"}, {"seam_s": 3.0}])
+    asked: list[int] = []
+
+    async def one(index: int) -> dict[str, Any]:
+        asked.append(index)
+        return next(outcomes)
+
+    async def broke() -> None:
+        raise AssertionError("no round broke")
+
+    rows = await measured(3, one, broke)
+    assert asked == [0, 1, 1, 2, 2]
+    summary = summarise(rows)
+    assert (summary["rounds"], summary["reruns"], summary["p50_s"]) == (3, 2, 2.0)
+    assert summary["rerun_why"] == ["finished before the fault", "made whole before the fault"]
+
+
+async def test_re_runs_are_bounded() -> None:
+    """An answer always done before its fault: `rounds` re-runs, then an error a round."""
+    calls = 0
+
+    async def one(index: int) -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        return {"rerun": "finished before the fault"}
+
+    async def broke() -> None:
+        pass
+
+    rows = await measured(2, one, broke)
+    assert calls == 4
+    summary = summarise(rows)
+    assert (summary["rounds"], summary["reruns"]) == (2, 2)
+    assert summary["errors"] == ["finished before the fault"] * 2
+
+
+def test_an_ending_says_how_far_the_client_was_behind_the_answer() -> None:
+    watch = Watch()
+    made = [TokenChunk(task_id="t", at=100.0 + k * 0.01, index=k, token_id=1, text="x")
+            for k in range(3)]
+    watch.events = [(1.0, accepted(0)), *((2.0, e) for e in made),
+                    (3.0, TaskFinished(task_id="t", at=100.03, status="completed",
+                                       finish_reason="length"))]
+    watch.walls = [100.0, 100.3, 100.3, 100.3, 100.3]  # all seen at once, 0.3 s after
+    ending = watch.ending()
+    assert ending["tokens"] == 3 and ending["finish_reason"] == "length"
+    assert (ending["chunks"], ending["made_s"], ending["behind_s"]) == (3, 0.02, 0.3)
