@@ -52,7 +52,7 @@ from nats.js.kv import KeyValue
 
 from fleet.aio import set_within
 from fleet.bus.fairness import charge, holds, lift, tenant_token
-from fleet.gateway.fair_slots import kept_for
+from fleet.gateway.fair_slots import entitled, kept_for
 from fleet.wire.fairness import TenantShare
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,10 @@ def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantu
     `quantum` ahead of the least-served tenant waiting too; `queued`, this gateway has `cap`
     of its requests in the broker's queue, not yet running, while a tenant served less than
     it is present (an entry changed within STALE_S). The least-served tenant is never
-    capped: its requests are the ones the queue should hold. `reserved`: it holds its share
+    capped: its requests are the ones the queue should hold; nor is a tenant that holds
+    fewer than its share of the `slots`: its requests are within what the reserve keeps for
+    it, so they start at once (capped, a second request of B's sent beside its first waited
+    at admission for the first to be accepted). `reserved`: it holds its share
     of the `slots` or more and the last free ones are kept for a present tenant below its
     share (fleet.gateway.fair_slots; `queued`: the slots this gateway knows a tenant holds
     beyond its entry's `running`: its requests published and not yet running, and writes of
@@ -92,12 +95,12 @@ def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantu
         return "ahead"
     behind = any(t != tenant and now - share.at < STALE_S and share.counter < counters[tenant]
                  for t, share in shares.items())
-    if behind and queued_here >= cap:
+    held, weights = slots_held(shares, tenant, now, queued or {tenant: queued_here})
+    within = slots > 0 and held[tenant] < entitled(slots, weights)[tenant]
+    if behind and queued_here >= cap and not within:
         return "queued"
-    if slots > 0:
-        held, weights = slots_held(shares, tenant, now, queued or {tenant: queued_here})
-        if kept_for(held, weights, tenant, slots) is not None:
-            return "reserved"
+    if slots > 0 and kept_for(held, weights, tenant, slots) is not None:
+        return "reserved"
     return None
 
 

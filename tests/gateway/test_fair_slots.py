@@ -84,6 +84,19 @@ def test_held_because_reserved(entries: dict[str, TenantShare], slots: int,
     assert held_because(entries, "a", 110.0, 512.0, 0, cap=1, slots=slots) == why
 
 
+@pytest.mark.parametrize(("entries", "slots", "queued_here", "why"), [
+    # A is served more than B and has one request queued here: capped, as before ...
+    ({"a": share(counter=100, running=8), "b": share(running=7)}, 0, 1, "queued"),
+    ({"a": share(counter=100, running=8), "b": share(running=6)}, 16, 1, "queued"),
+    # ... unless it holds fewer than its share: its requests are within what is kept for it
+    ({"a": share(counter=100, running=5), "b": share(running=7)}, 16, 1, None),
+    ({"a": share(counter=100, running=6), "b": share(running=7)}, 16, 2, "queued"),  # 8 held
+])
+def test_a_tenant_within_its_share_is_not_capped(entries: dict[str, TenantShare], slots: int,
+                                                 queued_here: int, why: str | None) -> None:
+    assert held_because(entries, "a", 110.0, 512.0, queued_here, cap=1, slots=slots) == why
+
+
 async def test_a_write_of_running_under_way_counts_at_once() -> None:
     """B's request ended and its leave is being written: B's next request is not held as
     at its share meanwhile (B 2 of 4 slots in KV, 1 in fact); a run being written counts
