@@ -54,8 +54,12 @@ HEARTBEAT_S = 3.0
 HELD_CHECK_S = 0.05
 HELD_GAP_S = 0.25
 # Beats asked for by `list_held` go out at once, then at most one per LIST_GAP_S (a sustained
-# stream of new tasks: ~100 small puts a second, each listing all that arrived meanwhile).
-LIST_GAP_S = 0.01
+# stream of new tasks: at most ~500 small puts a second, each listing all that arrived
+# meanwhile; one put is in flight at a time, so a burst shares one anyway). It was 10 ms, and
+# a client sending its next task as the last one finished (a cycle under 10 ms) waited out
+# the rest of the gap in every intake: publish -> task_accepted 8-9 ms against 4-5 ms with
+# 20 ms between tasks (issue 23, bench/README.md "Plumbing at rate").
+LIST_GAP_S = 0.002
 # How long an intake waits for its listing: a broker too slow for that (an election) must not
 # stall intake; the message is then listed by a later beat, and until then AckWait guards it.
 LIST_WAIT_S = 1.0
@@ -169,8 +173,8 @@ class Heartbeat:
             while True:
                 await set_within(self._asked, HELD_CHECK_S)
                 now = time.monotonic()
-                if self._asked.is_set() and now - last < LIST_GAP_S:
-                    await asyncio.sleep(last + LIST_GAP_S - now)  # the gap between puts
+                if self._asked.is_set() and (wait := listing_wait(now, last)) > 0:
+                    await asyncio.sleep(wait)  # the gap between puts
                     now = time.monotonic()
                 asked, full = self._asked.is_set(), (
                     self.wake.is_set() or now - last_full >= HEARTBEAT_S)
@@ -190,6 +194,12 @@ class Heartbeat:
         if (reply := inbox_reply(msg.reply)) is not None:
             with contextlib.suppress(Exception):
                 await self.nc.publish(reply, b"")
+
+
+def listing_wait(now: float, last: float, gap: float = LIST_GAP_S) -> float:
+    """Pure. How long an asked-for beat waits before its put: none once the last beat began
+    `gap` ago or more, else the rest of the gap (puts at most one a gap)."""
+    return max(0.0, last + gap - now)
 
 
 def newly_held(held: list[str], listed: frozenset[str]) -> bool:

@@ -10,6 +10,7 @@ import contextlib
 import statistics
 import time
 
+import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -17,7 +18,7 @@ from fleet.bus.kv_calls import open_bucket
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import decode_model
-from fleet.worker.heartbeat import LIST_WAIT_S, Heartbeat
+from fleet.worker.heartbeat import LIST_GAP_S, LIST_WAIT_S, Heartbeat, listing_wait
 
 TAKES = 100
 BURST = 32
@@ -116,3 +117,14 @@ async def test_a_listing_asked_before_the_intake_is_found_after_it(provisioned_n
         beating.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await beating
+
+
+@pytest.mark.parametrize(("now", "last", "wait"), [
+    (10.0, 10.0, LIST_GAP_S),  # asked as the last beat began: the whole gap
+    (10.0 + LIST_GAP_S / 2, 10.0, LIST_GAP_S / 2),  # the rest of the gap
+    (10.0 + LIST_GAP_S, 10.0, 0.0),  # a gap since: at once
+    (10.005, 10.0, 0.0),  # a client's next task 5 ms after the last (issue 23): at once
+    (13.0, 10.0, 0.0),  # the first ask after a quiet while: at once
+])
+def test_listing_wait(now: float, last: float, wait: float) -> None:
+    assert listing_wait(now, last) == pytest.approx(wait)
