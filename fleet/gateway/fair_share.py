@@ -20,7 +20,7 @@ A's queued requests). Each tenant's held requests take their turn one at a time,
 first, and check the rule against this replica's view of the counters before reading KV, so
 a change wakes one request per tenant, not every held one. And a tenant that holds its
 weighted share of the model's slots or more (running or queued) does not take the last free
-slot while a present tenant holds less than its share (fleet.gateway.fair_slots): that
+slot while a present tenant holds no more than its share (fleet.gateway.fair_slots): that
 tenant's next request finds a slot, not a wait for one to free.
 
 The counters live in KV FLEET_FAIRNESS (fleet.wire.fairness.TenantShare), updated by
@@ -85,8 +85,8 @@ def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantu
     capped: its requests are the ones the queue should hold; nor is a tenant that holds
     fewer than its share of the `slots`: its requests are within what the reserve keeps for
     it, so they start at once (capped, a second request of B's sent beside its first waited
-    at admission for the first to be accepted). `reserved`: it holds its share
-    of the `slots` or more and the last free ones are kept for a present tenant below its
+    at admission for the first to be accepted). `reserved`: it holds its share of the
+    `slots` or more and the last free ones are kept for a present tenant at or below its
     share (fleet.gateway.fair_slots; `queued`: the slots this gateway knows a tenant holds
     beyond its entry's `running`: its requests published and not yet running, and writes of
     its `running` under way; `slots` 0: not known, no reserve)."""
