@@ -107,7 +107,11 @@ class TaskPuller:
         got: list[Msg] = []
         turns = []
         failed = False
-        lane_counts: dict[str, dict[str, int]] = {}  # read once a fetch, when first needed
+        # The lanes' counts, asked for now and read at the first class that needs them: the
+        # look-up (a stream info) was a round trip of its own after the first class's pull,
+        # and a task published meanwhile waited for it and the later pulls before the wait
+        # that takes it went out (issue 23: ~3.5 ms of a 4 ms round at light load).
+        lane_counts = asyncio.ensure_future(self._lane_counts(model))
         try:
             for turn in pull_order(served, now):
                 if only is not None and turn.priority != only:
@@ -154,6 +158,8 @@ class TaskPuller:
             await self._recover(model)
             await asyncio.sleep(ERROR_PAUSE_S)  # pacing a retry after a broker error
             return got
+        finally:
+            lane_counts.cancel()  # unread when the first class filled the batch
 
     async def _pull(
         self, model: str, priority: Priority, batch: int, wait_s: float | None
@@ -169,19 +175,22 @@ class TaskPuller:
         except TimeoutError:
             return []
 
+    async def _lane_counts(self, model: str) -> dict[str, int]:
+        """The counts of `model`'s tenant lanes; never raises."""
+        try:
+            counts = await self.lanes.counts(model)
+        except Exception as exc:  # the lanes wait for the next fetch; the classes do not
+            log.warning("lanes of %s not read: %s", model, type(exc).__name__)
+            return {}
+        if any(counts.values()):
+            self.lanes_seen[model] = time.monotonic()
+        return counts
+
     async def _from_lanes(self, model: str, priority: Priority, wanted: int,
-                          cache: dict[str, dict[str, int]]) -> list[Msg]:
-        """Up to `wanted` tasks of the class's tenant lanes (fleet.worker.lanes), the lanes'
-        counts read at the first class of this fetch that needs them."""
-        if "counts" not in cache:
-            try:
-                cache["counts"] = await self.lanes.counts(model)
-            except Exception as exc:  # the lanes wait for the next fetch; the classes do not
-                log.warning("lanes of %s not read: %s", model, type(exc).__name__)
-                cache["counts"] = {}
-            if any(cache["counts"].values()):
-                self.lanes_seen[model] = time.monotonic()
-        return await self.lanes.pull(model, priority, wanted, cache["counts"])
+                          counts: asyncio.Future[dict[str, int]]) -> list[Msg]:
+        """Up to `wanted` tasks of the class's tenant lanes (fleet.worker.lanes), with the
+        counts this fetch asked for at its start."""
+        return await self.lanes.pull(model, priority, wanted, await asyncio.shield(counts))
 
     async def _first_of(self, model: str, turns: list[Turn], wait_s: float,
                         interrupt: asyncio.Event | None = None) -> list[Msg]:
