@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -51,6 +52,7 @@ async def arm(checkout: Path, plan: FairPlan, mixed: bool) -> dict[str, Any]:
             out["mixed"] = await measure_mixed(stack.base_url, key, QueuePlan(), stack.nc)
     finally:
         await stack.stop()
+        shutil.rmtree(data_dir.parent, ignore_errors=True)  # its NATS store: a few MB an arm
     out["load_end"] = round(os.getloadavg()[0], 2)
     return out
 
@@ -67,9 +69,9 @@ def medians(arms: list[dict[str, Any]], name: str) -> dict[str, Any]:
                  for r in runs if r["stages_b_beside_a_p50_ms"]["queue"] is not None
                  and r["stages_b_alone_p50_ms"]["queue"] is not None]
         summary[pair] = {
-            "share_b": statistics.median(r["share_b"] for r in runs),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
-            "ttft_ratio": statistics.median(r["ttft_ratio"] for r in runs),
+            "share_b": round(statistics.median(r["share_b"] for r in runs), 3),
+            "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs), 1),
+            "ttft_ratio": round(statistics.median(r["ttft_ratio"] for r in runs), 2),
             "queue_stage_extra_ms": round(statistics.median(queue), 1) if queue else None,
         }
     return summary
