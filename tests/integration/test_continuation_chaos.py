@@ -129,10 +129,15 @@ async def test_workers_killed_every_10s_lose_and_duplicate_nothing(
     kills: list[tuple[float, list[str]]] = []  # kill time, tasks then running on the victim
     # The first kill once answers are well under way, then one every KILL_EVERY_S (or as soon
     # after as the replacement is ready: two workers at every kill).
-    await live.until(lambda: all_done() or sum(
-        live.tokens(task.task_id) >= 40 for task in tasks) >= 4, 300)
+    # A kill continues only tasks whose output began (one that had sent nothing is rerun
+    # afresh, attempt 0), so the first waits for a node with one streaming: under load the
+    # node running the most may still be prefilling all of them.
+    await live.until(lambda: all_done() or (sum(
+        live.tokens(task.task_id) >= 40 for task in tasks) >= 4 and any(
+        streaming_on(live, tasks, node) for node in alive)), 300)
     while not all_done() and len(kills) < MAX_KILLS:
-        victim = max(alive, key=lambda node: len(running_on(live, tasks, node)))
+        victim = max(alive, key=lambda node: (len(streaming_on(live, tasks, node)),
+                                              len(running_on(live, tasks, node))))
         kills.append((time.monotonic(), running_on(live, tasks, victim)))
         alive.pop(victim).kill()
         print(f"{kills[-1][0] - started:6.1f} s: killed {victim} with "
@@ -176,3 +181,8 @@ async def test_workers_killed_every_10s_lose_and_duplicate_nothing(
 def running_on(live: Live, tasks: list[TextGeneration], node: str) -> list[str]:
     return [task.task_id for task in tasks
             if not live.done(task.task_id) and live.node_running(task.task_id) == node]
+
+
+def streaming_on(live: Live, tasks: list[TextGeneration], node: str) -> list[str]:
+    """The tasks running on `node` whose output began (a kill continues these)."""
+    return [task_id for task_id in running_on(live, tasks, node) if live.tokens(task_id) > 0]
