@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from fleet.wire.cluster import ModelCard
 from fleet.wire.events import OutputEvent, TokenChunk
@@ -77,6 +77,17 @@ class Admission:
     # The task's trace context, for a sharded instance's other ranks to trace their share.
     traceparent: str | None = None
     tracestate: str | None = None
+
+
+@runtime_checkable
+class Wakeable(Protocol):
+    """An engine that can idle inside `step()` with nothing to compute (the fault engine's
+    paced wait): `wake` ends that idling when a command arrives, as a real engine's next
+    step would admit it. Engines whose step is real work do not implement it."""
+
+    def wake(self) -> None:
+        """Thread-safe: a command for the engine's thread is waiting."""
+        ...
 
 
 class Engine(Protocol):

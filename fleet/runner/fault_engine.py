@@ -100,11 +100,16 @@ class FaultEngine:
         self,
         config: EngineConfig,
         clock: Callable[[], float] = time.time,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
         self._config = config
         self._clock = clock
-        self._sleep = sleep
+        self._sleep = sleep or time.sleep
+        # An idle paced wait ends when a command arrives (`wake`): a real engine's step is
+        # short, so a task sent to it is admitted at the next one, not after the slowest
+        # paced task's next token (issue 25: a chat waited up to a 20 ms period beside a job).
+        self._woken = threading.Event()
+        self._idle = sleep or self._idle_unless_woken
         self._runs: dict[str, _Run] = {}
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
@@ -188,13 +193,21 @@ class FaultEngine:
         return True
 
     def _wait_for_paced(self) -> None:
-        """When every running task is paced and none is due, sleep until the first is (the
-        step would otherwise spin, and a real engine's step takes time too)."""
+        """When every running task is paced and none is due, idle until the first is (the
+        step would otherwise spin, and a real engine's step takes time too), or until a
+        command arrives (`wake`)."""
         if any(not run.knobs.tokens_per_s for run in self._runs.values()):
             return
         wait = min(run.next_at for run in self._runs.values()) - self._clock()
         if wait > 0:
-            self._sleep(wait)
+            self._idle(wait)
+
+    def _idle_unless_woken(self, seconds: float) -> None:
+        self._woken.wait(seconds)
+        self._woken.clear()  # a wake that came while no wait was open ends one wait early
+
+    def wake(self) -> None:
+        self._woken.set()
 
     def _completed(self, run: _Run) -> TaskFinished:
         stopped = run.knobs.tokens <= run.task.max_tokens

@@ -29,7 +29,7 @@ from typing import BinaryIO
 
 from fleet.models.blas import set_openblas_threads
 from fleet.runner.coalesce import TokenCoalescer, Written
-from fleet.runner.engine import Engine, EngineConfig, GroupLost
+from fleet.runner.engine import Engine, EngineConfig, GroupLost, Wakeable
 from fleet.runner.fault_engine import FAULT_FAMILY, FaultEngine
 from fleet.runner.image_steps import StepHook
 from fleet.runner.machine import RunnerMachine
@@ -133,6 +133,8 @@ def _read_commands(reader: FrameReader, engine: Engine, inbox: Inbox) -> None:
             if isinstance(command, CancelTask):
                 engine.cancel(command.task_id)
             inbox.put(command)
+            if isinstance(engine, Wakeable):
+                engine.wake()
     except (FrameError, DecodeError) as exc:
         inbox.put(PipeBroken(f"unreadable command from the worker: {exc}"))
         return

@@ -69,3 +69,17 @@ def test_a_continuation_that_had_every_token_ends_without_another(tmp_path: Path
     assert [type(e) for e in events] == [TaskFinished]
     assert events[0].usage is not None and events[0].usage.completion_tokens == 3
     assert engine.active == 0
+
+
+def test_a_command_ends_an_idle_paced_wait(tmp_path: Path) -> None:
+    """A paced task's next token is a second away: a step with a command waiting (`wake`,
+    as the runner's pipe reader calls it) returns at once with nothing made, so the command
+    is admitted now; without the wake the step would idle that second and make the token."""
+    config = EngineConfig(card=fault_card(), model_path=tmp_path, slots=4, images_dir=tmp_path)
+    engine = FaultEngine(config)  # the real clock and idle wait
+    engine.admit(Admission(task=TextGeneration(
+        task_id="paced", model="fault-llm", prompt="tokens:3 tokens_per_s:1", max_tokens=10)))
+    assert [type(e) for e in engine.step()] == [Token]  # the first is due at once
+    engine.wake()
+    assert engine.step() == []
+    assert engine.active == 1
