@@ -158,8 +158,8 @@ class TaskPuller:
             await self._recover(model)
             await asyncio.sleep(ERROR_PAUSE_S)  # pacing a retry after a broker error
             return got
-        finally:
-            lane_counts.cancel()  # unread when the first class filled the batch
+        finally:  # owned here: unread when the first class filled the batch
+            await cancel_and_wait([lane_counts])
 
     async def _pull(
         self, model: str, priority: Priority, batch: int, wait_s: float | None
