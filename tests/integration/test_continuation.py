@@ -74,6 +74,12 @@ SAMPLERS: dict[str, dict[str, Any]] = {
 }
 
 
+# Long enough that a kill at token ~40 lands mid-answer under load: tiny-llm makes a 240-token
+# answer in about a second now, and a loaded test process (the client of `live`) lagged that
+# much behind it (CI at load ~10: "the task ended before the kill").
+LONG = 1200
+
+
 def request(task_id: str, sampler: str, max_tokens: int) -> TextGeneration:
     fields = {"temperature": 0.0, **SAMPLERS[sampler]}
     return TextGeneration(
@@ -95,12 +101,12 @@ async def test_a_worker_killed_mid_answer_is_continued_token_for_token(
         await place_on(nc, get_card("tiny-llm"), node)
     # The same requests, uninterrupted, first: the reference each continued stream must equal.
     references = await asyncio.gather(*(
-        run_whole(nc, request(f"ref-{name}", name, 240)) for name in SAMPLERS
+        run_whole(nc, request(f"ref-{name}", name, LONG)) for name in SAMPLERS
     ))
     live = Live()
     await nc.subscribe("fleet.out.>", cb=live.on_msg)
     for name in SAMPLERS:
-        await submit(nc, request(f"cont-{name}", name, 240))
+        await submit(nc, request(f"cont-{name}", name, LONG))
     # Kill the worker running the first task once it is well into its answer.
     first = "cont-greedy"
     await live.until(lambda: live.tokens(first) >= 40 or live.done(first), 120)
@@ -131,9 +137,10 @@ async def test_a_runner_killed_mid_answer_is_continued_on_its_restart_token_for_
     record = await place_on(nc, get_card("tiny-llm"), await wait_node(nc, worker.data_dir))
     live = Live()
     await nc.subscribe("fleet.out.>", cb=live.on_msg)
-    references = {name: await run_whole(nc, request(f"ref-{name}", name, 240)) for name in SAMPLERS}
+    references = {name: await run_whole(nc, request(f"ref-{name}", name, LONG))
+                  for name in SAMPLERS}
     for name in SAMPLERS:
-        await submit(nc, request(f"cont-{name}", name, 240))
+        await submit(nc, request(f"cont-{name}", name, LONG))
     tasks = [f"cont-{name}" for name in SAMPLERS]
     # Every task's output has begun: a task its runner took but that has streamed nothing yet
     # ends runner_crashed with it (a task that kills runners before its first token is not run
@@ -248,7 +255,7 @@ async def test_the_openai_client_never_sees_the_kill_n2_seeded(
         url = await gateway.url()
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
         ask = {
-            "model": "tiny-llm", "n": 2, "seed": 99, "temperature": 0.8, "max_tokens": 600,
+            "model": "tiny-llm", "n": 2, "seed": 99, "temperature": 0.8, "max_tokens": 1500,
             "logit_bias": {"2": -100}, "stream": True,
             "messages": [{"role": "user", "content": "Tell me a long story"}],
         }
