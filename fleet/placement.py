@@ -7,7 +7,7 @@ import time
 
 from nats.js import JetStreamContext
 
-from fleet.bus.kv_calls import open_bucket
+from fleet.bus.kv_calls import kv_get, open_bucket
 from fleet.bus.kv_read import live_values
 from fleet.bus.records import InstanceRecords
 from fleet.errors import InvalidRequest, PlacementError
@@ -27,6 +27,7 @@ from fleet.placement_rules import (
 from fleet.placement_shards import ShardingError, choose_shards
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, ModelCard, NodeInfo
+from fleet.wire.codec import DecodeError, decode_model
 
 __all__ = [
     "HEARTBEAT_STALE_S",
@@ -40,6 +41,7 @@ __all__ = [
     "new_instance",
     "place",
     "read_instances",
+    "read_node",
     "read_nodes",
     "refusal",
     "remove",
@@ -50,6 +52,20 @@ __all__ = [
 
 async def read_nodes(js: JetStreamContext) -> list[NodeInfo]:
     return await live_values(js, subjects.NODES_BUCKET, NodeInfo)
+
+
+async def read_node(js: JetStreamContext, node_id: str) -> list[NodeInfo]:
+    """The named node's heartbeat, read by key from the bucket's stream leader: [] when it has
+    none. A snapshot of the whole bucket (`read_nodes`) is served by its consumer's leader,
+    which in a cluster can be a replica that has not applied a heartbeat written a moment ago
+    (CI: a placement on a node the caller had just watched register found no node at all)."""
+    entry = await kv_get(await open_bucket(js, subjects.NODES_BUCKET), node_id)
+    if entry is None or entry.value is None:
+        return []
+    try:
+        return [decode_model(NodeInfo, entry.value)]
+    except DecodeError:  # a writer of another schema version: not a node this one can use
+        return []
 
 
 async def read_instances(js: JetStreamContext) -> list[Instance]:
@@ -81,7 +97,8 @@ async def place(
             raise PlacementError(str(exc)) from exc
         instance = sharded_instance(card, assignments, slots, now)
     else:
-        nodes = candidates(await read_nodes(js), card, node_id)
+        found = await read_node(js, node_id) if node_id else await read_nodes(js)
+        nodes = candidates(found, card, node_id)
         instance = new_instance(card, choose_node(nodes, card, now), slots, now)
     records = InstanceRecords(await open_bucket(js, subjects.INSTANCES_BUCKET))
     if not await records.create(instance):  # compare-and-set: a new key

@@ -11,7 +11,7 @@ import time
 from nats.aio.client import Client
 
 from fleet.bus.kv_read import FETCH_BATCH, live_entries, live_values
-from fleet.placement import read_instances, read_nodes
+from fleet.placement import read_instances, read_node, read_nodes
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, NodeInfo, ShardAssignment
 from fleet.wire.codec import encode
@@ -75,3 +75,21 @@ async def test_a_node_registered_just_now_is_found(provisioned_nc: Client) -> No
     )
     await nodes.put("n1", encode(info))
     assert await read_nodes(js) == [info]
+
+
+async def test_a_named_node_is_read_by_its_key(provisioned_nc: Client) -> None:
+    """`place(node_id=...)` reads the one node by key, from the stream's leader (a bucket
+    snapshot is served by its consumer's leader, which in a cluster can lag a moment)."""
+    js = provisioned_nc.jetstream()
+    nodes = await js.key_value(subjects.NODES_BUCKET)
+    assert await read_node(js, "n1") == []
+    info = NodeInfo(
+        node_id="n1", hostname="h", started_at=time.time(), at=time.time(),
+        memory_total_bytes=1, memory_available_bytes=1, cpu_count=2,
+    )
+    await nodes.put("n1", encode(info))
+    await nodes.put("n2", b"{not json")
+    assert await read_node(js, "n1") == [info]
+    assert await read_node(js, "n2") == []
+    await nodes.delete("n1")
+    assert await read_node(js, "n1") == []
