@@ -57,17 +57,23 @@ async def terminal(nc: Client, task_id: str) -> TaskFinished | None:
 
 
 async def finished_soon(nc: Client, task_id: str) -> TaskFinished:
-    seen = asyncio.Event()
+    """The task's terminal, from the live event itself or, when it was stored before the
+    subscription, from the stream (a core subscriber can see the event before the stream has
+    stored it, so the live one is not re-read from the stream)."""
+    finished: asyncio.Future[TaskFinished] = asyncio.get_running_loop().create_future()
 
-    async def on_event(_msg: Msg) -> None:
-        seen.set()
+    async def on_event(msg: Msg) -> None:
+        event = decode_event(msg.data)
+        if isinstance(event, TaskFinished) and not finished.done():
+            finished.set_result(event)
 
-    await nc.subscribe(subjects.out(task_id), cb=on_event)
-    if (found := await terminal(nc, task_id)) is None:
-        await asyncio.wait_for(seen.wait(), WAIT_S)
-        found = await terminal(nc, task_id)
-    assert found is not None
-    return found
+    sub = await nc.subscribe(subjects.out(task_id), cb=on_event)
+    try:
+        if (found := await terminal(nc, task_id)) is not None:
+            return found
+        return await asyncio.wait_for(finished, WAIT_S)
+    finally:
+        await sub.unsubscribe()
 
 
 async def test_an_unknown_model_ends_a_fresh_id_and_refuses_a_claimed_one(
