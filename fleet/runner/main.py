@@ -45,13 +45,11 @@ from fleet.wire.pipe import (
     Shutdown,
     SpanBatch,
 )
+from fleet.wire.ring import RING_LOST_EXIT
 from fleet.wire.runners import RunnerFailed, RunnerIdle, RunnerReady
 from fleet.wire.tasks import CancelTask
 
 log = logging.getLogger("fleet.runner")
-
-RING_LOST_EXIT = 3  # a rank whose group broke exits with this: its worker sees a crash
-
 
 @dataclass(frozen=True)
 class PipeBroken:

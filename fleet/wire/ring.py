@@ -10,6 +10,11 @@ from pydantic import Field
 from fleet.wire.base import Part, Wire
 from fleet.wire.tasks import TextGeneration
 
+# A rank whose group broke (a peer rank's process or node died) exits with this. Its worker
+# sees a crash that is no fault of the tasks in flight: one not yet streaming is continued
+# from its first token like one that was, not ended `runner_crashed`.
+RING_LOST_EXIT = 3
+
 
 class GroupSpec(Part):
     """This runner's place in a pipeline: its rank, its layers, every rank's ring address."""

@@ -21,6 +21,7 @@ from fleet.aio import Supervisor
 from fleet.telemetry import trace_id_of
 from fleet.wire import pipe
 from fleet.wire.events import ErrorChunk, ErrorReason, OutputEvent, TaskAccepted, TaskFinished
+from fleet.wire.ring import RING_LOST_EXIT
 from fleet.wire.tasks import Task, TextGeneration, sampling_seed
 from fleet.wire.token_frames import TokenFrame
 from fleet.worker import state as ev
@@ -238,11 +239,14 @@ class RunnerReports:
     async def _judge_crash(
         self, task_id: str, exited: RunnerExited, pending: PendingTask
     ) -> None:
-        """A child: whether a task cut short by its runner's exit goes on (its output began
-        and fleet.worker.continuation says how); the answer goes back to the loop."""
+        """A child: whether a task cut short by its runner's exit goes on (its output began,
+        or its group's ring broke, and fleet.worker.continuation says how); the answer goes
+        back to the loop. A task that crashed its own runner before its first token ends
+        `runner_crashed`: rerun, it could crash the next one too."""
         decided: Continue | None = None
+        ring_lost = exited.returncode == RING_LOST_EXIT
         try:
-            if output_began(await self.output.last_event(task_id)):
+            if ring_lost or output_began(await self.output.last_event(task_id)):
                 found = await self.intake.continuation(pending.task)
                 decided = found if isinstance(found, Continue) else None
         except Exception as exc:  # its output cannot be read: it ends runner_crashed

@@ -165,7 +165,12 @@ async def test_the_survivor_of_a_dead_peer_restarts_only_into_the_moved_group(
     the survivor's ring address, the moved rank's new runner connected to it and not to its
     successor, and neither new runner's ring formed until the 120 s ring timeout (2 of 20
     rounds of `fleet bench --only seam --seam-cases sharded_kill`, tiny-llm). When a spare
-    joins, the rank moves there, the group forms and the answer is finished, whole."""
+    joins, the rank moves there, the group forms and the answer is finished, whole.
+
+    A second, short task is sent right after the kill: the test's subscriber can lag the
+    runners by seconds under load, and a 2-shard tiny-llm answer takes about as long, so the
+    first answer may be whole before the kill lands; the survivor's runner, idle then, would
+    not learn of the dead ring until a task reaches it (a CI run waited 60 s for it)."""
     workers = [start_worker(f"w{i}", **STANDBY) for i in range(2)]
     nc = await client(nats_url)
     by_node = {await wait_node(nc, w.data_dir): w for w in workers}
@@ -191,6 +196,8 @@ async def test_the_survivor_of_a_dead_peer_restarts_only_into_the_moved_group(
             arrived.clear()
             await arrived.wait()
     by_node[victim].kill()
+    wake = task.model_copy(update={"task_id": "survivor-wakes", "max_tokens": 8})
+    await submit(nc, wake)  # breaks the ring of an idle survivor (see above)
     await gone(nc, before[0])  # the survivor's runner died with its ring
     # Its crash backoff is 1 s: a restart into the dead layout would report well within 4 s.
     assert await new_runners_on(nc, sharded.instance_id, survivor, before.values(), 4.0) == []
@@ -203,8 +210,9 @@ async def test_the_survivor_of_a_dead_peer_restarts_only_into_the_moved_group(
         while not any(isinstance(e, TaskFinished) for e in got):
             arrived.clear()
             await arrived.wait()
-    events = await events_of(nc, task.task_id)
-    assert finished(events).status == "completed", finished(events)
-    indexes = token_indexes([e for e in events if isinstance(e, TokenChunk)])
-    assert indexes == list(range(task.max_tokens))
+    for sent in (task, wake):
+        events = await events_of(nc, sent.task_id)
+        assert finished(events).status == "completed", finished(events)
+        indexes = token_indexes([e for e in events if isinstance(e, TokenChunk)])
+        assert indexes == list(range(sent.max_tokens)), sent.task_id
     await nc.close()
