@@ -225,9 +225,15 @@ def _run_phases(args: argparse.Namespace, result: dict[str, Any], models: list[s
         result["ask"] = uvloop.run(run_ask(20 if args.quick else 200, 8, workdir / "ask"))
         print_summary(result["ask"])
     if args.only == "queue":
-        from bench.queue import queue_table, run_queue
+        from bench.queue import CELLS, queue_table, run_queue
+        from bench.queue_fair import weight_pairs
 
-        result["queue"] = uvloop.run(run_queue(workdir, env, args.quick))
+        cells = tuple(args.queue_cells.split(",")) if args.queue_cells else CELLS
+        if unknown := set(cells) - set(CELLS):
+            raise SystemExit(f"--queue-cells: unknown {sorted(unknown)}; known {CELLS}")
+        weights = weight_pairs(args.queue_weights) if args.queue_weights else None
+        result["queue"] = uvloop.run(run_queue(workdir, env, args.quick, cells,
+                                               args.queue_rounds, weights))
         print("\n".join(queue_table(result["queue"])))
     if args.only == "gateway-share":
         from bench.gateway_share import QUICK as SHARE_QUICK

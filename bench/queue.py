@@ -20,7 +20,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +36,13 @@ from bench.queue_fair import (
     FairPlan,
     Served,
     Stages,
+    cells_of,
     fair_rows,
+    fair_summary,
     measure_fair,
     stage_p50s_ms,
     stages_text,
+    summary_rows,
     write_keys,
 )
 from fleet.gateway.keys import add_key
@@ -235,8 +238,18 @@ async def measure_retries(base: str, key: str, stack: FleetStack,
             "replayed_answers": replays, "wall_s": round(wall, 2)}
 
 
-async def run_queue(workdir: Path, env: dict[str, str], quick: bool) -> dict[str, Any]:
+CELLS = ("fair", "mixed", "retries", "accept")  # the measures, in the order they run
+
+
+async def run_queue(workdir: Path, env: dict[str, str], quick: bool,
+                    cells: tuple[str, ...] = CELLS, rounds: int | None = None,
+                    weights: tuple[tuple[float, float], ...] | None = None) -> dict[str, Any]:
+    """The chosen measures (`cells`) on one `fleet up`; (2) ("fair") `rounds` times a weight
+    pair (`weights`, A:B), the pairs interleaved."""
     plan = QUICK if quick else QueuePlan()
+    fair_plan = replace(plan.fair, rounds=rounds or plan.fair.rounds,
+                        weights=weights or plan.fair.weights)
+    plan = replace(plan, fair=fair_plan)
     data_dir = workdir / "queue"
     data_dir.mkdir(parents=True, exist_ok=True)
     seed_fault_card(data_dir)
@@ -245,42 +258,54 @@ async def run_queue(workdir: Path, env: dict[str, str], quick: bool) -> dict[str
     keys_file = data_dir / "keys.jsonl"
     keys_file.unlink(missing_ok=True)
     key = add_key(keys_file, "bench")
-    fair_keys = write_keys(keys_file, len(plan.fair.weights), plan.fair)
+    fair_keys = write_keys(keys_file, plan.fair)
     stack = FleetStack(data_dir, [MODEL], SLOTS, {**env, "FLEET_API_KEYS_FILE": str(keys_file)},
                        api_key=key)
     await stack.start()
     try:
         base = stack.base_url
         # (2) first, on the idle fleet: its drain ends with nothing left running.
-        load = [round(x, 2) for x in os.getloadavg()]
-        fair = [await measure_fair(base, fair_keys, run, SLOTS, plan.fair, stack.nc)
-                for run in range(len(plan.fair.weights))]
-        return {"plan": asdict(plan), "load_average": load,
-                "load_average_after_fair": [round(x, 2) for x in os.getloadavg()],
-                "fair": fair, "mixed": await measure_mixed(base, key, plan, stack.nc),
-                "retries": await measure_retries(base, key, stack, plan),
-                "accept": await measure_accept(base, key, plan)}
+        result: dict[str, Any] = {"plan": asdict(plan), "cells": list(cells),
+                                  "load_average": [round(x, 2) for x in os.getloadavg()]}
+        if "fair" in cells:
+            result["fair"] = [await measure_fair(base, fair_keys, run, SLOTS, plan.fair,
+                                                 stack.nc)
+                              for run in range(len(cells_of(plan.fair)))]
+            result["fair_summary"] = fair_summary(result["fair"])
+            result["load_average_after_fair"] = [round(x, 2) for x in os.getloadavg()]
+        if "mixed" in cells:
+            result["mixed"] = await measure_mixed(base, key, plan, stack.nc)
+        if "retries" in cells:
+            result["retries"] = await measure_retries(base, key, stack, plan)
+        if "accept" in cells:
+            result["accept"] = await measure_accept(base, key, plan)
+        return result
     finally:
         await stack.stop()
 
 
 def queue_table(result: dict[str, Any]) -> list[str]:
-    accept, retries, mixed = result["accept"], result["retries"], result["mixed"]
-    return [
-        f"queue (fault engine, one fleet up; load average {result.get('load_average')}):",
-        f"  interactive TTFT p50 {mixed['ttft_idle_p50_ms']} ms idle, "
-        f"{mixed['ttft_beside_batch_p50_ms']} ms beside a batch job (x{mixed['ratio']}); "
-        f"the job meanwhile {mixed['batch_lines_per_s_meanwhile']} lines/s, alone "
-        f"{mixed.get('batch_lines_per_s_alone')} (slack used {mixed.get('slack_used')}; "
-        f"~1 s each, {mixed['batch_slots']} slots); the chats' stages p50 ({STAGES}) idle "
-        f"{stages_text(mixed.get('stages_idle_p50_ms'))}, beside the job "
-        f"{stages_text(mixed.get('stages_beside_batch_p50_ms'))}",
-        f"  batch of {accept['lines']:,} lines ({accept['file_mb']} MB): accepted in "
-        f"{accept['accepted_s']} s, in_progress after {accept['in_progress_s']} s, "
-        f"{accept['lines_done_in_run']:,} lines done in {accept['run_s']} s "
-        f"({accept['lines_per_s']} lines/s)",
-        f"  {retries['posts']:,} POSTs ({retries['keys']:,} keys, each sent twice): "
-        f"{retries['tasks_run']:,} tasks run, {retries['distinct_task_ids']:,} distinct ids, "
-        f"{retries['replayed_answers']:,} replayed answers, {retries['wall_s']} s",
-        *fair_rows(result.get("fair", [])),
-    ]
+    rows = [f"queue (fault engine, one fleet up; load average {result.get('load_average')}):"]
+    if (mixed := result.get("mixed")) is not None:
+        rows.append(
+            f"  interactive TTFT p50 {mixed['ttft_idle_p50_ms']} ms idle, "
+            f"{mixed['ttft_beside_batch_p50_ms']} ms beside a batch job (x{mixed['ratio']}); "
+            f"the job meanwhile {mixed['batch_lines_per_s_meanwhile']} lines/s, alone "
+            f"{mixed.get('batch_lines_per_s_alone')} (slack used {mixed.get('slack_used')}; "
+            f"~1 s each, {mixed['batch_slots']} slots); the chats' stages p50 ({STAGES}) idle "
+            f"{stages_text(mixed.get('stages_idle_p50_ms'))}, beside the job "
+            f"{stages_text(mixed.get('stages_beside_batch_p50_ms'))}")
+    if (accept := result.get("accept")) is not None:
+        rows.append(
+            f"  batch of {accept['lines']:,} lines ({accept['file_mb']} MB): accepted in "
+            f"{accept['accepted_s']} s, in_progress after {accept['in_progress_s']} s, "
+            f"{accept['lines_done_in_run']:,} lines done in {accept['run_s']} s "
+            f"({accept['lines_per_s']} lines/s)")
+    if (retries := result.get("retries")) is not None:
+        rows.append(
+            f"  {retries['posts']:,} POSTs ({retries['keys']:,} keys, each sent twice): "
+            f"{retries['tasks_run']:,} tasks run, {retries['distinct_task_ids']:,} distinct "
+            f"ids, {retries['replayed_answers']:,} replayed answers, {retries['wall_s']} s")
+    rows += fair_rows(result.get("fair", []))
+    rows += summary_rows(result.get("fair_summary", {}))
+    return rows

@@ -2,7 +2,7 @@
 interleaved (issue 25).
 
     python -m bench.queue_ab BASE_CHECKOUT NEW_CHECKOUT [--order base,new,new,base]
-                             [--weights 1:1,1:2] [--mixed] [--out FILE]
+                             [--weights 1:1,1:2] [--rounds N] [--mixed] [--out FILE]
 
 On a shared machine one run of each commit, one after the other, moved more than a change
 did (B's TTFT alone swung 79-617 ms between arms of one session). Here each arm is a fresh
@@ -28,7 +28,14 @@ from typing import Any
 from bench.fleet_stack import FleetStack
 from bench.plumbing_rate import MODEL, seed_fault_card
 from bench.queue import SLOTS, QueuePlan, measure_mixed
-from bench.queue_fair import FairPlan, measure_fair, write_keys
+from bench.queue_fair import (
+    HIGH_RATIO,
+    FairPlan,
+    cells_of,
+    measure_fair,
+    weight_pairs,
+    write_keys,
+)
 from fleet.gateway.keys import add_key
 
 
@@ -39,7 +46,7 @@ async def arm(checkout: Path, plan: FairPlan, mixed: bool) -> dict[str, Any]:
     seed_fault_card(data_dir)
     keys_file = data_dir / "keys.jsonl"
     key = add_key(keys_file, "bench")
-    fair_keys = write_keys(keys_file, len(plan.weights), plan)
+    fair_keys = write_keys(keys_file, plan)
     env = dict(os.environ, PYTHONPATH=str(checkout), MLX_DISABLE_COMPILE="1",
                OPENBLAS_NUM_THREADS="1", FLEET_API_KEYS_FILE=str(keys_file))
     stack = FleetStack(data_dir, [MODEL], SLOTS, env, api_key=key, cwd=checkout)
@@ -47,7 +54,7 @@ async def arm(checkout: Path, plan: FairPlan, mixed: bool) -> dict[str, Any]:
     await stack.start()
     try:
         out["fair"] = [await measure_fair(stack.base_url, fair_keys, run, SLOTS, plan,
-                                          stack.nc) for run in range(len(plan.weights))]
+                                          stack.nc) for run in range(len(cells_of(plan)))]
         if mixed:
             out["mixed"] = await measure_mixed(stack.base_url, key, QueuePlan(), stack.nc)
     finally:
@@ -58,20 +65,26 @@ async def arm(checkout: Path, plan: FairPlan, mixed: bool) -> dict[str, Any]:
 
 
 def medians(arms: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    """Medians over one checkout's arms that finished (pure): per weight pair, B's share,
-    tok/s, B's TTFT ratio and B's queue stage beside A less alone."""
+    """Medians over one checkout's arms that finished, every round of each (pure): per
+    weight pair, B's share, tok/s, B's TTFT ratio (with its least and most) and B's queue
+    stage beside A less alone."""
     done = [a for a in arms if a["name"] == name and "fair" in a]
     summary: dict[str, Any] = {"arms": len(done)}
-    for i, run in enumerate(done[0]["fair"] if done else []):
-        pair = f"{run['weight_a']:g}:{run['weight_b']:g}"
-        runs = [a["fair"][i] for a in done]
+    pairs: dict[str, list[dict[str, Any]]] = {}
+    for r in (r for a in done for r in a["fair"]):
+        pairs.setdefault(f"{r['weight_a']:g}:{r['weight_b']:g}", []).append(r)
+    for pair, runs in pairs.items():
         queue = [r["stages_b_beside_a_p50_ms"]["queue"] - r["stages_b_alone_p50_ms"]["queue"]
                  for r in runs if r["stages_b_beside_a_p50_ms"]["queue"] is not None
                  and r["stages_b_alone_p50_ms"]["queue"] is not None]
+        ratios = [r["ttft_ratio"] for r in runs if r["ttft_ratio"] is not None]
         summary[pair] = {
+            "runs": len(runs),
             "share_b": round(statistics.median(r["share_b"] for r in runs), 3),
             "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in runs), 1),
-            "ttft_ratio": round(statistics.median(r["ttft_ratio"] for r in runs), 2),
+            "ttft_ratio": round(statistics.median(ratios), 2) if ratios else None,
+            "ttft_ratio_range": [min(ratios), max(ratios)] if ratios else None,
+            "ttft_met": sum(x <= HIGH_RATIO for x in ratios),
             "queue_stage_extra_ms": round(statistics.median(queue), 1) if queue else None,
         }
     return summary
@@ -90,23 +103,19 @@ async def run(checkouts: dict[str, Path], order: list[str], plan: FairPlan,
     return {"arms": arms, "medians": {name: medians(arms, name) for name in checkouts}}
 
 
-def weight_pairs(text: str) -> tuple[tuple[float, float], ...]:
-    """`1:1,1:2` -> ((1.0, 1.0), (1.0, 2.0)) (pure)."""
-    pairs = [part.split(":") for part in text.split(",")]
-    return tuple((float(a), float(b)) for a, b in pairs)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("base", type=Path, help="checkout of the base (a git worktree)")
     parser.add_argument("new", type=Path, help="checkout of the change")
     parser.add_argument("--order", default="base,new,new,base", help="the arms, in turn")
     parser.add_argument("--weights", default="1:1,1:2", help="A:B weight pairs of (2)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of (2) per weight pair in each arm")
     parser.add_argument("--mixed", action="store_true", help="measure (1) in each arm too")
     parser.add_argument("--out", type=Path, help="write the result here as JSON")
     args = parser.parse_args()
     checkouts = {"base": args.base.resolve(), "new": args.new.resolve()}
-    plan = FairPlan(weights=weight_pairs(args.weights))
+    plan = FairPlan(weights=weight_pairs(args.weights), rounds=args.rounds)
     result = asyncio.run(run(checkouts, args.order.split(","), plan, args.mixed))
     text = json.dumps(result, indent=1)
     if args.out is not None:

@@ -47,10 +47,18 @@ class FairPlan:
     weights: tuple[tuple[float, float], ...] = ((1.0, 1.0), (1.0, 2.0))  # (A, B)
     tokens: int = 50
     tokens_per_s: int = 50  # a request holds a slot ~1 s
+    rounds: int = 1  # each weight pair measured this many times, pairs interleaved
 
 
 QUICK_FAIR = FairPlan(alone_s=3.0, warm_s=2.0, window_s=5.0, weights=((1.0, 1.0),),
                       tokens=10, tokens_per_s=20)
+HIGH_RATIO = 1.5  # B's TTFT beside A over alone: the target; a round above it shows its stages
+
+
+def cells_of(plan: FairPlan) -> list[tuple[float, float]]:
+    """The (A, B) weights of each run of the plan, run index order (pure): every pair once a
+    round, so a change of load during the rounds falls on every pair."""
+    return [pair for _ in range(plan.rounds) for pair in plan.weights]
 
 
 @dataclass
@@ -130,6 +138,49 @@ def stage_p50s_ms(served: list[Served], stages: Stages, start: float,
     return p50s
 
 
+def b_waits(b: list[Served], a: list[Served], stages: Stages, start: float, end: float,
+            slots: int) -> dict[str, float | None]:
+    """What B's requests sent within [start, end) waited behind (pure), among those heard
+    published and accepted: `a_queued_ahead`, the fraction published while a task of A's was
+    in the broker (published, not yet accepted); `a_started_meanwhile`, the fraction during
+    whose queue stage a task of A's was accepted (a slot went to A while B's waited);
+    `full_at_publish`, the fraction published while every slot held a task (accepted, its
+    client not yet done: an upper bound, as the client ends after the runner); B's queue
+    stage p50 with a task of A's ahead and without, and B's admission and queue p90 (ms)."""
+    heard = {s.task_id: (stages.published[s.task_id], stages.accepted[s.task_id], s.end)
+             for s in a + b if s.task_id in stages.published and s.task_id in stages.accepted}
+    a_spans = [heard[s.task_id] for s in a if s.task_id in heard]
+    mine = [(s.sent, *heard[s.task_id]) for s in b
+            if start <= s.sent < end and s.task_id in heard]
+    if not mine:
+        return {}
+    ahead = meanwhile = full = 0
+    queue_ahead: list[float] = []
+    queue_clear: list[float] = []
+    for _, published, accepted, _ in mine:
+        queued = any(p <= published < q for p, q, _ in a_spans)
+        ahead += queued
+        meanwhile += any(published < q < accepted for _, q, _ in a_spans)
+        full += sum(q <= published < e for _, q, e in heard.values()) >= slots
+        (queue_ahead if queued else queue_clear).append(accepted - published)
+    return {"a_queued_ahead": round(ahead / len(mine), 2),
+            "a_started_meanwhile": round(meanwhile / len(mine), 2),
+            "full_at_publish": round(full / len(mine), 2),
+            "queue_p50_a_ahead_ms": _ms(queue_ahead), "queue_p50_none_ahead_ms": _ms(queue_clear),
+            "admission_p90_ms": _ms([p - sent for sent, p, _, _ in mine], 0.9),
+            "queue_p90_ms": _ms([q - p for _, p, q, _ in mine], 0.9)}
+
+
+def _ms(values: list[float], quantile: float = 0.5) -> float | None:
+    """The quantile of `values` (seconds) in ms, the median as statistics.median; None of none."""
+    if not values:
+        return None
+    if quantile == 0.5:
+        return round(statistics.median(values) * 1000, 1)
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(quantile * len(ordered)))] * 1000, 1)
+
+
 def tokens_in(served: list[Served], start: float, end: float) -> float:
     """Tokens served within [start, end) (pure): a request's tokens spread evenly over its
     first token to its end, counted by the part of that span inside the window."""
@@ -155,6 +206,12 @@ def ttft_p50_ms(served: list[Served], start: float, end: float) -> float | None:
 def b_clients(slots: int, weight_a: float, weight_b: float) -> int:
     """B's requests kept going: its weight share of the slots, rounded up (pure)."""
     return max(1, math.ceil(slots * weight_b / (weight_a + weight_b) - 1e-9))
+
+
+def weight_pairs(text: str) -> tuple[tuple[float, float], ...]:
+    """`1:1,1:2` -> ((1.0, 1.0), (1.0, 2.0)) (pure)."""
+    pairs = [part.split(":") for part in text.split(",")]
+    return tuple((float(a), float(b)) for a, b in pairs)
 
 
 def tenant_lines(run: int, weight_a: float, weight_b: float) -> list[tuple[str, float]]:
@@ -192,12 +249,12 @@ async def _tenant(base: str, key: str, clients: int, body: dict[str, Any],
         await asyncio.gather(*(loop() for _ in range(clients)))
 
 
-def write_keys(keys_file: Path, runs: int, plan: FairPlan) -> dict[str, str]:
+def write_keys(keys_file: Path, plan: FairPlan) -> dict[str, str]:
     """Append a key for every tenant of the plan's runs, with its weight, to the keys file;
     tenant -> key."""
     keys: dict[str, str] = {}
     with keys_file.open("a") as file:
-        for run, (weight_a, weight_b) in enumerate(plan.weights[:runs]):
+        for run, (weight_a, weight_b) in enumerate(cells_of(plan)):
             for tenant, weight in tenant_lines(run, weight_a, weight_b):
                 keys[tenant] = new_key()
                 file.write(json.dumps({"tenant": tenant, "sha256": key_hash(keys[tenant]),
@@ -220,7 +277,7 @@ async def measure_fair(base: str, keys: dict[str, str], run: int, slots: int,
 
 async def _measure_fair(base: str, keys: dict[str, str], run: int, slots: int,
                         plan: FairPlan, stages: Stages) -> dict[str, Any]:
-    (a, weight_a), (b, weight_b) = tenant_lines(run, *plan.weights[run])
+    (a, weight_a), (b, weight_b) = tenant_lines(run, *cells_of(plan)[run])
     n_b = b_clients(slots, weight_a, weight_b)
     n_a = 10 * n_b
     body = {"model": MODEL, "max_tokens": plan.tokens + 14, "stream": True,
@@ -266,7 +323,55 @@ async def _measure_fair(base: str, keys: dict[str, str], run: int, slots: int,
         "stages_b_alone_p50_ms": stage_p50s_ms(alone, stages, began, alone_end),
         "stages_b_beside_a_p50_ms": stage_p50s_ms(served[b], stages, start, end),
         "stages_a_p50_ms": stage_p50s_ms(served[a], stages, start, end),
+        "b_waits": b_waits(served[b], served[a], stages, start, end, slots),
     }
+
+
+def fair_summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per weight pair over its rounds (pure): B's share and B's TTFT ratio as (median, least,
+    most), and the rounds whose ratio was above HIGH_RATIO, with B's stages beside A and
+    alone and what B's requests waited behind (`b_waits`)."""
+    pairs: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for i, r in enumerate(runs):
+        pairs.setdefault(f"{r['weight_a']:g}:{r['weight_b']:g}", []).append((i, r))
+    summary: dict[str, dict[str, Any]] = {}
+    for pair, rounds in pairs.items():
+        ratios = [r["ttft_ratio"] for _, r in rounds if r["ttft_ratio"] is not None]
+        summary[pair] = {
+            "rounds": len(rounds),
+            "share_b": _spread([r["share_b"] for _, r in rounds], 3),
+            "ttft_ratio": _spread(ratios, 2),
+            "met_ttft": sum(x <= HIGH_RATIO for x in ratios),
+            "high": [{"run": i, "ttft_ratio": r["ttft_ratio"],
+                      "stages_b_beside_a_p50_ms": r.get("stages_b_beside_a_p50_ms"),
+                      "stages_b_alone_p50_ms": r.get("stages_b_alone_p50_ms"),
+                      "b_waits": r.get("b_waits")}
+                     for i, r in rounds if (r["ttft_ratio"] or 0) > HIGH_RATIO],
+        }
+    return summary
+
+
+def _spread(values: list[float], digits: int) -> list[float] | None:
+    """(median, least, most), rounded; None of none."""
+    if not values:
+        return None
+    return [round(statistics.median(values), digits), round(min(values), digits),
+            round(max(values), digits)]
+
+
+def summary_rows(summary: dict[str, dict[str, Any]]) -> list[str]:
+    rows = []
+    for pair, cell in summary.items():
+        share, ratio = cell["share_b"] or [0, 0, 0], cell["ttft_ratio"] or [None] * 3
+        rows.append(
+            f"  {pair} over {cell['rounds']} rounds: B's share median {share[0]:.1%} "
+            f"({share[1]:.1%}-{share[2]:.1%}); B's TTFT ratio median x{ratio[0]} "
+            f"(x{ratio[1]}-x{ratio[2]}), <= {HIGH_RATIO} in {cell['met_ttft']}")
+        rows += [f"    run {h['run']} x{h['ttft_ratio']}: B's stages beside A "
+                 f"{stages_text(h['stages_b_beside_a_p50_ms'])}, alone "
+                 f"{stages_text(h['stages_b_alone_p50_ms'])}; waits {h['b_waits']}"
+                 for h in cell["high"]]
+    return rows
 
 
 def fair_rows(runs: list[dict[str, Any]]) -> list[str]:
@@ -278,7 +383,7 @@ def fair_rows(runs: list[dict[str, Any]]) -> list[str]:
         f"beside A, {r['ttft_b_alone_p50_ms']} ms alone (x{r['ttft_ratio']}), "
         f"A's {r['ttft_a_p50_ms']} ms; B's stages p50 ({STAGES}) "
         f"alone {stages_text(r.get('stages_b_alone_p50_ms'))}, beside A "
-        f"{stages_text(r.get('stages_b_beside_a_p50_ms'))}"
+        f"{stages_text(r.get('stages_b_beside_a_p50_ms'))}; B's waits {r.get('b_waits')}"
         for r in runs
     ]
 

@@ -57,6 +57,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seam-cases",
                    help="seam: comma-separated cases (default all: worker_kill, runner_kill, "
                    "worker_pause, worker_kill_cold, false_takeovers, sharded_kill)")
+    p.add_argument("--queue-cells",
+                   help="queue: comma-separated measures (default all: fair, mixed, retries, "
+                   "accept; fair alone runs only measure (2), tenant A at 10x B)")
+    p.add_argument("--queue-rounds", type=int,
+                   help="queue: rounds of (2) per weight pair, interleaved (default 1)")
+    p.add_argument("--queue-weights",
+                   help="queue: A:B weight pairs of (2), comma-separated (default 1:1,1:2; "
+                   "--quick 1:1)")
     p.add_argument("--plumbing-s", type=float,
                    help="plumbing: seconds of each 64-stream rate run (default 60; --quick 3)")
     p.add_argument("--conversations", type=int,

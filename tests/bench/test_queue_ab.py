@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from bench.queue_ab import medians, weight_pairs
+from bench.queue_ab import medians
+from bench.queue_fair import weight_pairs
 
 
 @pytest.mark.parametrize(("text", "pairs"), [
@@ -33,7 +34,7 @@ def test_medians_over_the_arms_that_finished() -> None:
         {"name": "new", "fair": [_run(0.47, 1.5, 10.0, None)]},  # a stage not heard
     ]
     assert medians(arms, "new") == {"arms": 3, "1:1": {
-        "share_b": 0.47, "tokens_per_s": 600.0, "ttft_ratio": 1.5,
-        "queue_stage_extra_ms": 20.0}}
+        "runs": 3, "share_b": 0.47, "tokens_per_s": 600.0, "ttft_ratio": 1.5,
+        "ttft_ratio_range": [1.0, 2.0], "ttft_met": 2, "queue_stage_extra_ms": 20.0}}
     assert medians(arms, "base")["1:1"]["queue_stage_extra_ms"] == 100.0
     assert medians([], "base") == {"arms": 0}

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from bench.queue_fair import Served, Stages, b_clients, stage_p50s_ms, tokens_in, ttft_p50_ms
+from bench.queue_fair import (
+    FairPlan,
+    Served,
+    Stages,
+    b_clients,
+    b_waits,
+    cells_of,
+    fair_summary,
+    stage_p50s_ms,
+    tokens_in,
+    ttft_p50_ms,
+)
 
 
 @pytest.mark.parametrize(("served", "window", "tokens"), [
@@ -52,3 +63,43 @@ def test_stages_split_the_first_token_where_the_worker_published_it() -> None:
     p50s = stage_p50s_ms(served, stages, 0.0, 10.0)
     assert p50s == {"admission": 10.0, "queue": 10.0, "first_token": 20.0, "on_lane": 0.0,
                     "runner": 7.5, "relay": 7.5}
+
+
+def test_rounds_interleave_the_weight_pairs() -> None:
+    plan = FairPlan(weights=((1.0, 1.0), (1.0, 2.0)), rounds=2)
+    assert cells_of(plan) == [(1.0, 1.0), (1.0, 2.0), (1.0, 1.0), (1.0, 2.0)]
+
+
+def test_what_b_waited_behind() -> None:
+    stages = Stages()
+    # b1 published while a1 sat in the broker, and a1 started before it: its wait was A's.
+    # b2 published with nothing of A's queued, into a full fleet (2 slots: a2, b1 running).
+    stages.published = {"a1": 1.000, "b1": 1.010, "a2": 1.500, "b2": 2.000}
+    stages.accepted = {"a1": 1.020, "b1": 1.030, "a2": 1.510, "b2": 2.100}
+    a = [Served(0.99, 1.1, 1.9, 5, "a1"), Served(1.49, 1.6, 3.0, 5, "a2")]
+    b = [Served(1.0, 1.1, 2.5, 5, "b1"), Served(1.99, 2.2, 3.0, 5, "b2"),
+         Served(9.0, None, 9.1, 0, "b-not-heard")]
+    assert b_waits(b, a, stages, 0.0, 5.0, slots=2) == {
+        "a_queued_ahead": 0.5, "a_started_meanwhile": 0.5, "full_at_publish": 0.5,
+        "queue_p50_a_ahead_ms": 20.0, "queue_p50_none_ahead_ms": 100.0,
+        "admission_p90_ms": 10.0, "queue_p90_ms": 100.0}
+    assert b_waits(b, a, stages, 5.0, 6.0, slots=2) == {}
+
+
+def _run(ratio: float | None, share: float, pair: tuple[float, float] = (1.0, 1.0)) -> dict:
+    return {"weight_a": pair[0], "weight_b": pair[1], "share_b": share, "ttft_ratio": ratio,
+            "stages_b_beside_a_p50_ms": {"queue": 20.0}, "stages_b_alone_p50_ms": {"queue": 6.0},
+            "b_waits": {"a_queued_ahead": 0.1}}
+
+
+def test_summary_over_rounds_shows_the_high_ones() -> None:
+    runs = [_run(1.1, 0.48), _run(1.2, 0.65, (1.0, 2.0)), _run(1.7, 0.47), _run(None, 0.49),
+            _run(1.0, 0.5)]
+    summary = fair_summary(runs)
+    assert summary["1:1"] == {
+        "rounds": 4, "share_b": [0.485, 0.47, 0.5], "ttft_ratio": [1.1, 1.0, 1.7],
+        "met_ttft": 2, "high": [{"run": 2, "ttft_ratio": 1.7,
+                                 "stages_b_beside_a_p50_ms": {"queue": 20.0},
+                                 "stages_b_alone_p50_ms": {"queue": 6.0},
+                                 "b_waits": {"a_queued_ahead": 0.1}}]}
+    assert summary["1:2"]["rounds"] == 1 and summary["1:2"]["high"] == []
