@@ -44,6 +44,7 @@ from enum import StrEnum
 from nats.aio.msg import Msg
 from nats.errors import MsgAlreadyAckdError
 
+from fleet.bus.pipelined import pipelined_for
 from fleet.bus.retry import BROKER_BUDGET_S
 from fleet.bus.task_queue import settle
 from fleet.worker.state import Place, WorkerState
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 PROGRESS_CAP_S = 5.0
 HAND_BACK_DELAY_S = 1.0
 CONFIRM_TIMEOUT_S = 2.0
+ACK = b"+ACK"  # the ack verb's body (nats-py's Msg.Ack.Ack)
 
 
 class Stage(StrEnum):
@@ -177,12 +179,15 @@ class AckPolicy:
         self.ack_wait_s = ack_wait_s
         self.budget_s = budget_s
         self._held: dict[str, _Held] = {}
+        # Stream sequence -> the key its message is held under: a fetched message is looked
+        # up here at every take (a scan of every held message was O(held) a take, issue 23).
+        self._keys: dict[int, str] = {}
         self.sent: Counter[str] = Counter()  # verb -> sent (for tests and logs)
         self.failures: Counter[str] = Counter()  # verb -> failed after its retries
 
     def hold(self, task_id: str, msg: Msg, now: float) -> None:
         """Keep `msg` until it is settled; it was delivered (a verb of sorts) at `now`."""
-        self._held[task_id] = _Held(msg, now)
+        self._put(task_id, _Held(msg, now))
 
     def held(self) -> list[str]:
         return list(self._held)
@@ -199,13 +204,15 @@ class AckPolicy:
         restarted on its store can deliver a held message again as a first delivery (its
         consumer's last deliveries were not on disk yet); seen once in CI as the same task
         submitted twice to one runner."""
-        held = next((h for h in self._held.items() if _same(h[1].msg, msg)), None)
-        return held[0] if held else None
+        if (seq := _stream_seq(msg)) is None:
+            return None
+        key = self._keys.get(seq)
+        return key if key is not None and key in self._held else None
 
     def renew(self, task_id: str, msg: Msg, now: float) -> None:
         """Hold the newest delivery of a held message instead, due for in_progress at once
         (`beat_now`)."""
-        self._held[task_id] = _Held(msg, now - progress_every(self.ack_wait_s))
+        self._put(task_id, _Held(msg, now - progress_every(self.ack_wait_s)))
 
     async def beat_now(self, task_id: str, now: float) -> None:
         """in_progress for one held message now, if it is due (a renewed one is)."""
@@ -214,15 +221,28 @@ class AckPolicy:
     def rekey(self, old: str, new: str) -> Msg | None:
         """Hold under `new` what was held under `old` (an intake key becomes the task id once
         the intake knows it), keeping when its last verb went; the message, or None."""
-        held = self._held.pop(old, None)
+        held = self._pop(old)
         if held is None:
             return None
-        self._held[new] = held
+        self._put(new, held)
         return held.msg
+
+    def _put(self, key: str, held: _Held) -> None:
+        self._pop(key)
+        self._held[key] = held
+        if (seq := _stream_seq(held.msg)) is not None:
+            self._keys[seq] = key
+
+    def _pop(self, key: str) -> _Held | None:
+        held = self._held.pop(key, None)
+        if held is not None and (seq := _stream_seq(held.msg)) is not None \
+                and self._keys.get(seq) == key:
+            del self._keys[seq]
+        return held
 
     def release(self, task_id: str) -> Msg | None:
         """Stop holding a task's message (it is being settled) and return it."""
-        held = self._held.pop(task_id, None)
+        held = self._pop(task_id)
         return held.msg if held else None
 
     async def heartbeat(self, stages: Mapping[str, Stage], now: float) -> None:
@@ -246,9 +266,12 @@ class AckPolicy:
     async def settle(self, task_id: str | None, msg: Msg, stage: Stage) -> bool:
         """Send the verb `stage` calls for, retried through broker trouble. True when sent
         (or nothing was due); False when it failed for good: logged and counted."""
-        self._held.pop(task_id or "", None)
+        self._pop(task_id or "")
         verb = decide(stage, 0.0, self.ack_wait_s)
         if verb.kind is Kind.NOTHING:
+            return True
+        if verb.confirm and await _confirmed_now(msg):
+            self.sent[verb.kind] += 1
             return True
         try:
             await settle(lambda: _send(msg, verb), what=f"{verb.kind} task {task_id}",
@@ -270,11 +293,29 @@ class AckPolicy:
         )
 
 
-def _same(held: Msg, msg: Msg) -> bool:
-    """The same stream message (a later delivery of it), by stream sequence."""
-    if held.metadata is None or msg.metadata is None:
+def _stream_seq(msg: Msg) -> int | None:
+    """A held message's stream sequence (the same on every delivery of it); None when it has
+    none (not a JetStream delivery)."""
+    try:
+        return msg.metadata.sequence.stream if msg.metadata is not None else None
+    except Exception:  # no ack subject to read it from
+        return None
+
+
+async def _confirmed_now(msg: Msg) -> bool:
+    """A confirmed ack as one pipelined publish (fleet.bus.pipelined): True once the server
+    confirmed it. False for anything else, and the retried `ack_sync` sends it again (an ack is
+    idempotent): the one verb of the message is still decided by its stage alone."""
+    if msg._ackd or not msg.reply:  # nats-py's own account of a verb already sent
         return False
-    return bool(held.metadata.sequence.stream == msg.metadata.sequence.stream)
+    try:
+        # The message's own connection, as nats-py's Msg.ack uses it.
+        await pipelined_for(msg._client).request(msg.reply, ACK, timeout=CONFIRM_TIMEOUT_S)
+    except Exception as exc:
+        log.debug("a confirmed ack had no answer (%r): sent again, retried", exc)
+        return False
+    msg._ackd = True  # as ack_sync marks it: a later verb on it is known to be too late
+    return True
 
 
 async def _send(msg: Msg, verb: Verb) -> None:

@@ -32,12 +32,14 @@ import uuid
 from collections.abc import Mapping
 from enum import StrEnum
 
+import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 from nats.js import JetStreamContext
 
 from fleet.aio import cancel_and_wait
+from fleet.bus.pipelined import pipelined_for
 from fleet.bus.records import ClaimRecords
 from fleet.bus.replies import inbox_reply
 from fleet.bus.task_log import TaskLog
@@ -49,6 +51,8 @@ log = logging.getLogger(__name__)
 
 REPORTED_ID_CHARS = 256
 USED = "used-"  # a claim's value once an id is found with events and no owner
+EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+WRONG_LAST_SEQUENCE = 10071  # a create refused: the key has a message (live or a marker)
 
 
 class Claim(StrEnum):
@@ -62,6 +66,24 @@ def judge(mine: str, holder: str | None) -> Claim:
     if holder is None:
         return Claim.FRESH
     return Claim.OWN if holder == mine else Claim.TAKEN
+
+
+def created(answer: bytes) -> bool | None:
+    """Pure. The stream's answer to a claim's create (a publish expecting no message on the
+    key): True when stored, False when the key has a message (a live claim, or a delete
+    marker, which only the retried create tells apart), None for any other answer (an error,
+    or not an answer at all): the retried create decides then."""
+    try:
+        reply = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(reply, dict):
+        return None
+    error = reply.get("error")
+    if error is None:
+        return True if reply.get("seq") else None
+    return False if isinstance(error, dict) and error.get("err_code") == WRONG_LAST_SEQUENCE \
+        else None
 
 
 def refusal(claim: Claim, earlier_events: bool) -> RefusedReason | None:
@@ -110,6 +132,7 @@ class Claims:
     already there?) and the task queue (where a refusal is recorded)."""
 
     def __init__(self, nc: Client, js: JetStreamContext, records: ClaimRecords) -> None:
+        self.nc = nc
         self.records = records
         self.log = TaskLog(nc, js)
         self.queue = TaskQueue(nc, js)
@@ -120,6 +143,8 @@ class Claims:
         return cls(nc, js, await ClaimRecords.open(js))
 
     async def claim(self, task_id: str, owner: str, *, again: bool = True) -> Claim:
+        if again and await self._create_now(task_id, owner):
+            return judge(owner, None)
         if await self.records.create(task_id, owner):
             return judge(owner, None)
         holder = await self.records.holder(task_id)
@@ -127,6 +152,19 @@ class Claims:
         if holder is None and again:
             return await self.claim(task_id, owner, again=False)
         return judge(owner, holder or "")
+
+    async def _create_now(self, task_id: str, owner: str) -> bool:
+        """The create as one pipelined publish (fleet.bus.pipelined): True when it stored the
+        claim; False for anything else, left to the retried create (`records.create`), which
+        reads what it finds as before (an answer lost after the store: its own claim, OWN)."""
+        kv = self.records.kv
+        try:
+            answer = await pipelined_for(self.nc).request(
+                f"{kv._pre}{task_id}", owner.encode(), {EXPECTED_LAST_SUBJECT_SEQ: "0"})
+        except Exception as exc:  # the retried create takes over (and says why if it fails)
+            log.debug("task %s: the claim's fast create had no answer (%r)", task_id, exc)
+            return False
+        return created(answer.data) is True
 
     async def has_events(self, task_id: str) -> bool:
         return await self.log.has_events(task_id)

@@ -211,3 +211,29 @@ def test_a_task_offered_to_another_node_is_still_held_waiting_for_a_slot() -> No
     text = TextGeneration(task_id="o", model="m", prompt="hi")
     offered = PendingTask(text, 0.0, inputs={}, handing_off="node-b")
     assert ack_stage(WorkerState(node_id="n", pending={"o": offered}), "o") is Stage.WAITING_SLOT
+
+
+async def test_a_confirmed_ack_goes_pipelined_and_a_second_verb_is_known_too_late(
+    provisioned_nc: Client,
+) -> None:
+    """A finished task's ack is one pipelined publish, confirmed by the server (its answer to
+    the ack's reply subject), and the message is marked acked as ack_sync marks it."""
+    js = provisioned_nc.jetstream()
+    await ensure_task_consumer(provisioned_nc, "m", ack_wait_s=30.0)
+    sub = await js.pull_subscribe_bind(subjects.durable("m"), stream=subjects.TASKS_STREAM)
+    for n in range(20):
+        await js.publish(subjects.tasks("m"), f"task {n}".encode())
+    msgs: list[Msg] = []
+    while len(msgs) < 20:  # a fetch may return fewer than asked for
+        msgs += await sub.fetch(20 - len(msgs), timeout=5)
+    policy = AckPolicy(ack_wait_s=30.0, budget_s=2.0)
+    for n, msg in enumerate(msgs):
+        policy.hold(str(n), msg, now=0.0)
+    assert all(await asyncio.gather(*(policy.settle(str(n), msg, Stage.FINISHED_STORED)
+                                      for n, msg in enumerate(msgs))))
+    assert policy.sent == {Kind.ACK: 20} and not policy.failures and policy.held() == []
+    assert all(msg._ackd for msg in msgs)
+    info = await js.consumer_info(subjects.TASKS_STREAM, subjects.durable("m"))
+    assert info.num_ack_pending == 0  # confirmed: the server had them all before the answers
+    assert await policy.settle("0", msgs[0], Stage.FINISHED_STORED)  # already acked: no fault
+    assert not policy.failures

@@ -19,6 +19,7 @@ from fleet.worker.claims import (
     REPORTED_ID_CHARS,
     Claim,
     Claims,
+    created,
     judge,
     one_off_owner,
     refusal,
@@ -38,6 +39,27 @@ from fleet.worker.claims import (
 )
 def test_judge(mine: str, holder: str | None, claim: Claim) -> None:
     assert judge(mine, holder) is claim
+
+
+@pytest.mark.parametrize(
+    ("answer", "stored"),
+    [
+        (b'{"stream":"KV_FLEET_CLAIMS","seq":12}', True),
+        (b'{"stream":"KV_FLEET_CLAIMS","seq":12,"duplicate":true}', True),
+        # The key has a message (a live claim, or a marker only the retried create reads).
+        (b'{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 7"}}',
+         False),
+        # Anything else is the retried create's to decide: an error, no sequence, no JSON.
+        (b'{"error":{"code":503,"err_code":10008,"description":"jetstream not enabled"}}',
+         None),
+        (b'{"error":"odd"}', None),
+        (b'{"stream":"KV_FLEET_CLAIMS"}', None),
+        (b"", None),
+        (b"[1]", None),
+    ],
+)
+def test_created(answer: bytes, stored: bool | None) -> None:
+    assert created(answer) is stored
 
 
 @pytest.mark.parametrize(
@@ -84,6 +106,18 @@ async def test_the_first_owner_keeps_an_id(provisioned_nc: Client) -> None:
     assert await claims.claim("t-1", "6") is Claim.TAKEN
     assert await claims.claim("t-1", one_off_owner()) is Claim.TAKEN
     assert await claims.claim("t-2", "6") is Claim.FRESH
+
+
+async def test_a_purged_claim_is_claimed_afresh_by_the_retried_create(
+    provisioned_nc: Client,
+) -> None:
+    """The pipelined create expects no message on the key; a purge leaves a marker there, so
+    it is refused, and the retried create (which reads the marker) claims the id."""
+    claims = await Claims.open(provisioned_nc, provisioned_nc.jetstream())
+    assert await claims.claim("p-1", "5") is Claim.FRESH
+    await claims.records.kv.purge("p-1")
+    assert await claims.claim("p-1", "6") is Claim.FRESH
+    assert await claims.claim("p-1", "5") is Claim.TAKEN
 
 
 async def test_concurrent_claims_have_exactly_one_winner(provisioned_nc: Client) -> None:

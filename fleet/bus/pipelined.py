@@ -1,0 +1,86 @@
+"""Requests whose answers come back to one inbox subscription: the per-task broker calls of
+the worker's hot path (a claim's create, its events look-up, a finished task's confirmed ack).
+
+nats-py's `request` and its KV / JetStream layers cost a task's way to its runner 45-90 us of
+CPU a call on the 2-core machine (a nuid token, `wait_for`, a JSON parse with the standard
+library, a retry closure and a permission watcher a call); one publish with a reply subject of
+our own and a future cost 15-40 us (bench/README.md, "Plumbing at rate", issue 23). The calls
+of one fetched batch's intakes, made in one pass of the event loop, leave in one socket write
+and their answers are read in one pass too.
+
+This is the fast path only: `request` raises on anything but an answer (no answer in time, no
+responders, the connection gone) and its callers fall back to their retried call, which
+decides as before. A publish the server refuses for permissions is never answered: its
+caller's fallback reports it (fleet.bus.denials).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import weakref
+from collections.abc import Mapping
+
+from nats.aio.client import NO_RESPONDERS_STATUS, Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import NoRespondersError
+from nats.js.api import Header
+
+FAST_TIMEOUT_S = 2.0  # then the caller's retried call takes over
+
+_BY_CONNECTION: weakref.WeakKeyDictionary[Client, Pipelined] = weakref.WeakKeyDictionary()
+
+
+def pipelined_for(nc: Client) -> Pipelined:
+    """The connection's one Pipelined (its inbox subscription is made at the first call)."""
+    found = _BY_CONNECTION.get(nc)
+    if found is None:
+        found = _BY_CONNECTION[nc] = Pipelined(nc)
+    return found
+
+
+class Pipelined:
+    def __init__(self, nc: Client) -> None:
+        self.nc = nc
+        self._prefix = ""
+        self._sub: Subscription | None = None
+        self._opening: asyncio.Lock | None = None
+        self._waiting: dict[str, asyncio.Future[Msg]] = {}
+        self._tokens = itertools.count()
+
+    async def _open(self) -> None:
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._sub is None:
+                prefix = self.nc.new_inbox()
+                self._sub = await self.nc.subscribe(f"{prefix}.*", cb=self._answer)
+                self._prefix = prefix
+
+    async def _answer(self, msg: Msg) -> None:
+        waiter = self._waiting.pop(msg.subject, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(msg)
+
+    async def request(
+        self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None,
+        timeout: float = FAST_TIMEOUT_S,
+    ) -> Msg:
+        """The answer to `payload` on `subject`; raises TimeoutError, NoRespondersError or the
+        connection's error."""
+        if self._sub is None:
+            await self._open()
+        reply = f"{self._prefix}.{next(self._tokens)}"
+        waiter: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        self._waiting[reply] = waiter
+        try:
+            await self.nc.publish(subject, payload, reply=reply,
+                                  headers=dict(headers) if headers else None)
+            async with asyncio.timeout(timeout):
+                answer = await waiter
+        finally:
+            self._waiting.pop(reply, None)
+        if answer.headers and answer.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
+            raise NoRespondersError
+        return answer
