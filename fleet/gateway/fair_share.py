@@ -129,10 +129,32 @@ class View:
         self.shares: dict[str, TenantShare] = {}
         self.changed = asyncio.Event()  # replaced after each change: waiters hold the old one
         self.sub: Subscription | None = None
+        # Tenants whose entry this replica is writing. A KV put reaches core subscribers as
+        # it is published, before the writer has its answer, so the view showed a `run` or a
+        # `leave` while the writer still counted it as under way (FairShare.moving): a leave
+        # counted twice made a slot look free (B's slot went to A's next request, and B's next
+        # one queued for the next slot to free); a run counted twice put B over its share, so
+        # the last slot was not kept for it. A write's own value, and the end of its `moving`,
+        # now enter the view together when its answer comes (`put`).
+        self.writing: set[str] = set()
+
+    def heard(self, tenant: str, data: bytes) -> None:
+        """A put of `tenant`'s entry on the bucket's subject: seen now, or, while this replica
+        writes that entry, not at all: the put is that write (its value enters the view when
+        it is answered) or one that makes it fail (the writer reads the entry again and puts
+        what it read), or a later one, which the next change of the entry brings, as a
+        write's own value put after its answer always overwrote it."""
+        if tenant not in self.writing and data:
+            self.see(tenant, data)
 
     def see(self, tenant: str, data: bytes) -> None:
-        if data:
-            self.shares[tenant] = TenantShare.model_validate_json(data)
+        self.put(tenant, TenantShare.model_validate_json(data))
+
+    def put(self, tenant: str, share: TenantShare) -> None:
+        self.shares[tenant] = share
+        self.wake()
+
+    def wake(self) -> None:
         changed, self.changed = self.changed, asyncio.Event()
         changed.set()
 
@@ -170,21 +192,38 @@ class FairShare:
         if mine is not None:
             shares[tenant] = mine
         shares.setdefault(tenant, TenantShare(counter=0.0, waiting=0, at=0.0))
-        queued = {t: n for (p, t), n in self.queued.items() if p == prefix and n}
-        holding = dict(queued)  # beside its running ones, what this replica knows of first
+        return held_because(shares, tenant, time.time(), self.quantum,
+                            self.queued.get((prefix, tenant), 0), self.queued_cap,
+                            self.slots(prefix.rsplit(".", 1)[0]), self.holding(prefix))
+
+    def holding(self, prefix: str) -> dict[str, int]:
+        """The slots each tenant holds in (model, class) beyond its entry's `running`, as
+        this replica knows first: its requests queued here, and its writes of `running`
+        under way."""
+        holding = {t: n for (p, t), n in self.queued.items() if p == prefix and n}
         for (p, t), n in self.moving.items():
             if p == prefix and n:
                 holding[t] = holding.get(t, 0) + n
-        return held_because(shares, tenant, time.time(), self.quantum,
-                            queued.get(tenant, 0), self.queued_cap,
-                            self.slots(prefix.rsplit(".", 1)[0]), holding)
+        return holding
 
     def move(self, prefix: str, tenant: str, by: int) -> None:
         """A write of the tenant's `running` begins (`by` +-1) or is done (the opposite)."""
         key = (prefix, tenant)
         self.moving[key] = self.moving.get(key, 0) + by
         if (view := self.views.get(prefix)) is not None:
-            view.see(tenant, b"")  # wakes the held: the slots it counts changed
+            view.wake()  # the held: the slots it counts changed
+
+    def landing(self, prefix: str, tenant: str, by: int) -> Callable[[], None]:
+        """`move(by)` once, at the first call: when a write's value enters the view
+        (`_change`'s `landed`), or after it failed."""
+        done = False
+
+        def land() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.move(prefix, tenant, by)
+        return land
 
     def ran(self, prefix: str, tenant: str) -> None:
         """One of the tenant's admitted requests is running (or ended before it ran): its
@@ -192,7 +231,7 @@ class FairShare:
         key = (prefix, tenant)
         self.queued[key] = max(0, self.queued.get(key, 0) - 1)
         if (view := self.views.get(prefix)) is not None:
-            view.see(tenant, b"")  # wakes the held: the change is local, not in KV
+            view.wake()  # the held: the change is local, not in KV
 
     async def _view(self, prefix: str) -> View:
         if (view := self.views.get(prefix)) is not None:
@@ -203,7 +242,7 @@ class FairShare:
             view = View()
 
             async def on_put(msg: Msg) -> None:
-                view.see(msg.subject.rsplit(".", 1)[1], msg.data)
+                view.heard(msg.subject.rsplit(".", 1)[1], msg.data)
 
             # Subscribed before loading, so no change falls between the two.
             view.sub = await self.nc.subscribe(f"$KV.{BUCKET}.{prefix}.*", cb=on_put)
@@ -229,7 +268,8 @@ class FairShare:
 
     async def _change(self, prefix: str, tenant: str, change: str, tokens: float = 0.0,
                       weight: float = 1.0, force: bool = False, key: str | None = None,
-                      estimate: int = 0, ran: bool = False) -> bool:
+                      estimate: int = 0, ran: bool = False,
+                      landed: Callable[[], None] | None = None) -> bool:
         """Compare-and-set one tenant's entry; False for a `start` that must wait, or a keyed
         `join` whose request was admitted already (by a replica that ran its batch job).
         `join`: waiting + 1, lifted to the least waiting counter when it was idle.
@@ -241,18 +281,21 @@ class FairShare:
         `leave`: charged `tokens` served less what its start charged; waiting - 1, or
         running - 1 if it ran (`ran`).
         `forget`: a keyed request's result is recorded; its `settled` mark goes.
+        `landed` is called as the write's value enters the view, with no wait between.
         A `key` (a batch line's task id) makes each step happen once per key, whoever runs
         the line: the marks are in the entry the counter is, set by the same write."""
         view = await self._view(prefix)
         entry_key = f"{prefix}.{tenant}"
         async with self._writing.setdefault(entry_key, asyncio.Lock()):
             return await self._changed(view, entry_key, prefix, tenant, change, tokens,
-                                       weight, force, key, estimate, ran)
+                                       weight, force, key, estimate, ran, landed)
 
     async def _changed(self, view: View, entry_key: str, prefix: str, tenant: str,
                        change: str, tokens: float, weight: float, force: bool,
-                       key: str | None, estimate: int, ran: bool) -> bool:
+                       key: str | None, estimate: int, ran: bool,
+                       landed: Callable[[], None] | None) -> bool:
         """`_change`'s compare-and-set loop, run by one writer of the key at a time."""
+        failed = False
         while True:
             try:
                 entry = await self.kv.get(entry_key)
@@ -260,6 +303,8 @@ class FairShare:
                 mine = TenantShare.model_validate_json(entry.value or b"")
             except KeyNotFoundError:
                 revision, mine = None, TenantShare(counter=0.0, waiting=0, at=0.0)
+            if failed:  # another replica wrote it meanwhile: its put was not heard (View.heard)
+                view.put(tenant, mine)
             if key is not None and (done := keyed_done(mine, change, key)) is not None:
                 return done
             shares = {**view.shares, tenant: mine}
@@ -301,9 +346,17 @@ class FairShare:
                         "settled": [*mine.settled, key][-SETTLED_MAX:]})
             if change not in ("forget", "run"):  # what a worker divides NATS tokens by
                 new = new.model_copy(update={"weight": weight})
-            if await self._set(entry_key, new, revision):
-                view.shares[tenant] = new  # at once: the subscription's copy comes later
+            view.writing.add(tenant)
+            try:
+                written = await self._set(entry_key, new, revision)
+            finally:
+                view.writing.discard(tenant)
+            if written:
+                if landed is not None:
+                    landed()
+                view.put(tenant, new)
                 return True
+            failed = True
 
     async def _set(self, key: str, new: TenantShare, revision: int | None) -> bool:
         """Write `new` unless the key changed since `revision` (then False: read again)."""
@@ -437,14 +490,16 @@ class Ticket:
         self._run = asyncio.ensure_future(self._written(self.fair))
 
     async def _written(self, fair: FairShare) -> bool:
+        landed = fair.landing(self.prefix, self.tenant, -1)  # in the view now, or not at all
         try:
-            return await fair._change(self.prefix, self.tenant, "run", weight=self.weight)
+            return await fair._change(self.prefix, self.tenant, "run", weight=self.weight,
+                                      landed=landed)
         except Exception as exc:
             log.warning("fair share of %s in %s: running not written: %s", self.tenant,
                         self.prefix, exc)
             return False
         finally:
-            fair.move(self.prefix, self.tenant, -1)  # in the view now, or not at all
+            landed()
 
     async def settle(self, tokens: int) -> None:
         fair, self.fair = self.fair, None
@@ -454,17 +509,20 @@ class Ticket:
         ran = False
         if self._run is not None:
             ran = await asyncio.shield(self._run)  # never raises: failures are logged
+        landed = None
         if ran:
             fair.move(self.prefix, self.tenant, -1)  # its slot is free from now
+            # the view counts it as its entry does from the moment the leave lands in it
+            landed = fair.landing(self.prefix, self.tenant, 1)
         try:
             await asyncio.shield(fair._change(self.prefix, self.tenant, "leave", tokens,
                                               self.weight, key=self.key, estimate=self.estimate,
-                                              ran=ran))
+                                              ran=ran, landed=landed))
         except Exception as exc:
             log.warning("fair share of %s in %s not charged: %s", self.tenant, self.prefix, exc)
         finally:
-            if ran:
-                fair.move(self.prefix, self.tenant, 1)  # the view counts it now (or KV still)
+            if landed is not None:
+                landed()  # not written (or a cancelled settle): KV still counts it
 
     async def forget(self) -> None:
         """The keyed request's result is recorded: a later run of it is a new request."""

@@ -5,6 +5,7 @@ the other is charged; a run where A asks 10x as often as B gives B about its wei
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -18,6 +19,7 @@ from fleet.gateway.fair_share import (
     backlogged,
     held_because,
     keyed_done,
+    slots_held,
     tenant_token,
 )
 from fleet.wire.fairness import TenantShare
@@ -152,6 +154,41 @@ async def test_a_flooding_tenant_gets_its_weight(replicas: tuple[FairShare, Fair
         await asyncio.wait_for(asyncio.gather(*clients), 60)
     window = {t: marks["to"][t] - marks["from"][t] for t in served}
     assert 0.6 < shares(window)["b"] < 0.9, (window, served)
+
+
+async def test_a_write_of_running_is_counted_once_in_the_slots_held(
+    replicas: tuple[FairShare, FairShare],
+) -> None:
+    """A tenant's `run` and `leave` writes are heard on the bucket's subject before their
+    answer comes; the slots the tenant holds, as the replica counts them at every change of
+    its view, count each once: before, a leave counted twice made a slot look free to the
+    other tenant, and a run counted twice put the tenant over its share, so the last free
+    slot was not kept for it (fleet.gateway.fair_slots)."""
+    one, _ = replicas
+    first = await one.admit("m", "default", "b", 1.0, 0)
+    second = await one.admit("m", "default", "b", 1.0, 0)
+    view = one.views["m.default"]
+    counted: list[int] = []
+    wake = view.wake
+    loop = asyncio.get_running_loop()
+
+    def count() -> None:
+        counted.append(slots_held(view.shares, "b", time.time(), one.holding("m.default"))
+                       [0]["b"])
+
+    def counting() -> None:  # every change of what the replica counts passes here
+        loop.call_soon(count)  # as a held request woken by it would count: once it runs
+        wake()
+
+    view.wake = counting  # type: ignore[method-assign]
+    first.running()
+    assert first._run is not None and await first._run
+    assert counted and set(counted) == {2}, counted  # one running, one queued
+    counted.clear()
+    await first.settle(5)
+    assert counted and set(counted) == {1}, counted  # the queued one
+    await second.settle(0)
+    assert (await _entry(one, "m.default.b")).running == 0
 
 
 async def _entry(fair: FairShare, key: str) -> TenantShare:
