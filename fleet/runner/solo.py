@@ -21,6 +21,7 @@ import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, generation_stream
 from mlx_lm.models.cache import KVCache, TokenBuffer, make_prompt_cache
 
+from fleet.runner.prefill_ramp import chunk_tokens
 from fleet.runner.sampling import LogitsProcessor, Sampler
 
 
@@ -38,13 +39,22 @@ class SequenceSpec:
 
 class SoloSequence:
     def __init__(
-        self, model: Any, uid: int, spec: SequenceSpec, stop_tokens: set[int], prefill_step: int
+        self,
+        model: Any,
+        uid: int,
+        spec: SequenceSpec,
+        stop_tokens: set[int],
+        prefill_step: int,
+        first_chunk: int | None = None,
     ) -> None:
+        """`first_chunk`: read the prompt in a ramp from this many tokens (prefill_ramp.py);
+        None reads it in steps of `prefill_step`."""
         self.uid = uid
         self._model = model
         self._spec = spec
         self._stop_tokens = stop_tokens
         self._prefill_step = prefill_step
+        self._first_chunk = prefill_step if first_chunk is None else first_chunk
         self._segments = [list(segment) for segment in spec.segments if segment]
         # Like generate_step, the last prompt token is fed by the first decode step.
         self._last_prompt_token = self._segments[-1].pop()
@@ -102,7 +112,8 @@ class SoloSequence:
 
     def _prefill_chunk(self) -> Any:
         segment = self._segments[0]
-        chunk, segment[:] = segment[: self._prefill_step], segment[self._prefill_step :]
+        size = chunk_tokens(self._prompt_done, self._first_chunk, self._prefill_step)
+        chunk, segment[:] = segment[:size], segment[size:]
         inputs = mx.array(chunk)
         self._model(inputs[None], cache=self.cache)
         mx.eval([layer.state for layer in self.cache])

@@ -25,6 +25,7 @@ from mlx_lm.utils import load as load_mlx_lm
 from fleet.errors import TaskRejected
 from fleet.runner.engine import Admission, EngineConfig, EngineEvent, Progress
 from fleet.runner.pipeline import PipelineRank
+from fleet.runner.prefill_ramp import RAMP_FIRST_TOKENS, expects_company
 from fleet.runner.prefix_cache import PrefixCache
 from fleet.runner.solo import SequenceSpec, SoloSequence
 from fleet.runner.structured import StructuredOutput
@@ -62,6 +63,8 @@ class TextEngine:
         self._cancel_lock = threading.Lock()
         self._cancel_requests: set[str] = set()
         self._pipeline: tuple[Any, int, int] | None = None  # (ring, start, end) of a shard
+        # The most tasks run together since the engine was last idle (prefill_ramp.py).
+        self._peak_width = 0
 
     def use_ring(self, ring: Any, start_layer: int, end_layer: int) -> None:
         """Load only layers [start, end) and run them as one rank of a pipeline."""
@@ -134,8 +137,9 @@ class TextEngine:
                 self.admit(Admission(task=warm_task))
             while self._tasks:
                 self.step()
-        # Warm-up prompts are nobody's prefix.
+        # Warm-up prompts are nobody's prefix, and its batch says nothing about real traffic.
         self._prefix_cache = self._new_prefix_cache()
+        self._peak_width = 0
 
     def admit(self, admission: Admission) -> None:
         task = admission.task
@@ -181,8 +185,12 @@ class TextEngine:
         else:
             self._solo_uids -= 1  # negative: never one of the batch generator's uids
             uid = self._solo_uids
+            # After a batch, more tasks are likely on their way: read the prompt in a ramp
+            # so that they join it soon (prefill_ramp.py).
+            first = RAMP_FIRST_TOKENS if expects_company(self._peak_width) else None
+            self._peak_width = 0  # a new busy spell starts
             self._solo = SoloSequence(
-                self._model, uid, prepared.spec, self._stop_tokens, PREFILL_STEP_TOKENS
+                self._model, uid, prepared.spec, self._stop_tokens, PREFILL_STEP_TOKENS, first
             )
         self._tasks[uid] = text_task
         self._uids[task.task_id] = uid
@@ -206,6 +214,7 @@ class TextEngine:
             self._end_cancelled(events)
         if not self._tasks:
             return events
+        self._peak_width = max(self._peak_width, len(self._tasks))
         if self._solo is not None and len(self._tasks) > 1:
             self._move_into_batch(self._solo, events)
         decoder: BatchGenerator | SoloSequence = self._solo or self._require_loaded()

@@ -528,3 +528,46 @@ def test_penalties_count_the_completion_and_hold_alone_and_batched(engine: TextE
     run(engine, outcome=moved)
     assert moved.finished["joiner"].stats.batched_with == 1
     assert moved.ids("moved") == penalised
+
+
+def test_after_a_batch_a_lone_task_reads_its_prompt_in_a_ramp_that_newcomers_join(
+    engine: TextEngine,
+) -> None:
+    """An engine that just ran tasks together expects more: a lone task reads its prompt in
+    short chunks (prefill_ramp.py), so a task arriving meanwhile joins after one short step;
+    every task's tokens are those it makes alone."""
+    # Prompts that share no prefix: the prefix cache must not shorten the reads counted.
+    prompts = [f"{start} quick brown fox jumps over the lazy dog, then naps. " * 7
+               for start in ("One", "Two", "Six")]
+
+    def steps_to_first_token(task: TextGeneration) -> tuple[int, Outcome]:
+        outcome, steps = Outcome(), 0
+        engine.admit(Admission(task=task))
+        while not outcome.tokens.get(task.task_id):
+            outcome.add(engine.step())
+            steps += 1
+        run(engine, outcome=outcome)
+        return steps, outcome
+
+    run(engine, text_task("lone", max_tokens=2))
+    whole_task = text_task("whole", prompt=prompts[0], max_tokens=4, logit_bias=NO_EOS)
+    whole_steps, whole = steps_to_first_token(whole_task)  # after a lone task: read whole
+    assert whole.finished["whole"].usage.prompt_tokens > 130
+    run(engine, text_task("b1", max_tokens=2), text_task("b2", max_tokens=2))
+    ramped_task = text_task("ramped", prompt=prompts[1], max_tokens=4, logit_bias=NO_EOS)
+    ramped_steps, ramped = steps_to_first_token(ramped_task)
+    assert ramped_steps >= whole_steps + 4  # 16, 16, 32, 64, ... instead of one read
+    assert ramped.ids("ramped") == run(engine, ramped_task).ids("ramped")
+
+    # A newcomer after the first short chunk: both move into the batch mid-prompt.
+    run(engine, text_task("b3", max_tokens=2), text_task("b4", max_tokens=2))
+    first = text_task("first", prompt=prompts[2], max_tokens=6, temperature=0.8, seed=3)
+    joiner = text_task("joiner", prompt="Hello! How can", max_tokens=6, logit_bias=NO_EOS)
+    outcome = Outcome()
+    engine.admit(Admission(task=first))
+    outcome.add(engine.step())
+    assert not outcome.tokens.get("first"), "the first chunk was the whole prompt"
+    engine.admit(Admission(task=joiner))
+    run(engine, outcome=outcome)
+    assert outcome.ids("first") == run(engine, first).ids("first")
+    assert outcome.ids("joiner") == run(engine, joiner).ids("joiner")
