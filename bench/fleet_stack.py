@@ -232,6 +232,9 @@ class NatsPath:
                 if event.usage is not None:
                     result.tokens = event.usage.completion_tokens
                     result.prompt_tokens = event.usage.prompt_tokens
+                if event.stats is not None and event.stats.time_to_first_token_s is not None:
+                    # Admitted by the engine -> its first token, on the runner's clock.
+                    result.extra["runner_ttft_s"] = event.stats.time_to_first_token_s
                 if event.status != "completed":
                     result.error = f"{event.status}: {event.message}"
                 done.set()

@@ -116,12 +116,35 @@ class Samples:
                                         for s in ok if s.tokens]),
             "aggregate_tok_s": median(self.aggregates),
             "first_error": next((s.error for s in self.streams if s.error), None),
+            "ttft_stages_p50_ms": ttft_stages(ok),
             "samples": {  # every stream, for a second look at a noisy cell
                 "ttft_s": [round(v, 4) for v in ttfts],
                 "decode_tok_s": [round(v, 2) for v in decode],
                 "aggregate_tok_s": [round(v, 2) for v in self.aggregates],
             },
         }
+
+
+def ttft_stages(streams: Sequence[StreamResult]) -> dict[str, float | None] | None:
+    """Where the first token's time went, p50 over the streams that say (Fleet over NATS):
+    to_runner (publish -> the worker's task_accepted, sent as it hands the task to the
+    runner), in_runner (the engine's admission -> its first token: waiting for the step in
+    progress, prefill, decode) and to_client (the rest: the pipe, the worker, NATS)."""
+    staged = [s for s in streams if s.ttft_s is not None
+              and "accepted_s" in s.extra and "runner_ttft_s" in s.extra]
+    if not staged:
+        return None
+    to_runner = [s.extra["accepted_s"] - s.start_s for s in staged]
+    in_runner = [s.extra["runner_ttft_s"] for s in staged]
+    to_client = [s.ttft_s - a - r for s, a, r in zip(staged, to_runner, in_runner, strict=True)
+                 if s.ttft_s is not None]
+
+    def p50_ms(values: list[float]) -> float | None:
+        value = percentile(values, 50)
+        return None if value is None else round(1000 * value, 1)
+
+    return {"to_runner": p50_ms(to_runner), "in_runner": p50_ms(in_runner),
+            "to_client": p50_ms(to_client)}
 
 
 async def run_model(

@@ -136,3 +136,27 @@ def test_the_plan_runs_fleet_with_its_default_slots_and_8_clients(
     assert plan.slots == slots
     assert [s[0] for s in _scenarios(plan)] == names
     assert [s for s in _scenarios(plan) if s[0].startswith("clients")] == clients
+
+
+@pytest.mark.parametrize(("streams", "stages"), [
+    ([], None),
+    # The HTTP path says nothing of the runner: no stages.
+    ([StreamResult(start_s=0.0, first_s=1.0)], None),
+    # publish at 0.5, accepted at 0.6, 0.8 s in the engine, first token at 1.5: 100 ms to reach
+    # the runner, 800 in it, 100 to come back.
+    ([StreamResult(start_s=0.5, first_s=1.5, extra={"accepted_s": 0.6, "runner_ttft_s": 0.8})],
+     {"to_runner": 100.0, "in_runner": 800.0, "to_client": 100.0}),
+    ([StreamResult(start_s=0.0, first_s=t, extra={"accepted_s": 0.01, "runner_ttft_s": t - 0.02})
+      for t in (1.0, 2.0, 3.0)],
+     {"to_runner": 10.0, "in_runner": 1980.0, "to_client": 10.0}),
+])
+def test_ttft_stages_split_fleets_first_token_at_the_runner(
+    streams: list[StreamResult], stages: dict[str, float] | None
+) -> None:
+    from bench.text import ttft_stages
+
+    result = ttft_stages(streams)
+    if stages is None:
+        assert result is None
+    else:
+        assert result == pytest.approx(stages)
