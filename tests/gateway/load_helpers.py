@@ -1,81 +1,24 @@
-"""Load-test helpers: `fleet gateway` as a process of its own (so its memory can be measured),
-and raw HTTP/1.1 over asyncio sockets (thousands of clients cost the test little)."""
+"""Load-test helpers: raw HTTP/1.1 over asyncio sockets (thousands of clients cost the test
+little), and a stack of one model behind a `fleet gateway` process."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import re
-import subprocess
-import sys
-import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import psutil
-
 from fleet.bus.embedded import EmbeddedNats
 from fleet.models.catalog import get_card
+from tests.gateway_process import GatewayProcess
 from tests.integration.harness import (
-    REPO,
     WorkerProcess,
     client,
     place_and_wait,
     seed_models,
     wait_node,
 )
-
-LISTENING = re.compile(r"gateway listening on http://([^/\s]+)/v1")
-
-
-class GatewayProcess:
-    """`fleet gateway --port 0` with FLEET_* settings from `env`; its address is read from its
-    own log line."""
-
-    def __init__(self, nats_url: str, data_dir: Path, **env: str) -> None:
-        self.log_path = data_dir / "gateway.log"
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "fleet.cli", "--nats-url", nats_url, "--data-dir",
-             str(data_dir), "gateway", "--port", "0"],
-            cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-            env={**os.environ, **env},
-        )
-        self.address = ""
-        self._listening = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.process.stderr
-        with self.log_path.open("a") as log:
-            for line in self.process.stderr:
-                log.write(line)
-                log.flush()
-                if match := LISTENING.search(line):
-                    self.address = match.group(1)
-                    self._listening.set()
-
-    async def listening(self, timeout: float = 30.0) -> str:
-        if not await asyncio.to_thread(self._listening.wait, timeout):
-            raise TimeoutError(f"the gateway did not start: {self.log()}")
-        return self.address
-
-    def rss_mb(self) -> float:
-        return psutil.Process(self.process.pid).memory_info().rss / 2**20
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
 
 
 def request_bytes(method: str, path: str, body: bytes = b"", key: str = "") -> bytes:
@@ -151,7 +94,7 @@ def one_model_stack(
                 await nc.close()
                 return await gateway.listening()
 
-            yield nats_server.url, f"http://{asyncio.run(start())}"
+            yield nats_server.url, asyncio.run(start())
         finally:
             gateway.stop()
             worker.kill()

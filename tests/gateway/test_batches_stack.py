@@ -7,12 +7,8 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -28,6 +24,7 @@ from fleet.bus.connect import connect
 from fleet.bus.embedded import EmbeddedNats
 from fleet.wire.codec import decode_event
 from fleet.wire.events import TaskAccepted
+from tests.gateway_process import GatewayProcess
 from tests.integration.harness import (
     REPO,
     WorkerProcess,
@@ -45,69 +42,22 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.timeout(300), pytest.mark.process]
 
 MODEL = "fault-llm"
-LISTENING = re.compile(r"gateway listening on (http://\S+)/v1")
 TOKENS = 6
 EXPECTED = "".join(f" t{i}" for i in range(TOKENS))
 
 
-class Gateway:
-    """`fleet gateway --port 0` in a process group of its own; its URL read from its log."""
-
-    def __init__(self, nats_url: str, data_dir: Path) -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        add_fault_card(data_dir, MODEL)
-        self.log_path = data_dir / "gateway.log"
-        env = {**os.environ, "FLEET_NATS_URL": nats_url, "FLEET_DATA_DIR": str(data_dir)}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "fleet.cli", "gateway", "--port", "0"], cwd=REPO, env=env,
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-            start_new_session=True,
-        )
-        self.url = ""
-        self._listening = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.process.stderr
-        with self.log_path.open("a") as log:
-            for line in self.process.stderr:
-                log.write(line)
-                log.flush()
-                if match := LISTENING.search(line):
-                    self.url = match.group(1)
-                    self._listening.set()
-
-    def wait_listening(self, timeout: float = 60.0) -> str:
-        if not self._listening.wait(timeout):
-            raise TimeoutError(f"the gateway did not start: {self.log_path.read_text()}")
-        return self.url
-
-    def sdk(self) -> openai.OpenAI:
-        import openai
-
-        return openai.OpenAI(base_url=f"{self.wait_listening()}/v1", api_key="unused",
-                             timeout=60, max_retries=0)
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
+def gateway(nats_url: str, data_dir: Path) -> GatewayProcess:
+    """A gateway process that knows the fault engine's card."""
+    add_fault_card(data_dir, MODEL)
+    return GatewayProcess(nats_url, data_dir)
 
 
 @dataclass(frozen=True)
 class Stack:
     nats_url: str
     root: Path
-    a: Gateway
-    b: Gateway
+    a: GatewayProcess
+    b: GatewayProcess
 
 
 @pytest.fixture(scope="module")
@@ -118,8 +68,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         worker_dir.mkdir()
         card = add_fault_card(worker_dir, MODEL)
         worker = WorkerProcess(server.url, worker_dir).start()
-        a = Gateway(server.url, root / "a")
-        b = Gateway(server.url, root / "b")
+        a = gateway(server.url, root / "a")
+        b = gateway(server.url, root / "b")
         try:
 
             async def place() -> None:
@@ -181,7 +131,7 @@ async def accepted_per_task(nats_url: str, prefix: str) -> Counter[str]:
 
 
 def test_a_batch_survives_its_gateway_sigkill(stack: Stack) -> None:
-    victim = Gateway(stack.nats_url, stack.root / f"victim-{time.monotonic_ns()}")
+    victim = gateway(stack.nats_url, stack.root / f"victim-{time.monotonic_ns()}")
     try:
         sdk = victim.sdk()
         upload = sdk.files.create(file=("input.jsonl", io.BytesIO(jsonl(40, delay_ms=150))),

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import orjson
 import pytest
-from load_helpers import GatewayProcess, connect, open_stream, request_bytes, statuses
+from load_helpers import connect, open_stream, request_bytes, statuses
 
 from fleet.gateway.owners import TENANTS_BUCKET, task_key
 from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.records import TaskRecord
+from tests.gateway_process import GatewayProcess
 from tests.integration.harness import WorkerProcess, add_fault_card, serving
 
 MODEL = "fault-llm"
@@ -64,9 +65,10 @@ async def start_gateway(nats_url: str, tmp_path: Path) -> AsyncIterator[Start]:
     async def start(**env: str) -> str:
         data_dir = tmp_path / f"gateway{len(started)}"
         add_fault_card(data_dir, MODEL)
-        gateway = GatewayProcess(nats_url, data_dir, **env)
+        gateway = GatewayProcess(nats_url, data_dir, env)
         started.append(gateway)
-        return await gateway.listening()
+        await gateway.listening()
+        return gateway.address
 
     start.processes = started  # type: ignore[attr-defined]
     yield start

@@ -18,7 +18,6 @@ import httpx
 import orjson
 import pytest
 from gateway_helpers import sse_blocks
-from load_helpers import GatewayProcess
 
 from fleet.bus.embedded import EmbeddedNats
 from fleet.models.catalog import get_card
@@ -27,6 +26,7 @@ from fleet.placement_replicas import place_replicas
 from fleet.wire import subjects
 from fleet.wire.cluster import ModelCard, RunnerRecord
 from fleet.wire.codec import decode_model
+from tests.gateway_process import GatewayProcess
 from tests.integration.harness import (
     WorkerProcess,
     add_fault_card,
@@ -94,7 +94,7 @@ def stack(
         gateway = GatewayProcess(nats_server.url, gateway_dir)
         try:
             asyncio.run(_place(nats_server.url, card, worker_dir))
-            url = f"http://{asyncio.run(gateway.listening())}"
+            url = gateway.wait_listening()
             yield Stack(url, ollama.Client(host=url, timeout=120),
                         openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120))
         finally:

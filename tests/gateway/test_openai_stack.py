@@ -8,10 +8,6 @@ import asyncio
 import base64
 import io
 import json
-import re
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +21,8 @@ from PIL import Image
 
 from fleet.bus.embedded import EmbeddedNats
 from fleet.models.catalog import get_card
+from tests.gateway_process import GatewayProcess
 from tests.integration.harness import (
-    REPO,
     WorkerProcess,
     client,
     place_and_wait,
@@ -44,54 +40,6 @@ pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m"
 IMAGE_MODEL = "tiny-flux2"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-LISTENING = re.compile(r"gateway listening on (http://\S+)/v1")
-
-
-class GatewayProcess:
-    """`fleet gateway --port 0`; its URL is read from its own log line, not guessed."""
-
-    def __init__(self, nats_url: str, data_dir: Path) -> None:
-        self.log_path = data_dir / "gateway.log"
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "fleet.cli",
-                "--nats-url",
-                nats_url,
-                "--data-dir",
-                str(data_dir),
-                "gateway",
-                "--port",
-                "0",
-            ],
-            cwd=REPO,
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-        )
-        self.url = ""
-        self._listening = threading.Event()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.process.stderr
-        with self.log_path.open("a") as log:
-            for line in self.process.stderr:
-                log.write(line)
-                log.flush()
-                if match := LISTENING.search(line):
-                    self.url = match.group(1)
-                    self._listening.set()
-
-    def wait_listening(self, timeout: float = 30.0) -> str:
-        if not self._listening.wait(timeout):
-            raise TimeoutError(f"the gateway did not start: {self.log_path.read_text()}")
-        return self.url
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(20)
 
 
 @dataclass(frozen=True)

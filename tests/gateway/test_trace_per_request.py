@@ -13,10 +13,11 @@ import httpx
 import orjson
 import pytest
 from gateway_helpers import Script, StandInWorker, tokens_script
-from load_helpers import GatewayProcess, connect
+from load_helpers import connect
 
 from fleet.wire.events import ErrorReason, OutputEvent, failed
 from fleet.wire.tasks import Task
+from tests.gateway_process import GatewayProcess
 
 CHAT = {"model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 OUTSIDE_TRACE = "0af7651916cd43dd8448eb211c80319c"
@@ -34,7 +35,7 @@ def trace_of(headers: dict[str, str]) -> str:
 async def gateway(nats_url: str, tmp_path: Path) -> AsyncIterator[str]:
     process = GatewayProcess(nats_url, tmp_path / "gateway")
     try:
-        yield f"http://{await process.listening()}"
+        yield await process.listening()
     finally:
         process.stop()
 

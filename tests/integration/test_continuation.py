@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,15 +24,19 @@ import pytest
 from nats.aio.client import Client
 
 from fleet.models.catalog import get_card
+from fleet.wire import subjects
+from fleet.wire.codec import decode_event
 from fleet.wire.events import (
     ErrorReason,
     ImageChunk,
     OutputEvent,
     TaskAccepted,
+    TaskFinished,
     TokenChunk,
     token_indexes,
 )
 from fleet.wire.tasks import ChatMessage, ImageGeneration, TextGeneration
+from tests.gateway_process import GatewayProcess
 from tests.integration.conftest import WorkerFactory
 from tests.integration.continuing import (
     ENV,
@@ -50,7 +51,6 @@ from tests.integration.continuing import (
     runner_pid,
 )
 from tests.integration.harness import (
-    REPO,
     WorkerProcess,
     add_fault_card,
     client,
@@ -211,34 +211,6 @@ async def test_an_image_task_whose_worker_dies_between_steps_ends_with_the_same_
     await nc.close()
 
 
-class Gateway:
-    """`fleet gateway --port 0`; its URL read from its own log line."""
-
-    def __init__(self, nats_url: str, data_dir: Path) -> None:
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.log = data_dir / "gateway.log"
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "fleet.cli", "--nats-url", nats_url, "--data-dir",
-             str(data_dir), "gateway", "--port", "0"],
-            cwd=REPO, stderr=self.log.open("ab"), stdout=subprocess.DEVNULL,
-        )
-
-    async def url(self, timeout: float = 60.0) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if match := LISTENING.search(self.log.read_text(errors="replace")):
-                return match.group(1)
-            await asyncio.sleep(0.1)  # polling a log file: there is no event to wait on
-        raise TimeoutError(self.log.read_text(errors="replace"))
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(20)
-
-
-LISTENING = re.compile(r"gateway listening on (http://\S+)/v1")
-
-
 async def test_the_openai_client_never_sees_the_kill_n2_seeded(
     nats_url: str, start_worker: WorkerFactory, tmp_path: Path
 ) -> None:
@@ -250,9 +222,9 @@ async def test_the_openai_client_never_sees_the_kill_n2_seeded(
         node = await wait_node(nc, worker.data_dir)
         nodes[node] = worker
         await place_on(nc, get_card("tiny-llm"), node)
-    gateway = Gateway(nats_url, tmp_path / "gateway")
+    gateway = GatewayProcess(nats_url, tmp_path / "gateway")
     try:
-        url = await gateway.url()
+        url = await gateway.listening()
         api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120)
         ask = {
             "model": "tiny-llm", "n": 2, "seed": 99, "temperature": 0.8, "max_tokens": 1500,
@@ -266,14 +238,23 @@ async def test_the_openai_client_never_sees_the_kill_n2_seeded(
         loop = asyncio.get_running_loop()
 
         def kill_mid_answer() -> None:  # called from the streaming thread at chunk 40
-            # The client's chunk 40 says nothing of what the live subscriber has seen yet
-            # (it may have seen nothing, or one choice may be done): wait for a choice that
-            # is running, on the loop that owns `live`.
-            waited = live.until(lambda: _running_task(live), 60)
-            task_id = asyncio.run_coroutine_threadsafe(waited, loop).result(70)
-            victim = nodes[live.node_running(task_id) or ""]
-            killed.append(task_id)
-            victim.kill()
+            # The client's chunk 40 says little of where the runners are: under load the
+            # client lagged a whole 1,500-token answer behind them (CI: the victim's choice
+            # had ended, attempts [0]). So both workers (each a process group: worker and
+            # runner) are frozen while the victim is chosen from what FLEET_OUT stored: a
+            # choice without a stored terminal cannot end before the kill.
+            for worker in nodes.values():
+                os.killpg(worker.process.pid, signal.SIGSTOP)
+            try:
+                found = asyncio.run_coroutine_threadsafe(_unfinished(nc, live), loop).result(70)
+                assert found is not None, "every choice was whole before the client's chunk 40"
+                task_id, node = found
+                killed.append(task_id)
+                nodes[node].kill()
+            finally:
+                for worker in nodes.values():
+                    if worker.process.poll() is None:
+                        os.killpg(worker.process.pid, signal.SIGCONT)
 
         got = await asyncio.to_thread(_stream, api, ask, kill_mid_answer)
         assert killed, "the answer ended before the kill"
@@ -286,11 +267,16 @@ async def test_the_openai_client_never_sees_the_kill_n2_seeded(
     await nc.close()
 
 
-def _running_task(live: Live) -> str | None:
-    """A task accepted and not finished, as the live subscriber has seen them."""
-    return next(
-        (t for t in list(live.events) if live.node_running(t) and not live.done(t)), None
-    )
+async def _unfinished(nc: Client, live: Live) -> tuple[str, str] | None:
+    """A choice accepted and without a stored terminal, and the node it runs on; its workers
+    are frozen, so the live subscriber catches up with both choices' acceptances."""
+    await live.until(lambda: sum(bool(live.node_running(t)) for t in live.events) >= 2, 60)
+    js = nc.jetstream()
+    for task_id in sorted(live.events):
+        stored = await js.get_last_msg(subjects.OUT_STREAM, subjects.out(task_id))
+        if not isinstance(decode_event(stored.data or b""), TaskFinished):
+            return task_id, live.node_running(task_id) or ""
+    return None
 
 
 @dataclass

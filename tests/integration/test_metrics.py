@@ -5,16 +5,15 @@ same task histograms, the gateway's timed from the request, the worker's as the 
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import httpx
 
 from fleet.models.catalog import get_card
 from tests.bus.cluster import free_port
+from tests.gateway_process import GatewayProcess
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import client, place_and_wait, wait_node
-from tests.integration.tracing import GatewayProcess
 from tests.prometheus_text import SHARED_HISTOGRAMS, Scrape
 
 TTFT = "gen_ai_server_time_to_first_token_seconds_count"
@@ -42,17 +41,17 @@ async def test_gateway_and_worker_metrics_parse_and_carry_the_same_histograms(
     await nc.close()
     data_dir = tmp_path / "gateway"
     data_dir.mkdir()
-    gateway = GatewayProcess(nats_url, data_dir, dict(os.environ))
+    gateway = GatewayProcess(nats_url, data_dir)
     chat = {
         "model": "tiny-llm", "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 6, "temperature": 0, "stream": True,
     }
     try:
-        await gateway.serving()
+        await gateway.listening()
         async with httpx.AsyncClient(timeout=60) as http:
-            reply = await http.post(f"{gateway.base}/v1/chat/completions", json=chat)
+            reply = await http.post(f"{gateway.url}/v1/chat/completions", json=chat)
             assert reply.status_code == 200 and "[DONE]" in reply.text
-            scraped = await http.get(f"{gateway.base}/metrics")
+            scraped = await http.get(f"{gateway.url}/metrics")
             at_worker = await scrape_until(http, f"http://127.0.0.1:{port}/metrics", TTFT, 30)
     finally:
         gateway.stop()

@@ -21,6 +21,7 @@ from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.events import TaskAccepted
 from fleet.wire.tasks import ImageGeneration
+from tests.gateway_process import GatewayProcess
 from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import (
     REPO,
@@ -32,7 +33,6 @@ from tests.integration.harness import (
 )
 from tests.integration.test_text_flow import chat
 from tests.integration.tracing import (
-    GatewayProcess,
     OtlpReceiver,
     Spans,
     by_name,
@@ -140,10 +140,10 @@ async def test_a_chat_request_through_the_gateway_is_one_trace_rooted_in_its_htt
     await serve_tiny_llm(nc, start_worker, receiver)
     data_dir = tmp_path / "gateway"
     data_dir.mkdir()
-    gateway = GatewayProcess(nats_url, data_dir, {**os.environ, **otlp_env(receiver.endpoint)})
+    gateway = GatewayProcess(nats_url, data_dir, otlp_env(receiver.endpoint))
     try:
-        await gateway.serving()
-        openai = AsyncOpenAI(base_url=f"{gateway.base}/v1", api_key="unused")
+        await gateway.listening()
+        openai = AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused")
         reply = await openai.chat.completions.create(
             model="tiny-llm", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
             temperature=0,

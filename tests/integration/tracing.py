@@ -6,14 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import socket
-import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -30,7 +26,6 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 
 from fleet.wire import subjects
-from tests.integration.harness import REPO
 
 Spans = list[dict[str, Any]]
 
@@ -117,48 +112,6 @@ def otlp_env(endpoint: str) -> dict[str, str]:
         "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100",
         "OTEL_METRIC_EXPORT_INTERVAL": "300",
     }
-
-
-class GatewayProcess:
-    """`fleet gateway` on a free port; ready once uvicorn says its startup is complete."""
-
-    def __init__(self, nats_url: str, data_dir: Path, env: dict[str, str]) -> None:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = data_dir / "gateway.log"
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "fleet.cli", "gateway", "--port", str(self.port)],
-            env={**env, "FLEET_NATS_URL": nats_url, "FLEET_DATA_DIR": str(data_dir)},
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
-        self._serving = threading.Event()
-        threading.Thread(target=self._copy_log, daemon=True).start()
-
-    def _copy_log(self) -> None:
-        """Keep its stderr flowing into a file, noting the line that says it serves."""
-        assert self.process.stderr is not None
-        with self.log_path.open("ab") as log:
-            for line in self.process.stderr:
-                log.write(line)
-                log.flush()
-                if b"application startup complete" in line.lower():
-                    self._serving.set()
-        self._serving.set()  # it exited: let the waiter find out
-
-    async def serving(self, timeout: float = 60.0) -> None:
-        if not await asyncio.to_thread(self._serving.wait, timeout):
-            raise TimeoutError("the gateway did not start serving")
-        if self.process.poll() is not None:
-            raise RuntimeError(f"the gateway exited: {self.log_path.read_text()}")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
 
 
 async def trace_spans(
