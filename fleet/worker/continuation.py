@@ -41,6 +41,7 @@ from fleet.wire.events import (
     TokenChunk,
     ToolCallChunk,
 )
+from fleet.wire.ring import RING_LOST_EXIT
 from fleet.wire.tasks import Task, TextGeneration
 from fleet.worker.state import PendingTask
 
@@ -119,6 +120,14 @@ def output_began(last: OutputEvent | None) -> bool:
     return isinstance(last, TokenChunk | ToolCallChunk | ImageChunk) or (
         isinstance(last, TaskAccepted) and last.attempt > 0
     )
+
+
+def exit_continues_all(returncode: int) -> bool:
+    """Pure. Whether a runner's exit continues every task it had in flight, streaming or not:
+    a rank whose group's ring broke (`RING_LOST_EXIT`: a peer's death, no fault of the
+    tasks). After any other crash a task that had not streamed ends `runner_crashed`: it may
+    have crashed the runner itself, and rerun it could crash the next one too."""
+    return returncode == RING_LOST_EXIT
 
 
 def generated_tokens(events: list[OutputEvent]) -> tuple[int, ...]:

@@ -21,7 +21,6 @@ from fleet.aio import Supervisor
 from fleet.telemetry import trace_id_of
 from fleet.wire import pipe
 from fleet.wire.events import ErrorChunk, ErrorReason, OutputEvent, TaskAccepted, TaskFinished
-from fleet.wire.ring import RING_LOST_EXIT
 from fleet.wire.tasks import Task, TextGeneration, sampling_seed
 from fleet.wire.token_frames import TokenFrame
 from fleet.worker import state as ev
@@ -33,6 +32,7 @@ from fleet.worker.continuation import (
     CrashRoute,
     crash_fate,
     crash_route,
+    exit_continues_all,
     output_began,
 )
 from fleet.worker.image_outputs import ImageOutputs
@@ -241,12 +241,11 @@ class RunnerReports:
     ) -> None:
         """A child: whether a task cut short by its runner's exit goes on (its output began,
         or its group's ring broke, and fleet.worker.continuation says how); the answer goes
-        back to the loop. A task that crashed its own runner before its first token ends
-        `runner_crashed`: rerun, it could crash the next one too."""
+        back to the loop (`exit_continues_all`)."""
         decided: Continue | None = None
-        ring_lost = exited.returncode == RING_LOST_EXIT
         try:
-            if ring_lost or output_began(await self.output.last_event(task_id)):
+            if (exit_continues_all(exited.returncode)
+                    or output_began(await self.output.last_event(task_id))):
                 found = await self.intake.continuation(pending.task)
                 decided = found if isinstance(found, Continue) else None
         except Exception as exc:  # its output cannot be read: it ends runner_crashed

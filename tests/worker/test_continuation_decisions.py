@@ -12,6 +12,7 @@ from fleet.wire.events import (
     TokenChunk,
     failed,
 )
+from fleet.wire.ring import RING_LOST_EXIT
 from fleet.wire.tasks import ImageGeneration, TextGeneration
 from fleet.worker.continuation import (
     ContinuationBook,
@@ -22,6 +23,7 @@ from fleet.worker.continuation import (
     crash_fate,
     crash_route,
     decide,
+    exit_continues_all,
     generated_tokens,
     with_seed,
 )
@@ -140,3 +142,13 @@ def test_crash_fate(terminal_waiting: bool, held: bool, fate: CrashFate) -> None
 ])
 def test_crash_route(text: bool, ready_here: bool, route: CrashRoute) -> None:
     assert crash_route(text=text, runner_ready_here=ready_here) is route
+
+
+@pytest.mark.parametrize(("returncode", "continues"), [
+    (RING_LOST_EXIT, True),  # a peer rank died: every task goes on, streaming or not
+    (1, False),  # the runner failed: a task not yet streaming may be the cause
+    (-9, False),  # SIGKILLed (an OOM kill, an operator)
+    (0, False),  # a clean exit with tasks in flight: each streams on only if it began
+])
+def test_exit_continues_all(returncode: int, continues: bool) -> None:
+    assert exit_continues_all(returncode) is continues
