@@ -40,7 +40,7 @@ from fleet.wire.cluster import (
     RunnerStatusChanged,
 )
 from fleet.wire.codec import DecodeError, decode_model
-from fleet.wire.runners import RunnerStatus
+from fleet.wire.runners import RunnerReady, RunnerRunning, RunnerStatus
 from fleet.worker.deathwatch import Probe, probe
 from fleet.worker.demand import Demand
 from fleet.worker.failover import Failover
@@ -61,6 +61,23 @@ log = logging.getLogger(__name__)
 
 STOP_BUDGET_S = 2.0  # saying goodbye to a broker that is down is not worth more
 REMEMBERED_CANCELS = 100_000  # the bucket keeps an hour of them; a bound on memory all the same
+
+
+# The statuses a runner reports as its tasks come and go (fleet.runner.machine: Running at
+# each task's start, Ready once none remains).
+BUSY_OR_IDLE = (RunnerReady, RunnerRunning)
+
+
+def superseded(record: RunnerRecord | None, newest: RunnerRecord | None) -> bool:
+    """Pure. Whether the status writer skips `record` (its KV put and its event) because
+    `newest`, queued after it for the same runner, replaces it: only a Running record, by a
+    newer Running or Ready one. Under load a runner reports Running at every task's start
+    and the writer, one KV round trip a record, fell behind: ~0.4 records and 0.4 events
+    stored a task (issue 23). Every other status (a lifecycle step, every Ready: a waiter may
+    be watching for it) and every removal is written, in order."""
+    if record is None or newest is None or newest is record:
+        return False
+    return isinstance(record.status, RunnerRunning) and isinstance(newest.status, BUSY_OR_IDLE)
 
 
 class ClusterLink:
@@ -85,6 +102,9 @@ class ClusterLink:
         self.records: dict[str, RunnerRecord] = {}
         self.placed: dict[str, Instance] = {}  # the instance table as last watched
         self._status_writes: asyncio.Queue[tuple[str, RunnerRecord | None]] = asyncio.Queue()
+        # Runner id -> the newest record queued for it (None: its removal), for the writer to
+        # skip a busy/idle record a newer one has superseded before it was written.
+        self._newest: dict[str, RunnerRecord | None] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._own_supervisor: Supervisor | None = None
         self.cancelled: dict[str, None] = {}  # cancel records seen, oldest first
@@ -298,16 +318,23 @@ class ClusterLink:
             active_tasks=len(view.in_flight), rank=view.rank, at=now,
         )
         self.records[view.runner_id] = record
+        self._newest[view.runner_id] = record
         self._status_writes.put_nowait((view.runner_id, record))
 
     def runner_removed(self, runner_id: str) -> None:
         self.records.pop(runner_id, None)
+        self._newest[runner_id] = None
         self._status_writes.put_nowait((runner_id, None))
 
     async def _write_statuses_forever(self) -> None:
         while True:
             runner_id, record = await self._status_writes.get()
+            newest = self._newest.get(runner_id, record)
+            if newest is record:
+                self._newest.pop(runner_id, None)
             try:
+                if superseded(record, newest):
+                    continue
                 if record is None:
                     await self.heartbeat.runner_records.delete(runner_id)
                 else:
