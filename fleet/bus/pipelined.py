@@ -5,8 +5,8 @@ nats-py's `request` and its KV / JetStream layers cost a task's way to its runne
 CPU a call on the 2-core machine (a nuid token, `wait_for`, a JSON parse with the standard
 library, a retry closure and a permission watcher a call); one publish with a reply subject of
 our own and a future cost 15-40 us (bench/README.md, "Plumbing at rate", issue 23). The calls
-of one fetched batch's intakes, made in one pass of the event loop, leave in one socket write
-and their answers are read in one pass too.
+of one fetched batch's intakes go out as they are made, nothing awaited between them, so
+nats-py's flusher sends them together, and their answers come back through one subscription.
 
 This is the fast path only: `request` raises on anything but an answer (no answer in time, no
 responders, the connection gone) and its callers fall back to their retried call, which
