@@ -79,8 +79,13 @@ def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantu
                  queued_here: int, cap: int = QUEUED_CAP, slots: int = 0,
                  queued: Mapping[str, int] | None = None) -> str | None:
     """Why `tenant`'s next request waits (pure), or None to admit it: `ahead`, more than
-    `quantum` ahead of the least-served tenant waiting too; `queued`, this gateway has `cap`
-    of its requests in the broker's queue, not yet running, while a tenant served less than
+    `quantum` ahead of the least-served tenant waiting too, unless it holds fewer than its
+    weighted share of the `slots`: its share of the slots is its share of the tokens a
+    batched engine serves (one a step each), and the last free slots are kept for it, so
+    holding it too left them idle while the flooding tenant was held by the reserve (B's
+    counter, lifted to A's and charged at each start, can drift a quantum ahead; B's next
+    request then waited for one of A's to end); `queued`, this gateway has `cap` of its
+    requests in the broker's queue, not yet running, while a tenant served less than
     it is present (an entry changed within STALE_S). The least-served tenant is never
     capped: its requests are the ones the queue should hold; nor is a tenant that holds
     fewer than its share of the `slots`: its requests are within what the reserve keeps for
@@ -91,12 +96,12 @@ def held_because(shares: dict[str, TenantShare], tenant: str, now: float, quantu
     beyond its entry's `running`: its requests published and not yet running, and writes of
     its `running` under way; `slots` 0: not known, no reserve)."""
     counters = {t: share.counter for t, share in shares.items()}
-    if holds(counters, tenant, [*backlogged(shares, now), tenant], quantum):
+    held, weights = slots_held(shares, tenant, now, queued or {tenant: queued_here})
+    within = slots > 0 and held[tenant] < entitled(slots, weights)[tenant]
+    if not within and holds(counters, tenant, [*backlogged(shares, now), tenant], quantum):
         return "ahead"
     behind = any(t != tenant and now - share.at < STALE_S and share.counter < counters[tenant]
                  for t, share in shares.items())
-    held, weights = slots_held(shares, tenant, now, queued or {tenant: queued_here})
-    within = slots > 0 and held[tenant] < entitled(slots, weights)[tenant]
     if behind and queued_here >= cap and not within:
         return "queued"
     if slots > 0 and kept_for(held, weights, tenant, slots) is not None:

@@ -77,7 +77,13 @@ def test_slots_held(entries: dict[str, TenantShare], queued: dict[str, int],
     ({"a": share(running=8), "b": share(running=7)}, 0, None),  # slots not known
     ({"a": share(running=7), "b": share(running=7)}, 16, None),
     ({"a": share(running=8), "b": share(running=7, weight=2.0)}, 16, "reserved"),
-    ({"a": share(counter=600, running=1), "b": share(waiting=1)}, 16, "ahead"),  # first
+    # A at its share and ahead: held as ahead (checked first)
+    ({"a": share(counter=600, running=8), "b": share(waiting=1, running=7)}, 16, "ahead"),
+    # A below its share is not held as ahead, however far: the free slots are kept for it,
+    # and holding it too left them idle while B was held by the reserve
+    ({"a": share(counter=600, running=1), "b": share(waiting=1)}, 16, None),
+    ({"a": share(counter=600, running=7), "b": share(waiting=1, running=8)}, 16, None),
+    ({"a": share(counter=600, running=1), "b": share(waiting=1)}, 0, "ahead"),  # not known
 ])
 def test_held_because_reserved(entries: dict[str, TenantShare], slots: int,
                                why: str | None) -> None:
