@@ -1,7 +1,8 @@
 """Fair tenants, applied where a task enters the queue: the gateway holds back a tenant's
 task while that tenant is more than QUANTUM virtual tokens ahead of the least-served tenant
 with requests waiting in the same (model, class) (fleet.bus.fairness: `holds`, `lift`,
-`charge`), and charges what each task served when its request ends.
+`charge`), unless it holds fewer than its weighted share of the model's slots
+(fleet.gateway.fair_slots), and charges what each task served when its request ends.
 
 Why at admission: a class's tasks share one JetStream pull consumer, which hands them out in
 publish order; a worker cannot reorder it without naks that spend the tasks' deliveries.
