@@ -51,6 +51,7 @@ from fleet.wire.tasks import CancelTask
 
 log = logging.getLogger("fleet.runner")
 
+
 @dataclass(frozen=True)
 class PipeBroken:
     """stdin carried something that is not a command: the worker and runner disagree."""
