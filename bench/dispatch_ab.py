@@ -52,6 +52,8 @@ class Side:
         self.accepts: dict[float, list[float]] = {}  # gap before the task -> latencies
         self.rates: list[float] = []
         self.cpu_us: list[float] = []
+        self.others_us: dict[str, list[float]] = {}  # nats-server, the runner: CPU a task
+        self.stored: dict[str, list[float]] = {}  # stream -> messages it stored a task
 
     async def start(self) -> Client:
         self.nc = await self.stack.start()
@@ -69,8 +71,12 @@ class Side:
         return self.events.accepted[task_id] - began
 
     async def batch(self, tasks: int) -> None:
-        up: psutil.Process = self.stack.processes()["up"]
+        processes = self.stack.processes()
+        up: psutil.Process = processes["up"]
         cpu = sum(up.cpu_times()[:2])
+        others = {name.split(":")[0]: (p, sum(p.cpu_times()[:2]))
+                  for name, p in processes.items() if name != "up"}
+        streams = await self._last_seqs()
         ids = [f"ab-{secrets.token_hex(8)}" for _ in range(tasks)]
         waiters = [self.events.waiter(task_id) for task_id in ids]
         js = self.nc.jetstream()
@@ -81,8 +87,18 @@ class Side:
         ended = await asyncio.wait_for(asyncio.gather(*waiters), 5 * STREAM_TIMEOUT_S)
         self.rates.append(round(tasks / (time.perf_counter() - began), 1))
         self.cpu_us.append(round(1e6 * (sum(up.cpu_times()[:2]) - cpu) / tasks))
+        for name, (process, before) in others.items():
+            used = sum(process.cpu_times()[:2]) - before
+            self.others_us.setdefault(name, []).append(round(1e6 * used / tasks))
+        for stream, seq in (await self._last_seqs()).items():
+            self.stored.setdefault(stream, []).append(round((seq - streams[stream]) / tasks, 2))
         if failed := sum(1 for event in ended if event.get("status") != "completed"):
             raise RuntimeError(f"{failed} of {tasks} tasks did not complete")
+
+    async def _last_seqs(self) -> dict[str, int]:
+        """Each stream's last sequence: what a batch stored, per stream (spans, events...)."""
+        js = self.nc.jetstream()
+        return {info.config.name: info.state.last_seq for info in await js.streams_info()}
 
     def summary(self) -> dict[str, Any]:
         def ms(found: list[float], q: float) -> float | None:
@@ -93,7 +109,9 @@ class Side:
         accepts = {f"gap_{round(gap * 1000)}ms": {f"p{q}_ms": ms(found, q) for q in (50, 90, 99)}
                    for gap, found in self.accepts.items()}
         return {"accept": accepts, "tasks_per_s": self.rates, "tasks_per_s_mean": mean,
-                "up_cpu_us_per_task": self.cpu_us}
+                "up_cpu_us_per_task": self.cpu_us, "other_cpu_us_per_task": self.others_us,
+                "stored_per_task": {stream: per_task for stream, per_task in self.stored.items()
+                                    if any(per_task)}}
 
 
 async def run(base: Path, new: Path, tasks: int, batch: int, rounds: int,
