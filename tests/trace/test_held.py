@@ -1,0 +1,94 @@
+"""A task's spans leave in one message: held while their trace's local roots are open here
+(fleet/trace/held.py), released with the last root's end or after HOLD_MAX_S."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
+
+from fleet.trace.held import HOLD_MAX_S, HeldTraces
+from fleet.trace.nats_export import NatsSpanProcessor
+
+
+def record(trace_id: str, name: str) -> dict[str, Any]:
+    return {"trace_id": trace_id, "span_id": "0" * 15 + "1", "name": name}
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        # (operation, trace, time) -> what each step returned: held? / released names
+        ([("hold", "a", 0.0)], [False]),  # no root open here: sent with the next flush
+        ([("open", "a", 0.0), ("hold", "a", 0.0), ("close", "a", 0.1)], [None, True, ["a0"]]),
+        ([("open", "a", 0.0), ("open", "a", 0.0), ("hold", "a", 0.0), ("close", "a", 0.1),
+          ("close", "a", 0.2)], [None, None, True, [], ["a0"]]),  # two roots: the last ends it
+        ([("open", "a", 0.0), ("hold", "b", 0.0)], [None, False]),  # another trace
+        ([("open", "a", 0.0), ("hold", "a", 0.0), ("due", "", HOLD_MAX_S - 0.01),
+          ("due", "", HOLD_MAX_S), ("hold", "a", 2.0), ("close", "a", 2.0)],
+         [None, True, [], ["a0"], False, []]),  # due: released, the trace held no more
+    ],
+)
+def test_what_is_held_and_when_it_is_released(
+    steps: list[tuple[str, str, float]], expected: list[Any]
+) -> None:
+    held = HeldTraces()
+    got: list[Any] = []
+    for operation, trace_id, now in steps:
+        if operation == "open":
+            got.append(held.opened(trace_id))
+        elif operation == "hold":
+            got.append(held.hold(record(trace_id, f"{trace_id}0"), now))
+        elif operation == "close":
+            got.append([r["name"] for r in held.closed(trace_id)])
+        else:
+            got.append([r["name"] for r in held.due(now)])
+    assert got == expected
+    assert held.count == sum(len(records) for records in held.held.values())
+
+
+class FakeClient:
+    """Only what the processor calls: the test is about which records travel together."""
+
+    is_connected = True
+
+    def __init__(self) -> None:
+        self.published: list[tuple[str, list[str]]] = []
+
+    async def publish(self, subject: str, body: bytes) -> None:
+        self.published.append((subject, [s["name"] for s in orjson.loads(body)["spans"]]))
+
+
+async def test_a_tasks_spans_and_its_runners_leave_in_one_message_when_its_root_ends() -> None:
+    client = FakeClient()
+    processor = NatsSpanProcessor(lambda: client)  # type: ignore[arg-type, return-value]
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+    remote = SpanContext(trace_id=0xAB, span_id=0xCD, is_remote=True,
+                         trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    root = tracer.start_span("process", context=set_span_in_context(NonRecordingSpan(remote)))
+    trace_id = format(0xAB, "032x")
+    with tracer.start_as_current_span("send", context=set_span_in_context(root)):
+        pass
+    processor.add([record(trace_id, "generation")])  # a runner's, re-exported
+    await processor._flush(everything=False)
+    assert client.published == []  # held while the root is open
+    root.end()
+    await processor._flush(everything=False)
+    assert client.published == [(f"fleet.traces.{trace_id}", ["send", "generation", "process"])]
+
+
+async def test_flush_sends_what_is_held_too() -> None:
+    client = FakeClient()
+    processor = NatsSpanProcessor(lambda: client)  # type: ignore[arg-type, return-value]
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    root = provider.get_tracer("test").start_span("process")
+    processor.add([record(format(root.get_span_context().trace_id, "032x"), "generation")])
+    await processor.flush()  # before a connection closes
+    assert [names for _, names in client.published] == [["generation"]]
+    root.end()
