@@ -5,8 +5,9 @@
 
 The machine owns no thread and no pipe: `handle(command)` and `step()` are called by one loop
 (fleet.runner.main in the subprocess, or a test in-process) and every report goes to `emit`.
-For each task it emits, in order: TaskRunning, RunnerStatusReport(Running), the engine's
-chunks, one TaskFinished, then RunnerStatusReport(Ready) once no task remains. The task's
+For each task it emits, in order: TaskRunning, RunnerStatusReport(Running) when the runner
+was not running already, the engine's chunks, one TaskFinished, then RunnerStatusReport(Ready)
+once no task remains. Running's count follows after each step where it changed. The task's
 `task_accepted` is the worker's, published as it sends the task here (issue 23: waiting for
 this process to say so cost the accept a pipe round trip).
 
@@ -183,7 +184,11 @@ class RunnerMachine:
         task = command.task
         self._in_flight[task.task_id] = None
         self._emit(TaskRunning(task_id=task.task_id))
-        self._become(RunnerRunning(active_tasks=len(self._in_flight)))
+        if not isinstance(self.state, RunnerRunning):
+            # Once, as it leaves Ready: the count then follows once a step (`_settle`), not
+            # once a task; at 64 slots of short tasks a report a task cost the runner and its
+            # worker a frame each (issue 23). The worker counts its tasks itself.
+            self._become(RunnerRunning(active_tasks=len(self._in_flight)))
         admission = Admission(
             task=task,
             inputs={sha: Path(path) for sha, path in command.inputs.items()},

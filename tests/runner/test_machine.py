@@ -226,22 +226,26 @@ def test_cancel_mid_task(ready: RunnerMachine, emitted: Recorder) -> None:
     assert emitted.take() == []
 
 
-def test_two_tasks_share_the_runner_and_the_count_follows(
+def test_tasks_share_the_runner_and_the_count_follows_each_step(
     ready: RunnerMachine, emitted: Recorder
 ) -> None:
-    ready.handle(submit("a", "tokens:1"))
+    """Running once as the runner leaves Ready; its count after each step that changed it,
+    not at each task's start (a frame a task at 64 slots of short tasks)."""
+    ready.handle(submit("a", "tokens:3"))
+    ready.step()
     ready.handle(submit("b", "tokens:2"))
     run_until_idle(ready)
     kinds = [(r.type, getattr(r, "task_id", None) or r.status) for r in emitted.take()]
     assert kinds == [
         ("task_running", "a"),
         ("runner_status", RunnerRunning(active_tasks=1)),
-        ("task_running", "b"),
+        ("token", "a"),
+        ("task_running", "b"),  # no report of its own: the count changes at the step's end
+        ("token", "a"),
+        ("token", "b"),
         ("runner_status", RunnerRunning(active_tasks=2)),
         ("token", "a"),
         ("task_finished", "a"),
-        ("token", "b"),
-        ("runner_status", RunnerRunning(active_tasks=1)),
         ("token", "b"),
         ("task_finished", "b"),
         ("runner_status", RunnerReady()),

@@ -192,7 +192,9 @@ async def test_sigkill_mid_task_reports_failed_then_exited(runner: Runner) -> No
     await runner.bring_up()
     await runner.process.send(submit("a", "tokens:100000 delay_ms:10"))
     await runner.process.send(submit("b", "tokens:100000 delay_ms:10"))
-    await runner.until(lambda r: isinstance(r, TokenChunk) and r.task_id == "b")
+    # Both running: the count follows at the end of the step that made b's first token.
+    await runner.until(lambda r: isinstance(r, RunnerStatusReport)
+                       and r.status == RunnerRunning(active_tasks=2))
     os.kill(runner.process.pid or 0, signal.SIGKILL)
     after = await runner.until_exit()
     after = [r for r in after if not isinstance(r, TokenChunk)]
