@@ -12,12 +12,16 @@
 
 A task's spans are all made after its TaskFinished is written, from the times recorded on the
 way, and leave in one SpanBatch: the task's end waits on none of it, and per token the cost is
-one type check and one dict lookup.
+one type check and one dict lookup. They are made as records directly (`made`), not as SDK
+spans: made whole after the fact, they need none of the SDK's machinery, which cost about
+half the runner's CPU a task at 64 slots of max_tokens-1 tasks (issue 23). They follow the
+SDK's default sampling (the parent's flag) and exist only where the SDK is on.
 """
 
 from __future__ import annotations
 
 import queue
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,13 +30,14 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
-from opentelemetry.trace import Link, Span, Status, StatusCode, TracerProvider
+from opentelemetry.sdk.trace import Tracer as SdkTracer
+from opentelemetry.trace import Span, Status, StatusCode, TracerProvider
 
 from fleet.runner.engine import Token
 from fleet.runner.image_steps import StepTiming
 from fleet.runner.vision_cache import EncodeTiming
 from fleet.telemetry import context_of, operation_of
-from fleet.trace.records import SpanRecord, record_of
+from fleet.trace.records import SpanRecord, made, record_of
 from fleet.wire.events import ImageChunk, TaskFinished, TokenChunk
 from fleet.wire.pipe import (
     RunnerCommand,
@@ -48,6 +53,10 @@ from fleet.wire.tasks import Embeddings, ImageEdits, ImageGeneration, Task, Text
 
 def _ns(unix_seconds: float) -> int:
     return int(unix_seconds * 1e9)
+
+
+def _span_id() -> str:
+    return format(random.getrandbits(64) or 1, "016x")  # the SDK's id generator, never 0
 
 
 def request_attributes(task: Task) -> dict[str, Any]:
@@ -124,7 +133,13 @@ class RunnerSpans:
                 "fleet.node.id": spec.node_id,
             },
         )
-        self._startup_link = Link(self._startup.get_span_context())
+        started = self._startup.get_span_context()
+        self._startup_link = [{"trace_id": format(started.trace_id, "032x"),
+                               "span_id": format(started.span_id, "016x")}]
+        # Where task spans are made as records: the SDK's service name, None when it is off.
+        self._service: str | None = None
+        if isinstance(self._tracer, SdkTracer):
+            self._service = str(self._tracer.resource.attributes.get("service.name", "unknown"))
         self._phase: Span | None = None  # load or warm-up, while it runs
         self._tasks: dict[str, _TaskTimes] = {}
         self._steps: queue.SimpleQueue[StepTiming] = queue.SimpleQueue()
@@ -194,70 +209,82 @@ class RunnerSpans:
 
     def _finish(self, finished: TaskFinished) -> None:
         times = self._tasks.pop(finished.task_id, None)
-        if times is None:
+        if times is None or self._service is None:
             return
+        parent = trace.get_current_span(times.parent).get_span_context()
+        if parent.is_valid and not parent.trace_flags.sampled:
+            return  # the SDK's default sampler: a task's spans follow its parent's flag
+        trace_id = (format(parent.trace_id, "032x") if parent.is_valid
+                    else format(random.getrandbits(128) or 1, "032x"))
+        parent_id = format(parent.span_id, "016x") if parent.is_valid else None
         end_ns = max(_ns(finished.at), times.submitted_ns)
-        generation = self._tracer.start_span(
-            f"{operation_of(times.task)} {times.task.model}",
-            context=times.parent,
-            attributes=request_attributes(times.task) | result_attributes(finished),
-            links=[self._startup_link],
-            start_time=times.submitted_ns,
-        )
+        attributes = request_attributes(times.task) | result_attributes(finished)
         if self._rank is not None:
-            generation.set_attribute("fleet.rank", self._rank)
+            attributes["fleet.rank"] = self._rank
         if times.first_token_ns is not None:  # as the prefill span shows it
             ttft_s = max(0, times.first_token_ns - times.submitted_ns) / 1e9
-            generation.set_attribute("gen_ai.server.time_to_first_token", ttft_s)
-        for at, attributes in times.images:
-            generation.add_event("image", attributes, at)
-        if finished.status in ("failed", "expired"):
-            generation.set_status(Status(StatusCode.ERROR, finished.message))
-        inside = trace.set_span_in_context(generation)
+            attributes["gen_ai.server.time_to_first_token"] = ttft_s
+        events = [{"name": "image", "time_ns": at, "attributes": image}
+                  for at, image in times.images]
+        error = (finished.message or "") if finished.status in ("failed", "expired") else None
+        generation = made(
+            f"{operation_of(times.task)} {times.task.model}", trace_id=trace_id,
+            span_id=_span_id(), parent_id=parent_id, service=self._service,
+            start_ns=times.submitted_ns, end_ns=end_ns, attributes=attributes, events=events,
+            links=self._startup_link, error=error,
+        )
+        records = [generation]
         if isinstance(times.task, TextGeneration):
-            self._text_phases(times, finished, inside, end_ns)
+            records += self._text_phases(times, finished, generation, end_ns)
         else:
-            self._diffusion_steps(finished.task_id, inside)
-        generation.end(end_time=end_ns)
+            records += self._diffusion_steps(finished.task_id, generation)
+        self._buffer.records += records
+
+    def _child(self, generation: SpanRecord, name: str, start_ns: int, end_ns: int,
+               attributes: dict[str, Any]) -> SpanRecord:
+        assert self._service is not None
+        return made(name, trace_id=generation["trace_id"], span_id=_span_id(),
+                    parent_id=generation["span_id"], service=self._service,
+                    start_ns=start_ns, end_ns=end_ns, attributes=attributes)
 
     def _text_phases(
-        self, times: _TaskTimes, finished: TaskFinished, inside: Context, end_ns: int
-    ) -> None:
+        self, times: _TaskTimes, finished: TaskFinished, generation: SpanRecord, end_ns: int
+    ) -> list[SpanRecord]:
         first = times.first_token_ns
         prefill_end = end_ns if first is None else min(max(first, times.submitted_ns), end_ns)
-        prefill = self._tracer.start_span("prefill", context=inside, start_time=times.submitted_ns)
-        if finished.usage:
-            prefill.set_attribute("gen_ai.usage.input_tokens", finished.usage.prompt_tokens)
-        if finished.stats and finished.stats.prompt_tokens_per_s:
-            prefill.set_attribute("fleet.prompt_tokens_per_s", finished.stats.prompt_tokens_per_s)
-        prefill.end(end_time=prefill_end)
+        usage, stats = finished.usage, finished.stats
+        prefill: dict[str, Any] = {}
+        if usage:
+            prefill["gen_ai.usage.input_tokens"] = usage.prompt_tokens
+        if stats and stats.prompt_tokens_per_s:
+            prefill["fleet.prompt_tokens_per_s"] = stats.prompt_tokens_per_s
+        phases = [self._child(generation, "prefill", times.submitted_ns, prefill_end, prefill)]
         if (encode := times.encode) is not None:
-            span = self._tracer.start_span(
-                "encode images", context=inside, start_time=_ns(encode.started),
-                attributes={"fleet.vision.images": encode.images,
-                            "fleet.vision.cached_images": encode.cached})
-            span.end(end_time=_ns(encode.ended))
+            phases.append(self._child(
+                generation, "encode images", _ns(encode.started), _ns(encode.ended),
+                {"fleet.vision.images": encode.images,
+                 "fleet.vision.cached_images": encode.cached}))
         if first is None:
-            return
-        decode = self._tracer.start_span("decode", context=inside, start_time=prefill_end)
-        if finished.usage:
-            decode.set_attribute("gen_ai.usage.output_tokens", finished.usage.completion_tokens)
-        if finished.stats and finished.stats.tokens_per_s:
-            decode.set_attribute("fleet.tokens_per_s", finished.stats.tokens_per_s)
-        decode.end(end_time=end_ns)
+            return phases
+        decode: dict[str, Any] = {}
+        if usage:
+            decode["gen_ai.usage.output_tokens"] = usage.completion_tokens
+        if stats and stats.tokens_per_s:
+            decode["fleet.tokens_per_s"] = stats.tokens_per_s
+        phases.append(self._child(generation, "decode", prefill_end, end_ns, decode))
+        return phases
 
-    def _diffusion_steps(self, task_id: str, inside: Context) -> None:
+    def _diffusion_steps(self, task_id: str, generation: SpanRecord) -> list[SpanRecord]:
+        steps: list[SpanRecord] = []
         while not self._steps.empty():
             step = self._steps.get_nowait()
             if step.task_id != task_id:
                 continue  # from a task that has no spans here (refused before it ran)
-            span = self._tracer.start_span(
-                f"diffusion step {step.step + 1}/{step.total}",
-                context=inside,
-                attributes={"fleet.image.index": step.image_index, "fleet.step": step.step},
-                start_time=_ns(step.started),
-            )
-            span.end(end_time=_ns(step.ended))
+            steps.append(self._child(
+                generation, f"diffusion step {step.step + 1}/{step.total}",
+                _ns(step.started), _ns(step.ended),
+                {"fleet.image.index": step.image_index, "fleet.step": step.step}))
+        return steps
 
     def observing(
         self, emit: Callable[[RunnerReport | Token], None],

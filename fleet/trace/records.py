@@ -64,6 +64,36 @@ def record_of(span: ReadableSpan) -> SpanRecord:
     return record
 
 
+def made(
+    name: str, *, trace_id: str, span_id: str, parent_id: str | None, service: str,
+    start_ns: int, end_ns: int, attributes: dict[str, Any] | None = None,
+    events: list[dict[str, Any]] | None = None, links: list[dict[str, str]] | None = None,
+    error: str | None = None,
+) -> SpanRecord:
+    """A span's record made directly, with no SDK span behind it: what `record_of` gives for
+    an internal span of these fields (None attributes left out, as the SDK drops them). For
+    spans made whole after the fact from recorded times (a runner's per-task spans, where
+    the SDK's span, its attribute checks and `record_of` cost ~half the runner's CPU a task
+    at 64 slots of short tasks)."""
+    record: SpanRecord = {
+        "trace_id": trace_id, "span_id": span_id, "name": name, "kind": "internal",
+        "service": service, "start_ns": start_ns, "end_ns": end_ns,
+    }
+    if parent_id is not None:
+        record["parent_id"] = parent_id
+    if attributes and (kept := {k: v for k, v in attributes.items() if v is not None}):
+        record["attributes"] = kept
+    if events:
+        record["events"] = events
+    if links:
+        record["links"] = links
+    if error is not None:
+        record["status"] = "error"
+        if error:
+            record["status_message"] = error
+    return record
+
+
 def readable_of(record: SpanRecord) -> ReadableSpan:
     """The SDK span a record describes, for exporters that take SDK spans (OTLP)."""
     trace_id = int(record["trace_id"], 16)
