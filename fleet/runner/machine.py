@@ -5,9 +5,10 @@
 
 The machine owns no thread and no pipe: `handle(command)` and `step()` are called by one loop
 (fleet.runner.main in the subprocess, or a test in-process) and every report goes to `emit`.
-For each task it emits, in order: TaskRunning, RunnerStatusReport(Running) when the runner
-was not running already, the engine's chunks, one TaskFinished, then RunnerStatusReport(Ready)
-once no task remains. Running's count follows after each step where it changed. The task's
+For each task it emits, in order: RunnerStatusReport(Running) when the runner was not running
+already, the engine's chunks, one TaskFinished, then RunnerStatusReport(Ready) once no task
+remains. Running's count follows after each step where it changed. (A TaskRunning a task,
+which the worker read and dropped, is gone: a frame a task at 64 slots of short tasks.) The task's
 `task_accepted` is the worker's, published as it sends the task here (issue 23: waiting for
 this process to say so cost the accept a pipe round trip).
 
@@ -36,7 +37,6 @@ from fleet.wire.pipe import (
     RunnerStatusReport,
     Shutdown,
     SubmitTask,
-    TaskRunning,
     WarmUp,
 )
 from fleet.wire.runners import (
@@ -183,7 +183,6 @@ class RunnerMachine:
     def _start(self, command: SubmitTask) -> None:
         task = command.task
         self._in_flight[task.task_id] = None
-        self._emit(TaskRunning(task_id=task.task_id))
         if not isinstance(self.state, RunnerRunning):
             # Once, as it leaves Ready: the count then follows once a step (`_settle`), not
             # once a task; at 64 slots of short tasks a report a task cost the runner and its

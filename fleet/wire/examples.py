@@ -198,6 +198,5 @@ def examples() -> dict[str, BaseModel]:
         "runner_status": pipe.RunnerStatusReport(
             status=runners.RunnerFailed(error="out of memory")
         ),
-        "task_running": pipe.TaskRunning(task_id="chat-1"),
     }
     return found

@@ -89,11 +89,6 @@ class RunnerStatusReport(Wire):
     status: RunnerStatus
 
 
-class TaskRunning(Wire):
-    type: Literal["task_running"] = "task_running"
-    task_id: str
-
-
 class SpanBatch(Wire):
     """Finished OpenTelemetry spans from the runner, exported by the worker."""
 
@@ -103,7 +98,6 @@ class SpanBatch(Wire):
 
 RunnerReport = Annotated[
     RunnerStatusReport
-    | TaskRunning
     | TaskAccepted
     | TokenChunk
     | ToolCallChunk

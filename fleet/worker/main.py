@@ -593,7 +593,7 @@ def _streams_only(item: InboxItem) -> bool:
 
 
 STREAMED_REPORTS = (
-    TaskAccepted, TokenFrame, TokenChunk, ToolCallChunk, pipe.TaskRunning, pipe.SpanBatch,
+    TaskAccepted, TokenFrame, TokenChunk, ToolCallChunk, pipe.SpanBatch,
 )
 
 _LIFECYCLE = {

@@ -165,8 +165,6 @@ class RunnerReports:
                     self.cluster.runner_status(view, view.status)
             case pipe.SpanBatch(spans=records):
                 telemetry.export_records(records)
-            case pipe.TaskRunning():
-                pass
             case _:
                 if report.type != "task_accepted" and report.task_id in self._prefilling(runner_id):
                     self.desk.apply(ev.FirstOutput(report.task_id, runner_id))  # once a task

@@ -25,7 +25,6 @@ from fleet.wire.pipe import (
     RunnerStatusReport,
     Shutdown,
     SubmitTask,
-    TaskRunning,
     WarmUp,
 )
 from fleet.wire.runners import (
@@ -150,7 +149,6 @@ def test_one_task_from_idle_to_ready_again(machine: RunnerMachine, emitted: Reco
     run_until_idle(machine)
     assert emitted.take() == [
         *LIFECYCLE,
-        TaskRunning(task_id="t1"),
         status(RunnerRunning(active_tasks=1)),
         token("t1", 0),
         token("t1", 1),
@@ -202,7 +200,6 @@ def test_a_rejected_task_ends_failed_after_it_started_running(
 ) -> None:
     ready.handle(submit("t1", "reject:context_length"))
     assert emitted.take() == [
-        TaskRunning(task_id="t1"),
         status(RunnerRunning(active_tasks=1)),
         ended(
             "t1", "failed", ErrorReason.CONTEXT_LENGTH, "fault injected: rejected as context_length"
@@ -217,7 +214,7 @@ def test_cancel_mid_task(ready: RunnerMachine, emitted: Recorder) -> None:
     ready.step()
     ready.handle(CancelTask(task_id="t1"))
     run_until_idle(ready)
-    assert emitted.take()[2:] == [  # after running and its status
+    assert emitted.take()[1:] == [  # after its Running status
         token("t1", 0),
         ended("t1", "cancelled", ErrorReason.CANCELLED, "cancelled"),
         status(RunnerReady()),
@@ -237,11 +234,9 @@ def test_tasks_share_the_runner_and_the_count_follows_each_step(
     run_until_idle(ready)
     kinds = [(r.type, getattr(r, "task_id", None) or r.status) for r in emitted.take()]
     assert kinds == [
-        ("task_running", "a"),
         ("runner_status", RunnerRunning(active_tasks=1)),
         ("token", "a"),
-        ("task_running", "b"),  # no report of its own: the count changes at the step's end
-        ("token", "a"),
+        ("token", "a"),  # b started: no report of its own, the count changes at the step's end
         ("token", "b"),
         ("runner_status", RunnerRunning(active_tasks=2)),
         ("token", "a"),
@@ -273,7 +268,7 @@ def test_a_task_submitted_twice_fails_the_runner(ready: RunnerMachine, emitted: 
     ready.handle(submit("a", "tokens:9"))
     ready.handle(submit("a", "tokens:9"))
     error = "task a was submitted twice"
-    assert emitted.take()[2:] == [  # after running and its status
+    assert emitted.take()[1:] == [  # after its Running status
         ended("a", "failed", ErrorReason.INTERNAL, f"runner failed: {error}"),
         status(RunnerFailed(error=error)),
     ]
@@ -320,7 +315,7 @@ def test_the_loop_drains_commands_and_steps_until_shutdown() -> None:
     for command in (ConnectToGroup(), LoadModel(), WarmUp(), submit("t1", "tokens:2")):
         inbox.put(command)
     assert serve(RunnerMachine(spec, engine, emit, clock=lambda: AT), inbox) == 0
-    assert [getattr(r, "status", r.type) for r in reports[len(LIFECYCLE) + 2 :]] == [
+    assert [getattr(r, "status", r.type) for r in reports[len(LIFECYCLE) + 1 :]] == [
         "token",
         "token",
         "completed",
@@ -385,7 +380,6 @@ def test_one_task_on_the_real_text_engine(tiny_llm_dir: Path, emitted: Recorder)
     tokens = [r for r in task_reports if isinstance(r, Token | TokenChunk)]
     finished = task_reports[-2]
     assert task_reports == [
-        TaskRunning(task_id="t1"),
         status(RunnerRunning(active_tasks=1)),
         *tokens,
         finished,

@@ -24,7 +24,7 @@ from fleet.wire.events import (
     TopLogprob,
 )
 from fleet.wire.framing import decode_report
-from fleet.wire.pipe import RunnerStatusReport, TaskRunning
+from fleet.wire.pipe import RunnerStatusReport
 from fleet.wire.runners import RunnerReady
 from fleet.wire.token_frames import TokenFrame, read_report, token_frame
 from fleet.worker.outputs import TaskOutput, event_msg_id
@@ -51,7 +51,6 @@ WITH_LOGPROBS = token(logprob=-0.5, top_logprobs=[TopLogprob(token="x", token_id
                     embeddings=[[0.5]], dimensions=1, forward_pass=1), False),
     (ErrorChunk(task_id="t1", at=AT, reason=ErrorReason.INTERNAL, message="m"), False),
     (TaskFinished(task_id="t1", at=AT, status="completed"), False),
-    (TaskRunning(task_id="t1"), False),
     (RunnerStatusReport(status=RunnerReady()), False),
 ])
 def test_which_reports_are_published_as_written(report: Any, as_written: bool) -> None:

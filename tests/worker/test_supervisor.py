@@ -149,7 +149,6 @@ async def test_lifecycle_one_task_and_a_clean_stop(runner: Runner, log_path: Pat
     await runner.process.send(submit("t1", "hello tokens:3"))
     task = await runner.until(lambda r: isinstance(r, TaskFinished))
     assert flattened(task) == [
-        "task_running",
         "runner_status",
         "token",
         "token",
@@ -289,7 +288,7 @@ async def test_the_text_engine_in_a_real_runner(tiny_llm_dir: Path, log_path: Pa
         await runner.bring_up()
         await process.send(submit("t1", "hello", model="tiny-llm", max_tokens=4, temperature=0))
         task = await runner.until(lambda r: isinstance(r, TaskFinished))
-        assert flattened(task) == ["task_running", "runner_status"] + [
+        assert flattened(task) == ["runner_status"] + [
             "token"
         ] * 4 + ["task_finished"]
         assert task[-1].status == "completed"
