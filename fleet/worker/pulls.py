@@ -14,6 +14,13 @@ idled). So each such request is watched until it expires (`_sweep`): a task it b
 taken by this worker's next pull of its class if one comes meanwhile (delivery 1, as before),
 and otherwise given back then (nak: one delivery spent), so a worker that pulls gets it.
 
+Such a request also stands for its class (fleet.worker.standing): while it is open and has
+brought nothing the class holds no task, so the next fetch sends that class no pull and
+waits for what the request brings. The class whose wait took a task gets a request posted
+again at once when a slot is left for it, so at light load a fetch sends no pull at all and
+a task is delivered as it is stored (issue 23: a round of `no_wait` pulls out when the next
+task came cost it ~1 ms).
+
 Any class's durable (`tasks-<model>`, `interactive-tasks-<model>`, `batch-tasks-<model>`) can
 vanish under a running worker (someone deleted it, a stream was recreated). A pull then fails
 with 503 (no responders), exactly as it does during a leader election; so after a failed pull
@@ -31,6 +38,7 @@ import contextlib
 import logging
 import time
 
+import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -47,6 +55,7 @@ from fleet.worker.consumer_guard import ConsumerGuard
 from fleet.worker.lanes import Lanes
 from fleet.worker.priority import CLASSES, Turn, pull_order, quota
 from fleet.worker.pull_now import pull_now
+from fleet.worker.standing import Cover, Step, covered, round_step, stands
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +97,8 @@ class TaskPuller:
         # (model, class) -> the watch of a cancelled wait's request until it expires
         self.sweeps: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.strays: dict[tuple[str, str], list[Msg]] = {}  # brought by such a request
+        self.covers: dict[tuple[str, str], Cover] = {}  # that request, while it is open
+        self.arrived: dict[str, asyncio.Event] = {}  # model -> a request brought a task, or ended
         self.given_back = 0  # strays no pull of their class took before the request expired
         self.guard = ConsumerGuard(nc, self, settings.max_deliver, settings.ack_wait_s, meter)
         self.lanes = Lanes(nc, js, settings)  # tenant lanes (fleet.worker.lanes)
@@ -117,11 +128,14 @@ class TaskPuller:
                 if only is not None and turn.priority != only:
                     continue
                 wanted = min(quota(turn, batch - len(got), reserve), batch - len(got))
-                if wanted <= 0:
+                step = round_step(wanted, self._covered(model, turn.priority))
+                if step is Step.SKIP:
                     continue
                 served[turn.priority] = now  # it had its turn: not starved
                 try:
-                    taken = await self._pull(model, turn.priority, wanted, None)
+                    # Covered: an open request of ours holds the class's next task for us.
+                    taken = (await self._pull(model, turn.priority, wanted, None)
+                             if step is Step.PULL else [])
                     got += taken
                     if len(taken) < wanted:  # the rest of the class's turn: its tenant lanes
                         got += await self._from_lanes(model, turn.priority,
@@ -152,6 +166,10 @@ class TaskPuller:
                 short = held_back or lanes_in_use or only is not None
                 got = await self._first_of(model, turns, SLACK_WAIT_S if short
                                            else FETCH_WAIT_S, interrupt)
+                delivered = {subjects.priority_of_task_subject(msg.subject) for msg in got}
+                for turn in turns:
+                    if stands(turn.priority in delivered, quota(turn, batch - len(got), reserve)):
+                        await self._stand(model, turn.priority)
             return got
         except Exception as exc:  # the loop must go on; the next plan pulls again
             log.warning("fetch for %s failed: %s", model, type(exc).__name__ + f" {exc}".rstrip())
@@ -195,38 +213,89 @@ class TaskPuller:
     async def _first_of(self, model: str, turns: list[Turn], wait_s: float,
                         interrupt: asyncio.Event | None = None) -> list[Msg]:
         """Wait on every class that may be served at once; the first to answer wins (or
-        `interrupt`, which ends the wait with nothing). The others are cancelled: a message
-        that reaches a cancelled fetch stays in that subscription's queue and the next pull
-        of its class takes it first."""
-        until = asyncio.get_running_loop().time() + wait_s + STRAY_MARGIN_S
-        waits = [asyncio.ensure_future(self._pull(model, t.priority, 1, wait_s))
-                 for t in turns]
+        `interrupt`, which ends the wait with nothing). A class covered by a standing request
+        (fleet.worker.standing) gets no new request: its request's task, when it comes, is
+        taken from its sweep. The other waits are cancelled: a message that reaches a
+        cancelled fetch stays in that subscription's queue and the next pull of its class
+        takes it first."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        until = now + wait_s + STRAY_MARGIN_S
+        reconnects = self._reconnects()
+        standing = {t.priority: self.covers[(model, t.priority)] for t in turns
+                    if self._covered(model, t.priority)}
+        arrived = self.arrived.setdefault(model, asyncio.Event())
+        arrived.clear()  # strays of covered classes: none now (else not covered)
+        waits = {t.priority: asyncio.ensure_future(self._pull(model, t.priority, 1, wait_s))
+                 for t in turns if t.priority not in standing}
         # Owned here: cancelled below however the wait ends (an Event's wait cannot fail).
         stop = asyncio.ensure_future(interrupt.wait()) if interrupt is not None else None
+        watch = asyncio.ensure_future(arrived.wait()) if standing else None
+        # Not past the earliest standing request's expiry: then that class is open again.
+        timeout = min([wait_s, *(c.until - now for c in standing.values())]) if standing else None
         try:
-            await asyncio.wait([*waits, *([stop] if stop else [])],
+            await asyncio.wait([*waits.values(), *(f for f in (stop, watch) if f is not None)],
+                               timeout=max(0.0, timeout) if timeout is not None else None,
                                return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if stop is not None:
-                stop.cancel()
-        pending = {wait for wait in waits if not wait.done()}
+            for future in (stop, watch):
+                if future is not None:
+                    future.cancel()
+        pending = {wait for wait in waits.values() if not wait.done()}
         for wait in pending:
             wait.cancel()
         got: list[Msg] = []
-        for wait in waits:
+        for turn in turns:
+            key = (model, turn.priority)
+            if turn.priority in standing:
+                if self.strays.get(key):  # its request is spent: the next one is posted anew
+                    await self._end_sweep(model, turn.priority)
+                    got += self.strays.pop(key, [])
+                continue
+            wait = waits[turn.priority]
             if wait in pending:
                 # One that finished before its cancel landed brings its messages: dropped,
                 # they would wait for AckWait.
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     got += await wait
+                if (sub := self._bound(model, turn.priority)) is not None:
+                    self._watch(key, sub, until, reconnects)
             else:
                 got += wait.result()
-        for turn, wait in zip(turns, waits, strict=True):
-            if wait in pending and (sub := self._bound(model, turn.priority)) is not None:
-                key = (model, turn.priority)
-                self.sweeps[key] = started(self._sweep(key, sub, until),
-                                           f"stray tasks of {model}'s {turn.priority} class")
         return got
+
+    async def _stand(self, model: str, priority: Priority) -> None:
+        """Post a standing request for the class's next task (fleet.worker.standing), watched
+        as a cancelled wait's is; never raises (without it the class is pulled as before)."""
+        if (sub := self._bound(model, priority)) is None:
+            return
+        await self._end_sweep(model, priority)
+        until = asyncio.get_running_loop().time() + FETCH_WAIT_S + STRAY_MARGIN_S
+        reconnects = self._reconnects()
+        request = orjson.dumps({"batch": 1, "expires": int(FETCH_WAIT_S * 1e9)})
+        try:
+            await self.nc.publish(sub._nms, request, reply=sub._deliver)
+        except Exception as exc:  # not posted: the class's next fetch pulls it
+            log.debug("standing request of %s's %s class not posted: %s", model, priority, exc)
+            return
+        self._watch((model, priority), sub, until, reconnects)
+
+    def _watch(self, key: tuple[str, str], sub: JetStreamContext.PullSubscription,
+               until: float, reconnects: int) -> None:
+        """Sweep what a request left open brings until it expires; until then it covers its
+        class (the request's own expiry: `until` less the margin)."""
+        self.covers[key] = Cover(until - STRAY_MARGIN_S, reconnects)
+        self.sweeps[key] = started(self._sweep(key, sub, until),
+                                   f"stray tasks of {key[0]}'s {key[1]} class")
+
+    def _covered(self, model: str, priority: str) -> bool:
+        key = (model, priority)
+        return key in self.sweeps and covered(
+            self.covers.get(key), len(self.strays.get(key, ())),
+            asyncio.get_running_loop().time(), self._reconnects())
+
+    def _reconnects(self) -> int:
+        return int(self.nc.stats.get("reconnects", 0))
 
     async def _sweep(
         self, key: tuple[str, str], sub: JetStreamContext.PullSubscription, until: float
@@ -241,8 +310,11 @@ class TaskPuller:
                 break
             if not JetStreamContext.is_status_msg(msg):  # else: expired (408), a heartbeat
                 self.strays.setdefault(key, []).append(msg)
+                self._arrive(key[0])
         if self.sweeps.get(key) is asyncio.current_task():
             del self.sweeps[key]
+            self.covers.pop(key, None)
+            self._arrive(key[0])  # a wait on it ends: its class is pulled again
         for msg in self.strays.pop(key, []):
             self.given_back += 1
             log.info("a %s task of %s reached a wait this worker had left and no pull of its "
@@ -250,7 +322,12 @@ class TaskPuller:
             with contextlib.suppress(Exception):  # shielded: settled even if cancelled now
                 await asyncio.shield(msg.nak())
 
+    def _arrive(self, model: str) -> None:
+        if (arrived := self.arrived.get(model)) is not None:
+            arrived.set()
+
     async def _end_sweep(self, model: str, priority: str) -> None:
+        self.covers.pop((model, priority), None)
         if (sweep := self.sweeps.pop((model, priority), None)) is not None:
             await cancel_and_wait([sweep], 1.0)
 
