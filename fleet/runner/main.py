@@ -36,7 +36,7 @@ from fleet.runner.machine import RunnerMachine
 from fleet.runner.spans import RunnerSpans, SpanBuffer
 from fleet.runner.vision_cache import EncodeHook
 from fleet.telemetry import setup
-from fleet.wire.codec import DecodeError, decode_model
+from fleet.wire.codec import DecodeError, decode_model, encode
 from fleet.wire.framing import FrameError, FrameReader, FrameWriter, decode_command
 from fleet.wire.pipe import (
     RunnerCommand,
@@ -158,10 +158,12 @@ def serve(
     inbox: Inbox,
     observe: Callable[[RunnerCommand], None] = lambda command: None,
     stepped: Callable[[float], None] = lambda seconds: None,
+    passed: Callable[[], None] = lambda: None,
 ) -> int:
     """The main thread's loop until the machine is done; returns the process exit code.
     `observe` sees each command just before the machine does (spans start there);
-    `stepped` gets each engine step's duration (the token coalescer's clock)."""
+    `stepped` gets each engine step's duration (the token coalescer's clock); `passed` ends
+    each pass (a batch of commands, a step): what it reported leaves together then."""
     while not machine.done:
         for item in _next_batch(inbox, wait=not machine.busy):
             if isinstance(item, PipeBroken):
@@ -171,10 +173,12 @@ def serve(
                 machine.handle(item)
             if machine.done:
                 break
+        passed()
         if machine.busy and not machine.done:
             began = time.perf_counter()
             machine.step()
             stepped(time.perf_counter() - began)
+            passed()
     return machine.exit_code
 
 
@@ -202,11 +206,17 @@ def serve_follower(
 
 
 class _Reporter:
-    """Writes reports as frames; once the worker stops reading, later reports are dropped."""
+    """Writes reports as frames; once the worker stops reading, later reports are dropped.
+
+    While `deferred` (the main loop's passes, each ended by `flush`), a task's reports stay in
+    the pipe's buffer until the pass ends: a step that ends 64 tasks is one write to the pipe
+    (and one wake-up of the worker's reader), not one a terminal. A status report is written
+    at once (a model's load progress comes from inside one long pass)."""
 
     def __init__(self, writer: FrameWriter) -> None:
         self._writer = writer
         self._open = True
+        self.deferred = False
 
     def __call__(self, report: Written) -> None:
         if not self._open:
@@ -215,7 +225,8 @@ class _Reporter:
             if isinstance(report, bytes):  # a token event, encoded; the coalescer flushes
                 self._writer.write_body(report, flush=False)
             else:
-                self._writer.write(report)
+                flush = not self.deferred or isinstance(report, RunnerStatusReport)
+                self._writer.write_body(encode(report), flush=flush)
         except (BrokenPipeError, ConnectionResetError):
             self._closed()
 
@@ -270,6 +281,10 @@ def run_runner(spec_json: str, frames: BinaryIO | None = None) -> int:
     coalescer.start_flusher()
     report = spans.observing(coalescer)
 
+    def passed() -> None:  # a pass of the main loop ended: its spans, then all in one write
+        spans.send(coalescer)
+        reporter.flush()
+
     def last_words(reason: str) -> None:
         # From the ring's watchdog (a forked child): straight to the pipe, nothing else.
         writer.write(RunnerStatusReport(status=RunnerFailed(error=reason)))
@@ -280,6 +295,7 @@ def run_runner(spec_json: str, frames: BinaryIO | None = None) -> int:
     except Exception as exc:
         log.exception("no engine for %s", spec.card.id)
         report(RunnerStatusReport(status=RunnerFailed(error=f"no engine: {exc}")))
+        passed()
         return 1
     connect = getattr(engine, "connect", lambda: None)
     machine = RunnerMachine(spec, engine, emit=report, connect=connect)
@@ -305,14 +321,17 @@ def run_runner(spec_json: str, frames: BinaryIO | None = None) -> int:
 
                 code = serve_follower(machine, inbox, follow, observe=spans.on_command)
             else:
+                reporter.deferred = spans.deferred = True  # sent once a pass: `passed`
                 code = serve(machine, inbox, observe=spans.on_command,
-                             stepped=coalescer.step_ended)
+                             stepped=coalescer.step_ended, passed=passed)
         except GroupLost as exc:
             # No terminal for the tasks in flight: the worker sees a crash and ends or
             # continues them, and restarts the group.
             log.error("%s: exiting as crashed", exc)
+            passed()
             coalescer.close()  # the tokens made before it: a continuation goes on after them
             return RING_LOST_EXIT
+        passed()
         coalescer.close()
     log.info("exiting with %d (%s)", code, machine.state.state)
     return code

@@ -142,6 +142,7 @@ class RunnerSpans:
             self._service = str(self._tracer.resource.attributes.get("service.name", "unknown"))
         self._phase: Span | None = None  # load or warm-up, while it runs
         self._tasks: dict[str, _TaskTimes] = {}
+        self.deferred = False  # spans wait for `send` (see `observing`)
         self._steps: queue.SimpleQueue[StepTiming] = queue.SimpleQueue()
 
     def on_step(self, timing: StepTiming) -> None:
@@ -289,15 +290,22 @@ class RunnerSpans:
     def observing(
         self, emit: Callable[[RunnerReport | Token], None],
     ) -> Callable[[RunnerReport | Token], None]:
-        """`emit`, then these spans see the report, then the spans it finished follow it."""
+        """`emit`, then these spans see the report, then the spans it finished follow it;
+        while `deferred`, they wait for `send` instead (the runner's loop sends once a pass,
+        so a step that ends 64 tasks sends one SpanBatch, not 64)."""
 
         def emit_observed(report: RunnerReport | Token) -> None:
             emit(report)
             self.on_report(report)
-            if self._buffer.records:
-                emit(SpanBatch(spans=self._buffer.take()))
+            if not self.deferred:
+                self.send(emit)
 
         return emit_observed
+
+    def send(self, emit: Callable[[RunnerReport | Token], None]) -> None:
+        """The spans finished since the last send, as one SpanBatch (none when none)."""
+        if self._buffer.records:
+            emit(SpanBatch(spans=self._buffer.take()))
 
 
 class SpanBuffer(SpanProcessor):

@@ -127,3 +127,30 @@ async def test_async_reader_refuses_an_oversized_frame() -> None:
     reader.feed_data(b"\x00\x10\x00\x00")
     with pytest.raises(FrameTooLarge):
         await read_frame(reader, max_bytes=1024)
+
+
+def test_the_runners_reporter_holds_a_passs_task_reports_for_one_write() -> None:
+    """Deferred (the main loop's passes), a task's reports wait in the buffer for the pass's
+    flush; a status report goes at once (load progress comes from inside one long pass)."""
+    from fleet.runner.main import _Reporter
+    from fleet.wire.events import TaskFinished
+
+    class Counted(io.BytesIO):
+        flushes = 0
+
+        def flush(self) -> None:
+            self.flushes += 1
+
+    stream = Counted()
+    reporter = _Reporter(FrameWriter(stream))
+    reporter.deferred = True
+    for i in range(3):
+        reporter(TaskFinished(task_id=f"t{i}", at=1.0, status="completed"))
+    assert stream.flushes == 0
+    reporter(RunnerStatusReport(status=RunnerLoading(layers_total=2)))
+    assert stream.flushes == 1
+    reporter.flush()
+    assert stream.flushes == 2
+    reporter.deferred = False
+    reporter(TaskFinished(task_id="t9", at=1.0, status="completed"))
+    assert stream.flushes == 3

@@ -137,3 +137,33 @@ def test_diffusion_steps_become_spans_under_the_generation_span() -> None:
         assert got[name]["parent_id"] == generation["span_id"]
     step = got["diffusion step 2/2"]
     assert abs(step["end_ns"] - step["start_ns"] - 500_000_000) < 1000  # float seconds in
+
+
+def test_deferred_the_spans_of_a_pass_leave_as_one_batch_after_it() -> None:
+    """The runner's loop (`serve(..., passed=...)`): the spans of every task a step ended
+    travel in one SpanBatch at the pass's end, not one a task."""
+    reports: list[Any] = []
+    spans = runner_spans()
+    spans.deferred = True
+    emit = spans.observing(reports.append)
+    config = EngineConfig(card=SPEC.card, model_path=Path("/nowhere"), slots=4, images_dir=Path())
+    machine = RunnerMachine(SPEC, FaultEngine(config, sleep=lambda _: None), emit)
+    inbox: Inbox = queue.Queue()
+    for command in (ConnectToGroup(), LoadModel(), WarmUp()):
+        inbox.put(command)
+    for i in range(3):
+        inbox.put(SubmitTask(task=TextGeneration(task_id=f"t{i}", model="fault-llm",
+                                                 prompt="tokens:1"),
+                             traceparent=f"00-{TRACE}-{PARENT}-01"))
+
+    def passed() -> None:
+        spans.send(emit)
+        if not machine.busy and any(isinstance(r, TaskFinished) for r in reports):
+            inbox.put(Shutdown())
+
+    assert serve(machine, inbox, observe=spans.on_command, passed=passed) == 0
+    batches = [r for r in reports if isinstance(r, SpanBatch)]
+    task_batches = [b for b in batches if {s["trace_id"] for s in b.spans} == {TRACE}]
+    assert len(task_batches) == 1 and len(task_batches[0].spans) == 9  # 3 tasks x 3 spans
+    last_finished = max(i for i, r in enumerate(reports) if isinstance(r, TaskFinished))
+    assert reports.index(task_batches[0]) > last_finished
