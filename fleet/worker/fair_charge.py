@@ -74,11 +74,15 @@ def charge_of(subject: str, headers: dict[str, str] | None, data: bytes,
     tokens = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
     if tokens <= 0:
         return None
+    lane = subjects.tenant_of_task_subject(subject)
+    if lane is None and b'"tenant"' not in data:
+        # No tenant key, so the decode would find none (only a key spelled with \u escapes
+        # would be missed: no encoder writes one). Spares most tasks a second decode.
+        return None
     try:
         task = decode_task(data)
     except DecodeError:
         return None
-    lane = subjects.tenant_of_task_subject(subject)
     if lane is None and task.tenant is None:
         return None
     tenant = lane if lane is not None else tenant_token(task.tenant or "")

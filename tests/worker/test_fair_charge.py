@@ -67,6 +67,11 @@ def test_class_and_lane_of_subject(subject: str, priority: str, tenant: str | No
     # a gateway's task: its fair turn charges it
     ("fleet.tasks.m", {CHARGED_HEADER: "1"}, task_bytes("a"), finished(10, 30), None),
     ("fleet.tasks.m", None, task_bytes(None), finished(10, 30), None),  # no tenant
+    # a plain client's JSON, spaced and with a null tenant: decoded, as the codec would
+    ("fleet.tasks.m", None, b'{"type": "text_generation", "task_id": "t-1", "model": "m", '
+     b'"prompt": "hi", "tenant" : "a"}', finished(10, 30), Charge("m.default.a", 40)),
+    ("fleet.tasks.m", None, b'{"type": "text_generation", "task_id": "t-1", "model": "m", '
+     b'"prompt": "hi", "tenant": null}', finished(10, 30), None),
     ("fleet.tasks.m", None, task_bytes("a"), finished(0, 0), None),  # served nothing
     ("fleet.tasks.m", None, b"not json", finished(10, 30), None),
     # a lane's task is charged to the lane's tenant, whatever its body says
