@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
@@ -69,6 +70,14 @@ class Pipelined:
     ) -> Msg:
         """The answer to `payload` on `subject`; raises TimeoutError, NoRespondersError or the
         connection's error."""
+        return await self.answer(await self.send(subject, payload, headers), timeout)
+
+    async def send(
+        self, subject: str, payload: bytes, headers: Mapping[str, str] | None = None,
+    ) -> Sent:
+        """Publish the request now and return at once; `answer` waits for its answer. A
+        request sent before its caller is ready to wait has its round trip under way
+        meanwhile (a fetched task's claim, sent before the loop takes the task in)."""
         if self._sub is None:
             await self._open()
         reply = f"{self._prefix}.{next(self._tokens)}"
@@ -77,10 +86,28 @@ class Pipelined:
         try:
             await self.nc.publish(subject, payload, reply=reply,
                                   headers=dict(headers) if headers else None)
-            async with asyncio.timeout(timeout):
-                answer = await waiter
-        finally:
+        except BaseException:
             self._waiting.pop(reply, None)
+            raise
+        return Sent(reply, waiter)
+
+    async def answer(self, sent: Sent, timeout: float = FAST_TIMEOUT_S) -> Msg:
+        """The answer to a sent request, as `request` returns it."""
+        try:
+            async with asyncio.timeout(timeout):
+                answer = await sent.waiter
+        finally:
+            self._waiting.pop(sent.reply, None)
         if answer.headers and answer.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:
             raise NoRespondersError
         return answer
+
+    def forget(self, sent: Sent) -> None:
+        """A sent request whose answer nobody will wait for."""
+        self._waiting.pop(sent.reply, None)
+
+
+@dataclass(frozen=True)
+class Sent:
+    reply: str
+    waiter: asyncio.Future[Msg]

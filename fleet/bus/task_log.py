@@ -138,13 +138,18 @@ class TaskLog:
         return await with_retry(once, what=f"read the last event of {task_id}",
                                 budget_s=self._budget(budget_s))
 
+    def events_lookup(self, task_id: str) -> tuple[str, bytes]:
+        """The raw request `has_events` sends (subject, body); its answer is read by
+        `holds_message` (fleet.worker.claims sends it ahead of the intake)."""
+        api = f"{self.js._prefix}.STREAM.MSG.GET.{subjects.OUT_STREAM}"
+        return api, orjson.dumps({"last_by_subj": subjects.out(task_id)})
+
     async def has_events(self, task_id: str, *, budget_s: float | None = None) -> bool:
         """Whether the stream holds any event of the task. Asked for every task taken in
         (its claim's look-up), so asked raw and read for found or not only (`holds_message`):
         nats-py's get_last_msg parses the answer with the standard json, raises NotFoundError
         for the usual answer (none: a fresh task), and decodes a found message (issue 23)."""
-        api = f"{self.js._prefix}.STREAM.MSG.GET.{subjects.OUT_STREAM}"
-        request = orjson.dumps({"last_by_subj": subjects.out(task_id)})
+        api, request = self.events_lookup(task_id)
         try:  # one pipelined publish (fleet.bus.pipelined); anything but an answer: retried
             return holds_message((await pipelined_for(self.nc).request(api, request)).data)
         except Exception as exc:

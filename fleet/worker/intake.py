@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -36,7 +37,7 @@ from fleet.wire.events import (
 )
 from fleet.wire.tasks import Task, is_past
 from fleet.worker.acks import Stage
-from fleet.worker.claims import Claims, owner_of
+from fleet.worker.claims import AHEAD_KEPT, Claims, owner_of
 from fleet.worker.cluster import ClusterLink
 from fleet.worker.continuation import (
     ContinuationBook,
@@ -95,13 +96,36 @@ class Intake:
         self.cluster = cluster
         self.claims = claims
         self.book = ContinuationBook()
+        # Tasks decoded by `ahead`, by their message's ack subject (one a delivery).
+        self._decoded: OrderedDict[str, Task] = OrderedDict()
+
+    async def ahead(self, msgs: list[Msg]) -> None:
+        """Freshly fetched messages: decode each and send its claim now (Claims.ahead), before
+        the worker's loop takes them in; `receive` reads both. A message that does not decode
+        is left to `receive` whole (it claims what it can). Never raises."""
+        try:
+            claims = await self._claims()
+        except Exception as exc:  # `receive` opens them again, and says so if it fails
+            log.debug("claims not sent ahead: %r", exc)
+            return
+        for msg in msgs:
+            try:
+                task = decode_task(msg.data)
+            except DecodeError:
+                continue
+            if msg.reply:
+                self._decoded[msg.reply] = task
+                while len(self._decoded) > AHEAD_KEPT:
+                    self._decoded.popitem(last=False)
+            await claims.ahead(task.task_id, owner_of(msg))
 
     async def receive(self, msg: Msg, *, handed_in: bool = False) -> Queued | Settled:
         """`handed_in`: another node passed this message on (fleet.worker.handoff), perhaps
         after its runner had streamed part of the answer: taken over like a redelivery."""
         delivery = msg.metadata.num_delivered if msg.metadata else 1
         try:
-            task = decode_task(msg.data)
+            task = self._decoded.pop(msg.reply, None) if msg.reply else None
+            task = task or decode_task(msg.data)
         except DecodeError as exc:
             return await self._invalid(msg, exc.task_id, str(exc))
         model = subjects.model_of_task_subject(msg.subject)

@@ -157,6 +157,7 @@ class Worker:
             self.puller = TaskPuller(
                 self.nc, self.js, settings, self.spans.metrics.meters.meter("fleet.worker")
             )
+            self.puller.on_fetched = self.intake.ahead  # claims out before the loop's hops
             owner.forever("consumer guard", self.puller.guard.forever)
             self.feeds = Feeds(
                 self.nc, self.inbox, self.puller, self.cluster, self.spans, settings.ack_wait_s

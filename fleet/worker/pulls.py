@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import orjson
 from nats.aio.client import Client
@@ -103,6 +104,9 @@ class TaskPuller:
         self.guard = ConsumerGuard(nc, self, settings.max_deliver, settings.ack_wait_s, meter)
         self.lanes = Lanes(nc, js, settings)  # tenant lanes (fleet.worker.lanes)
         self.lanes_seen: dict[str, float] = {}  # model -> when its lanes last held tasks
+        # Told of what a fetch brought before the fetch returns (the worker sends the tasks'
+        # claims from here: fleet.worker.intake.Intake.ahead).
+        self.on_fetched: Callable[[list[Msg]], Awaitable[None]] | None = None
 
     async def fetch(
         self, model: str, batch: int, reserve: int = 0, only: Priority | None = None,
@@ -111,6 +115,18 @@ class TaskPuller:
         """Up to `batch` tasks of `model`, highest class first, batch work leaving `reserve`
         slots free (`only`: of that class alone); waiting at most about FETCH_WAIT_S, or until
         `interrupt` is set (a preemption probe whose model freed a slot); never raises."""
+        got = await self._fetch(model, batch, reserve, only, interrupt)
+        if got and self.on_fetched is not None:
+            try:
+                await self.on_fetched(got)
+            except Exception as exc:  # what it does is done again later: said, not raised
+                log.warning("fetched tasks' early work failed: %r", exc)
+        return got
+
+    async def _fetch(
+        self, model: str, batch: int, reserve: int, only: Priority | None,
+        interrupt: asyncio.Event | None,
+    ) -> list[Msg]:
         if model in self.stopped:
             return []
         now = time.monotonic()

@@ -38,3 +38,23 @@ async def test_no_responders_and_no_answer_raise(provisioned_nc: Client) -> None
     with pytest.raises(TimeoutError):
         await pipe.request("silent", b"x", timeout=0.2)
     assert not pipe._waiting
+
+
+async def test_a_request_sent_ahead_is_answered_when_asked_for_and_forgotten_if_not(
+    provisioned_nc: Client,
+) -> None:
+    """`send` publishes at once and `answer` reads the answer later (it may have come
+    already); a sent request nobody will wait for leaves nothing behind once forgotten."""
+    async def echo(msg: Msg) -> None:
+        await msg.respond(b"re:" + msg.data)
+
+    await provisioned_nc.subscribe("ahead.*", cb=echo)
+    pipe = pipelined_for(provisioned_nc)
+    first = await pipe.send("ahead.1", b"a")
+    second = await pipe.send("ahead.2", b"b")
+    await provisioned_nc.flush()  # both are out (and likely answered) before anyone waits
+    assert (await pipe.answer(second)).data == b"re:b"
+    assert (await pipe.answer(first)).data == b"re:a"
+    unheard = await pipe.send("nobody.listens", b"c")
+    pipe.forget(unheard)
+    assert not pipe._waiting

@@ -141,6 +141,35 @@ async def test_an_id_with_events_but_no_claim_is_used(provisioned_nc: Client) ->
     assert await claims.admit("new-1", "10") == "task_id_taken"
 
 
+async def test_claims_sent_ahead_are_admitted_as_claims_sent_at_the_intake(
+    provisioned_nc: Client,
+) -> None:
+    """`ahead` sends the same create and look-up `admit` would: the same verdicts, each
+    read once (an id admitted again, or never sent ahead, sends its own)."""
+    js = provisioned_nc.jetstream()
+    claims = await Claims.open(provisioned_nc, js)
+    await js_publish(js, subjects.out("old-2"),
+                     failed("old-2", 0.0, ErrorReason.INTERNAL, "from an earlier life"))
+    for task_id, owner in (("a-1", "3"), ("a-1", "4"), ("old-2", "5")):
+        await claims.ahead(task_id, owner)
+    assert await claims.admit("a-1", "3") is None  # fresh, no events
+    assert await claims.admit("a-1", "4") == "task_id_taken"  # its create was refused
+    assert await claims.admit("old-2", "5") == "task_id_used"  # its look-up found events
+    assert await claims.admit("a-1", "3") is None  # a redelivery, nothing sent ahead: own
+    assert not claims._ahead
+
+
+async def test_claims_sent_ahead_and_never_admitted_are_not_kept_forever(
+    provisioned_nc: Client, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("fleet.worker.claims.AHEAD_KEPT", 2)
+    claims = await Claims.open(provisioned_nc, provisioned_nc.jetstream())
+    for n in range(4):
+        await claims.ahead(f"k-{n}", "1")
+    assert list(claims._ahead) == [("k-2", "1"), ("k-3", "1")]
+    assert await claims.admit("k-0", "1") is None  # pushed out: admitted by its own calls
+
+
 async def test_a_refusal_is_recorded_and_answered_only_on_the_inbox(
     provisioned_nc: Client,
 ) -> None:
