@@ -81,6 +81,11 @@ class SoloSequence:
     def decoding(self) -> bool:
         return not self._segments
 
+    @property
+    def untouched(self) -> bool:
+        """Nothing read or decoded yet: handing it off now is handing off its spec."""
+        return self._prompt_done == 0 and self._segments != []
+
     def hand_off(self, next_token: int | None) -> SequenceSpec:
         """What is left of this sequence, for the batch generator; `next_token` is the last
         token returned, not yet fed (None while the prompt is still being read)."""

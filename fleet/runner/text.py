@@ -5,8 +5,9 @@ cache of any prefix an earlier task already processed. Each `step` is one call t
 generator: one decode step for the running tasks and a prefill chunk for newly admitted ones,
 which join the decoding batch at the following step. A task admitted to an idle engine runs
 alone on a plain KV cache (see solo.py) until a second one arrives and it moves into the
-batch. Each generated token becomes one Token (a TokenChunk with logprobs); a task ends with
-exactly one TaskFinished.
+batch. Several prompts reaching an idle engine at once are read in two groups (burst_split.py).
+Each generated token becomes one Token (a TokenChunk with logprobs); a task ends with exactly
+one TaskFinished.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.utils import load as load_mlx_lm
 
 from fleet.errors import TaskRejected
+from fleet.runner.burst_split import prompts_to_start
 from fleet.runner.engine import Admission, EngineConfig, EngineEvent, Progress
 from fleet.runner.pipeline import PipelineRank
 from fleet.runner.prefill_ramp import RAMP_FIRST_TOKENS, expects_company
@@ -65,6 +67,15 @@ class TextEngine:
         self._pipeline: tuple[Any, int, int] | None = None  # (ring, start, end) of a shard
         # The most tasks run together since the engine was last idle (prefill_ramp.py).
         self._peak_width = 0
+        # The batch generator's uids by where their prompt is (burst_split.py): inserted and
+        # not yet started, in the generator's order (among them, lone tasks that had already
+        # started: running, never part of a burst); being read; and a burst's first group
+        # still without its first token.
+        self._queued: list[int] = []
+        self._resumed: set[int] = set()
+        self._reading: set[int] = set()
+        self._first_group: set[int] = set()
+        self._prefill_limit = min(config.slots, 8)
 
     def use_ring(self, ring: Any, start_layer: int, end_layer: int) -> None:
         """Load only layers [start, end) and run them as one rank of a pipeline."""
@@ -110,7 +121,7 @@ class TextEngine:
             model,
             stop_tokens=[[token] for token in sorted(self._stop_tokens)],
             completion_batch_size=self.config.slots,
-            prefill_batch_size=min(self.config.slots, 8),
+            prefill_batch_size=self._prefill_limit,
             prefill_step_size=PREFILL_STEP_TOKENS,
         )
 
@@ -180,6 +191,10 @@ class TextEngine:
                 text_task.finish_now(time.time(), time.perf_counter(), ended)
             )
             return
+        if self._solo is not None and self._solo.untouched:
+            # Admitted together before any step: the lone task goes into the batch first, as
+            # the first to arrive (a burst's first group is read first, burst_split.py).
+            self._move_into_batch(self._solo, [])  # nothing read, so no events
         if self._tasks:
             uid = self._insert(generator, prepared.spec)
         else:
@@ -218,11 +233,40 @@ class TextEngine:
         if self._solo is not None and len(self._tasks) > 1:
             self._move_into_batch(self._solo, events)
         decoder: BatchGenerator | SoloSequence = self._solo or self._require_loaded()
+        if self._solo is None:
+            self._plan_prefill(self._require_loaded())
         prompt_responses, token_responses = decoder.next()
+        if self._solo is None:
+            self._track_prompts(prompt_responses, token_responses)
         if self._prefix_cache is not None and prompt_responses:
             self._store_system_prompts(decoder, prompt_responses)
         self._on_tokens(decoder, token_responses, events)
         return events
+
+    def _plan_prefill(self, generator: BatchGenerator) -> None:
+        """Bound the prompts the generator starts reading this step (burst_split.py)."""
+        running = len(self._tasks) - len(self._queued) + len(self._resumed)
+        start = prompts_to_start(
+            queued=len(self._queued), reading=len(self._reading), running=running,
+            group_waiting=len(self._first_group), limit=self._prefill_limit,
+        )
+        if running == 0 and start < len(self._queued):
+            self._first_group = set(self._queued[:start])
+        # The generator fills its prompt batch up to this size, from its queue in order.
+        generator.prefill_batch_size = len(self._reading) + start
+
+    def _track_prompts(self, prompt_responses: list[Any], token_responses: list[Any]) -> None:
+        for response in prompt_responses:
+            uid = response.uid
+            if uid in self._queued:
+                self._queued.remove(uid)
+                self._resumed.discard(uid)
+            if response.end_of_prompt:
+                self._reading.discard(uid)
+            else:
+                self._reading.add(uid)
+        for response in token_responses:
+            self._first_group.discard(response.uid)
 
     def _on_tokens(
         self,
@@ -261,6 +305,8 @@ class TextEngine:
                 return
             next_token = response.token
         uid = self._insert(self._require_loaded(), solo.hand_off(next_token))
+        if not solo.untouched:
+            self._resumed.add(uid)
         self._tasks[uid] = self._tasks.pop(solo.uid)
         self._uids[self._tasks[uid].task.task_id] = uid
 
@@ -273,11 +319,17 @@ class TextEngine:
             samplers=[spec.sampler],
             logits_processors=[spec.processors],
         )
+        self._queued.append(uid)
         return uid
 
     def _forget(self, uid: int) -> None:
         text_task = self._tasks.pop(uid)
         del self._uids[text_task.task.task_id]
+        if uid in self._queued:
+            self._queued.remove(uid)
+        self._resumed.discard(uid)
+        self._reading.discard(uid)
+        self._first_group.discard(uid)
         if self._solo is not None and self._solo.uid == uid:
             self._solo = None
 
@@ -326,6 +378,10 @@ class TextEngine:
         self._model = self._tokenizer = None
         self._tasks.clear()
         self._uids.clear()
+        self._queued.clear()
+        self._resumed.clear()
+        self._reading.clear()
+        self._first_group.clear()
         self._prefix_cache = None
         mx.clear_cache()
 

@@ -571,3 +571,28 @@ def test_after_a_batch_a_lone_task_reads_its_prompt_in_a_ramp_that_newcomers_joi
     run(engine, outcome=outcome)
     assert outcome.ids("first") == run(engine, first).ids("first")
     assert outcome.ids("joiner") == run(engine, joiner).ids("joiner")
+
+
+def test_a_burst_onto_an_idle_engine_is_read_in_two_groups(engine: TextEngine) -> None:
+    """Several prompts at once: the first to arrive, just over half, are read and get their
+    first tokens before the rest start (burst_split.py); every task's tokens are its own."""
+    tasks = [
+        text_task(f"burst{index}", prompt=PROMPTS[index % len(PROMPTS)] + f" {index}",
+                  max_tokens=6, logit_bias=NO_EOS)
+        for index in range(4)  # the engine's 4 slots: 3 first, then 1
+    ]
+    outcome, first_step = Outcome(), {}
+    for task in tasks:
+        engine.admit(Admission(task=task))
+    step = 0
+    while engine.active:
+        outcome.add(engine.step())
+        step += 1
+        for task in tasks:
+            if outcome.tokens.get(task.task_id):
+                first_step.setdefault(task.task_id, step)
+    early = [first_step[task.task_id] for task in tasks[:3]]
+    assert len(set(early)) == 1, "the first group is read together"
+    assert first_step["burst3"] > early[0], "the last arrival waited for the first group"
+    for task in tasks:
+        assert outcome.ids(task.task_id) == run(engine, task).ids(task.task_id)

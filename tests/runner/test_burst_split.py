@@ -1,0 +1,48 @@
+"""How a burst of prompts onto an idle text engine is read: a first group, then the rest."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet.runner.burst_split import first_group, prompts_to_start
+
+
+@pytest.mark.parametrize(
+    ("queued", "expected"),
+    [
+        (0, 0),
+        (1, 1),  # alone: nothing to split
+        (2, 2),  # two: a step's fixed costs outweigh what the first would gain
+        (3, 2),
+        (4, 3),
+        (8, 5),  # issue 23's burst of eight: the median request is in the first group
+        (16, 9),
+    ],
+)
+def test_the_first_group_holds_just_over_half(queued: int, expected: int) -> None:
+    assert first_group(queued) == expected
+
+
+@pytest.mark.parametrize(
+    ("queued", "reading", "running", "group_waiting", "limit", "expected"),
+    [
+        (8, 0, 0, 0, 8, 5),  # a burst onto an idle engine: the first group
+        (3, 0, 0, 5, 8, 0),  # the rest wait for the first group's first tokens
+        (3, 0, 5, 0, 8, 3),  # then start together
+        (8, 0, 3, 0, 8, 8),  # arrivals while others run: all, as before
+        (12, 0, 3, 0, 8, 8),  # never more than the prefill batch size at once
+        (8, 6, 6, 0, 8, 2),  # prompts being read count against that bound
+        (4, 8, 8, 0, 8, 0),
+        (16, 0, 0, 0, 8, 8),  # a first group larger than the bound: the bound
+        (2, 0, 0, 0, 8, 2),  # a small burst is read whole
+        (1, 0, 0, 0, 8, 1),
+        (0, 0, 4, 0, 8, 0),
+    ],
+)
+def test_prompts_to_start(
+    queued: int, reading: int, running: int, group_waiting: int, limit: int, expected: int
+) -> None:
+    assert prompts_to_start(
+        queued=queued, reading=reading, running=running, group_waiting=group_waiting,
+        limit=limit,
+    ) == expected
