@@ -1,5 +1,6 @@
 """A finished span as a plain JSON object: what runners send over their pipe and what
-`fleet.traces.<trace_id>` carries, one message `{"spans": [record, ...]}` per trace and flush.
+`fleet.traces.<trace_id>` carries, one message `{"spans": [record, ...]}` per trace and flush
+(a task's spans together: fleet/trace/held.py).
 
     {"trace_id": 32 hex, "span_id": 16 hex, "parent_id": 16 hex (absent for a root),
      "name": str, "kind": "server" | "client" | "producer" | "consumer" | "internal",
