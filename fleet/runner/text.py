@@ -68,11 +68,14 @@ class TextEngine:
         # The most tasks run together since the engine was last idle (prefill_ramp.py).
         self._peak_width = 0
         # The batch generator's uids by where their prompt is (burst_split.py): inserted and
-        # not yet started, in the generator's order (among them, lone tasks that had already
-        # started: running, never part of a burst); being read; and a burst's first group
-        # still without its first token.
+        # not yet started, in the generator's order (among them, a lone task that had already
+        # started, first); being read; and a burst's first group still without its first
+        # token.
         self._queued: list[int] = []
         self._resumed: set[int] = set()
+        # Tasks that arrived while a lone task ran, by a negative uid of our own: they go into
+        # the batch generator right after it, so that it stays first in the generator's queue.
+        self._behind_solo: list[tuple[int, SequenceSpec]] = []
         self._reading: set[int] = set()
         self._first_group: set[int] = set()
         self._prefill_limit = min(config.slots, 8)
@@ -195,7 +198,11 @@ class TextEngine:
             # Admitted together before any step: the lone task goes into the batch first, as
             # the first to arrive (a burst's first group is read first, burst_split.py).
             self._move_into_batch(self._solo, [])  # nothing read, so no events
-        if self._tasks:
+        if self._solo is not None:
+            self._solo_uids -= 1
+            uid = self._solo_uids
+            self._behind_solo.append((uid, prepared.spec))
+        elif self._tasks:
             uid = self._insert(generator, prepared.spec)
         else:
             self._solo_uids -= 1  # negative: never one of the batch generator's uids
@@ -232,6 +239,8 @@ class TextEngine:
         self._peak_width = max(self._peak_width, len(self._tasks))
         if self._solo is not None and len(self._tasks) > 1:
             self._move_into_batch(self._solo, events)
+        if self._behind_solo:
+            self._insert_behind_solo()
         decoder: BatchGenerator | SoloSequence = self._solo or self._require_loaded()
         if self._solo is None:
             self._plan_prefill(self._require_loaded())
@@ -245,12 +254,11 @@ class TextEngine:
 
     def _plan_prefill(self, generator: BatchGenerator) -> None:
         """Bound the prompts the generator starts reading this step (burst_split.py)."""
-        running = len(self._tasks) - len(self._queued) + len(self._resumed)
         start = prompts_to_start(
-            queued=len(self._queued), reading=len(self._reading), running=running,
+            queued=len(self._queued), resumed=len(self._resumed), reading=len(self._reading),
             group_waiting=len(self._first_group), limit=self._prefill_limit,
         )
-        if running == 0 and start < len(self._queued):
+        if not self._reading and start < len(self._queued):
             self._first_group = set(self._queued[:start])
         # The generator fills its prompt batch up to this size, from its queue in order.
         generator.prefill_batch_size = len(self._reading) + start
@@ -310,6 +318,14 @@ class TextEngine:
         self._tasks[uid] = self._tasks.pop(solo.uid)
         self._uids[self._tasks[uid].task.task_id] = uid
 
+    def _insert_behind_solo(self) -> None:
+        generator = self._require_loaded()
+        for own_uid, spec in self._behind_solo:
+            uid = self._insert(generator, spec)
+            self._tasks[uid] = self._tasks.pop(own_uid)
+            self._uids[self._tasks[uid].task.task_id] = uid
+        self._behind_solo.clear()
+
     def _insert(self, generator: BatchGenerator, spec: SequenceSpec) -> int:
         (uid,) = generator.insert_segments(
             [spec.segments],
@@ -327,6 +343,7 @@ class TextEngine:
         del self._uids[text_task.task.task_id]
         if uid in self._queued:
             self._queued.remove(uid)
+        self._behind_solo = [entry for entry in self._behind_solo if entry[0] != uid]
         self._resumed.discard(uid)
         self._reading.discard(uid)
         self._first_group.discard(uid)
@@ -380,6 +397,7 @@ class TextEngine:
         self._uids.clear()
         self._queued.clear()
         self._resumed.clear()
+        self._behind_solo.clear()
         self._reading.clear()
         self._first_group.clear()
         self._prefix_cache = None

@@ -24,25 +24,27 @@ def test_the_first_group_holds_just_over_half(queued: int, expected: int) -> Non
 
 
 @pytest.mark.parametrize(
-    ("queued", "reading", "running", "group_waiting", "limit", "expected"),
+    ("queued", "resumed", "reading", "group_waiting", "limit", "expected"),
     [
         (8, 0, 0, 0, 8, 5),  # a burst onto an idle engine: the first group
         (3, 0, 0, 5, 8, 0),  # the rest wait for the first group's first tokens
-        (3, 0, 5, 0, 8, 3),  # then start together
-        (8, 0, 3, 0, 8, 8),  # arrivals while others run: all, as before
-        (12, 0, 3, 0, 8, 8),  # never more than the prefill batch size at once
-        (8, 6, 6, 0, 8, 2),  # prompts being read count against that bound
-        (4, 8, 8, 0, 8, 0),
-        (16, 0, 0, 0, 8, 8),  # a first group larger than the bound: the bound
+        (3, 0, 0, 0, 8, 2),  # then start: three new prompts are a burst of their own
         (2, 0, 0, 0, 8, 2),  # a small burst is read whole
         (1, 0, 0, 0, 8, 1),
-        (0, 0, 4, 0, 8, 0),
+        (0, 0, 0, 0, 8, 0),
+        (8, 1, 0, 0, 8, 5),  # a lone task that had started goes first, then 4 of the 7 new
+        (3, 1, 0, 0, 8, 3),  # with 2 new: all
+        (1, 1, 0, 0, 8, 1),
+        (4, 0, 2, 0, 8, 4),  # arrivals while others are read: all, as before the split
+        (12, 0, 2, 0, 8, 6),  # never more than the prefill batch size at once
+        (4, 0, 8, 0, 8, 0),
+        (16, 0, 0, 0, 8, 8),  # a first group larger than the bound: the bound
     ],
 )
 def test_prompts_to_start(
-    queued: int, reading: int, running: int, group_waiting: int, limit: int, expected: int
+    queued: int, resumed: int, reading: int, group_waiting: int, limit: int, expected: int
 ) -> None:
     assert prompts_to_start(
-        queued=queued, reading=reading, running=running, group_waiting=group_waiting,
+        queued=queued, resumed=resumed, reading=reading, group_waiting=group_waiting,
         limit=limit,
     ) == expected

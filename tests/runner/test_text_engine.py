@@ -596,3 +596,33 @@ def test_a_burst_onto_an_idle_engine_is_read_in_two_groups(engine: TextEngine) -
     assert first_step["burst3"] > early[0], "the last arrival waited for the first group"
     for task in tasks:
         assert outcome.ids(task.task_id) == run(engine, task).ids(task.task_id)
+
+
+def test_a_lone_task_that_had_started_stays_ahead_of_a_burst(engine: TextEngine) -> None:
+    """Tasks arriving while a lone task runs go into the batch behind it: it keeps decoding
+    at every step, in the burst's first group (burst_split.py)."""
+    lead = text_task("lead", prompt="Hello! How can", max_tokens=12, logit_bias=NO_EOS)
+    burst = [
+        text_task(f"late{index}", prompt=PROMPTS[index] + " again", max_tokens=4,
+                  logit_bias=NO_EOS)
+        for index in range(3)  # with the lead, the engine's 4 slots: lead + 2 first, then 1
+    ]
+    outcome, first_step = Outcome(), {}
+    engine.admit(Admission(task=lead))
+    while not outcome.tokens.get("lead"):
+        outcome.add(engine.step())
+    for task in burst:
+        engine.admit(Admission(task=task))
+    step, lead_tokens = 0, [len(outcome.tokens["lead"])]
+    while engine.active:
+        outcome.add(engine.step())
+        step += 1
+        lead_tokens.append(len(outcome.tokens.get("lead", [])))
+        for task in burst:
+            if outcome.tokens.get(task.task_id):
+                first_step.setdefault(task.task_id, step)
+    assert all(b - a == 1 for a, b in zip(lead_tokens, lead_tokens[1:], strict=False)
+               if b < 12), f"the lead waited for the burst: {lead_tokens}"
+    assert first_step["late0"] == first_step["late1"] < first_step["late2"]
+    for task in (lead, *burst):
+        assert outcome.ids(task.task_id) == run(engine, task).ids(task.task_id)
