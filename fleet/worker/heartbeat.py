@@ -17,7 +17,13 @@ plus up to LIST_GAP_S when beats follow each other (measured in
 tests/worker/test_held_listing.py), in which no token of the task is made. JetStream offers
 nothing to close it (docs/faults.md). Requests that arrive together share one beat (one put
 in flight at a time, LIST_GAP_S apart at least), so a burst of tasks costs a few puts, not
-one each."""
+one each.
+
+A listing beat re-puts the node record the last full beat built, with the held list and the
+time renewed (`rebuilds`): building it reads psutil's memory, the host and the models (~50 us
+and four file opens), and one listing beat a task at light load spent that on the worker's
+loop between a task's fetch and its dispatch (issue 23). The slow-changing facts are then at
+most HEARTBEAT_S old, as they were between beats before any task arrived."""
 
 from __future__ import annotations
 
@@ -87,6 +93,7 @@ class Heartbeat:
         self._listed: frozenset[str] = frozenset()  # what the last beat listed
         self._asked = asyncio.Event()  # set by `list_held`: a listing is wanted now
         self._beaten = asyncio.Event()  # replaced after each beat: `list_held` waits on it
+        self._built: tuple[NodeInfo, float] | None = None  # the last record built, and when
 
     async def read_ttl(self, js: JetStreamContext) -> None:
         """How long a silent node's key lives: the bucket's max age (the TTL of record)."""
@@ -106,8 +113,9 @@ class Heartbeat:
         self.health = gap_seen(self.health)
 
     async def beat(self, budget_s: float = HEARTBEAT_S, *, records: bool = True) -> None:
-        """One round; its outcome is the evidence `trusts_absences` weighs. `records`: the
-        runner records are re-put too (every HEARTBEAT_S)."""
+        """One round; its outcome is the evidence `trusts_absences` weighs. `records`: a full
+        beat (every HEARTBEAT_S): the node record is built afresh and the runner records are
+        re-put too."""
         reconnects = self.nc.stats.get("reconnects", 0)
         if reconnects != self._reconnects:
             # Reconnected since the last round, however briefly: what we watched has holes.
@@ -117,7 +125,10 @@ class Heartbeat:
             if not self.nc.is_connected:
                 raise ConnectionError("not connected to NATS")
             held = self.held()
-            info = self.info().model_copy(update={"held_acks": held})
+            now = time.monotonic()
+            if self._built is None or rebuilds(records, self._built[1], now, HEARTBEAT_S):
+                self._built = self.info(), now
+            info = self._built[0].model_copy(update={"held_acks": held, "at": time.time()})
             try:
                 await self.node_records.put(info, budget_s=budget_s)
                 self._listed = frozenset(held)
@@ -200,6 +211,14 @@ def listing_wait(now: float, last: float, gap: float = LIST_GAP_S) -> float:
     """Pure. How long an asked-for beat waits before its put: none once the last beat began
     `gap` ago or more, else the rest of the gap (puts at most one a gap)."""
     return max(0.0, last + gap - now)
+
+
+def rebuilds(full: bool, built_at: float, now: float, period: float = HEARTBEAT_S) -> bool:
+    """Pure. Whether a beat builds the node record afresh (memory, host, models, runners)
+    rather than re-put the last one built with its held list and time renewed: a full beat
+    does, and so does any beat once the last build is `period` old (a listing beat never
+    carries facts older than one full beat's period, even when full beats were put off)."""
+    return full or now - built_at >= period
 
 
 def newly_held(held: list[str], listed: frozenset[str]) -> bool:

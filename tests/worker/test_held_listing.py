@@ -19,7 +19,14 @@ from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import decode_model
 from fleet.worker import heartbeat
-from fleet.worker.heartbeat import LIST_GAP_S, LIST_WAIT_S, Heartbeat, listing_wait
+from fleet.worker.heartbeat import (
+    HEARTBEAT_S,
+    LIST_GAP_S,
+    LIST_WAIT_S,
+    Heartbeat,
+    listing_wait,
+    rebuilds,
+)
 
 TAKES = 100
 BURST = 32
@@ -134,3 +141,43 @@ async def test_a_listing_asked_before_the_intake_is_found_after_it(
 ])
 def test_listing_wait(now: float, last: float, wait: float) -> None:
     assert listing_wait(now, last) == pytest.approx(wait)
+
+
+@pytest.mark.parametrize(("full", "built_at", "now", "built"), [
+    (True, 10.0, 10.0, True),  # a full beat builds the record afresh
+    (False, 10.0, 10.001, False),  # a listing beat re-puts the last one (issue 23)
+    (False, 10.0, 10.0 + HEARTBEAT_S - 0.01, False),  # within one period
+    (False, 10.0, 10.0 + HEARTBEAT_S, True),  # a period old: never staler than that
+    (True, 10.0, 99.0, True),
+])
+def test_rebuilds(full: bool, built_at: float, now: float, built: bool) -> None:
+    assert rebuilds(full, built_at, now) is built
+
+
+async def test_a_listing_beat_re_puts_the_last_record_built(provisioned_nc: Client) -> None:
+    """The node record's facts (psutil's memory, the host, the models) are built by the full
+    beats; a listing beat renews only the held list and the time (issue 23)."""
+    nc, js = provisioned_nc, provisioned_nc.jetstream()
+    built: list[NodeInfo] = []
+
+    def info() -> NodeInfo:
+        built.append(_info().model_copy(update={"memory_available_bytes": len(built) + 1}))
+        return built[-1]
+
+    beat = Heartbeat(nc, await open_bucket(js, subjects.NODES_BUCKET),
+                     await open_bucket(js, subjects.RUNNERS_BUCKET), "n1", info, list)
+    held = ["$JS.ACK.x.y.1"]
+    beat.held = lambda: list(held)
+    await beat.beat()
+    kv = await open_bucket(js, subjects.NODES_BUCKET)
+    first = decode_model(NodeInfo, (await kv.get("n1")).value or b"")
+    held.append("$JS.ACK.x.y.2")
+    await beat.beat(records=False)
+    listed = decode_model(NodeInfo, (await kv.get("n1")).value or b"")
+    assert len(built) == 1
+    assert listed.held_acks == held and listed.at >= first.at
+    assert listed.model_copy(update={"held_acks": [], "at": 0.0}) == \
+        first.model_copy(update={"held_acks": [], "at": 0.0})
+    await beat.beat()  # a full beat: built afresh
+    assert len(built) == 2
+    assert decode_model(NodeInfo, (await kv.get("n1")).value or b"").memory_available_bytes == 2
