@@ -91,6 +91,7 @@ class Heartbeat:
         # The ack subjects of the task messages this node holds (set by the worker).
         self.held: Callable[[], list[str]] = list
         self._listed: frozenset[str] = frozenset()  # what the last beat listed
+        self._listing: frozenset[str] = frozenset()  # what the beat in flight lists
         self._asked = asyncio.Event()  # set by `list_held`: a listing is wanted now
         self._beaten = asyncio.Event()  # replaced after each beat: `list_held` waits on it
         self._built: tuple[NodeInfo, float] | None = None  # the last record built, and when
@@ -129,10 +130,12 @@ class Heartbeat:
             if self._built is None or rebuilds(records, self._built[1], now, HEARTBEAT_S):
                 self._built = self.info(), now
             info = self._built[0].model_copy(update={"held_acks": held, "at": time.time()})
+            self._listing = frozenset(held)
             try:
                 await self.node_records.put(info, budget_s=budget_s)
-                self._listed = frozenset(held)
+                self._listed = self._listing
             finally:
+                self._listing = frozenset()
                 beaten, self._beaten = self._beaten, asyncio.Event()
                 beaten.set()
         except Exception as exc:
@@ -154,7 +157,7 @@ class Heartbeat:
         """Ask for a beat that lists `subject` now, without waiting for it: a caller that
         has its own round trip to make meanwhile (an intake's claim) then awaits `list_held`,
         and finds it listed, with no task of its own to race the two (issue 23)."""
-        if subject and subject not in self._listed:
+        if asks(subject, self._listed, self._listing):
             self._asked.set()
 
     async def list_held(self, subject: str | None) -> float | None:
@@ -169,8 +172,9 @@ class Heartbeat:
                 log.info("held message not listed within %.1f s; a later beat lists it",
                          LIST_WAIT_S)
                 return None
-            beaten = self._beaten
-            self._asked.set()
+            beaten = self._beaten  # set when the beat in flight (or the next) is stored
+            if asks(subject, self._listed, self._listing):
+                self._asked.set()
             await set_within(beaten, left)
         return time.monotonic() - began
 
@@ -211,6 +215,14 @@ def listing_wait(now: float, last: float, gap: float = LIST_GAP_S) -> float:
     """Pure. How long an asked-for beat waits before its put: none once the last beat began
     `gap` ago or more, else the rest of the gap (puts at most one a gap)."""
     return max(0.0, last + gap - now)
+
+
+def asks(subject: str | None, listed: frozenset[str], listing: frozenset[str]) -> bool:
+    """Pure. Whether a beat must be asked for to list `subject`: not when the last stored
+    beat listed it, nor while the beat in flight lists it (its end is awaited instead). An
+    intake's wait that found the asked beat still in flight asked for a second one, and at
+    light load every task cost two puts of the node record (issue 23)."""
+    return bool(subject) and subject not in listed and subject not in listing
 
 
 def rebuilds(full: bool, built_at: float, now: float, period: float = HEARTBEAT_S) -> bool:

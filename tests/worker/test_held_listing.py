@@ -24,6 +24,7 @@ from fleet.worker.heartbeat import (
     LIST_GAP_S,
     LIST_WAIT_S,
     Heartbeat,
+    asks,
     listing_wait,
     rebuilds,
 )
@@ -181,3 +182,54 @@ async def test_a_listing_beat_re_puts_the_last_record_built(provisioned_nc: Clie
     await beat.beat()  # a full beat: built afresh
     assert len(built) == 2
     assert decode_model(NodeInfo, (await kv.get("n1")).value or b"").memory_available_bytes == 2
+
+
+@pytest.mark.parametrize(("subject", "listed", "listing", "asked"), [
+    ("a", frozenset(), frozenset(), True),  # held, listed nowhere: a beat is asked for
+    ("a", frozenset({"a"}), frozenset(), False),  # stored already
+    ("a", frozenset(), frozenset({"a"}), False),  # the beat in flight lists it: await it
+    ("a", frozenset({"b"}), frozenset({"b"}), True),  # the beat in flight does not
+    (None, frozenset(), frozenset(), False),  # no ack subject: nothing to list
+    ("", frozenset(), frozenset(), False),
+])
+def test_asks(subject: str | None, listed: frozenset[str], listing: frozenset[str],
+              asked: bool) -> None:
+    assert asks(subject, listed, listing) is asked
+
+
+async def test_a_wait_during_the_beat_that_lists_it_asks_for_no_other(
+    provisioned_nc: Client, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`list_held` called while the asked beat's put is in flight awaits that beat: one put
+    a task, not two (issue 23: at light load every intake's wait found its beat in flight
+    and asked for a second, 2 ms later)."""
+    monkeypatch.setattr(heartbeat, "HEARTBEAT_S", 3600.0)
+    nc, js = provisioned_nc, provisioned_nc.jetstream()
+    reply = "$JS.ACK.x.reply.1"
+    held: list[str] = []
+    beat = Heartbeat(nc, await open_bucket(js, subjects.NODES_BUCKET),
+                     await open_bucket(js, subjects.RUNNERS_BUCKET), "n1", _info, list)
+    beat.held = lambda: list(held)
+    await beat.beat()
+    before = await _revision(nc)
+    putting = asyncio.Event()
+    put = beat.node_records.put
+
+    async def put_seen(info: NodeInfo, *, budget_s: float) -> None:
+        putting.set()
+        await put(info, budget_s=budget_s)
+
+    monkeypatch.setattr(beat.node_records, "put", put_seen)
+    beating = asyncio.ensure_future(beat.forever())
+    try:
+        held.append(reply)
+        beat.ask_to_list(reply)
+        await asyncio.wait_for(putting.wait(), 5)
+        assert reply in beat._listing, "the beat in flight lists it"
+        assert await beat.list_held(reply) is not None
+        assert not beat._asked.is_set(), "no second beat was asked for"
+        assert await _revision(nc) == before + 1
+    finally:
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
