@@ -1,22 +1,21 @@
 """How many of a burst's prompts the text engine reads first, and when the rest may start.
 
-On a CPU a prefill step is compute-bound: eight prompts read together take about as long as
-reading them one group after another, and every one of them waits for the whole step before
-its first token. Issue 23's burst of eight requests with one cached system prompt (smollm2-135m,
-~29 new tokens each, 2 cores): the batch of eight read in ~1.0 s and all eight got their first
-token after ~1.25 s in-process; mlx_lm.server, which happened to read seven and then one, had
-its time to first token p50 at seven's cost.
+A prefill step is not interruptible, and every prompt read in it waits for the whole step
+before its first token. Issue 23's burst of eight requests with one cached system prompt
+(smollm2-135m, ~29 new tokens each, 2 cores): read together, all eight got their first token
+after the whole batch's prefill (1.15-1.28 s of it in-process), and a request that arrived
+while a lone task ran waited for that one too (through Fleet's HTTP path: one at 0.37-0.51 s,
+seven at 1.99-2.25 s, against mlx_lm.server's 1.67-1.87 s; loaded runs).
 
-So when several prompts are waiting and no other prompt is being read, a little more than half
-of them (the first to arrive) are read first, and the rest start only once those have their
-first token: the engine's next step would otherwise read the rest's prompts before it decodes the
-first group's first token (the batch generator decodes, then reads, in one step). The first
-group's first tokens come at about their own prefill's cost, the median request's among them;
-the rest wait about as long as before plus a step or two, and the burst's tokens take about as
-long in all (the same prompts are read, and the first group decodes while the rest read).
-Below SPLIT_MIN prompts there is nothing to gain: the step's fixed costs dominate. A lone task
-that had started before the others arrived (solo.py) continues ahead of them, in the first
-group.
+So when several new prompts are waiting and no other prompt is being read, just over half of
+them (the first to arrive) are read first, and the rest start only once those have their
+first token: the engine's next step would otherwise read the rest's prompts before it decodes
+the first group's first token (the batch generator decodes, then reads, in one step). A lone
+task that had started before the others arrived (solo.py) continues ahead of them, in the
+first group. The trade, in-process, a lone task then seven (load 1.4, 4 repetitions):
+time to first token p50 1.62 -> 1.16 s and mean 1.62 -> 1.57 s, but the last of the eight
+1.62 -> 2.70 s and the burst's tokens 4 % slower in all (the rest start three steps later).
+Below SPLIT_MIN new prompts there is nothing to gain: the step's fixed costs dominate.
 """
 
 from __future__ import annotations
