@@ -6,6 +6,7 @@ need N tokens decode greedily or ban EOS with a logit bias.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import threading
@@ -621,7 +622,7 @@ def test_a_lone_task_that_had_started_stays_ahead_of_a_burst(engine: TextEngine)
         for task in burst:
             if outcome.tokens.get(task.task_id):
                 first_step.setdefault(task.task_id, step)
-    assert all(b - a == 1 for a, b in zip(lead_tokens, lead_tokens[1:], strict=False)
+    assert all(b - a == 1 for a, b in itertools.pairwise(lead_tokens)
                if b < 12), f"the lead waited for the burst: {lead_tokens}"
     assert first_step["late0"] == first_step["late1"] < first_step["late2"]
     for task in (lead, *burst):
