@@ -27,6 +27,7 @@ from fleet.worker.heartbeat import (
     asks,
     listing_wait,
     rebuilds,
+    stored,
 )
 
 TAKES = 100
@@ -213,13 +214,13 @@ async def test_a_wait_during_the_beat_that_lists_it_asks_for_no_other(
     await beat.beat()
     before = await _revision(nc)
     putting = asyncio.Event()
-    put = beat.node_records.put
+    put = beat._put
 
-    async def put_seen(info: NodeInfo, *, budget_s: float) -> None:
+    async def put_seen(info: NodeInfo, budget_s: float) -> None:
         putting.set()
-        await put(info, budget_s=budget_s)
+        await put(info, budget_s)
 
-    monkeypatch.setattr(beat.node_records, "put", put_seen)
+    monkeypatch.setattr(beat, "_put", put_seen)
     beating = asyncio.ensure_future(beat.forever())
     try:
         held.append(reply)
@@ -233,3 +234,30 @@ async def test_a_wait_during_the_beat_that_lists_it_asks_for_no_other(
         beating.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await beating
+
+
+@pytest.mark.parametrize(("answer", "ok"), [
+    (b'{"stream":"KV_FLEET_NODES","seq":12}', True),  # a PubAck: stored
+    (b'{"stream":"KV_FLEET_NODES","seq":0}', False),
+    (b'{"error":{"code":503,"err_code":10008,"description":"JetStream system temporarily '
+     b'unavailable"}}', False),
+    (b"", False),  # no responders' empty status message, or not an answer at all
+    (b"[1]", False),
+])
+def test_stored(answer: bytes, ok: bool) -> None:
+    assert stored(answer) is ok
+
+
+async def test_a_put_the_fast_path_cannot_make_falls_back_to_the_retried_put(
+    provisioned_nc: Client, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A beat whose pipelined put is not answered as stored still stores the record, by the
+    retried put (NodeRecords.put)."""
+    nc, js = provisioned_nc, provisioned_nc.jetstream()
+    beat = Heartbeat(nc, await open_bucket(js, subjects.NODES_BUCKET),
+                     await open_bucket(js, subjects.RUNNERS_BUCKET), "n1", _info, list)
+    beat.held = lambda: ["$JS.ACK.x.y.9"]
+    monkeypatch.setattr(heartbeat, "stored", lambda answer: False)
+    await beat.beat()
+    assert await _listed(nc) == ["$JS.ACK.x.y.9"]
+    assert beat.health.failures == 0
