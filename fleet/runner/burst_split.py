@@ -12,9 +12,11 @@ them (the first to arrive) are read first, and the rest start only once those ha
 first token: the engine's next step would otherwise read the rest's prompts before it decodes
 the first group's first token (the batch generator decodes, then reads, in one step). A lone
 task that had started before the others arrived (solo.py) continues ahead of them, in the
-first group. The trade, in-process, a lone task then seven (load 1.4, 4 repetitions):
-time to first token p50 1.62 -> 1.16 s and mean 1.62 -> 1.57 s, but the last of the eight
-1.62 -> 2.70 s and the burst's tokens 4 % slower in all (the rest start three steps later).
+first group; the rest of the burst then start together (split once more, the last of them
+waited three steps longer again: 5 + 2 + 1 in the bench). The trade, in-process, a lone task
+then seven (load 0.6-1, 2 repetitions each, interleaved): time to first token p50
+1.73 -> 1.15 s and mean 1.70 -> 1.52 s, but the last of the eight 1.73 -> 2.15 s and the
+burst's tokens 2 % slower in all (the rest start three steps later).
 Below SPLIT_MIN new prompts there is nothing to gain: the step's fixed costs dominate.
 """
 
@@ -32,19 +34,20 @@ def first_group(queued: int) -> int:
 
 
 def prompts_to_start(
-    *, queued: int, resumed: int, reading: int, group_waiting: int, limit: int
+    *, queued: int, resumed: int, reading: int, group_waiting: int, held: int, limit: int
 ) -> int:
     """How many of the generator's queued prompts, from the front, may start this step.
 
     queued: inserted, not yet started; resumed: among them at the front, lone tasks that had
     already started (they continue at once: never held back); reading: prompts being read
     (the generator's prompt batch); group_waiting: tasks of a burst's first group still
-    without their first token; limit: the engine's prefill batch size, which bounds the
+    without their first token; held: the rest of that burst, still queued (they start
+    together, not split again); limit: the engine's prefill batch size, which bounds the
     prompts read together.
     """
     if group_waiting:
         return 0  # the rest of the burst waits for the first group's first tokens
     room = max(0, limit - reading)
-    if reading == 0:  # nothing else being read: the queued prompts are a new burst
+    if reading == 0 and not held:  # nothing else being read: the queued prompts are a burst
         return min(room, resumed + first_group(queued - resumed))
     return min(room, queued)

@@ -78,6 +78,7 @@ class TextEngine:
         self._behind_solo: list[tuple[int, SequenceSpec]] = []
         self._reading: set[int] = set()
         self._first_group: set[int] = set()
+        self._held_back: set[int] = set()  # the rest of that burst, still queued
         self._prefill_limit = min(config.slots, 8)
 
     def use_ring(self, ring: Any, start_layer: int, end_layer: int) -> None:
@@ -256,10 +257,12 @@ class TextEngine:
         """Bound the prompts the generator starts reading this step (burst_split.py)."""
         start = prompts_to_start(
             queued=len(self._queued), resumed=len(self._resumed), reading=len(self._reading),
-            group_waiting=len(self._first_group), limit=self._prefill_limit,
+            group_waiting=len(self._first_group), held=len(self._held_back),
+            limit=self._prefill_limit,
         )
-        if not self._reading and start < len(self._queued):
+        if not self._reading and not self._held_back and start < len(self._queued):
             self._first_group = set(self._queued[:start])
+            self._held_back = set(self._queued[start:])
         # The generator fills its prompt batch up to this size, from its queue in order.
         generator.prefill_batch_size = len(self._reading) + start
 
@@ -269,6 +272,7 @@ class TextEngine:
             if uid in self._queued:
                 self._queued.remove(uid)
                 self._resumed.discard(uid)
+                self._held_back.discard(uid)
             if response.end_of_prompt:
                 self._reading.discard(uid)
             else:
@@ -347,6 +351,7 @@ class TextEngine:
         self._resumed.discard(uid)
         self._reading.discard(uid)
         self._first_group.discard(uid)
+        self._held_back.discard(uid)
         if self._solo is not None and self._solo.uid == uid:
             self._solo = None
 
@@ -400,6 +405,7 @@ class TextEngine:
         self._behind_solo.clear()
         self._reading.clear()
         self._first_group.clear()
+        self._held_back.clear()
         self._prefix_cache = None
         mx.clear_cache()
 
