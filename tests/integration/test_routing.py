@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -90,10 +91,17 @@ async def test_a_returning_conversation_lands_where_it_was_served(
         assert result.usage is not None and result.usage.cached_tokens > 0
     # The fleet sees the same: each runner's summary in FLEET_PREFIXES holds the blocks of
     # the conversations it served.
-    summaries = await advertised(nc, runners)
-    for i, messages in enumerate(chats):
-        blocks = {f"{b:016x}" for b in prompt_blocks(turn(i, messages, 2))}
-        assert blocks & set(summaries[home[i]].blocks)
+    served = {
+        i: {f"{b:016x}" for b in prompt_blocks(turn(i, messages, 2))}
+        for i, messages in enumerate(chats)
+    }
+
+    def holds_all(found: dict[str, PrefixSummary]) -> bool:
+        return all(blocks & set(found[home[i]].blocks) for i, blocks in served.items())
+
+    summaries = await advertised(nc, runners, until=holds_all)
+    for i, blocks in served.items():
+        assert blocks & set(summaries[home[i]].blocks), f"conversation {i} not advertised"
     await nc.close()
 
 
@@ -109,21 +117,32 @@ def with_load(whole: PrefixSummary | None, summary: PrefixSummary) -> PrefixSumm
 
 
 async def advertised(
-    nc: Client, runners: set[str], timeout: float = 10.0,
+    nc: Client, runners: set[str], until: Callable[[dict[str, PrefixSummary]], bool],
+    timeout: float = 10.0,
 ) -> dict[str, PrefixSummary]:
     """Each runner's PrefixSummary once every one of `runners` has one with blocks and no
-    task in flight: the watcher's first values can be ones written mid-task (the worker
-    writes a new one within a quarter second of a change), so wait for the settled ones."""
+    task in flight and `until` holds of them; what was last seen if `timeout` passes first.
+    The watcher's first values can be ones written mid-task (the worker writes a new one
+    within a quarter second of a change), and a settled load update can still carry blocks
+    of a whole summary from before the last task: a whole one goes at most once a second
+    (prefix_adverts.BLOCKS_EVERY_S), so a loaded run saw a settled summary one task behind."""
     kv = await nc.jetstream().key_value(subjects.PREFIXES_BUCKET)
     watcher = await kv.watchall()
     found: dict[str, PrefixSummary] = {}
+
+    def done() -> bool:
+        return (set(found) >= runners and all(settled(found[r]) for r in runners)
+                and until(found))
+
     try:
-        async with asyncio.timeout(timeout):
-            while not (set(found) >= runners and all(settled(found[r]) for r in runners)):
-                entry = await watcher.updates(timeout=timeout)
-                if entry is not None and entry.value:
-                    summary = decode_model(PrefixSummary, entry.value)
-                    found[summary.runner_id] = with_load(found.get(summary.runner_id), summary)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                while not done():
+                    entry = await watcher.updates(timeout=timeout)
+                    if entry is not None and entry.value:
+                        summary = decode_model(PrefixSummary, entry.value)
+                        runner = summary.runner_id
+                        found[runner] = with_load(found.get(runner), summary)
     finally:
         await watcher.stop()
     return found
