@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import statistics
 import time
+from collections.abc import Callable
 
 import pytest
 from nats.aio.client import Client
@@ -49,6 +50,17 @@ async def _revision(nc: Client) -> int:
     return (await kv.get("n1")).revision or 0
 
 
+async def _beating_for(nc: Client, held: list[str],
+                       info: Callable[[], NodeInfo] = _info) -> Heartbeat:
+    """A node "n1"'s heartbeat listing what `held` holds, its first beat stored."""
+    js = nc.jetstream()
+    beat = Heartbeat(nc, await open_bucket(js, subjects.NODES_BUCKET),
+                     await open_bucket(js, subjects.RUNNERS_BUCKET), "n1", info, list)
+    beat.held = lambda: list(held)
+    await beat.beat()
+    return beat
+
+
 async def test_a_taken_message_is_in_a_stored_beat_before_its_work_starts(
     provisioned_nc: Client,
 ) -> None:
@@ -56,10 +68,7 @@ async def test_a_taken_message_is_in_a_stored_beat_before_its_work_starts(
     await js.add_stream(name="HELD", subjects=["held.>"])
     pull = await js.pull_subscribe("held.x", durable="takers")
     held: list[str] = []
-    beat = Heartbeat(nc, await open_bucket(js, subjects.NODES_BUCKET),
-                     await open_bucket(js, subjects.RUNNERS_BUCKET), "n1", _info, list)
-    beat.held = lambda: list(held)
-    await beat.beat()
+    beat = await _beating_for(nc, held)
     beating = asyncio.ensure_future(beat.forever())
     try:
         windows: dict[str, list[float]] = {"back to back": [], "20 ms apart": []}
@@ -113,10 +122,7 @@ async def test_a_listing_asked_before_the_intake_is_found_after_it(
     nc, js = provisioned_nc, provisioned_nc.jetstream()
     reply = "$JS.ACK.x.reply.1"
     held: list[str] = []
-    beat = Heartbeat(nc, await open_bucket(js, subjects.NODES_BUCKET),
-                     await open_bucket(js, subjects.RUNNERS_BUCKET), "n1", _info, list)
-    beat.held = lambda: list(held)
-    await beat.beat()
+    beat = await _beating_for(nc, held)
     before = await _revision(nc)
     beating = asyncio.ensure_future(beat.forever())
     try:
@@ -166,11 +172,8 @@ async def test_a_listing_beat_re_puts_the_last_record_built(provisioned_nc: Clie
         built.append(_info().model_copy(update={"memory_available_bytes": len(built) + 1}))
         return built[-1]
 
-    beat = Heartbeat(nc, await open_bucket(js, subjects.NODES_BUCKET),
-                     await open_bucket(js, subjects.RUNNERS_BUCKET), "n1", info, list)
     held = ["$JS.ACK.x.y.1"]
-    beat.held = lambda: list(held)
-    await beat.beat()
+    beat = await _beating_for(nc, held, info)
     kv = await open_bucket(js, subjects.NODES_BUCKET)
     first = decode_model(NodeInfo, (await kv.get("n1")).value or b"")
     held.append("$JS.ACK.x.y.2")
@@ -205,13 +208,10 @@ async def test_a_wait_during_the_beat_that_lists_it_asks_for_no_other(
     a task, not two (issue 23: at light load every intake's wait found its beat in flight
     and asked for a second, 2 ms later)."""
     monkeypatch.setattr(heartbeat, "HEARTBEAT_S", 3600.0)
-    nc, js = provisioned_nc, provisioned_nc.jetstream()
+    nc = provisioned_nc
     reply = "$JS.ACK.x.reply.1"
     held: list[str] = []
-    beat = Heartbeat(nc, await open_bucket(js, subjects.NODES_BUCKET),
-                     await open_bucket(js, subjects.RUNNERS_BUCKET), "n1", _info, list)
-    beat.held = lambda: list(held)
-    await beat.beat()
+    beat = await _beating_for(nc, held)
     before = await _revision(nc)
     putting = asyncio.Event()
     put = beat._put
