@@ -9,14 +9,14 @@ seven at 1.99-2.25 s, against mlx_lm.server's 1.67-1.87 s; loaded runs).
 
 So when several new prompts are waiting and no other prompt is being read, just over half of
 them (the first to arrive) are read first, and the rest start only once those have their
-first token: the engine's next step would otherwise read the rest's prompts before it decodes
-the first group's first token (the batch generator decodes, then reads, in one step). A lone
-task that had started before the others arrived (solo.py) continues ahead of them, in the
-first group; the rest of the burst then start together (split once more, the last of them
-waited three steps longer again: 5 + 2 + 1 in the bench). The trade, in-process, a lone task
-then seven (load 0.6-1, 2 repetitions each, interleaved): time to first token p50
-1.73 -> 1.15 s and mean 1.70 -> 1.52 s, but the last of the eight 1.73 -> 2.15 s and the
-burst's tokens 2 % slower in all (the rest start three steps later).
+first token: the engine's next step would otherwise read the rest's prompts before it
+decodes the first group's first token (the batch generator decodes, then reads, in one
+step). A lone task that had started before the others arrived (solo.py) continues ahead of
+them, in the first group; the rest of the burst then start together, not split again (split
+again, the last of them waited three steps longer once more: 5 + 2 + 1 in a bench). The
+trade, in-process, a lone task then seven (load 0.6-1, 2 repetitions each, interleaved):
+time to first token p50 1.73 -> 1.15 s and mean 1.70 -> 1.52 s, but the last of the eight
+1.73 -> 2.15 s and the burst's tokens 2 % slower in all (the rest start three steps later).
 Below SPLIT_MIN new prompts there is nothing to gain: the step's fixed costs dominate.
 """
 
