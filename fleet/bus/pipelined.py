@@ -21,7 +21,9 @@ import itertools
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+import orjson
 from nats.aio.client import NO_RESPONDERS_STATUS, Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -111,3 +113,13 @@ class Pipelined:
 class Sent:
     reply: str
     waiter: asyncio.Future[Msg]
+
+
+def stream_answer(answer: bytes) -> dict[str, Any] | None:
+    """Pure. A JetStream API answer read raw (a PubAck, or its error), None when it is not
+    one (no responders' empty status message, say): the fast paths' callers read it."""
+    try:
+        reply = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return None
+    return reply if isinstance(reply, dict) else None

@@ -34,14 +34,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
-import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 from nats.js import JetStreamContext
 
 from fleet.aio import cancel_and_wait
-from fleet.bus.pipelined import Sent, pipelined_for
+from fleet.bus.pipelined import Sent, pipelined_for, stream_answer
 from fleet.bus.records import ClaimRecords
 from fleet.bus.replies import inbox_reply
 from fleet.bus.task_log import TaskLog, holds_message
@@ -78,11 +77,7 @@ def created(answer: bytes) -> bool | None:
     key): True when stored, False when the key has a message (a live claim, or a delete
     marker, which only the retried create tells apart), None for any other answer (an error,
     or not an answer at all): the retried create decides then."""
-    try:
-        reply = orjson.loads(answer)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(reply, dict):
+    if (reply := stream_answer(answer)) is None:
         return None
     error = reply.get("error")
     if error is None:

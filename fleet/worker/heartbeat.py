@@ -33,7 +33,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -41,7 +40,7 @@ from nats.js.kv import KeyValue
 
 from fleet.aio import set_within
 from fleet.bus.kv_calls import bucket_max_age
-from fleet.bus.pipelined import pipelined_for
+from fleet.bus.pipelined import pipelined_for, stream_answer
 from fleet.bus.records import NodeRecords, RunnerRecords
 from fleet.bus.replies import inbox_reply
 from fleet.wire import subjects
@@ -247,11 +246,8 @@ def asks(subject: str | None, listed: frozenset[str], listing: frozenset[str]) -
 
 def stored(answer: bytes) -> bool:
     """Pure. Whether the stream's answer to a put is a PubAck (a sequence, no error)."""
-    try:
-        reply = orjson.loads(answer)
-    except orjson.JSONDecodeError:
-        return False
-    return isinstance(reply, dict) and reply.get("error") is None and bool(reply.get("seq"))
+    reply = stream_answer(answer)
+    return reply is not None and reply.get("error") is None and bool(reply.get("seq"))
 
 
 def rebuilds(full: bool, built_at: float, now: float, period: float = HEARTBEAT_S) -> bool:
