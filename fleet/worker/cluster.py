@@ -63,18 +63,19 @@ STOP_BUDGET_S = 2.0  # saying goodbye to a broker that is down is not worth more
 REMEMBERED_CANCELS = 100_000  # the bucket keeps an hour of them; a bound on memory all the same
 
 
-# The statuses a runner reports as its tasks come and go (fleet.runner.machine: Running at
-# each task's start, Ready once none remains).
+# The statuses a runner reports as its tasks come and go (fleet.runner.machine: Running as
+# it leaves Ready, then its count after each step that changed it; Ready once none remains).
 BUSY_OR_IDLE = (RunnerReady, RunnerRunning)
 
 
 def superseded(record: RunnerRecord | None, newest: RunnerRecord | None) -> bool:
     """Pure. Whether the status writer skips `record` (its KV put and its event) because
     `newest`, queued after it for the same runner, replaces it: only a Running record, by a
-    newer Running or Ready one. Under load a runner reports Running at every task's start
-    and the writer, one KV round trip a record, fell behind: ~0.4 records and 0.4 events
-    stored a task (issue 23). Every other status (a lifecycle step, every Ready: a waiter may
-    be watching for it) and every removal is written, in order."""
+    newer Running or Ready one. Under load a runner's Running records (then one at every
+    task's start, now one a step that changed its count) came faster than the writer, one KV
+    round trip a record, wrote them: ~0.4 records and 0.4 events stored a task (issue 23).
+    Every other status (a lifecycle step, every Ready: a waiter may be watching for it) and
+    every removal is written, in order."""
     if record is None or newest is None or newest is record:
         return False
     return isinstance(record.status, RunnerRunning) and isinstance(newest.status, BUSY_OR_IDLE)
