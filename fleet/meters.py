@@ -16,11 +16,13 @@ OTEL_SDK_DISABLED=true turns metrics off with the rest of the SDK: /metrics is t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import Histogram, Meter
-from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.environment_variables import OTEL_METRICS_EXEMPLAR_FILTER
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter, ExemplarFilter, MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, generate_latest
@@ -52,7 +54,8 @@ class Meters:
         # Shut down by its owner (the gateway's lifespan, the worker's run), not at exit:
         # an atexit hook per provider would keep every test's provider alive.
         self.provider = MeterProvider(
-            metric_readers=readers, resource=described, shutdown_on_exit=False
+            metric_readers=readers, resource=described, shutdown_on_exit=False,
+            exemplar_filter=exemplar_filter(),
         )
 
     def meter(self, name: str) -> Meter:
@@ -65,6 +68,16 @@ class Meters:
     def shutdown(self) -> None:
         """The last OTLP export goes out; the registry stops answering."""
         self.provider.shutdown()
+
+
+def exemplar_filter() -> ExemplarFilter | None:
+    """Exemplars (a measurement's trace) only where something exports them: the Prometheus
+    exporter drops them, so without OTLP metrics (or OTEL_METRICS_EXEMPLAR_FILTER set) none
+    are sampled. The SDK's default samples one at every measurement made in a sampled span,
+    every task's, ~2 us a measurement (issue 23). None: the SDK's default."""
+    if otlp_configured("METRICS") or os.environ.get(OTEL_METRICS_EXEMPLAR_FILTER):
+        return None
+    return AlwaysOffExemplarFilter()
 
 
 # ---- the histograms both sides record -------------------------------------------------------
@@ -126,10 +139,10 @@ class TaskTimings:
         """A task's end: its duration (`seconds`, when known) with error.type on failure,
         and its token usage."""
         if seconds is not None:
-            outcome = dict(attributes)
+            outcome = attributes
             if finished.status != "completed":
                 reason = finished.reason
-                outcome["error.type"] = reason.value if reason else finished.status
+                outcome = {**attributes, "error.type": reason.value if reason else finished.status}
             self.request_duration.record(seconds, outcome)
         if usage := finished.usage:
             self.token_usage.record(usage.prompt_tokens, {**attributes, TOKEN_TYPE: "input"})

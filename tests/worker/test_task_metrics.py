@@ -7,8 +7,10 @@ import socket
 
 import httpx
 import pytest
+from opentelemetry.sdk.metrics import AlwaysOffExemplarFilter
 
 from fleet.errors import InvalidSetting
+from fleet.meters import exemplar_filter
 from fleet.wire.events import TaskFinished, TaskStats, Usage
 from fleet.worker.task_metrics import TaskMetrics
 from tests.bus.cluster import free_port
@@ -90,3 +92,21 @@ def test_prefix_cache_hit_ratio_per_model() -> None:
     assert scrape.value(cached, gen_ai_request_model="tiny-llm") == 280
     assert metrics.hit_ratio("tiny-llm") == 0.7
     assert metrics.hit_ratio("nobody") is None
+
+
+@pytest.mark.parametrize(("env", "sampled"), [
+    ({}, False),  # only Prometheus reads the metrics: it drops exemplars
+    ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://collector:4318"}, True),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}, True),
+    ({"OTEL_METRICS_EXEMPLAR_FILTER": "always_on"}, True),  # asked for: the SDK decides
+])
+def test_exemplars_are_sampled_only_where_they_are_exported(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], sampled: bool
+) -> None:
+    for name in ("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                 "OTEL_METRICS_EXEMPLAR_FILTER"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    chosen = exemplar_filter()
+    assert (chosen is None) if sampled else isinstance(chosen, AlwaysOffExemplarFilter)
