@@ -19,6 +19,7 @@ from fleet.worker.state import (
     TaskRecord,
     WorkerState,
     apply,
+    evolve,
 )
 
 HERE = "node-a"
@@ -208,6 +209,24 @@ def test_apply_never_changes_the_state_it_was_given(
     snapshot = repr(before)
     apply(before, event)
     assert repr(before) == snapshot
+
+
+@pytest.mark.parametrize(("record", "changes"), [
+    pytest.param(WITH_RUNNER, {"stopping": True, "pending": {"t-1": TEXT}}, id="state"),
+    pytest.param(BUSY, {"in_flight": frozenset(), "command_sent": "shutdown"}, id="runner"),
+    pytest.param(TEXT, {"fetching": True}, id="pending"),
+    pytest.param(TaskRecord(), {"cancel": CancelOrigin.FENCED}, id="record"),
+])
+def test_evolve_builds_what_replace_builds(record: object, changes: dict[str, object]) -> None:
+    made = evolve(record, **changes)
+    assert made == replace(record, **changes)  # type: ignore[arg-type]
+    assert type(made) is type(record) and made is not record
+    assert repr(made) == repr(replace(record, **changes))  # type: ignore[arg-type]
+
+
+def test_evolve_refuses_a_field_the_record_has_not() -> None:
+    with pytest.raises(TypeError, match="has no field"):
+        evolve(EMPTY, stoping=True)
 
 
 def test_an_unknown_event_is_a_type_error() -> None:
