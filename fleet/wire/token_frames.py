@@ -69,6 +69,8 @@ def read_report(body: bytes) -> RunnerReport | TokenFrame:
 def token_frame(body: bytes) -> TokenFrame | None:
     """A TokenFrame when `body` is a token event without logprobs, written as the codec
     writes one, that TokenChunk accepts; None for anything else."""
+    if b',"type":"token",' not in body:  # the pattern's own bytes: other reports skip it
+        return None
     try:
         text = body.decode()  # strict UTF-8, as the model's JSON parser
     except UnicodeDecodeError:

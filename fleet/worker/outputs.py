@@ -33,11 +33,11 @@ from nats.js import JetStreamContext
 from nats.js.errors import APIError
 
 from fleet.bus.confirmed import ConfirmedPublisher
-from fleet.bus.connect import headers_for, js_publish
+from fleet.bus.connect import MSG_ID, js_publish
 from fleet.bus.retry import BROKER_BUDGET_S
 from fleet.bus.task_log import TaskLog
 from fleet.errors import BrokerUnavailable
-from fleet.telemetry import send_span
+from fleet.telemetry import inject_headers, send_span
 from fleet.wire import subjects
 from fleet.wire.codec import encode
 from fleet.wire.events import (
@@ -103,6 +103,7 @@ class TaskOutput:
         self.confirmed = ConfirmedPublisher(nc, budget_s=budget_s, on_fenced=on_fenced)
         self.log = TaskLog(nc, js, budget_s=budget_s)  # the reading side of FLEET_OUT
         self.fences: dict[str, int] = {}  # task id -> this node's fence (absent: 0)
+        self._fenced: dict[str, dict[str, str]] = {}  # task id -> its fence headers, made once
         self.taken_from: dict[str, TaskFence | None] = {}  # task id -> the fence replaced
 
     async def take_over(
@@ -113,11 +114,19 @@ class TaskOutput:
         fence, replaced = await take_fence(self.js, task_id, node_id, delivery,
                                            handed_in=handed_in)
         self.fences[task_id] = fence
+        self._fenced.pop(task_id, None)
         self.taken_from[task_id] = replaced
         return fence
 
     def _headers(self, task_id: str, msg_id: str) -> dict[str, str]:
-        return headers_for(msg_id, fence_headers(task_id, self.fences.get(task_id, 0)))
+        """What `headers_for` makes of the fence's headers, with the task's fence headers made
+        once a task, not once an event (three or more events a task: issue 23)."""
+        fenced = self._fenced.get(task_id)
+        if fenced is None:
+            fenced = self._fenced[task_id] = self._fence_of(task_id)
+        headers = {**fenced, MSG_ID: msg_id}
+        inject_headers(headers)
+        return headers
 
     async def chunk(self, event: OutputEvent | TokenFrame) -> None:
         """Queue the event behind the task's earlier ones; returns once it is sent (or waits,
@@ -189,6 +198,7 @@ class TaskOutput:
         """Drop what this node kept of the task's output (ended, or given up)."""
         self.confirmed.forget(task_id)
         self.fences.pop(task_id, None)
+        self._fenced.pop(task_id, None)
         self.taken_from.pop(task_id, None)
 
     async def _output_lost(self, event: TaskFinished, problem: str) -> TaskFinished:
