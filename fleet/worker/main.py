@@ -239,8 +239,11 @@ class Worker:
 
     async def _drive(self) -> None:
         self.reports.plan_due = False
-        while (action := rules.plan(self.state, time.time())) is not None:
+        chain = rules.RULES
+        while (action := rules.plan(self.state, time.time(), chain)) is not None:
             await self._act(action)
+            # After a dispatch only the rules from dispatch on can find work (plan.py).
+            chain = rules.AFTER_DISPATCH if isinstance(action, rules.Dispatch) else rules.RULES
         self.runners.tend_standby(self.state)
         now = time.time()
         if self._held_wake is None and (until := rules.pulls_held_until(self.state, now)):

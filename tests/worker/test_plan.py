@@ -25,6 +25,7 @@ from fleet.wire.runners import (
 from fleet.wire.tasks import ImageEdits, TextGeneration
 from fleet.worker import state as ev
 from fleet.worker.plan import (
+    AFTER_DISPATCH,
     INTAKE_HOLD_S,
     RESTART_BASE_S,
     RESTART_CAP_S,
@@ -302,6 +303,34 @@ ROWS = [
 @pytest.mark.parametrize(("state", "now", "expected"), ROWS)
 def test_plan(state: WorkerState, now: float, expected: Action | None) -> None:
     assert plan(state, now) == expected
+
+
+def _dispatched(state: WorkerState, now: float) -> WorkerState | None:
+    """The state after the Dispatch `plan` gives, or None when it gives none."""
+    action = plan(state, now)
+    if not isinstance(action, Dispatch):
+        return None
+    return apply(state, ev.TaskDispatched(action.task_id, action.runner_id))
+
+
+@pytest.mark.parametrize(("state", "now", "expected"), [
+    row for row in ROWS if isinstance(row.values[2], Dispatch)
+] + [
+    pytest.param(world([INST], [READY], [pending("t-1"), pending("t-2", received_at=2.0)]),
+                 T0, None, id="two-waiting-then-one"),
+    pytest.param(world([INST], [replace(READY, slots=1)],
+                       [pending("t-1"), pending("t-2", received_at=2.0)]),
+                 T0, None, id="two-waiting-one-slot"),
+    pytest.param(world([INST], [READY], [pending("t-1"), pending("t-2", images=(SHA,),
+                                                                fetching=True)]),
+                 T0, None, id="one-ready-one-fetching-its-inputs"),
+])
+def test_after_a_dispatch_the_rules_from_dispatch_on_plan_what_all_would(
+    state: WorkerState, now: float, expected: object
+) -> None:
+    after = _dispatched(state, now)
+    assert after is not None
+    assert plan(after, now, AFTER_DISPATCH) == plan(after, now)
 
 
 def test_plan_is_pure_the_same_inputs_give_the_same_action() -> None:
