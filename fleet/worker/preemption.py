@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fleet.priorities import RANK
 from fleet.wire.tasks import Priority
 from fleet.worker.priority import Running, yields_to
 from fleet.worker.state import CancelOrigin, Place, RunnerView, WorkerState
 
 WAITING_CLASS: Priority = "interactive"  # the class that may take a running task's slot
+_WAITING_RANK = RANK[WAITING_CLASS]
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,21 @@ def _yielding(state: WorkerState, runners: list[RunnerView]) -> int:
 
 
 def _may_yield(state: WorkerState, runners: list[RunnerView]) -> list[tuple[Running, str]]:
-    """Running tasks that have sent nothing yet and are not already yielding."""
+    """Running tasks that may yield (`_can_yield`), in a stable order."""
     return [
         (Running(task_id, r.classes[task_id][0], False, r.classes[task_id][1]), r.runner_id)
-        for r in runners for task_id in sorted(r.prefill)
-        if task_id in r.classes and state.task(task_id).cancel is None
+        for r in runners for task_id in sorted(r.prefill) if _can_yield(state, r, task_id)
     ]
+
+
+def _can_yield(state: WorkerState, runner: RunnerView, task_id: str) -> bool:
+    """A task of `runner` still prefilling (`prefill`: nothing sent yet) may yield when its
+    class is below WAITING_CLASS and it is not already yielding: `yields_to` chooses among
+    no others, and a full runner's tasks of WAITING_CLASS are so left out before a Running
+    is made of each, every plan."""
+    queued = runner.classes.get(task_id)
+    return (queued is not None and RANK[queued[0]] > _WAITING_RANK
+            and state.task(task_id).cancel is None)
 
 
 def _models(state: WorkerState) -> list[str]:
@@ -59,7 +70,7 @@ def _models(state: WorkerState) -> list[str]:
 
 
 def preempt(state: WorkerState, now: float) -> Preempt | None:
-    if state.stopping:
+    if state.stopping or not state.pending:  # nothing waits here to take a slot
         return None
     for model in _models(state):
         runners = _runners(state, model)
@@ -87,5 +98,5 @@ def pull_to_preempt(state: WorkerState, model: str) -> bool:
     if any(p.task.model == model for p in state.pending.values()) or any(
             m == model for m in state.receiving.values()):
         return False
-    candidates = _may_yield(state, runners)
-    return yields_to([running for running, _ in candidates], WAITING_CLASS) is not None
+    # Whether `yields_to` would choose one: any task that may yield (no list, no order).
+    return any(_can_yield(state, r, task_id) for r in runners for task_id in r.prefill)
