@@ -63,12 +63,19 @@ class Supervisor:
         """Run `factory()` for the owner's lifetime; restart it with backoff when it fails."""
         return self._start(name, self._keep_running(name, factory, critical))
 
-    def spawn(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """A one-shot child: its failure is logged with the traceback, the owner goes on."""
-        task = self._start(name, self._logged(name, coro))
-        # Cancelled before its first step, the wrapper never awaited `coro`: close it, or
-        # Python warns "coroutine ... was never awaited" (a standby's watch cancelled at once).
-        task.add_done_callback(lambda _: _close_unstarted(coro))
+    def spawn(
+        self, name: str, coro: Coroutine[Any, Any, Any],
+        into: set[asyncio.Task[Any]] | None = None,
+    ) -> asyncio.Task[Any]:
+        """A one-shot child: its failure is logged with the traceback, the owner goes on.
+        `into`: a set of the caller's that holds the child until it ends (what it waits on
+        at shutdown), kept by the same done callback."""
+        # Cancelled before its first step, the wrapper never awaited `coro`: `_start` closes
+        # it, or Python warns "coroutine ... was never awaited" (a standby's watch cancelled
+        # at once).
+        task = self._start(name, self._logged(name, coro), unstarted=coro, into=into)
+        if into is not None:
+            into.add(task)
         return task
 
     async def cancel_all(self) -> None:
@@ -82,17 +89,34 @@ class Supervisor:
     def children(self) -> int:
         return len(self._tasks)
 
-    def _start(self, name: str, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+    def _start(
+        self, name: str, coro: Coroutine[Any, Any, Any], *,
+        unstarted: Coroutine[Any, Any, Any] | None = None,
+        into: set[asyncio.Task[Any]] | None = None,
+    ) -> asyncio.Task[Any]:
+        """`unstarted`: a coroutine inside `coro` to close should the child end before
+        awaiting it. One done callback does all of a child's bookkeeping: each callback is a
+        turn of the event loop of its own, and a task's ending was four (issue 23)."""
         if self._group is None:
             raise RuntimeError(f"{self.name}: supervisor used outside `async with`")
         inner = coro
         if self.bounded_s is not None:
             coro = self._bounded(name, inner, self.bounded_s)
-        task = self._group.create_task(coro, name=f"{self.name}/{name}")
+        unstarted_ones = [unstarted] if unstarted is not None else []
         if inner is not coro:
-            task.add_done_callback(lambda _: _close_unstarted(inner))
+            unstarted_ones.append(inner)
+        task = self._group.create_task(coro, name=f"{self.name}/{name}")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        tasks = self._tasks
+
+        def ended(task: asyncio.Task[Any]) -> None:
+            tasks.discard(task)
+            if into is not None:
+                into.discard(task)
+            for each in unstarted_ones:
+                _close_unstarted(each)
+
+        task.add_done_callback(ended)
         return task
 
     async def _bounded(

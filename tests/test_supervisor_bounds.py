@@ -74,3 +74,33 @@ async def test_entered_in_one_task_and_left_in_another() -> None:
 
     await asyncio.wait_for(asyncio.create_task(leave()), GUARD_S)
     assert owner.children == 0
+
+
+@pytest.mark.parametrize("bounded_s", [None, 0.2])
+async def test_a_child_leaves_the_owner_and_its_callers_set_as_it_ends(
+    bounded_s: float | None,
+) -> None:
+    release = asyncio.Event()
+    mine: set[asyncio.Task[object]] = set()
+    async with Supervisor("test", bounded_s=bounded_s) as owner:
+        child = owner.spawn("child", release.wait(), into=mine)
+        assert mine == {child} and owner.children == 1
+        release.set()
+        # Its done callbacks run in the order they were added: ours, then shield's.
+        await asyncio.wait_for(asyncio.shield(child), GUARD_S)
+        assert mine == set() and owner.children == 0
+
+
+@pytest.mark.parametrize("bounded_s", [None, 0.2])
+async def test_a_child_cancelled_before_it_started_closes_its_coroutine(
+    bounded_s: float | None,
+) -> None:
+    async def never() -> None:
+        raise AssertionError("not started")
+
+    coro = never()
+    async with Supervisor("test", bounded_s=bounded_s) as owner:
+        child = owner.spawn("child", coro)
+        child.cancel()
+    assert child.cancelled()
+    assert coro.cr_frame is None  # closed: no "was never awaited" warning

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 CHARGE_GATE_ENV = "FLEET_FAULT_CHARGE_GATE"
 
 
-async def _gate(point: str, task_id: str) -> None:
-    where, _, fifo = os.environ.get(CHARGE_GATE_ENV, "").partition(":")
+async def _gate(gate: str, point: str, task_id: str) -> None:
+    """`gate`: CHARGE_GATE_ENV's value, read once by Endings (not twice an ending)."""
+    where, _, fifo = gate.partition(":")
     if where != point or not fifo:
         return
     log.warning("fault injection: the ending of %s waits %s its charge on %s", task_id,
@@ -62,6 +63,7 @@ class Endings:
         self._running: set[asyncio.Task[Any]] = set()
         self.unstored = 0  # terminals that could not be stored (their tasks are redelivered)
         self.fenced = 0  # tasks given up at their ending: another attempt had taken them over
+        self._charge_gate = os.environ.get(CHARGE_GATE_ENV, "")  # tests only
 
     def finish(self, event: TaskFinished, msg: Msg | None) -> None:
         """Store a runner's terminal (its earlier events were queued before it), then ack."""
@@ -89,9 +91,7 @@ class Endings:
             await asyncio.wait(set(self._running), timeout=timeout)
 
     def _start(self, name: str, coro: Coroutine[Any, Any, Any]) -> None:
-        task = self.owner.spawn(name, coro)
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        self.owner.spawn(name, coro, into=self._running)
 
     async def _finish(self, event: TaskFinished, msg: Msg | None) -> None:
         try:
@@ -109,9 +109,9 @@ class Endings:
         # message to a redelivery, which charges from the stored terminal (once: the mark).
         charge = None
         if self.charges is not None:
-            await _gate("before", event.task_id)
+            await _gate(self._charge_gate, "before", event.task_id)
             charge = await self.charges.before_ack(msg, ended)
-            await _gate("after", event.task_id)
+            await _gate(self._charge_gate, "after", event.task_id)
         acked = await self._settle(event.task_id, msg, Stage.FINISHED_STORED, "ack")
         if self.charges is not None and acked:
             await self.charges.after_ack(charge)
