@@ -55,6 +55,22 @@ ESTIMATE = 256.0
 # acks within AckWait (#7052, 2.11.x); a pull of a lane with tasks stored does too.
 INACTIVE_S = 3600.0
 LOOKUP_BUDGET_S = 2.0
+# While no lane of a model has held tasks lately, a fetch reads the lanes' counts at most this
+# often: the read is a FLEET_TASKS stream info (a round trip and ~100 us of the worker loop's
+# CPU to parse), and every fetch made one, one a task at light load, where no lane was ever
+# used (issue 23). A lane's first task so waits at most about this long for a worker busy
+# with shared tasks (an idle worker's fetch waits up to its FETCH_WAIT_S anyway).
+LOOK_EVERY_S = 0.2
+
+
+def reads_counts(now: float, seen: float | None, read: float | None, recent: float,
+                 every: float = LOOK_EVERY_S) -> bool:
+    """Pure. Whether a fetch reads the lanes' counts: always while a lane held tasks within
+    `recent` seconds (`seen`: when a read last found some), else when the last read (`read`)
+    is `every` old or there was none."""
+    if seen is not None and now - seen < recent:
+        return True
+    return read is None or now - read >= every
 
 
 def backlog(counts: Mapping[str, int], priority: str) -> dict[str, int]:

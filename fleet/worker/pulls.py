@@ -53,7 +53,7 @@ from fleet.config import Settings
 from fleet.wire import subjects
 from fleet.wire.tasks import Priority
 from fleet.worker.consumer_guard import ConsumerGuard
-from fleet.worker.lanes import Lanes
+from fleet.worker.lanes import Lanes, reads_counts
 from fleet.worker.priority import CLASSES, Turn, pull_order, quota
 from fleet.worker.pull_now import pull_now
 from fleet.worker.standing import Cover, Step, covered, round_step, stands
@@ -104,6 +104,7 @@ class TaskPuller:
         self.guard = ConsumerGuard(nc, self, settings.max_deliver, settings.ack_wait_s, meter)
         self.lanes = Lanes(nc, js, settings)  # tenant lanes (fleet.worker.lanes)
         self.lanes_seen: dict[str, float] = {}  # model -> when its lanes last held tasks
+        self.lanes_read: dict[str, float] = {}  # model -> when its lanes' counts were asked
         # Told of what a fetch brought before the fetch returns (the worker sends the tasks'
         # claims from here: fleet.worker.intake.Intake.ahead).
         self.on_fetched: Callable[[list[Msg]], Awaitable[None]] | None = None
@@ -137,8 +138,13 @@ class TaskPuller:
         # The lanes' counts, asked for now and read at the first class that needs them: the
         # look-up (a stream info) was a round trip of its own after the first class's pull,
         # and a task published meanwhile waited for it and the later pulls before the wait
-        # that takes it went out (issue 23: ~3.5 ms of a 4 ms round at light load).
-        lane_counts = asyncio.ensure_future(self._lane_counts(model))
+        # that takes it went out (issue 23: ~3.5 ms of a 4 ms round at light load). Not at
+        # every fetch while no lane is in use (fleet.worker.lanes.reads_counts).
+        lane_counts: asyncio.Future[dict[str, int]] | None = None
+        if reads_counts(now, self.lanes_seen.get(model), self.lanes_read.get(model),
+                        LANES_RECENT_S):
+            self.lanes_read[model] = now
+            lane_counts = asyncio.ensure_future(self._lane_counts(model))
         try:
             for turn in pull_order(served, now):
                 if only is not None and turn.priority != only:
@@ -193,7 +199,8 @@ class TaskPuller:
             await asyncio.sleep(ERROR_PAUSE_S)  # pacing a retry after a broker error
             return got
         finally:  # owned here: unread when the first class filled the batch
-            await cancel_and_wait([lane_counts])
+            if lane_counts is not None:
+                await cancel_and_wait([lane_counts])
 
     async def _pull(
         self, model: str, priority: Priority, batch: int, wait_s: float | None
@@ -221,9 +228,11 @@ class TaskPuller:
         return counts
 
     async def _from_lanes(self, model: str, priority: Priority, wanted: int,
-                          counts: asyncio.Future[dict[str, int]]) -> list[Msg]:
+                          counts: asyncio.Future[dict[str, int]] | None) -> list[Msg]:
         """Up to `wanted` tasks of the class's tenant lanes (fleet.worker.lanes), with the
-        counts this fetch asked for at its start."""
+        counts this fetch asked for at its start (None: it asked for none, no lane pulled)."""
+        if counts is None:
+            return []
         return await self.lanes.pull(model, priority, wanted, await asyncio.shield(counts))
 
     async def _first_of(self, model: str, turns: list[Turn], wait_s: float,

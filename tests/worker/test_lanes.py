@@ -17,7 +17,7 @@ from fleet.wire.events import TaskFinished, Usage
 from fleet.wire.fairness import TenantShare
 from fleet.wire.tasks import TextGeneration
 from fleet.worker.fair_charge import FairCharges
-from fleet.worker.lanes import CREDIT, backlog, fair_order, lifts
+from fleet.worker.lanes import CREDIT, LOOK_EVERY_S, backlog, fair_order, lifts, reads_counts
 from fleet.worker.pulls import TaskPuller
 from tests.secured import as_role, shipped_auth_server
 
@@ -60,6 +60,17 @@ def test_lifts(counters: dict[str, float], lanes: list[str], raised: dict[str, f
 def test_fair_order(counters: dict[str, float], weights: dict[str, float], lanes: list[str],
                     picks: int, order: list[str]) -> None:
     assert fair_order(counters, weights, lanes, picks) == order
+
+
+@pytest.mark.parametrize(("seen", "read", "reads"), [
+    (None, None, True),  # the first fetch reads them
+    (None, 100.0 - LOOK_EVERY_S / 2, False),  # no lane in use, read lately: not again
+    (None, 100.0 - LOOK_EVERY_S, True),  # read LOOK_EVERY_S ago: again
+    (100.0 - 59.0, 100.0 - LOOK_EVERY_S / 2, True),  # a lane held tasks lately: every fetch
+    (100.0 - 60.0, 100.0 - LOOK_EVERY_S / 2, False),  # not for `recent`: as if none
+])
+def test_reads_counts(seen: float | None, read: float | None, reads: bool) -> None:
+    assert reads_counts(100.0, seen, read, recent=60.0) is reads
 
 
 def test_lane_durables_are_apart_where_their_names_would_join() -> None:
