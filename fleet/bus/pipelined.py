@@ -96,8 +96,11 @@ class Pipelined:
     async def answer(self, sent: Sent, timeout: float = FAST_TIMEOUT_S) -> Msg:
         """The answer to a sent request, as `request` returns it."""
         try:
-            async with asyncio.timeout(timeout):
-                answer = await sent.waiter
+            if sent.waiter.done():  # sent ahead and answered: no timer to arm and cancel
+                answer = sent.waiter.result()
+            else:
+                async with asyncio.timeout(timeout):
+                    answer = await sent.waiter
         finally:
             self._waiting.pop(sent.reply, None)
         if answer.headers and answer.headers.get(Header.STATUS) == NO_RESPONDERS_STATUS:

@@ -223,15 +223,28 @@ class Claims:
         same: only a claim's holder writes on `fleet.out.<id>`, and a fresh claim had none.
         """
         sent = self._ahead.pop((task_id, owner), None)
-        events = asyncio.ensure_future(self._has_events(task_id, sent))
+        if sent is not None:
+            # Both already in flight (`ahead`): their answers are read in turn, with no task
+            # of their own to start and end (two of a task's ~60 loop passes, issue 23).
+            try:
+                claim = await self.claim(task_id, owner, sent=sent.create)
+                earlier = claim is Claim.FRESH and await self._has_events(task_id, sent)
+            finally:  # a look-up whose answer does not count is left unread
+                pipelined_for(self.nc).forget(sent.lookup)
+            return await self._verdict(task_id, owner, claim, earlier)
+        events = asyncio.ensure_future(self._has_events(task_id, None))
         try:
-            claim = await self.claim(task_id, owner, sent=sent.create if sent else None)
+            claim = await self.claim(task_id, owner)
             earlier = claim is Claim.FRESH and await events
         finally:  # owned here: a look-up not needed (or left by a failed claim) is ended
             await cancel_and_wait([events])
             if not events.cancelled() and (failed := events.exception()) is not None:
                 # Raised above when its answer counted; logged either way, never swallowed.
                 log.warning("task %s: the events look-up failed: %r", task_id, failed)
+        return await self._verdict(task_id, owner, claim, earlier)
+
+    async def _verdict(self, task_id: str, owner: str, claim: Claim,
+                       earlier: bool) -> RefusedReason | None:
         if (reason := refusal(claim, earlier)) == "task_id_used":
             # Nobody may own an id whose events are already there, this message included:
             # its redelivery would otherwise find its "own" claim and write on them.
