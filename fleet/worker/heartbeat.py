@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -72,6 +72,9 @@ LIST_GAP_S = 0.002
 # stall intake; the message is then listed by a later beat, and until then AckWait guards it.
 LIST_WAIT_S = 1.0
 NODE_TTL_S = 15.0  # FLEET_NODES' max age in ops/jetstream; read from the bucket at start
+# A message listed from its fetch (`list_ahead`) stays listed by that for this long: by then
+# the worker's loop holds it (the held list has it) or it has ended.
+AHEAD_LISTED_S = LIST_WAIT_S
 
 
 class Heartbeat:
@@ -97,6 +100,7 @@ class Heartbeat:
         self._asked = asyncio.Event()  # set by `list_held`: a listing is wanted now
         self._beaten = asyncio.Event()  # replaced after each beat: `list_held` waits on it
         self._built: tuple[NodeInfo, float] | None = None  # the last record built, and when
+        self._ahead: dict[str, float] = {}  # fetched, not yet held: subject -> when fetched
 
     async def read_ttl(self, js: JetStreamContext) -> None:
         """How long a silent node's key lives: the bucket's max age (the TTL of record)."""
@@ -127,8 +131,8 @@ class Heartbeat:
         try:
             if not self.nc.is_connected:
                 raise ConnectionError("not connected to NATS")
-            held = self.held()
             now = time.monotonic()
+            held, self._ahead = listing(self.held(), self._ahead, now)
             if self._built is None or rebuilds(records, self._built[1], now, HEARTBEAT_S):
                 self._built = self.info(), now
             info = self._built[0].model_copy(update={"held_acks": held, "at": time.time()})
@@ -171,6 +175,19 @@ class Heartbeat:
             log.debug("heartbeat: the fast put had no answer (%r)", exc)
         await self.node_records.put(
             info, budget_s=max(0.0, budget_s - (time.monotonic() - began)))
+
+    def list_ahead(self, fetched: Iterable[str | None]) -> None:
+        """List freshly fetched messages (their ack subjects) from now, before the worker's
+        loop takes them in and holds them: the beat's put goes out beside their claims'
+        creates (fleet.worker.claims.Claims.ahead), not after the loop's hops to the intake,
+        and the intake's `list_held` finds it stored or in flight (issue 23: at light load
+        the put was sent ~1 ms after the fetch, and its answer came after the claim's)."""
+        now = time.monotonic()
+        for subject in fetched:
+            if subject:
+                self._ahead[subject] = now
+                if asks(subject, self._listed, self._listing):
+                    self._asked.set()
 
     def ask_to_list(self, subject: str | None) -> None:
         """Ask for a beat that lists `subject` now, without waiting for it: a caller that
@@ -256,6 +273,20 @@ def rebuilds(full: bool, built_at: float, now: float, period: float = HEARTBEAT_
     does, and so does any beat once the last build is `period` old (a listing beat never
     carries facts older than one full beat's period, even when full beats were put off)."""
     return full or now - built_at >= period
+
+
+def listing(held: list[str], ahead: dict[str, float], now: float,
+            keep: float = AHEAD_LISTED_S) -> tuple[list[str], dict[str, float]]:
+    """Pure. What a beat at `now` lists, and what stays listed from its fetch
+    (`Heartbeat.list_ahead`): the held messages, then those fetched less than `keep` ago
+    that are not held (yet). One the held list has leaves `ahead`, listed by that from
+    then on, so `ahead` stays a few entries however many tasks pass."""
+    if not ahead:
+        return held, ahead
+    known = set(held)
+    left = {subject: at for subject, at in ahead.items()
+            if subject not in known and now - at < keep}
+    return held + list(left), left
 
 
 def newly_held(held: list[str], listed: frozenset[str]) -> bool:

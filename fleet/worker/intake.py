@@ -102,7 +102,10 @@ class Intake:
     async def ahead(self, msgs: list[Msg]) -> None:
         """Freshly fetched messages: decode each and send its claim now (Claims.ahead), before
         the worker's loop takes them in; `receive` reads both. A message that does not decode
-        is left to `receive` whole (it claims what it can). Never raises."""
+        is left to `receive` whole (it claims what it can). Their listing in this node's
+        heartbeat is asked for first (Heartbeat.list_ahead), so its put goes out with the
+        claims. Never raises."""
+        self.cluster.heartbeat.list_ahead(msg.reply for msg in msgs)
         try:
             claims = await self._claims()
         except Exception as exc:  # `receive` opens them again, and says so if it fails

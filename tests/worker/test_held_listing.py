@@ -26,6 +26,7 @@ from fleet.worker.heartbeat import (
     LIST_WAIT_S,
     Heartbeat,
     asks,
+    listing,
     listing_wait,
     rebuilds,
     stored,
@@ -138,6 +139,45 @@ async def test_a_listing_asked_before_the_intake_is_found_after_it(
         beating.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await beating
+
+
+async def test_a_message_listed_from_its_fetch_is_stored_before_it_is_held(
+    provisioned_nc: Client, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`list_ahead` at the fetch: the asked beat lists the message before the loop holds it
+    (the put goes out beside the claim's create); the intake's ask and wait after it, the
+    message now held, find it listed and ask for no second beat."""
+    monkeypatch.setattr(heartbeat, "HEARTBEAT_S", 3600.0)
+    nc = provisioned_nc
+    reply = "$JS.ACK.x.reply.2"
+    held: list[str] = []
+    beat = await _beating_for(nc, held)
+    before = await _revision(nc)
+    beating = asyncio.ensure_future(beat.forever())
+    try:
+        beat.list_ahead([reply, None])
+        assert await beat.list_held(reply) is not None  # not held yet: listed from its fetch
+        assert reply in await _listed(nc)
+        held.append(reply)  # AckPolicy.hold, in the worker's loop, later
+        beat.ask_to_list(reply)
+        assert not beat._asked.is_set()
+        assert await beat.list_held(reply) is not None
+        assert await _revision(nc) == before + 1, "one beat: the one the fetch asked for"
+    finally:
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
+
+
+@pytest.mark.parametrize(("held", "ahead", "listed", "left"), [
+    (["a"], {}, ["a"], {}),
+    ([], {"b": 9.5}, ["b"], {"b": 9.5}),  # fetched, not held yet: listed from its fetch
+    (["a"], {"a": 9.5, "b": 9.5}, ["a", "b"], {"b": 9.5}),  # held now: the held list has it
+    ([], {"b": 9.0}, [], {}),  # fetched AHEAD_LISTED_S ago (1 s) and never held: ended
+])
+def test_listing(held: list[str], ahead: dict[str, float], listed: list[str],
+                 left: dict[str, float]) -> None:
+    assert listing(held, ahead, 10.0, keep=1.0) == (listed, left)
 
 
 @pytest.mark.parametrize(("now", "last", "wait"), [
