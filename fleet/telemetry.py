@@ -10,7 +10,13 @@ Where finished spans go:
   `export_to_nats`, so `fleet trace` needs no collector.
 - A runner adds its pipe instead: it has no NATS, and its worker re-exports its spans.
 
-OTEL_SDK_DISABLED=true skips all of it; the API's no-op tracer then costs a function call.
+The worker's per-task spans (its `process` spans, their children, the `send` span of each
+publish) are not SDK spans but live spans (fleet/trace/live.py, `start_span`): records from the
+start, exported to the same places (NATS, OTLP) at their end, at a fraction of the SDK's cost.
+Span processors added with `add_processor` see SDK spans only.
+
+OTEL_SDK_DISABLED=true skips all of it; the API's no-op tracer then costs a function call, and
+`start_span` returns the invalid span at once.
 """
 
 from __future__ import annotations
@@ -22,14 +28,17 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from fleet.trace.live import LiveSpan, LiveSpans
 from fleet.trace.records import SpanRecord, readable_of
 from fleet.wire.tasks import Embeddings, ImageEdits, Task, TextGeneration
 
@@ -52,6 +61,19 @@ class Telemetry:
         self.provider = provider
         self.otlp = otlp
         self.nats: NatsSpanProcessor | None = None
+        service = str(provider.resource.attributes.get("service.name", "unknown"))
+        self.live = LiveSpans(service, provider.sampler, self._opened, self._ended)
+
+    def _opened(self, trace_id: str) -> None:
+        if self.nats is not None:
+            self.nats.opened(trace_id)
+
+    def _ended(self, record: SpanRecord, local_root: bool) -> None:
+        """A live span ended: exported as the SDK's span processors would have."""
+        if self.otlp is not None:
+            self.otlp.on_end(readable_of(record, self.provider.resource))
+        if self.nats is not None:
+            self.nats.ended(record, local_root)
 
     def add_processor(self, processor: SpanProcessor) -> None:
         self.provider.add_span_processor(processor)
@@ -130,6 +152,16 @@ async def flush() -> None:
         await _installed.flush()
 
 
+def start_span(
+    name: str, kind: SpanKind, context: Context | None, attributes: dict[str, Any]
+) -> Span:
+    """A live span (fleet/trace/live.py) under `context`'s span (None: the current one); the
+    invalid span where the SDK is off. Not made current: the caller does that if it must."""
+    if _installed is None:
+        return INVALID_SPAN
+    return _installed.live.start(name, kind, context, attributes)
+
+
 # ---- context in and out of headers ---------------------------------------------------------
 
 
@@ -144,12 +176,34 @@ def inject_headers(headers: MutableMapping[str, str]) -> None:
     current = otel_context.get_current()
     cached = _injected.get(id(current))
     if cached is None or cached[0] is not current:
-        carrier: dict[str, str] = {}
-        propagate.inject(carrier, context=current)
+        carrier = _live_carrier(current)
+        if carrier is None:
+            carrier = {}
+            propagate.inject(carrier, context=current)
         if len(_injected) >= _INJECTED_CACHE_SIZE:
             _injected.clear()
         cached = _injected[id(current)] = (current, carrier)
     headers.update(cached[1])
+
+
+# The propagators OTEL_PROPAGATORS names by default, for which a live span's headers are its
+# own `carrier` (checked again whenever the global propagator is replaced).
+_DEFAULT_PROPAGATORS = (TraceContextTextMapPropagator, W3CBaggagePropagator)
+_checked: tuple[object, bool] = (None, False)
+
+
+def _live_carrier(context: Context) -> dict[str, str] | None:
+    """A live span's headers where the default propagators would write just them (no
+    baggage): no inject a send span, nor one a task's context."""
+    global _checked
+    span = trace.get_current_span(context)
+    if not isinstance(span, LiveSpan) or baggage.get_all(context):
+        return None
+    textmap = propagate.get_global_textmap()
+    if _checked[0] is not textmap:
+        kinds = tuple(type(p) for p in getattr(textmap, "_propagators", ()))
+        _checked = (textmap, kinds == _DEFAULT_PROPAGATORS)
+    return span.carrier if _checked[1] else None
 
 
 def extract_context(headers: Mapping[str, str] | None) -> Context:
@@ -173,10 +227,13 @@ def trace_id_of(traceparent: str | None) -> str | None:
 
 
 def carried(span: Span) -> tuple[str | None, str | None]:
-    """(traceparent, tracestate) naming `span` as the parent, for a runner frame."""
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=trace.set_span_in_context(span))
-    return carrier.get("traceparent"), carrier.get("tracestate")
+    """(traceparent, tracestate) naming `span` as the parent, for a runner frame: W3C trace
+    context, what the propagator writes, formatted here without its context and carrier calls."""
+    context = span.get_span_context()
+    if not context.is_valid:
+        return None, None
+    traceparent = f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+    return traceparent, context.trace_state.to_header() or None
 
 
 # ---- GenAI names -----------------------------------------------------------------------------
@@ -202,15 +259,16 @@ def destination_template(subject: str) -> str:
     return subject
 
 
-# Got once: a tracer per send cost ~1.5 % of a worker's dispatch CPU (issue 23). A proxy until
-# a provider is set, it follows the provider set later (opentelemetry's ProxyTracer).
-_BUS_TRACER = trace.get_tracer("fleet.bus")
-
-
 @contextmanager
 def send_span(subject: str, msg_id: str | None, body_size: int) -> Iterator[Span]:
     """`send <subject>` (PRODUCER), current while the message is published, so its headers
-    name it as the parent of whatever processes the message."""
+    name it as the parent of whatever processes the message. A live span (`start_span`): the
+    SDK's cost a publish was ~7 % of a worker's CPU at rate (issue 23). None at all where the
+    SDK is off, and one not sampled is not made current: the sampling that follows the
+    parent's flag (the default) sees the same flag on the context around it."""
+    if _installed is None:
+        yield INVALID_SPAN
+        return
     template = destination_template(subject)
     attributes: dict[str, Any] = {
         "messaging.system": "nats",
@@ -223,7 +281,17 @@ def send_span(subject: str, msg_id: str | None, body_size: int) -> Iterator[Span
         attributes["messaging.destination.template"] = template
     if msg_id:
         attributes["messaging.message.id"] = msg_id
-    with _BUS_TRACER.start_as_current_span(
-        f"send {template}", kind=SpanKind.PRODUCER, attributes=attributes
-    ) as span:
+    span = _installed.live.start(f"send {template}", SpanKind.PRODUCER, None, attributes)
+    if not isinstance(span, LiveSpan) and _installed.live.parent_based:
         yield span
+        return
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield span
+    except Exception as exc:  # as the SDK's use_span: the failure recorded on it
+        span.record_exception(exc)
+        span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        otel_context.detach(token)
+        span.end()

@@ -47,14 +47,22 @@ class NatsSpanProcessor(SpanProcessor):
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
         context = span.context
         if context is not None and context.trace_flags.sampled and _is_local_root(span):
-            with self._lock:
-                self._held.opened(format(context.trace_id, "032x"))
+            self.opened(format(context.trace_id, "032x"))
 
     def on_end(self, span: ReadableSpan) -> None:
         if span.context is None or not span.context.trace_flags.sampled:
             return
-        record = record_of(span)
-        if not _is_local_root(span):
+        self.ended(record_of(span), _is_local_root(span))
+
+    def opened(self, trace_id: str) -> None:
+        """A local root of this trace started (a sampled one)."""
+        with self._lock:
+            self._held.opened(trace_id)
+
+    def ended(self, record: SpanRecord, local_root: bool) -> None:
+        """A sampled span of this process ended: an SDK span or a live one
+        (fleet/trace/live.py)."""
+        if not local_root:
             self.add([record])
             return
         with self._lock:

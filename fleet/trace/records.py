@@ -95,8 +95,9 @@ def made(
     return record
 
 
-def readable_of(record: SpanRecord) -> ReadableSpan:
-    """The SDK span a record describes, for exporters that take SDK spans (OTLP)."""
+def readable_of(record: SpanRecord, resource: Resource | None = None) -> ReadableSpan:
+    """The SDK span a record describes, for exporters that take SDK spans (OTLP). `resource`:
+    the process's own, for a span it made (all its attributes, not just the service)."""
     trace_id = int(record["trace_id"], 16)
     parent = None
     if parent_id := record.get("parent_id"):
@@ -110,7 +111,7 @@ def readable_of(record: SpanRecord) -> ReadableSpan:
             trace_id, int(record["span_id"], 16), is_remote=False, trace_flags=_SAMPLED
         ),
         parent=parent,
-        resource=_resource(record.get("service", "unknown")),
+        resource=resource or _resource(record.get("service", "unknown")),
         attributes=record.get("attributes") or {},
         events=[
             Event(e["name"], e.get("attributes") or {}, e["time_ns"])
