@@ -153,12 +153,14 @@ def spawn_runner(state: WorkerState, now: float) -> Action | None:
 def advance_runner(state: WorkerState, now: float) -> Action | None:
     """Move a runner one lifecycle step on. Never one being stopped (or about to be): a
     shutdown is final, and advancing it would undo it (the place-then-remove livelock)."""
-    orphaned = _orphaned(state)
+    orphaned: set[str] | None = None  # found only for a runner with a step to take
     for runner in state.runners.values():
-        if runner.shutting_down or runner.runner_id in orphaned:
-            continue
         command = LIFECYCLE.get(runner.status.state)
-        if command and runner.command_sent != command:
+        if runner.shutting_down or not command or runner.command_sent == command:
+            continue
+        if orphaned is None:
+            orphaned = _orphaned(state)
+        if runner.runner_id not in orphaned:
             return AdvanceRunner(runner.runner_id, command)
     return None
 

@@ -37,7 +37,9 @@ def routes(state: WorkerState, now: float) -> Iterator[tuple[str, PendingTask, D
     for task_id, pending in order:
         if pending.inputs is None or pending.handing_off is not None:
             continue
-        candidates = [replace(c, waiting_blocks=waiting.get(c.runner_id, 0))
+        # A runner no earlier task waits for keeps its candidate as made (waiting_blocks 0).
+        candidates = [replace(c, waiting_blocks=waiting[c.runner_id])
+                      if c.runner_id in waiting else c
                       for c in local_candidates(state, pending)]
         candidates += remote_candidates(state, pending, now, hosts)
         decision = choose(pending.blocks, candidates, state.routing)
