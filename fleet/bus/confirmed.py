@@ -85,6 +85,7 @@ class _Sequence:
     repair: asyncio.Task[None] | None = None
     sent: int = 0  # messages[:sent] went out pipelined, in order (the rest queue)
     pacer: asyncio.Task[None] | None = None  # sends what queued behind a full window
+    tokens: set[str] = field(default_factory=set)  # the reply tokens of its unanswered sends
     # Set at every answer to one of this sequence's messages (a waiter clears it first).
     progress: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -225,9 +226,9 @@ class ConfirmedPublisher:
             seq.repair.cancel()
         if seq.pacer:
             seq.pacer.cancel()
-        for token, (sent_in, _) in list(self._waiting.items()):
-            if sent_in is seq:
-                del self._waiting[token]
+        # Its own tokens, not a scan of every sequence's (one a finished task, 64 in flight).
+        for token in seq.tokens:
+            self._waiting.pop(token, None)
 
     async def close(self) -> None:
         for key in list(self._sequences):
@@ -305,6 +306,7 @@ class ConfirmedPublisher:
         message.error = None
         message.sends += 1
         self._waiting[token] = (seq, message)
+        seq.tokens.add(token)
         try:
             await self.nc.publish(
                 message.subject, message.body, reply=f"{self._inbox}.{token}",
@@ -312,6 +314,7 @@ class ConfirmedPublisher:
             )
         except BaseException:
             self._waiting.pop(token, None)
+            seq.tokens.discard(token)
             raise
 
     async def _on_ack(self, msg: Msg) -> None:
@@ -320,6 +323,7 @@ class ConfirmedPublisher:
         if found is None:
             return
         seq, message = found
+        seq.tokens.discard(token)
         error, reply = _ack_of(msg)
         if error is None:
             if message.seq is None:  # an earlier send's late answer counts as well

@@ -141,6 +141,7 @@ async def test_tokens_are_stored_in_order_then_the_terminal(server: EmbeddedNats
     events = await stored_events(nc, "t1")
     assert [e.index for e in events if isinstance(e, TokenChunk)] == list(range(TOKENS))
     assert isinstance(events[0], TaskAccepted) and len(events) == TOKENS + 2
+    assert not output.confirmed._waiting  # nothing kept of an ended task
     await nc.close()
 
 
@@ -170,6 +171,7 @@ async def test_a_broker_sigkilled_and_restarted_mid_task_loses_nothing(
         assert isinstance(events[-1], TaskFinished) and events[-1].status == "completed"
         assert len(events) == TOKENS + 2
         assert output.confirmed.repairs >= 1 and output.confirmed.resent >= 1
+        assert not output.confirmed._waiting  # its sends lost unanswered are forgotten too
     finally:
         await nc.close()
         restarted.stop()
