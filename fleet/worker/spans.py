@@ -14,7 +14,6 @@ same spans where the same exporters see them, at a fraction of the SDK's cost a 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -26,6 +25,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from fleet.bus.connect import MSG_ID
 from fleet.meters import task_attributes
 from fleet.telemetry import carried, extract_context, start_span
+from fleet.trace.live import Within
 from fleet.wire import subjects
 from fleet.wire.events import TaskFinished
 from fleet.wire.tasks import Task
@@ -96,23 +96,14 @@ class TaskSpans:
         context = self._contexts.get(task_id) if task_id else None
         return contextlib.nullcontext() if context is None else _Current(context)
 
-    @contextlib.contextmanager
-    def child(self, task_id: str, name: str, attributes: dict[str, Any]) -> Iterator[None]:
+    def child(
+        self, task_id: str, name: str, attributes: dict[str, Any]
+    ) -> contextlib.AbstractContextManager[object]:
+        """A span of the task's, current in the block (nothing when the task has none)."""
         context = self._contexts.get(task_id)
         if context is None:
-            yield
-            return
-        span = start_span(name, SpanKind.INTERNAL, context, attributes)
-        token = otel_context.attach(trace.set_span_in_context(span, context))
-        try:
-            yield
-        except Exception as exc:  # as the SDK's use_span: the failure recorded on it
-            span.record_exception(exc)
-            span.set_status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}")
-            raise
-        finally:
-            otel_context.detach(token)
-            span.end()
+            return contextlib.nullcontext()
+        return Within(start_span(name, SpanKind.INTERNAL, context, attributes), context)
 
     def finished(self, event: TaskFinished) -> None:
         """The task's outcome, as the worker publishes it (the runner's or its own)."""

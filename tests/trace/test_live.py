@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from opentelemetry import propagate, trace
+from opentelemetry import baggage, propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider, sampling
@@ -223,3 +223,30 @@ def test_nothing_is_made_where_the_sdk_is_off(monkeypatch: pytest.MonkeyPatch) -
     with telemetry.send_span("fleet.tasks.m", None, 1) as span:
         assert span is trace.INVALID_SPAN and trace.get_current_span() is before
     assert telemetry.start_span("s", SpanKind.CONSUMER, None, {}) is trace.INVALID_SPAN
+
+
+TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+@pytest.mark.parametrize("headers", [
+    None, {}, {"Nats-Msg-Id": "t1"},
+    {"traceparent": TRACEPARENT},
+    {"traceparent": TRACEPARENT, "tracestate": "vendor=v1,other=o2"},
+    {"traceparent": TRACEPARENT.replace("-01", "-00")},
+    {"traceparent": TRACEPARENT, "baggage": "tenant=a"},
+    {"baggage": "tenant=a"},
+    {"traceparent": "ff" + TRACEPARENT[2:]},
+    {"traceparent": "00-" + "0" * 32 + "-b7ad6b7169203331-01"},
+    {"traceparent": TRACEPARENT + "-extra"},
+    {"traceparent": "not one"},
+])
+def test_a_context_read_from_headers_is_what_the_propagators_read(
+    headers: dict[str, str] | None,
+) -> None:
+    """extract_context reads W3C trace context itself where the propagators are the default
+    ones and there is no baggage: the same context as theirs."""
+    expected = propagate.extract(dict(headers or {}))
+    got = telemetry.extract_context(headers)
+    assert trace.get_current_span(got).get_span_context() == (
+        trace.get_current_span(expected).get_span_context())
+    assert dict(baggage.get_all(got)) == dict(baggage.get_all(expected))
