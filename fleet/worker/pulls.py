@@ -99,7 +99,8 @@ class TaskPuller:
         self.sweeps: dict[tuple[str, str], asyncio.Task[None]] = {}
         self.strays: dict[tuple[str, str], list[Msg]] = {}  # brought by such a request
         self.covers: dict[tuple[str, str], Cover] = {}  # that request, while it is open
-        self.arrived: dict[str, asyncio.Event] = {}  # model -> a request brought a task, or ended
+        # model -> a request brought a task, or ended (while a wait of the model's is on)
+        self.arrived: dict[str, asyncio.Future[None]] = {}
         self.given_back = 0  # strays no pull of their class took before the request expired
         self.guard = ConsumerGuard(nc, self, settings.max_deliver, settings.ack_wait_s, meter)
         self.lanes = Lanes(nc, js, settings)  # tenant lanes (fleet.worker.lanes)
@@ -190,8 +191,12 @@ class TaskPuller:
                                            else FETCH_WAIT_S, interrupt)
                 delivered = {subjects.priority_of_task_subject(msg.subject) for msg in got}
                 for turn in turns:
-                    if stands(turn.priority in delivered, quota(turn, batch - len(got), reserve)):
+                    if turn.priority not in delivered:
+                        continue
+                    if stands(True, quota(turn, batch - len(got), reserve)):
                         await self._stand(model, turn.priority)
+                    else:  # its request is spent: the class is pulled again
+                        await self._end_sweep(model, turn.priority)
             return got
         except Exception as exc:  # the loop must go on; the next plan pulls again
             log.warning("fetch for %s failed: %s", model, type(exc).__name__ + f" {exc}".rstrip())
@@ -249,13 +254,13 @@ class TaskPuller:
         reconnects = self._reconnects()
         standing = {t.priority: self.covers[(model, t.priority)] for t in turns
                     if self._covered(model, t.priority)}
-        arrived = self.arrived.setdefault(model, asyncio.Event())
-        arrived.clear()  # strays of covered classes: none now (else not covered)
+        # Strays of covered classes: none now (else not covered). A plain future, set by
+        # `_arrive`: no task of its own to wake first (one loop pass of a task's way, issue 23).
+        watch = self.arrived[model] = loop.create_future() if standing else None
         waits = {t.priority: asyncio.ensure_future(self._pull(model, t.priority, 1, wait_s))
                  for t in turns if t.priority not in standing}
         # Owned here: cancelled below however the wait ends (an Event's wait cannot fail).
         stop = asyncio.ensure_future(interrupt.wait()) if interrupt is not None else None
-        watch = asyncio.ensure_future(arrived.wait()) if standing else None
         # Not past the earliest standing request's expiry: then that class is open again.
         timeout = min([wait_s, *(c.until - now for c in standing.values())]) if standing else None
         try:
@@ -266,6 +271,8 @@ class TaskPuller:
             for future in (stop, watch):
                 if future is not None:
                     future.cancel()
+            if watch is not None and self.arrived.get(model) is watch:
+                del self.arrived[model]
         pending = {wait for wait in waits.values() if not wait.done()}
         for wait in pending:
             wait.cancel()
@@ -273,9 +280,9 @@ class TaskPuller:
         for turn in turns:
             key = (model, turn.priority)
             if turn.priority in standing:
-                if self.strays.get(key):  # its request is spent: the next one is posted anew
-                    await self._end_sweep(model, turn.priority)
-                    got += self.strays.pop(key, [])
+                # A task it brought spends its request: the fetch posts the next one, which
+                # its sweep goes on reading, or ends the sweep (`_stand`, `_end_sweep`).
+                got += self.strays.pop(key, [])
                 continue
             wait = waits[turn.priority]
             if wait in pending:
@@ -292,9 +299,17 @@ class TaskPuller:
     async def _stand(self, model: str, priority: Priority) -> None:
         """Post a standing request for the class's next task (fleet.worker.standing), watched
         as a cancelled wait's is; never raises (without it the class is pulled as before)."""
+        key = (model, priority)
         if (sub := self._bound(model, priority)) is None:
+            await self._end_sweep(model, priority)
             return
-        await self._end_sweep(model, priority)
+        # The spent request's sweep, still reading the subscription, reads what the new one
+        # brings: one task's sweep ended and the next one's started were two loop passes
+        # and a task on each task's way to its runner (issue 23).
+        sweep = self.sweeps.get(key)
+        if sweep is None or sweep.done() or self.strays.get(key):
+            await self._end_sweep(model, priority)
+            sweep = None
         until = asyncio.get_running_loop().time() + FETCH_WAIT_S + STRAY_MARGIN_S
         reconnects = self._reconnects()
         request = orjson.dumps({"batch": 1, "expires": int(FETCH_WAIT_S * 1e9)})
@@ -302,8 +317,12 @@ class TaskPuller:
             await self.nc.publish(sub._nms, request, reply=sub._deliver)
         except Exception as exc:  # not posted: the class's next fetch pulls it
             log.debug("standing request of %s's %s class not posted: %s", model, priority, exc)
+            await self._end_sweep(model, priority)
             return
-        self._watch((model, priority), sub, until, reconnects)
+        if sweep is not None and self.sweeps.get(key) is sweep:
+            self.covers[key] = Cover(until - STRAY_MARGIN_S, reconnects)  # read by the sweep
+        else:
+            self._watch(key, sub, until, reconnects)
 
     def _watch(self, key: tuple[str, str], sub: JetStreamContext.PullSubscription,
                until: float, reconnects: int) -> None:
@@ -328,11 +347,11 @@ class TaskPuller:
         """Until a cancelled wait's request expires, what it brings is kept for this worker's
         next pull of the class (which ends the sweep); what no pull took is given back."""
         loop = asyncio.get_running_loop()
-        while (left := until - loop.time()) > 0:
+        while (left := self._sweep_until(key, until) - loop.time()) > 0:
             try:
                 msg = await sub._sub.next_msg(timeout=left)
             except TimeoutError:
-                break
+                continue  # ended, unless a request posted since moved its end on
             if not JetStreamContext.is_status_msg(msg):  # else: expired (408), a heartbeat
                 self.strays.setdefault(key, []).append(msg)
                 self._arrive(key[0])
@@ -347,9 +366,15 @@ class TaskPuller:
             with contextlib.suppress(Exception):  # shielded: settled even if cancelled now
                 await asyncio.shield(msg.nak())
 
+    def _sweep_until(self, key: tuple[str, str], until: float) -> float:
+        """When a sweep ends: its request's expiry, moved on by a request posted after it
+        (`_stand`), plus the margin; `until` once its cover is gone (it is being ended)."""
+        cover = self.covers.get(key)
+        return until if cover is None else cover.until + STRAY_MARGIN_S
+
     def _arrive(self, model: str) -> None:
-        if (arrived := self.arrived.get(model)) is not None:
-            arrived.set()
+        if (arrived := self.arrived.get(model)) is not None and not arrived.done():
+            arrived.set_result(None)
 
     async def _end_sweep(self, model: str, priority: str) -> None:
         self.covers.pop((model, priority), None)

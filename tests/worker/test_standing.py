@@ -98,10 +98,14 @@ async def test_a_covered_class_gets_no_pull_and_its_task_comes_through_its_reque
         # Its class stands again (3 slots left); the others' cancelled waits stand too.
         assert all(puller._covered("m", p) for p in ("interactive", "default", "batch"))
 
+        sweep = puller.sweeps[("m", "default")]
+
         pulls.clear()
         got = await _fetch_when_published(puller, js, 3, b"second")
         assert [m.data for m in got] == [b"second"]
         assert pulls == []  # no no_wait round, no new request: the standing ones brought it
+        # Its request spent, the next one is posted and read by the same sweep.
+        assert puller.sweeps[("m", "default")] is sweep and puller._covered("m", "default")
 
         # Published while no fetch runs: the request holds it for the next fetch.
         await js.publish(subjects.tasks("m", "default"), b"third")
@@ -115,6 +119,27 @@ async def test_a_covered_class_gets_no_pull_and_its_task_comes_through_its_reque
         # A higher class is served first whatever stands.
         got = await _fetch_when_published(puller, js, 2, b"urgent", "interactive")
         assert [m.data for m in got] == [b"urgent"]
+    finally:
+        await puller.close()
+
+
+async def test_a_class_whose_request_was_spent_with_no_slot_left_is_uncovered(
+    provisioned_nc: Client,
+) -> None:
+    """Its wait took the last slot's task: no request is posted again and its sweep ends, so
+    the class's next fetch pulls it (the spent request would bring nothing)."""
+    js = provisioned_nc.jetstream()
+    puller = TaskPuller(provisioned_nc, js, Settings())
+    try:
+        await _fetch_when_published(puller, js, 4, b"first")
+        got = await _fetch_when_published(puller, js, 1, b"last slot")
+        assert [m.data for m in got] == [b"last slot"]
+        assert not puller._covered("m", "default")
+        assert ("m", "default") not in puller.sweeps
+        await js.publish(subjects.tasks("m"), b"next")
+        got = await puller.fetch("m", 1)
+        assert [m.data for m in got] == [b"next"]
+        await got[0].ack()
     finally:
         await puller.close()
 
