@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import cast
 
 import nats
 import pytest
@@ -21,8 +22,10 @@ from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from fleet.bus.confirmed import (
+    ACK_TICK_S,
     ACK_TIMEOUT_S,
     WINDOW,
+    ConfirmedPublisher,
     Storage,
     _Message,
     _problem,
@@ -126,6 +129,27 @@ def test_settle_verdict(seqs: list[int | None], refused: str | None, verdict: st
     if refused:
         seq.messages[-1].refused = refused
     assert _problem(seq) == verdict
+
+
+async def test_a_wait_for_an_answer_ends_at_its_answer_or_within_a_tick_of_its_timeout() -> None:
+    publisher = ConfirmedPublisher(cast(Client, None))  # waits only: nothing is sent
+    seq = _Sequence("t")
+    lost, answered = _Message("s", b"", {}), _Message("s", b"", {})
+    seq.messages = [lost, answered]
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await publisher._answer(seq, lost, 0.3)
+    assert 0.3 <= time.monotonic() - started < 0.3 + ACK_TICK_S + 0.5  # loaded machine
+    loop = asyncio.get_running_loop()
+
+    def answer() -> None:  # as _on_ack does
+        answered.seq = 7
+        seq.progress.set()
+
+    loop.call_soon(answer)
+    await publisher._answer(seq, answered, ACK_TIMEOUT_S)  # returns at the answer
+    assert not publisher._deadlines  # no wait left behind
+    await publisher.close()
 
 
 # ---- a real server --------------------------------------------------------------------------
