@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from nats.aio.client import Client
@@ -349,7 +348,7 @@ class Worker:
             self.spans.queued(task, span)
             pending = outcome.pending
             if taken.handed_in:
-                pending = replace(pending, local_only=True)
+                pending = ev.evolve(pending, local_only=True)
             self.apply(ev.TaskQueued(pending))
             if task.task_id in self.cluster.cancelled:  # cancelled while it was taken in
                 self.end(task.task_id, ErrorReason.CANCELLED, "cancelled before it started")
@@ -428,7 +427,8 @@ class Worker:
                 })
         task = with_seed(pending.task, earlier.seed)
         # Queued again after a preemption, it runs with this seed (its accept recorded it).
-        self.intake.book.running[task_id] = replace(pending, task=task)
+        self.intake.book.running[task_id] = (
+            pending if task is pending.task else ev.evolve(pending, task=task))
         traceparent, tracestate = self.spans.dispatched(task_id, runner_id)
         # In flight from here on, in WorkerState only: if the send fails (the runner has just
         # died) its RunnerExited, which always follows, ends this task runner_crashed.
