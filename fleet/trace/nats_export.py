@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import threading
 import time
@@ -39,6 +40,8 @@ class NatsSpanProcessor(SpanProcessor):
         self._client = client
         self._loop = asyncio.get_running_loop()
         self._lock = threading.Lock()  # on_end may come from a thread (asyncio.to_thread)
+        self._loop_thread = threading.get_ident()
+        self._flusher: asyncio.Task[None] | None = None
         self._buffer: list[SpanRecord] = []
         self._held = HeldTraces()
         self._flush_pending = False
@@ -88,6 +91,11 @@ class NatsSpanProcessor(SpanProcessor):
                 self._flush_pending = False
                 return
             delay = self._delay(now)
+        if threading.get_ident() == self._loop_thread:  # most spans: no wake-up by self-pipe
+            # in a context of its own, as from another thread: not the ending span's
+            self._flusher = self._loop.create_task(self._flush_later(delay),
+                                                   context=contextvars.Context())
+            return
         with contextlib.suppress(RuntimeError):  # closed since: as above
             asyncio.run_coroutine_threadsafe(self._flush_later(delay), self._loop)
 
