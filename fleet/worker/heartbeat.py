@@ -9,7 +9,9 @@ hand its tasks on (fleet.worker.deathwatch).
 
 A newly taken message is listed before its task can run: the worker takes it in (its claim)
 beside `list_held`, which asks for a beat at once and returns when a beat that lists the
-subject is stored, and hands the task to a runner only after both (issue 24). The heartbeat
+subject is stored, and hands the task to a runner only after both (issue 24); a fetched
+message's listing is put from the fetch itself (`list_ahead`), beside its claim's create,
+so that stored beat is usually there when the intake ends (issue 23). The heartbeat
 used to find new holds by polling every 50 ms, and a worker killed before the poll left its
 just-taken task to AckWait (30 s). What is left of that window is the time from the
 server's delivery to the stored beat: the client's read of the message and one KV round trip,
@@ -40,7 +42,7 @@ from nats.js.kv import KeyValue
 
 from fleet.aio import set_within
 from fleet.bus.kv_calls import bucket_max_age
-from fleet.bus.pipelined import pipelined_for, stream_answer
+from fleet.bus.pipelined import Sent, pipelined_for, stream_answer
 from fleet.bus.records import NodeRecords, RunnerRecords
 from fleet.bus.replies import inbox_reply
 from fleet.wire import subjects
@@ -101,6 +103,12 @@ class Heartbeat:
         self._beaten = asyncio.Event()  # replaced after each beat: `list_held` waits on it
         self._built: tuple[NodeInfo, float] | None = None  # the last record built, and when
         self._ahead: dict[str, float] = {}  # fetched, not yet held: subject -> when fetched
+        # A listing put `list_ahead` sent, and the record it put: the next beat reads its
+        # answer. Sent only while `forever` runs (that beat comes) and no beat is under way.
+        self._sent: tuple[Sent, NodeInfo] | None = None
+        self._running = False
+        self._beating = False
+        self._last_put = float("-inf")  # when the last beat's put (or one sent ahead) began
 
     async def read_ttl(self, js: JetStreamContext) -> None:
         """How long a silent node's key lives: the bucket's max age (the TTL of record)."""
@@ -128,17 +136,19 @@ class Heartbeat:
             # Reconnected since the last round, however briefly: what we watched has holes.
             self._reconnects = reconnects
             self.gap()
+        self._beating = True
         try:
             if not self.nc.is_connected:
                 raise ConnectionError("not connected to NATS")
-            now = time.monotonic()
-            held, self._ahead = listing(self.held(), self._ahead, now)
-            if self._built is None or rebuilds(records, self._built[1], now, HEARTBEAT_S):
-                self._built = self.info(), now
-            info = self._built[0].model_copy(update={"held_acks": held, "at": time.time()})
-            self._listing = frozenset(held)
+            sent: Sent | None = None
+            if self._sent is not None:  # its put is out already: its answer is read here
+                (sent, info), self._sent = self._sent, None
+            else:
+                self._last_put = now = time.monotonic()
+                info = self._record(records, now)
+            self._listing = frozenset(info.held_acks)
             try:
-                await self._put(info, budget_s)
+                await self._put(info, budget_s, sent)
                 self._listed = self._listing
             finally:
                 self._listing = frozenset()
@@ -150,6 +160,8 @@ class Heartbeat:
                             "for %.0f s", exc, self.ttl_s)
             self.health = beat_failed(self.health)
             return
+        finally:
+            self._beating = False
         if self.health.failures:
             log.info("heartbeat back after %d failed round(s)", self.health.failures)
         self.health = beat_succeeded(self.health, time.monotonic())
@@ -159,16 +171,26 @@ class Heartbeat:
             except Exception as exc:
                 log.warning("runner record %s not refreshed: %s", record.runner_id, exc)
 
-    async def _put(self, info: NodeInfo, budget_s: float) -> None:
+    def _record(self, full: bool, now: float) -> NodeInfo:
+        """The node record a beat puts at `now`: built afresh when `full` or the last build
+        is old (`rebuilds`), else the last one with the held list and the time renewed."""
+        held, self._ahead = listing(self.held(), self._ahead, now)
+        if self._built is None or rebuilds(full, self._built[1], now, HEARTBEAT_S):
+            self._built = self.info(), now
+        return self._built[0].model_copy(update={"held_acks": held, "at": time.time()})
+
+    async def _put(self, info: NodeInfo, budget_s: float, sent: Sent | None = None) -> None:
         """The node's key written: one pipelined publish (fleet.bus.pipelined, as a claim's
         create), and anything but a stored answer within LIST_WAIT_S falls back to the
         retried put (NodeRecords.put) for what is left of `budget_s`. The KV layer's put
         (a retry closure, a permission watcher task, nats-py's request) was most of a listing
-        beat's ~175 us of the loop's CPU, one beat a task at light load (issue 23)."""
+        beat's ~175 us of the loop's CPU, one beat a task at light load (issue 23). `sent`:
+        the put of `info`, sent ahead (`list_ahead`): its answer is read as the put's."""
         began = time.monotonic()
+        fast = pipelined_for(self.nc)
         try:
-            answer = await pipelined_for(self.nc).request(
-                f"{self.nodes._pre}{self.node_id}", encode(info), timeout=LIST_WAIT_S)
+            answer = await (fast.answer(sent, LIST_WAIT_S) if sent is not None else fast.request(
+                f"{self.nodes._pre}{self.node_id}", encode(info), timeout=LIST_WAIT_S))
             if stored(answer.data):
                 return
         except Exception as exc:  # the retried put takes over (and says why if it fails)
@@ -176,18 +198,33 @@ class Heartbeat:
         await self.node_records.put(
             info, budget_s=max(0.0, budget_s - (time.monotonic() - began)))
 
-    def list_ahead(self, fetched: Iterable[str | None]) -> None:
+    async def list_ahead(self, fetched: Iterable[str | None]) -> None:
         """List freshly fetched messages (their ack subjects) from now, before the worker's
-        loop takes them in and holds them: the beat's put goes out beside their claims'
-        creates (fleet.worker.claims.Claims.ahead), not after the loop's hops to the intake,
-        and the intake's `list_held` finds it stored or in flight (issue 23: at light load
-        the put was sent ~1 ms after the fetch, and its answer came after the claim's)."""
+        loop takes them in and holds them, and send the listing's put here, beside their
+        claims' creates (fleet.worker.claims.Claims.ahead), when no beat is under way and
+        the gap between puts allows: the next beat reads its answer, and the intake's
+        `list_held` finds it stored or in flight (issue 23: at light load the put was sent
+        ~1 ms after the fetch, its answer the last the intake waited for). Never raises."""
         now = time.monotonic()
+        wanted = False
         for subject in fetched:
             if subject:
                 self._ahead[subject] = now
-                if asks(subject, self._listed, self._listing):
-                    self._asked.set()
+                wanted = wanted or asks(subject, self._listed, self._listing)
+        if not wanted:
+            return
+        self._asked.set()
+        if (not self._running or self._beating or self._sent is not None
+                or listing_wait(now, self._last_put) > 0 or not self.nc.is_connected):
+            return  # the beat asked for puts it
+        try:
+            info = self._record(False, now)
+            sent = await pipelined_for(self.nc).send(
+                f"{self.nodes._pre}{self.node_id}", encode(info))
+        except Exception as exc:  # the beat asked for puts it
+            log.debug("heartbeat: the listing was not sent ahead (%r)", exc)
+            return
+        self._sent, self._listing, self._last_put = (sent, info), frozenset(info.held_acks), now
 
     def ask_to_list(self, subject: str | None) -> None:
         """Ask for a beat that lists `subject` now, without waiting for it: a caller that
@@ -219,24 +256,26 @@ class Heartbeat:
         is asked for (`list_held`), and within HELD_CHECK_S of a held message nobody asked
         to list (a poll, for any hold that does not ask); answer probes meanwhile."""
         alive = await self.nc.subscribe(subjects.alive(self.node_id), cb=self._answer)
-        last = last_full = time.monotonic()
+        last_full = time.monotonic()
+        self._running = True
         try:
             while True:
                 await set_within(self._asked, HELD_CHECK_S)
                 now = time.monotonic()
-                if self._asked.is_set() and (wait := listing_wait(now, last)) > 0:
+                if (self._asked.is_set() and self._sent is None
+                        and (wait := listing_wait(now, self._last_put)) > 0):
                     await asyncio.sleep(wait)  # the gap between puts
                     now = time.monotonic()
-                asked, full = self._asked.is_set(), (
+                asked, full = self._asked.is_set() or self._sent is not None, (
                     self.wake.is_set() or now - last_full >= HEARTBEAT_S)
-                if full or asked or (now - last >= HELD_GAP_S
+                if full or asked or (now - self._last_put >= HELD_GAP_S
                                      and newly_held(self.held(), self._listed)):
                     self.wake.clear()
                     self._asked.clear()
-                    last = now
                     last_full = now if full else last_full
                     await self.beat(records=full)  # a new hold: the node's key alone
         finally:
+            self._running = False
             with contextlib.suppress(Exception):
                 await alive.unsubscribe()
 

@@ -103,24 +103,24 @@ class Intake:
         """Freshly fetched messages: decode each and send its claim now (Claims.ahead), before
         the worker's loop takes them in; `receive` reads both. A message that does not decode
         is left to `receive` whole (it claims what it can). Their listing in this node's
-        heartbeat is asked for first (Heartbeat.list_ahead), so its put goes out with the
+        heartbeat is sent after them (Heartbeat.list_ahead): its put goes out with the
         claims. Never raises."""
-        self.cluster.heartbeat.list_ahead(msg.reply for msg in msgs)
         try:
             claims = await self._claims()
         except Exception as exc:  # `receive` opens them again, and says so if it fails
             log.debug("claims not sent ahead: %r", exc)
-            return
-        for msg in msgs:
-            try:
-                task = decode_task(msg.data)
-            except DecodeError:
-                continue
-            if msg.reply:
-                self._decoded[msg.reply] = task
-                while len(self._decoded) > AHEAD_KEPT:
-                    self._decoded.popitem(last=False)
-            await claims.ahead(task.task_id, owner_of(msg))
+        else:
+            for msg in msgs:
+                try:
+                    task = decode_task(msg.data)
+                except DecodeError:
+                    continue
+                if msg.reply:
+                    self._decoded[msg.reply] = task
+                    while len(self._decoded) > AHEAD_KEPT:
+                        self._decoded.popitem(last=False)
+                await claims.ahead(task.task_id, owner_of(msg))
+        await self.cluster.heartbeat.list_ahead([msg.reply for msg in msgs])
 
     async def receive(self, msg: Msg, *, handed_in: bool = False) -> Queued | Settled:
         """`handed_in`: another node passed this message on (fleet.worker.handoff), perhaps

@@ -16,6 +16,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from fleet.bus.kv_calls import open_bucket
+from fleet.bus.pipelined import Sent
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import decode_model
@@ -141,6 +142,12 @@ async def test_a_listing_asked_before_the_intake_is_found_after_it(
             await beating
 
 
+async def _running(beat: Heartbeat) -> None:
+    """Until the beat's `forever` has started (it answers probes first)."""
+    while not beat._running:
+        await asyncio.sleep(0.001)  # polling a flag the task sets, bounded by the caller
+
+
 async def test_a_message_listed_from_its_fetch_is_stored_before_it_is_held(
     provisioned_nc: Client, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -155,7 +162,10 @@ async def test_a_message_listed_from_its_fetch_is_stored_before_it_is_held(
     before = await _revision(nc)
     beating = asyncio.ensure_future(beat.forever())
     try:
-        beat.list_ahead([reply, None])
+        await asyncio.wait_for(_running(beat), 5)
+        beat._last_put = float("-inf")  # the first beat's put long past: no gap to keep
+        await beat.list_ahead([reply, None])
+        assert beat._sent is not None and reply in beat._listing, "its put is out already"
         assert await beat.list_held(reply) is not None  # not held yet: listed from its fetch
         assert reply in await _listed(nc)
         held.append(reply)  # AckPolicy.hold, in the worker's loop, later
@@ -163,6 +173,35 @@ async def test_a_message_listed_from_its_fetch_is_stored_before_it_is_held(
         assert not beat._asked.is_set()
         assert await beat.list_held(reply) is not None
         assert await _revision(nc) == before + 1, "one beat: the one the fetch asked for"
+    finally:
+        beating.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beating
+
+
+async def test_a_listing_sent_ahead_whose_put_is_not_stored_falls_back(
+    provisioned_nc: Client, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A put sent by `list_ahead` whose answer is not a stored one: the beat that reads it
+    stores the record by the retried put; with no `forever` running nothing is sent ahead
+    (no beat would read its answer), the listing is only asked for."""
+    monkeypatch.setattr(heartbeat, "HEARTBEAT_S", 3600.0)
+    nc = provisioned_nc
+    held: list[str] = []
+    beat = await _beating_for(nc, held)
+    await beat.list_ahead(["$JS.ACK.x.y.1"])
+    assert beat._sent is None and beat._asked.is_set()
+    monkeypatch.setattr(heartbeat, "stored", lambda answer: False)
+    beating = asyncio.ensure_future(beat.forever())
+    try:
+        await asyncio.wait_for(_running(beat), 5)
+        await beat.list_held("$JS.ACK.x.y.1")  # the asked beat lists it
+        beat._last_put = float("-inf")  # its put long past: no gap to keep
+        await beat.list_ahead(["$JS.ACK.x.y.2"])
+        assert beat._sent is not None
+        assert await beat.list_held("$JS.ACK.x.y.2") is not None
+        assert "$JS.ACK.x.y.2" in await _listed(nc)
+        assert beat.health.failures == 0
     finally:
         beating.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -256,9 +295,9 @@ async def test_a_wait_during_the_beat_that_lists_it_asks_for_no_other(
     putting = asyncio.Event()
     put = beat._put
 
-    async def put_seen(info: NodeInfo, budget_s: float) -> None:
+    async def put_seen(info: NodeInfo, budget_s: float, sent: Sent | None = None) -> None:
         putting.set()
-        await put(info, budget_s)
+        await put(info, budget_s, sent)
 
     monkeypatch.setattr(beat, "_put", put_seen)
     beating = asyncio.ensure_future(beat.forever())
