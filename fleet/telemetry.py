@@ -238,6 +238,9 @@ def trace_id_of(traceparent: str | None) -> str | None:
 def carried(span: Span) -> tuple[str | None, str | None]:
     """(traceparent, tracestate) naming `span` as the parent, for a runner frame: W3C trace
     context, what the propagator writes, formatted here without its context and carrier calls."""
+    if isinstance(span, LiveSpan):
+        carrier = span.carrier
+        return carrier["traceparent"], carrier.get("tracestate")
     context = span.get_span_context()
     if not context.is_valid:
         return None, None

@@ -30,6 +30,7 @@ from opentelemetry.trace import (
     SpanContext,
     SpanKind,
     TraceFlags,
+    TraceState,
     format_span_id,
     format_trace_id,
     get_current_span,
@@ -54,17 +55,20 @@ class LiveSpan(Span):
     started and ended on its event loop."""
 
     __slots__ = ("_attributes", "_context", "_ended", "_events", "_links", "_local_root",
-                 "_message", "_name", "_parent_id", "_record", "_sink", "_status")
+                 "_message", "_name", "_parent_id", "_sink", "_span_id", "_status", "record",
+                 "trace_id", "trace_state")
 
     def __init__(
-        self, sink: Ended, name: str, context: SpanContext, parent_id: str | None,
-        record: SpanRecord, attributes: dict[str, Any], local_root: bool,
+        self, sink: Ended, name: str, ids: tuple[int, int, TraceState | None],
+        parent_id: str | None, record: SpanRecord, attributes: dict[str, Any],
+        local_root: bool,
     ) -> None:
         self._sink = sink
         self._name = name
-        self._context = context
+        self.trace_id, self._span_id, self.trace_state = ids  # its children's
+        self._context: SpanContext | None = None  # made when asked: most never are
         self._parent_id = parent_id
-        self._record = record  # what is known at the start: ids, kind, service, start
+        self.record = record  # what is known at the start: ids, kind, service, start
         self._attributes = attributes
         self._events: list[dict[str, Any]] = []
         self._links: list[dict[str, str]] = []
@@ -74,15 +78,18 @@ class LiveSpan(Span):
         self._ended = False
 
     def get_span_context(self) -> SpanContext:
+        if self._context is None:
+            self._context = SpanContext(self.trace_id, self._span_id, False, _SAMPLED,
+                                        self.trace_state)
         return self._context
 
     @property
     def carrier(self) -> dict[str, str]:
         """The W3C trace context headers that name this span the parent (what the
         tracecontext propagator writes, without its cost)."""
-        headers = {"traceparent": f"00-{self._record['trace_id']}-{self._record['span_id']}-01"}
-        if trace_state := self._context.trace_state:  # most have none: no formatting
-            headers["tracestate"] = trace_state.to_header()
+        headers = {"traceparent": f"00-{self.record['trace_id']}-{self.record['span_id']}-01"}
+        if self.trace_state:  # most have none: no formatting
+            headers["tracestate"] = self.trace_state.to_header()
         return headers
 
     def is_recording(self) -> bool:
@@ -141,7 +148,7 @@ class LiveSpan(Span):
         if self._ended:
             return
         self._ended = True
-        record = self._record
+        record = self.record
         record["name"] = self._name
         record["end_ns"] = end_time or time.time_ns()
         if self._parent_id is not None:
@@ -159,7 +166,7 @@ class LiveSpan(Span):
         self._sink(record, self._local_root)
 
     def __repr__(self) -> str:
-        return f"LiveSpan({self._name!r}, {self._context})"
+        return f"LiveSpan({self._name!r}, {self.record['trace_id']}, {self.record['span_id']})"
 
 
 class Within:
@@ -209,10 +216,18 @@ class LiveSpans:
     ) -> Span:
         """A span under `context`'s span (the current one for None). `attributes` becomes
         the span's own: a fresh dict, no None values."""
-        parent = get_current_span(context).get_span_context()
-        if parent.is_valid:
-            trace_id, trace_state = parent.trace_id, parent.trace_state
-            sampled = parent.trace_flags.sampled
+        parent_span = get_current_span(context)
+        if isinstance(parent_span, LiveSpan) and self._sampler is None:
+            # Under a span of this process's (a task's send span under its process span):
+            # sampled as it is, its ids at hand.
+            parent = parent_span.record
+            return self._recording(name, kind, (parent_span.trace_id, parent_span.trace_state),
+                                   parent["trace_id"], parent["span_id"], False, attributes,
+                                   links)
+        parent_context = parent_span.get_span_context()
+        if parent_context.is_valid:
+            trace_id, trace_state = parent_context.trace_id, parent_context.trace_state
+            sampled = parent_context.trace_flags.sampled
         else:
             trace_id, trace_state = random.getrandbits(128) or 1, None  # the SDK's ids
             sampled = True
@@ -222,22 +237,30 @@ class LiveSpans:
             sampled, trace_state = decided.decision.is_sampled(), decided.trace_state
             if decided.attributes:
                 attributes.update(decided.attributes)
-        span_id = random.getrandbits(64) or 1
         if not sampled:
-            return NonRecordingSpan(SpanContext(trace_id, span_id, False, _NOT_SAMPLED,
-                                                trace_state))
-        span_context = SpanContext(trace_id, span_id, False, _SAMPLED, trace_state)
-        trace_hex = format(trace_id, "032x")
-        local_root = not parent.is_valid or parent.is_remote
+            return NonRecordingSpan(SpanContext(trace_id, random.getrandbits(64) or 1, False,
+                                                _NOT_SAMPLED, trace_state))
+        if not parent_context.is_valid:
+            return self._recording(name, kind, (trace_id, trace_state),
+                                   format(trace_id, "032x"), None, True, attributes, links)
+        return self._recording(name, kind, (trace_id, trace_state), format(trace_id, "032x"),
+                               format(parent_context.span_id, "016x"),
+                               parent_context.is_remote, attributes, links)
+
+    def _recording(
+        self, name: str, kind: SpanKind, trace: tuple[int, TraceState | None], trace_hex: str,
+        parent_id: str | None, local_root: bool, attributes: dict[str, Any],
+        links: Sequence[Link],
+    ) -> LiveSpan:
         if local_root:
             self._opened(trace_hex)
+        span_id = random.getrandbits(64) or 1  # the SDK's ids
         record: SpanRecord = {
             "trace_id": trace_hex, "span_id": format(span_id, "016x"), "name": name,
             "kind": _KIND_NAMES[kind], "service": self._service, "start_ns": time.time_ns(),
         }
-        span = LiveSpan(self._ended, name, span_context,
-                        format(parent.span_id, "016x") if parent.is_valid else None,
-                        record, attributes, local_root)
+        span = LiveSpan(self._ended, name, (trace[0], span_id, trace[1]), parent_id, record,
+                        attributes, local_root)
         for link in links:
             span.add_link(link.context)
         return span

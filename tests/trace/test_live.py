@@ -121,6 +121,16 @@ def test_a_child_of_a_local_span_is_no_local_root_and_a_root_starts_its_own_trac
     assert child_record["trace_id"] == root_record["trace_id"] == sink.opened[0]
 
 
+def test_a_child_of_a_local_span_keeps_its_trace_and_trace_state() -> None:
+    spans = Sink().spans()
+    process = spans.start("process", SpanKind.CONSUMER, under(REMOTE), {})
+    send = spans.start("send", SpanKind.PRODUCER, set_span_in_context(process), {})
+    context = send.get_span_context()
+    assert (context.trace_id, context.trace_state, context.trace_flags.sampled) == (
+        REMOTE.trace_id, REMOTE.trace_state, True)
+    assert context.span_id not in (REMOTE.span_id, process.get_span_context().span_id)
+
+
 @pytest.mark.parametrize(("parent_flags", "sampler", "recorded"), [
     (TraceFlags.SAMPLED, sampling.DEFAULT_ON, True),
     (TraceFlags.DEFAULT, sampling.DEFAULT_ON, False),  # the parent's flag, as the SDK
