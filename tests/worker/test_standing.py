@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 from fleet.config import Settings
 from fleet.wire import subjects
 from fleet.wire.tasks import Priority
-from fleet.worker.pulls import TaskPuller
+from fleet.worker.pulls import TaskPuller, next_delivered
 from fleet.worker.standing import Cover, Step, covered, round_step, stands
 
 OPEN = Cover(until=10.0, reconnects=2)
@@ -155,3 +155,19 @@ async def test_a_reconnect_uncovers_every_class(provisioned_nc: Client) -> None:
     finally:
         provisioned_nc.stats["reconnects"] -= 1
         await puller.close()
+
+
+async def test_next_delivered_reads_a_subscription_as_next_msg_does(
+    provisioned_nc: Client,
+) -> None:
+    """The sweep's read: the next message, its pending size given back; TimeoutError when
+    none comes in time (as nats-py's next_msg)."""
+    sub = await provisioned_nc.subscribe("sweep.test")
+    try:
+        await provisioned_nc.publish("sweep.test", b"one")
+        msg = await next_delivered(sub, 5.0)
+        assert msg.data == b"one" and sub.pending_bytes == 0
+        with pytest.raises(TimeoutError):
+            await next_delivered(sub, 0.05)
+    finally:
+        await sub.unsubscribe()
