@@ -37,7 +37,13 @@ from fleet.runner.spans import RunnerSpans, SpanBuffer
 from fleet.runner.vision_cache import EncodeHook
 from fleet.telemetry import setup
 from fleet.wire.codec import DecodeError, decode_model, encode
-from fleet.wire.framing import FrameError, FrameReader, FrameWriter, decode_command
+from fleet.wire.framing import (
+    FrameError,
+    FrameReader,
+    FrameWriter,
+    decode_command,
+    span_batch_body,
+)
 from fleet.wire.pipe import (
     RunnerCommand,
     RunnerSpec,
@@ -226,7 +232,8 @@ class _Reporter:
                 self._writer.write_body(report, flush=False)
             else:
                 flush = not self.deferred or isinstance(report, RunnerStatusReport)
-                self._writer.write_body(encode(report), flush=flush)
+                body = span_batch_body(report) if isinstance(report, SpanBatch) else encode(report)
+                self._writer.write_body(body, flush=flush)
         except (BrokenPipeError, ConnectionResetError):
             self._closed()
 

@@ -30,7 +30,7 @@ import orjson
 from fleet.wire.base import SCHEMA_VERSION
 from fleet.wire.events import TokenChunk
 from fleet.wire.framing import decode_report
-from fleet.wire.pipe import RunnerReport
+from fleet.wire.pipe import RunnerReport, SpanBatch
 
 _INT = r"(?:0|[1-9][0-9]{0,17})"  # JSON's integers, no leading zero, within int64
 _SIGNED = "-?" + _INT
@@ -60,6 +60,8 @@ def read_report(body: bytes) -> RunnerReport | TokenFrame:
     for a frame that is not a valid report."""
     if (frame := token_frame(body)) is not None:
         return frame
+    if body.startswith(_SPANS) and (batch := span_batch(body)) is not None:
+        return batch
     report = decode_report(body)
     if isinstance(report, TokenChunk):  # with logprobs: checked by the model, sent as written
         return TokenFrame(report.task_id, report.index, body)
@@ -83,6 +85,38 @@ def token_frame(body: bytes) -> TokenFrame | None:
     return TokenFrame(task_id, int(index), body)
 
 
+_SPANS = b'{"schema_version":1,"type":"spans",'  # how the runner writes one (span_batch_body)
+_SPAN_BATCH_KEYS = {"schema_version", "type", "spans"}
+# Digits enough for an integer past orjson's (u64, i64); in a string too, which costs only
+# the full decode.
+_BEYOND_64_BITS = re.compile(rb"[0-9]{20}|-[0-9]{19}")
+
+
+def span_batch(body: bytes) -> SpanBatch | None:
+    """The SpanBatch of `body` when it is one that the model accepts, checked without the
+    model's validation; None for anything else (left to `decode_report`).
+
+    Strict validation of `list[dict[str, object]]` asks no more than this: a JSON object of
+    exactly these keys, `schema_version` the integer 1, `type` "spans", and `spans` a list of
+    objects (whose keys JSON makes strings, and whose values `object` takes as they are).
+    A step that ends 64 text tasks sends ~192 records: 197 -> ~110 us for 64 (timeit,
+    2026-12-05), most of it orjson's parse."""
+    if _BEYOND_64_BITS.search(body):
+        return None  # orjson reads such an integer as a float, the model as it is
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not (
+        type(obj) is dict and obj.keys() == _SPAN_BATCH_KEYS
+        and type(obj["schema_version"]) is int and obj["schema_version"] == SCHEMA_VERSION
+        and obj["type"] == "spans" and type(spans := obj["spans"]) is list
+        and all(type(record) is dict for record in spans)
+    ):
+        return None
+    return SpanBatch.model_construct(spans=spans)
+
+
 def token_event(task_id: str, at: float, index: int, token_ids: Sequence[int], text: str) -> bytes:
     """The codec's bytes of the TokenChunk of these tokens (`token_ids` only when several),
     without building the model: the runner's coalescer writes one of these per token event.
@@ -101,4 +135,4 @@ def token_event(task_id: str, at: float, index: int, token_ids: Sequence[int], t
     return orjson.dumps(event)
 
 
-__all__ = ["TokenFrame", "read_report", "token_event", "token_frame"]
+__all__ = ["TokenFrame", "read_report", "span_batch", "token_event", "token_frame"]

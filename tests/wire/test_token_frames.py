@@ -17,8 +17,15 @@ from hypothesis import strategies as st
 
 from fleet.wire.codec import DecodeError, encode
 from fleet.wire.events import TokenChunk
-from fleet.wire.framing import decode_report
-from fleet.wire.token_frames import TokenFrame, read_report, token_event, token_frame
+from fleet.wire.framing import decode_report, span_batch_body
+from fleet.wire.pipe import SpanBatch
+from fleet.wire.token_frames import (
+    TokenFrame,
+    read_report,
+    span_batch,
+    token_event,
+    token_frame,
+)
 
 GOOD: dict[str, Any] = {"schema_version": 1, "task_id": "t-1", "at": 1.5, "type": "token",
                         "index": 3, "token_id": 7, "text": "ab", "token_ids": [7, 8]}
@@ -189,3 +196,62 @@ def test_every_token_event_is_the_codecs_bytes_of_its_model(data: st.DataObject)
     built = token_event(event.task_id, event.at, event.index, event.ids, event.text)
     assert built == encode(event)
     assert decode_report(built) == event
+
+
+# ---- span batches: written without the model's dump, read without its validation ----------
+
+RECORD: dict[str, Any] = {
+    "trace_id": "0af7651916cd43dd8448eb211c80319c", "span_id": "b7ad6b7169203331",
+    "name": "chat tiny-llm", "kind": "internal", "service": "fleet-runner",
+    "start_ns": 1796479392552868400, "end_ns": 1796479392553868400,
+    "parent_id": "b7ad6b7169203332",
+    "attributes": {"gen_ai.usage.output_tokens": 1, "fleet.tokens_per_s": 812.5,
+                   "fleet.stop": ("\n\n", "é😀"), "fleet.cached": False},
+    "events": [{"name": "image", "time_ns": 1, "attributes": {"fleet.image.index": 0}}],
+    "links": [{"trace_id": "1" * 32, "span_id": "2" * 16}],
+}
+
+
+@pytest.mark.parametrize("spans", [
+    [], [RECORD], [RECORD, {"name": "prefill", "attributes": {}}] * 3,
+    [{"attributes": {"odd": b"bytes"}}],  # no JSON value: written by the model's dump
+])
+def test_a_span_batch_is_written_as_the_codec_writes_it(spans: list[dict[str, Any]]) -> None:
+    batch = SpanBatch(spans=spans)
+    assert span_batch_body(batch) == encode(batch)
+
+
+def spans_frame(**changes: Any) -> bytes:
+    batch = {"schema_version": 1, "type": "spans", "spans": [RECORD], **changes}
+    return orjson.dumps({k: v for k, v in batch.items() if v is not DROP})
+
+
+@pytest.mark.parametrize("frame", [
+    spans_frame(),
+    spans_frame(spans=[]),
+    spans_frame(spans=[{}, {"a": [1, {"b": None}]}]),
+    spans_frame(spans=[{"n": 1.5e300, "s": "\u2028"}]),
+    spans_frame().replace(b'"start_ns":1796479392552868400', b'"start_ns":' + b"9" * 30),
+    spans_frame(spans=[{"n": 0}]).replace(b"0", b"-9223372036854775809"),  # past i64: as read fully
+    spans_frame(schema_version=True),  # the model takes it (True == 1): read fully
+])
+def test_a_span_batch_is_read_as_the_model_reads_it(frame: bytes) -> None:
+    assert read_report(frame) == decode_report(frame)
+    assert isinstance(read_report(frame), SpanBatch)
+
+
+@pytest.mark.parametrize("frame", [
+    spans_frame(schema_version=2),
+    spans_frame(schema_version="1"),
+    spans_frame(type="span"),
+    spans_frame(spans={}),
+    spans_frame(spans=[1]),
+    spans_frame(spans=[[RECORD]]),
+    spans_frame(spans=DROP),
+    spans_frame(extra=1),
+    spans_frame()[:-1],  # not JSON
+])
+def test_a_malformed_span_batch_is_a_decode_error(frame: bytes) -> None:
+    assert span_batch(frame) is None
+    with pytest.raises(DecodeError):
+        read_report(frame)
