@@ -43,6 +43,7 @@ from fleet.wire.events import (
     TokenChunk,
     ToolCallChunk,
 )
+from fleet.wire.runners import ACCEPTS_TASKS
 from fleet.wire.tasks import CancelTask
 from fleet.wire.token_frames import TokenFrame
 from fleet.worker import plan as rules
@@ -217,8 +218,9 @@ class Worker:
                     stop = True
                     break
                 try:
+                    needs_plan = not plans_nothing(item, self.state)  # the state before it
                     await self.handle(item)
-                    due = due or not _streams_only(item)
+                    due = due or needs_plan
                 except Exception:  # one item's trouble must not end the node's work
                     self.handler_failures += 1
                     log.exception("worker: handling %s failed; going on", type(item).__name__)
@@ -239,17 +241,25 @@ class Worker:
     async def _drive(self) -> None:
         self.reports.plan_due = False
         chain = rules.RULES
-        while (action := rules.plan(self.state, time.time(), chain)) is not None:
+        while (action := rules.plan(self.state, now := time.time(), chain)) is not None:
             await self._act(action)
             # After a dispatch only the rules from dispatch on can find work (plan.py).
             chain = rules.AFTER_DISPATCH if isinstance(action, rules.Dispatch) else rules.RULES
         self.runners.tend_standby(self.state)
-        now = time.time()
-        if self._held_wake is None and (until := rules.pulls_held_until(self.state, now)):
+        # The holds as the last plan saw them (its `now`): a hold that ran out since then
+        # still gets its wake, so the pull it kept back is planned.
+        until = rules.pulls_held_until(self.state, now)
+        if self._held_wake is None and until:
             # A pull held for intakes (plan.pull_held_until): plan again when the hold ends,
             # should no intake answer before.
             self._held_wake = asyncio.get_running_loop().call_later(
                 until - now, self._wake_held)
+        elif self._held_wake is not None and rules.pulls_held_until(self.state, 0.0) is None:
+            # No intake holds a pull at all any more (they answered first: the plan just
+            # made saw every pull free), so the wake would only plan once more for nothing,
+            # every other task at light load. (A hold that merely ran out keeps its wake.)
+            self._held_wake.cancel()
+            self._held_wake = None
 
     def _wake_held(self) -> None:
         self._held_wake = None
@@ -591,9 +601,23 @@ class _Link:
         return self.worker.nc.is_connected
 
 
-def _streams_only(item: InboxItem) -> bool:
-    """A runner's chunk changes nothing the planner reads: skip planning on the token path."""
-    return isinstance(item, RunnerReported) and isinstance(item.report, STREAMED_REPORTS)
+def plans_nothing(item: InboxItem, state: WorkerState) -> bool:
+    """Whether handling `item` leaves the planner (and the standby's tending) nothing new to
+    read, so the loop need not plan for it. Pure. A runner's chunk: the token path. A
+    runner's status from one state that takes tasks to another (ready <-> running, or
+    running with another count: statuses come as a runner leaves Ready and at a step that
+    changed its count, two a task at light load): the rules read a runner's state only as
+    whether it takes tasks and which lifecycle step it is at (none for either)."""
+    if not isinstance(item, RunnerReported):
+        return False
+    report = item.report
+    if isinstance(report, STREAMED_REPORTS):
+        return True
+    if isinstance(report, pipe.RunnerStatusReport):
+        runner = state.runners.get(item.runner_id)
+        return (runner is not None and runner.status.state in ACCEPTS_TASKS
+                and report.status.state in ACCEPTS_TASKS)
+    return False
 
 
 STREAMED_REPORTS = (
