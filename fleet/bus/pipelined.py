@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,10 +58,14 @@ class Pipelined:
         async with self._opening:
             if self._sub is None:
                 prefix = self.nc.new_inbox()
-                self._sub = await self.nc.subscribe(f"{prefix}.*", cb=self._answer)
-                self._prefix = prefix
+                sub = await self.nc.subscribe(f"{prefix}.*")
+                # No callback: nats-py's read loop puts each answer straight into this
+                # queue, which hands it to its waiter (a callback runs a loop pass later, in
+                # the subscription's own task: one pass of each answer's way, issue 23).
+                sub._pending_queue = _Handing(sub, self._answer)
+                self._sub, self._prefix = sub, prefix
 
-    async def _answer(self, msg: Msg) -> None:
+    def _answer(self, msg: Msg) -> None:
         waiter = self._waiting.pop(msg.subject, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(msg)
@@ -110,6 +114,21 @@ class Pipelined:
     def forget(self, sent: Sent) -> None:
         """A sent request whose answer nobody will wait for."""
         self._waiting.pop(sent.reply, None)
+
+
+class _Handing(asyncio.Queue[Msg]):
+    """A subscription's queue that keeps nothing: each message nats-py's read loop puts is
+    handed on at once (its pending size, counted as it was put, given back), so the
+    subscription never holds a message and its drain has none to wait for."""
+
+    def __init__(self, sub: Subscription, hand: Callable[[Msg], None]) -> None:
+        super().__init__()
+        self._sub = sub
+        self._hand = hand
+
+    def put_nowait(self, item: Msg) -> None:
+        self._sub._pending_size -= len(item.data)
+        self._hand(item)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,9 @@ async def test_answers_reach_their_own_callers(provisioned_nc: Client) -> None:
                                      for n in range(200)))
     assert [a.data for a in answers] == [f"re:{n}".encode() for n in range(200)]
     assert not pipe._waiting  # nothing left behind
+    # Handed on as they were read: the inbox subscription holds no message, no byte.
+    assert pipe._sub is not None
+    assert (pipe._sub.pending_msgs, pipe._sub.pending_bytes) == (0, 0)
 
 
 async def test_no_responders_and_no_answer_raise(provisioned_nc: Client) -> None:
