@@ -9,7 +9,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from fleet.wire.ask import AskReply
 from fleet.wire.cluster import ClusterEvent
-from fleet.wire.events import OutputEvent
+from fleet.wire.events import OutputEvent, TaskAccepted
 from fleet.wire.runners import RunnerStatus
 from fleet.wire.tasks import Task, is_task_id
 
@@ -32,6 +32,14 @@ class DecodeError(ValueError):
 
 def encode(message: BaseModel) -> bytes:
     return orjson.dumps(message.model_dump(mode="json", exclude_none=True))
+
+
+def encode_accepted(event: TaskAccepted) -> bytes:
+    """`encode(event)` without model_dump: a TaskAccepted's fields are JSON scalars, in
+    declared order in its __dict__ (a model_copy's update too), so orjson of the ones not None
+    is the codec's bytes (tests/wire/test_codec.py compares them). One a task: 3.6 -> 1.6 us
+    (timeit, LOADED, 2026-12-05; issue 23)."""
+    return orjson.dumps({k: v for k, v in event.__dict__.items() if v is not None})
 
 
 def _describe(error: ValidationError) -> str:

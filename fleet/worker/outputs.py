@@ -39,7 +39,7 @@ from fleet.bus.task_log import TaskLog
 from fleet.errors import BrokerUnavailable
 from fleet.telemetry import inject_headers, send_span
 from fleet.wire import subjects
-from fleet.wire.codec import encode
+from fleet.wire.codec import encode, encode_accepted
 from fleet.wire.events import (
     EmbeddingChunk,
     ErrorChunk,
@@ -138,7 +138,12 @@ class TaskOutput:
         are the bytes re-encoding the decoded event gave before, without the model or the encode
         (~4.6 us an event; tests/worker/test_frames_as_written.py). Every other event is
         encoded: a seam's task_accepted is changed on the way, the rest are rare."""
-        body = event.body if isinstance(event, TokenFrame) else encode(event)
+        if isinstance(event, TokenFrame):
+            body = event.body
+        elif type(event) is TaskAccepted:
+            body = encode_accepted(event)  # one a task, the codec's bytes without model_dump
+        else:
+            body = encode(event)
         msg_id = event_msg_id(event, self.fences.get(event.task_id, 0))
         await self.confirmed.send(
             event.task_id, subjects.out(event.task_id), body, self._headers(event.task_id, msg_id),

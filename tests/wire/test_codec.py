@@ -596,3 +596,18 @@ def test_a_failed_task_carries_its_id_only_as_sent(task_id: object, valid: bool)
 def test_sent_task_id_reports_what_was_sent(task_id: object) -> None:
     data = orjson.dumps(task_json(task_id=task_id))
     assert codec.sent_task_id(data) == (task_id if isinstance(task_id, str) else None)
+
+
+@FAST
+@given(st.builds(
+    events.TaskAccepted, **event_base, model=model_ids, node_id=ids, runner_id=ids,
+    trace_id=opt(st.from_regex(r"[0-9a-f]{32}", fullmatch=True)), queue_wait_s=finite,
+    delivery=counts, continued_from=counts, attempt=counts, moved_from=opt(ids),
+    seed=opt(st.integers(-(2**63), 2**64 - 1)),
+), st.booleans())
+def test_an_accept_is_written_as_the_codec_writes_it(
+    event: events.TaskAccepted, copied: bool
+) -> None:
+    if copied:  # a seam's accept is changed on the way (model_copy)
+        event = event.model_copy(update={"attempt": 1, "moved_from": "n-2", "trace_id": None})
+    assert codec.encode_accepted(event) == encode(event)
