@@ -228,6 +228,10 @@ class Worker:
                 if handled >= PLAN_EVERY or self.inbox.empty():
                     break
                 item = self.inbox.get_nowait()  # in order: the rest wait in the queue
+            if not due and self.reports.plan_due and not self.state.pending:
+                # A prefill ended (reports.py): what it changes is read for waiting tasks
+                # only (routes, preempt; pull_to_preempt can only turn to no), and none wait.
+                self.reports.plan_due = False
             if due or self.reports.plan_due:
                 try:
                     await self._drive()

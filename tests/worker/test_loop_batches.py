@@ -20,12 +20,13 @@ from fleet.wire.runners import (
     RunnerRunning,
     RunnerStatus,
 )
+from fleet.wire.tasks import TextGeneration
 from fleet.wire.token_frames import TokenFrame
 from fleet.worker import state as ev
 from fleet.worker.inbox import InboxItem, RunnerReported, Stop, Tick
 from fleet.worker.main import PLAN_EVERY, Worker, plans_nothing
 from fleet.worker.plan import Pull
-from fleet.worker.state import RunnerView, WorkerState, apply
+from fleet.worker.state import PendingTask, RunnerView, WorkerState, apply
 
 TOKEN = RunnerReported("r1", TokenFrame("t1", 0, b"{}"))
 ACCEPTED = RunnerReported("r1", TaskAccepted(task_id="t1", at=0.0, node_id="n1", model="m",
@@ -123,14 +124,25 @@ async def test_items_before_a_stop_are_planned_for_and_the_rest_left() -> None:
     assert worker.inbox.qsize() == 1
 
 
-async def test_a_report_that_asks_for_a_plan_gets_one() -> None:
+@pytest.mark.parametrize(("waiting", "expected"), [
+    (True, [TOKEN, "plan"]),
+    (False, [TOKEN]),  # what a prefill's end changes is read for waiting tasks only
+])
+async def test_a_report_that_asks_for_a_plan_gets_one_while_a_task_waits(
+    waiting: bool, expected: list[Any]
+) -> None:
     log: list[Any] = []
     worker = _worker(log)
+    if waiting:
+        task = TextGeneration(task_id="t2", model="m", prompt="hi")
+        worker.state = apply(READY_R1, ev.TaskQueued(PendingTask(task, 0.0, inputs={})))
     worker.reports.plan_due = True  # e.g. a prefill a waiting task may use (reports.py)
     worker.inbox.put_nowait(TOKEN)
     worker.inbox.put_nowait(Stop())
     await asyncio.wait_for(worker._loop(), 5)
-    assert log == [TOKEN, "plan"]
+    assert log == expected
+    if not waiting:
+        assert worker.reports.plan_due is False  # spent (the real _drive spends it too)
 
 
 class _Runners:
