@@ -42,7 +42,6 @@ from collections.abc import Awaitable, Callable
 import orjson
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from opentelemetry.metrics import Meter
 
@@ -56,7 +55,7 @@ from fleet.wire.tasks import Priority
 from fleet.worker.consumer_guard import ConsumerGuard
 from fleet.worker.lanes import Lanes, reads_counts
 from fleet.worker.priority import CLASSES, Turn, pull_order, quota
-from fleet.worker.pull_now import pull_now
+from fleet.worker.pull_now import next_delivered, pull_now
 from fleet.worker.standing import Cover, Step, covered, round_step, stands
 
 log = logging.getLogger(__name__)
@@ -80,20 +79,6 @@ async def unsubscribe_pull(sub: JetStreamContext.PullSubscription) -> None:
         await sub.unsubscribe()
     except Exception as exc:  # closing anyway: say so, nothing to retry
         log.debug("pull subscription not unsubscribed: %s", exc)
-
-
-async def next_delivered(inbox: Subscription, timeout: float) -> Msg:
-    """The next message of a subscription without a callback, as nats-py's `next_msg` reads
-    it (its queue, and the pending size that the slow-consumer limit weighs), less what
-    `next_msg` adds a call: a task, `wait_for`'s own task and a uuid4 name, two loop passes
-    and a getrandom call between a task's arrival and its sweep (issue 23). Raises
-    TimeoutError. A sweep reading so is not cancelled by the connection's close, as a
-    `next_msg` is: its owner (`TaskPuller.close`) ends it, or its expiry."""
-    async with asyncio.timeout(timeout):
-        msg = await inbox._pending_queue.get()
-    inbox._pending_size -= len(msg.data)
-    inbox._pending_queue.task_done()
-    return msg
 
 
 class TaskPuller:

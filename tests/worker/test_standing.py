@@ -15,7 +15,8 @@ from nats.js import JetStreamContext
 from fleet.config import Settings
 from fleet.wire import subjects
 from fleet.wire.tasks import Priority
-from fleet.worker.pulls import TaskPuller, next_delivered
+from fleet.worker.pull_now import next_delivered
+from fleet.worker.pulls import TaskPuller
 from fleet.worker.standing import Cover, Step, covered, round_step, stands
 
 OPEN = Cover(until=10.0, reconnects=2)
