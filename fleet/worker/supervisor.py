@@ -25,7 +25,13 @@ from typing import Any, Protocol
 
 from fleet.wire.codec import DecodeError, encode
 from fleet.wire.events import ErrorReason, TaskFinished, failed
-from fleet.wire.framing import FrameError, encode_message, read_frame
+from fleet.wire.framing import (
+    READ_BYTES,
+    FrameError,
+    check_ended,
+    encode_message,
+    take_frames,
+)
 from fleet.wire.pipe import (
     RunnerCommand,
     RunnerReport,
@@ -209,11 +215,15 @@ class RunnerProcess:
 
     async def _pump_reports(self) -> None:
         assert self._process is not None and self._process.stdout is not None
+        pending = bytearray()
         try:
-            while (body := await read_frame(self._process.stdout)) is not None:
-                report = read_report(body)  # a token event: its bytes, no model built
-                self._observe(report)
-                self._reports.put_nowait(RunnerReported(self.runner_id, report))
+            while data := await self._process.stdout.read(READ_BYTES):
+                pending += data
+                for body in take_frames(pending):
+                    report = read_report(body)  # a token event: its bytes, no model built
+                    self._observe(report)
+                    self._reports.put_nowait(RunnerReported(self.runner_id, report))
+            check_ended(pending)
         except (FrameError, DecodeError) as exc:
             log.error("runner %s wrote an invalid frame (%s): killing it", self.runner_id, exc)
             self._process.kill()

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
 import io
 
 import pytest
 
 from fleet.wire.codec import DecodeError
 from fleet.wire.framing import (
+    READ_BYTES,
     FrameReader,
     FrameTooLarge,
     FrameWriter,
     TruncatedFrame,
+    check_ended,
     decode_command,
     decode_header,
     decode_report,
     encode_frame,
     encode_message,
-    read_frame,
+    take_frames,
 )
 from fleet.wire.pipe import LoadModel, RunnerStatusReport, SubmitTask
 from fleet.wire.runners import RunnerLoading, RunnerReady
@@ -95,38 +96,35 @@ def test_sync_reader_refuses_an_oversized_frame_before_reading_it() -> None:
         FrameReader(io.BytesIO(b"\xff\xff\xff\xff"), max_bytes=1 << 20).read()
 
 
-async def _read_all(data: bytes) -> list[bytes]:
-    reader = asyncio.StreamReader()
-    reader.feed_data(data)
-    reader.feed_eof()
-    bodies = []
-    while (body := await read_frame(reader)) is not None:
-        bodies.append(body)
+def _read_all(data: bytes, chunk: int = READ_BYTES) -> list[bytes]:
+    """As the worker's pump reads a runner's pipe: `chunk` bytes at a time, then its end."""
+    pending, bodies = bytearray(), []
+    for at in range(0, len(data), chunk):
+        pending += data[at : at + chunk]
+        bodies += take_frames(pending)
+    check_ended(pending)
     return bodies
 
 
-async def test_async_reader_reads_whole_frames_then_a_clean_end() -> None:
-    assert await _read_all(encode_frame(b"one") + encode_frame(b"") + encode_frame(b"3")) == [
-        b"one",
-        b"",
-        b"3",
-    ]
+@pytest.mark.parametrize("chunk", [1, 3, 5, READ_BYTES])  # frames split anywhere, or whole
+def test_the_worker_reads_whole_frames_then_a_clean_end(chunk: int) -> None:
+    stream = encode_frame(b"one") + encode_frame(b"") + encode_frame(b"3")
+    assert _read_all(stream, chunk) == [b"one", b"", b"3"]
 
 
 @pytest.mark.parametrize(
     ("stream", "error"),
-    [(b"\x00", "1 of 4 header bytes"), (b"\x00\x00\x00\x09abc", "3 of 9 body bytes")],
+    [(b"\x00", "1 of 4 header bytes"), (b"\x00\x00\x00\x09abc", "3 of 9 body bytes"),
+     (encode_frame(b"whole") + b"\x00\x00", "2 of 4 header bytes")],
 )
-async def test_async_reader_reports_a_truncated_stream(stream: bytes, error: str) -> None:
+def test_the_worker_reports_a_truncated_stream(stream: bytes, error: str) -> None:
     with pytest.raises(TruncatedFrame, match=error):
-        await _read_all(stream)
+        _read_all(stream, chunk=2)
 
 
-async def test_async_reader_refuses_an_oversized_frame() -> None:
-    reader = asyncio.StreamReader()
-    reader.feed_data(b"\x00\x10\x00\x00")
+def test_the_worker_refuses_an_oversized_frame_before_its_body() -> None:
     with pytest.raises(FrameTooLarge):
-        await read_frame(reader, max_bytes=1024)
+        take_frames(bytearray(b"\x00\x10\x00\x00"), max_bytes=1024)
 
 
 def test_the_runners_reporter_holds_a_passs_task_reports_for_one_write() -> None:
