@@ -226,6 +226,14 @@ class Heartbeat:
             return
         self._sent, self._listing, self._last_put = (sent, info), frozenset(info.held_acks), now
 
+    def taken_in(self, subject: str | None) -> None:
+        """The worker's loop holds this fetched message now (its intake began): the held list
+        lists it from here on, so it is listed from its fetch no more. Else one taken and
+        settled between two beats stayed listed, settled, for AHEAD_LISTED_S: under batches
+        hundreds at a time, in every beat's record."""
+        if subject:
+            self._ahead.pop(subject, None)
+
     def ask_to_list(self, subject: str | None) -> None:
         """Ask for a beat that lists `subject` now, without waiting for it: a caller that
         has its own round trip to make meanwhile (an intake's claim) then awaits `list_held`,

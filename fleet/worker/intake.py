@@ -125,6 +125,7 @@ class Intake:
     async def receive(self, msg: Msg, *, handed_in: bool = False) -> Queued | Settled:
         """`handed_in`: another node passed this message on (fleet.worker.handoff), perhaps
         after its runner had streamed part of the answer: taken over like a redelivery."""
+        self.cluster.heartbeat.taken_in(msg.reply)  # held by the loop from here on
         delivery = msg.metadata.num_delivered if msg.metadata else 1
         try:
             task = self._decoded.pop(msg.reply, None) if msg.reply else None

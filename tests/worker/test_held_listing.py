@@ -169,10 +169,15 @@ async def test_a_message_listed_from_its_fetch_is_stored_before_it_is_held(
         assert await beat.list_held(reply) is not None  # not held yet: listed from its fetch
         assert reply in await _listed(nc)
         held.append(reply)  # AckPolicy.hold, in the worker's loop, later
+        beat.taken_in(reply)  # its intake begins
         beat.ask_to_list(reply)
         assert not beat._asked.is_set()
         assert await beat.list_held(reply) is not None
         assert await _revision(nc) == before + 1, "one beat: the one the fetch asked for"
+        # Settled before the next beat: listed by nothing, neither held nor just fetched.
+        held.remove(reply)
+        await beat.beat(records=False)
+        assert reply not in await _listed(nc)
     finally:
         beating.cancel()
         with contextlib.suppress(asyncio.CancelledError):
