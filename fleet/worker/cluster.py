@@ -339,7 +339,7 @@ class ClusterLink:
                 if record is None:
                     await self.heartbeat.runner_records.delete(runner_id)
                 else:
-                    await self.heartbeat.runner_records.put(record)
+                    await self.heartbeat.put_runner(record)
                     changed = RunnerStatusChanged(
                         runner_id=runner_id, instance_id=record.instance_id,
                         node_id=self.node_id, model=record.model, status=record.status,

@@ -18,8 +18,9 @@ from nats.aio.msg import Msg
 from fleet.bus.kv_calls import open_bucket
 from fleet.bus.pipelined import Sent
 from fleet.wire import subjects
-from fleet.wire.cluster import NodeInfo
+from fleet.wire.cluster import NodeInfo, RunnerRecord
 from fleet.wire.codec import decode_model
+from fleet.wire.runners import RunnerRunning
 from fleet.worker import heartbeat
 from fleet.worker.heartbeat import (
     HEARTBEAT_S,
@@ -345,3 +346,21 @@ async def test_a_put_the_fast_path_cannot_make_falls_back_to_the_retried_put(
     await beat.beat()
     assert await _listed(nc) == ["$JS.ACK.x.y.9"]
     assert beat.health.failures == 0
+
+
+@pytest.mark.parametrize("fast_stored", [True, False])
+async def test_a_runner_record_is_put_by_the_fast_path_or_the_retried_put(
+    provisioned_nc: Client, monkeypatch: pytest.MonkeyPatch, fast_stored: bool,
+) -> None:
+    """The status writer's put (`put_runner`): stored by one pipelined publish, or, when its
+    answer is not a stored one, by the retried put; either way the record is in the bucket."""
+    nc, js = provisioned_nc, provisioned_nc.jetstream()
+    beat = Heartbeat(nc, await open_bucket(js, subjects.NODES_BUCKET),
+                     await open_bucket(js, subjects.RUNNERS_BUCKET), "n1", _info, list)
+    if not fast_stored:
+        monkeypatch.setattr(heartbeat, "stored", lambda answer: False)
+    record = RunnerRecord(runner_id="r-1", instance_id="i-1", node_id="n1", model="m",
+                          status=RunnerRunning(), slots=4, active_tasks=1, rank=0, at=1.0)
+    await beat.put_runner(record)
+    kv = await open_bucket(js, subjects.RUNNERS_BUCKET)
+    assert decode_model(RunnerRecord, (await kv.get("r-1")).value or b"") == record
