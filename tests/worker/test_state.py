@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import get_args
 
 import pytest
 
@@ -227,6 +228,10 @@ def test_evolve_builds_what_replace_builds(record: object, changes: dict[str, ob
 def test_evolve_refuses_a_field_the_record_has_not() -> None:
     with pytest.raises(TypeError, match="has no field"):
         evolve(EMPTY, stoping=True)
+
+
+def test_every_state_event_has_exactly_its_own_rule() -> None:
+    assert set(get_args(ev.StateEvent)) == set(ev._RULES)
 
 
 def test_an_unknown_event_is_a_type_error() -> None:
