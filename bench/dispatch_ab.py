@@ -32,8 +32,17 @@ import psutil
 from nats.aio.client import Client
 
 from bench.fleet_stack import FleetStack
-from bench.plumbing_rate import MODEL, SLOTS, STREAM_TIMEOUT_S, RawEvents, _task, seed_fault_card
+from bench.plumbing_rate import (
+    MODEL,
+    SLOTS,
+    STREAM_TIMEOUT_S,
+    RawEvents,
+    _task,
+    room_for,
+    seed_fault_card,
+)
 from bench.workload import percentile
+from fleet.bus.task_queue import TaskQueue
 from fleet.wire import subjects
 from fleet.wire.codec import encode
 
@@ -71,6 +80,9 @@ class Side:
         return self.events.accepted[task_id] - began
 
     async def batch(self, tasks: int) -> None:
+        # The last batch's terminals came before its acks: wait until this one fits under
+        # FLEET_TASKS's per-subject cap, or its last publishes are refused (err 10077).
+        await room_for(TaskQueue(self.nc), tasks, STREAM_TIMEOUT_S)
         processes = self.stack.processes()
         up: psutil.Process = processes["up"]
         cpu = sum(up.cpu_times()[:2])
