@@ -79,7 +79,8 @@ def preempt(state: WorkerState, now: float) -> Preempt | None:
         waiting = sum(1 for task_id, p in state.pending.items()
                       if p.task.model == model and p.task.priority == WAITING_CLASS
                       and state.place_of(task_id) is Place.WAITING_SLOT)
-        if waiting <= _yielding(state, runners):
+        # No interactive task waits: no runner's tasks need reading (64 a full runner).
+        if not waiting or waiting <= _yielding(state, runners):
             continue
         candidates = _may_yield(state, runners)
         victim = yields_to([running for running, _ in candidates], WAITING_CLASS)
