@@ -107,7 +107,7 @@ Rule = Callable[[WorkerState, float], Action | None]
 def _orphaned(state: WorkerState) -> set[str]:
     """Runners to stop: their instance is no longer hosted here, its group changed (a shard
     moved: every rank restarts into the new ring), or the worker is stopping."""
-    wanted = {inst.instance_id: group_layout(inst) for inst in state.hosted_instances()}
+    wanted = state.hosted_layouts()
     return {
         r.runner_id for r in state.runners.values()
         if state.stopping or r.instance_id not in wanted or wanted[r.instance_id] != r.layout
@@ -123,7 +123,7 @@ def compute_backoff(attempts: int, base: float, cap: float) -> float:
 
 
 def stop_orphan_runner(state: WorkerState, now: float) -> Action | None:
-    hosted = {inst.instance_id for inst in state.hosted_instances()}
+    hosted = state.hosted_layouts()
     for runner_id in sorted(_orphaned(state)):
         runner = state.runners[runner_id]
         if runner.shutting_down:
@@ -190,7 +190,7 @@ def hand_back(state: WorkerState, now: float) -> Action | None:
         return None  # the shutdown gives every waiting task back at once
     if not state.pending:
         return None
-    served = {inst.model for inst in state.hosted_instances()}
+    served = state.hosted_models()
     for task_id, pending in state.pending.items():
         if pending.task.model not in served and not (pending.fetching or pending.handing_off):
             return HandBack(task_id)

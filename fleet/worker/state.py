@@ -144,8 +144,17 @@ class Failure:
     held_until: float = 0.0
 
 
-# The last table hosted_instances read, and what it found there: (table, node, instances).
-_HOSTED_MEMO: list[tuple[dict[str, Instance], str, tuple[Instance, ...]]] = []
+@dataclass(frozen=True)
+class _Hosted:
+    """What the planner reads of the instances hosted here, found once a table (`_hosted`)."""
+
+    instances: tuple[Instance, ...]
+    layouts: Mapping[str, tuple[object, ...]]  # instance id -> its group (`group_layout`)
+    models: frozenset[str]
+
+
+# The last table _hosted read, and what it found there: (table, node, _Hosted).
+_HOSTED_MEMO: list[tuple[dict[str, Instance], str, _Hosted]] = []
 
 
 @dataclass(frozen=True)
@@ -196,18 +205,33 @@ class WorkerState:
         """The runner that has the task in flight, if one here has."""
         return next((r for r in self.runners.values() if task_id in r.in_flight), None)
 
-    def hosted_instances(self) -> list[Instance]:
-        """The instances with a shard on this node. Read several times a plan, many plans a
-        second, over the whole fleet's table (1,000 instances: 4 % of a core idle in `fleet
-        bench --only scale`), so kept for as long as the table is the same object: every
-        change of it is a new dict (`InstancesChanged`), never one changed in place."""
+    def hosted_instances(self) -> tuple[Instance, ...]:
+        """The instances with a shard on this node."""
+        return self._hosted().instances
+
+    def hosted_layouts(self) -> Mapping[str, tuple[object, ...]]:
+        """Each hosted instance's group (`group_layout`), by instance id: what a runner here
+        must have joined (fleet.worker.plan._orphaned, every plan). Not to be changed."""
+        return self._hosted().layouts
+
+    def hosted_models(self) -> frozenset[str]:
+        """The models of the instances hosted here."""
+        return self._hosted().models
+
+    def _hosted(self) -> _Hosted:
+        """Read several times a plan, many plans a second, over the whole fleet's table
+        (1,000 instances: 4 % of a core idle in `fleet bench --only scale`), so kept for as
+        long as the table is the same object: every change of it is a new dict
+        (`InstancesChanged`), never one changed in place."""
         memo = _HOSTED_MEMO
         if memo and memo[0][0] is self.instances and memo[0][1] == self.node_id:
-            return list(memo[0][2])
-        hosted = tuple(inst for inst in self.instances.values()
-                       if any(s.node_id == self.node_id for s in inst.shards))
+            return memo[0][2]
+        instances = tuple(inst for inst in self.instances.values()
+                          if any(s.node_id == self.node_id for s in inst.shards))
+        hosted = _Hosted(instances, {inst.instance_id: group_layout(inst) for inst in instances},
+                         frozenset(inst.model for inst in instances))
         memo[:] = [(self.instances, self.node_id, hosted)]
-        return list(hosted)
+        return hosted
 
     def runner_for(self, instance_id: str) -> RunnerView | None:
         return next((r for r in self.runners.values() if r.instance_id == instance_id), None)

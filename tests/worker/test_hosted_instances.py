@@ -21,5 +21,6 @@ def test_a_new_table_and_another_node_are_read_afresh() -> None:
     there = replace(here, node_id="b")  # the same table, another node
     assert [i.instance_id for i in there.hosted_instances()] == ["j"]
     moved = apply(here, InstancesChanged({"i": instance("i", "b"), "j": instance("j", "b")}))
-    assert moved.hosted_instances() == []
+    assert moved.hosted_instances() == ()
+    assert moved.hosted_layouts() == {} and moved.hosted_models() == frozenset()
     assert [i.instance_id for i in here.hosted_instances()] == ["i"]  # the old table still

@@ -21,6 +21,7 @@ from fleet.worker.state import (
     WorkerState,
     apply,
     evolve,
+    group_layout,
 )
 
 HERE = "node-a"
@@ -241,7 +242,9 @@ def test_an_unknown_event_is_a_type_error() -> None:
 
 def test_hosted_instances_are_those_with_a_shard_on_this_node() -> None:
     state = given(instances={"inst-1": INST, "inst-2": INST_2})
-    assert state.hosted_instances() == [INST]
+    assert state.hosted_instances() == (INST,)
+    assert state.hosted_layouts() == {"inst-1": group_layout(INST)}
+    assert state.hosted_models() == {INST.model}
 
 
 def test_runner_for_finds_the_runner_of_an_instance() -> None:
