@@ -253,6 +253,10 @@ def pull(state: WorkerState, now: float) -> Action | None:
             free[runner.model] = free.get(runner.model, 0) + runner.free_slots
             room[runner.model] = room.get(runner.model, 0) + (
                 runner.slots if runner.takes_tasks else 0)
+    if not any(slots > 0 for slots in free.values()):
+        # Every count below only lowers `free`, and a pull or a probe's end needs some left:
+        # a full node asks only pull_to_preempt (not 64 waiting tasks read a plan).
+        return _pull_to_preempt_any(state, capacity)
     for model in state.receiving.values():  # being taken in: waiting tasks soon
         room[model] = room.get(model, 0) - 1
         free[model] = free.get(model, 0) - 1
@@ -274,6 +278,10 @@ def pull(state: WorkerState, now: float) -> Action | None:
             return Pull(model, slots, reserve_for(capacity.get(model, 0)))
         if slots > 0 and model in state.probing:
             return EndProbe(model)
+    return _pull_to_preempt_any(state, capacity)
+
+
+def _pull_to_preempt_any(state: WorkerState, capacity: dict[str, int]) -> Action | None:
     for model in sorted(capacity):
         if pull_to_preempt(state, model):
             return Pull(model, 1, only="interactive")

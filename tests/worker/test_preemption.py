@@ -21,6 +21,7 @@ from fleet.worker.acks import Stage
 from fleet.worker.image_outputs import ImageOutputs
 from fleet.worker.inbox import Inbox, RunnerReported
 from fleet.worker.plan import Dispatch, EndProbe, Pull, plan
+from fleet.worker.plan import pull as plan_pull
 from fleet.worker.preemption import Preempt, preempt, pull_to_preempt
 from fleet.worker.reports import RunnerReports
 from fleet.worker.spans import TaskSpans
@@ -114,6 +115,27 @@ def test_pull_to_preempt(running: dict[str, tuple[Priority, bool]], waiting: dic
 
 def test_the_planner_pulls_one_interactive_task_for_a_full_runner() -> None:
     assert plan(world({"b": ("batch", False)}, {}), NOW) == Pull(MODEL, 1, only="interactive")
+
+
+@pytest.mark.parametrize(("running", "waiting", "changes"), [
+    pytest.param({"b": ("batch", False)}, {}, {}, id="may-yield"),
+    pytest.param({"b": ("batch", True)}, {}, {}, id="sent-a-token"),
+    pytest.param({"b": ("batch", False)}, {"c": "interactive"}, {}, id="one-waits"),
+    pytest.param({"b": ("batch", False)}, {"w": "batch"}, {}, id="a-batch-task-waits"),
+    pytest.param({"b": ("batch", False)}, {}, {"receiving": {"k": MODEL}}, id="one-taken-in"),
+    pytest.param({"b": ("batch", False)}, {}, {"pulling": frozenset({MODEL}),
+                                               "probing": frozenset({MODEL})}, id="probing"),
+    pytest.param({"b1": ("batch", False), "b22": ("default", False)}, {"w": "batch"},
+                 {"drained": frozenset({MODEL})}, id="two-slots-drained"),
+])
+def test_a_full_node_pulls_only_to_preempt(
+        running: dict[str, tuple[Priority, bool]], waiting: dict[str, Priority],
+        changes: dict[str, object]) -> None:
+    """No free slot here: pull's answer is pull_to_preempt's, without the counts of waiting
+    tasks (they can only lower a free count that is none already)."""
+    state = world(running, waiting, slots=len(running), **changes)
+    wanted = Pull(MODEL, 1, only="interactive") if pull_to_preempt(state, MODEL) else None
+    assert plan_pull(state, NOW) == wanted
 
 
 def test_a_slot_that_frees_while_the_probe_waits_ends_the_probe() -> None:
