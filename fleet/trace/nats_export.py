@@ -41,6 +41,8 @@ class NatsSpanProcessor(SpanProcessor):
         self._loop = asyncio.get_running_loop()
         self._lock = threading.Lock()  # on_end may come from a thread (asyncio.to_thread)
         self._loop_thread = threading.get_ident()
+        # The loop keeps only weak references to its tasks: this holds the pending flush (at
+        # most one; _flush logs its own failures, so nothing it raises is lost).
         self._flusher: asyncio.Task[None] | None = None
         self._buffer: list[SpanRecord] = []
         self._held = HeldTraces()
