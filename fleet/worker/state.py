@@ -269,11 +269,13 @@ def evolve(record: _Record, **changes: object) -> _Record:
     copied with `changes` over them are the object replace builds; an unknown name fails
     as it does there."""
     fields = record.__dict__
-    if not changes.keys() <= fields.keys():
+    merged = fields | changes  # one C-level merge; a name it added is no field
+    if len(merged) != len(fields):
         raise TypeError(f"{type(record).__name__} has no field {set(changes) - set(fields)}")
     copy = object.__new__(type(record))
-    copy.__dict__.update(fields)
-    copy.__dict__.update(changes)
+    # The merged dict is the copy's own (a frozen record's __setattr__ refuses every name):
+    # not a fresh dict updated twice, 0.9 -> 0.55 us a WorkerState copy (timeit, loaded).
+    object.__setattr__(copy, "__dict__", merged)
     return copy
 
 

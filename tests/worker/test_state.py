@@ -223,6 +223,7 @@ def test_evolve_builds_what_replace_builds(record: object, changes: dict[str, ob
     made = evolve(record, **changes)
     assert made == replace(record, **changes)  # type: ignore[arg-type]
     assert type(made) is type(record) and made is not record
+    assert made.__dict__ is not record.__dict__  # never shares (so changes) the original's
     assert repr(made) == repr(replace(record, **changes))  # type: ignore[arg-type]
 
 
