@@ -1,0 +1,65 @@
+"""The rules that read every waiting task (expire_pending, hand_back, fetch_inputs) answer
+as they would read afresh when what they could find is kept from the tasks last read
+(fleet.worker.plan._waiting): a table of pending dicts in sequence, each rule's answer
+against its answer with nothing kept."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from fleet.wire.cluster import Instance, ShardAssignment
+from fleet.wire.tasks import TextGeneration
+from fleet.worker import plan as rules
+from fleet.worker.state import PendingTask, WorkerState
+
+NOW = 1000.0
+HOSTED = Instance(instance_id="i", model="m", slots=1, created_at=0.0,
+                  shards=[ShardAssignment(node_id="n", runner_id="r")])
+
+
+def waiting(task_id: str, model: str = "m", deadline: float | None = None,
+            inputs: dict[str, str] | None = None, **changes: object) -> PendingTask:
+    task = TextGeneration(task_id=task_id, model=model, prompt="hi", deadline=(
+        None if deadline is None else datetime.fromtimestamp(deadline, UTC)))
+    return PendingTask(task, NOW, inputs=inputs, **changes)  # type: ignore[arg-type]
+
+
+A, B, C = waiting("a", inputs={}), waiting("b", inputs={}), waiting("c", inputs={})
+LATE = waiting("late", deadline=NOW - 1, inputs={})
+SOON = waiting("soon", deadline=NOW + 60, inputs={})
+UNFETCHED = waiting("u")
+FETCHING = waiting("u", fetching=True)
+ELSEWHERE = waiting("x", model="gone", inputs={})
+OFFERED = waiting("x", model="gone", inputs={}, handing_off="n2")
+B_FETCHING = waiting("b", inputs={}, fetching=True)  # b's record made anew, not equal
+
+
+@pytest.mark.parametrize("steps", [
+    pytest.param([{"a": A, "b": B, "c": C}, {"b": B, "c": C}, {"c": C, "late": LATE}],
+                 id="a-late-task-arrives"),
+    pytest.param([{"a": A, "soon": SOON, "c": C}, {"soon": SOON, "c": C}], id="a-deadline-ahead"),
+    pytest.param([{"a": A, "late": LATE}, {"late": LATE}], id="late-all-along"),
+    pytest.param([{"a": A, "u": UNFETCHED}, {"a": A, "u": FETCHING}, {"u": FETCHING}],
+                 id="inputs-fetched"),
+    pytest.param([{"a": A, "u": FETCHING, "b": B}, {"a": A, "u": UNFETCHED}],
+                 id="an-unequal-record"),
+    pytest.param([{"a": A, "x": OFFERED, "b": B}, {"a": A, "x": ELSEWHERE}],
+                 id="an-offer-answered"),
+    pytest.param([{"a": A, "x": ELSEWHERE, "b": B}, {"a": A, "x": ELSEWHERE}],
+                 id="a-model-no-longer-served"),
+    pytest.param([{"a": A, "b": B}, {"a": A, "b": B_FETCHING}, {"a": A}, {}],
+                 id="fewer-than-half-and-none"),
+])
+def test_rules_reading_every_waiting_task_answer_as_read_afresh(
+        steps: list[dict[str, PendingTask]]) -> None:
+    rules._WAITING_MEMO.clear()
+    for pending in steps:
+        state = WorkerState(node_id="n", instances={"i": HOSTED}, pending=pending)
+        for rule in (rules.expire_pending, rules.hand_back, rules.fetch_inputs):
+            kept = rule(state, NOW)
+            memo = list(rules._WAITING_MEMO)
+            rules._WAITING_MEMO.clear()
+            assert kept == rule(state, NOW), (rule.__name__, sorted(pending))
+            rules._WAITING_MEMO[:] = memo
