@@ -5,7 +5,7 @@ No I/O and no clock reads: `now` is passed in, so each rule is tested with a tab
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -16,7 +16,7 @@ from fleet.worker.preemption import Preempt, preempt, pull_to_preempt
 from fleet.worker.priority import reserve_for
 from fleet.worker.routes import routes, waits_for_a_full_runner
 from fleet.worker.routing import Wait
-from fleet.worker.state import PendingTask, WorkerState, group_layout, ranks_of
+from fleet.worker.state import WorkerState, group_layout, ranks_of, waiting_summary
 
 RESTART_BASE_S = 1.0
 RESTART_CAP_S = 60.0
@@ -165,46 +165,8 @@ def advance_runner(state: WorkerState, now: float) -> Action | None:
     return None
 
 
-@dataclass(frozen=True)
-class _Waiting:
-    """What the rules that read every waiting task could find (`_waiting`)."""
-
-    deadlines: bool  # a task not being handed off has a deadline (expire_pending)
-    unfetched: bool  # a task's inputs are neither here nor being fetched (fetch_inputs)
-    models: frozenset[str]  # the models of the tasks hand_back may give back
-
-
-# The last waiting tasks read through, and what they hold (`_waiting`).
-_WAITING_MEMO: list[tuple[Mapping[str, PendingTask], _Waiting]] = []
-
-
-def _waiting(pending: Mapping[str, PendingTask]) -> _Waiting:
-    """What expire_pending, hand_back and fetch_inputs could find among `pending`: where
-    none can find a thing, each returns at once. Read through once for the tasks last read
-    and for some of those (equal records, at least half of them): under batches a full
-    plan's waiting tasks are those of the plan before less the ones dispatched, and three
-    rules reading 64 each were half of such a plan (issue 23). For some of those tasks it
-    says "maybe" where it was so for all; the rule then reads them as before."""
-    memo = _WAITING_MEMO
-    if memo and (memo[0][0] is pending or (2 * len(pending) >= len(memo[0][0])
-                                           and pending.items() <= memo[0][0].items())):
-        return memo[0][1]
-    deadlines = unfetched = False
-    models: set[str] = set()
-    for task in pending.values():
-        if task.task.deadline is not None and task.handing_off is None:
-            deadlines = True
-        if task.inputs is None and not task.fetching:
-            unfetched = True
-        if not (task.fetching or task.handing_off):
-            models.add(task.task.model)
-    found = _Waiting(deadlines, unfetched, frozenset(models))
-    memo[:] = [(pending, found)]
-    return found
-
-
 def expire_pending(state: WorkerState, now: float) -> Action | None:
-    if not state.pending or not _waiting(state.pending).deadlines:
+    if not state.pending or not waiting_summary(state.pending).deadlines:
         return None
     moment = datetime.fromtimestamp(now, UTC)
     for task_id, pending in state.pending.items():
@@ -215,7 +177,7 @@ def expire_pending(state: WorkerState, now: float) -> Action | None:
 
 
 def fetch_inputs(state: WorkerState, now: float) -> Action | None:
-    if not state.pending or not _waiting(state.pending).unfetched:
+    if not state.pending or not waiting_summary(state.pending).unfetched:
         return None
     for task_id, pending in state.pending.items():
         if pending.inputs is None and not pending.fetching:
@@ -231,7 +193,7 @@ def hand_back(state: WorkerState, now: float) -> Action | None:
     if not state.pending:
         return None
     served = state.hosted_models()
-    if _waiting(state.pending).models <= served:
+    if waiting_summary(state.pending).models <= served:
         return None
     for task_id, pending in state.pending.items():
         if pending.task.model not in served and not (pending.fetching or pending.handing_off):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fleet.priorities import RANK
 from fleet.wire.tasks import Priority
 from fleet.worker.priority import Running, yields_to
-from fleet.worker.state import CancelOrigin, Place, RunnerView, WorkerState
+from fleet.worker.state import CancelOrigin, Place, RunnerView, WorkerState, waiting_summary
 
 WAITING_CLASS: Priority = "interactive"  # the class that may take a running task's slot
 _WAITING_RANK = RANK[WAITING_CLASS]
@@ -76,6 +76,8 @@ def preempt(state: WorkerState, now: float) -> Preempt | None:
         runners = _runners(state, model)
         if not runners or any(r.free_slots for r in runners):
             continue
+        if (model, WAITING_CLASS) not in waiting_summary(state.pending).classes:
+            continue  # no interactive task of it waits (none read: a summary kept a plan)
         waiting = sum(1 for task_id, p in state.pending.items()
                       if p.task.model == model and p.task.priority == WAITING_CLASS
                       and state.place_of(task_id) is Place.WAITING_SLOT)

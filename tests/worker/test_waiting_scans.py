@@ -12,7 +12,12 @@ import pytest
 from fleet.wire.cluster import Instance, ShardAssignment
 from fleet.wire.tasks import TextGeneration
 from fleet.worker import plan as rules
-from fleet.worker.state import PendingTask, WorkerState
+from fleet.worker import state as ev
+from fleet.worker import state as state_module
+from fleet.worker.preemption import Preempt, preempt
+from fleet.worker.state import PendingTask, WorkerState, apply, evolve
+from tests.worker.test_preemption import task as waiting_task
+from tests.worker.test_preemption import world
 
 NOW = 1000.0
 HOSTED = Instance(instance_id="i", model="m", slots=1, created_at=0.0,
@@ -54,12 +59,28 @@ B_FETCHING = waiting("b", inputs={}, fetching=True)  # b's record made anew, not
 ])
 def test_rules_reading_every_waiting_task_answer_as_read_afresh(
         steps: list[dict[str, PendingTask]]) -> None:
-    rules._WAITING_MEMO.clear()
+    state_module._WAITING_MEMO.clear()
     for pending in steps:
         state = WorkerState(node_id="n", instances={"i": HOSTED}, pending=pending)
         for rule in (rules.expire_pending, rules.hand_back, rules.fetch_inputs):
             kept = rule(state, NOW)
-            memo = list(rules._WAITING_MEMO)
-            rules._WAITING_MEMO.clear()
+            memo = list(state_module._WAITING_MEMO)
+            state_module._WAITING_MEMO.clear()
             assert kept == rule(state, NOW), (rule.__name__, sorted(pending))
-            rules._WAITING_MEMO[:] = memo
+            state_module._WAITING_MEMO[:] = memo
+
+
+def test_preempt_answers_as_read_afresh() -> None:
+    """A full runner's prefilling batch task, and waiting tasks as a drive changes them:
+    preempt with the summary kept against preempt with nothing kept."""
+    state_module._WAITING_MEMO.clear()
+    full = world({"b": ("batch", False)}, {"c": "interactive", "w": "batch"})
+    less_c = evolve(full, pending={"w": full.pending["w"]})
+    again = apply(less_c, ev.TaskQueued(waiting_task("c2", "interactive")))
+    answers = []
+    for state in (full, less_c, full, again):
+        kept = preempt(state, NOW)
+        state_module._WAITING_MEMO.clear()
+        assert kept == preempt(state, NOW)
+        answers.append(kept)
+    assert answers == [Preempt("b", "r"), None, Preempt("b", "r"), Preempt("b", "r")]
