@@ -55,7 +55,7 @@ from fleet.wire.tasks import Priority
 from fleet.worker.consumer_guard import ConsumerGuard
 from fleet.worker.lanes import Lanes, reads_counts
 from fleet.worker.priority import CLASSES, Turn, pull_order, quota
-from fleet.worker.pull_now import next_delivered, pull_now
+from fleet.worker.pull_now import next_delivered, pull_now, pull_waiting
 from fleet.worker.standing import Cover, Step, covered, round_step, stands
 
 log = logging.getLogger(__name__)
@@ -210,16 +210,19 @@ class TaskPuller:
     async def _pull(
         self, model: str, priority: Priority, batch: int, wait_s: float | None
     ) -> list[Msg]:
-        """`wait_s` None: only what the durable holds now (fleet.worker.pull_now)."""
+        """`wait_s` None: only what the durable holds now; else the next task, waiting up to
+        `wait_s` for it (`_first_of`'s waits, of one task: fleet.worker.pull_now)."""
         await self._end_sweep(model, priority)  # the subscription's queue is this pull's now
-        held = self.strays.pop((model, priority), [])
         sub = self._bound(model, priority) or await self._subscribe(model, priority)
+        # Taken once nothing is left to await before they are returned: a wait cancelled
+        # while it bound its class (after a failed pull) leaves them for the next pull.
+        held = self.strays.pop((model, priority), [])
         if held or wait_s is None:
             return held + (await pull_now(sub, batch - len(held)) if batch > len(held) else [])
-        try:
-            return await sub.fetch(batch, timeout=wait_s)
-        except TimeoutError:
-            return []
+        # Not nats-py's fetch: `_first_of` cancels the waits that did not answer first, and a
+        # fetch so cancelled just as its task came dropped the task (it came back after
+        # AckWait, 30 s); this one leaves it queued for the request's sweep.
+        return await pull_waiting(sub, wait_s)
 
     async def _lane_counts(self, model: str) -> dict[str, int]:
         """The counts of `model`'s tenant lanes; never raises."""

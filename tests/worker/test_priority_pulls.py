@@ -4,6 +4,7 @@ reserve, and a pull waiting on an empty queue takes the first task of any class.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -123,3 +124,49 @@ async def test_an_interrupted_wait_ends_at_once_and_loses_no_task(
     finally:
         await puller.close()
 
+
+
+@pytest.mark.parametrize("passes", range(6))
+async def test_a_wait_cancelled_as_its_task_arrives_keeps_the_task(
+    provisioned_nc: Client, passes: int,
+) -> None:
+    """`_first_of` cancels the waits that did not answer first (another class's task, a
+    standing request's end, a probe's interrupt). A task delivered to such a wait as its
+    cancel lands, in any loop pass from its delivery on, is returned by the wait or left
+    queued for the class's next pull; never taken and dropped, to come back only after
+    AckWait (nats-py's fetch did so: its next_msg takes the message in a task of its own,
+    and a cancel landing between that task's end and the fetch's resumption dropped it;
+    a quick bench's HTTP stream stalled ~27 s, CI 15:04)."""
+    js = provisioned_nc.jetstream()
+    puller = TaskPuller(provisioned_nc, js, Settings())
+    loop = asyncio.get_running_loop()
+    try:
+        queue = (await puller._subscribe("m"))._sub._pending_queue
+        wait = asyncio.ensure_future(puller._pull("m", "default", 1, 30.0))
+        deliver = queue.put_nowait
+
+        def delivered(msg: Msg) -> None:
+            """The client's read loop queueing the task: the cancel lands `passes` loop
+            passes later (the pass is what is tested, so it is counted, not waited for)."""
+            deliver(msg)
+
+            def hop(left: int) -> None:
+                if left:
+                    loop.call_soon(hop, left - 1)
+                else:
+                    wait.cancel()
+
+            hop(passes)
+
+        queue.put_nowait = delivered  # type: ignore[method-assign]
+        await js.publish(subjects.tasks("m"), b"task")
+        got: list[Msg] = []
+        with contextlib.suppress(asyncio.CancelledError):
+            got = await asyncio.wait_for(wait, 30)
+        queue.put_nowait = deliver  # type: ignore[method-assign]
+        if not got:  # cancelled before it took the task: queued, the next pull's first
+            got = await puller._pull("m", "default", 1, None)
+        assert [m.data for m in got] == [b"task"]
+        await got[0].ack()
+    finally:
+        await puller.close()
