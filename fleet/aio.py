@@ -10,6 +10,7 @@ whose failure is logged with its traceback, never swallowed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
 import time
@@ -184,13 +185,15 @@ def log_failure(task: asyncio.Task[Any]) -> None:
 
 
 class TaskSet:
-    """Kept for callers not yet under a Supervisor: referenced until done, errors logged."""
+    """The owner of tasks started outside any Supervisor (a process-wide span processor's
+    flushes): each referenced until done, its failure logged."""
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = asyncio.create_task(coro)
+    def spawn(self, coro: Coroutine[Any, Any, Any],
+              context: contextvars.Context | None = None) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro, context=context)
         self._tasks.add(task)
         task.add_done_callback(self._done)
         return task
@@ -198,11 +201,6 @@ class TaskSet:
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         log_failure(task)
-
-    async def cancel_all(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 CLOSE_WAIT_S = 5.0

@@ -24,6 +24,7 @@ from nats.aio.client import Client
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
+from fleet.aio import TaskSet
 from fleet.trace.held import HeldTraces
 from fleet.trace.records import SpanRecord, record_of
 from fleet.wire import subjects
@@ -41,9 +42,8 @@ class NatsSpanProcessor(SpanProcessor):
         self._loop = asyncio.get_running_loop()
         self._lock = threading.Lock()  # on_end may come from a thread (asyncio.to_thread)
         self._loop_thread = threading.get_ident()
-        # The loop keeps only weak references to its tasks: this holds the pending flush (at
-        # most one; _flush logs its own failures, so nothing it raises is lost).
-        self._flusher: asyncio.Task[None] | None = None
+        # The pending flush (at most one): referenced until it ends, its failure logged.
+        self._flushers = TaskSet()
         self._buffer: list[SpanRecord] = []
         self._held = HeldTraces()
         self._flush_pending = False
@@ -94,12 +94,15 @@ class NatsSpanProcessor(SpanProcessor):
                 return
             delay = self._delay(now)
         if threading.get_ident() == self._loop_thread:  # most spans: no wake-up by self-pipe
-            # in a context of its own, as from another thread: not the ending span's
-            self._flusher = self._loop.create_task(self._flush_later(delay),
-                                                   context=contextvars.Context())
+            self._flush_soon(delay)
             return
         with contextlib.suppress(RuntimeError):  # closed since: as above
-            asyncio.run_coroutine_threadsafe(self._flush_later(delay), self._loop)
+            self._loop.call_soon_threadsafe(self._flush_soon, delay)
+
+    def _flush_soon(self, delay: float) -> None:
+        """Start the pending flush, in the loop's thread and in a context of its own (not the
+        ending span's)."""
+        self._flushers.spawn(self._flush_later(delay), context=contextvars.Context())
 
     def _delay(self, now: float) -> float:
         """The next flush: a window after what is ready, or when the first held trace is due."""

@@ -25,7 +25,6 @@ claims an id first owns it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -39,7 +38,7 @@ from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 from nats.js import JetStreamContext
 
-from fleet.aio import cancel_and_wait
+from fleet.aio import cancel_and_wait, started
 from fleet.bus.pipelined import Sent, pipelined_for, stream_answer
 from fleet.bus.records import ClaimRecords
 from fleet.bus.replies import inbox_reply
@@ -232,15 +231,13 @@ class Claims:
             finally:  # a look-up whose answer does not count is left unread
                 pipelined_for(self.nc).forget(sent.lookup)
             return await self._verdict(task_id, owner, claim, earlier)
-        events = asyncio.ensure_future(self._has_events(task_id, None))
+        # Owned here, its failure logged by `started` (and raised below when it counts).
+        events = started(self._has_events(task_id, None), f"events look-up of {task_id}")
         try:
             claim = await self.claim(task_id, owner)
             earlier = claim is Claim.FRESH and await events
-        finally:  # owned here: a look-up not needed (or left by a failed claim) is ended
+        finally:  # a look-up not needed (or left by a failed claim) is ended
             await cancel_and_wait([events])
-            if not events.cancelled() and (failed := events.exception()) is not None:
-                # Raised above when its answer counted; logged either way, never swallowed.
-                log.warning("task %s: the events look-up failed: %r", task_id, failed)
         return await self._verdict(task_id, owner, claim, earlier)
 
     async def _verdict(self, task_id: str, owner: str, claim: Claim,

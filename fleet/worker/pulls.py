@@ -145,7 +145,7 @@ class TaskPuller:
         if reads_counts(now, self.lanes_seen.get(model), self.lanes_read.get(model),
                         LANES_RECENT_S):
             self.lanes_read[model] = now
-            lane_counts = asyncio.ensure_future(self._lane_counts(model))
+            lane_counts = started(self._lane_counts(model), f"lane counts of {model}")
         try:
             for turn in pull_order(served, now):
                 if only is not None and turn.priority != only:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import orjson
@@ -57,9 +58,11 @@ class FakeClient:
 
     def __init__(self) -> None:
         self.published: list[tuple[str, list[str]]] = []
+        self.sent = asyncio.Event()
 
     async def publish(self, subject: str, body: bytes) -> None:
         self.published.append((subject, [s["name"] for s in orjson.loads(body)["spans"]]))
+        self.sent.set()
 
 
 async def test_a_tasks_spans_and_its_runners_leave_in_one_message_when_its_root_ends() -> None:
@@ -92,3 +95,18 @@ async def test_flush_sends_what_is_held_too() -> None:
     await processor.flush()  # before a connection closes
     assert [names for _, names in client.published] == [["generation"]]
     root.end()
+
+
+@pytest.mark.parametrize("from_a_thread", [False, True])
+async def test_records_added_go_out_by_the_flush_they_schedule(from_a_thread: bool) -> None:
+    """The flush is the processor's own task, started in the loop's thread either way (a
+    span may end in `asyncio.to_thread`)."""
+    client = FakeClient()
+    processor = NatsSpanProcessor(lambda: client)  # type: ignore[arg-type, return-value]
+    records = [record("e" * 32, "ended")]
+    if from_a_thread:
+        await asyncio.to_thread(processor.add, records)
+    else:
+        processor.add(records)
+    await asyncio.wait_for(client.sent.wait(), 5.0)
+    assert client.published == [(f"fleet.traces.{'e' * 32}", ["ended"])]
