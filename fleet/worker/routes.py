@@ -16,7 +16,7 @@ from itertools import pairwise
 from fleet.priorities import RANK
 from fleet.wire.cluster import Instance
 from fleet.worker.routing import Candidate, Wait, choose
-from fleet.worker.state import PendingTask, RemoteRunner, WorkerState
+from fleet.worker.state import OfTheLast, PendingTask, RemoteRunner, WorkerState
 
 # A node that left a hand-off unanswered is tried again once it advertises again, or after
 # this long (adverts are written on change only: an idle node's may never come).
@@ -49,7 +49,7 @@ def routes(state: WorkerState, now: float) -> Iterator[tuple[str, PendingTask, D
 # The last waiting tasks sorted whose order had no tie: (their dict, that order). A drive
 # dispatches a fetched batch one task a plan, each plan's waiting tasks those of the one
 # before less the one dispatched, so each is read in the order already found.
-_ORDER_MEMO: list[tuple[Mapping[str, PendingTask], list[tuple[str, PendingTask]]]] = []
+_ORDER_MEMO: OfTheLast[list[tuple[str, PendingTask]]] = OfTheLast()
 
 
 def _in_order(pending: Mapping[str, PendingTask]) -> Iterator[tuple[str, PendingTask]]:
@@ -59,17 +59,14 @@ def _in_order(pending: Mapping[str, PendingTask]) -> Iterator[tuple[str, Pending
     an equal record, are in the order already found, as a sort of them would put them: that
     order has no two tasks of one class that came at the same moment, so no tie that the
     dicts' orders could break otherwise."""
-    memo = _ORDER_MEMO
-    # Sorted afresh once fewer than half are left, so reading past those gone stays short.
-    if memo and (memo[0][0] is pending or (2 * len(pending) >= len(memo[0][0])
-                                           and pending.items() <= memo[0][0].items())):
-        return ((task_id, pending[task_id]) for task_id, _ in memo[0][1] if task_id in pending)
+    if (kept := _ORDER_MEMO.get(pending)) is not None:
+        return ((task_id, pending[task_id]) for task_id, _ in kept if task_id in pending)
     items = list(pending.items())
     keys = [(RANK[task.task.priority], task.received_at) for _, task in items]
     indices = sorted(range(len(items)), key=keys.__getitem__)
     order = [items[i] for i in indices]
     if all(keys[a] < keys[b] for a, b in pairwise(indices)):
-        memo[:] = [(pending, order)]
+        _ORDER_MEMO.keep(pending, order)
     return iter(order)
 
 

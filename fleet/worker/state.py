@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypeVar, get_type_hints
+from typing import Any, Generic, TypeVar, get_type_hints
 
 from fleet.wire.cluster import Instance, ModelCard
 from fleet.wire.runners import ACCEPTS_TASKS, RunnerIdle, RunnerStatus
@@ -268,8 +268,34 @@ class WaitingSummary:
     classes: frozenset[tuple[str, Priority]]  # (model, class) of each (fleet.worker.preemption)
 
 
+_Found = TypeVar("_Found")
+
+
+class OfTheLast(Generic[_Found]):
+    """What was found for the last waiting tasks read, given again for later ones that are
+    some of those (each an equal record) while at least half of them are left: under batches
+    a plan's waiting tasks are those of the plan before less the ones dispatched (issue 23).
+    A cache: what its user answers from it is what reading the tasks afresh gives (the
+    table tests of waiting_summary and fleet.worker.routes compare them)."""
+
+    def __init__(self) -> None:
+        self.last: tuple[Mapping[str, PendingTask], _Found] | None = None
+
+    def get(self, pending: Mapping[str, PendingTask]) -> _Found | None:
+        if (last := self.last) is None:
+            return None
+        read, found = last
+        # Read afresh once fewer than half are left, so reading past those gone stays short.
+        if read is pending or (2 * len(pending) >= len(read) and pending.items() <= read.items()):
+            return found
+        return None
+
+    def keep(self, pending: Mapping[str, PendingTask], found: _Found) -> None:
+        self.last = (pending, found)
+
+
 # The last waiting tasks read through, and what they hold (`waiting_summary`).
-_WAITING_MEMO: list[tuple[Mapping[str, PendingTask], WaitingSummary]] = []
+_WAITING_MEMO: OfTheLast[WaitingSummary] = OfTheLast()
 
 
 def waiting_summary(pending: Mapping[str, PendingTask]) -> WaitingSummary:
@@ -281,10 +307,8 @@ def waiting_summary(pending: Mapping[str, PendingTask]) -> WaitingSummary:
     dispatched, and three rules reading 64 each were half of such a plan (issue 23). For
     some of those tasks it says "maybe" where it was so for all; the rule then reads them
     as before."""
-    memo = _WAITING_MEMO
-    if memo and (memo[0][0] is pending or (2 * len(pending) >= len(memo[0][0])
-                                           and pending.items() <= memo[0][0].items())):
-        return memo[0][1]
+    if (kept := _WAITING_MEMO.get(pending)) is not None:
+        return kept
     deadlines = unfetched = False
     models: set[str] = set()
     classes: set[tuple[str, Priority]] = set()
@@ -297,7 +321,7 @@ def waiting_summary(pending: Mapping[str, PendingTask]) -> WaitingSummary:
             models.add(task.task.model)
         classes.add((task.task.model, task.task.priority))
     found = WaitingSummary(deadlines, unfetched, frozenset(models), frozenset(classes))
-    memo[:] = [(pending, found)]
+    _WAITING_MEMO.keep(pending, found)
     return found
 
 

@@ -49,7 +49,7 @@ def sorted_afresh(pending: Mapping[str, PendingTask]) -> list[str]:
 ])
 def test_routes_reads_waiting_tasks_as_a_sort_of_them_would(
         steps: list[dict[str, PendingTask]]) -> None:
-    _ORDER_MEMO.clear()
+    _ORDER_MEMO.last = None
     for pending in steps:
         state = WorkerState(node_id="n", pending=pending)
         for _ in range(2):  # the same dict again: read from the memo

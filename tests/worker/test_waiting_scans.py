@@ -59,28 +59,28 @@ B_FETCHING = waiting("b", inputs={}, fetching=True)  # b's record made anew, not
 ])
 def test_rules_reading_every_waiting_task_answer_as_read_afresh(
         steps: list[dict[str, PendingTask]]) -> None:
-    state_module._WAITING_MEMO.clear()
+    state_module._WAITING_MEMO.last = None
     for pending in steps:
         state = WorkerState(node_id="n", instances={"i": HOSTED}, pending=pending)
         for rule in (rules.expire_pending, rules.hand_back, rules.fetch_inputs):
             kept = rule(state, NOW)
-            memo = list(state_module._WAITING_MEMO)
-            state_module._WAITING_MEMO.clear()
+            memo = state_module._WAITING_MEMO.last
+            state_module._WAITING_MEMO.last = None
             assert kept == rule(state, NOW), (rule.__name__, sorted(pending))
-            state_module._WAITING_MEMO[:] = memo
+            state_module._WAITING_MEMO.last = memo
 
 
 def test_preempt_answers_as_read_afresh() -> None:
     """A full runner's prefilling batch task, and waiting tasks as a drive changes them:
     preempt with the summary kept against preempt with nothing kept."""
-    state_module._WAITING_MEMO.clear()
+    state_module._WAITING_MEMO.last = None
     full = world({"b": ("batch", False)}, {"c": "interactive", "w": "batch"})
     less_c = evolve(full, pending={"w": full.pending["w"]})
     again = apply(less_c, ev.TaskQueued(waiting_task("c2", "interactive")))
     answers = []
     for state in (full, less_c, full, again):
         kept = preempt(state, NOW)
-        state_module._WAITING_MEMO.clear()
+        state_module._WAITING_MEMO.last = None
         assert kept == preempt(state, NOW)
         answers.append(kept)
     assert answers == [Preempt("b", "r"), None, Preempt("b", "r"), Preempt("b", "r")]
