@@ -250,7 +250,8 @@ class TaskPuller:
         (fleet.worker.standing) gets no new request: its request's task, when it comes, is
         taken from its sweep. The other waits are cancelled: a message that reaches a
         cancelled fetch stays in that subscription's queue and the next pull of its class
-        takes it first."""
+        takes it first. A wait that failed (a 503) raises only when no other brought a task;
+        else the tasks are returned and the model's durables looked after (`_recover`)."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         until = now + wait_s + STRAY_MARGIN_S
@@ -280,6 +281,7 @@ class TaskPuller:
         for wait in pending:
             wait.cancel()
         got: list[Msg] = []
+        failed: BaseException | None = None
         for turn in turns:
             key = (model, turn.priority)
             if turn.priority in standing:
@@ -295,8 +297,18 @@ class TaskPuller:
                     got += await wait
                 if (sub := self._bound(model, turn.priority)) is not None:
                     self._watch(key, sub, until, reconnects)
+            elif (error := wait.exception()) is not None:
+                # Read on: another class's wait may have brought a task in the same pass,
+                # and raising here dropped it (delivered, unacked: back after AckWait).
+                failed = failed or error
             else:
                 got += wait.result()
+        if failed is not None:
+            if not got:
+                raise failed  # the fetch's own handling: recover, pause, pull again
+            log.warning("a wait of %s failed beside tasks brought: %s", model,
+                        type(failed).__name__ + f" {failed}".rstrip())
+            await self._recover(model)  # as the fetch does after a failed pull
         return got
 
     async def _stand(self, model: str, priority: Priority) -> None:

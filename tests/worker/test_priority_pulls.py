@@ -10,6 +10,7 @@ import time
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.js.errors import ServiceUnavailableError
 
 from fleet.config import Settings
 from fleet.wire import subjects
@@ -167,6 +168,59 @@ async def test_a_wait_cancelled_as_its_task_arrives_keeps_the_task(
         if not got:  # cancelled before it took the task: queued, the next pull's first
             got = await puller._pull("m", "default", 1, None)
         assert [m.data for m in got] == [b"task"]
+        await got[0].ack()
+    finally:
+        await puller.close()
+
+
+@pytest.mark.parametrize("failing", ["interactive", "default"])
+async def test_a_class_wait_that_fails_keeps_what_the_other_classes_brought(
+    provisioned_nc: Client, monkeypatch: pytest.MonkeyPatch, failing: Priority,
+) -> None:
+    """`_first_of` waits on every class at once. One class's wait that fails (fault
+    injected: its durable answers 503, as while it is deleted or its leader elected) in the
+    loop pass where another class's wait brought a task must not drop that task: delivered
+    and unacked, it came back only after AckWait (30 s). The task is returned, and the
+    failure is not lost either: the failing class is looked after (`_recover`)."""
+    js = provisioned_nc.jetstream()
+    puller = TaskPuller(provisioned_nc, js, Settings())
+    real_pull = puller._pull
+    recovered: list[str] = []
+    real_recover = puller._recover
+
+    async def pull(model: str, priority: Priority, batch: int,
+                   wait_s: float | None) -> list[Msg]:
+        if priority == failing:
+            raise ServiceUnavailableError(description="fault injected: no responders")
+        return await real_pull(model, priority, batch, wait_s)
+
+    async def recover(model: str) -> None:
+        recovered.append(model)
+        await real_recover(model)
+
+    try:
+        brought: Priority = "default" if failing == "interactive" else "interactive"
+        sub = await puller._subscribe("m", brought)
+        queue = sub._sub._pending_queue
+        queued = asyncio.Event()
+        deliver = queue.put_nowait
+
+        def delivered(msg: Msg) -> None:
+            deliver(msg)
+            queued.set()
+
+        queue.put_nowait = delivered  # type: ignore[method-assign]
+        await js.publish(subjects.tasks("m", brought), b"task")
+        # The class's task delivered to its subscription before the wait (a request of
+        # its own): its wait takes it in its first step, the pass the other wait fails in.
+        await provisioned_nc.publish(sub._nms, b'{"batch": 1}', reply=sub._deliver)
+        await asyncio.wait_for(queued.wait(), 10)
+        queue.put_nowait = deliver  # type: ignore[method-assign]
+        monkeypatch.setattr(puller, "_pull", pull)
+        monkeypatch.setattr(puller, "_recover", recover)
+        got = await puller._first_of("m", [Turn("interactive"), Turn("default")], 5.0)
+        assert [m.data for m in got] == [b"task"]
+        assert recovered == ["m"]
         await got[0].ack()
     finally:
         await puller.close()
