@@ -27,6 +27,7 @@ import re
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
+import orjson
 from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
@@ -39,6 +40,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from fleet.trace.live import LiveSpan, LiveSpans, Within
 from fleet.trace.records import SpanRecord, readable_of
+from fleet.wire.pipe import TraceSpans
 from fleet.wire.tasks import Embeddings, ImageEdits, Task, TextGeneration
 
 if TYPE_CHECKING:  # the runner imports this module and has no NATS
@@ -86,13 +88,15 @@ class Telemetry:
             self.nats = NatsSpanProcessor(client)
             self.provider.add_span_processor(self.nats)
 
-    def export_records(self, records: list[SpanRecord]) -> None:
-        """Spans another process finished (a runner's), exported as if they had ended here."""
+    def export_runner_spans(self, runs: list[TraceSpans]) -> None:
+        """Spans a runner finished, as it wrote them, exported as if they had ended here: to
+        NATS as they are, never parsed; read only where OTLP needs SDK spans of them."""
         if self.otlp is not None:
-            for record in records:
-                self.otlp.on_end(readable_of(record))
+            for run in runs:
+                for record in _records_in(run):
+                    self.otlp.on_end(readable_of(record))
         if self.nats is not None:
-            self.nats.add(records)
+            self.nats.add(runs)
 
     async def flush(self) -> None:
         """Before a connection closes: what is buffered for NATS goes out now."""
@@ -141,9 +145,20 @@ def export_to_nats(client: Callable[[], Client | None]) -> None:
         _installed.export_to_nats(client)
 
 
-def export_records(records: list[SpanRecord]) -> None:
+def export_runner_spans(runs: list[TraceSpans]) -> None:
     if _installed is not None:
-        _installed.export_records(records)
+        _installed.export_runner_spans(runs)
+
+
+def _records_in(run: TraceSpans) -> list[SpanRecord]:
+    """A runner's run of records, read (for OTLP); none where it is not the JSON it should be."""
+    try:
+        records = orjson.loads(b"[" + run.body + b"]")
+    except orjson.JSONDecodeError as exc:
+        log.warning("a runner's spans of trace %s are not JSON, not exported: %s",
+                    run.trace_id, exc)
+        return []
+    return [record for record in records if isinstance(record, dict)]
 
 
 async def flush() -> None:
@@ -225,6 +240,26 @@ def context_of(traceparent: str | None, tracestate: str | None) -> Context:
     if tracestate:
         carrier["tracestate"] = tracestate
     return propagate.extract(carrier)
+
+
+# A W3C traceparent of version 00 as the worker writes one (`carried`), ids in their groups.
+_PARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+
+
+def parent_of(traceparent: str | None, tracestate: str | None) -> tuple[str, str, bool] | None:
+    """The parent a runner frame names, as `context_of` reads it: (trace id, span id, sampled),
+    None where it names none valid. A traceparent as the worker writes it, under the default
+    propagators, is read here without the propagator's context and carrier (a runner reads
+    one a task: ~4 % of its CPU at rate, issue 23)."""
+    found = _PARENT.fullmatch(traceparent or "")
+    if (found is not None and _default_propagators()
+            and found.group(1) != "0" * 32 and found.group(2) != "0" * 16):
+        return found.group(1), found.group(2), bool(int(found.group(3), 16) & 1)
+    parent = trace.get_current_span(context_of(traceparent, tracestate)).get_span_context()
+    if not parent.is_valid:
+        return None
+    sampled = parent.trace_flags.sampled
+    return format(parent.trace_id, "032x"), format(parent.span_id, "016x"), sampled
 
 
 def trace_id_of(traceparent: str | None) -> str | None:

@@ -15,7 +15,9 @@ way, and leave in one SpanBatch: the task's end waits on none of it, and per tok
 one type check and one dict lookup. They are made as records directly (`made`), not as SDK
 spans: made whole after the fact, they need none of the SDK's machinery, which cost about
 half the runner's CPU a task at 64 slots of max_tokens-1 tasks (issue 23). They follow the
-SDK's default sampling (the parent's flag) and exist only where the SDK is on.
+SDK's default sampling (the parent's flag, read from SubmitTask's traceparent without a
+Context) and exist only where the SDK is on. A SpanBatch holds them in runs of one trace
+each, which the worker publishes as written (fleet.wire.framing.span_batch_of).
 """
 
 from __future__ import annotations
@@ -36,15 +38,15 @@ from opentelemetry.trace import Span, Status, StatusCode, TracerProvider
 from fleet.runner.engine import Token
 from fleet.runner.image_steps import StepTiming
 from fleet.runner.vision_cache import EncodeTiming
-from fleet.telemetry import context_of, operation_of
-from fleet.trace.records import SpanRecord, made, record_of
+from fleet.telemetry import operation_of, parent_of
+from fleet.trace.records import SPANS_PER_MESSAGE, SpanRecord, made, record_of
 from fleet.wire.events import ImageChunk, TaskFinished, TokenChunk
+from fleet.wire.framing import span_batch_of
 from fleet.wire.pipe import (
     RunnerCommand,
     RunnerReport,
     RunnerSpec,
     RunnerStatusReport,
-    SpanBatch,
     SubmitTask,
 )
 from fleet.wire.runners import RunnerFailed, RunnerLoading, RunnerStatus
@@ -106,7 +108,7 @@ def result_attributes(finished: TaskFinished) -> dict[str, Any]:
 @dataclass
 class _TaskTimes:
     task: Task
-    parent: Context
+    parent: tuple[str, str, bool] | None  # its trace id, span id and sampled flag; None: none
     submitted_ns: int
     first_token_ns: int | None = None
     images: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (at, attributes)
@@ -158,7 +160,7 @@ class RunnerSpans:
         if isinstance(command, SubmitTask) and command.task.task_id not in self._tasks:
             self._tasks[command.task.task_id] = _TaskTimes(
                 task=command.task,
-                parent=context_of(command.traceparent, command.tracestate),
+                parent=parent_of(command.traceparent, command.tracestate),
                 submitted_ns=time.time_ns(),
             )
 
@@ -212,12 +214,12 @@ class RunnerSpans:
         times = self._tasks.pop(finished.task_id, None)
         if times is None or self._service is None:
             return
-        parent = trace.get_current_span(times.parent).get_span_context()
-        if parent.is_valid and not parent.trace_flags.sampled:
-            return  # the SDK's default sampler: a task's spans follow its parent's flag
-        trace_id = (format(parent.trace_id, "032x") if parent.is_valid
-                    else format(random.getrandbits(128) or 1, "032x"))
-        parent_id = format(parent.span_id, "016x") if parent.is_valid else None
+        if times.parent is None:  # a root of its own, as the SDK would start it
+            trace_id, parent_id = format(random.getrandbits(128) or 1, "032x"), None
+        else:
+            trace_id, parent_id, sampled = times.parent
+            if not sampled:
+                return  # the SDK's default sampler: a task's spans follow its parent's flag
         end_ns = max(_ns(finished.at), times.submitted_ns)
         attributes = request_attributes(times.task) | result_attributes(finished)
         if self._rank is not None:
@@ -239,7 +241,7 @@ class RunnerSpans:
             records += self._text_phases(times, finished, generation, end_ns)
         else:
             records += self._diffusion_steps(finished.task_id, generation)
-        self._buffer.records += records
+        self._buffer.add(trace_id, records)
 
     def _child(self, generation: SpanRecord, name: str, start_ns: int, end_ns: int,
                attributes: dict[str, Any]) -> SpanRecord:
@@ -304,21 +306,28 @@ class RunnerSpans:
 
     def send(self, emit: Callable[[RunnerReport | Token], None]) -> None:
         """The spans finished since the last send, as one SpanBatch (none when none)."""
-        if self._buffer.records:
-            emit(SpanBatch(spans=self._buffer.take()))
+        if self._buffer.runs:
+            emit(span_batch_of(self._buffer.take()))
 
 
 class SpanBuffer(SpanProcessor):
-    """Finished spans as records until the runner's loop sends them to the worker over the
-    pipe (the runner has no NATS). Spans end on the main thread only: no lock."""
+    """Finished spans as records, in runs of one trace (a task's spans, an SDK span), until
+    the runner's loop sends them to the worker over the pipe (the runner has no NATS). Spans
+    end on the main thread only: no lock."""
 
     def __init__(self) -> None:
-        self.records: list[SpanRecord] = []
+        self.runs: list[tuple[str, list[SpanRecord]]] = []
+
+    def add(self, trace_id: str, records: list[SpanRecord]) -> None:
+        """Records of one trace; in runs that fit one `fleet.traces` message each."""
+        for start in range(0, len(records), SPANS_PER_MESSAGE):
+            self.runs.append((trace_id, records[start : start + SPANS_PER_MESSAGE]))
 
     def on_end(self, span: ReadableSpan) -> None:
         if span.context is not None and span.context.trace_flags.sampled:
-            self.records.append(record_of(span))
+            record = record_of(span)
+            self.add(record["trace_id"], [record])
 
-    def take(self) -> list[SpanRecord]:
-        records, self.records = self.records, []
-        return records
+    def take(self) -> list[tuple[str, list[SpanRecord]]]:
+        runs, self.runs = self.runs, []
+        return runs

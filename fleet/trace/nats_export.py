@@ -6,6 +6,10 @@ per trace per flush. No span waits on the network. A trace's spans wait for its 
 here (fleet/trace/held.py): a task's spans, the runner's with them, leave in one message when
 its process span ends (was ~1.8 a task at rate: they straddled two flush windows). Core
 publishes: the stream stores them, and no ack is awaited.
+
+A runner's spans arrive as the JSON it wrote (TraceSpans, one run of a trace's records each)
+and are held and published as they are: a message's body is spliced together from this
+process's records, dumped at the flush, and those runs (`message_bodies`), never parsed here.
 """
 
 from __future__ import annotations
@@ -16,8 +20,7 @@ import contextvars
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import orjson
 from nats.aio.client import Client
@@ -26,14 +29,24 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from fleet.aio import TaskSet
 from fleet.trace.held import HeldTraces
-from fleet.trace.records import SpanRecord, record_of
+from fleet.trace.records import (
+    SPANS_PER_MESSAGE,
+    SpanRecord,
+    Spans,
+    TraceSpans,
+    count_of,
+    record_of,
+    trace_of,
+)
 from fleet.wire import subjects
 
 log = logging.getLogger(__name__)
 
 FLUSH_DELAY_S = 0.05  # batches the spans of one task step; far below what a reader notices
-MAX_BUFFERED = 20_000  # spans kept while NATS is slow; beyond it new ones are dropped
-SPANS_PER_MESSAGE = 200  # well under NATS's default 1 MB payload limit
+MAX_BUFFERED = 20_000  # span records kept (held too) while NATS is slow; beyond, new ones dropped
+# Under NATS's default max_payload (1 MiB), with room for the subject and headers. Records
+# are far smaller: SPANS_PER_MESSAGE of them are the usual bound.
+MAX_MESSAGE_BYTES = 1_000_000
 
 
 class NatsSpanProcessor(SpanProcessor):
@@ -44,7 +57,8 @@ class NatsSpanProcessor(SpanProcessor):
         self._loop_thread = threading.get_ident()
         # The pending flush (at most one): referenced until it ends, its failure logged.
         self._flushers = TaskSet()
-        self._buffer: list[SpanRecord] = []
+        self._buffer: list[Spans] = []
+        self._buffered = 0  # records in _buffer (a runner's run counts its records)
         self._held = HeldTraces()
         self._flush_pending = False
         self.dropped = 0
@@ -74,21 +88,28 @@ class NatsSpanProcessor(SpanProcessor):
             released = self._held.closed(record["trace_id"])
         self.add([*released, record], hold=False)
 
-    def add(self, records: list[SpanRecord], hold: bool = True) -> None:
+    def add(self, spans: Sequence[Spans], hold: bool = True) -> None:
         """`hold`: records of a trace with a local root open here wait for it (a runner's
-        spans re-exported by its worker); False for those a root's end released."""
+        spans re-exported by its worker); False for those a root's end released. Past
+        MAX_BUFFERED records (buffered and held), a record or run is dropped whole."""
         now = time.monotonic()
         with self._lock:
-            if hold:
-                records = [r for r in records if not self._held.hold(r, now)]
-            room = MAX_BUFFERED - len(self._buffer) - self._held.count
-            self._buffer.extend(records[:room])
-            self.dropped += max(0, len(records) - room)
+            room = MAX_BUFFERED - self._buffered - self._held.count
+            for item in spans:
+                count = count_of(item)
+                if count > room:
+                    self.dropped += count
+                    continue
+                room -= count
+                if not (hold and self._held.hold(item, now)):
+                    self._buffer.append(item)
+                    self._buffered += count
             if self._flush_pending or not (self._buffer or self._held.count):
                 return
             self._flush_pending = True
             if self._loop.is_closed():  # its process is ending: nothing will publish these
                 self._buffer.clear()
+                self._buffered = 0
                 self._held.release_all()
                 self._flush_pending = False
                 return
@@ -127,22 +148,21 @@ class NatsSpanProcessor(SpanProcessor):
 
     async def _flush(self, everything: bool) -> None:
         with self._lock:
-            records, self._buffer = self._buffer, []
+            spans, self._buffer, self._buffered = self._buffer, [], 0
             if everything:
-                records += self._held.release_all()
+                spans += self._held.release_all()
             else:
-                records += self._held.due(time.monotonic())
+                spans += self._held.due(time.monotonic())
             self._flush_pending = False
-        if not records:
+        if not spans:
             return
         client = self._client()
         if client is None or not client.is_connected:
-            self.dropped += len(records)
+            self.dropped += sum(count_of(item) for item in spans)
             return
         try:
-            for trace_id, spans in _by_trace(records).items():
-                for start in range(0, len(spans), SPANS_PER_MESSAGE):
-                    body = orjson.dumps({"spans": spans[start : start + SPANS_PER_MESSAGE]})
+            for trace_id, of_trace in _by_trace(spans).items():
+                for body in message_bodies(of_trace):
                     await client.publish(subjects.traces(trace_id), body)
         except Exception as exc:  # telemetry must never take its process down
             log.debug("publishing spans failed: %s", exc)
@@ -159,8 +179,47 @@ def _is_local_root(span: ReadableSpan) -> bool:
     return span.parent is None or span.parent.is_remote
 
 
-def _by_trace(records: list[SpanRecord]) -> dict[str, list[Any]]:
-    grouped: dict[str, list[Any]] = {}
-    for record in records:
-        grouped.setdefault(record["trace_id"], []).append(record)
+def _by_trace(spans: list[Spans]) -> dict[str, list[Spans]]:
+    grouped: dict[str, list[Spans]] = {}
+    for item in spans:
+        grouped.setdefault(trace_of(item), []).append(item)
     return grouped
+
+
+def message_bodies(
+    spans: list[Spans], max_spans: int = SPANS_PER_MESSAGE,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+) -> list[bytes]:
+    """One trace's spans as `{"spans": [...]}` message bodies, in their order: each of this
+    process's records dumped (runs of them in one dump), each runner's run spliced in as it
+    was written. A message takes at most `max_spans` records and `max_bytes` bytes, but for a
+    run larger than that alone (a runner sends runs of at most SPANS_PER_MESSAGE records)."""
+    pieces: list[tuple[int, bytes]] = []  # (records, their JSON comma-joined)
+    own: list[SpanRecord] = []
+    for item in [*spans, None]:  # None: the end, where the last records of ours are dumped
+        if isinstance(item, dict):
+            own.append(item)
+            continue
+        for start in range(0, len(own), max_spans):
+            chunk = own[start : start + max_spans]
+            pieces.append((len(chunk), orjson.dumps(chunk)[1:-1]))
+        own = []
+        if isinstance(item, TraceSpans):
+            pieces.append((item.count, item.body))
+    bodies: list[bytes] = []
+    message: list[bytes] = []
+    records = size = 0
+    for count, piece in pieces:
+        if message and (records + count > max_spans or size + len(piece) + 1 > max_bytes):
+            bodies.append(_body(message))
+            message, records, size = [], 0, 0
+        message.append(piece)
+        records += count
+        size += len(piece) + 1
+    if message:
+        bodies.append(_body(message))
+    return bodies
+
+
+def _body(pieces: list[bytes]) -> bytes:
+    return b'{"spans":[' + b",".join(pieces) + b"]}"

@@ -9,6 +9,10 @@
      "links": [{"trace_id", "span_id"}], "status": "error", "status_message": str}
 
 Empty fields are left out. Pure conversions only: nothing here exports or reads a clock.
+
+A runner's records reach its worker as JSON and stay so (TraceSpans, fleet/wire/pipe.py): the
+worker holds and publishes them beside its own records without parsing them. `Spans` is
+either, one record or a run of them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,12 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
+from fleet.wire.pipe import TraceSpans
+
 SpanRecord = dict[str, Any]
+Spans = SpanRecord | TraceSpans  # one record of this process's, or a runner's run of them
+
+SPANS_PER_MESSAGE = 200  # records in one `fleet.traces.<trace_id>` message, at most
 
 _KIND_NAMES = {kind: kind.name.lower() for kind in SpanKind}
 _KINDS = {name: kind for kind, name in _KIND_NAMES.items()}
@@ -63,6 +72,14 @@ def record_of(span: ReadableSpan) -> SpanRecord:
         if span.status.description:
             record["status_message"] = span.status.description
     return record
+
+
+def trace_of(spans: Spans) -> str:
+    return spans.trace_id if isinstance(spans, TraceSpans) else spans["trace_id"]
+
+
+def count_of(spans: Spans) -> int:
+    return spans.count if isinstance(spans, TraceSpans) else 1
 
 
 def made(

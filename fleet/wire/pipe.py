@@ -6,9 +6,9 @@ output uses the very wire events published on `fleet.out.<task_id>`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, PrivateAttr, TypeAdapter
 
 from fleet.wire.base import InstanceId, NodeId, RunnerId, Wire
 from fleet.wire.cluster import ModelCard
@@ -89,11 +89,34 @@ class RunnerStatusReport(Wire):
     status: RunnerStatus
 
 
+TraceId = Annotated[str, Field(pattern="^[0-9a-f]{32}$")]
+
+
 class SpanBatch(Wire):
-    """Finished OpenTelemetry spans from the runner, exported by the worker."""
+    """Finished OpenTelemetry spans from the runner (span records, fleet/trace/records.py),
+    exported by the worker. `spans` holds runs of records of one trace each, and `traces` says
+    where each run lies in the frame, so that the worker splits a frame into the runs'
+    bytes and publishes them without reading a record (fleet.wire.token_frames.read_report;
+    framing.span_batch_of writes one)."""
 
     type: Literal["spans"] = "spans"
+    traces: list[tuple[TraceId, Annotated[int, Field(ge=1)], Annotated[int, Field(ge=2)]]] = (
+        Field(description="each run of `spans`, in order: its trace id, how many records, "
+                          "and their bytes in the frame (the records' JSON, comma-joined)")
+    )
     spans: list[dict[str, object]]
+    # The frame's body, where framing.span_batch_of wrote it with the batch: sent as it is.
+    _written: bytes | None = PrivateAttr(default=None)
+
+
+class TraceSpans(NamedTuple):
+    """A run of span records of one trace as JSON: `body` is the records comma-joined (a JSON
+    array's contents, no brackets), `count` how many. How a worker carries its runner's spans
+    to `fleet.traces.<trace_id>`, never parsed on the way (fleet/trace/nats_export.py)."""
+
+    trace_id: str
+    count: int
+    body: bytes
 
 
 RunnerReport = Annotated[

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Protocol
 
-from fleet import telemetry
 from fleet.aio import Supervisor
 from fleet.telemetry import trace_id_of
 from fleet.wire import pipe
@@ -163,8 +162,6 @@ class RunnerReports:
                     runner_id)
                 if view and record and record.active_tasks != len(view.in_flight):
                     self.cluster.runner_status(view, view.status)
-            case pipe.SpanBatch(spans=records):
-                telemetry.export_records(records)
             case _:
                 if report.type != "task_accepted" and report.task_id in self._prefilling(runner_id):
                     self.desk.apply(ev.FirstOutput(report.task_id, runner_id))  # once a task

@@ -23,6 +23,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, Protocol
 
+from fleet import telemetry
 from fleet.wire.codec import DecodeError, encode
 from fleet.wire.events import ErrorReason, TaskFinished, failed
 from fleet.wire.framing import (
@@ -40,7 +41,7 @@ from fleet.wire.pipe import (
     Shutdown,
 )
 from fleet.wire.runners import RunnerFailed, RunnerShutdown, RunnerStatus
-from fleet.wire.token_frames import TokenFrame, read_report
+from fleet.wire.token_frames import SpanFrame, TokenFrame, read_report
 from fleet.worker.inbox import Inbox, RunnerExited, RunnerReported
 from fleet.worker.standby import StandbyRunner
 
@@ -221,6 +222,11 @@ class RunnerProcess:
                 pending += data
                 for body in take_frames(pending):
                     report = read_report(body)  # a token event: its bytes, no model built
+                    if isinstance(report, SpanFrame):
+                        # Telemetry, no report: its spans join the worker's own, unparsed,
+                        # held with the task's trace (never queued for the worker's loop).
+                        telemetry.export_runner_spans(report.parts)
+                        continue
                     self._observe(report)
                     self._reports.put_nowait(RunnerReported(self.runner_id, report))
             check_ended(pending)

@@ -11,12 +11,20 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
+from fleet.trace import nats_export
 from fleet.trace.held import HOLD_MAX_S, HeldTraces
-from fleet.trace.nats_export import NatsSpanProcessor
+from fleet.trace.nats_export import NatsSpanProcessor, message_bodies
+from fleet.wire.pipe import TraceSpans
 
 
 def record(trace_id: str, name: str) -> dict[str, Any]:
     return {"trace_id": trace_id, "span_id": "0" * 15 + "1", "name": name}
+
+
+def run(trace_id: str, *names: str) -> TraceSpans:
+    """A runner's run of records, as its worker carries it: the JSON the runner wrote."""
+    records = [record(trace_id, name) for name in names]
+    return TraceSpans(trace_id, len(records), orjson.dumps(records)[1:-1])
 
 
 @pytest.mark.parametrize(
@@ -51,6 +59,43 @@ def test_what_is_held_and_when_it_is_released(
     assert held.count == sum(len(records) for records in held.held.values())
 
 
+def test_a_runners_run_is_held_and_counted_as_its_records() -> None:
+    held = HeldTraces()
+    held.opened("a")
+    assert held.hold(run("a", "generation", "prefill", "decode"), 0.0)
+    assert held.hold(record("a", "send"), 0.0)
+    assert held.count == 4
+    assert held.closed("a") == [run("a", "generation", "prefill", "decode"), record("a", "send")]
+    assert held.count == 0
+
+
+def names_in(bodies: list[bytes]) -> list[list[str]]:
+    return [[span["name"] for span in orjson.loads(body)["spans"]] for body in bodies]
+
+
+@pytest.mark.parametrize(
+    ("spans", "max_spans", "max_bytes", "expected"),
+    [
+        # this process's records (a..) and runners' runs (r..) of one trace, in their order
+        ([record("t", "a1"), run("t", "r1", "r2"), record("t", "a2")], 200, 10**6,
+         [["a1", "r1", "r2", "a2"]]),
+        ([record("t", f"a{i}") for i in range(5)], 2, 10**6,
+         [["a0", "a1"], ["a2", "a3"], ["a4"]]),
+        ([run("t", "r1", "r2"), run("t", "r3", "r4"), record("t", "a1")], 3, 10**6,
+         [["r1", "r2"], ["r3", "r4", "a1"]]),  # a run is never split
+        ([run("t", "r1", "r2", "r3"), record("t", "a1")], 2, 10**6,
+         [["r1", "r2", "r3"], ["a1"]]),  # one larger than a message goes alone
+        ([run("t", "r1"), run("t", "r2"), run("t", "r3")], 200, 2 * len(run("t", "r1").body) + 2,
+         [["r1", "r2"], ["r3"]]),  # bytes: each piece and its comma
+        ([], 200, 10**6, []),
+    ],
+)
+def test_a_traces_spans_make_message_bodies_within_the_limits(
+    spans: list[Any], max_spans: int, max_bytes: int, expected: list[list[str]]
+) -> None:
+    assert names_in(message_bodies(spans, max_spans, max_bytes)) == expected
+
+
 class FakeClient:
     """Only what the processor calls: the test is about which records travel together."""
 
@@ -77,12 +122,25 @@ async def test_a_tasks_spans_and_its_runners_leave_in_one_message_when_its_root_
     trace_id = format(0xAB, "032x")
     with tracer.start_as_current_span("send", context=set_span_in_context(root)):
         pass
-    processor.add([record(trace_id, "generation")])  # a runner's, re-exported
+    processor.add([run(trace_id, "generation", "prefill")])  # a runner's, re-exported
     await processor._flush(everything=False)
     assert client.published == []  # held while the root is open
     root.end()
     await processor._flush(everything=False)
-    assert client.published == [(f"fleet.traces.{trace_id}", ["send", "generation", "process"])]
+    assert client.published == [
+        (f"fleet.traces.{trace_id}", ["send", "generation", "prefill", "process"])]
+
+
+async def test_past_max_buffered_a_runners_run_is_dropped_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(nats_export, "MAX_BUFFERED", 3)
+    client = FakeClient()
+    processor = NatsSpanProcessor(lambda: client)  # type: ignore[arg-type, return-value]
+    processor.add([run("a" * 32, "r1", "r2"), run("b" * 32, "r3", "r4"), record("c" * 32, "c")])
+    assert processor.dropped == 2
+    await processor.flush()
+    assert sorted(names for _, names in client.published) == [["c"], ["r1", "r2"]]
 
 
 async def test_flush_sends_what_is_held_too() -> None:

@@ -17,12 +17,13 @@ from hypothesis import strategies as st
 
 from fleet.wire.codec import DecodeError, encode
 from fleet.wire.events import TokenChunk
-from fleet.wire.framing import decode_report, span_batch_body
-from fleet.wire.pipe import SpanBatch
+from fleet.wire.framing import decode_report, span_batch_body, span_batch_of
+from fleet.wire.pipe import SpanBatch, TraceSpans
 from fleet.wire.token_frames import (
+    SpanFrame,
     TokenFrame,
     read_report,
-    span_batch,
+    span_frame,
     token_event,
     token_frame,
 )
@@ -198,10 +199,11 @@ def test_every_token_event_is_the_codecs_bytes_of_its_model(data: st.DataObject)
     assert decode_report(built) == event
 
 
-# ---- span batches: written without the model's dump, read without its validation ----------
+# ---- span batches: written once by the runner, split by the worker without reading a record --
 
+TRACE_A, TRACE_B = "0af7651916cd43dd8448eb211c80319c", "1" * 32
 RECORD: dict[str, Any] = {
-    "trace_id": "0af7651916cd43dd8448eb211c80319c", "span_id": "b7ad6b7169203331",
+    "trace_id": TRACE_A, "span_id": "b7ad6b7169203331",
     "name": "chat tiny-llm", "kind": "internal", "service": "fleet-runner",
     "start_ns": 1796479392552868400, "end_ns": 1796479392553868400,
     "parent_id": "b7ad6b7169203332",
@@ -210,34 +212,81 @@ RECORD: dict[str, Any] = {
     "events": [{"name": "image", "time_ns": 1, "attributes": {"fleet.image.index": 0}}],
     "links": [{"trace_id": "1" * 32, "span_id": "2" * 16}],
 }
+PREFILL: dict[str, Any] = {"trace_id": TRACE_A, "name": "prefill", "attributes": {}}
+OTHER: dict[str, Any] = {"trace_id": TRACE_B, "name": "start runner", "n": 1.5e300,
+                         "s": "\u2028"}
+
+RUNS: list[list[tuple[str, list[dict[str, Any]]]]] = [
+    [],
+    [(TRACE_A, [RECORD])],
+    [(TRACE_A, [RECORD, PREFILL] * 3), (TRACE_B, [OTHER]), (TRACE_A, [PREFILL])],
+    [(TRACE_A, [{"attributes": {"odd": b"bytes"}}])],  # no JSON value: as the model dumps it
+]
 
 
-@pytest.mark.parametrize("spans", [
-    [], [RECORD], [RECORD, {"name": "prefill", "attributes": {}}] * 3,
-    [{"attributes": {"odd": b"bytes"}}],  # no JSON value: written by the model's dump
-])
-def test_a_span_batch_is_written_as_the_codec_writes_it(spans: list[dict[str, Any]]) -> None:
-    batch = SpanBatch(spans=spans)
-    assert span_batch_body(batch) == encode(batch)
+def json_of(records: list[dict[str, Any]]) -> bytes:
+    """The records' JSON as the codec writes them in a SpanBatch, comma-joined."""
+    written = encode(SpanBatch(traces=[], spans=records))
+    before = b'{"schema_version":1,"type":"spans","traces":[],"spans":['
+    assert written.startswith(before) and written.endswith(b"]}")
+    return written[len(before) : -2]
+
+
+@pytest.mark.parametrize("runs", RUNS)
+def test_a_span_batch_is_written_as_the_codec_writes_it(
+    runs: list[tuple[str, list[dict[str, Any]]]],
+) -> None:
+    batch = span_batch_of(runs)
+    model = SpanBatch(
+        traces=[(t, len(records), len(json_of(records))) for t, records in runs],
+        spans=[record for _, records in runs for record in records],
+    )
+    assert batch.model_dump() == model.model_dump()  # the fields (its frame aside)
+    assert span_batch_body(batch) == encode(batch) == encode(model)
+    assert decode_report(span_batch_body(batch)) == decode_report(encode(model))
+
+
+@pytest.mark.parametrize("runs", RUNS)
+def test_the_worker_splits_a_span_batch_into_its_runs_as_written(
+    runs: list[tuple[str, list[dict[str, Any]]]],
+) -> None:
+    frame = span_batch_body(span_batch_of(runs))
+    expected = SpanFrame([TraceSpans(t, len(records), json_of(records)) for t, records in runs])
+    assert span_frame(frame) == read_report(frame) == expected
+    for part, (_, records) in zip(expected.parts, runs, strict=True):  # each the records' JSON
+        dumped = SpanBatch(traces=[], spans=records).model_dump(mode="json")["spans"]
+        assert orjson.loads(b"[" + part.body + b"]") == dumped
 
 
 def spans_frame(**changes: Any) -> bytes:
-    batch = {"schema_version": 1, "type": "spans", "spans": [RECORD], **changes}
-    return orjson.dumps({k: v for k, v in batch.items() if v is not DROP})
+    written = orjson.loads(span_batch_body(span_batch_of(RUNS[2])))
+    return orjson.dumps({k: v for k, v in {**written, **changes}.items() if v is not DROP})
+
+
+def resized(frame: bytes, run: int, by: int) -> bytes:
+    """`frame` with the size of its `run`-th run told wrong by `by` bytes."""
+    written = orjson.loads(frame)
+    written["traces"][run][2] += by
+    return orjson.dumps(written)
 
 
 @pytest.mark.parametrize("frame", [
-    spans_frame(),
-    spans_frame(spans=[]),
-    spans_frame(spans=[{}, {"a": [1, {"b": None}]}]),
-    spans_frame(spans=[{"n": 1.5e300, "s": "\u2028"}]),
-    spans_frame().replace(b'"start_ns":1796479392552868400', b'"start_ns":' + b"9" * 30),
-    spans_frame(spans=[{"n": 0}]).replace(b"0", b"-9223372036854775809"),  # past i64: as read fully
+    spans_frame(traces=[]),  # an index that does not add up: read fully, split by trace ids
+    resized(spans_frame(), 0, -1),
+    resized(spans_frame(), 1, 1),
+    spans_frame(traces=[[TRACE_A, 1, 2], [TRACE_A, 1, 2]]),
+    spans_frame().replace(b'"spans":[', b'"spans": ['),  # another layout
     spans_frame(schema_version=True),  # the model takes it (True == 1): read fully
 ])
-def test_a_span_batch_is_read_as_the_model_reads_it(frame: bytes) -> None:
-    assert read_report(frame) == decode_report(frame)
-    assert isinstance(read_report(frame), SpanBatch)
+def test_a_span_batch_that_cannot_be_split_is_read_fully_and_split_by_trace(
+    frame: bytes,
+) -> None:
+    assert span_frame(frame) is None
+    batch = decode_report(frame)
+    assert isinstance(batch, SpanBatch)
+    got = read_report(frame)
+    assert got == SpanFrame([TraceSpans(t, len(records), json_of(records))
+                             for t, records in RUNS[2]])
 
 
 @pytest.mark.parametrize("frame", [
@@ -248,10 +297,14 @@ def test_a_span_batch_is_read_as_the_model_reads_it(frame: bytes) -> None:
     spans_frame(spans=[1]),
     spans_frame(spans=[[RECORD]]),
     spans_frame(spans=DROP),
+    spans_frame(traces=DROP),
+    spans_frame(traces=[["not-a-trace-id", 1, 2]], spans=[{}]),
+    spans_frame(traces=[[TRACE_A, 0, 2]], spans=[{}]),
     spans_frame(extra=1),
     spans_frame()[:-1],  # not JSON
+    b'{"schema_version":1,"type":"spans","spans":[]}',  # the layout before `traces`
 ])
 def test_a_malformed_span_batch_is_a_decode_error(frame: bytes) -> None:
-    assert span_batch(frame) is None
+    assert span_frame(frame) is None
     with pytest.raises(DecodeError):
         read_report(frame)
