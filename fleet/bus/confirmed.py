@@ -33,7 +33,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -45,6 +45,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from nats.js import api
 from nats.js.errors import APIError, ServiceUnavailableError
 
+from fleet.bus.hpub import hpub_command, publish_command
 from fleet.bus.retry import (
     BROKER_BUDGET_S,
     IN_FLIGHT_LAST_SEQUENCE_ERR_CODE,
@@ -66,7 +67,7 @@ WRONG_LAST_SEQUENCE = 10071  # an expected-sequence header failed: the sequence 
 class _Message:
     subject: str
     body: bytes
-    headers: dict[str, str]
+    headers: bytes  # the whole header block, encoded (fleet.bus.hpub)
     seq: int | None = None  # the stream sequence once confirmed
     token: str = ""  # the reply token of the latest send
     error: Exception | None = None  # the error answer to the latest send
@@ -119,19 +120,19 @@ class ConfirmedPublisher:
         self._waits = itertools.count()
         self._ticker: asyncio.TimerHandle | None = None
 
-    async def send(
-        self, key: str, subject: str, body: bytes, headers: Mapping[str, str]
-    ) -> None:
-        """Queue one message of sequence `key`; it goes out now unless the sequence is being
-        repaired, the connection is down, or WINDOW messages are unconfirmed (then its pacer
-        sends it in its turn). Never waits for an ack."""
+    async def send(self, key: str, subject: str, body: bytes, headers: bytes) -> None:
+        """Queue one message of sequence `key` (`headers`: its header block, encoded by
+        fleet.bus.hpub); it goes out now unless the sequence is being repaired, the
+        connection is down, or WINDOW messages are unconfirmed (then its pacer sends it in its
+        turn). Never waits for an ack."""
         seq = self._sequences.get(key)
         if seq is None:  # not setdefault: a _Sequence (and its Event) costs ~2 us a send
-            seq = self._sequences[key] = _Sequence(key)
+            # A new sequence has nothing sent on an older connection: its epoch is this one.
+            seq = self._sequences[key] = _Sequence(key, epoch=self.nc.stats["reconnects"])
         if seq.fenced:  # its writer lost it: nothing more goes out
             self.dropped += 1
             return
-        message = _Message(subject, body, dict(headers))
+        message = _Message(subject, body, headers)
         seq.messages.append(message)
         if seq.pacer is not None and not seq.pacer.done():
             return  # behind a full window: the pacer sends it in its turn
@@ -195,7 +196,9 @@ class ConfirmedPublisher:
             if not seq.pacer.done():  # out of time: the repair below takes over
                 seq.pacer.cancel()
                 seq.broken = True
-        for message in seq.unconfirmed():
+        # Called twice a task (its terminal's turn, then the terminal): one scan when every
+        # message is confirmed already, not two (issue 23).
+        for message in (waiting := seq.unconfirmed()):
             if seq.fenced:  # lost to another attempt: nothing of it is worth repairing
                 return _problem(seq)
             if message.seq is not None or seq.broken or not message.token:
@@ -205,7 +208,7 @@ class ConfirmedPublisher:
             if message.seq is None:
                 seq.broken = True
                 break
-        if seq.unconfirmed() and not seq.fenced:
+        if waiting and seq.unconfirmed() and not seq.fenced:
             if seq.repair is not None:
                 seq.repair.cancel()
                 with contextlib.suppress(BaseException):
@@ -344,10 +347,9 @@ class ConfirmedPublisher:
         self._waiting[token] = (seq, message)
         seq.tokens.add(token)
         try:
-            await self.nc.publish(
-                message.subject, message.body, reply=f"{self._inbox}.{token}",
-                headers=message.headers,
-            )
+            await publish_command(self.nc, hpub_command(
+                message.subject, f"{self._inbox}.{token}", message.headers, message.body,
+            ), len(message.body))
         except BaseException:
             self._waiting.pop(token, None)
             seq.tokens.discard(token)

@@ -34,6 +34,7 @@ from nats.js.errors import APIError
 
 from fleet.bus.confirmed import ConfirmedPublisher
 from fleet.bus.connect import MSG_ID, js_publish
+from fleet.bus.hpub import header_block, header_lines
 from fleet.bus.retry import BROKER_BUDGET_S
 from fleet.bus.task_log import TaskLog
 from fleet.errors import BrokerUnavailable
@@ -103,7 +104,8 @@ class TaskOutput:
         self.confirmed = ConfirmedPublisher(nc, budget_s=budget_s, on_fenced=on_fenced)
         self.log = TaskLog(nc, js, budget_s=budget_s)  # the reading side of FLEET_OUT
         self.fences: dict[str, int] = {}  # task id -> this node's fence (absent: 0)
-        self._fenced: dict[str, dict[str, str]] = {}  # task id -> its fence headers, made once
+        self._fenced: dict[str, bytes] = {}  # task id -> its fence headers encoded, made once
+        self._trace: tuple[dict[str, str], bytes] = ({}, b"")  # the last trace headers, encoded
         self.taken_from: dict[str, TaskFence | None] = {}  # task id -> the fence replaced
 
     async def take_over(
@@ -118,15 +120,18 @@ class TaskOutput:
         self.taken_from[task_id] = replaced
         return fence
 
-    def _headers(self, task_id: str, msg_id: str) -> dict[str, str]:
-        """What `headers_for` makes of the fence's headers, with the task's fence headers made
-        once a task, not once an event (three or more events a task: issue 23)."""
+    def _headers(self, task_id: str, msg_id: str) -> bytes:
+        """The header block `headers_for` would make of the fence's headers, encoded
+        (fleet.bus.hpub): the task's fence headers once a task, the trace context's once a
+        span, not once an event (three or more events a task: issue 23)."""
         fenced = self._fenced.get(task_id)
         if fenced is None:
-            fenced = self._fenced[task_id] = self._fence_of(task_id)
-        headers = {**fenced, MSG_ID: msg_id}
-        inject_headers(headers)
-        return headers
+            fenced = self._fenced[task_id] = header_lines(self._fence_of(task_id))
+        trace: dict[str, str] = {}
+        inject_headers(trace)
+        if trace != self._trace[0]:
+            self._trace = (trace, header_lines(trace))
+        return header_block(fenced, header_lines({MSG_ID: msg_id}), self._trace[1])
 
     async def chunk(self, event: OutputEvent | TokenFrame) -> None:
         """Queue the event behind the task's earlier ones; returns once it is sent (or waits,

@@ -125,7 +125,7 @@ def test_stored_whole(seqs: list[int | None], storage: Storage) -> None:
 ])
 def test_settle_verdict(seqs: list[int | None], refused: str | None, verdict: str | None) -> None:
     seq = _Sequence("t")
-    seq.messages = [_Message("s", b"", {}, seq=n) for n in seqs]
+    seq.messages = [_Message("s", b"", b"", seq=n) for n in seqs]
     if refused:
         seq.messages[-1].refused = refused
     assert _problem(seq) == verdict
@@ -134,7 +134,7 @@ def test_settle_verdict(seqs: list[int | None], refused: str | None, verdict: st
 async def test_a_wait_for_an_answer_ends_at_its_answer_or_within_a_tick_of_its_timeout() -> None:
     publisher = ConfirmedPublisher(cast(Client, None))  # waits only: nothing is sent
     seq = _Sequence("t")
-    lost, answered = _Message("s", b"", {}), _Message("s", b"", {})
+    lost, answered = _Message("s", b"", b""), _Message("s", b"", b"")
     seq.messages = [lost, answered]
     started = time.monotonic()
     with pytest.raises(TimeoutError):
