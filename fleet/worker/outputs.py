@@ -27,10 +27,13 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.errors import APIError
+from opentelemetry import context as otel_context
+from opentelemetry.context import Context
 
 from fleet.bus.confirmed import ConfirmedPublisher
 from fleet.bus.connect import MSG_ID, js_publish
@@ -60,6 +63,17 @@ from fleet.worker.takeover import TaskFenced, fence_headers, is_fenced, take_fen
 log = logging.getLogger(__name__)
 
 ERROR_CHUNK_BUDGET_S = 5.0  # the words before an output_lost terminal are a courtesy
+_MSG_ID_LINE = MSG_ID.encode() + b": %s\r\n"
+
+
+@dataclass(slots=True)
+class _Lines:
+    """A task's header lines made once (fleet.bus.hpub): its fence's, and its trace context's
+    for the last context its events went out in."""
+
+    fence: bytes
+    context: Context | None = None
+    trace: bytes = b""
 
 
 def event_msg_id(event: OutputEvent | TokenFrame, fence: int = 0) -> str:
@@ -104,8 +118,9 @@ class TaskOutput:
         self.confirmed = ConfirmedPublisher(nc, budget_s=budget_s, on_fenced=on_fenced)
         self.log = TaskLog(nc, js, budget_s=budget_s)  # the reading side of FLEET_OUT
         self.fences: dict[str, int] = {}  # task id -> this node's fence (absent: 0)
-        self._fenced: dict[str, bytes] = {}  # task id -> its fence headers encoded, made once
-        self._trace: tuple[dict[str, str], bytes] = ({}, b"")  # the last trace headers, encoded
+        # task id -> its fence headers encoded (made once), and the trace context of its last
+        # event with that context's headers encoded (made once a span)
+        self._fenced: dict[str, _Lines] = {}
         self.taken_from: dict[str, TaskFence | None] = {}  # task id -> the fence replaced
 
     async def take_over(
@@ -124,14 +139,17 @@ class TaskOutput:
         """The header block `headers_for` would make of the fence's headers, encoded
         (fleet.bus.hpub): the task's fence headers once a task, the trace context's once a
         span, not once an event (three or more events a task: issue 23)."""
-        fenced = self._fenced.get(task_id)
-        if fenced is None:
-            fenced = self._fenced[task_id] = header_lines(self._fence_of(task_id))
-        trace: dict[str, str] = {}
-        inject_headers(trace)
-        if trace != self._trace[0]:
-            self._trace = (trace, header_lines(trace))
-        return header_block(fenced, header_lines({MSG_ID: msg_id}), self._trace[1])
+        lines = self._fenced.get(task_id)
+        if lines is None:
+            lines = self._fenced[task_id] = _Lines(header_lines(self._fence_of(task_id)))
+        current = otel_context.get_current()
+        if current is not lines.context:  # what inject_headers gives one context, it caches
+            trace: dict[str, str] = {}
+            inject_headers(trace)
+            lines.context, lines.trace = current, header_lines(trace)
+        # A msg id is made of a task id (letters, digits, '-' and '_') and the event's kind
+        # and index: nothing header_lines would need to clean.
+        return header_block(lines.fence, _MSG_ID_LINE % msg_id.encode(), lines.trace)
 
     async def chunk(self, event: OutputEvent | TokenFrame) -> None:
         """Queue the event behind the task's earlier ones; returns once it is sent (or waits,
