@@ -97,47 +97,37 @@ class SpanFrame(NamedTuple):
 
 _SPANS = b'{"schema_version":1,"type":"spans","traces":'  # as span_batch_of writes one
 _SPANS_AT = b'],"spans":['  # the index's end: nothing inside the index reads so
+_RUN = rb'\["[0-9a-f]{32}",[1-9][0-9]{0,8},[1-9][0-9]{0,8}\]'  # (trace id, records, bytes)
+_INDEX = re.compile(rb"\[(?:" + _RUN + rb"(?:," + _RUN + rb")*)?\]")
 _TRACE_ID = re.compile(r"[0-9a-f]{32}")
 _OPEN, _CLOSE, _COMMA = ord("{"), ord("}"), ord(",")
 
 
 def span_frame(body: bytes) -> SpanFrame | None:
     """A span batch, split into its runs by its `traces` index alone, where `body` has the
-    layout `span_batch_of` writes and the index is well-formed and adds up: each run starts
-    `{` and ends `}` where the sizes say, and the runs (comma-joined) fill `spans` exactly.
-    None for anything else, left to `read_report`'s full decode.
+    layout `span_batch_of` writes, the index is written so too (one pattern: each run's
+    trace id a subject-safe 32 hex digits, its counts positive integers) and it adds up:
+    each run starts `{` and ends `}` where the sizes say, and the runs (comma-joined) fill
+    `spans` exactly. None for anything else, left to `read_report`'s full decode.
 
     The records themselves are not read: a runner's span records are its own telemetry,
     passed on as it wrote them, and a record it wrote wrong costs only its trace's message
     (`fleet trace` skips one that is not JSON). What the worker does act on (the trace id it
     holds and publishes the run under, and the split) is checked. A batch of 64 text tasks'
-    runs (192 records): 343 us read with orjson and checked before, 82 us split now
+    runs (192 records): 343-375 us read with orjson and checked before, 71 us split now
     (timeit, min of 5, on a loaded machine, 2026-12-05)."""
     end = len(body) - 2
     if not body.startswith(_SPANS) or not body.endswith(b"]}"):
         return None
     at = body.find(_SPANS_AT, len(_SPANS))
-    if at < 0:
-        return None
-    try:
-        index = orjson.loads(body[len(_SPANS) : at + 1])
-    except orjson.JSONDecodeError:
-        return None
-    if type(index) is not list:
+    if at < 0 or _INDEX.fullmatch(body, len(_SPANS), at + 1) is None:
         return None
     parts: list[TraceSpans] = []
     start = at + len(_SPANS_AT)
-    for entry in index:
-        if type(entry) is not list or len(entry) != 3:
-            return None
-        trace_id, count, size = entry
-        if not (type(trace_id) is str and _TRACE_ID.fullmatch(trace_id)
-                and type(count) is int and count >= 1 and type(size) is int and size >= 2):
-            return None
+    for trace_id, count, size in orjson.loads(body[len(_SPANS) : at + 1]):  # as matched
         stop = start + size
-        if stop > end or body[start] != _OPEN or body[stop - 1] != _CLOSE:
-            return None
-        if stop < end and body[stop] != _COMMA:
+        if (stop > end or body[start] != _OPEN or body[stop - 1] != _CLOSE
+                or (stop < end and body[stop] != _COMMA)):
             return None
         parts.append(TraceSpans(trace_id, count, body[start:stop]))
         start = stop + 1
