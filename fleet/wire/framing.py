@@ -89,7 +89,8 @@ def _records_json(records: list[dict[str, object]]) -> bytes:
 
 def span_batch_body(batch: SpanBatch) -> bytes:
     """The codec's bytes of a SpanBatch: as `span_batch_of` wrote them, else `encode`'s."""
-    return batch._written if batch._written is not None else encode(batch)
+    written: bytes | None = getattr(batch, "_written", None)  # set by span_batch_of only
+    return written if written is not None else encode(batch)
 
 
 def decode_command(body: bytes) -> RunnerCommand:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, NamedTuple
 
-from pydantic import Field, PrivateAttr, TypeAdapter
+from pydantic import Field, TypeAdapter
 
 from fleet.wire.base import InstanceId, NodeId, RunnerId, Wire
 from fleet.wire.cluster import ModelCard
@@ -106,7 +106,8 @@ class SpanBatch(Wire):
     )
     spans: list[dict[str, object]]
     # The frame's body, where framing.span_batch_of wrote it with the batch: sent as it is.
-    _written: bytes | None = PrivateAttr(default=None)
+    # No default: a default is copied into each batch made (~1.5 us a batch, the runner's).
+    _written: bytes
 
 
 class TraceSpans(NamedTuple):
