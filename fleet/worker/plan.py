@@ -5,7 +5,8 @@ No I/O and no clock reads: `now` is passed in, so each rule is tested with a tab
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -222,7 +223,8 @@ def _slot_anywhere(state: WorkerState) -> bool:
     1.5 ms a plan at 64 waiting for a full runner) need not say so."""
     if state.remote and state.routing.prefix and not state.stopping:
         return True
-    return any(r.free_slots > 0 and not r.shutting_down for r in state.runners.values())
+    # A list, not any() over a generator: every plan, and one runner a model is usual.
+    return bool([r for r in state.runners.values() if r.free_slots > 0 and not r.shutting_down])
 
 
 def declines_hand_off(state: WorkerState, model: str) -> str | None:
@@ -261,11 +263,11 @@ def pull(state: WorkerState, now: float) -> Action | None:
         # Every count below only lowers `free`, and a pull or a probe's end needs some left:
         # a full node asks only pull_to_preempt (not 64 waiting tasks read a plan).
         return _pull_to_preempt_any(state, capacity)
-    for model in state.receiving.values():  # being taken in: waiting tasks soon
-        room[model] = room.get(model, 0) - 1
-        free[model] = free.get(model, 0) - 1
-    for pending in state.pending.values():
-        room[pending.task.model] = room.get(pending.task.model, 0) - 1
+    for model, taking in _by_model(state.receiving.values()).items():  # waiting soon
+        room[model] = room.get(model, 0) - taking
+        free[model] = free.get(model, 0) - taking
+    for model, waiting in _waiting_by_model(state).items():
+        room[model] = room.get(model, 0) - waiting
     # A waiting task takes a free slot unless it waits for a full runner. Which do is a
     # route for each (`routes`): asked only when a model could have a slot to pull for
     # even if none of its waiting tasks took one (a pull needs free and room both).
@@ -283,6 +285,25 @@ def pull(state: WorkerState, now: float) -> Action | None:
         if slots > 0 and model in state.probing:
             return EndProbe(model)
     return _pull_to_preempt_any(state, capacity)
+
+
+def _waiting_by_model(state: WorkerState) -> Mapping[str, int]:
+    """How many tasks of each model wait here. The waiting tasks' models are kept a plan
+    (`waiting_summary`): tasks of one model are counted by len, not read one by one."""
+    if not state.pending:
+        return {}
+    models = {model for model, _ in waiting_summary(state.pending).classes}
+    if len(models) == 1:  # every waiting task is of it (the summary's are a superset)
+        return {models.pop(): len(state.pending)}
+    return Counter(pending.task.model for pending in state.pending.values())
+
+
+def _by_model(models: Collection[str]) -> Mapping[str, int]:
+    """How many times each model is in `models`: by a set and len for one model (C
+    calls), by a Counter for several."""
+    if len(one := set(models)) == 1:
+        return {one.pop(): len(models)}
+    return Counter(models)
 
 
 def _pull_to_preempt_any(state: WorkerState, capacity: dict[str, int]) -> Action | None:

@@ -126,10 +126,21 @@ def choose(
     """The cheapest candidate with a free slot (ties: acting now, this node, more free
     slots, the id), or Wait when waiting for a prefill in progress, or for a slot of a
     runner that holds the prefix while every runner is busy, is strictly cheaper."""
-    free = [c for c in candidates if c.free_slots > 0]
     if not weights.prefix:
-        free = [c for c in free if c.node_id is None]  # today's rule: this node only
+        free = [c for c in candidates if c.free_slots > 0 and c.node_id is None]  # this node
         return max(free, key=lambda c: (c.free_slots, c.runner_id), default=None)
+    if len(candidates) == 1:
+        # A sole candidate has no cost to compare: its free slot is the answer (or the wait
+        # for one of this node's, or none of another's), unless its prefill in progress
+        # holds more of the prompt (the wait for that is weighed below). The common case of
+        # one runner a model, every plan (issue 23).
+        c = candidates[0]
+        if c.free_slots <= 0:
+            return None if c.node_id is not None else Wait(c.runner_id)
+        if not blocks or not c.warming or (
+                c.held.matched(blocks) == c.held.matched(blocks, c.warming)):
+            return c
+    free = [c for c in candidates if c.free_slots > 0]
     saturated = not any(c.idle_core for c in free)
     # The least any runner would prefill, once the prefills in progress are done.
     least = min((len(blocks) - c.held.matched(blocks) for c in candidates), default=0)

@@ -15,6 +15,10 @@ from fleet.wire.runners import ACCEPTS_TASKS, RunnerIdle, RunnerStatus
 from fleet.wire.tasks import Priority, Task
 from fleet.worker.routing import PrefixHeld, Weights
 
+# runner id -> (a `warming` map of it, the blocks in it): RunnerView.warming_blocks' last.
+_WARMING_MEMO: dict[str, tuple[Mapping[str, frozenset[int]], frozenset[int]]] = {}
+_WARMING_KEPT = 64
+
 
 @dataclass(frozen=True)
 class RunnerView:
@@ -41,7 +45,20 @@ class RunnerView:
 
     @property
     def warming_blocks(self) -> frozenset[int]:
-        return frozenset().union(*self.warming.values())
+        """Every block its tasks are prefilling now. Read for each routing candidate made of
+        it, several a plan (a union over up to `slots` sets), so found once for each
+        `warming` map: every change of it is a new map (`apply`), never one changed in place."""
+        warming = self.warming
+        if not warming:
+            return frozenset()
+        kept = _WARMING_MEMO.get(self.runner_id)
+        if kept is not None and kept[0] is warming:
+            return kept[1]
+        blocks = frozenset().union(*warming.values())
+        if len(_WARMING_MEMO) >= _WARMING_KEPT:  # runners come and go: keep the recent ones
+            _WARMING_MEMO.clear()
+        _WARMING_MEMO[self.runner_id] = (warming, blocks)
+        return blocks
 
     @property
     def shutting_down(self) -> bool:
@@ -53,9 +70,11 @@ class RunnerView:
 
     @property
     def free_slots(self) -> int:
-        if not self.takes_tasks:
+        # takes_tasks written out: read for each runner several times a plan (issue 23)
+        if self.rank != 0 or self.status.state not in ACCEPTS_TASKS:
             return 0
-        return max(0, self.slots - len(self.in_flight))
+        free = self.slots - len(self.in_flight)
+        return free if free > 0 else 0
 
 
 @dataclass(frozen=True)
@@ -350,8 +369,11 @@ _Value = TypeVar("_Value")
 
 
 def _without(mapping: Mapping[str, _Value], key: str) -> dict[str, _Value]:
-    """A copy of `mapping` less `key` (a plain copy when it has none): a C-level dict copy,
-    not a comprehension over every entry (64 a runner at 64 slots, several an event)."""
+    """A copy of `mapping` less `key`: a C-level dict copy, not a comprehension over every
+    entry (64 a runner at 64 slots, several an event). A dict without `key` is itself: the
+    state's maps are never changed in place, so it is shared, not copied for nothing."""
+    if key not in mapping and isinstance(mapping, dict):
+        return mapping
     copy = dict(mapping)
     copy.pop(key, None)
     return copy
@@ -781,21 +803,22 @@ def _(event: InputsReady, state: WorkerState) -> WorkerState:
 
 @_rule
 def _(event: TaskDispatched, state: WorkerState) -> WorkerState:
+    task_id = event.task_id
     runner = state.runners[event.runner_id]
-    task = state.pending.get(event.task_id)
-    held = runner.held.served(task.blocks, state.prefix_capacity) if task else runner.held
-    blocks = task.blocks if task else ()
-    uncached = len(blocks) - runner.held.matched(blocks, runner.warming_blocks)
-    new = frozenset(b for b in blocks if b not in runner.held.known)
-    pending = _without(state.pending, event.task_id)
-    state = evolve(state, pending=pending)
-    warming = {**runner.warming, event.task_id: new} if new else runner.warming
-    classes = ({**runner.classes, event.task_id: (task.task.priority, task.received_at)}
-               if task else runner.classes)
-    return _with_runner(
-        state, event.runner_id, in_flight=runner.in_flight | {event.task_id}, held=held,
-        prefill={**runner.prefill, event.task_id: uncached}, warming=warming, classes=classes,
-    )
+    task = state.pending.get(task_id)
+    changes: dict[str, object] = {"in_flight": runner.in_flight | {task_id}}
+    uncached = 0
+    if task is not None:
+        if blocks := task.blocks:  # a prompt of no whole block leaves held and warming as is
+            changes["held"] = runner.held.served(blocks, state.prefix_capacity)
+            uncached = len(blocks) - runner.held.matched(blocks, runner.warming_blocks)
+            if new := frozenset(b for b in blocks if b not in runner.held.known):
+                changes["warming"] = {**runner.warming, task_id: new}
+        changes["classes"] = {**runner.classes, task_id: (task.task.priority, task.received_at)}
+    changes["prefill"] = {**runner.prefill, task_id: uncached}
+    # One copy of the state, not one for the queue and one for the runner (a task each).
+    return evolve(state, pending=_without(state.pending, task_id),
+                  runners={**state.runners, event.runner_id: evolve(runner, **changes)})
 
 
 @_rule
@@ -810,15 +833,16 @@ def _(event: FirstOutput, state: WorkerState) -> WorkerState:
 
 @_rule
 def _(event: TaskEnded, state: WorkerState) -> WorkerState:
-    pending = _without(state.pending, event.task_id)
-    runners = {
-        rid: evolve(r, in_flight=r.in_flight - {event.task_id},
-                    prefill=_without(r.prefill, event.task_id),
-                    warming=_without(r.warming, event.task_id),
-                    classes=_without(r.classes, event.task_id))
-        if event.task_id in r.in_flight else r
-        for rid, r in state.runners.items()
-    }
+    task_id = event.task_id
+    pending = _without(state.pending, task_id)
+    runners = state.runners
+    for rid, r in state.runners.items():
+        if task_id in r.in_flight:  # one runner has it, or none (it was waiting, or gone)
+            runners = {**runners, rid: evolve(
+                r, in_flight=r.in_flight - {task_id}, prefill=_without(r.prefill, task_id),
+                warming=_without(r.warming, task_id), classes=_without(r.classes, task_id))}
+    if pending is state.pending and runners is state.runners:
+        return state  # neither waiting nor running here
     return evolve(state, pending=pending, runners=runners)
 
 

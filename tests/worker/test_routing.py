@@ -264,6 +264,45 @@ def test_a_saturated_fleet_waits_for_the_runner_that_holds_the_prefix(
     assert (best.runner_id if isinstance(best, Candidate) else best) == chosen
 
 
+def warming(runner_id: str, *blocks: int, free: int = 3) -> Candidate:
+    """A runner holding PROMPT's first three blocks, prefilling `blocks` for a task now."""
+    return Candidate(runner_id, free, 1, held(1, 2, 3, *blocks), prefill_blocks=len(blocks),
+                     prefilling=1, warming=frozenset(blocks))
+
+
+@pytest.mark.parametrize(
+    ("blocks", "candidate", "weights", "chosen"),
+    [
+        # a sole candidate with a free slot is chosen whatever it costs ...
+        ((), Candidate("a", 1, 3, prefill_blocks=50, prefilling=3), Weights(), "a"),
+        (PROMPT, Candidate("a", 1, 3, held(1, 2), spare_core=False), Weights(), "a"),
+        (PROMPT, Candidate("a", 2, 2, node_id="elsewhere"), Weights(), "a"),
+        (PROMPT, warming("a", 50, 51), Weights(), "a"),  # its prefill is of other blocks
+        (PROMPT, warming("a", 9, 10), Weights(), "a"),  # after the prefix it holds: no help
+        ((), warming("a", 4, 5), Weights(), "a"),  # a prompt of no block waits for none
+        # ... but when its prefill in progress holds more of the prompt, waiting may be
+        # cheaper (the wait is weighed, as among several)
+        (PROMPT, warming("a", 4, 5), Weights(), Wait("a")),
+        (PROMPT, replace(warming("a", 4, 5), waiting_blocks=20), Weights(), "a"),
+        # without a free slot: a runner here is waited for, however long; another's never
+        ((), Candidate("a", 0, 4), Weights(), Wait("a")),
+        (PROMPT, Candidate("a", 0, 4, held(*PROMPT), waiting_blocks=1e6), Weights(), Wait("a")),
+        (PROMPT, Candidate("a", 0, 4, node_id="elsewhere"), Weights(), None),
+        # without prefix routing: a free slot here, never another node's, never a wait
+        (PROMPT, Candidate("a", 2, 2, held(*PROMPT)), Weights(prefix=False), "a"),
+        (PROMPT, Candidate("a", 2, 2, node_id="elsewhere"), Weights(prefix=False), None),
+        (PROMPT, Candidate("a", 0, 4, held(*PROMPT)), Weights(prefix=False), None),
+    ],
+)
+def test_a_sole_candidate(
+    blocks: tuple[int, ...], candidate: Candidate, weights: Weights, chosen: object,
+) -> None:
+    best = choose(blocks, [candidate], weights)
+    assert (best.runner_id if isinstance(best, Candidate) else best) == chosen
+    if isinstance(best, Candidate):
+        assert best is candidate
+
+
 def two_runners(*, spare: float, slots: int = 2) -> WorkerState:
     runners = {
         rid: RunnerView(rid, f"i-{rid}", "tiny-llm", status=RunnerReady(), slots=slots)
