@@ -22,6 +22,10 @@ def waiting(task_id: str, at: float, priority: Priority = "default") -> PendingT
 
 
 A, B, C = waiting("a", 1), waiting("b", 2), waiting("c", 3)
+D, E = waiting("d", 4), waiting("e", 5)
+EARLY = waiting("early", 0.5)  # arrives after the others, received before them
+E_TIE = waiting("e-tie", 5)  # arrives with e
+A_LATER = waiting("a", 6)  # a, queued again after it left
 INTER = waiting("i", 4, "interactive")
 TIE = waiting("tie", 2)  # arrives with b
 B_AGAIN = waiting("b", 2)  # b's record made anew (equal, not the same)
@@ -46,6 +50,23 @@ def sorted_afresh(pending: Mapping[str, PendingTask]) -> list[str]:
     pytest.param([{"i": INTER, "a": A}, {"a": A, "i": INTER}, {"a": A}], id="class-first"),
     pytest.param([{"a": A, "b": B, "c": C}, {"c": C}, {"c": C, "b": B}],
                  id="fewer-than-half-left-sorted-afresh"),
+    # tasks arriving besides some of those sorted: after them, or all sorted afresh
+    pytest.param([{"a": A, "b": B, "c": C}, {"b": B, "c": C}, {"b": B, "e": E, "c": C, "d": D},
+                  {"c": C, "d": D, "e": E}], id="a-batch-arrives-after-those-waiting"),
+    pytest.param([{"a": A, "b": B, "c": C}, {"b": B, "c": C}, {"b": B, "c": C, "early": EARLY}],
+                 id="an-arrival-sorts-before-those-waiting"),
+    pytest.param([{"a": A, "b": B}, {"b": B, "c": C, "i": INTER}],
+                 id="an-interactive-arrival-goes-first"),
+    pytest.param([{"a": A, "b": B}, {"b": B, "e-tie": E_TIE, "e": E}, {"e": E, "e-tie": E_TIE}],
+                 id="two-arrivals-tie-each-dicts-order"),
+    pytest.param([{"b": B, "c": C, "d": D}, {"a": A, "b": B, "c": C, "d": D}],
+                 id="an-arrival-older-than-all"),
+    pytest.param([{"a": A, "b": B, "c": C}, {"b": B, "c": C}, {"b": B, "c": C, "d": D},
+                  {"c": C, "d": D, "a": A_LATER}], id="a-task-leaves-and-comes-back"),
+    pytest.param([{"a": A, "b": B, "c": C, "d": D}, {"d": D, "e": E}, {"e": E}],
+                 id="arrivals-where-fewer-than-half-are-left"),
+    pytest.param([{"a": A, "b": B}, {"b": B_AGAIN, "c": C}],
+                 id="an-arrival-and-a-record-made-anew"),
 ])
 def test_routes_reads_waiting_tasks_as_a_sort_of_them_would(
         steps: list[dict[str, PendingTask]]) -> None:
@@ -54,3 +75,4 @@ def test_routes_reads_waiting_tasks_as_a_sort_of_them_would(
         state = WorkerState(node_id="n", pending=pending)
         for _ in range(2):  # the same dict again: read from the memo
             assert [task_id for task_id, _, _ in routes(state, NOW)] == sorted_afresh(pending)
+

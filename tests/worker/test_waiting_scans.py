@@ -56,6 +56,17 @@ B_FETCHING = waiting("b", inputs={}, fetching=True)  # b's record made anew, not
                  id="a-model-no-longer-served"),
     pytest.param([{"a": A, "b": B}, {"a": A, "b": B_FETCHING}, {"a": A}, {}],
                  id="fewer-than-half-and-none"),
+    # tasks arriving besides some of those read: read alone, added to what was found
+    pytest.param([{"a": A, "b": B, "c": C}, {"b": B, "c": C, "late": LATE}],
+                 id="a-late-task-arrives-beside-those-read"),
+    pytest.param([{"a": A, "late": LATE}, {"a": A, "b": B}, {"b": B, "c": C, "u": UNFETCHED}],
+                 id="the-late-task-gone-then-one-unfetched-arrives"),
+    pytest.param([{"a": A, "b": B}, {"a": A, "b": B, "x": ELSEWHERE}, {"b": B, "x": OFFERED}],
+                 id="a-task-of-a-model-not-served-arrives-then-is-offered"),
+    pytest.param([{"a": A, "u": UNFETCHED}, {"a": A, "u": FETCHING, "soon": SOON}],
+                 id="an-arrival-and-an-unequal-record"),
+    pytest.param([{"a": A, "b": B, "c": C}, {"late": LATE}, {"late": LATE, "a": A}],
+                 id="an-arrival-where-fewer-than-half-are-left"),
 ])
 def test_rules_reading_every_waiting_task_answer_as_read_afresh(
         steps: list[dict[str, PendingTask]]) -> None:
