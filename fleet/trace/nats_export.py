@@ -2,10 +2,12 @@
 
 A span processor rather than an exporter behind the SDK's batch thread: spans end on the event
 loop, so records are buffered there and published from the loop a moment later, one message
-per trace per flush. No span waits on the network. A trace's spans wait for its local roots
-here (fleet/trace/held.py): a task's spans, the runner's with them, leave in one message when
-its process span ends (was ~1.8 a task at rate: they straddled two flush windows). Core
-publishes: the stream stores them, and no ack is awaited.
+per trace per flush. No span waits on the network. Only the loop's thread touches the buffers:
+a span that starts or ends in another thread (asyncio.to_thread) is handed to the loop, so
+the spans that end on it (nearly all, a few a task) take no lock. A trace's spans wait for its
+local roots here (fleet/trace/held.py): a task's spans, the runner's with them, leave in one
+message when its process span ends (was ~1.8 a task at rate: they straddled two flush
+windows). Core publishes: the stream stores them, and no ack is awaited.
 
 A runner's spans arrive as the JSON it wrote (TraceSpans, one run of a trace's records each)
 and are held and published as they are: a message's body is spliced together from this
@@ -21,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import orjson
 from nats.aio.client import Client
@@ -53,8 +56,7 @@ class NatsSpanProcessor(SpanProcessor):
     def __init__(self, client: Callable[[], Client | None]) -> None:
         self._client = client
         self._loop = asyncio.get_running_loop()
-        self._lock = threading.Lock()  # on_end may come from a thread (asyncio.to_thread)
-        self._loop_thread = threading.get_ident()
+        self._loop_thread = threading.get_ident()  # the only thread that touches what follows
         # The pending flush (at most one): referenced until it ends, its failure logged.
         self._flushers = TaskSet()
         self._buffer: list[Spans] = []
@@ -75,55 +77,58 @@ class NatsSpanProcessor(SpanProcessor):
 
     def opened(self, trace_id: str) -> None:
         """A local root of this trace started (a sampled one)."""
-        with self._lock:
-            self._held.opened(trace_id)
+        if threading.get_ident() != self._loop_thread:
+            self._to_loop(self.opened, trace_id)
+            return
+        self._held.opened(trace_id)
 
     def ended(self, record: SpanRecord, local_root: bool) -> None:
         """A sampled span of this process ended: an SDK span or a live one
         (fleet/trace/live.py)."""
-        if not local_root:
-            self.add([record])
-            return
-        with self._lock:
-            released = self._held.closed(record["trace_id"])
-        self.add([*released, record], hold=False)
+        if threading.get_ident() != self._loop_thread:
+            self._to_loop(self.ended, record, local_root)
+        elif not local_root:
+            self._add((record,), hold=True)
+        else:
+            self._add([*self._held.closed(record["trace_id"]), record], hold=False)
 
     def add(self, spans: Sequence[Spans], hold: bool = True) -> None:
         """`hold`: records of a trace with a local root open here wait for it (a runner's
         spans re-exported by its worker); False for those a root's end released. Past
         MAX_BUFFERED records (buffered and held), a record or run is dropped whole."""
-        now = time.monotonic()
-        with self._lock:
-            room = MAX_BUFFERED - self._buffered - self._held.count
-            for item in spans:
-                count = count_of(item)
-                if count > room:
-                    self.dropped += count
-                    continue
-                room -= count
-                if not (hold and self._held.hold(item, now)):
-                    self._buffer.append(item)
-                    self._buffered += count
-            if self._flush_pending or not (self._buffer or self._held.count):
-                return
-            self._flush_pending = True
-            if self._loop.is_closed():  # its process is ending: nothing will publish these
-                self._buffer.clear()
-                self._buffered = 0
-                self._held.release_all()
-                self._flush_pending = False
-                return
-            delay = self._delay(now)
-        if threading.get_ident() == self._loop_thread:  # most spans: no wake-up by self-pipe
-            self._flush_soon(delay)
+        if threading.get_ident() != self._loop_thread:
+            self._to_loop(self.add, spans, hold)
             return
-        with contextlib.suppress(RuntimeError):  # closed since: as above
-            self._loop.call_soon_threadsafe(self._flush_soon, delay)
+        self._add(spans, hold)
 
-    def _flush_soon(self, delay: float) -> None:
-        """Start the pending flush, in the loop's thread and in a context of its own (not the
-        ending span's)."""
-        self._flushers.spawn(self._flush_later(delay), context=contextvars.Context())
+    def _to_loop(self, call: Callable[..., None], *args: Any) -> None:
+        """A span's start or end from another thread, done in the loop's, in order behind
+        what that thread did before (asyncio.to_thread's result is set after it)."""
+        with contextlib.suppress(RuntimeError):  # the loop closed: nothing will publish it
+            self._loop.call_soon_threadsafe(call, *args)
+
+    def _add(self, spans: Sequence[Spans], hold: bool) -> None:
+        now = time.monotonic()
+        room = MAX_BUFFERED - self._buffered - self._held.count
+        for item in spans:
+            count = count_of(item)
+            if count > room:
+                self.dropped += count
+                continue
+            room -= count
+            if not (hold and self._held.hold(item, now)):
+                self._buffer.append(item)
+                self._buffered += count
+        if self._flush_pending or not (self._buffer or self._held.count):
+            return
+        if self._loop.is_closed():  # its process is ending: nothing will publish these
+            self._buffer.clear()
+            self._buffered = 0
+            self._held.release_all()
+            return
+        self._flush_pending = True
+        # In a context of its own, not the ending span's.
+        self._flushers.spawn(self._flush_later(self._delay(now)), context=contextvars.Context())
 
     def _delay(self, now: float) -> float:
         """The next flush: a window after what is ready, or when the first held trace is due."""
@@ -136,24 +141,23 @@ class NatsSpanProcessor(SpanProcessor):
         while True:
             await asyncio.sleep(delay)  # a batching window or a hold's end, not synchronisation
             await self._flush(everything=False)
-            with self._lock:  # what is still held is due later: keep one flush pending for it
-                if self._flush_pending or not self._held.count:
-                    return
-                self._flush_pending = True
-                delay = self._delay(time.monotonic())
+            # What is still held is due later: keep one flush pending for it.
+            if self._flush_pending or not self._held.count:
+                return
+            self._flush_pending = True
+            delay = self._delay(time.monotonic())
 
     async def flush(self) -> None:
         """Everything buffered and held goes out now (before a connection closes)."""
         await self._flush(everything=True)
 
     async def _flush(self, everything: bool) -> None:
-        with self._lock:
-            spans, self._buffer, self._buffered = self._buffer, [], 0
-            if everything:
-                spans += self._held.release_all()
-            else:
-                spans += self._held.due(time.monotonic())
-            self._flush_pending = False
+        spans, self._buffer, self._buffered = self._buffer, [], 0
+        if everything:
+            spans += self._held.release_all()
+        else:
+            spans += self._held.due(time.monotonic())
+        self._flush_pending = False
         if not spans:
             return
         client = self._client()

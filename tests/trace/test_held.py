@@ -131,6 +131,27 @@ async def test_a_tasks_spans_and_its_runners_leave_in_one_message_when_its_root_
         (f"fleet.traces.{trace_id}", ["send", "generation", "prefill", "process"])]
 
 
+async def test_a_span_ended_in_a_thread_is_held_with_its_root() -> None:
+    """Only the loop's thread touches the processor's buffers: a span that ends in
+    asyncio.to_thread is handed to the loop, and is there before the thread's result is."""
+    client = FakeClient()
+    processor = NatsSpanProcessor(lambda: client)  # type: ignore[arg-type, return-value]
+    provider = TracerProvider()
+    provider.add_span_processor(processor)
+    tracer = provider.get_tracer("test")
+    root = tracer.start_span("process")
+
+    def in_a_thread() -> None:
+        with tracer.start_as_current_span("fetch inputs", context=set_span_in_context(root)):
+            pass
+
+    await asyncio.to_thread(in_a_thread)
+    root.end()
+    await processor._flush(everything=False)
+    trace_id = format(root.get_span_context().trace_id, "032x")
+    assert client.published == [(f"fleet.traces.{trace_id}", ["fetch inputs", "process"])]
+
+
 async def test_past_max_buffered_a_runners_run_is_dropped_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
