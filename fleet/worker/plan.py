@@ -323,8 +323,15 @@ def pull_held_until(state: WorkerState, model: str, now: float) -> float | None:
     full fetch more may be queued: pulled at once."""
     if model not in state.drained:
         return None
-    until = max((at + INTAKE_HOLD_S for key, at in state.intake_began.items()
-                 if state.receiving.get(key) == model), default=None)
+    began, receiving = state.intake_began, state.receiving
+    if began.keys() <= receiving.keys() and set(receiving.values()) == {model}:
+        # Every intake is of this model (one model a node, the usual): the youngest by a max
+        # in C, not a Python read of each (64 a plan under batches, and twice a drive).
+        youngest = max(began.values(), default=None)
+        until = None if youngest is None else youngest + INTAKE_HOLD_S
+    else:
+        until = max((at + INTAKE_HOLD_S for key, at in began.items()
+                     if receiving.get(key) == model), default=None)
     return until if until is not None and until > now else None
 
 

@@ -528,6 +528,16 @@ def taking_in(began: float, *, drained: bool = True, model: str = TINY) -> Worke
                  id="another-models-intake-holds-nothing"),
     pytest.param(replace(world([INST], [READY]), drained=frozenset({TINY})), T0, None,
                  Pull(TINY, 4, 1), id="drained-with-no-intake-pulls"),
+    pytest.param(replace(taking_in(T0), receiving={"intake-1": TINY, "intake-2": "other-llm"},
+                         intake_began={"intake-1": T0, "intake-2": T0 + 0.03}),
+                 T0 + 0.01, T0 + INTAKE_HOLD_S, None, id="only-the-models-own-intakes-hold-it"),
+    pytest.param(replace(taking_in(T0), receiving={"intake-1": TINY, "intake-2": TINY},
+                         intake_began={"intake-1": T0, "intake-2": T0 + 0.03}),
+                 T0 + 0.06, T0 + 0.03 + INTAKE_HOLD_S, None,
+                 id="the-youngest-of-several-intakes-holds-it"),
+    pytest.param(replace(taking_in(T0), intake_began={"intake-1": T0, "gone": T0 + 0.03}),
+                 T0 + 0.06, None, Pull(TINY, 3, 1),
+                 id="a-began-time-without-its-intake-holds-nothing"),
 ])
 def test_a_drained_models_pull_waits_for_its_young_intakes(
     state: WorkerState, now: float, held_until: float | None, expected: Action | None
