@@ -138,8 +138,17 @@ class TokenCoalescer:
             self._unflushed = False
 
     def _hold(self, chunk: Token | TokenChunk) -> None:
-        now = self._clock()
         held = self._held.get(chunk.task_id)
+        if held is None and chunk.task_id not in self._started:
+            # A first token leaves at once (flush_due's `first`): holding it first would wake
+            # the flusher for nothing, a thread switch a task (py-spy, 2026-12-05, max_tokens-1
+            # tasks: notify ~10 % of the runner's busy samples).
+            self._started.add(chunk.task_id)
+            self._write(token_event(chunk.task_id, chunk.at, chunk.index, [chunk.token_id],
+                                    chunk.text))
+            self._unflushed = True
+            return
+        now = self._clock()
         if held is None:
             held = self._held[chunk.task_id] = _Held(since=now, index=chunk.index, at=chunk.at)
             if self._flusher_idle:

@@ -13,6 +13,7 @@ Closed stdin means the worker is gone: shut down and exit.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib
 import json
 import logging
@@ -122,10 +123,23 @@ def _use_openblas() -> None:
     log.info("BLAS: %s", loaded or "mlx's own (no OpenBLAS found)")
 
 
+# A pass's reports leave in one write (the loop flushes once a pass): at 64 slots of
+# max_tokens-1 tasks a pass is ~64 token events, terminals and a SpanBatch of ~192 records,
+# ~100 KB, which an 8 KB buffer and a 64 KB pipe cut into a dozen writes, each a wake-up of
+# the worker's reader and many a block on the full pipe (py-spy, 2026-12-05: the pipe writes
+# ~30 % of the runner's busy samples). A bigger pipe is asked for, not needed: where the
+# kernel says no, writes block as before.
+OUT_BUFFER_BYTES = 1 << 20
+
+
 def _claim_stdout() -> BinaryIO:
     """A private handle on the real stdout for frames; fd 1 then leads to stderr."""
     sys.stdout.flush()
-    frames = os.fdopen(os.dup(1), "wb")
+    fd = os.dup(1)
+    if hasattr(fcntl, "F_SETPIPE_SZ"):  # Linux
+        with contextlib.suppress(OSError):  # not a pipe, or past the user's pipe limit
+            fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, OUT_BUFFER_BYTES)
+    frames = os.fdopen(fd, "wb", buffering=OUT_BUFFER_BYTES)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     return frames
