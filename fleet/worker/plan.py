@@ -15,7 +15,7 @@ from fleet.wire.events import ErrorReason
 from fleet.wire.tasks import Priority, is_past
 from fleet.worker.preemption import Preempt, preempt, pull_to_preempt
 from fleet.worker.priority import reserve_for
-from fleet.worker.routes import routes, waits_for_a_full_runner
+from fleet.worker.routes import first_to_a_sole_runner, routes, waits_for_a_full_runner
 from fleet.worker.routing import Wait
 from fleet.worker.state import WorkerState, group_layout, ranks_of, waiting_summary
 
@@ -207,6 +207,8 @@ def dispatch(state: WorkerState, now: float) -> Action | None:
     one of this node's, or another node's, which gets it by a hand-off."""
     if not state.pending or not _slot_anywhere(state):
         return None
+    if (sole := first_to_a_sole_runner(state)) is not None:
+        return Dispatch(*sole)
     for task_id, _, decision in routes(state, now):
         if decision is None or isinstance(decision, Wait):  # its runner is busy with it
             continue

@@ -58,6 +58,34 @@ def routes(state: WorkerState, now: float) -> Iterator[tuple[str, PendingTask, D
         yield task_id, pending, decision
 
 
+def first_to_a_sole_runner(state: WorkerState) -> tuple[str, str] | None:
+    """(task id, runner id): the first task `routes` decides and the runner it chooses, when
+    that choice needs no costs: no other node's runner is known, and the task's model has one
+    runner here that takes tasks, with a free slot and no prefill in progress that holds more
+    of the prompt (`choose`'s sole candidate). None when it needs more: ask `routes`. The
+    common case (one runner a model, a plan a dispatch: issue 23) without a candidate made."""
+    if state.remote:
+        return None
+    for task_id, pending in _in_order(state.pending):
+        if pending.inputs is None or pending.handing_off is not None:
+            continue
+        model = pending.task.model
+        sole: RunnerView | None = None
+        for runner in state.runners.values():
+            if runner.model == model and not runner.shutting_down and runner.takes_tasks:
+                if sole is not None:
+                    return None  # several: their costs decide
+                sole = runner
+        if sole is None or sole.free_slots <= 0:
+            return None  # routes goes on to the next task (a wait, or none here)
+        blocks = pending.blocks
+        if blocks and (warming := sole.warming_blocks) and (
+                sole.held.matched(blocks) != sole.held.matched(blocks, warming)):
+            return None  # waiting for its prefill in progress may be cheaper
+        return task_id, sole.runner_id
+    return None
+
+
 # The last waiting tasks sorted whose order had no tie: (their dict, that order). A drive
 # dispatches a fetched batch one task a plan, each plan's waiting tasks those of the one
 # before less the one dispatched, so each is read in the order already found.

@@ -19,6 +19,7 @@ from fleet.worker import plan as rules
 from fleet.worker.routes import (
     _candidate,
     _queued_cost,
+    first_to_a_sole_runner,
     has_spare_core,
     hosted,
     remote_candidates,
@@ -214,3 +215,42 @@ def test_waiting_tasks_are_counted_by_model_as_read_one_by_one(steps: list[str])
         state = WorkerState(node_id="n", pending={task_id: POOL[task_id] for task_id in ids})
         assert rules._waiting_by_model(state) == Counter(
             p.task.model for p in state.pending.values())
+
+
+ONE_FREE = world([runner("a", slots=4, busy=1)], [waiting("t1", at=1), waiting("t2", at=2)])
+# One runner here, prefilling PROMPT for a task sent to it (its blocks are warming there).
+ALONE_WARMING = prefilling(world([runner("a", slots=4)], []), waiting("first", at=0), "a")
+
+
+@pytest.mark.parametrize(("state", "first"), [
+    pytest.param(ONE_FREE, ("t1", "a"), id="a-sole-runner-with-a-free-slot"),
+    pytest.param(replace(ONE_FREE, routing=replace(ONE_FREE.routing, prefix=False)), ("t1", "a"),
+                 id="without-prefix-routing"),
+    pytest.param(world([runner("a", busy=2)], [waiting("t1")]), None, id="its-runner-full"),
+    pytest.param(world([runner("a"), runner("b")], [waiting("t1")]), None, id="two-runners"),
+    pytest.param(replace(ONE_FREE, remote=WITH_REMOTE.remote), None, id="another-nodes-runner"),
+    pytest.param(world([runner("a", "other")], [waiting("t1"), waiting("o", model="other")]),
+                 None, id="the-first-tasks-model-has-no-runner"),
+    pytest.param(world([runner("a"), runner("b", command_sent="shutdown"),
+                        runner("c", status=RunnerLoading(), command_sent="load_model")],
+                       [waiting("t1")]), ("t1", "a"), id="others-stopping-or-not-ready"),
+    pytest.param(world([runner("a")], [waiting("f", at=0, inputs=None, fetching=True),
+                                       waiting("o", at=0.5, handing_off="n2"), waiting("t1")]),
+                 ("t1", "a"), id="tasks-not-ready-to-route-skipped"),
+    pytest.param(replace(ALONE_WARMING, pending={"second": waiting("second", at=1)}), None,
+                 id="its-prefill-in-progress-holds-more-of-the-prompt"),
+    pytest.param(replace(ALONE_WARMING, pending={"third": waiting("third", (11, 12), at=1)}),
+                 ("third", "a"), id="its-prefill-in-progress-is-of-other-blocks"),
+    pytest.param(replace(ALONE_WARMING, pending={"short": waiting("short", (), at=1)}),
+                 ("short", "a"), id="a-prompt-of-no-block"),
+    pytest.param(replace(WARMING, pending={"short": waiting("short", (), at=1)}), None,
+                 id="two-runners-one-prefilling"),
+])
+def test_the_first_task_to_a_sole_runner_is_routes_first_choice(
+        state: WorkerState, first: tuple[str, str] | None) -> None:
+    """Given, it is what `routes` decides first (None: routes is asked)."""
+    assert first_to_a_sole_runner(state) == first
+    if first is not None:
+        task_id, _, decision = next(iter(routes(state, NOW)))
+        assert isinstance(decision, Candidate) and decision.node_id is None
+        assert (task_id, decision.runner_id) == first
