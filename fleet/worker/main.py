@@ -632,9 +632,7 @@ def plans_nothing(item: InboxItem, state: WorkerState) -> bool:
     return False
 
 
-STREAMED_REPORTS = (
-    TaskAccepted, TokenFrame, TokenChunk, ToolCallChunk, pipe.SpanBatch,
-)
+STREAMED_REPORTS = (TaskAccepted, TokenFrame, TokenChunk, ToolCallChunk)
 
 _LIFECYCLE = {
     "connect_to_group": pipe.ConnectToGroup,
