@@ -67,18 +67,41 @@ REMEMBERED_CANCELS = 100_000  # the bucket keeps an hour of them; a bound on mem
 # it leaves Ready, then its count after each step that changed it; Ready once none remains).
 BUSY_OR_IDLE = (RunnerReady, RunnerRunning)
 
+# How often at most a runner's busy/idle flips are written while it flips. Each write is a KV
+# put and a RunnerStatusChanged event, two sends that gave the core away: at light load a
+# runner flipped twice a task (Running at its start, Ready at its end) and the last task's
+# flips were written inside the next one's arrival -> accept (issue 23). Readers of runner
+# records and events (the dashboard, `fleet instances`, the gateway's listing, tests and
+# benches waiting for Ready) want the latest state, which is written at most this late.
+FLIPS_EVERY_S = 0.05
 
-def superseded(record: RunnerRecord | None, newest: RunnerRecord | None) -> bool:
-    """Pure. Whether the status writer skips `record` (its KV put and its event) because
-    `newest`, queued after it for the same runner, replaces it: only a Running record, by a
-    newer Running or Ready one. Under load a runner's Running records (then one at every
-    task's start, now one a step that changed its count) came faster than the writer, one KV
-    round trip a record, wrote them: ~0.4 records and 0.4 events stored a task (issue 23).
-    Every other status (a lifecycle step, every Ready: a waiter may be watching for it) and
-    every removal is written, in order."""
-    if record is None or newest is None or newest is record:
-        return False
-    return isinstance(record.status, RunnerRunning) and isinstance(newest.status, BUSY_OR_IDLE)
+
+def written_at(
+    last: tuple[RunnerStatus, float] | None, status: RunnerStatus | None, now: float,
+    every_s: float = FLIPS_EVERY_S,
+) -> float:
+    """Pure. When the status writer writes a runner's newest record of `status` (None: its
+    removal), made at `now`, given the `last` record queued for that runner (its status and
+    when, on the clock of `now`; None: none since the runner came or was removed). A
+    busy/idle flip after a busy/idle record written less than `every_s` ago waits until
+    `every_s` has passed; the newest record of the runner is written then (latest wins:
+    those between are never written). Everything else is written at once: a removal, a
+    lifecycle step (loading, shutting down, failed...), the first busy/idle record after
+    one (the Ready a waiter watches for as a runner comes up), and the first flip of a
+    runner quiet for `every_s`."""
+    if status is None or last is None:
+        return now
+    last_status, last_at = last
+    if not (isinstance(status, BUSY_OR_IDLE) and isinstance(last_status, BUSY_OR_IDLE)):
+        return now
+    return max(now, last_at + every_s)
+
+
+def same_state(record: RunnerRecord, last: RunnerRecord) -> bool:
+    """Pure. Whether a held flip's `record` says what `last` (the runner's last record
+    queued) said, but for its time: then it is not written (a runner that flipped and
+    flipped back between two writes)."""
+    return record.model_copy(update={"at": last.at}) == last
 
 
 class ClusterLink:
@@ -102,10 +125,13 @@ class ClusterLink:
         self.ring_address = f"{settings.ring_host}:{port}"
         self.records: dict[str, RunnerRecord] = {}
         self.placed: dict[str, Instance] = {}  # the instance table as last watched
+        # The status writer's work, in order: a runner's record (None: its removal).
         self._status_writes: asyncio.Queue[tuple[str, RunnerRecord | None]] = asyncio.Queue()
-        # Runner id -> the newest record queued for it (None: its removal), for the writer to
-        # skip a busy/idle record a newer one has superseded before it was written.
-        self._newest: dict[str, RunnerRecord | None] = {}
+        # Runner id -> the record last queued for the writer and when (the loop's clock).
+        self._written: dict[str, tuple[RunnerRecord, float]] = {}
+        # Runner id -> its newest busy/idle flip held (`written_at`), and the timer that
+        # queues it when due; latest wins.
+        self._held: dict[str, tuple[RunnerRecord, asyncio.TimerHandle]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._own_supervisor: Supervisor | None = None
         self.cancelled: dict[str, None] = {}  # cancel records seen, oldest first
@@ -184,6 +210,7 @@ class ClusterLink:
         await self.deadlines.stop()
         await self.janitor.stop()
         # The runners' last statuses (shut down, removed) are worth the wait; a dead broker is not.
+        self._release_all()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._status_writes.join(), 5.0)
         for task in self._tasks:
@@ -309,7 +336,8 @@ class ClusterLink:
 
     def runner_status(self, view: RunnerView | None, status: RunnerStatus) -> None:
         """Record a runner's new status. Written by one ordered writer off the task path, so
-        a task's first event never waits for a KV round trip."""
+        a task's first event never waits for a KV round trip; its busy/idle flips at most
+        every FLIPS_EVERY_S (`written_at`)."""
         if view is None:
             return
         now = time.time()
@@ -319,23 +347,52 @@ class ClusterLink:
             active_tasks=len(view.in_flight), rank=view.rank, at=now,
         )
         self.records[view.runner_id] = record
-        self._newest[view.runner_id] = record
-        self._status_writes.put_nowait((view.runner_id, record))
+        self._queue_status(view.runner_id, record)
 
     def runner_removed(self, runner_id: str) -> None:
         self.records.pop(runner_id, None)
-        self._newest[runner_id] = None
-        self._status_writes.put_nowait((runner_id, None))
+        self._queue_status(runner_id, None)
+
+    def _queue_status(self, runner_id: str, record: RunnerRecord | None) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        last = self._written.get(runner_id)
+        at = written_at(None if last is None else (last[0].status, last[1]),
+                        None if record is None else record.status, now)
+        held = self._held.pop(runner_id, None)
+        if at > now and record is not None:
+            # Its timer (the one there, else a new one) queues the newest when due.
+            timer = held[1] if held is not None else loop.call_at(at, self._release, runner_id)
+            self._held[runner_id] = record, timer
+            return
+        if held is not None:
+            held[1].cancel()  # this record is newer than the flip held
+        self._queue(runner_id, record, now)
+
+    def _queue(self, runner_id: str, record: RunnerRecord | None, now: float) -> None:
+        if record is None:
+            self._written.pop(runner_id, None)
+        else:
+            self._written[runner_id] = record, now
+        self._status_writes.put_nowait((runner_id, record))
+
+    def _release(self, runner_id: str) -> None:
+        """A runner's held flip is due: written unless it says what the last record said."""
+        record, _ = self._held.pop(runner_id)
+        last = self._written.get(runner_id)
+        if last is None or not same_state(record, last[0]):
+            self._queue(runner_id, record, asyncio.get_running_loop().time())
+
+    def _release_all(self) -> None:
+        for _, timer in self._held.values():
+            timer.cancel()
+        for runner_id in list(self._held):
+            self._release(runner_id)
 
     async def _write_statuses_forever(self) -> None:
         while True:
             runner_id, record = await self._status_writes.get()
-            newest = self._newest.get(runner_id, record)
-            if newest is record:
-                self._newest.pop(runner_id, None)
             try:
-                if superseded(record, newest):
-                    continue
                 if record is None:
                     await self.heartbeat.runner_records.delete(runner_id)
                 else:
