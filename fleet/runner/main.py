@@ -47,13 +47,14 @@ from fleet.wire.framing import (
 )
 from fleet.wire.pipe import (
     RunnerCommand,
+    RunnerReport,
     RunnerSpec,
     RunnerStatusReport,
     Shutdown,
     SpanBatch,
 )
 from fleet.wire.ring import RING_LOST_EXIT
-from fleet.wire.runners import RunnerFailed, RunnerIdle, RunnerReady
+from fleet.wire.runners import RunnerFailed, RunnerIdle, RunnerReady, RunnerRunning
 from fleet.wire.tasks import CancelTask
 
 log = logging.getLogger("fleet.runner")
@@ -225,13 +226,22 @@ def serve_follower(
     return machine.exit_code
 
 
+def _written_at_once(report: RunnerReport) -> bool:
+    """Whether a report leaves before its pass ends: a status that comes from inside a long
+    pass (load progress, warming up, a failure). Running's count and Ready come at a step's
+    end or among a batch of commands, right before the pass's flush: flushed at once they were
+    a second write to the pipe a pass (and a second wake-up of the worker's reader)."""
+    return isinstance(report, RunnerStatusReport) and not isinstance(
+        report.status, RunnerRunning | RunnerReady)
+
+
 class _Reporter:
     """Writes reports as frames; once the worker stops reading, later reports are dropped.
 
     While `deferred` (the main loop's passes, each ended by `flush`), a task's reports stay in
     the pipe's buffer until the pass ends: a step that ends 64 tasks is one write to the pipe
-    (and one wake-up of the worker's reader), not one a terminal. A status report is written
-    at once (a model's load progress comes from inside one long pass)."""
+    (and one wake-up of the worker's reader), not one a terminal. A status report from inside
+    a long pass (a model's load progress) is written at once (`_written_at_once`)."""
 
     def __init__(self, writer: FrameWriter) -> None:
         self._writer = writer
@@ -245,7 +255,7 @@ class _Reporter:
             if isinstance(report, bytes):  # a token event, encoded; the coalescer flushes
                 self._writer.write_body(report, flush=False)
             else:
-                flush = not self.deferred or isinstance(report, RunnerStatusReport)
+                flush = not self.deferred or _written_at_once(report)
                 body = span_batch_body(report) if isinstance(report, SpanBatch) else encode(report)
                 self._writer.write_body(body, flush=flush)
         except (BrokenPipeError, ConnectionResetError):

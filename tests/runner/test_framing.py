@@ -22,7 +22,13 @@ from fleet.wire.framing import (
     take_frames,
 )
 from fleet.wire.pipe import LoadModel, RunnerStatusReport, SubmitTask
-from fleet.wire.runners import RunnerLoading, RunnerReady
+from fleet.wire.runners import (
+    RunnerFailed,
+    RunnerLoading,
+    RunnerReady,
+    RunnerRunning,
+    RunnerWarmingUp,
+)
 from fleet.wire.tasks import CancelTask, TextGeneration
 
 READY = b'{"schema_version":1,"type":"runner_status","status":{"state":"ready"}}'
@@ -152,3 +158,24 @@ def test_the_runners_reporter_holds_a_passs_task_reports_for_one_write() -> None
     reporter.deferred = False
     reporter(TaskFinished(task_id="t9", at=1.0, status="completed"))
     assert stream.flushes == 3
+
+
+@pytest.mark.parametrize(
+    ("report", "at_once"),
+    [
+        (RunnerStatusReport(status=RunnerLoading(layers_total=2)), True),
+        (RunnerStatusReport(status=RunnerWarmingUp()), True),
+        (RunnerStatusReport(status=RunnerFailed(error="boom")), True),
+        # a step's end or a batch of commands: the pass's flush follows at once
+        (RunnerStatusReport(status=RunnerRunning(active_tasks=3)), False),
+        (RunnerStatusReport(status=RunnerReady()), False),
+    ],
+)
+def test_which_reports_a_deferred_pass_writes_at_once(
+    report: RunnerStatusReport, at_once: bool
+) -> None:
+    from fleet.runner.main import _written_at_once
+    from fleet.wire.events import TaskFinished
+
+    assert _written_at_once(report) is at_once
+    assert not _written_at_once(TaskFinished(task_id="t", at=1.0, status="completed"))
