@@ -148,8 +148,10 @@ class RunnerSpans:
         self._steps: queue.SimpleQueue[StepTiming] = queue.SimpleQueue()
 
     def on_step(self, timing: StepTiming) -> None:
-        """The image engine's step hook (its model thread): queued for the main thread."""
-        self._steps.put(timing)
+        """The image engine's step hook (its model thread): queued for the main thread, for
+        a task that has spans here (an unsampled task's steps would wait for no one)."""
+        if timing.task_id in self._tasks:
+            self._steps.put(timing)
 
     def on_encode(self, timing: EncodeTiming) -> None:
         """The vision engine's hook, on the main thread (inside admission)."""
@@ -157,12 +159,13 @@ class RunnerSpans:
             times.encode = timing
 
     def on_command(self, command: RunnerCommand) -> None:
-        if isinstance(command, SubmitTask) and command.task.task_id not in self._tasks:
-            self._tasks[command.task.task_id] = _TaskTimes(
-                task=command.task,
-                parent=parent_of(command.traceparent, command.tracestate),
-                submitted_ns=time.time_ns(),
-            )
+        if not isinstance(command, SubmitTask) or command.task.task_id in self._tasks:
+            return
+        parent = parent_of(command.traceparent, command.tracestate)
+        if self._service is None or (parent is not None and not parent[2]):
+            return  # no spans to make: the SDK is off, or the task's trace is not sampled
+        self._tasks[command.task.task_id] = _TaskTimes(
+            task=command.task, parent=parent, submitted_ns=time.time_ns())
 
     def on_report(self, report: RunnerReport | Token) -> None:
         if isinstance(report, Token | TokenChunk):  # first: the only reports made per token
@@ -212,16 +215,15 @@ class RunnerSpans:
 
     def _finish(self, finished: TaskFinished) -> None:
         times = self._tasks.pop(finished.task_id, None)
-        if times is None or self._service is None:
-            return
+        if times is None or (service := self._service) is None:
+            return  # `on_command` left out the unsampled (the SDK's default sampler)
         if times.parent is None:  # a root of its own, as the SDK would start it
             trace_id, parent_id = format(random.getrandbits(128) or 1, "032x"), None
         else:
-            trace_id, parent_id, sampled = times.parent
-            if not sampled:
-                return  # the SDK's default sampler: a task's spans follow its parent's flag
+            trace_id, parent_id, _ = times.parent
+        task = times.task
         end_ns = max(_ns(finished.at), times.submitted_ns)
-        attributes = request_attributes(times.task) | result_attributes(finished)
+        attributes = request_attributes(task) | result_attributes(finished)
         if self._rank is not None:
             attributes["fleet.rank"] = self._rank
         if times.first_token_ns is not None:  # as the prefill span shows it
@@ -231,28 +233,37 @@ class RunnerSpans:
                   for at, image in times.images]
         error = (finished.message or "") if finished.status in ("failed", "expired") else None
         generation = made(
-            f"{operation_of(times.task)} {times.task.model}", trace_id=trace_id,
-            span_id=_span_id(), parent_id=parent_id, service=self._service,
+            f"{operation_of(task)} {task.model}", trace_id=trace_id,
+            span_id=_span_id(), parent_id=parent_id, service=service,
             start_ns=times.submitted_ns, end_ns=end_ns, attributes=attributes, events=events,
             links=self._startup_link, error=error,
         )
         records = [generation]
-        if isinstance(times.task, TextGeneration):
-            records += self._text_phases(times, finished, generation, end_ns)
+        if isinstance(task, TextGeneration):
+            self._text_phases(records, times, finished, end_ns)
         else:
-            records += self._diffusion_steps(finished.task_id, generation)
+            self._diffusion_steps(records, finished.task_id)
         self._buffer.add(trace_id, records)
 
     def _child(self, generation: SpanRecord, name: str, start_ns: int, end_ns: int,
                attributes: dict[str, Any]) -> SpanRecord:
-        assert self._service is not None
-        return made(name, trace_id=generation["trace_id"], span_id=_span_id(),
-                    parent_id=generation["span_id"], service=self._service,
-                    start_ns=start_ns, end_ns=end_ns, attributes=attributes)
+        """A child of the generation span: `made`'s record, built here without its checks
+        (a task's two or three children are made per task; their attributes are never None)."""
+        record: SpanRecord = {
+            "trace_id": generation["trace_id"], "span_id": _span_id(), "name": name,
+            "kind": "internal", "service": generation["service"], "start_ns": start_ns,
+            "end_ns": end_ns, "parent_id": generation["span_id"],
+        }
+        if attributes:
+            record["attributes"] = attributes
+        return record
 
     def _text_phases(
-        self, times: _TaskTimes, finished: TaskFinished, generation: SpanRecord, end_ns: int
-    ) -> list[SpanRecord]:
+        self, records: list[SpanRecord], times: _TaskTimes, finished: TaskFinished, end_ns: int
+    ) -> None:
+        """prefill, encode images (a vision task), decode (once a token came): after the
+        generation span, first in `records`."""
+        generation = records[0]
         first = times.first_token_ns
         prefill_end = end_ns if first is None else min(max(first, times.submitted_ns), end_ns)
         usage, stats = finished.usage, finished.stats
@@ -261,33 +272,32 @@ class RunnerSpans:
             prefill["gen_ai.usage.input_tokens"] = usage.prompt_tokens
         if stats and stats.prompt_tokens_per_s:
             prefill["fleet.prompt_tokens_per_s"] = stats.prompt_tokens_per_s
-        phases = [self._child(generation, "prefill", times.submitted_ns, prefill_end, prefill)]
+        records.append(self._child(generation, "prefill", times.submitted_ns, prefill_end,
+                                   prefill))
         if (encode := times.encode) is not None:
-            phases.append(self._child(
+            records.append(self._child(
                 generation, "encode images", _ns(encode.started), _ns(encode.ended),
                 {"fleet.vision.images": encode.images,
                  "fleet.vision.cached_images": encode.cached}))
         if first is None:
-            return phases
+            return
         decode: dict[str, Any] = {}
         if usage:
             decode["gen_ai.usage.output_tokens"] = usage.completion_tokens
         if stats and stats.tokens_per_s:
             decode["fleet.tokens_per_s"] = stats.tokens_per_s
-        phases.append(self._child(generation, "decode", prefill_end, end_ns, decode))
-        return phases
+        records.append(self._child(generation, "decode", prefill_end, end_ns, decode))
 
-    def _diffusion_steps(self, task_id: str, generation: SpanRecord) -> list[SpanRecord]:
-        steps: list[SpanRecord] = []
+    def _diffusion_steps(self, records: list[SpanRecord], task_id: str) -> None:
+        generation = records[0]
         while not self._steps.empty():
             step = self._steps.get_nowait()
             if step.task_id != task_id:
                 continue  # from a task that has no spans here (refused before it ran)
-            steps.append(self._child(
+            records.append(self._child(
                 generation, f"diffusion step {step.step + 1}/{step.total}",
                 _ns(step.started), _ns(step.ended),
                 {"fleet.image.index": step.image_index, "fleet.step": step.step}))
-        return steps
 
     def observing(
         self, emit: Callable[[RunnerReport | Token], None],

@@ -139,6 +139,21 @@ def test_diffusion_steps_become_spans_under_the_generation_span() -> None:
     assert abs(step["end_ns"] - step["start_ns"] - 500_000_000) < 1000  # float seconds in
 
 
+def test_a_task_whose_trace_is_not_sampled_has_no_spans_and_nothing_kept() -> None:
+    """The parent's flag off (the SDK's default sampler): no record, and nothing of the task
+    kept meanwhile, its diffusion steps included."""
+    reports: list[Any] = []
+    spans = runner_spans()
+    emit = spans.observing(reports.append)
+    task = ImageGeneration(task_id="img-1", model="fault-llm", prompt="a cat", steps=2)
+    spans.on_command(SubmitTask(task=task, traceparent=f"00-{TRACE}-{PARENT}-00"))
+    base = time.time()
+    spans.on_step(StepTiming("img-1", 0, 0, 2, base, base + 0.5))
+    emit(TaskFinished(task_id="img-1", at=base + 1, status="completed"))
+    assert not [r for r in reports if isinstance(r, SpanBatch)]
+    assert spans._tasks == {} and spans._steps.empty()
+
+
 def test_deferred_the_spans_of_a_pass_leave_as_one_batch_after_it() -> None:
     """The runner's loop (`serve(..., passed=...)`): the spans of every task a step ended
     travel in one SpanBatch at the pass's end, not one a task."""
