@@ -81,6 +81,9 @@ class RunnerMachine:
         self._clock = clock
         self.state: RunnerStatus = RunnerIdle()
         self._in_flight: dict[str, None] = {}  # task ids in arrival order
+        # Running(n) and Ready are reported about once a pass each under short tasks: made
+        # once (wire models are frozen), not two validated models a report.
+        self._running: dict[int, RunnerStatusReport] = {}
 
     @property
     def busy(self) -> bool:
@@ -187,7 +190,7 @@ class RunnerMachine:
             # Once, as it leaves Ready: the count then follows once a step (`_settle`), not
             # once a task; at 64 slots of short tasks a report a task cost the runner and its
             # worker a frame each (issue 23). The worker counts its tasks itself.
-            self._become(RunnerRunning(active_tasks=len(self._in_flight)))
+            self._become_running()
         admission = Admission(
             task=task,
             inputs={sha: Path(path) for sha, path in command.inputs.items()},
@@ -219,9 +222,10 @@ class RunnerMachine:
         match self.state:
             case RunnerRunning(active_tasks=shown) if self._in_flight:
                 if shown != len(self._in_flight):
-                    self._become(RunnerRunning(active_tasks=len(self._in_flight)))
+                    self._become_running()
             case RunnerRunning():
-                self._become(RunnerReady())
+                self.state = _READY.status
+                self._emit(_READY)
             case RunnerShuttingDown() if not self._in_flight:
                 self._close()
 
@@ -244,6 +248,19 @@ class RunnerMachine:
     def _become(self, status: RunnerStatus) -> None:
         self.state = status
         self._emit(RunnerStatusReport(status=status))
+
+    def _become_running(self) -> None:
+        """Running with the count in flight now."""
+        active = len(self._in_flight)
+        report = self._running.get(active)
+        if report is None:
+            report = self._running[active] = RunnerStatusReport(
+                status=RunnerRunning(active_tasks=active))
+        self.state = report.status
+        self._emit(report)
+
+
+_READY = RunnerStatusReport(status=RunnerReady())
 
 
 @contextlib.contextmanager
