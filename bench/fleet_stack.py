@@ -31,7 +31,7 @@ from fleet.bus.connect import connect, js_publish
 from fleet.models.catalog import add_custom_card
 from fleet.wire import subjects
 from fleet.wire.cluster import RunnerRecord
-from fleet.wire.codec import decode_event, decode_model
+from fleet.wire.codec import decode_events, decode_model
 from fleet.wire.events import TaskAccepted, TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
 
@@ -219,25 +219,25 @@ class NatsPath:
         async def on_event(msg: Msg) -> None:
             nonlocal counted
             now = time.perf_counter() - t0
-            event = decode_event(msg.data)
-            if isinstance(event, TokenChunk):
-                if self.latencies is not None:
-                    self.latencies.append(time.time() - event.at)
-                result.first_s = now if result.first_s is None else result.first_s
-                result.last_s = now
-                counted += 1
-            elif isinstance(event, TaskAccepted):
-                result.extra["accepted_s"] = now
-            elif isinstance(event, TaskFinished):
-                if event.usage is not None:
-                    result.tokens = event.usage.completion_tokens
-                    result.prompt_tokens = event.usage.prompt_tokens
-                if event.stats is not None and event.stats.time_to_first_token_s is not None:
-                    # Admitted by the engine -> its first token, on the runner's clock.
-                    result.extra["runner_ttft_s"] = event.stats.time_to_first_token_s
-                if event.status != "completed":
-                    result.error = f"{event.status}: {event.message}"
-                done.set()
+            for event in decode_events(msg.data):  # a terminal may carry the last tokens
+                if isinstance(event, TokenChunk):
+                    if self.latencies is not None:
+                        self.latencies.append(time.time() - event.at)
+                    result.first_s = now if result.first_s is None else result.first_s
+                    result.last_s = now
+                    counted += 1
+                elif isinstance(event, TaskAccepted):
+                    result.extra["accepted_s"] = now
+                elif isinstance(event, TaskFinished):
+                    if event.usage is not None:
+                        result.tokens = event.usage.completion_tokens
+                        result.prompt_tokens = event.usage.prompt_tokens
+                    if event.stats is not None and event.stats.time_to_first_token_s is not None:
+                        # Admitted by the engine -> its first token, on the runner's clock.
+                        result.extra["runner_ttft_s"] = event.stats.time_to_first_token_s
+                    if event.status != "completed":
+                        result.error = f"{event.status}: {event.message}"
+                    done.set()
 
         sub = await self.nc.subscribe(subjects.out(task_id), cb=on_event)
         try:

@@ -97,18 +97,24 @@ class RawEvents:
     async def on_msg(self, msg: Msg) -> None:
         event = orjson.loads(msg.data)
         kind = event.get("type")
-        task_id = event.get("task_id", "")
+        if kind == "task_finished" and (last := event.get("last_tokens")):
+            for token in last:  # the task's last token events, stored in its terminal
+                self._token(token)
         if kind == "token":
-            self.token_events += 1
-            if self.latencies is not None:
-                self.latencies.append(time.time() - event["at"])
-            self.tokens[task_id] = self.tokens.get(task_id, 0) + len(event.get("token_ids") or (0,))
+            self._token(event)
         elif kind == "task_accepted":
-            self.accepted.setdefault(task_id, time.perf_counter())
+            self.accepted.setdefault(event.get("task_id", ""), time.perf_counter())
         elif kind == "task_finished":
-            waiter = self.waiters.get(task_id)
+            waiter = self.waiters.get(event.get("task_id", ""))
             if waiter is not None and not waiter.done():
                 waiter.set_result(event)
+
+    def _token(self, event: dict[str, Any]) -> None:
+        self.token_events += 1
+        if self.latencies is not None:
+            self.latencies.append(time.time() - event["at"])
+        task_id = event.get("task_id", "")
+        self.tokens[task_id] = self.tokens.get(task_id, 0) + len(event.get("token_ids") or (0,))
 
     def waiter(self, task_id: str) -> asyncio.Future[dict[str, Any]]:
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()

@@ -35,7 +35,7 @@ from nats.aio.msg import Msg
 from bench.plumbing_rate import MODEL
 from fleet.gateway.keys import key_hash, new_key
 from fleet.wire import subjects
-from fleet.wire.codec import decode_event, sent_task_id
+from fleet.wire.codec import decode_event, decode_events, sent_task_id
 from fleet.wire.events import TaskAccepted, TokenChunk
 
 
@@ -95,8 +95,8 @@ class Stages:
             if task_id not in self.accepted:
                 if isinstance(decode_event(msg.data), TaskAccepted):
                     self.accepted[task_id] = time.perf_counter()
-            elif task_id not in self.first_out and isinstance(decode_event(msg.data),
-                                                              TokenChunk):
+            elif task_id not in self.first_out and any(  # the last may ride the terminal
+                    isinstance(event, TokenChunk) for event in decode_events(msg.data)):
                 self.first_out[task_id] = time.perf_counter()
 
         self.subs = [await nc.subscribe("fleet.tasks.>", cb=on_task),

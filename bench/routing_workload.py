@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 
 from fleet.bus.connect import js_publish
 from fleet.wire import subjects
-from fleet.wire.codec import decode_event
+from fleet.wire.codec import decode_events
 from fleet.wire.events import TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
 
@@ -133,20 +133,20 @@ def fleet_sender(nc: Client, model: str, workload: Workload, bias: dict[int, flo
         parts: list[str] = []
 
         async def on_event(msg: Msg) -> None:
-            event = decode_event(msg.data)
-            if isinstance(event, TokenChunk):
-                turn.first_s = turn.first_s or time.perf_counter() - t0
-                parts.append(event.text)
-            elif isinstance(event, TaskFinished):
-                turn.end_s = time.perf_counter() - t0
-                turn.runner_id = event.runner_id
-                if event.usage is not None:
-                    turn.tokens = event.usage.completion_tokens
-                    turn.prompt_tokens = event.usage.prompt_tokens
-                    turn.cached_tokens = event.usage.cached_tokens
-                if event.status != "completed":
-                    turn.error = f"{event.status}: {event.message}"
-                done.set()
+            for event in decode_events(msg.data):  # a terminal may carry the last tokens
+                if isinstance(event, TokenChunk):
+                    turn.first_s = turn.first_s or time.perf_counter() - t0
+                    parts.append(event.text)
+                elif isinstance(event, TaskFinished):
+                    turn.end_s = time.perf_counter() - t0
+                    turn.runner_id = event.runner_id
+                    if event.usage is not None:
+                        turn.tokens = event.usage.completion_tokens
+                        turn.prompt_tokens = event.usage.prompt_tokens
+                        turn.cached_tokens = event.usage.cached_tokens
+                    if event.status != "completed":
+                        turn.error = f"{event.status}: {event.message}"
+                    done.set()
 
         sub = await nc.subscribe(subjects.out(task_id), cb=on_event)
         try:

@@ -57,7 +57,7 @@ from fleet.models.catalog import get_card
 from fleet.placement import place, read_instances, remove
 from fleet.wire import subjects
 from fleet.wire.cluster import Instance, NodeInfo, RunnerRecord
-from fleet.wire.codec import DecodeError, decode_event, decode_model
+from fleet.wire.codec import DecodeError, decode_events, decode_model
 from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from fleet.worker.continuation import stored_events
@@ -136,8 +136,10 @@ class Watch:
 
     async def on_msg(self, msg: Msg) -> None:
         with contextlib.suppress(DecodeError):
-            self.events.append((time.monotonic(), decode_event(msg.data)))
-            self.walls.append(time.time())
+            now, wall = time.monotonic(), time.time()
+            for event in decode_events(msg.data):  # a terminal may carry the last tokens
+                self.events.append((now, event))
+                self.walls.append(wall)
             self.changed.set()
 
     async def until(self, check: Any, timeout: float) -> Any:

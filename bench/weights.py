@@ -127,7 +127,7 @@ async def _worker_first_token(workdir: Path) -> dict[str, Any]:
     from fleet.models.store import ensure_model
     from fleet.placement import place
     from fleet.wire import subjects
-    from fleet.wire.codec import decode_event
+    from fleet.wire.codec import decode_events
     from fleet.wire.events import TokenChunk
     from fleet.wire.tasks import ChatMessage, TextGeneration
 
@@ -146,7 +146,8 @@ async def _worker_first_token(workdir: Path) -> dict[str, Any]:
             first: asyncio.Future[float] = asyncio.get_running_loop().create_future()
 
             async def on_event(msg: Any) -> None:
-                if isinstance(decode_event(msg.data), TokenChunk) and not first.done():
+                if not first.done() and any(  # a terminal may carry the last tokens
+                        isinstance(event, TokenChunk) for event in decode_events(msg.data)):
                     first.set_result(time.perf_counter())
 
             sub = await nc.subscribe(subjects.out(task.task_id), cb=on_event)

@@ -48,7 +48,7 @@ from nats.js.errors import NotFoundError
 
 from fleet.errors import DeadlineExceeded, NatsUnavailable, StreamIdle, failure_of
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_event
+from fleet.wire.codec import DecodeError, decode_event, encode, expand
 from fleet.wire.events import (
     ErrorChunk,
     ImageChunk,
@@ -408,11 +408,18 @@ class TaskEvents(EventReader):
         while not self._ready:
             message = await self._next_message()
             try:
-                event: OutputEvent | None = decode_event(message.data)
+                stored: OutputEvent | None = decode_event(message.data)
             except DecodeError as exc:
                 log.warning("undecodable event of task %s: %s", self.task_id, exc)
-                event = None
-            self._ready.extend(self._order.push(event, (message, event)))
+                stored = None
+            if type(stored) is TaskFinished and stored.last_tokens:
+                # A terminal with its last token events (issue 23): each as the event it
+                # stands for, with the bytes it would have been stored as on its own.
+                for event in expand(stored):
+                    alone = Delivered(message.seq, encode(event))
+                    self._ready.extend(self._order.push(event, (alone, event)))
+                continue
+            self._ready.extend(self._order.push(stored, (message, stored)))
         return self._ready.popleft()
 
     async def _next_message(self) -> Delivered:

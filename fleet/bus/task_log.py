@@ -20,6 +20,9 @@ the produced order from the stored order alone: a reader of the raw stream (the 
 client) does the same by sorting token events by index, keeping the first copy of an index,
 and, at a task_accepted with attempt > 0, forgetting tokens it holds at or beyond that accept's
 `continued_from` that have not come out yet (they sat behind the hole the continuation fills).
+A `task_finished` that carries `last_tokens` (issue 23) stands for those token events, in
+order, then the terminal without them: every reader here expands it first (fleet.wire.codec
+`decode_events`), and a raw reader does the same before anything else.
 
 Each call has its own retry budget (`budget_s`): a broker election delays a read, a longer
 outage raises BrokerUnavailable (fleet.bus.retry).
@@ -46,7 +49,7 @@ from fleet.bus.retry import BROKER_BUDGET_S, with_retry
 from fleet.bus.task_events import IndexOrder
 from fleet.errors import NatsUnavailable
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_event, encode
+from fleet.wire.codec import DecodeError, decode_event, decode_events, encode, expand
 from fleet.wire.events import OutputEvent, TaskFence
 
 log = logging.getLogger(__name__)
@@ -130,7 +133,7 @@ class TaskLog:
             except NotFoundError:
                 return None
             try:
-                return decode_event(raw.data or b"")
+                return expand(decode_event(raw.data or b""))[-1]
             except DecodeError:
                 log.warning("undecodable event on %s", subject)
                 return None
@@ -213,7 +216,7 @@ class TaskLog:
         async with contextlib.aclosing(reader) as messages:
             async for data in messages:
                 try:
-                    events.append(decode_event(data))
+                    events.extend(decode_events(data))
                 except DecodeError:
                     log.warning("undecodable stored event on %s", subject)
         return events

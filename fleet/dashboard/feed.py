@@ -38,8 +38,8 @@ from fleet.gateway.surface import TENANTS_BUCKET, Backend, record_of, task_key
 from fleet.wire import subjects
 from fleet.wire.base import Wire
 from fleet.wire.cluster import Instance, NodeInfo, RunnerRecord
-from fleet.wire.codec import DecodeError, decode_event, decode_model
-from fleet.wire.events import TokenChunk
+from fleet.wire.codec import DecodeError, decode_events, decode_model
+from fleet.wire.events import OutputEvent, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -271,9 +271,13 @@ class Feed:
 
     def _fold(self, data: bytes) -> None:
         try:
-            event = decode_event(data)
+            events = decode_events(data)  # a terminal may carry its last tokens (issue 23)
         except DecodeError:
             return
+        for event in events:
+            self._fold_event(event)
+
+    def _fold_event(self, event: OutputEvent) -> None:
         new = event.task_id not in self.tasks.rows
         if event.type == "task_accepted" and new:
             self._tasks_this_tick += 1

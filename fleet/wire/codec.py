@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import orjson
@@ -9,7 +10,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from fleet.wire.ask import AskReply
 from fleet.wire.cluster import ClusterEvent
-from fleet.wire.events import OutputEvent, TaskAccepted
+from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished
 from fleet.wire.runners import RunnerStatus
 from fleet.wire.tasks import Task, is_task_id
 
@@ -91,5 +92,26 @@ def decode_task(data: bytes) -> Task:
 
 
 def decode_event(data: bytes) -> OutputEvent:
+    """One message of `fleet.out.<task_id>` as it is stored. A reader of the task's events
+    wants `decode_events`: a terminal may carry the task's last token events."""
     return decode_with(OUTPUT_EVENT, data)
+
+
+def decode_events(data: bytes) -> list[OutputEvent]:
+    """The events one message of `fleet.out.<task_id>` holds, in order (`expand`)."""
+    return expand(decode_with(OUTPUT_EVENT, data))
+
+
+def expand(event: OutputEvent) -> list[OutputEvent]:
+    """Pure. A stored event as readers take it: a terminal that carries its last token
+    events (`TaskFinished.last_tokens`, issue 23) is those events, then the terminal without
+    them, as the worker would have stored them one by one; any other event is itself."""
+    if type(event) is TaskFinished and event.last_tokens:
+        return [*event.last_tokens, event.model_copy(update={"last_tokens": None})]
+    return [event]
+
+
+def expand_all(events: Iterable[OutputEvent]) -> list[OutputEvent]:
+    """Pure. `expand` of each stored event, in order."""
+    return [each for event in events for each in expand(event)]
 

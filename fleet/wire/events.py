@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from enum import StrEnum
 from typing import Annotated, Literal
@@ -215,6 +216,26 @@ class TaskFinished(_Event):
     stats: TaskStats | None = None
     node_id: NodeId | None = None
     runner_id: RunnerId | None = None
+    last_tokens: list[TokenChunk] | None = Field(
+        default=None, description="The task's last token event(s), stored inside its terminal "
+        "when its runner reported them together (one message a task fewer; issue 23). A reader "
+        "takes them as the token events just before this terminal, in order, and the terminal "
+        "as it is without them (fleet.wire.codec.decode_events). Each is of this task, and "
+        "their indexes follow on.")
+
+    @model_validator(mode="after")
+    def _last_tokens_follow_on(self) -> TaskFinished:
+        tokens = self.last_tokens
+        if tokens is None:
+            return self
+        if not tokens:
+            raise ValueError("last_tokens, when present, holds at least one token event")
+        if any(token.task_id != self.task_id for token in tokens):
+            raise ValueError("last_tokens must be the task's own token events")
+        if any(later.index != earlier.next_index
+               for earlier, later in itertools.pairwise(tokens)):
+            raise ValueError("last_tokens' indexes must follow on")
+        return self
 
 
 OutputEvent = Annotated[

@@ -40,7 +40,14 @@ from fleet.bus.task_log import TaskLog
 from fleet.errors import FleetError, http_answer
 from fleet.wire import subjects
 from fleet.wire.ask import AskAnswer, AskError, AskErrorReason
-from fleet.wire.codec import DecodeError, decode_event, decode_model, encode
+from fleet.wire.codec import (
+    DecodeError,
+    decode_event,
+    decode_events,
+    decode_model,
+    encode,
+    expand_all,
+)
 from fleet.wire.events import ErrorReason, OutputEvent, TaskFinished, TaskRefused
 from fleet.wire.tasks import Task
 from fleet.worker.ask_answer import answer_of, ask_task, new_ask_id, seen_whole
@@ -180,8 +187,11 @@ class AskResponder:
                 except (NatsError, OSError) as exc:
                     log.debug("asks: unsubscribe failed: %r", exc)
         await self._until_terminal_stored(task.task_id)
+        # Seen as stored (a message each: seen_whole counts messages), answered expanded (a
+        # terminal may carry the task's last token events, issue 23).
         whole = seen_whole(seen, await self.stored_count(task.task_id))
-        answer = answer_of(task, seen if whole else await self.stored_events(task.task_id))
+        answer = answer_of(task, expand_all(seen) if whole
+                           else await self.stored_events(task.task_id))
         if answer is None:  # the terminal was seen, so it is stored: this is a broker fault
             raise _failed("unavailable", "the task ended but its stored events could not be "
                           f"read whole; follow fleet.out.{task.task_id}", task.task_id)
@@ -261,7 +271,8 @@ class AskResponder:
             return -1
 
     async def stored_events(self, task_id: str) -> list[OutputEvent]:
-        """Every event FLEET_OUT holds for the task, in order (by sequence, no consumer)."""
+        """Every event FLEET_OUT holds for the task, in order (by sequence, no consumer),
+        a terminal's last token events as events of their own."""
         try:
             stored = await self.log.raw(task_id, budget_s=BROKER_BUDGET_S)
         except (FleetError, NatsError, OSError, TimeoutError) as exc:
@@ -270,7 +281,7 @@ class AskResponder:
         events: list[OutputEvent] = []
         for _, data in stored:
             try:
-                events.append(decode_event(data))
+                events.extend(decode_events(data))
             except DecodeError:
                 log.warning("asks: an undecodable stored event of task %s", task_id)
         return events

@@ -83,10 +83,13 @@ class CancelSeen:
 @dataclass(frozen=True)
 class RunnerReported:
     """One report a runner wrote on its pipe; a token event as its bytes (TokenFrame), which
-    the worker publishes unchanged."""
+    the worker publishes unchanged. A terminal's `tail`: its task's token events read with it,
+    just before it (fleet.worker.tails), stored inside it or, where it is not stored, before
+    the rest of its handling."""
 
     runner_id: str
     report: RunnerReport | TokenFrame
+    tail: tuple[TokenFrame, ...] = ()
 
 
 @dataclass(frozen=True)

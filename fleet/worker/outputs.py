@@ -15,6 +15,11 @@ fleet.bus.task_events), a `completed` terminal becomes `failed` with reason
 cannot be stored, `finish` raises BrokerUnavailable: the worker must not ack the task then,
 and its redelivery ends it (`worker_lost`, output had started) on a later try.
 
+A terminal may carry the task's last token events (`TaskFinished.last_tokens`: those its
+runner wrote in the same read as the terminal, fleet.worker.tails): they are stored with it,
+in one message, so the stream holds both or neither, and readers expand them back into the
+events they stand for. An output_lost terminal carries none (the output is not whole).
+
 Every event is fenced (fleet.worker.takeover): it carries the fence of this node's attempt
 (0 until a takeover here wrote one, `take_over`), and once another attempt has taken the task
 over the stream refuses it; `finish` and `fail` then raise TaskFenced (no terminal, no ack),
@@ -231,6 +236,8 @@ class TaskOutput:
 
     async def _output_lost(self, event: TaskFinished, problem: str) -> TaskFinished:
         message = f"the task's output could not be stored whole: {problem}"
+        # Made afresh: a tail the completed terminal carried is not stored (nothing follows
+        # a hole as if the output were whole).
         log.error("task %s: %s; ending it failed (output_lost), not completed",
                   event.task_id, message)
         lost = failed(event.task_id, time.time(), ErrorReason.OUTPUT_LOST, message)

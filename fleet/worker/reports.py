@@ -19,7 +19,15 @@ from typing import Protocol
 from fleet.aio import Supervisor
 from fleet.telemetry import trace_id_of
 from fleet.wire import pipe
-from fleet.wire.events import ErrorChunk, ErrorReason, OutputEvent, TaskAccepted, TaskFinished
+from fleet.wire.codec import decode_model
+from fleet.wire.events import (
+    ErrorChunk,
+    ErrorReason,
+    OutputEvent,
+    TaskAccepted,
+    TaskFinished,
+    TokenChunk,
+)
 from fleet.wire.tasks import Task, TextGeneration, sampling_seed
 from fleet.wire.token_frames import TokenFrame
 from fleet.worker import state as ev
@@ -131,11 +139,19 @@ class RunnerReports:
         )
 
     async def report(self, reported: RunnerReported) -> None:
-        report = reported.report
+        report, runner_id = reported.report, reported.runner_id
+        for frame in reported.tail:  # first, as if they had come alone: the guards read it
+            self._first_output(runner_id, frame)
         with self.spans.active(getattr(report, "task_id", None)):
-            await self._on_report(reported.runner_id, report)
+            await self._on_report(runner_id, report, reported.tail)
 
-    async def _on_report(self, runner_id: str, report: pipe.RunnerReport | TokenFrame) -> None:
+    async def _on_report(
+        self, runner_id: str, report: pipe.RunnerReport | TokenFrame,
+        tail: tuple[TokenFrame, ...] = (),
+    ) -> None:
+        """`tail`: a terminal's token events read with it (fleet.worker.tails). They are
+        stored inside the terminal when it is the task's next event to store; on every other
+        path they go out first, as events of their own, as when they came alone."""
         match report:
             case pipe.RunnerStatusReport(status=status):
                 self.desk.apply(ev.RunnerStatusSeen(runner_id, status))
@@ -143,18 +159,25 @@ class RunnerReports:
             case TaskFinished() if (
                 self.state.task(report.task_id).cancel is ev.CancelOrigin.FENCED
             ):
+                await self._alone(tail)
                 self.desk.give_up(report.task_id)  # taken over elsewhere: nothing more is ours
             case TaskFinished() if self._preempted_unseen(report, runner_id):
+                await self._alone(tail)
                 self.desk.requeue(report.task_id)  # fleet.worker.preemption
             case TaskFinished() if self._cut_short(report):
+                await self._alone(tail)
                 self.desk.hand_back(report.task_id, Stage.STOPPED_MID_RUN)
             case TaskFinished():
                 report = self.images.final(report, runner_id)
                 if report.status == "failed" and report.reason and report.message:
+                    tail = await self._alone(tail)  # before the error event, as they came
                     await self._chunk(ErrorChunk(
                         task_id=report.task_id, at=report.at, reason=report.reason,
                         message=report.message,
                     ))
+                if tail:  # stored with the terminal, in one message (TaskOutput.finish)
+                    report = report.model_copy(update={"last_tokens": [
+                        decode_model(TokenChunk, frame.body) for frame in tail]})
                 self.desk.finish(report)  # whatever became of the chunk, the task ends
                 # Its runner's Ready may have been recorded while this terminal waited
                 # behind an image upload (still counting it): the record follows the end.
@@ -163,10 +186,20 @@ class RunnerReports:
                 if view and record and record.active_tasks != len(view.in_flight):
                     self.cluster.runner_status(view, view.status)
             case _:
-                if report.type != "task_accepted" and report.task_id in self._prefilling(runner_id):
-                    self.desk.apply(ev.FirstOutput(report.task_id, runner_id))  # once a task
-                    self.plan_due = True  # a task may wait for this prefill
+                self._first_output(runner_id, report)
                 await self._chunk(report)
+
+    def _first_output(self, runner_id: str, report: OutputEvent | TokenFrame) -> None:
+        if report.type != "task_accepted" and report.task_id in self._prefilling(runner_id):
+            self.desk.apply(ev.FirstOutput(report.task_id, runner_id))  # once a task
+            self.plan_due = True  # a task may wait for this prefill
+
+    async def _alone(self, tail: tuple[TokenFrame, ...]) -> tuple[TokenFrame, ...]:
+        """Send a terminal's tail as events of their own (it will not be stored inside the
+        terminal); returns the empty tail left."""
+        for frame in tail:
+            await self._chunk(frame)
+        return ()
 
     async def accepted(self, event: TaskAccepted) -> None:
         """Publish a task's accept (`accept_of`) before its runner can say anything of it."""

@@ -44,6 +44,7 @@ from fleet.wire.runners import RunnerFailed, RunnerShutdown, RunnerStatus
 from fleet.wire.token_frames import SpanFrame, TokenFrame, read_report
 from fleet.worker.inbox import Inbox, RunnerExited, RunnerReported
 from fleet.worker.standby import StandbyRunner
+from fleet.worker.tails import with_tails
 
 log = logging.getLogger(__name__)
 
@@ -220,15 +221,22 @@ class RunnerProcess:
         try:
             while data := await self._process.stdout.read(READ_BYTES):
                 pending += data
-                for body in take_frames(pending):
-                    report = read_report(body)  # a token event: its bytes, no model built
-                    if isinstance(report, SpanFrame):
-                        # Telemetry, no report: its spans join the worker's own, unparsed,
-                        # held with the task's trace (never queued for the worker's loop).
-                        telemetry.export_runner_spans(report.parts)
-                        continue
-                    self._observe(report)
-                    self._reports.put_nowait(RunnerReported(self.runner_id, report))
+                read: list[RunnerReport | TokenFrame] = []
+                try:
+                    for body in take_frames(pending):
+                        report = read_report(body)  # a token event: its bytes, no model built
+                        if isinstance(report, SpanFrame):
+                            # Telemetry, no report: its spans join the worker's own, unparsed,
+                            # held with the task's trace (never queued for the worker's loop).
+                            telemetry.export_runner_spans(report.parts)
+                            continue
+                        self._observe(report)
+                        read.append(report)
+                finally:  # what was read whole goes to the loop, even before a bad frame
+                    # A terminal takes its task's last token events of the same read along
+                    # (fleet.worker.tails): one message a task fewer on its stream.
+                    for report, tail in with_tails(read):
+                        self._reports.put_nowait(RunnerReported(self.runner_id, report, tail))
             check_ended(pending)
         except (FrameError, DecodeError) as exc:
             log.error("runner %s wrote an invalid frame (%s): killing it", self.runner_id, exc)

@@ -38,7 +38,7 @@ from fleet.bus.provision import provision
 from fleet.bus.retry import with_retry
 from fleet.errors import BrokerUnavailable
 from fleet.wire import subjects
-from fleet.wire.codec import decode_event
+from fleet.wire.codec import decode_event, decode_events
 from fleet.wire.events import (
     ErrorReason,
     OutputEvent,
@@ -73,7 +73,7 @@ async def stored_events(nc: Client, task_id: str, timeout: float = 10.0) -> list
     found: list[OutputEvent] = []
     try:
         while not found or not isinstance(found[-1], TaskFinished):
-            found.append(decode_event((await sub.next_msg(timeout=timeout)).data))
+            found.extend(decode_events((await sub.next_msg(timeout=timeout)).data))
     finally:
         await sub.unsubscribe()
     return found

@@ -25,7 +25,7 @@ from nats.js import api
 from fleet.bus.provision import provision
 from fleet.bus.retry import with_retry
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_event
+from fleet.wire.codec import DecodeError, decode_events
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.faults.servers import Broker, connect_client, replicas_of, until_jetstream
 from tests.faults.tally import FaultCounts, Stored, history, tally
@@ -226,11 +226,11 @@ class FaultRun:
                     task_id = msg.subject.rsplit(".", 1)[-1]
                     if task_id not in ours:
                         continue
-                    with contextlib.suppress(DecodeError):
-                        found.setdefault(task_id, []).append(Stored(
-                            decode_event(msg.data), msg.metadata.timestamp.timestamp(),
+                    with contextlib.suppress(DecodeError):  # a terminal: its last tokens too
+                        found.setdefault(task_id, []).extend(Stored(
+                            event, msg.metadata.timestamp.timestamp(),
                             msg.metadata.sequence.stream,
-                        ))
+                        ) for event in decode_events(msg.data))
         finally:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()

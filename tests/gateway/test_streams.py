@@ -135,3 +135,19 @@ async def test_a_client_that_gives_up_on_a_whole_answer_cancels_its_task(
             await waiting
     cancel = decode_model(CancelTask, (await cancels.next_msg(timeout=5)).data)
     assert cancel.task_id == task.task_id
+
+
+@pytest.mark.parametrize("after", [0, 1, 2, 3])
+async def test_a_terminal_carrying_its_last_tokens_reads_as_if_they_were_stored_alone(
+    client: httpx.AsyncClient, nc: Client, after: int
+) -> None:
+    accepted, *tokens, end = story("task-t", ["Par", "is", "!"])
+    await publish_events(nc, "task-t", [  # issue 23: one message for the last two and the end
+        accepted, tokens[0], end.model_copy(update={"last_tokens": tokens[1:]})])
+    await publish_events(nc, "task-s", story("task-s", ["Par", "is", "!"]))  # one by one
+    carried = await client.get(f"/v1/tasks/task-t/events?after={after}&format=native")
+    alone = await client.get(f"/v1/tasks/task-s/events?after={after}&format=native")
+    assert carried.status_code == alone.status_code == 200
+    assert carried.text == alone.text.replace("task-s", "task-t")  # ids, events, bytes
+    assert [event for event, _, _ in sse_events(carried.text)] == [
+        "task_accepted", "token", "token", "token", "task_finished"][after:]

@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 from fleet.placement import place
 from fleet.wire import subjects
 from fleet.wire.cluster import ModelCard, RunnerRecord
-from fleet.wire.codec import decode_event, decode_model
+from fleet.wire.codec import decode_events, decode_model
 from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
 from fleet.wire.tasks import Task
 from tests.integration.harness import events_of, submit
@@ -59,9 +59,9 @@ class Live:
     async def on_msg(self, msg: Msg) -> None:
         if msg.subject.endswith(".fence"):  # a takeover's fence (fleet.bus.task_log), no event
             return
-        event = decode_event(msg.data)
-        self.events.setdefault(event.task_id, []).append((time.monotonic(), event))
-        self.changed.set()
+        for event in decode_events(msg.data):  # a terminal may carry the last tokens
+            self.events.setdefault(event.task_id, []).append((time.monotonic(), event))
+            self.changed.set()
 
     async def until(self, check: Callable[[], Any], timeout: float) -> Any:
         deadline = time.monotonic() + timeout

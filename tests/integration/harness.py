@@ -26,7 +26,7 @@ from fleet.placement import place
 from fleet.runner.fault_engine import fault_card
 from fleet.wire import subjects
 from fleet.wire.cluster import ModelCard, RunnerRecord
-from fleet.wire.codec import decode_event, decode_model, encode
+from fleet.wire.codec import decode_events, decode_model, encode
 from fleet.wire.events import OutputEvent, TaskFinished
 from fleet.wire.tasks import ChatMessage, Task, TextGeneration
 
@@ -233,10 +233,10 @@ async def events_of(nc: Client, task_id: str, timeout: float = 120.0) -> list[Ou
     done = asyncio.Event()
 
     async def on_event(msg: Msg) -> None:
-        event = decode_event(msg.data)
-        found.append(event)
-        if isinstance(event, TaskFinished):
-            done.set()
+        for event in decode_events(msg.data):  # a terminal may carry the last tokens
+            found.append(event)
+            if isinstance(event, TaskFinished):
+                done.set()
 
     sub = await nc.jetstream().subscribe(
         subjects.out(task_id), stream=subjects.OUT_STREAM, ordered_consumer=True, cb=on_event

@@ -12,7 +12,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from fleet.wire import subjects
-from fleet.wire.codec import decode_event
+from fleet.wire.codec import decode_events
 from fleet.wire.events import OutputEvent, TaskAccepted, TokenChunk
 from fleet.wire.tasks import Task
 from tests.integration.conftest import WorkerFactory
@@ -63,7 +63,7 @@ async def kill_mid_task(
     reached = asyncio.Event()
 
     async def watch(msg: Msg) -> None:
-        if at(decode_event(msg.data)):
+        if any(at(event) for event in decode_events(msg.data)):  # the last may ride the end
             reached.set()
 
     watcher = await nc.subscribe(subjects.out(task.task_id), cb=watch)

@@ -20,7 +20,7 @@ from fleet.bus.connect import js_publish
 from fleet.bus.fairness import shares
 from fleet.bus.roles import FAIRNESS
 from fleet.wire import subjects
-from fleet.wire.codec import DecodeError, decode_event
+from fleet.wire.codec import DecodeError, decode_event, decode_events
 from fleet.wire.events import TaskAccepted, TaskFinished, TokenChunk, token_indexes
 from fleet.wire.fairness import TenantShare
 from fleet.wire.tasks import ChatMessage, TextGeneration
@@ -173,9 +173,9 @@ async def test_a_lane_task_whose_worker_dies_mid_answer_is_continued_and_charged
     reached = asyncio.Event()
 
     async def watch(msg: Msg) -> None:
-        event = decode_event(msg.data)
-        if isinstance(event, TokenChunk) and event.next_index > 3:
-            reached.set()
+        for event in decode_events(msg.data):  # a terminal may carry the last tokens
+            if isinstance(event, TokenChunk) and event.next_index > 3:
+                reached.set()
 
     watcher = await nc.subscribe(subjects.out(task.task_id), cb=watch)
     collector = asyncio.create_task(events_of(nc, task.task_id))

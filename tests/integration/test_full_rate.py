@@ -22,7 +22,7 @@ from bench.fleet_stack import FleetStack
 from bench.plumbing_rate import MODEL, seed_fault_card
 from fleet.bus.connect import js_publish
 from fleet.wire import subjects
-from fleet.wire.codec import decode_event
+from fleet.wire.codec import decode_events
 from fleet.wire.events import OutputEvent, TaskFinished, TokenChunk, token_indexes
 from fleet.wire.tasks import ChatMessage, TextGeneration
 
@@ -70,10 +70,10 @@ async def _nats_task(stack: FleetStack) -> list[OutputEvent]:
     done = asyncio.Event()
 
     async def on_event(msg: Msg) -> None:
-        event = decode_event(msg.data)
-        events.append(event)
-        if isinstance(event, TaskFinished):
-            done.set()
+        for event in decode_events(msg.data):  # a terminal may carry the last tokens
+            events.append(event)
+            if isinstance(event, TaskFinished):
+                done.set()
 
     sub = await stack.nc.subscribe(subjects.out(task_id), cb=on_event)
     try:

@@ -26,7 +26,7 @@ from fleet.models.catalog import get_card
 from fleet.placement import place
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo, RunnerRecord
-from fleet.wire.codec import decode_event, decode_model
+from fleet.wire.codec import decode_events, decode_model
 from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk, token_indexes
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
@@ -74,7 +74,8 @@ async def test_a_rank_killed_moves_to_a_spare_and_the_group_serves_again_at_once
     arrived = asyncio.Event()
 
     async def on_event(msg: Msg) -> None:
-        got.append((time.monotonic(), decode_event(msg.data)))
+        now = time.monotonic()
+        got.extend((now, event) for event in decode_events(msg.data))
         arrived.set()
 
     await nc.subscribe(subjects.out(task.task_id), cb=on_event)
@@ -198,7 +199,7 @@ async def test_the_survivor_of_a_dead_peer_restarts_only_into_the_moved_group(
     arrived = asyncio.Event()
 
     async def on_event(msg: Msg) -> None:
-        got.append(decode_event(msg.data))
+        got.extend(decode_events(msg.data))  # a terminal may carry the last tokens
         arrived.set()
 
     await nc.subscribe(subjects.out(task.task_id), cb=on_event)

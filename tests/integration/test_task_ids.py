@@ -17,7 +17,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from fleet.wire import subjects
-from fleet.wire.codec import decode_event, decode_model
+from fleet.wire.codec import decode_event, decode_events, decode_model
 from fleet.wire.events import ErrorReason, OutputEvent, TaskAccepted, TaskRefused, TokenChunk
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
@@ -85,7 +85,7 @@ async def stored_events(nc: Client, task_id: str) -> list[OutputEvent]:
             except TimeoutError:
                 return found
             for msg in msgs:
-                found.append(decode_event(msg.data))
+                found.extend(decode_events(msg.data))  # a terminal may carry the last tokens
                 await msg.ack()
     finally:
         await sub.unsubscribe()

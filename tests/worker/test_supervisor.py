@@ -70,11 +70,16 @@ class Runner:
     async def until(self, done: Callable[[Any], bool]) -> list[Any]:
         """Reports up to and including the first one for which `done` holds."""
         got: list[Any] = []
+        pending: list[Any] = []
         while True:
-            item = await asyncio.wait_for(self._reports.get(), WAIT_S)
-            assert item.runner_id == "run-1"
-            report = item.report if isinstance(item, RunnerReported) else item
-            if isinstance(item, RunnerReported):
+            if not pending:
+                item = await asyncio.wait_for(self._reports.get(), WAIT_S)
+                assert item.runner_id == "run-1"
+                # A terminal's tail (token events read with it, fleet.worker.tails) first.
+                pending = ([*item.tail, item.report] if isinstance(item, RunnerReported)
+                           else [item])
+            report = pending.pop(0)
+            if not isinstance(report, RunnerExited):
                 frame = report.body if isinstance(report, TokenFrame) else None
                 if frame is not None:  # a token event reaches the worker as its bytes
                     report = decode_report(frame)
