@@ -118,8 +118,10 @@ def run_main(main: Callable[[Exit], Coroutine[Any, Any, int | None]],
              grace_s: float = STOP_GRACE_S) -> NoReturn:
     """Run `main(exit)` on a fresh event loop with signals installed, then leave the process
     with its status. Errors are reported like `fleet` reports them."""
+    from fleet import gc_policy
     from fleet.errors import FleetError
 
+    gc_policy.serving_thresholds()
     exit_ = Exit(grace_s)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)

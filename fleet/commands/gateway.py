@@ -47,14 +47,25 @@ async def serve(
 
 
 async def run_gateway(settings: Settings, listen_fd: int | None = None) -> None:
+    from fleet import gc_policy
+    from fleet.aio import started
     from fleet.proc import Exit
 
+    gc_policy.serving_thresholds()
     # `fleet up` (split) hands its child the socket it bound: fleet/commands/up_gateway.py.
     sock = socket.socket(fileno=listen_fd) if listen_fd is not None else None
-    serving = asyncio.ensure_future(serve(settings, sock=sock))
+    ready = asyncio.Event()
+    serving = asyncio.ensure_future(serve(settings, ready, sock=sock))
     # The first SIGINT/SIGTERM stops it gracefully; a second one, or the deadline, ends it.
     Exit().install().on_stop(serving.cancel)
     with contextlib.suppress(asyncio.CancelledError):
+        waiting = started(ready.wait(), "gateway ready")
+        try:
+            await asyncio.wait({serving, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+        if ready.is_set():
+            gc_policy.freeze_startup()  # the app is built and serves
         await serving
 
 

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from fleet import gc_policy
 from fleet.aio import log_failure
 from fleet.bus.auth_gen import as_role, ensure_auth
 from fleet.bus.connect import connect_with, redact_urls
@@ -107,6 +108,7 @@ async def _worker_news(worker: Worker) -> None:
     """A standalone worker's console says what `fleet up`'s does of its runners: fetches
     and ready (or failed) runners, this node's only."""
     await worker.ready.wait()
+    gc_policy.freeze_startup()  # the worker's startup is done: out of every later collection
     await announce_own_runners(lambda: worker.cluster.records.values())
 
 
@@ -341,6 +343,7 @@ async def run_up(
     exit_ = exit_ or Exit().install()
     try:
         async with stack(settings, models, exit_, fresh) as running:
+            gc_policy.freeze_startup()  # worker and gateway serve: out of later collections
             print(started_text(running), file=sys.stderr, flush=True)
             news = asyncio.create_task(announce_runners(running), name="fleet-up-runners")
             news.add_done_callback(_log_failure)
