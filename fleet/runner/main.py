@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from fleet import gc_policy
 from fleet.models.blas import set_openblas_threads
 from fleet.runner.coalesce import TokenCoalescer, Written
 from fleet.runner.engine import Engine, EngineConfig, GroupLost, Wakeable
@@ -185,6 +186,7 @@ def serve(
     `observe` sees each command just before the machine does (spans start there);
     `stepped` gets each engine step's duration (the token coalescer's clock); `passed` ends
     each pass (a batch of commands, a step): what it reported leaves together then."""
+    loaded = False
     while not machine.done:
         for item in _next_batch(inbox, wait=not machine.busy):
             if isinstance(item, PipeBroken):
@@ -195,6 +197,9 @@ def serve(
             if machine.done:
                 break
         passed()
+        if not loaded and isinstance(machine.state, RunnerReady):
+            loaded = True
+            gc_policy.freeze_startup()  # the model is loaded: out of every later collection
         if machine.busy and not machine.done:
             began = time.perf_counter()
             machine.step()
@@ -406,4 +411,5 @@ def run_standby() -> int:
 
 
 if __name__ == "__main__":
+    gc_policy.serving_thresholds()
     exit_runner(run_standby() if sys.argv[1] == STANDBY else run_runner(sys.argv[1]))
