@@ -55,13 +55,19 @@ class Rank:
     async def next(self) -> Any:
         item = await asyncio.wait_for(self.reports.get(), WAIT_S)
         report = item.report if isinstance(item, RunnerReported) else item
+        if isinstance(item, RunnerReported):  # a terminal's last token events, read with it
+            for frame in item.tail:
+                self._tokens_of(decode_report(frame.body))
         if isinstance(report, TokenFrame):  # a token event reaches the worker as its bytes
             report = decode_report(report.body)
-        if isinstance(report, TokenChunk):  # an event may carry several tokens
-            self.tokens.setdefault(report.task_id, []).extend(report.ids)
+        self._tokens_of(report)
         if isinstance(report, TaskFinished):
             self.finished[report.task_id] = report
         return report
+
+    def _tokens_of(self, report: Any) -> None:
+        if isinstance(report, TokenChunk):  # an event may carry several tokens
+            self.tokens.setdefault(report.task_id, []).extend(report.ids)
 
     async def until_state(self, *states: str) -> Any:
         while True:
