@@ -12,7 +12,8 @@ fails when the key exists). The value is the owner: the message's FLEET_TASKS st
     fresh    none                   go on: this message owns the id now
     fresh    some                   refused, task_id_used (an old id whose claim expired);
                                     the claim is marked used, so no message owns it
-    own      (any)                  go on: a redelivery of the owner (redelivery rules apply)
+    own      (any)                  go on: a redelivery of the owner (redelivery rules apply,
+                                    even at a delivery count of 1: fleet.worker.takeover)
     taken    (any)                  refused, task_id_taken
 
 A refused message writes nothing on `fleet.out.<id>`; its publisher learns why from a
@@ -214,7 +215,12 @@ class Claims:
         return await self.has_events(task_id)
 
     async def admit(self, task_id: str, owner: str) -> RefusedReason | None:
-        """Claim `task_id` for `owner`; None when it may write on `fleet.out.<task_id>`.
+        """Claim `task_id` for `owner`; None when it may write on `fleet.out.<task_id>`."""
+        return (await self.admit_claim(task_id, owner))[1]
+
+    async def admit_claim(self, task_id: str, owner: str) -> tuple[Claim, RefusedReason | None]:
+        """`admit`, with the claim it found: OWN says an earlier delivery of this very message
+        claimed the id, whatever the delivery count says (fleet.worker.intake).
 
         The events look-up goes out beside the claim's create, not after it: they are two
         round trips on every task's way to its runner (issue 23), and the look-up's answer
@@ -230,7 +236,7 @@ class Claims:
                 earlier = claim is Claim.FRESH and await self._has_events(task_id, sent)
             finally:  # a look-up whose answer does not count is left unread
                 pipelined_for(self.nc).forget(sent.lookup)
-            return await self._verdict(task_id, owner, claim, earlier)
+            return claim, await self._verdict(task_id, owner, claim, earlier)
         # Owned here, its failure logged by `started` (and raised below when it counts).
         events = started(self._has_events(task_id, None), f"events look-up of {task_id}")
         try:
@@ -238,7 +244,7 @@ class Claims:
             earlier = claim is Claim.FRESH and await events
         finally:  # a look-up not needed (or left by a failed claim) is ended
             await cancel_and_wait([events])
-        return await self._verdict(task_id, owner, claim, earlier)
+        return claim, await self._verdict(task_id, owner, claim, earlier)
 
     async def _verdict(self, task_id: str, owner: str, claim: Claim,
                        earlier: bool) -> RefusedReason | None:

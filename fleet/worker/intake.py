@@ -37,7 +37,7 @@ from fleet.wire.events import (
 )
 from fleet.wire.tasks import Task, is_past
 from fleet.worker.acks import Stage
-from fleet.worker.claims import AHEAD_KEPT, Claims, owner_of
+from fleet.worker.claims import AHEAD_KEPT, Claim, Claims, owner_of
 from fleet.worker.cluster import ClusterLink
 from fleet.worker.continuation import (
     ContinuationBook,
@@ -137,11 +137,19 @@ class Intake:
             return await self._invalid(
                 msg, task.task_id, f"task names model {task.model!r} but was sent to {msg.subject}"
             )
-        if refused := await self._claim(msg, task.task_id):
-            return refused
-        if (passed := await self._pass_to_holder(msg, task.task_id, delivery, handed_in)):
+        claim = await self._claim(msg, task.task_id)
+        if isinstance(claim, Settled):
+            return claim
+        # An earlier delivery of this message claimed the id: delivered again, whatever the
+        # count says (a server restarted on its store: fleet.worker.takeover.takes_fence).
+        before = claim is Claim.OWN
+        if before and delivery <= 1 and not handed_in:
+            log.warning("task %s: a first delivery of a message that claimed it before (its "
+                        "server forgot a delivery): handled as a redelivery", task.task_id)
+        if (passed := await self._pass_to_holder(msg, task.task_id, delivery, handed_in,
+                                                 before)):
             return passed
-        if takes_over := takes_fence(delivery, handed_in=handed_in):
+        if takes_over := takes_fence(delivery, handed_in=handed_in, claimed_before=before):
             # Before anything is read back or written: from here on an earlier holder that
             # was only paused can store nothing more on this task (fleet.worker.takeover).
             try:
@@ -183,11 +191,13 @@ class Intake:
             self.claims = await Claims.open(self.output.nc, self.js)
         return self.claims
 
-    async def _claim(self, msg: Msg, task_id: str) -> Settled | None:
-        """None when this message owns `task_id`; else it is refused, and termed."""
+    async def _claim(self, msg: Msg, task_id: str) -> Settled | Claim:
+        """The claim when this message owns `task_id` (FRESH, or OWN: claimed by an earlier
+        delivery of it); else it is refused, and termed."""
         claims = await self._claims()
-        if (reason := await claims.admit(task_id, owner_of(msg))) is None:
-            return None
+        claim, reason = await claims.admit_claim(task_id, owner_of(msg))
+        if reason is None:
+            return claim
         model = subjects.model_of_task_subject(msg.subject)
         await claims.refuse(msg, model, task_id, reason)
         return Settled(None, reason, Stage.INVALID)
@@ -199,7 +209,7 @@ class Intake:
             model = subjects.model_of_task_subject(msg.subject)
             await claims.refuse(msg, model, sent_task_id(msg.data), "invalid_task_id", message)
             return Settled(None, "invalid_task", Stage.INVALID)
-        if refused := await self._claim(msg, task_id):
+        if isinstance(refused := await self._claim(msg, task_id), Settled):
             return refused
         await self.output.fail(task_id, ErrorReason.INVALID_TASK, message)
         return Settled(task_id, "invalid_task", Stage.INVALID)  # poison: never redeliver
@@ -210,18 +220,19 @@ class Intake:
         return Settled(task_id, reason.value)
 
     async def _pass_to_holder(
-        self, msg: Msg, task_id: str, delivery: int, handed_in: bool
+        self, msg: Msg, task_id: str, delivery: int, handed_in: bool, claimed_before: bool
     ) -> Settled | None:
         """A redelivery of a task another node took: passed to that node when it answers
         alive (it still holds the message and keeps it, renewed: fleet.worker.takeover);
         None to take it over here (the holder is dead, silent, or declined it)."""
-        if handed_in or not takes_fence(delivery):  # read nothing for the first delivery
-            return None
+        if handed_in or not takes_fence(delivery, claimed_before=claimed_before):
+            return None  # read nothing for the first delivery
         node_id = self.cluster.node_id
         log_ = TaskLog.of(self.js)
         _, fence = await log_.last_fence(task_id)
         accepted = None if fence is not None else await _first_accept(log_, task_id)
-        holder = holder_to_ask(delivery, node_id, holder_of(fence, accepted))
+        holder = holder_to_ask(delivery, node_id, holder_of(fence, accepted),
+                               claimed_before=claimed_before)
         if holder is None:
             return None
         probed = await probe(self.output.nc, holder)

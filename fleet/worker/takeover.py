@@ -11,12 +11,13 @@ who is dead:
 - Every event a worker writes on `fleet.out.<task_id>` carries
   `Nats-Expected-Last-Subject-Sequence: <fence>` for the subject `fleet.out.<task_id>.fence`
   (`fence_headers`). The first attempt's fence is 0: "no takeover yet".
-- A worker that receives a task message again (delivery > 1, or handed in by another node,
-  `takes_fence`) first writes a TaskFence on that subject, compare-and-set on the last one it
-  read (`take_fence`), and only then reads back what was stored and writes anything. From
-  the fence's sequence on, the stream refuses every event of an older attempt (JetStream
-  error 10071, wrong last sequence): what the new attempt read back is exactly what the old
-  one got stored, so the stored stream has no gap and no duplicate.
+- A worker that receives a task message again (delivery > 1, handed in by another node, or
+  a first delivery whose task-id claim was already its own, `takes_fence`) first writes a
+  TaskFence on that subject, compare-and-set on the last one it read (`take_fence`), and
+  only then reads back what was stored and writes anything. From the fence's sequence on,
+  the stream refuses every event of an older attempt (JetStream error 10071, wrong last
+  sequence): what the new attempt read back is exactly what the old one got stored, so the
+  stored stream has no gap and no duplicate.
 - A worker whose write is refused that way has lost the task: it gives it up (`fenced_fate`)
   without a terminal and without a JetStream verb (the message belongs to the new holder).
 
@@ -88,12 +89,21 @@ def may_take_over(
     return False
 
 
-def takes_fence(delivery: int, *, handed_in: bool = False) -> bool:
+def takes_fence(delivery: int, *, handed_in: bool = False, claimed_before: bool = False) -> bool:
     """Pure. Who must take a task over before writing: a message delivered again (its earlier
     holder stopped beating, or gave it back, and may still be alive), or handed in by another
     node (whose runner may have streamed part of it before it crashed there). A first
-    delivery taken from the stream writes under fence 0, which any takeover refuses."""
-    return delivery > 1 or handed_in
+    delivery taken from the stream writes under fence 0, which any takeover refuses.
+
+    `claimed_before`: the task id's claim was already this message's (fleet.worker.claims,
+    OWN), so an earlier delivery of it reached a worker although the count says 1: a server
+    killed and restarted on its store forgets its consumers' last deliveries (their state
+    is written behind the messages) and delivers a held message again as a first delivery.
+    On another node than its holder's that ran the task twice, both under fence 0 and the
+    same Msg-Ids: the copies JetStream did not dedupe (tokens batched otherwise) were stored
+    twice (CI, the full-rate restart fault test). A create retried after a lost answer also
+    finds its own claim: then nobody holds it and the fence costs one write."""
+    return delivery > 1 or handed_in or claimed_before
 
 
 def holder_of(fence: TaskFence | None, accepted: TaskAccepted | None) -> str | None:
@@ -106,11 +116,14 @@ def holder_of(fence: TaskFence | None, accepted: TaskAccepted | None) -> str | N
 
 
 def holder_to_ask(delivery: int, node_id: str, holder: str | None, *,
-                  handed_in: bool = False) -> str | None:
+                  handed_in: bool = False, claimed_before: bool = False) -> str | None:
     """Pure. The other node to probe before this delivery takes the task over: only for a
     redelivery pulled from the stream (a hand-in was given up by its sender) of a task
-    another node took; None: take it over at once."""
-    if handed_in or delivery <= 1 or holder is None or holder == node_id:
+    another node took, a first delivery whose claim was already its own included
+    (`takes_fence`); None: take it over at once."""
+    if handed_in or not takes_fence(delivery, claimed_before=claimed_before):
+        return None
+    if holder is None or holder == node_id:
         return None
     return holder
 

@@ -16,6 +16,7 @@ import os
 import signal
 import time
 
+from fleet.bus.provision import ensure_task_consumer
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo
 from fleet.wire.codec import decode_model
@@ -136,3 +137,56 @@ async def test_a_redelivery_of_a_task_whose_holder_lives_is_passed_back_to_it(
 
 def finished_of_live(live: Live, task_id: str) -> bool:
     return any(isinstance(e, TaskFinished) for _, e in live.events.get(task_id, []))
+
+
+async def test_a_held_task_delivered_again_as_a_first_delivery_runs_once(
+    nats_url: str, start_worker: WorkerFactory
+) -> None:
+    """A nats-server killed and restarted on its store forgets its consumers' last deliveries
+    (their state is written behind the messages) and delivers a held message again with a
+    delivery count of 1: in CI (the full-rate restart fault test) another worker then ran the
+    task a second time under the same Msg-Ids, and the token events it batched otherwise were
+    stored twice. Deleting and recreating the durable here stands in for that restart: the
+    other worker gets the held message as a first delivery, finds that the message claimed
+    the id before (fleet.worker.claims, OWN) and passes it to the holder, which lives. One
+    attempt, nothing published by the other worker, whole answer."""
+    nc = await client(nats_url)
+    env = {**DEATH_WATCH_ENV}  # AckWait 300 s: nothing but the new durable delivers it again
+    holder, other = start_worker("a", **env), start_worker("b", **env)
+    card, _ = add_fault_card(holder.data_dir), add_fault_card(other.data_dir)
+    holder_node = await wait_node(nc, holder.data_dir)
+    other_node = await wait_node(nc, other.data_dir)
+    await place_on(nc, card, holder_node, slots=1)  # full while it runs: it pulls no more
+    live = Live()
+    await nc.subscribe("fleet.out.*", cb=live.on_msg)  # core: sees deduped publishes too
+    task = TextGeneration(
+        task_id="forgotten", model="fault-llm", max_tokens=1000,
+        messages=[ChatMessage(role="user", content=f"tokens:{LONG_TOKENS} delay_ms:100")],
+    )
+    await submit(nc, task)
+    await live.until(lambda: live.tokens(task.task_id) >= 3, 60)
+    await place_on(nc, card, other_node)  # only now: the task can only have gone to a
+    js = nc.jetstream()
+    durable = subjects.durable("fault-llm")
+    await js.delete_consumer(subjects.TASKS_STREAM, durable)
+    await ensure_task_consumer(nc, "fault-llm", ack_wait_s=300.0)
+
+    def accepted_by(node: str) -> bool:
+        return any(isinstance(e, TaskAccepted) and e.node_id == node
+                   for _, e in live.events.get(task.task_id, []))
+
+    # Either way within seconds: passed back, or (the bug) accepted and run on b as well.
+    await live.until(lambda: "passed to it, not run twice" in other.log()
+                     or accepted_by(other_node), 60)
+    assert not accepted_by(other_node), "b ran the task a second time"
+    assert "handled as a redelivery" in other.log()
+    await live.until(lambda: finished_of_live(live, task.task_id), 120)
+    stored = await events_of(nc, task.task_id)
+    indexes = token_indexes([e for e in stored if isinstance(e, TokenChunk)])
+    assert indexes == list(range(LONG_TOKENS)), "a gap or a duplicate in the stored stream"
+    assert finished_of(stored).status == "completed"
+    accepted = [e for e in stored if isinstance(e, TaskAccepted)]
+    assert [(e.attempt, e.node_id) for e in accepted] == [(0, holder_node)]
+    assert not accepted_by(other_node)
+    assert "redelivered while it is held here: kept, not run twice" in holder.log()
+    await nc.close()

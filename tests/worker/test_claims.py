@@ -120,6 +120,20 @@ async def test_a_purged_claim_is_claimed_afresh_by_the_retried_create(
     assert await claims.claim("p-1", "5") is Claim.TAKEN
 
 
+async def test_admit_says_when_an_earlier_delivery_of_the_message_claimed_the_id(
+    provisioned_nc: Client,
+) -> None:
+    """The intake reads OWN as "delivered before", whatever the delivery count says
+    (fleet.worker.takeover.takes_fence): sent ahead or not, FRESH the first time only."""
+    claims = await Claims.open(provisioned_nc, provisioned_nc.jetstream())
+    await claims.ahead("o-1", "7")
+    assert await claims.admit_claim("o-1", "7") == (Claim.FRESH, None)
+    assert await claims.admit_claim("o-1", "7") == (Claim.OWN, None)
+    await claims.ahead("o-1", "7")
+    assert await claims.admit_claim("o-1", "7") == (Claim.OWN, None)
+    assert await claims.admit_claim("o-1", "8") == (Claim.TAKEN, "task_id_taken")
+
+
 async def test_concurrent_claims_have_exactly_one_winner(provisioned_nc: Client) -> None:
     claims = await Claims.open(provisioned_nc, provisioned_nc.jetstream())
     results = await asyncio.gather(*(claims.claim("race", str(n)) for n in range(20)))

@@ -33,14 +33,20 @@ from fleet.worker.takeover import (
 )
 
 
-@pytest.mark.parametrize(("delivery", "handed_in", "takes"), [
-    (1, False, False),  # a first delivery writes under fence 0, which any takeover refuses
-    (2, False, True),  # its holder stopped beating (dead or paused) or gave it back
-    (5, False, True),
-    (1, True, True),  # handed on by a node whose runner may have streamed part of it
+@pytest.mark.parametrize(("delivery", "handed_in", "claimed_before", "takes"), [
+    (1, False, False, False),  # a first delivery writes under fence 0: takeovers refuse that
+    (2, False, False, True),  # its holder stopped beating (dead or paused) or gave it back
+    (5, False, False, True),
+    (1, True, False, True),  # handed on by a node whose runner may have streamed part of it
+    # Its claim was this message's already: delivered before, whatever the count says (a
+    # server restarted on its store forgot the delivery), or its create's answer was lost.
+    (1, False, True, True),
+    (2, False, True, True),
 ])
-def test_who_takes_a_task_over(delivery: int, handed_in: bool, takes: bool) -> None:
-    assert takes_fence(delivery, handed_in=handed_in) is takes
+def test_who_takes_a_task_over(
+    delivery: int, handed_in: bool, claimed_before: bool, takes: bool
+) -> None:
+    assert takes_fence(delivery, handed_in=handed_in, claimed_before=claimed_before) is takes
 
 
 def fence(delivery: int, node: str = "b") -> TaskFence:
@@ -63,18 +69,26 @@ def test_who_holds_a_task(
     assert holder_of(last, first_accept) == holder
 
 
-@pytest.mark.parametrize(("delivery", "holder", "handed_in", "asked"), [
-    (2, "a", False, "a"),  # a redelivery of a task node a took: ask a first
-    (5, "a", False, "a"),
-    (1, "a", False, None),  # a first delivery takes nothing over
-    (2, "b", False, None),  # this node's own earlier attempt: it holds it no more
-    (2, None, False, None),  # nobody known to hold it
-    (2, "a", True, None),  # handed in: its sender gave it up to this node
+@pytest.mark.parametrize(("delivery", "holder", "handed_in", "claimed_before", "asked"), [
+    (2, "a", False, False, "a"),  # a redelivery of a task node a took: ask a first
+    (5, "a", False, False, "a"),
+    (1, "a", False, False, None),  # a first delivery takes nothing over
+    (2, "b", False, False, None),  # this node's own earlier attempt: it holds it no more
+    (2, None, False, False, None),  # nobody known to hold it
+    (2, "a", True, False, None),  # handed in: its sender gave it up to this node
+    # A first delivery of a message that claimed the id before: node a took it earlier (a
+    # server restarted on its store delivered it again as a first delivery): ask a first.
+    (1, "a", False, True, "a"),
+    (1, None, False, True, None),  # its own create's answer was lost: nobody holds it
+    (1, "b", False, True, None),
+    (1, "a", True, True, None),
 ])
 def test_whom_a_redelivery_asks_first(
-    delivery: int, holder: str | None, handed_in: bool, asked: str | None
+    delivery: int, holder: str | None, handed_in: bool, claimed_before: bool,
+    asked: str | None,
 ) -> None:
-    assert holder_to_ask(delivery, "b", holder, handed_in=handed_in) == asked
+    assert holder_to_ask(delivery, "b", holder, handed_in=handed_in,
+                         claimed_before=claimed_before) == asked
 
 
 @pytest.mark.parametrize(("probe", "fate"), [
