@@ -16,6 +16,8 @@ import os
 import signal
 import time
 
+from nats.aio.client import Client
+
 from fleet.bus.provision import ensure_task_consumer
 from fleet.wire import subjects
 from fleet.wire.cluster import NodeInfo
@@ -125,14 +127,19 @@ async def test_a_redelivery_of_a_task_whose_holder_lives_is_passed_back_to_it(
         assert time.monotonic() < deadline, other.log()[-3000:]
         await asyncio.sleep(0.2)  # polling a log file: there is no event to wait on
     await live.until(lambda: finished_of_live(live, task.task_id), 120)
-    stored = await events_of(nc, task.task_id)
+    await assert_run_once_by(nc, task.task_id, holder_node)
+    assert "redelivered while it is held here: kept, not run twice" in holder.log()
+    await nc.close()
+
+
+async def assert_run_once_by(nc: Client, task_id: str, holder_node: str) -> None:
+    """The stored stream is whole, completed, and accepted once: by its holder, attempt 0."""
+    stored = await events_of(nc, task_id)
     indexes = token_indexes([e for e in stored if isinstance(e, TokenChunk)])
     assert indexes == list(range(LONG_TOKENS)), "a gap or a duplicate in the stored stream"
     assert finished_of(stored).status == "completed"
     accepted = [e for e in stored if isinstance(e, TaskAccepted)]
     assert [(e.attempt, e.node_id) for e in accepted] == [(0, holder_node)]
-    assert "redelivered while it is held here: kept, not run twice" in holder.log()
-    await nc.close()
 
 
 def finished_of_live(live: Live, task_id: str) -> bool:
@@ -181,12 +188,7 @@ async def test_a_held_task_delivered_again_as_a_first_delivery_runs_once(
     assert not accepted_by(other_node), "b ran the task a second time"
     assert "handled as a redelivery" in other.log()
     await live.until(lambda: finished_of_live(live, task.task_id), 120)
-    stored = await events_of(nc, task.task_id)
-    indexes = token_indexes([e for e in stored if isinstance(e, TokenChunk)])
-    assert indexes == list(range(LONG_TOKENS)), "a gap or a duplicate in the stored stream"
-    assert finished_of(stored).status == "completed"
-    accepted = [e for e in stored if isinstance(e, TaskAccepted)]
-    assert [(e.attempt, e.node_id) for e in accepted] == [(0, holder_node)]
+    await assert_run_once_by(nc, task.task_id, holder_node)
     assert not accepted_by(other_node)
     assert "redelivered while it is held here: kept, not run twice" in holder.log()
     await nc.close()
