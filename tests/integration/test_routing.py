@@ -65,6 +65,20 @@ def turn(conversation: int, messages: list[ChatMessage], n: int) -> TextGenerati
     )
 
 
+def hot_turn(conversation: int, system: str) -> TextGeneration:
+    """A first turn under a shared system prompt that keeps its slot a while: a spread test's
+    tasks must fill both runners' slots, so that which runner takes the next one is decided by
+    its free slot and the prefix it holds. Four-token answers ran the 32 tasks in half a
+    second, and beside a CPU hog the spread was which runner process the scheduler ran in that
+    half second (25/7 once; no routing decision among them was wrong)."""
+    return TextGeneration(
+        task_id=f"conv{conversation}-turn1", model="tiny-llm", max_tokens=160, temperature=0.0,
+        logit_bias={t: -100.0 for t in range(3)},  # no early end-of-sequence
+        messages=[ChatMessage(role="system", content=system),
+                  ChatMessage(role="user", content=f"question {conversation}")],
+    )
+
+
 async def test_a_returning_conversation_lands_where_it_was_served(
     nats_url: str, start_worker: WorkerFactory,
 ) -> None:
@@ -158,11 +172,7 @@ async def test_one_hot_prefix_spreads_over_both_runners(
     worker = start_worker("w1")
     nc = await client(nats_url)
     runners = await ready_runners(nc, await wait_node(nc, worker.data_dir), 2)
-    tasks = [
-        turn(i, [ChatMessage(role="system", content=SYSTEMS[0]),
-                 ChatMessage(role="user", content=f"question {i}")], 1)
-        for i in range(32)
-    ]
+    tasks = [hot_turn(i, SYSTEMS[0]) for i in range(32)]
     results = [finished(e) for e in await asyncio.gather(*(run_task(nc, t) for t in tasks))]
     assert all(r.status == "completed" for r in results)
     spread = Counter(r.runner_id for r in results)
@@ -334,11 +344,7 @@ async def test_one_hot_prefix_spreads_over_runners_on_two_nodes(
     nats_url: str, start_worker: WorkerFactory,
 ) -> None:
     nc, _, runners = await two_nodes(nats_url, start_worker, slots=4)
-    tasks = [
-        turn(i, [ChatMessage(role="system", content=SYSTEMS[0] * 2),
-                 ChatMessage(role="user", content=f"question {i}")], 1)
-        for i in range(32)
-    ]
+    tasks = [hot_turn(i, SYSTEMS[0] * 2) for i in range(32)]
     results = [finished(e) for e in await asyncio.gather(*(run_task(nc, t) for t in tasks))]
     assert all(r.status == "completed" for r in results)
     spread = Counter(r.runner_id for r in results)
