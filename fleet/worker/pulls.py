@@ -376,8 +376,9 @@ class TaskPuller:
             self._arrive(key[0])  # a wait on it ends: its class is pulled again
         for msg in self.strays.pop(key, []):
             self.given_back += 1
-            log.info("a %s task of %s reached a wait this worker had left and no pull of its "
-                     "class came: given back", key[1], key[0])
+            log.info("a %s task of %s (%s) reached a wait this worker had left and no pull of "
+                     "its class came: given back", key[1], key[0],
+                     (msg.headers or {}).get("Nats-Msg-Id", "no id"))
             with contextlib.suppress(Exception):  # shielded: settled even if cancelled now
                 await asyncio.shield(msg.nak())
 

@@ -19,7 +19,7 @@ from fleet.wire.cluster import ModelCard, RunnerRecord
 from fleet.wire.codec import decode_events, decode_model
 from fleet.wire.events import OutputEvent, TaskAccepted, TaskFinished, TokenChunk
 from fleet.wire.tasks import Task
-from tests.integration.harness import events_of, submit
+from tests.integration.harness import WorkerProcess, events_of, submit
 
 ENV = {"FLEET_ACK_WAIT_S": "2", "OPENBLAS_NUM_THREADS": "1"}
 NO_EOS = {2: -100.0}  # tiny-llm's <|im_end|>: random weights would otherwise stop early
@@ -162,3 +162,15 @@ async def run_whole(nc: Client, task: Task) -> list[OutputEvent]:
     collector = asyncio.create_task(events_of(nc, task.task_id))
     await submit(nc, task)
     return await collector
+
+
+def assert_came_back_here(accepted: list[TaskAccepted], worker: WorkerProcess) -> None:
+    """A task its worker gave back when its runner died (no other runner of the model ready
+    on the node) and that came back to that worker, with no other worker to take it: its next
+    delivery, or the one after when the worker's own pull request, still open on the server,
+    caught it while the runner restarted and the request ran out first (fleet.worker.pulls
+    gives such a task back, and logs it by id: each such give-back is one delivery more)."""
+    task_id = accepted[0].task_id
+    lingered = worker.log().count(f"({task_id}) reached a wait this worker had left")
+    assert accepted[1].delivery == accepted[0].delivery + 1 + lingered, (accepted, lingered)
+    assert accepted[1].moved_from == accepted[0].node_id == accepted[1].node_id
