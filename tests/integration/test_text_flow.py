@@ -203,6 +203,9 @@ async def test_unknown_model_ends_model_not_found(
     await nc.close()
 
 
+PUBLISH_TIMEOUT_S = 30.0
+
+
 @pytest.mark.parametrize("count", [50])
 async def test_malformed_messages_are_answered_and_the_worker_keeps_serving(
     warm_tiny_llm: WarmStack, count: int
@@ -211,13 +214,16 @@ async def test_malformed_messages_are_answered_and_the_worker_keeps_serving(
     js = nc.jetstream()
     bad_ids = [f"bad-{i}" for i in range(count // 2)]
     collectors = [asyncio.create_task(events_of(nc, task_id)) for task_id in bad_ids]
+    # Each publish waits for its store's ack: nats-py's 5 s default ran out once in a loaded
+    # CI run (load ~16, a CPU hog beside it); the publishes are the setup, not what is tested.
     for i, task_id in enumerate(bad_ids):  # schema violations with a readable id
         await js.publish("fleet.tasks.tiny-llm", json.dumps(
             {"type": "text_generation", "task_id": task_id, "model": "tiny-llm",
              "messages": [{"role": "user", "content": "x"}], "max_tokens": -i - 1}
-        ).encode())
+        ).encode(), timeout=PUBLISH_TIMEOUT_S)
     for i in range(count - len(bad_ids)):  # bytes that are not even JSON
-        await js.publish("fleet.tasks.tiny-llm", b"\xff\x00 not json " + str(i).encode())
+        await js.publish("fleet.tasks.tiny-llm", b"\xff\x00 not json " + str(i).encode(),
+                         timeout=PUBLISH_TIMEOUT_S)
     good = chat("good-after-bad", "hello")
     good_collector = asyncio.create_task(events_of(nc, good.task_id))
     await submit(nc, good)
