@@ -141,7 +141,8 @@ def intake_key(msg: Msg) -> str:
 def ack_stage(state: WorkerState, key: str) -> Stage:
     """A held message's stage, from where its task is (`WorkerState.place_of`). A task on a
     runner, ending behind an image upload, or off a dead runner until its read-back decides
-    is still this node's to answer for: running (or running while stopping)."""
+    is still this node's to answer for: running (or running while stopping); so is a task no
+    longer here whose end is being stored (its message is held until its verb is sent)."""
     match state.place_of(key):
         case Place.RECEIVING:
             return Stage.RECEIVING
@@ -266,7 +267,9 @@ class AckPolicy:
     async def settle(self, task_id: str | None, msg: Msg, stage: Stage) -> bool:
         """Send the verb `stage` calls for, retried through broker trouble. True when sent
         (or nothing was due); False when it failed for good: logged and counted."""
-        self._pop(task_id or "")
+        held = self._pop(task_id or "")
+        if held is not None and _stream_seq(held.msg) == _stream_seq(msg):
+            msg = held.msg  # its newest delivery: renewed while its end was being stored
         verb = decide(stage, 0.0, self.ack_wait_s)
         if verb.kind is Kind.NOTHING:
             return True

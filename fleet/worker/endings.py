@@ -6,6 +6,14 @@ may wait out a broker election (the retry budget), and no other task's tokens sh
 for that. The loop has already freed the task's slot (TaskEnded) when it starts one. A
 terminal that cannot be stored within the budget is not acked: the message is redelivered
 after AckWait and its redelivery ends it; the worker keeps serving.
+
+The message stays held (fleet.worker.acks) until its verb is sent, not only until its task
+left the runner: storing a terminal through a broker restart or an election can outlast
+AckWait, and a message no longer beaten for was redelivered then, to a node that took the task
+over (from this one, when the redelivery came back here) while its end was being stored. Held,
+it keeps its in_progress beats, and a redelivery of it is recognised as the same message
+(`redelivered_while_held`, answered with its newest delivery). An ending that raises lets it
+go without a verb, as before: AckWait redelivers it.
 """
 
 from __future__ import annotations
@@ -95,6 +103,13 @@ class Endings:
 
     async def _finish(self, event: TaskFinished, msg: Msg | None) -> None:
         try:
+            await self._store_and_ack(event, msg)
+        except BaseException:
+            self.acks.release(event.task_id)  # no verb: AckWait redelivers it
+            raise
+
+    async def _store_and_ack(self, event: TaskFinished, msg: Msg | None) -> None:
+        try:
             stored = await self.output.finish(event)
         except TaskFenced as exc:
             self._given_up(event.task_id, exc)
@@ -126,6 +141,15 @@ class Endings:
         self, task_id: str, reason: ErrorReason, message: str, msg: Msg | None
     ) -> None:
         try:
+            await self._store_failure(task_id, reason, message, msg)
+        except BaseException:
+            self.acks.release(task_id)  # no verb: AckWait redelivers it
+            raise
+
+    async def _store_failure(
+        self, task_id: str, reason: ErrorReason, message: str, msg: Msg | None
+    ) -> None:
+        try:
             stored = await self.output.fail(task_id, reason, message, node_id=self.node_id)
         except TaskFenced as exc:
             self._given_up(task_id, exc)
@@ -149,6 +173,7 @@ class Endings:
     def _given_up(self, task_id: str, exc: TaskFenced) -> None:
         """Another attempt took the task over: its terminal is that attempt's to write, and
         its message that attempt's to settle (fleet.worker.takeover)."""
+        self.acks.release(task_id)  # no more beats: the message is the other attempt's
         self.fenced += 1
         log.warning("%s; given up without a terminal or a verb", exc)
         self.spans.settled(task_id, "fenced")

@@ -543,12 +543,14 @@ class Worker:
         self.release(task_id)
         self.apply(ev.TaskEnded(task_id))
         with self.spans.active(task_id):  # the ending child inherits the task's context
-            self.endings.fail(task_id, reason, message, self.acks.release(task_id))
+            # Held until its verb: beaten while the end is stored (fleet.worker.endings).
+            self.endings.fail(task_id, reason, message, self.acks.message(task_id))
 
     def finish(self, report: TaskFinished) -> None:
         self.release(report.task_id)
         self.apply(ev.TaskEnded(report.task_id))
-        self.endings.finish(report, self.acks.release(report.task_id))
+        # Held until its verb: beaten while the end is stored (fleet.worker.endings).
+        self.endings.finish(report, self.acks.message(report.task_id))
 
     def release(self, task_id: str) -> None:
         self.intake.book.released(task_id)
