@@ -16,16 +16,18 @@ from tests.integration.conftest import WorkerFactory
 from tests.integration.harness import client, place_and_wait, wait_node
 from tests.prometheus_text import SHARED_HISTOGRAMS, Scrape
 
-TTFT = "gen_ai_server_time_to_first_token_seconds_count"
 
-
-async def scrape_until(http: httpx.AsyncClient, url: str, name: str, timeout: float) -> Scrape:
-    """The first scrape that has a sample `name` (the worker records a task as it publishes
-    its last event, which can be just after the gateway has answered)."""
+async def scrape_until(http: httpx.AsyncClient, url: str, names: set[str],
+                       timeout: float) -> Scrape:
+    """The first scrape that has a sample of each of `names` (the worker records a task as it
+    publishes its last event, which can be just after the gateway has answered; and one
+    histogram after another, while the scrape is served from another thread: beside a CPU hog
+    a scrape once came between its first and its second)."""
     async with asyncio.timeout(timeout):
         while True:
             scrape = Scrape.of((await http.get(url)).text)
-            if scrape.value(name, gen_ai_request_model="tiny-llm") is not None:
+            if names <= {sample.name for sample in scrape.samples
+                         if sample.labels.get("gen_ai_request_model") == "tiny-llm"}:
                 return scrape
             await asyncio.sleep(0.1)  # polling a scrape: nothing to wait on in between
 
@@ -52,7 +54,8 @@ async def test_gateway_and_worker_metrics_parse_and_carry_the_same_histograms(
             reply = await http.post(f"{gateway.url}/v1/chat/completions", json=chat)
             assert reply.status_code == 200 and "[DONE]" in reply.text
             scraped = await http.get(f"{gateway.url}/metrics")
-            at_worker = await scrape_until(http, f"http://127.0.0.1:{port}/metrics", TTFT, 30)
+            at_worker = await scrape_until(http, f"http://127.0.0.1:{port}/metrics",
+                                           {f"{name}_count" for name in SHARED_HISTOGRAMS}, 30)
     finally:
         gateway.stop()
     at_gateway = Scrape.of(scraped.text)
