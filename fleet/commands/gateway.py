@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,30 +38,35 @@ def build_app(settings: Settings) -> Starlette:
 
 
 async def serve(
-    settings: Settings, ready: asyncio.Event | None = None, sock: socket.socket | None = None,
-    on_ready: Callable[[], None] | None = None,
+    settings: Settings, ready: asyncio.Event | None = None, sock: socket.socket | None = None
 ) -> None:
     """fleet.gateway.app.serve with the dashboard mounted."""
     from fleet.gateway import app as gateway_app
 
-    await gateway_app.serve(settings, ready, sock, mounts(), on_ready)
+    await gateway_app.serve(settings, ready, sock, mounts())
 
 
 async def run_gateway(settings: Settings, listen_fd: int | None = None) -> None:
     from fleet import gc_policy
+    from fleet.aio import started
     from fleet.proc import Exit
 
     gc_policy.serving_thresholds()
     # `fleet up` (split) hands its child the socket it bound: fleet/commands/up_gateway.py.
     sock = socket.socket(fileno=listen_fd) if listen_fd is not None else None
-    # The first SIGINT/SIGTERM cancels this task, which serve takes as its graceful stop; a
-    # second one, or the deadline, ends the process. Serving runs here: no task of its own.
-    this = asyncio.current_task()
-    assert this is not None
-    Exit().install().on_stop(this.cancel)
+    ready = asyncio.Event()
+    serving = asyncio.ensure_future(serve(settings, ready, sock=sock))
+    # The first SIGINT/SIGTERM stops it gracefully; a second one, or the deadline, ends it.
+    Exit().install().on_stop(serving.cancel)
     with contextlib.suppress(asyncio.CancelledError):
-        # Once the app is built and serves: its startup out of every later collection.
-        await serve(settings, sock=sock, on_ready=gc_policy.freeze_startup)
+        waiting = started(ready.wait(), "gateway ready")
+        try:
+            await asyncio.wait({serving, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+        if ready.is_set():
+            gc_policy.freeze_startup()  # the app is built and serves
+        await serving
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:

@@ -262,7 +262,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 async def serve(
     settings: Settings, ready: asyncio.Event | None = None, sock: socket.socket | None = None,
-    mounts: Iterable[AddRoutes] = (), on_ready: Callable[[], None] | None = None,
+    mounts: Iterable[AddRoutes] = (),
 ) -> None:
     """Serve until cancelled, on `sock` when given (bound by the caller before it started
     anything else: `fleet up` fails on a taken port before NATS and the worker start)."""
@@ -292,8 +292,6 @@ async def serve(
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     if ready is not None:
         ready.set()
-    if on_ready is not None:
-        on_ready()
     try:
         await asyncio.shield(serving)
     except asyncio.CancelledError:
