@@ -17,8 +17,10 @@ Every API call retries transient errors (an election, a restart) within the brok
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from nats.js.errors import ServiceUnavailableError
 from fleet.bus.denials import permission_errors, refused_by_permission
 from fleet.bus.embedded import ops_dir
 from fleet.bus.replicas import choose_replicas, replicas_advice
-from fleet.bus.retry import BROKER_BUDGET_S, with_retry
+from fleet.bus.retry import BROKER_BUDGET_S, pause_after, with_retry
 from fleet.errors import NatsUnavailable, NotPermitted, ProvisioningConflict, ProvisioningDenied
 from fleet.wire import subjects
 
@@ -44,6 +46,12 @@ NO_JETSTREAM_BUDGET_S = 1.0
 # in the broker). The server accepts each change on a live stream (a TTL can be turned on,
 # never off).
 LIMIT_KEYS = frozenset({"max_consumers", "consumer_limits", "allow_msg_ttl"})
+# JetStream 400 "no suitable peers for placement": fewer servers have joined the meta group
+# than the stream's copies. A forming cluster answers it for its first seconds (seen in a
+# loaded test run: a 3-node cluster with a meta leader but its third peer not yet joined), so
+# creation is asked again within the budget; a cluster that is simply too small fails then.
+# (A server outside any cluster answers "replicas > 1 not supported", final at once.)
+NO_PEERS_ERR_CODE = 10005
 
 
 @dataclass(frozen=True)
@@ -190,10 +198,28 @@ async def ensure_stream(
         raise ProvisioningConflict(f"stream {name}: {info['error'].get('description')}")
     if replicas is not None:
         config = {**config, "num_replicas": replicas}
-    created = await jetstream_api(nc, f"STREAM.CREATE.{name}", config, budget_s=budget_s)
-    if "error" in created:
-        raise ProvisioningConflict(f"stream {name}: {created['error'].get('description')}")
+    await _create_stream(nc, name, config, budget_s)
     return Outcome(name, "created", config.get("num_replicas", 1))
+
+
+async def _create_stream(
+    nc: Client, name: str, config: dict[str, Any], budget_s: float
+) -> None:
+    deadline = time.monotonic() + budget_s
+    attempt = 0
+    while True:
+        created = await jetstream_api(nc, f"STREAM.CREATE.{name}", config, budget_s=budget_s)
+        error = created.get("error")
+        if error is None:
+            return
+        attempt += 1
+        pause = pause_after(attempt)
+        if error.get("err_code") != NO_PEERS_ERR_CODE or time.monotonic() + pause > deadline:
+            raise ProvisioningConflict(f"stream {name}: {error.get('description')}")
+        if attempt == 1:
+            log.warning("stream %s: %s; waiting up to %.0f s for the cluster's servers to "
+                        "join", name, error.get("description"), budget_s)
+        await asyncio.sleep(pause)  # a retry backoff, not synchronisation
 
 
 async def provision(
