@@ -55,7 +55,8 @@ async def run_gateway(settings: Settings, listen_fd: int | None = None) -> None:
     # `fleet up` (split) hands its child the socket it bound: fleet/commands/up_gateway.py.
     sock = socket.socket(fileno=listen_fd) if listen_fd is not None else None
     ready = asyncio.Event()
-    serving = asyncio.ensure_future(serve(settings, ready, sock=sock))
+    # This coroutine owns the serving task: it cancels it on a stop and awaits its end.
+    serving = started(serve(settings, ready, sock=sock), "gateway serving")
     # The first SIGINT/SIGTERM stops it gracefully; a second one, or the deadline, ends it.
     Exit().install().on_stop(serving.cancel)
     with contextlib.suppress(asyncio.CancelledError):
