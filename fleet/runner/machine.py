@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from fleet.errors import TaskRejected
+from fleet.runner.company import Gathering
 from fleet.runner.engine import Admission, Engine, GroupLost, Token
 from fleet.wire.events import ErrorReason, TaskFinished, failed
 from fleet.wire.pipe import (
@@ -84,6 +85,11 @@ class RunnerMachine:
         # Running(n) and Ready are reported about once a pass each under short tasks: made
         # once (wire models are frozen), not two validated models a report.
         self._running: dict[int, RunnerStatusReport] = {}
+
+    @property
+    def company_share(self) -> float:
+        """The engine's wait for company, a share of its step (fleet.runner.company)."""
+        return self._engine.company_share if isinstance(self._engine, Gathering) else 0.0
 
     @property
     def busy(self) -> bool:

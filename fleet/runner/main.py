@@ -31,6 +31,7 @@ from typing import BinaryIO
 from fleet import gc_policy
 from fleet.models.blas import set_openblas_threads
 from fleet.runner.coalesce import TokenCoalescer, Written
+from fleet.runner.company import StepClock, window_s
 from fleet.runner.engine import Engine, EngineConfig, GroupLost, Wakeable
 from fleet.runner.fault_engine import FAULT_FAMILY, FaultEngine
 from fleet.runner.image_steps import StepHook
@@ -189,14 +190,20 @@ def serve(
     `observe` sees each command just before the machine does (spans start there);
     `stepped` gets each engine step's duration (the token coalescer's clock); `passed` ends
     each pass (a batch of commands, a step): what it reported leaves together then."""
+    def take(item: RunnerCommand | PipeBroken) -> None:
+        if isinstance(item, PipeBroken):
+            machine.fail(item.error)
+        else:
+            observe(item)
+            machine.handle(item)
+
+    share = machine.company_share
+    clock = StepClock()
     loaded = False
     while not machine.done:
-        for item in _next_batch(inbox, wait=not machine.busy):
-            if isinstance(item, PipeBroken):
-                machine.fail(item.error)
-            else:
-                observe(item)
-                machine.handle(item)
+        was_idle = not machine.busy
+        for item in _next_batch(inbox, wait=was_idle):
+            take(item)
             if machine.done:
                 break
         if not loaded and isinstance(machine.state, RunnerReady):
@@ -205,12 +212,31 @@ def serve(
             loaded = True
             gc_policy.freeze_startup()
         passed()
+        if was_idle and machine.busy and not machine.done:
+            _gather(inbox, take, machine, window_s(clock.typical_s, share))
+            passed()
         if machine.busy and not machine.done:
             began = time.perf_counter()
             machine.step()
-            stepped(time.perf_counter() - began)
+            took = time.perf_counter() - began
+            clock.add(took)
+            stepped(took)
             passed()
     return machine.exit_code
+
+
+def _gather(
+    inbox: Inbox, take: Callable[[RunnerCommand | PipeBroken], None], machine: RunnerMachine,
+    window: float,
+) -> None:
+    """Commands arriving within `window` of a task reaching the idle engine are taken before
+    its first step (fleet.runner.company)."""
+    deadline = time.perf_counter() + window
+    while not machine.done and (left := deadline - time.perf_counter()) > 0:
+        try:
+            take(inbox.get(timeout=left))
+        except queue.Empty:
+            return
 
 
 def serve_follower(
