@@ -15,6 +15,7 @@ import asyncio
 import os
 import signal
 import time
+from dataclasses import dataclass
 
 from nats.aio.client import Client
 
@@ -92,6 +93,39 @@ async def test_a_paused_worker_resumed_after_a_takeover_writes_nothing_more(
     await nc.close()
 
 
+@dataclass
+class HeldByA:
+    nc: Client
+    holder: WorkerProcess
+    other: WorkerProcess
+    holder_node: str
+    other_node: str
+    live: Live
+    task: TextGeneration
+
+
+async def held_by_a(nats_url: str, start_worker: WorkerFactory, task_id: str) -> HeldByA:
+    """Two workers with AckWait 300 s (nothing but the test delivers a task again); a long
+    task streaming on a's one slot (so a pulls no more); then a runner on b too."""
+    nc = await client(nats_url)
+    holder, other = start_worker("a", **DEATH_WATCH_ENV), start_worker("b", **DEATH_WATCH_ENV)
+    card, _ = add_fault_card(holder.data_dir), add_fault_card(other.data_dir)
+    holder_node = await wait_node(nc, holder.data_dir)
+    other_node = await wait_node(nc, other.data_dir)
+    await place_on(nc, card, holder_node, slots=1)
+    live = Live()
+    await nc.subscribe("fleet.out.*", cb=live.on_msg)  # core: sees deduped publishes too
+    task = TextGeneration(
+        task_id=task_id, model="fault-llm", max_tokens=1000,
+        messages=[ChatMessage(role="user", content=f"tokens:{LONG_TOKENS} delay_ms:100")],
+    )
+    await submit(nc, task)
+    await live.until(lambda: live.tokens(task.task_id) >= 3, 60)
+    # Only now a runner on b (its start takes seconds): the task can only have gone to a.
+    await place_on(nc, card, other_node)
+    return HeldByA(nc, holder, other, holder_node, other_node, live, task)
+
+
 async def test_a_redelivery_of_a_task_whose_holder_lives_is_passed_back_to_it(
     nats_url: str, start_worker: WorkerFactory
 ) -> None:
@@ -100,23 +134,9 @@ async def test_a_redelivery_of_a_task_whose_holder_lives_is_passed_back_to_it(
     subject its heartbeat lists) stands in for that race: the other worker gets delivery 2
     while the holder streams on, finds the holder alive and passes the delivery back to it.
     One attempt, no fence, whole answer, and the holder keeps the message renewed."""
-    nc = await client(nats_url)
-    env = {**DEATH_WATCH_ENV}  # AckWait 300 s: only the test's nak redelivers
-    holder, other = start_worker("a", **env), start_worker("b", **env)
-    card, _ = add_fault_card(holder.data_dir), add_fault_card(other.data_dir)
-    holder_node = await wait_node(nc, holder.data_dir)
-    other_node = await wait_node(nc, other.data_dir)
-    await place_on(nc, card, holder_node, slots=1)  # full while it runs: it pulls no more
-    live = Live()
-    await nc.subscribe("fleet.out.*", cb=live.on_msg)
-    task = TextGeneration(
-        task_id="redelivered", model="fault-llm", max_tokens=1000,
-        messages=[ChatMessage(role="user", content=f"tokens:{LONG_TOKENS} delay_ms:100")],
-    )
-    await submit(nc, task)
-    await live.until(lambda: live.tokens(task.task_id) >= 3, 60)
-    # Only now a runner on b (its start takes seconds): the task can only have gone to a.
-    await place_on(nc, card, other_node)
+    held = await held_by_a(nats_url, start_worker, "redelivered")
+    nc, holder, other, live, task = held.nc, held.holder, held.other, held.live, held.task
+    holder_node = held.holder_node
     kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
     entry = await kv.get(holder_node)
     acks = decode_model(NodeInfo, entry.value or b"").held_acks
@@ -157,22 +177,9 @@ async def test_a_held_task_delivered_again_as_a_first_delivery_runs_once(
     other worker gets the held message as a first delivery, finds that the message claimed
     the id before (fleet.worker.claims, OWN) and passes it to the holder, which lives. One
     attempt, nothing published by the other worker, whole answer."""
-    nc = await client(nats_url)
-    env = {**DEATH_WATCH_ENV}  # AckWait 300 s: nothing but the new durable delivers it again
-    holder, other = start_worker("a", **env), start_worker("b", **env)
-    card, _ = add_fault_card(holder.data_dir), add_fault_card(other.data_dir)
-    holder_node = await wait_node(nc, holder.data_dir)
-    other_node = await wait_node(nc, other.data_dir)
-    await place_on(nc, card, holder_node, slots=1)  # full while it runs: it pulls no more
-    live = Live()
-    await nc.subscribe("fleet.out.*", cb=live.on_msg)  # core: sees deduped publishes too
-    task = TextGeneration(
-        task_id="forgotten", model="fault-llm", max_tokens=1000,
-        messages=[ChatMessage(role="user", content=f"tokens:{LONG_TOKENS} delay_ms:100")],
-    )
-    await submit(nc, task)
-    await live.until(lambda: live.tokens(task.task_id) >= 3, 60)
-    await place_on(nc, card, other_node)  # only now: the task can only have gone to a
+    held = await held_by_a(nats_url, start_worker, "forgotten")
+    nc, holder, other, live, task = held.nc, held.holder, held.other, held.live, held.task
+    holder_node, other_node = held.holder_node, held.other_node
     js = nc.jetstream()
     durable = subjects.durable("fault-llm")
     await js.delete_consumer(subjects.TASKS_STREAM, durable)
