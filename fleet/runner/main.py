@@ -189,7 +189,9 @@ def serve(
     """The main thread's loop until the machine is done; returns the process exit code.
     `observe` sees each command just before the machine does (spans start there);
     `stepped` gets each engine step's duration (the token coalescer's clock); `passed` ends
-    each pass (a batch of commands, a step): what it reported leaves together then."""
+    each pass (a batch of commands, a step): what it reported leaves together then. A task
+    that reaches the engine idle waits a moment for company first (fleet.runner.company)."""
+
     def take(item: RunnerCommand | PipeBroken) -> None:
         if isinstance(item, PipeBroken):
             machine.fail(item.error)
@@ -212,8 +214,9 @@ def serve(
             loaded = True
             gc_policy.freeze_startup()
         passed()
-        if was_idle and machine.busy and not machine.done:
-            _gather(inbox, take, machine, window_s(clock.typical_s, share))
+        gathering = was_idle and machine.busy and not machine.done
+        if gathering and (window := window_s(clock.typical_s, share)) > 0:
+            _gather(inbox, take, machine, window)
             passed()
         if machine.busy and not machine.done:
             began = time.perf_counter()
