@@ -7,8 +7,9 @@ On a shared machine two runs one after the other moved more than a change did (a
 plumbing-rate run read 20.8 and then 13.4 ms for the same commit). Here both stacks run at
 once, each a `fleet up` of the fault engine with 64 slots started from its own checkout (a
 `git worktree add` of the base commit, say), and the load falls on both alike: tasks of
-max_tokens 1 alternate between them one at a time (publish -> `task_accepted`), then
-batches published at once alternate (tasks/s, and the CPU of `fleet up` a task).
+max_tokens 1 go to them one at a time, each pair in a drawn order (publish ->
+`task_accepted`), then batches published at once alternate (tasks/s, and the CPU of `fleet up`
+a task).
 
 `--gap`: the pause before each timed task (repeatable: each gap timed, interleaved). 0 sends
 a side's next task as soon as its last one finished (less the other side's turn), as
