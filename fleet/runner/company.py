@@ -3,7 +3,7 @@
 A step is not interruptible, and a task that arrives just after an idle engine started one
 waits for the whole of it. Issue 23's burst of eight requests with one cached system prompt
 (smollm2-135m, 2 cores) reached an idle runner as one task and, 6-17 ms later, the other seven
-(the worker's first delivery, then the pull that brought the rest; `FLEET` probe of the
+(the worker's first delivery, then the pull that brought the rest; a throwaway probe of the
 runner's pipe, 2026-12-05). An engine that had served one stream at a time read the first
 prompt whole (0.3 s, prefill_ramp.py), and the other seven then came in two groups after it:
 first tokens 1 x 0.3, 4 x 1.3, 3 x 2.3 s against mlx_lm.server's 6-7 x 1.1-1.2 s (HTTP,

@@ -233,11 +233,12 @@ def _gather(
     window: float,
 ) -> None:
     """Commands arriving within `window` of a task reaching the idle engine are taken before
-    its first step (fleet.runner.company)."""
+    its first step (fleet.runner.company). The inbox is asked at least once, with no wait
+    once the window has passed: a window shorter than a preemption still takes what came."""
     deadline = time.perf_counter() + window
-    while not machine.done and (left := deadline - time.perf_counter()) > 0:
+    while not machine.done:
         try:
-            take(inbox.get(timeout=left))
+            take(inbox.get(timeout=max(0.0, deadline - time.perf_counter())))
         except queue.Empty:
             return
 
