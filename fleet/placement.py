@@ -7,7 +7,7 @@ import time
 
 from nats.js import JetStreamContext
 
-from fleet.bus.kv_calls import kv_get, open_bucket
+from fleet.bus.kv_calls import get_from_leader, open_bucket
 from fleet.bus.kv_read import live_values
 from fleet.bus.records import InstanceRecords
 from fleet.errors import InvalidRequest, PlacementError
@@ -57,13 +57,14 @@ async def read_nodes(js: JetStreamContext) -> list[NodeInfo]:
 async def read_node(js: JetStreamContext, node_id: str) -> list[NodeInfo]:
     """The named node's heartbeat, read by key from the bucket's stream leader: [] when it has
     none. A snapshot of the whole bucket (`read_nodes`) is served by its consumer's leader,
-    which in a cluster can be a replica that has not applied a heartbeat written a moment ago
-    (CI: a placement on a node the caller had just watched register found no node at all)."""
-    entry = await kv_get(await open_bucket(js, subjects.NODES_BUCKET), node_id)
-    if entry is None or entry.value is None:
+    and a plain `get` by any replica (the bucket allows direct gets); in a cluster either can
+    be a replica that has not applied a heartbeat written a moment ago (CI, twice: a placement
+    on a node the caller had just seen register found no node at all)."""
+    value = await get_from_leader(js, subjects.NODES_BUCKET, node_id)
+    if value is None:
         return []
     try:
-        return [decode_model(NodeInfo, entry.value)]
+        return [decode_model(NodeInfo, value)]
     except DecodeError:  # a writer of another schema version: not a node this one can use
         return []
 

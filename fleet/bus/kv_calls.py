@@ -10,7 +10,7 @@ Which calls are safe to repeat, and why:
   retry fail as a wrong revision, reported as None (the caller re-reads and decides again).
 - `kv_get` and `kv_delete` are naturally repeatable.
 - `put_with_ttl` writes the same value again, with the same per-message TTL; `get_direct`
-  reads (any replica answers: a direct get).
+  and `get_from_leader` read.
 - `open_bucket`, `bucket_max_age` and `stream_exists` only read a stream's info.
 
 A write the server refuses by permission fails at once as NotPermitted (fleet.bus.denials).
@@ -151,6 +151,25 @@ async def get_direct(js: JetStreamContext, bucket: str, key: str, *,
         except NotFoundError:
             return None
         return stored.data or None
+
+    return await with_retry(once, what=f"read {bucket}/{key}", budget_s=budget_s)
+
+
+async def get_from_leader(js: JetStreamContext, bucket: str, key: str, *,
+                          budget_s: float = BROKER_BUDGET_S) -> bytes | None:
+    """The key's value as its stream's leader holds it (`STREAM.MSG.GET`); None when absent,
+    deleted or expired. For a read that must see a write acknowledged a moment ago: the
+    bucket allows direct gets, so nats-py's `KeyValue.get` (and `get_direct`) is answered
+    by any replica, which in a cluster can be one that has not applied the write yet (CI:
+    a placement on a node whose heartbeat the caller had just read found no node)."""
+
+    async def once() -> bytes | None:
+        try:
+            stored = await js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}",
+                                      direct=False)
+        except NotFoundError:
+            return None
+        return stored.data or None  # a delete, purge or TTL marker has no value
 
     return await with_retry(once, what=f"read {bucket}/{key}", budget_s=budget_s)
 

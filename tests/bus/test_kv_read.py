@@ -6,9 +6,11 @@ pending" marker can overtake the entries); `fleet up` then did not find its own 
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 
 from fleet.bus.kv_read import FETCH_BATCH, live_entries, live_values
 from fleet.placement import read_instances, read_node, read_nodes
@@ -93,3 +95,28 @@ async def test_a_named_node_is_read_by_its_key(provisioned_nc: Client) -> None:
     assert await read_node(js, "n2") == []
     await nodes.delete("n1")
     assert await read_node(js, "n1") == []
+
+
+async def test_a_named_node_is_asked_of_the_stream_leader_not_any_replica(
+    provisioned_nc: Client,
+) -> None:
+    """The bucket allows direct gets, which any replica answers, so a plain `get` can miss a
+    heartbeat a lagging replica has not applied; `read_node` asks the leader's API. Seen on
+    the wire: the server hands our subscription a copy of each API request."""
+    js = provisioned_nc.jetstream()
+    stream = f"KV_{subjects.NODES_BUCKET}"
+    asked: list[str] = []
+    first = asyncio.Event()
+
+    async def heard(msg: Msg) -> None:
+        asked.append(msg.subject)
+        first.set()
+
+    leader = await provisioned_nc.subscribe(f"$JS.API.STREAM.MSG.GET.{stream}", cb=heard)
+    direct = await provisioned_nc.subscribe(f"$JS.API.DIRECT.GET.{stream}.>", cb=heard)
+    direct_plain = await provisioned_nc.subscribe(f"$JS.API.DIRECT.GET.{stream}", cb=heard)
+    assert await read_node(js, "n1") == []
+    await asyncio.wait_for(first.wait(), 10)
+    assert asked == [f"$JS.API.STREAM.MSG.GET.{stream}"]
+    for sub in (leader, direct, direct_plain):
+        await sub.unsubscribe()
