@@ -5,9 +5,8 @@ cache of any prefix an earlier task already processed. Each `step` is one call t
 generator: one decode step for the running tasks and a prefill chunk for newly admitted ones,
 which join the decoding batch at the following step. A task admitted to an idle engine runs
 alone on a plain KV cache (see solo.py) until a second one arrives and it moves into the
-batch. Several long prompts reaching an idle engine at once are read in two groups, short ones
-together (burst_split.py); the runner waits a moment for a burst's later tasks before the
-first step (company.py).
+batch. Several prompts reaching an idle engine at once are read in two groups (burst_split.py);
+the runner waits a moment for a burst's later tasks before the first step (company.py).
 Each generated token becomes one Token (a TokenChunk with logprobs); a task ends with exactly
 one TaskFinished.
 """
@@ -86,7 +85,6 @@ class TextEngine:
         self._reading: set[int] = set()
         self._first_group: set[int] = set()
         self._held_back: set[int] = set()  # the rest of that burst, still queued
-        self._new_tokens: dict[int, int] = {}  # queued uid -> tokens past its cached prefix
         self._prefill_limit = min(config.slots, 8)
 
     def use_ring(self, ring: Any, start_layer: int, end_layer: int) -> None:
@@ -265,8 +263,6 @@ class TextEngine:
         """Bound the prompts the generator starts reading this step (burst_split.py)."""
         start = prompts_to_start(
             queued=len(self._queued), resumed=len(self._resumed), reading=len(self._reading),
-            new_tokens=sum(self._new_tokens.get(uid, 0) for uid in self._queued
-                           if uid not in self._resumed),
             group_waiting=len(self._first_group), held=len(self._held_back),
             limit=self._prefill_limit,
         )
@@ -281,7 +277,6 @@ class TextEngine:
             uid = response.uid
             if uid in self._queued:
                 self._queued.remove(uid)
-                self._new_tokens.pop(uid, None)
                 self._resumed.discard(uid)
                 self._held_back.discard(uid)
             if response.end_of_prompt:
@@ -351,7 +346,6 @@ class TextEngine:
             logits_processors=[spec.processors],
         )
         self._queued.append(uid)
-        self._new_tokens[uid] = sum(len(segment) for segment in spec.segments)
         return uid
 
     def _forget(self, uid: int) -> None:
@@ -359,7 +353,6 @@ class TextEngine:
         del self._uids[text_task.task.task_id]
         if uid in self._queued:
             self._queued.remove(uid)
-        self._new_tokens.pop(uid, None)
         self._behind_solo = [entry for entry in self._behind_solo if entry[0] != uid]
         self._resumed.discard(uid)
         self._reading.discard(uid)
@@ -414,7 +407,6 @@ class TextEngine:
         self._tasks.clear()
         self._uids.clear()
         self._queued.clear()
-        self._new_tokens.clear()
         self._resumed.clear()
         self._behind_solo.clear()
         self._reading.clear()

@@ -6,35 +6,26 @@ import pytest
 
 from fleet.runner.burst_split import first_group, prompts_to_start
 
-LONG = 1_120  # eight prompts of ~140 new tokens (issue 23's burst, unique system prompts)
-SHORT = 232  # the same eight with the system prompt cached: ~29 new tokens each
-
 
 @pytest.mark.parametrize(
-    ("queued", "new_tokens", "expected"),
+    ("queued", "expected"),
     [
-        (0, 0, 0),
-        (1, 140, 1),  # alone: nothing to split
-        (2, 280, 2),  # two: a step's fixed costs outweigh what the first would gain
-        (3, 600, 2),
-        (4, 600, 3),
-        (8, LONG, 5),  # issue 23's burst of eight: the median request is in the first group
-        (16, 2_240, 9),
-        (8, SHORT, 8),  # short prompts: the rest's reading is little, three steps are not
-        (8, 511, 8),
-        (8, 512, 5),
-        (3, 90, 3),
+        (0, 0),
+        (1, 1),  # alone: nothing to split
+        (2, 2),  # two: a step's fixed costs outweigh what the first would gain
+        (3, 2),
+        (4, 3),
+        (8, 5),  # issue 23's burst of eight: the median request is in the first group
+        (16, 9),
     ],
 )
-def test_the_first_group_holds_just_over_half_of_long_prompts(
-    queued: int, new_tokens: int, expected: int
-) -> None:
-    assert first_group(queued, new_tokens) == expected
+def test_the_first_group_holds_just_over_half(queued: int, expected: int) -> None:
+    assert first_group(queued) == expected
 
 
 @pytest.mark.parametrize(
     ("queued", "resumed", "reading", "group_waiting", "held", "limit", "expected"),
-    [  # new tokens LONG unless named (test_a_burst_of_short_prompts_is_read_whole)
+    [
         (8, 0, 0, 0, 0, 8, 5),  # a burst onto an idle engine: the first group
         (3, 0, 0, 5, 3, 8, 0),  # the rest wait for the first group's first tokens
         (3, 0, 0, 0, 3, 8, 3),  # then start together, not split again
@@ -59,22 +50,5 @@ def test_prompts_to_start(
 ) -> None:
     assert prompts_to_start(
         queued=queued, resumed=resumed, reading=reading, group_waiting=group_waiting,
-        held=held, limit=limit, new_tokens=LONG,
-    ) == expected
-
-
-@pytest.mark.parametrize(
-    ("queued", "resumed", "new_tokens", "expected"),
-    [
-        (8, 0, SHORT, 8),  # issue 23's cached-prompt burst: one group
-        (8, 1, SHORT, 8),  # a lone task ahead, seven short prompts behind it: all
-        (8, 1, 7 * 140, 5),  # seven long ones: the lone task and 4 of them
-    ],
-)
-def test_a_burst_of_short_prompts_is_read_whole(
-    queued: int, resumed: int, new_tokens: int, expected: int
-) -> None:
-    assert prompts_to_start(
-        queued=queued, resumed=resumed, reading=0, group_waiting=0, held=0, limit=8,
-        new_tokens=new_tokens,
+        held=held, limit=limit,
     ) == expected

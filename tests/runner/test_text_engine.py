@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from fleet.errors import TaskRejected
-from fleet.runner import burst_split
 from fleet.runner.engine import Admission, EngineConfig, EngineEvent, Token
 from fleet.wire.cluster import ModelCard
 from fleet.wire.events import ErrorReason, TaskFinished, TokenChunk, ToolCallChunk
@@ -575,15 +574,14 @@ def test_after_a_batch_a_lone_task_reads_its_prompt_in_a_ramp_that_newcomers_joi
     assert outcome.ids("joiner") == run(engine, joiner).ids("joiner")
 
 
-def long_prompt(tag: str, index: int) -> str:
-    """A prompt of ~200 tokens: four of them leave more than SPLIT_MIN_TOKENS to read. The
-    tag leads, so no other test's prompt is a cached prefix of it."""
-    return f"{tag}: " + " ".join([PROMPTS[index % len(PROMPTS)]] * 30) + f" {index}"
-
-
-def first_token_steps(engine: TextEngine, tasks: list[TextGeneration]) -> tuple[
-        Outcome, dict[str, int]]:
-    """The tasks admitted at once, run to the end: each one's step of its first token."""
+def test_a_burst_onto_an_idle_engine_is_read_in_two_groups(engine: TextEngine) -> None:
+    """Several prompts at once: the first to arrive, just over half, are read and get their
+    first tokens before the rest start (burst_split.py); every task's tokens are its own."""
+    tasks = [
+        text_task(f"burst{index}", prompt=PROMPTS[index % len(PROMPTS)] + f" {index}",
+                  max_tokens=6, logit_bias=NO_EOS)
+        for index in range(4)  # the engine's 4 slots: 3 first, then 1
+    ]
     outcome, first_step = Outcome(), {}
     for task in tasks:
         engine.admit(Admission(task=task))
@@ -594,19 +592,6 @@ def first_token_steps(engine: TextEngine, tasks: list[TextGeneration]) -> tuple[
         for task in tasks:
             if outcome.tokens.get(task.task_id):
                 first_step.setdefault(task.task_id, step)
-    return outcome, first_step
-
-
-def test_a_burst_onto_an_idle_engine_is_read_in_two_groups(engine: TextEngine) -> None:
-    """Several long prompts at once: the first to arrive, just over half, are read and get
-    their first tokens before the rest start (burst_split.py); every task's tokens are its
-    own."""
-    tasks = [
-        text_task(f"burst{index}", prompt=long_prompt("burst", index), max_tokens=6,
-                  logit_bias=NO_EOS)
-        for index in range(4)  # the engine's 4 slots: 3 first, then 1
-    ]
-    outcome, first_step = first_token_steps(engine, tasks)
     early = [first_step[task.task_id] for task in tasks[:3]]
     assert len(set(early)) == 1, "the first group is read together"
     assert first_step["burst3"] > early[0], "the last arrival waited for the first group"
@@ -614,31 +599,12 @@ def test_a_burst_onto_an_idle_engine_is_read_in_two_groups(engine: TextEngine) -
         assert outcome.ids(task.task_id) == run(engine, task).ids(task.task_id)
 
 
-def test_a_burst_of_short_prompts_is_read_together(
-    engine: TextEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Short prompts (a cached system prompt leaves a few tokens each): splitting would save
-    the first group little and cost the rest steps, so all start in one read, and the last
-    first token comes steps sooner than with the split (forced here for the comparison)."""
-
-    def burst(tag: str) -> list[TextGeneration]:
-        return [text_task(f"{tag}{index}", prompt=f"{tag} {PROMPTS[index]}", max_tokens=6,
-                          logit_bias=NO_EOS) for index in range(4)]
-
-    together, whole = first_token_steps(engine, burst("whole"))
-    monkeypatch.setattr(burst_split, "SPLIT_MIN_TOKENS", 0)
-    _, split = first_token_steps(engine, burst("split"))
-    assert max(whole.values()) < max(split.values()), f"whole {whole}, split {split}"
-    for task in burst("whole"):
-        assert together.ids(task.task_id) == run(engine, task).ids(task.task_id)
-
-
 def test_a_lone_task_that_had_started_stays_ahead_of_a_burst(engine: TextEngine) -> None:
     """Tasks arriving while a lone task runs go into the batch behind it: it keeps decoding
     at every step, in the burst's first group (burst_split.py)."""
     lead = text_task("lead", prompt="Hello! How can", max_tokens=12, logit_bias=NO_EOS)
     burst = [
-        text_task(f"late{index}", prompt=long_prompt("late", index), max_tokens=4,
+        text_task(f"late{index}", prompt=PROMPTS[index] + " again", max_tokens=4,
                   logit_bias=NO_EOS)
         for index in range(3)  # with the lead, the engine's 4 slots: lead + 2 first, then 1
     ]
