@@ -141,18 +141,9 @@ async def put_with_ttl(js: JetStreamContext, bucket: str, key: str, value: bytes
 
 async def get_direct(js: JetStreamContext, bucket: str, key: str, *,
                      budget_s: float = BROKER_BUDGET_S) -> bytes | None:
-    """The key's value by a direct get; None when absent, deleted or expired (a delete or
-    TTL marker has no value)."""
-
-    async def once() -> bytes | None:
-        try:
-            stored = await js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}",
-                                      direct=True)
-        except NotFoundError:
-            return None
-        return stored.data or None
-
-    return await with_retry(once, what=f"read {bucket}/{key}", budget_s=budget_s)
+    """The key's value by a direct get (any replica answers); None when absent, deleted or
+    expired."""
+    return await _get_value(js, bucket, key, direct=True, budget_s=budget_s)
 
 
 async def get_from_leader(js: JetStreamContext, bucket: str, key: str, *,
@@ -162,11 +153,15 @@ async def get_from_leader(js: JetStreamContext, bucket: str, key: str, *,
     bucket allows direct gets, so nats-py's `KeyValue.get` (and `get_direct`) is answered
     by any replica, which in a cluster can be one that has not applied the write yet (CI:
     a placement on a node whose heartbeat the caller had just read found no node)."""
+    return await _get_value(js, bucket, key, direct=False, budget_s=budget_s)
 
+
+async def _get_value(js: JetStreamContext, bucket: str, key: str, *, direct: bool,
+                     budget_s: float) -> bytes | None:
     async def once() -> bytes | None:
         try:
             stored = await js.get_msg(f"KV_{bucket}", subject=f"$KV.{bucket}.{key}",
-                                      direct=False)
+                                      direct=direct)
         except NotFoundError:
             return None
         return stored.data or None  # a delete, purge or TTL marker has no value
