@@ -9,9 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -31,6 +32,7 @@ from fleet.wire.events import OutputEvent, TaskFinished
 from fleet.wire.tasks import ChatMessage, Task, TextGeneration
 
 REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
 
 
 def hello(task_id: str) -> TextGeneration:
@@ -221,6 +223,28 @@ async def wait_runner(
     finally:
         await watcher.stop()
     raise TimeoutError(f"no runner of {model} reached {wanted}")
+
+
+async def until_key(
+    kv: KeyValue, key: str, accept: Callable[[bytes], T | None], timeout: float = 120.0,
+) -> T:
+    """What `accept` makes of the key's value once it takes one (watched: the value now, then
+    each write); TimeoutError naming the last value seen."""
+    seen: bytes | None = None
+    watcher = await kv.watch(key)
+    try:
+        async with asyncio.timeout(timeout):
+            while True:
+                entry = await watcher.updates(timeout=timeout)
+                if entry is None or not entry.value:
+                    continue
+                seen = entry.value
+                if (taken := accept(seen)) is not None:
+                    return taken
+    except TimeoutError:
+        raise TimeoutError(f"{key} not as awaited {timeout} s on; last seen: {seen!r}") from None
+    finally:
+        await watcher.stop()
 
 
 async def submit(nc: Client, task: Task) -> None:

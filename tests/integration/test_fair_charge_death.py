@@ -16,7 +16,6 @@ import os
 from pathlib import Path
 
 import pytest
-from nats.js.kv import KeyValue
 
 from fleet.bus.roles import FAIRNESS
 from fleet.bus.task_log import TaskLog
@@ -24,7 +23,14 @@ from fleet.wire.events import TaskFinished
 from fleet.wire.fairness import TenantShare
 from fleet.wire.tasks import ChatMessage, TextGeneration
 from tests.integration.conftest import WorkerFactory
-from tests.integration.harness import client, events_of, finished, submit, until_queue_empty
+from tests.integration.harness import (
+    client,
+    events_of,
+    finished,
+    submit,
+    until_key,
+    until_queue_empty,
+)
 from tests.integration.killing import fault_workers
 
 pytestmark = pytest.mark.timeout(240)
@@ -40,24 +46,11 @@ async def until_logged(log: Path, text: str, timeout: float = 60) -> None:
             await asyncio.sleep(0.05)
 
 
-async def until_unmarked(kv: KeyValue, key: str, timeout: float = 30) -> TenantShare:
-    """The tenant's entry once it holds no task's mark (watched): an ending that acked its
-    task drops the mark it made or found."""
-    seen: TenantShare | None = None
-    watcher = await kv.watch(key)
-    try:
-        async with asyncio.timeout(timeout):
-            while True:
-                entry = await watcher.updates(timeout=timeout)
-                if entry is None or not entry.value:
-                    continue
-                seen = TenantShare.model_validate_json(entry.value)
-                if not seen.settled:
-                    return seen
-    except TimeoutError:
-        raise AssertionError(f"{key} still marked {timeout} s on: {seen}") from None
-    finally:
-        await watcher.stop()
+def unmarked(value: bytes) -> TenantShare | None:
+    """The tenant's entry when it holds no task's mark: an ending that acked its task drops
+    the mark it made or found."""
+    share = TenantShare.model_validate_json(value)
+    return None if share.settled else share
 
 
 @pytest.mark.parametrize("point", ["before", "after"])
@@ -87,7 +80,7 @@ async def test_a_worker_killed_between_its_charge_and_its_ack_charges_the_task_o
     await until_queue_empty(nc.jetstream(), 60)  # b took the redelivery and acked it
     # The mark is dropped just after the ack (FairCharges.after_ack), so an empty queue can
     # be seen first: wait for the entry to lose it, then read what was charged.
-    entry = await until_unmarked(kv, "fault-llm.default.nats-a")
+    entry = await until_key(kv, "fault-llm.default.nats-a", unmarked, timeout=30)
     assert entry.counter == served  # once: not 0 (lost), not twice
     stored = [e for e in await TaskLog(nc).stored(task.task_id) if isinstance(e, TaskFinished)]
     assert len(stored) == 1  # one terminal: the redelivery only acked it

@@ -33,6 +33,7 @@ from tests.integration.harness import (
     run_task,
     submit,
     text_of,
+    until_key,
     wait_capabilities,
     wait_node,
 )
@@ -239,18 +240,12 @@ async def next_generation(nc: Client, instance_id: str, timeout: float = 120) ->
 async def moved_away(nc: Client, instance_id: str, gone: str, timeout: float = 120) -> Instance:
     """The instance once failover has moved its shard off the node `gone`."""
     kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
-    watcher = await kv.watch(instance_id)
-    try:
-        async with asyncio.timeout(timeout):
-            while True:
-                entry = await watcher.updates(timeout=timeout)
-                if entry is None or not entry.value:
-                    continue
-                instance = decode_model(Instance, entry.value)
-                if all(s.node_id != gone for s in instance.shards):
-                    return instance
-    finally:
-        await watcher.stop()
+
+    def off_gone(value: bytes) -> Instance | None:
+        instance = decode_model(Instance, value)
+        return instance if all(s.node_id != gone for s in instance.shards) else None
+
+    return await until_key(kv, instance_id, off_gone, timeout)
 
 
 async def test_a_task_for_a_model_no_node_can_hold_places_it_split_over_two_nodes(
