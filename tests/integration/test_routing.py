@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,6 +24,7 @@ from fleet.wire.prefixes import PrefixSummary
 from fleet.wire.tasks import CancelTask, ChatMessage, TextGeneration
 from fleet.worker.prefix_blocks import prompt_blocks
 from tests.integration.conftest import WorkerFactory
+from tests.integration.continuing import runner_pid
 from tests.integration.harness import (
     client,
     events_of,
@@ -378,9 +381,12 @@ async def test_tasks_handed_to_a_killed_worker_complete_elsewhere_once(
     survivor_node = await wait_node(nc, survivor.data_dir)
     await ready_runners(nc, survivor_node, 1, slots=4)
     await advertising(nc, [prompt_blocks(hot_task("warm", 2))])
-    collectors, handed = await hand_one_over(nc, doomed_node, lambda i: hot_task(f"hot-{i}", 300))
-    # At once: 300 tokens take tiny-llm under a second, and beside a CPU hog the handed task
-    # once ended on the doomed node while the test was still publishing the others.
+    # The doomed runner is held (stopped) while each task is published: the handed one is
+    # still unread in its pipe when the node dies, however late this test gets to the kill
+    # (300 tokens take tiny-llm under a second: beside a CPU hog, a handed task once ended on
+    # the doomed node before the kill, and was never the survivor's to continue).
+    collectors, handed = await hand_one_over(
+        nc, doomed_node, lambda i: hot_task(f"hot-{i}", 300), hold=runner_pid(home))
     doomed.kill()
     more = [hot_task(f"more-{i}", 300) for i in range(4)]  # more on their way meanwhile
     for task in more:
@@ -398,11 +404,15 @@ async def test_tasks_handed_to_a_killed_worker_complete_elsewhere_once(
 
 
 async def hand_one_over(
-    nc: Client, home_node: str, make: Callable[[int], TextGeneration],
+    nc: Client, home_node: str, make: Callable[[int], TextGeneration], hold: int | None = None,
 ) -> tuple[dict[str, asyncio.Task[list[OutputEvent]]], str]:
     """Publish tasks one at a time until the other worker pulls one and hands it to
     `home_node` (each pull is either worker's, so about every second task); each earlier one
-    runs to its end first. The collectors of all of them, and the id of the handed one."""
+    runs to its end first. The collectors of all of them, and the id of the handed one.
+
+    `hold`: the pid of `home_node`'s runner, stopped (SIGSTOP) while each task is published
+    and let go once the task is known not to be the handed one; the handed one is left
+    unread in the stopped runner's pipe (its worker sent it and published task_accepted)."""
     hand_offs = HandOffs()
     await hand_offs.watch(nc)
     collectors: dict[str, asyncio.Task[list[OutputEvent]]] = {}
@@ -410,11 +420,15 @@ async def hand_one_over(
         task = make(i)
         collectors[task.task_id] = asyncio.create_task(events_of(nc, task.task_id, 180))
         accepted = asyncio.create_task(first_accepted(nc, task.task_id))
+        if hold is not None:
+            os.kill(hold, signal.SIGSTOP)
         await submit(nc, task)
         where = (await asyncio.wait_for(accepted, 60)).node_id
         # Its offer is on the bus well before the task starts, so it has been seen by now.
         if where == home_node and (home_node, task.task_id) in hand_offs.asked.values():
             return collectors, task.task_id
+        if hold is not None:
+            os.kill(hold, signal.SIGCONT)
         await collectors[task.task_id]
     raise AssertionError("no task was handed over")
 
