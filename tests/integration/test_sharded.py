@@ -223,18 +223,14 @@ async def kill_a_rank_mid_task(
 
 
 async def next_generation(nc: Client, instance_id: str, timeout: float = 120) -> Instance:
+    """The instance once it has been placed again (a generation past its first)."""
     kv = await nc.jetstream().key_value(subjects.INSTANCES_BUCKET)
-    watcher = await kv.watch(instance_id)
-    try:
-        async with asyncio.timeout(timeout):
-            while True:
-                entry = await watcher.updates(timeout=timeout)
-                if entry is not None and entry.value:
-                    instance = decode_model(Instance, entry.value)
-                    if instance.generation > 0:
-                        return instance
-    finally:
-        await watcher.stop()
+
+    def regenerated(value: bytes) -> Instance | None:
+        instance = decode_model(Instance, value)
+        return instance if instance.generation > 0 else None
+
+    return await until_key(kv, instance_id, regenerated, timeout)
 
 
 async def moved_away(nc: Client, instance_id: str, gone: str, timeout: float = 120) -> Instance:
